@@ -1,0 +1,85 @@
+#pragma once
+// The base layers a model is built from: symbiosis::nn::Linear (weight [out, in]) and the
+// GPT-2-style Conv1D (weight [in, out]). Each computes its frozen base with local weights
+// (monolithic execution) or, once bound to a VirtLayer by virtualize(), on the executor; the
+// model's code does not change between the two. An optional LayerAdapter (LoRA, IA3, ...) wraps
+// the base computation.
+//
+// Why not torch::nn::Linear itself: a C++ module calls its members' forward statically, so no
+// library can redirect an existing torch::nn::Linear member after construction. These layers keep
+// torch::nn::Linear's interface (forward, weight, bias, options-like fields) and add the binding.
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+
+#include "virt_layer/layer_info.h"
+#include "virt_layer/virt_layer.h"
+
+namespace symbiosis {
+
+// Wraps a base layer's computation: forward(x, base) where base(x) is the frozen layer.
+class LayerAdapterImpl : public torch::nn::Module {
+ public:
+  using BaseFn = std::function<at::Tensor(const at::Tensor&)>;
+  virtual at::Tensor forward(const at::Tensor& x, const BaseFn& base) = 0;
+};
+
+namespace nn {
+
+class BaseLayerImpl : public torch::nn::Module {
+ public:
+  // materialize=false builds the layer without weights: it must be virtualized (or loaded with
+  // set_weights) before use, so a client never allocates base weights it does not hold.
+  BaseLayerImpl(LayerKind kind, int64_t in_features, int64_t out_features, bool bias, bool materialize);
+
+  at::Tensor forward(const at::Tensor& x);
+  // The frozen layer alone, without the adapter.
+  at::Tensor base_forward(const at::Tensor& x);
+
+  // Computes the base on the executor from now on; drops local weights.
+  void bind(VirtLayer virt);
+  bool is_virtual() const { return !virt_.is_empty(); }
+  const VirtLayer& virt() const { return virt_; }
+
+  // Local weights (monolithic): shape [out, in] for Linear, [in, out] for Conv1D. Frozen.
+  void set_weights(at::Tensor weight, at::Tensor bias);
+
+  void set_adapter(std::shared_ptr<LayerAdapterImpl> adapter);  // registered as child "adapter"
+  const std::shared_ptr<LayerAdapterImpl>& adapter() const { return adapter_; }
+
+  LayerKind kind() const { return kind_; }
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+  bool has_bias() const { return has_bias_; }
+  std::vector<int64_t> weight_shape() const;
+
+  at::Tensor weight;  // undefined when virtual or not materialized
+  at::Tensor bias;
+
+ private:
+  LayerKind kind_;
+  int64_t in_features_;
+  int64_t out_features_;
+  bool has_bias_;
+  VirtLayer virt_{nullptr};
+  std::shared_ptr<LayerAdapterImpl> adapter_;
+};
+
+class LinearImpl : public BaseLayerImpl {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias = true, bool materialize = true)
+      : BaseLayerImpl(LayerKind::kLinear, in_features, out_features, bias, materialize) {}
+};
+TORCH_MODULE(Linear);
+
+class Conv1DImpl : public BaseLayerImpl {
+ public:
+  Conv1DImpl(int64_t in_features, int64_t out_features, bool bias = true, bool materialize = true)
+      : BaseLayerImpl(LayerKind::kConv1D, in_features, out_features, bias, materialize) {}
+};
+TORCH_MODULE(Conv1D);
+
+}  // namespace nn
+}  // namespace symbiosis

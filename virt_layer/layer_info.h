@@ -1,0 +1,29 @@
+#pragma once
+// One row of the executor's layer table: what a base layer is, named by its checkpoint name.
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+
+namespace symbiosis {
+
+enum class LayerKind {
+  kLinear,  // weight [out, in]:  y = x·Wᵀ + b
+  kConv1D,  // GPT-2 Conv1D, weight [in, out]:  y = x·W + b
+};
+
+enum class LatencyClass { kInferenceDecode, kInferencePrefill, kFineTuning };
+
+struct LayerInfo {
+  uint32_t id = 0;
+  std::string name;  // e.g. "model.layers.3.self_attn.q_proj"
+  LayerKind kind = LayerKind::kLinear;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool bias = false;
+  c10::ScalarType dtype = c10::ScalarType::Float;  // what the executor computes in and expects
+};
+
+const char* layer_kind_name(LayerKind kind);
+
+}  // namespace symbiosis

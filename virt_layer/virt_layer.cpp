@@ -1,0 +1,76 @@
+#include "virt_layer/virt_layer.h"
+
+#include <torch/autograd.h>
+
+namespace symbiosis {
+
+const char* layer_kind_name(LayerKind kind) {
+  return kind == LayerKind::kLinear ? "Linear" : "Conv1D";
+}
+
+namespace {
+
+// What the autograd node keeps: the layer and its backend, never an activation.
+struct Binding : torch::CustomClassHolder {
+  LayerInfo info;
+  std::shared_ptr<LayerBackend> backend;
+};
+
+at::Tensor flatten_for_wire(const at::Tensor& x, int64_t features, at::ScalarType dtype) {
+  return x.reshape({-1, features}).to(dtype).contiguous();
+}
+
+at::Tensor unflatten(const at::Tensor& y, const at::Tensor& like, int64_t features) {
+  auto shape = like.sizes().vec();
+  shape.back() = features;
+  return y.to(like.options().requires_grad(false)).reshape(shape);
+}
+
+class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            c10::intrusive_ptr<Binding> binding, bool with_bias) {
+    const auto& info = binding->info;
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == info.in_features, "VirtLayer ", info.name, ": input has ",
+                x.dim() >= 1 ? x.size(-1) : 0, " features, expected ", info.in_features);
+    auto y = binding->backend->forward(info, flatten_for_wire(x, info.in_features, info.dtype), with_bias);
+    ctx->saved_data["binding"] = c10::IValue::make_capsule(binding);
+    ctx->saved_data["input_dtype"] = c10::IValue(static_cast<int64_t>(x.scalar_type()));
+    return unflatten(y, x, info.out_features);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto binding = c10::static_intrusive_pointer_cast<Binding>(ctx->saved_data["binding"].toCapsule());
+    const auto& info = binding->info;
+    const auto& g = grads[0];
+    auto gin = binding->backend->backward_input(info, flatten_for_wire(g, info.out_features, info.dtype));
+    auto shape = g.sizes().vec();
+    shape.back() = info.in_features;
+    auto dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
+    return {gin.to(g.device(), dtype).reshape(shape), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+VirtLayerImpl::VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backend)
+    : info_(std::move(info)), backend_(std::move(backend)) {
+  TORCH_CHECK(backend_, "VirtLayer ", info_.name, " needs a backend");
+}
+
+at::Tensor VirtLayerImpl::forward(const at::Tensor& x) {
+  auto binding = c10::make_intrusive<Binding>();
+  binding->info = info_;
+  binding->backend = backend_;
+  return VirtLayerFunction::apply(x, binding, true);
+}
+
+at::Tensor VirtLayerImpl::forward_no_bias(const at::Tensor& x) {
+  auto binding = c10::make_intrusive<Binding>();
+  binding->info = info_;
+  binding->backend = backend_;
+  return VirtLayerFunction::apply(x, binding, false);
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,31 @@
+#pragma once
+// VirtLayer: a parameter-free torch::nn::Module standing in for one frozen base layer. Its forward
+// sends the activation to the executor; its backward sends the output gradient and returns
+// grad_in = grad_out·W. Nothing is saved between forward and backward (the executor is stateless).
+// Inputs of any leading shape [..., in] are flattened to [tokens, in] on the wire and cast to the
+// layer's dtype; results come back in the input's dtype and device.
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+
+#include "virt_layer/layer_backend.h"
+#include "virt_layer/layer_info.h"
+
+namespace symbiosis {
+
+class VirtLayerImpl : public torch::nn::Module {
+ public:
+  VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backend);
+  at::Tensor forward(const at::Tensor& x);
+  // x·W (no bias): used where an effect of the base layer without its bias is wanted.
+  at::Tensor forward_no_bias(const at::Tensor& x);
+  const LayerInfo& info() const { return info_; }
+
+ private:
+  LayerInfo info_;
+  std::shared_ptr<LayerBackend> backend_;
+};
+TORCH_MODULE(VirtLayer);
+
+}  // namespace symbiosis
