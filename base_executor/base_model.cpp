@@ -1,0 +1,75 @@
+#include "base_executor/base_model.h"
+
+#include <c10/util/Exception.h>
+
+#include <regex>
+
+namespace symbiosis {
+
+std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
+                                           at::Device device, std::optional<at::ScalarType> dtype) {
+  std::regex pattern;
+  try {
+    pattern = std::regex(rule.pattern);
+  } catch (const std::regex_error& e) {
+    TORCH_CHECK(false, "bad base-layer pattern '", rule.pattern, "': ", e.what());
+  }
+  const bool conv1d = checkpoint.config_string("model_type").value_or("") == "gpt2";
+  auto model = std::unique_ptr<BaseModel>(new BaseModel());
+  model->device_ = device;
+  model->model_hash_ = checkpoint.model_hash();
+  const std::string suffix = ".weight";
+  for (const auto& name : checkpoint.names()) {
+    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const std::string module = name.substr(0, name.size() - suffix.size());
+    const bool is_lm_head = module == "lm_head";
+    if (!(is_lm_head ? rule.lm_head : std::regex_match(module, pattern))) continue;
+    const auto& rec = checkpoint.record(name);
+    if (rec.shape.size() != 2) continue;  // norms and other vectors are not linear layers
+    LayerInfo info;
+    info.id = static_cast<uint32_t>(model->layers_.size());
+    info.name = module;
+    info.kind = conv1d && !is_lm_head ? LayerKind::kConv1D : LayerKind::kLinear;
+    info.in_features = info.kind == LayerKind::kLinear ? rec.shape[1] : rec.shape[0];
+    info.out_features = info.kind == LayerKind::kLinear ? rec.shape[0] : rec.shape[1];
+    info.dtype = dtype.value_or(rec.dtype);
+    Weights w;
+    // A memory-mapped tensor already in the right place and dtype is used as is (no copy).
+    w.weight = checkpoint.tensor(name).to(device, info.dtype);
+    const std::string bias_name = module + ".bias";
+    if (checkpoint.contains(bias_name)) {
+      info.bias = true;
+      w.bias = checkpoint.tensor(bias_name, {info.out_features}).to(device, info.dtype);
+    }
+    model->layers_.push_back(info);
+    model->weights_.push_back(std::move(w));
+  }
+  TORCH_CHECK(!model->layers_.empty(), "checkpoint ", checkpoint.dir(), " has no base layers matching '",
+              rule.pattern, "'", rule.lm_head ? " or lm_head" : "");
+  return model;
+}
+
+size_t BaseModel::weight_bytes() const {
+  size_t total = 0;
+  for (const auto& w : weights_) total += w.weight.nbytes() + (w.bias.defined() ? w.bias.nbytes() : 0);
+  return total;
+}
+
+at::Tensor BaseModel::compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const {
+  TORCH_CHECK(layer_id < layers_.size(), "unknown layer id ", layer_id);
+  const auto& info = layers_[layer_id];
+  const auto& w = weights_[layer_id];
+  // Linear stores [out, in] (y = x·Wᵀ + b); Conv1D stores [in, out] (y = x·W + b).
+  const at::Tensor forward_matrix = info.kind == LayerKind::kLinear ? w.weight.t() : w.weight;
+  switch (op) {
+    case LayerOp::kForward:
+      return w.bias.defined() ? at::addmm(w.bias, x, forward_matrix) : at::mm(x, forward_matrix);
+    case LayerOp::kForwardNoBias:
+      return at::mm(x, forward_matrix);
+    case LayerOp::kBackwardInput:
+      return at::mm(x, forward_matrix.t());
+  }
+  TORCH_CHECK(false, "unknown op");
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,59 @@
+#pragma once
+// The base executor: serves one checkpoint's base layers to many clients over ZeroMQ.
+// start() loads the layers and begins serving on background threads; shutdown() stops them.
+// The executor keeps no per-request state beyond bounded queues: a client that disappears
+// leaves nothing behind. Thread safety: all public methods may be called from any thread.
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "base_executor/base_model.h"
+
+namespace symbiosis {
+
+struct ExecutorOptions {
+  std::filesystem::path model_dir;               // Hugging Face checkpoint directory (required)
+  std::string listen = "tcp://127.0.0.1:5555";   // ZeroMQ endpoint; port "*" picks a free one
+  std::string device = "cpu";                    // "cpu" or "cuda:N"
+  std::optional<at::ScalarType> dtype;           // compute dtype; default: the checkpoint's
+  BaseLayerRule layers;                          // which tensors are base layers
+  size_t max_request_bytes = size_t{256} << 20;  // larger payloads are refused
+  int stats_interval_seconds = 0;                // log statistics this often; 0: never
+
+  // Throws naming the field when an option is out of range.
+  void validate() const;
+};
+
+struct ExecutorStats {
+  uint64_t clients = 0;   // connected now
+  uint64_t requests = 0;  // answered with a result
+  uint64_t errors = 0;    // answered with an error
+  uint64_t tokens = 0;
+  double compute_seconds = 0;
+};
+
+class Executor {
+ public:
+  static std::unique_ptr<Executor> start(const ExecutorOptions& options);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  std::string endpoint() const;  // the endpoint actually bound (with the chosen port)
+  const BaseModel& model() const;
+  ExecutorStats stats() const;
+  void shutdown();  // idempotent; joins the threads
+  void wait();      // blocks until shutdown() has run
+
+  class Impl;
+
+ private:
+  explicit Executor(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace symbiosis

@@ -1,0 +1,55 @@
+// symbiosis-executor: serves the base layers of one Hugging Face checkpoint to many clients.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
+
+#include <csignal>
+#include <iostream>
+
+#include "base_executor/executor.h"
+#include "common/checkpoint.h"
+
+int main(int argc, char** argv) {
+  symbiosis::ExecutorOptions options;
+  std::string model_dir, dtype, log_level = "info";
+  CLI::App app{"symbiosis-executor: serves the frozen base layers of one model to many clients"};
+  app.add_option("--model", model_dir, "Hugging Face checkpoint directory (config.json + safetensors)")->required();
+  app.add_option("--listen", options.listen, "ZeroMQ endpoint to bind; tcp://HOST:* picks a free port")
+      ->capture_default_str();
+  app.add_option("--device", options.device, "where the base layers live: cpu or cuda:N")->capture_default_str();
+  app.add_option("--dtype", dtype, "compute dtype: fp32, bf16 or fp16 (default: the checkpoint's)");
+  app.add_option("--layer-pattern", options.layers.pattern,
+                 "regex over module names choosing the base layers (2-D .weight tensors)")
+      ->capture_default_str();
+  app.add_flag("--lm-head", options.layers.lm_head, "serve lm_head as a base layer too");
+  app.add_option("--max-request-bytes", options.max_request_bytes, "refuse request payloads larger than this")
+      ->capture_default_str();
+  app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
+      ->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  options.model_dir = model_dir;
+
+  // Block the stop signals in every thread; main waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  std::unique_ptr<symbiosis::Executor> executor;
+  try {
+    if (!dtype.empty()) options.dtype = symbiosis::parse_dtype_name(dtype);
+    executor = symbiosis::Executor::start(options);
+  } catch (const c10::Error& e) {
+    spdlog::error("{}", e.what_without_backtrace());
+    return 1;
+  }
+  std::cout << "ready " << executor->endpoint() << std::endl;  // scripts wait for this line
+  int signal = 0;
+  sigwait(&stop_signals, &signal);
+  spdlog::info("signal {}: shutting down", signal);
+  executor->shutdown();
+  return 0;
+}

@@ -1,0 +1,36 @@
+#include "client_runtime/causal_lm.h"
+
+#include "client_runtime/gpt2.h"
+#include "client_runtime/llama.h"
+#include "client_runtime/model_io.h"
+#include "client_runtime/virtualize.h"
+
+namespace symbiosis {
+namespace {
+
+template <typename Model>
+CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client) {
+  CausalLM lm;
+  if (client) lm.virtual_layers = virtualize(*model, client);
+  // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.
+  load_weights(*model, checkpoint);
+  lm.module = model.ptr();
+  lm.forward = [model](const at::Tensor& ids, const at::Tensor& mask) mutable { return model->forward(ids, mask); };
+  return lm;
+}
+
+}  // namespace
+
+CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client) {
+  if (client) {
+    TORCH_CHECK(client->model_hash() == checkpoint.model_hash(), "the executor serves model ", client->model_hash(),
+                ", but checkpoint ", checkpoint.dir(), " is model ", checkpoint.model_hash());
+  }
+  const bool materialize = client == nullptr;
+  const auto type = checkpoint.config_string("model_type").value_or("");
+  if (type == "llama") return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client);
+  if (type == "gpt2") return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client);
+  TORCH_CHECK(false, checkpoint.dir() / "config.json", ": model_type '", type, "' is not supported (expected llama or gpt2)");
+}
+
+}  // namespace symbiosis

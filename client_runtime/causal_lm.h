@@ -1,0 +1,26 @@
+#pragma once
+// A causal language model of a checkpoint's family (Llama or GPT-2, from config.json's
+// model_type), built either split (base layers virtualized on an executor, never allocated
+// here) or monolithic (base layers computed in-process: the reference and the baseline).
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+
+#include "client_runtime/client.h"
+#include "common/checkpoint.h"
+
+namespace symbiosis {
+
+struct CausalLM {
+  std::shared_ptr<torch::nn::Module> module;
+  // input_ids [B,T] int64, attention_mask [B,T] or undefined -> logits [B,T,vocab]
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> forward;
+  size_t virtual_layers = 0;  // base layers computed on the executor
+};
+
+// client == nullptr: monolithic. Otherwise the executor must serve this very model (the
+// client's model hash is checked against the checkpoint's).
+CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client = nullptr);
+
+}  // namespace symbiosis

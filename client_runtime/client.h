@@ -1,0 +1,51 @@
+#pragma once
+// A tenant's connection to a base executor. connect() handshakes, checks the model hash and
+// fetches the layer table; forward()/backward_input() run one base layer on the executor.
+// Executor errors are thrown as c10::Error carrying the executor's message.
+// Thread safety: calls are serialized internally; one Client may serve several threads.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "virt_layer/layer_backend.h"
+#include "virt_layer/layer_info.h"
+
+namespace symbiosis {
+
+struct ClientOptions {
+  std::string endpoint = "tcp://127.0.0.1:5555";  // the executor's --listen endpoint
+  std::string tenant = "default";                 // who this client is, for the executor's logs
+  std::string expected_model_hash;                // refuse an executor serving another model; "" accepts any
+  int timeout_ms = 60000;                         // per call; the executor must answer within this
+  LatencyClass latency_class = LatencyClass::kFineTuning;
+};
+
+class Client : public LayerBackend {
+ public:
+  static std::shared_ptr<Client> connect(const ClientOptions& options);
+  ~Client() override;
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  uint64_t client_id() const;
+  const std::string& model_hash() const;
+  const std::vector<LayerInfo>& layers() const;
+  // The layer named so (checkpoint name without ".weight"), or nullptr.
+  const LayerInfo* find_layer(const std::string& name) const;
+
+  at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) override;
+  at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) override;
+
+  void set_latency_class(LatencyClass latency_class);
+  uint64_t calls() const;  // base-layer calls made so far
+
+  class Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace symbiosis

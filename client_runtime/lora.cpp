@@ -1,0 +1,154 @@
+#include "client_runtime/lora.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/checkpoint.h"
+
+namespace symbiosis {
+namespace {
+
+bool targeted(const std::string& name, const LoraConfig& config) {
+  for (const auto& target : config.target_modules) {
+    if (target == "all-linear") {
+      if (name != "lm_head") return true;
+      continue;
+    }
+    if (name == target) return true;
+    if (name.size() > target.size() && name.compare(name.size() - target.size(), target.size(), target) == 0 &&
+        name[name.size() - target.size() - 1] == '.') {
+      return true;
+    }
+  }
+  return false;
+}
+
+const std::string kPeftPrefix = "base_model.model.";
+
+}  // namespace
+
+void LoraConfig::validate() const {
+  TORCH_CHECK(r > 0, "LoRA field 'r' must be positive, got ", r);
+  TORCH_CHECK(alpha > 0, "LoRA field 'lora_alpha' must be positive, got ", alpha);
+  TORCH_CHECK(dropout >= 0 && dropout < 1, "LoRA field 'lora_dropout' must be in [0, 1), got ", dropout);
+  TORCH_CHECK(!target_modules.empty(), "LoRA field 'target_modules' is empty");
+}
+
+LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config)
+    : scaling(config.alpha / static_cast<double>(config.r)), dropout(config.dropout) {
+  // PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0.
+  auto a = at::empty({config.r, in_features});
+  torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));
+  auto b = at::zeros({out_features, config.r});
+  if (!config.init_b_zero) torch::nn::init::kaiming_uniform_(b, std::sqrt(5.0));
+  lora_A = register_parameter("lora_A", a);
+  lora_B = register_parameter("lora_B", b);
+}
+
+at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
+  auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
+  return base(x) + at::matmul(at::matmul(h, lora_A.t()), lora_B.t()) * scaling;
+}
+
+std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config) {
+  config.validate();
+  std::vector<at::Tensor> params;
+  for (const auto& item : model.named_modules("", false)) {
+    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
+    if (base == nullptr || !targeted(item.key(), config)) continue;
+    auto adapter = std::make_shared<LoraAdapterImpl>(base->in_features(), base->out_features(), config);
+    base->set_adapter(adapter);
+    params.push_back(adapter->lora_A);
+    params.push_back(adapter->lora_B);
+  }
+  TORCH_CHECK(!params.empty(), "LoRA target_modules matched no base layer of the model");
+  return params;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& item : model.named_modules("", false)) {
+    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
+    if (base == nullptr) continue;
+    auto lora = std::dynamic_pointer_cast<LoraAdapterImpl>(base->adapter());
+    if (!lora) continue;
+    state.emplace_back(kPeftPrefix + item.key() + ".lora_A.weight", lora->lora_A);
+    state.emplace_back(kPeftPrefix + item.key() + ".lora_B.weight", lora->lora_B);
+  }
+  return state;
+}
+
+void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  auto state = lora_state(model);
+  TORCH_CHECK(!state.empty(), "the model has no LoRA adapters to save");
+  write_safetensors(dir / "adapter_model.safetensors", state, {{"format", "pt"}});
+  nlohmann::json j = {{"peft_type", "LORA"},
+                      {"task_type", "CAUSAL_LM"},
+                      {"r", config.r},
+                      {"lora_alpha", config.alpha},
+                      {"lora_dropout", config.dropout},
+                      {"target_modules", config.target_modules},
+                      {"bias", "none"},
+                      {"fan_in_fan_out", false},
+                      {"use_rslora", false},
+                      {"use_dora", false},
+                      {"inference_mode", false},
+                      {"base_model_name_or_path", nullptr}};
+  std::ofstream(dir / "adapter_config.json") << j.dump(2) << "\n";
+}
+
+LoraConfig read_lora_config(const std::filesystem::path& dir) {
+  const auto path = dir / "adapter_config.json";
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "missing file ", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "bad JSON in ", path, ": ", e.what());
+  }
+  TORCH_CHECK(j.value("peft_type", "") == "LORA", path, ": field 'peft_type' is '", j.value("peft_type", ""),
+              "', expected 'LORA'");
+  LoraConfig config;
+  config.r = j.value("r", config.r);
+  config.alpha = j.value("lora_alpha", config.alpha);
+  config.dropout = j.value("lora_dropout", config.dropout);
+  if (j.contains("target_modules")) {
+    const auto& t = j["target_modules"];
+    config.target_modules = t.is_string() ? std::vector<std::string>{t.get<std::string>()}
+                                          : t.get<std::vector<std::string>>();
+  }
+  TORCH_CHECK(!j.value("use_dora", false), path, ": field 'use_dora' is true; DoRA adapters are not supported here");
+  TORCH_CHECK(!j.value("use_rslora", false), path, ": field 'use_rslora' is true; rsLoRA scaling is not supported here");
+  config.validate();
+  return config;
+}
+
+LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir) {
+  auto config = read_lora_config(dir);
+  if (lora_state(model).empty()) add_lora(model, config);
+  const auto file = dir / "adapter_model.safetensors";
+  TORCH_CHECK(std::filesystem::exists(file), "missing file ", file);
+  // Reuse the checkpoint reader's safetensors parsing through a one-file view.
+  auto state = lora_state(model);
+  auto tmp = std::filesystem::temp_directory_path() / ("symbiosis-lora-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(tmp);
+  std::filesystem::copy_file(file, tmp / "model.safetensors", std::filesystem::copy_options::overwrite_existing);
+  std::ofstream(tmp / "config.json") << "{}";
+  {
+    auto saved = Checkpoint::open(tmp);
+    at::NoGradGuard no_grad;
+    for (auto& [name, param] : state) param.copy_(saved->tensor(name, param.sizes()));
+    TORCH_CHECK(saved->names().size() == state.size(), file, " holds ", saved->names().size(),
+                " tensors, but the model's adapters have ", state.size());
+  }
+  std::filesystem::remove_all(tmp);
+  return config;
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,50 @@
+#pragma once
+// LoRA on base layers (virtual or local): y = base(x) + dropout(x)·Aᵀ·Bᵀ·(alpha/r).
+// Adapters are saved and loaded in Hugging Face PEFT's format (adapter_config.json +
+// adapter_model.safetensors with keys base_model.model.<layer>.lora_A.weight).
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "client_runtime/nn.h"
+
+namespace symbiosis {
+
+struct LoraConfig {
+  int64_t r = 8;
+  double alpha = 16;
+  double dropout = 0.0;
+  // A base layer is targeted when its name ends with ".<target>" (or equals it); "all-linear"
+  // targets every base layer except lm_head.
+  std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  // PEFT initializes B to zero (the adapter starts as a no-op); false draws B like A, which
+  // makes every gradient non-zero from the first step (useful in tests).
+  bool init_b_zero = true;
+
+  void validate() const;  // throws naming the bad field
+};
+
+class LoraAdapterImpl : public LayerAdapterImpl {
+ public:
+  LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config);
+  at::Tensor forward(const at::Tensor& x, const BaseFn& base) override;
+
+  at::Tensor lora_A;  // [r, in]
+  at::Tensor lora_B;  // [out, r]
+  double scaling;
+  double dropout;
+};
+
+// Attaches a LoRA adapter to each targeted base layer of the model; returns the adapter
+// parameters (the only trainable ones) in a stable order. Throws if no layer matches.
+std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config);
+
+// The LoRA parameters of a model, by their PEFT key names.
+std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& model);
+
+void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir);
+LoraConfig read_lora_config(const std::filesystem::path& dir);
+// Attaches adapters as the saved config says (when the model has none yet) and loads their weights.
+LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir);
+
+}  // namespace symbiosis

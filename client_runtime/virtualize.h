@@ -1,0 +1,29 @@
+#pragma once
+// virtualize(): binds every base layer of a module tree that the executor serves to a VirtLayer,
+// matched by the layer's path in the tree (= its checkpoint name), with no change to the
+// model's code. Nested modules, ModuleList and Sequential are all walked.
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+
+#include "client_runtime/client.h"
+
+namespace symbiosis {
+
+struct VirtualizeOptions {
+  // Prepended to each module path before looking it up in the layer table ("" = as is).
+  std::string name_prefix;
+  // Throw unless every layer the executor serves was found in the tree.
+  bool require_all = false;
+};
+
+// Returns how many layers were bound. Throws naming the module when a served layer's kind or
+// shape differs from the module's, or when a served name is a torch::nn::Linear (which C++
+// cannot redirect: declare it symbiosis::nn::Linear).
+size_t virtualize(torch::nn::Module& root, const std::shared_ptr<LayerBackend>& backend,
+                  const std::vector<LayerInfo>& layers, const VirtualizeOptions& options = {});
+size_t virtualize(torch::nn::Module& root, const std::shared_ptr<Client>& client,
+                  const VirtualizeOptions& options = {});
+
+}  // namespace symbiosis

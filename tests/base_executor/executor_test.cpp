@@ -1,0 +1,249 @@
+// The executor's contract: the layer table, exact base computations, a precise error for every
+// bad request, and service that survives bad and dying clients.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "base_executor/executor.h"
+#include "client_runtime/client.h"
+#include "common/checkpoint.h"
+#include "tests/test_util.h"
+#include "transport/zmq_wire.h"
+
+namespace symbiosis {
+namespace {
+
+using testing::relative_error;
+
+// A small Llama-named checkpoint written by hand: two base layers, plus tensors that are not.
+class ExecutorTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::filesystem::path(testing::temp_dir("executor-test"));
+    at::manual_seed(1);
+    q_ = at::randn({8, 4});
+    up_w_ = at::randn({6, 4});
+    up_b_ = at::randn({6});
+    write_safetensors(*dir_ / "model.safetensors",
+                      {{"model.embed_tokens.weight", at::randn({10, 4})},
+                       {"model.layers.0.self_attn.q_proj.weight", q_},
+                       {"model.layers.0.mlp.up_proj.weight", up_w_},
+                       {"model.layers.0.mlp.up_proj.bias", up_b_},
+                       {"model.layers.0.input_layernorm.weight", at::ones({4})},
+                       {"model.norm.weight", at::ones({4})},
+                       {"lm_head.weight", at::randn({10, 4})}});
+    std::ofstream(*dir_ / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
+  }
+
+  void SetUp() override {
+    ExecutorOptions options;
+    options.max_request_bytes = 4096;
+    executor_ = testing::start_executor(*dir_, options);
+  }
+
+  std::shared_ptr<Client> connect() {
+    ClientOptions options;
+    options.endpoint = executor_->endpoint();
+    options.timeout_ms = 10000;
+    return Client::connect(options);
+  }
+
+  // A raw DEALER that has done the handshake, for sending what a real client never would.
+  struct RawPeer {
+    zmq::context_t context{1};
+    zmq::socket_t socket{context, zmq::socket_type::dealer};
+    explicit RawPeer(const std::string& endpoint, bool handshake = true) {
+      socket.set(zmq::sockopt::linger, 0);
+      socket.set(zmq::sockopt::rcvtimeo, 10000);
+      socket.connect(endpoint);
+      if (!handshake) return;
+      proto::Envelope hello;
+      hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+      socket.send(wire::serialize(hello), zmq::send_flags::none);
+      EXPECT_TRUE(receive().has_welcome());
+    }
+    proto::Envelope receive() {
+      auto frames = wire::recv_all(socket);
+      proto::Envelope env;
+      EXPECT_FALSE(frames.empty());
+      EXPECT_TRUE(wire::parse(frames[0], &env));
+      return env;
+    }
+    // Sends a request header and the given payload frames; returns the error message.
+    std::string request_error(uint32_t layer, proto::Op op, proto::DType dtype, std::vector<int64_t> shape,
+                              std::vector<size_t> payload_bytes) {
+      proto::Envelope env;
+      auto* r = env.mutable_request();
+      r->set_request_id(77);
+      r->set_layer_id(layer);
+      r->set_op(op);
+      r->set_dtype(dtype);
+      for (auto d : shape) r->add_shape(d);
+      socket.send(wire::serialize(env), payload_bytes.empty() ? zmq::send_flags::none : zmq::send_flags::sndmore);
+      for (size_t i = 0; i < payload_bytes.size(); ++i) {
+        socket.send(zmq::message_t(payload_bytes[i]),
+                    i + 1 < payload_bytes.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+      }
+      auto reply = receive();
+      EXPECT_TRUE(reply.has_reply());
+      EXPECT_EQ(reply.reply().request_id(), 77u);
+      EXPECT_NE(reply.reply().error().code(), proto::OK);
+      return reply.reply().error().message();
+    }
+  };
+
+  void expect_still_serving() {
+    auto client = connect();
+    auto x = at::randn({3, 4});
+    auto y = client->forward(*client->find_layer("model.layers.0.mlp.up_proj"), x, true);
+    EXPECT_LT(relative_error(y, at::addmm(up_b_, x, up_w_.t())), 1e-6);
+  }
+
+  static std::filesystem::path* dir_;
+  static at::Tensor q_, up_w_, up_b_;
+  std::unique_ptr<Executor> executor_;
+};
+
+std::filesystem::path* ExecutorTest::dir_;
+at::Tensor ExecutorTest::q_, ExecutorTest::up_w_, ExecutorTest::up_b_;
+
+TEST_F(ExecutorTest, HandshakeReturnsOnlyTheBaseLayers) {
+  auto client = connect();
+  const auto& layers = client->layers();
+  ASSERT_EQ(layers.size(), 2u);  // no embeddings, norms or lm_head by default
+  const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+  ASSERT_NE(up, nullptr);
+  EXPECT_EQ(up->in_features, 4);
+  EXPECT_EQ(up->out_features, 6);
+  EXPECT_TRUE(up->bias);
+  EXPECT_EQ(up->kind, LayerKind::kLinear);
+  const auto* q = client->find_layer("model.layers.0.self_attn.q_proj");
+  ASSERT_NE(q, nullptr);
+  EXPECT_FALSE(q->bias);
+  EXPECT_EQ(client->model_hash(), Checkpoint::open(*dir_)->model_hash());
+}
+
+TEST_F(ExecutorTest, LmHeadIsABaseLayerOnlyWhenAsked) {
+  ExecutorOptions options;
+  options.layers.lm_head = true;
+  auto executor = testing::start_executor(*dir_, options);
+  ASSERT_EQ(executor->model().layers().size(), 3u);
+}
+
+TEST_F(ExecutorTest, ComputesForwardBackwardAndNoBiasExactly) {
+  auto client = connect();
+  const auto& up = *client->find_layer("model.layers.0.mlp.up_proj");
+  auto x = at::randn({5, 4});
+  auto g = at::randn({5, 6});
+  EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_b_, x, up_w_.t())), 1e-6);
+  EXPECT_LT(relative_error(client->forward(up, x, false), at::mm(x, up_w_.t())), 1e-6);
+  EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_w_)), 1e-6);
+}
+
+TEST_F(ExecutorTest, RefusesAClientBuiltForAnotherModel) {
+  ClientOptions options;
+  options.endpoint = executor_->endpoint();
+  options.expected_model_hash = "0123456789abcdef";
+  try {
+    Client::connect(options);
+    FAIL() << "connect should have thrown";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model mismatch: the client was built for model 0123456789abcdef"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(ExecutorTest, UnreachableExecutorIsAClearError) {
+  ClientOptions options;
+  options.endpoint = "tcp://127.0.0.1:1";
+  options.timeout_ms = 300;
+  try {
+    Client::connect(options);
+    FAIL() << "connect should have thrown";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("did not answer the handshake within 300 ms"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(ExecutorTest, EveryBadRequestGetsAnErrorNamingTheProblem) {
+  RawPeer peer(executor_->endpoint());
+  const auto F32 = proto::FLOAT32;
+  EXPECT_NE(peer.request_error(99, proto::FORWARD, F32, {1, 4}, {16}).find("unknown layer id 99"), std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 5}, {40}).find("shape [2, 5] should be [tokens >= 1, 4]"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::BACKWARD_INPUT, F32, {2, 4}, {32}).find("should be [tokens >= 1, 6]"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, proto::BFLOAT16, {2, 4}, {16})
+                .find("dtype BFLOAT16 does not match the layer's FLOAT32"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2000, 4}, {32000}).find("exceed the executor's limit of 4096"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {}).find("expected exactly one payload frame"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {31}).find("payload has 31 bytes, expected 32"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::OP_UNSPECIFIED, F32, {2, 4}, {32}).find("is not FORWARD"),
+            std::string::npos);
+  // A header that is not an Envelope at all.
+  peer.socket.send(zmq::str_buffer("\xff\xff\xff not protobuf"), zmq::send_flags::none);
+  auto env = peer.receive();
+  ASSERT_TRUE(env.has_error());
+  EXPECT_EQ(env.error().code(), proto::MALFORMED);
+  EXPECT_NE(env.error().message().find("is not a symbiosis Envelope"), std::string::npos);
+  EXPECT_EQ(executor_->stats().errors, 9u);
+  expect_still_serving();
+}
+
+TEST_F(ExecutorTest, RequestBeforeHandshakeIsRefused) {
+  RawPeer peer(executor_->endpoint(), /*handshake=*/false);
+  EXPECT_NE(peer.request_error(0, proto::FORWARD, proto::FLOAT32, {1, 4}, {16}).find("send Hello first"),
+            std::string::npos);
+}
+
+TEST_F(ExecutorTest, ExecutorErrorsReachTheClientAsExceptions) {
+  auto client = connect();
+  LayerInfo bogus = *client->find_layer("model.layers.0.mlp.up_proj");
+  bogus.id = 42;
+  try {
+    client->forward(bogus, at::randn({1, 4}), true);
+    FAIL() << "should have thrown";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("executor error (NOT_FOUND)"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(ExecutorTest, ClientKilledMidRequestLeavesTheExecutorServing) {
+  const std::string endpoint = executor_->endpoint();
+  for (int i = 0; i < 3; ++i) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      // The child uses only fresh ZeroMQ objects (nothing of the parent's threads), sends a
+      // large request and dies before the answer.
+      RawPeer peer(endpoint);
+      proto::Envelope env;
+      auto* r = env.mutable_request();
+      r->set_request_id(1);
+      r->set_layer_id(1);
+      r->set_op(proto::FORWARD);
+      r->set_dtype(proto::FLOAT32);
+      r->add_shape(200);
+      r->add_shape(4);
+      peer.socket.send(wire::serialize(env), zmq::send_flags::sndmore);
+      peer.socket.send(zmq::message_t(200 * 4 * 4), zmq::send_flags::none);
+      ::raise(SIGKILL);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFSIGNALED(status));
+  }
+  expect_still_serving();
+  EXPECT_EQ(executor_->stats().errors, 0u);
+}
+
+}  // namespace
+}  // namespace symbiosis

@@ -1,0 +1,120 @@
+// Invariant 1 (exactness): split execution against an executor computes what the same model
+// computes monolithically: logits, loss and every LoRA gradient within 1e-5 relative (fp32, CPU),
+// and adapter weights still agree after 5 AdamW steps. Llama and GPT-2, in one process and in
+// three client processes at once.
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <torch/optim/adamw.h>
+
+#include "client_runtime/causal_lm.h"
+#include "client_runtime/lora.h"
+#include "client_runtime/training.h"
+#include "tests/test_util.h"
+
+extern char** environ;
+
+namespace symbiosis {
+namespace {
+
+using testing::relative_error;
+constexpr double kTolerance = 1e-5;
+
+struct Run {
+  CausalLM lm;
+  std::vector<at::Tensor> adapter;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+
+Run make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const LoraConfig& lora) {
+  Run run;
+  run.lm = open_causal_lm(checkpoint, client);
+  at::manual_seed(1234);  // the same adapter initialization on both sides
+  run.adapter = add_lora(*run.lm.module, lora);
+  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(1e-2));
+  return run;
+}
+
+class ExactnessTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveSteps) {
+  const auto dir = testing::make_checkpoint(GetParam());
+  auto checkpoint = Checkpoint::open(dir);
+  auto executor = testing::start_executor(dir);
+  ClientOptions options;
+  options.endpoint = executor->endpoint();
+  options.expected_model_hash = checkpoint->model_hash();
+  auto client = Client::connect(options);
+
+  LoraConfig lora;
+  lora.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+  lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
+  Run split = make_run(*checkpoint, client, lora);
+  Run mono = make_run(*checkpoint, nullptr, lora);
+  ASSERT_GT(split.lm.virtual_layers, 0u);
+  EXPECT_EQ(split.lm.virtual_layers, client->layers().size());
+  ASSERT_EQ(split.adapter.size(), mono.adapter.size());
+
+  at::manual_seed(7);
+  auto ids = at::randint(0, 200, {2, 12}, at::kLong);
+  for (int step = 0; step < 5; ++step) {
+    for (Run* run : {&split, &mono}) run->optimizer->zero_grad();
+    auto split_logits = split.lm.forward(ids, {});
+    auto mono_logits = mono.lm.forward(ids, {});
+    auto split_loss = causal_lm_loss(split_logits, ids);
+    auto mono_loss = causal_lm_loss(mono_logits, ids);
+    split_loss.backward();
+    mono_loss.backward();
+    EXPECT_LT(relative_error(split_logits, mono_logits), kTolerance) << "step " << step;
+    EXPECT_LT(relative_error(split_loss, mono_loss), kTolerance) << "step " << step;
+    for (size_t i = 0; i < split.adapter.size(); ++i) {
+      ASSERT_TRUE(split.adapter[i].grad().defined());
+      EXPECT_GT(mono.adapter[i].grad().abs().max().item<double>(), 0.0);
+      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), kTolerance)
+          << "step " << step << ", adapter tensor " << i;
+    }
+    split.optimizer->step();
+    mono.optimizer->step();
+  }
+  for (size_t i = 0; i < split.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance) << "adapter tensor " << i;
+  }
+  // Every base layer went through the executor: forward and backward for each layer, each step.
+  EXPECT_GE(client->calls(), 5 * 2 * client->layers().size());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest, ::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"));
+
+// Three separate client processes share one executor at once; each checks its own split run
+// against its own monolithic run (the demo client's --verify mode) and exits 0 only if exact.
+TEST(MultiProcessExactness, ThreeClientsAtOnceEachEqualTheirMonolithicRun) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto executor = testing::start_executor(dir);
+  const std::string program = testing::binary("examples/symbiosis-demo-client");
+  const std::vector<std::vector<std::string>> configs = {
+      {"--rank", "4", "--targets", "q_proj,v_proj", "--seed", "1"},
+      {"--rank", "8", "--targets", "q_proj,k_proj,v_proj,o_proj", "--seed", "2"},
+      {"--rank", "2", "--targets", "gate_proj,up_proj,down_proj", "--seed", "3"}};
+  std::vector<pid_t> pids;
+  for (const auto& extra : configs) {
+    std::vector<std::string> args = {program, "--executor", executor->endpoint(), "--model", dir.string(),
+                                     "--steps", "5", "--verify", "--quiet"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid;
+    ASSERT_EQ(posix_spawn(&pid, program.c_str(), nullptr, nullptr, argv.data(), environ), 0);
+    pids.push_back(pid);
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "client process " << pid << " status " << status;
+  }
+  EXPECT_GE(executor->stats().requests, 3u * 5u * 2u * executor->model().layers().size());
+}
+
+}  // namespace
+}  // namespace symbiosis

@@ -1,0 +1,93 @@
+#include "transport/zmq_wire.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <memory>
+
+namespace symbiosis::wire {
+
+proto::DType to_proto(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return proto::FLOAT32;
+    case at::kBFloat16: return proto::BFLOAT16;
+    case at::kHalf: return proto::FLOAT16;
+    default: TORCH_CHECK(false, "dtype ", dtype, " cannot travel (expected float32, bfloat16 or float16)");
+  }
+}
+
+at::ScalarType from_proto(proto::DType dtype) {
+  switch (dtype) {
+    case proto::FLOAT32: return at::kFloat;
+    case proto::BFLOAT16: return at::kBFloat16;
+    case proto::FLOAT16: return at::kHalf;
+    default: TORCH_CHECK(false, "unknown wire dtype ", static_cast<int>(dtype), " (expected FLOAT32, BFLOAT16 or FLOAT16)");
+  }
+}
+
+proto::LayerInfo to_proto(const LayerInfo& info) {
+  proto::LayerInfo p;
+  p.set_id(info.id);
+  p.set_name(info.name);
+  p.set_kind(info.kind == LayerKind::kLinear ? proto::LINEAR : proto::CONV1D);
+  p.set_in_features(info.in_features);
+  p.set_out_features(info.out_features);
+  p.set_bias(info.bias);
+  p.set_dtype(to_proto(info.dtype));
+  return p;
+}
+
+LayerInfo from_proto(const proto::LayerInfo& p) {
+  LayerInfo info;
+  info.id = p.id();
+  info.name = p.name();
+  info.kind = p.kind() == proto::CONV1D ? LayerKind::kConv1D : LayerKind::kLinear;
+  info.in_features = p.in_features();
+  info.out_features = p.out_features();
+  info.bias = p.bias();
+  info.dtype = from_proto(p.dtype());
+  return info;
+}
+
+std::string op_name(proto::Op op) { return proto::Op_Name(op); }
+
+zmq::message_t serialize(const proto::Envelope& envelope) {
+  zmq::message_t frame(envelope.ByteSizeLong());
+  envelope.SerializeToArray(frame.data(), static_cast<int>(frame.size()));
+  return frame;
+}
+
+bool parse(const zmq::message_t& frame, proto::Envelope* envelope) {
+  return envelope->ParseFromArray(frame.data(), static_cast<int>(frame.size()));
+}
+
+zmq::message_t tensor_frame(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "tensor frames need contiguous CPU tensors");
+  auto* keep = new at::Tensor(t);
+  return zmq::message_t(t.data_ptr(), t.nbytes(), [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); },
+                        keep);
+}
+
+at::Tensor frame_to_tensor(zmq::message_t&& frame, at::ScalarType dtype, at::IntArrayRef shape) {
+  auto options = at::TensorOptions().dtype(dtype);
+  if (reinterpret_cast<uintptr_t>(frame.data()) % 16 != 0) {
+    auto out = at::empty(shape, options);
+    std::memcpy(out.data_ptr(), frame.data(), frame.size());
+    return out;
+  }
+  auto owner = std::make_shared<zmq::message_t>(std::move(frame));
+  return at::from_blob(owner->data(), shape, [owner](void*) mutable { owner.reset(); }, options);
+}
+
+std::vector<zmq::message_t> recv_all(zmq::socket_t& socket) {
+  std::vector<zmq::message_t> frames;
+  do {
+    zmq::message_t frame;
+    auto got = socket.recv(frame, zmq::recv_flags::none);
+    if (!got) break;
+    frames.push_back(std::move(frame));
+  } while (frames.back().more());
+  return frames;
+}
+
+}  // namespace symbiosis::wire

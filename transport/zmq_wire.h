@@ -1,0 +1,36 @@
+#pragma once
+// The ZeroMQ TCP transport's wire form: one Envelope frame, then raw tensor payload frames.
+// Tensors travel by value without copies: a frame borrows the tensor's memory until ZeroMQ has
+// sent it, and a received frame becomes a tensor that owns the frame.
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "symbiosis.pb.h"
+#include "virt_layer/layer_info.h"
+
+namespace symbiosis::wire {
+
+constexpr uint32_t kProtocolVersion = 1;
+
+proto::DType to_proto(at::ScalarType dtype);
+// Throws naming the value when the dtype is not one this project carries.
+at::ScalarType from_proto(proto::DType dtype);
+proto::LayerInfo to_proto(const LayerInfo& info);
+LayerInfo from_proto(const proto::LayerInfo& info);
+std::string op_name(proto::Op op);
+
+zmq::message_t serialize(const proto::Envelope& envelope);
+bool parse(const zmq::message_t& frame, proto::Envelope* envelope);
+
+// A frame that borrows t's memory (t is kept alive until ZeroMQ is done). t must be contiguous, CPU.
+zmq::message_t tensor_frame(const at::Tensor& t);
+// A tensor over the frame's bytes (owned by the tensor), or a copy if they are misaligned.
+at::Tensor frame_to_tensor(zmq::message_t&& frame, at::ScalarType dtype, at::IntArrayRef shape);
+
+// Receives every frame of one multipart message (non-blocking caller must have polled first).
+std::vector<zmq::message_t> recv_all(zmq::socket_t& socket);
+
+}  // namespace symbiosis::wire
