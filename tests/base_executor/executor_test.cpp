@@ -175,7 +175,7 @@ TEST_F(ExecutorTest, EveryBadRequestGetsAnErrorNamingTheProblem) {
   EXPECT_NE(peer.request_error(99, proto::FORWARD, F32, {1, 4}, {16}).find("unknown layer id 99"), std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 5}, {40}).find("shape [2, 5] should be [tokens >= 1, 4]"),
             std::string::npos);
-  EXPECT_NE(peer.request_error(1, proto::BACKWARD_INPUT, F32, {2, 4}, {32}).find("should be [tokens >= 1, 6]"),
+  EXPECT_NE(peer.request_error(1, proto::BACKWARD_INPUT, F32, {2, 4}, {32}).find("should be [tokens >= 1, 8]"),
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, proto::BFLOAT16, {2, 4}, {16})
                 .find("dtype BFLOAT16 does not match the layer's FLOAT32"),

@@ -1,0 +1,135 @@
+// Invariant 4 (model transparency): virtualize() binds the base layers of a module tree that is
+// not one of ours (nested modules, ModuleList, Sequential) with no change to its code, and the
+// virtualized tree computes what the original computes, forward and backward.
+#include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <fstream>
+
+#include "client_runtime/model_io.h"
+#include "client_runtime/nn.h"
+#include "client_runtime/virtualize.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+using testing::relative_error;
+
+// A tenant's own model, written without knowledge of Symbiosis beyond its layer type.
+struct UserMlpImpl : torch::nn::Module {
+  explicit UserMlpImpl(int64_t hidden) {
+    fc_in = register_module("fc_in", nn::Linear(6, hidden));
+    fc_out = register_module("fc_out", nn::Linear(hidden, 6, /*bias=*/false));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc_out(at::gelu(fc_in(x))); }
+  nn::Linear fc_in{nullptr}, fc_out{nullptr};
+};
+TORCH_MODULE(UserMlp);
+
+struct UserNetImpl : torch::nn::Module {
+  explicit UserNetImpl(int64_t hidden = 10) {
+    blocks = register_module("blocks", torch::nn::ModuleList(UserMlp(hidden), UserMlp(hidden)));
+    head = register_module("head", torch::nn::Sequential(nn::Linear(6, 6), torch::nn::Tanh(), nn::Linear(6, 3)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (const auto& block : *blocks) x = x + block->as<UserMlpImpl>()->forward(x);
+    return head->forward(x);
+  }
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Sequential head{nullptr};
+};
+TORCH_MODULE(UserNet);
+
+// Writes a checkpoint holding the net's weights under their tree names.
+std::filesystem::path save_as_checkpoint(UserNet& net) {
+  auto dir = testing::temp_dir("user-net");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& p : net->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  write_safetensors(dir / "model.safetensors", tensors);
+  std::ofstream(dir / "config.json") << R"({"model_type": "user-net"})";
+  return dir;
+}
+
+std::unique_ptr<Executor> serve_everything(const std::filesystem::path& dir) {
+  ExecutorOptions options;
+  options.layers.pattern = ".*";  // every 2-D weight of this model is a base layer
+  return testing::start_executor(dir, options);
+}
+
+std::shared_ptr<Client> connect(const Executor& executor) {
+  ClientOptions options;
+  options.endpoint = executor.endpoint();
+  return Client::connect(options);
+}
+
+TEST(VirtualizeTest, UserModuleTreeComputesTheSameForwardAndBackward) {
+  at::manual_seed(3);
+  UserNet reference;
+  auto dir = save_as_checkpoint(reference);
+  auto executor = serve_everything(dir);
+  auto client = connect(*executor);
+  ASSERT_EQ(client->layers().size(), 6u);
+
+  UserNet split;
+  EXPECT_EQ(virtualize(*split, client, {.require_all = true}), 6u);
+  for (const auto& p : split->named_parameters()) EXPECT_EQ(p.value().numel(), 0) << p.key() << " kept its weights";
+
+  auto x = at::randn({3, 5, 6});
+  auto x_split = x.clone().requires_grad_(true);
+  auto x_ref = x.clone().requires_grad_(true);
+  auto y_split = split->forward(x_split);
+  auto y_ref = reference->forward(x_ref);
+  EXPECT_LT(relative_error(y_split, y_ref), 1e-5);
+  y_split.pow(2).sum().backward();
+  y_ref.pow(2).sum().backward();
+  EXPECT_LT(relative_error(x_split.grad(), x_ref.grad()), 1e-5);
+}
+
+TEST(VirtualizeTest, RefusesALayerWhoseShapeDiffersFromTheExecutors) {
+  UserNet wide(12);
+  auto executor = serve_everything(save_as_checkpoint(wide));
+  UserNet narrow(10);
+  try {
+    virtualize(*narrow, connect(*executor));
+    FAIL() << "virtualize should have thrown";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("cannot virtualize module 'blocks.0.fc_in'"), std::string::npos) << message;
+    EXPECT_NE(message.find("Linear(in=6, out=10, bias=1)"), std::string::npos) << message;
+    EXPECT_NE(message.find("Linear(in=6, out=12, bias=1)"), std::string::npos) << message;
+  }
+}
+
+TEST(VirtualizeTest, RefusesATorchLinearWithAMessageSayingWhatToUse) {
+  UserNet net;
+  auto executor = serve_everything(save_as_checkpoint(net));
+  struct PlainImpl : torch::nn::Module {
+    PlainImpl() { register_module("head", torch::nn::Sequential(torch::nn::Linear(6, 6))); }
+  };
+  PlainImpl plain;
+  try {
+    virtualize(plain, connect(*executor));
+    FAIL() << "virtualize should have thrown";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("module 'head.0' is a torch::nn::Linear"), std::string::npos) << e.what();
+  }
+}
+
+TEST(VirtualizeTest, RequireAllNamesAServedLayerTheModelLacks) {
+  UserNet net;
+  auto executor = serve_everything(save_as_checkpoint(net));
+  UserMlp lone(10);  // has fc_in/fc_out, but not under blocks.N
+  try {
+    virtualize(*lone, connect(*executor), {.require_all = true});
+    FAIL() << "virtualize should have thrown";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("but the model has no base layer of that name"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace symbiosis
