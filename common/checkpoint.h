@@ -59,6 +59,34 @@ void write_safetensors(const std::filesystem::path& file,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// Writes one safetensors file tensor by tensor, so a file larger than memory can be produced:
+// the table (names, dtypes, shapes, in file order) is fixed up front and written first; then
+// write() takes each tensor once, in that order; finish() checks that all came and closes the file.
+// Not thread-safe. A writer destroyed before finish() leaves an incomplete file behind.
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+  };
+  SafetensorsWriter(const std::filesystem::path& file, std::vector<Entry> entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // The next tensor; its name, dtype and shape must be the next entry's.
+  void write(const std::string& name, const at::Tensor& tensor);
+  void finish();
+  // Bytes of tensor data one entry takes.
+  static size_t data_bytes(const Entry& entry);
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // "F32" <-> at::kFloat and so on; throws for a dtype this project does not support.
 at::ScalarType dtype_from_safetensors(const std::string& code, const std::string& where);
 std::string dtype_to_safetensors(at::ScalarType dtype);

@@ -1,0 +1,250 @@
+#include "client_runtime/llama.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <limits>
+
+#include "common/checkpoint.h"
+
+namespace symbiosis {
+
+namespace {
+
+int64_t required_int(const Checkpoint& ckpt, const std::string& field) {
+  auto v = ckpt.config_number(field);
+  TORCH_CHECK(v.has_value(), ckpt.dir() / "config.json", ": missing field '", field, "'");
+  TORCH_CHECK(*v == std::floor(*v), ckpt.dir() / "config.json", ": field '", field, "' should be an integer, got ", *v);
+  return static_cast<int64_t>(*v);
+}
+
+double lowest_value(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return std::numeric_limits<float>::lowest();
+    case at::kDouble: return std::numeric_limits<double>::lowest();
+    case at::kBFloat16: return static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest());
+    case at::kHalf: return static_cast<float>(std::numeric_limits<c10::Half>::lowest());
+    default: TORCH_CHECK(false, "attention in unsupported dtype ", dtype);
+  }
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+}  // namespace
+
+LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
+  const auto where = ckpt.dir() / "config.json";
+  if (auto type = ckpt.config_string("model_type")) {
+    TORCH_CHECK(*type == "llama", where, ": model_type is '", *type, "', expected 'llama'");
+  }
+  LlamaConfig c;
+  c.vocab_size = required_int(ckpt, "vocab_size");
+  c.hidden_size = required_int(ckpt, "hidden_size");
+  c.intermediate_size = required_int(ckpt, "intermediate_size");
+  c.num_hidden_layers = required_int(ckpt, "num_hidden_layers");
+  c.num_attention_heads = required_int(ckpt, "num_attention_heads");
+  c.num_key_value_heads =
+      ckpt.config_has("num_key_value_heads") ? required_int(ckpt, "num_key_value_heads") : c.num_attention_heads;
+  if (ckpt.config_has("head_dim")) c.head_dim = required_int(ckpt, "head_dim");
+  if (ckpt.config_has("max_position_embeddings")) c.max_position_embeddings = required_int(ckpt, "max_position_embeddings");
+  c.rms_norm_eps = ckpt.config_number("rms_norm_eps").value_or(1e-6);
+  c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(false);
+  c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);
+  c.mlp_bias = ckpt.config_bool("mlp_bias").value_or(false);
+  if (auto act = ckpt.config_string("hidden_act")) {
+    TORCH_CHECK(*act == "silu", where, ": hidden_act '", *act, "' is not supported (expected 'silu')");
+  }
+  // transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; transformers 4 writes
+  // rope_theta next to an optional rope_scaling {rope_type (or "type"), factor, ...}.
+  const std::string rope = ckpt.config_has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  c.rope_theta = ckpt.config_number(rope + ".rope_theta").value_or(ckpt.config_number("rope_theta").value_or(10000.0));
+  if (ckpt.config_has(rope)) {
+    c.rope_type = ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
+    if (c.rope_type == "llama3") {
+      auto field = [&](const std::string& name) {
+        auto v = ckpt.config_number(rope + "." + name);
+        TORCH_CHECK(v.has_value(), where, ": rope type llama3 needs field '", rope, ".", name, "'");
+        return *v;
+      };
+      c.rope_factor = field("factor");
+      c.rope_low_freq_factor = field("low_freq_factor");
+      c.rope_high_freq_factor = field("high_freq_factor");
+      c.rope_original_max_position_embeddings = static_cast<int64_t>(
+          ckpt.config_number(rope + ".original_max_position_embeddings").value_or(c.max_position_embeddings));
+    }
+  }
+  c.validate();
+  return c;
+}
+
+void LlamaConfig::validate() const {
+  TORCH_CHECK(vocab_size > 0 && hidden_size > 0 && intermediate_size > 0 && num_hidden_layers >= 0,
+              "Llama config: vocab_size, hidden_size, intermediate_size must be positive");
+  TORCH_CHECK(num_attention_heads > 0 && num_key_value_heads > 0 && num_attention_heads % num_key_value_heads == 0,
+              "Llama config: num_attention_heads (", num_attention_heads,
+              ") must be a positive multiple of num_key_value_heads (", num_key_value_heads, ")");
+  TORCH_CHECK(head_dim > 0 || hidden_size % num_attention_heads == 0, "Llama config: hidden_size (", hidden_size,
+              ") is not divisible by num_attention_heads (", num_attention_heads, ") and no head_dim is given");
+  TORCH_CHECK(resolved_head_dim() % 2 == 0, "Llama config: head_dim ", resolved_head_dim(), " must be even for RoPE");
+  TORCH_CHECK(rope_type == "default" || rope_type == "llama3", "Llama config: rope type '", rope_type,
+              "' is not supported (expected 'default' or 'llama3')");
+  TORCH_CHECK(rope_type != "llama3" || rope_high_freq_factor != rope_low_freq_factor,
+              "Llama config: llama3 rope needs high_freq_factor != low_freq_factor");
+}
+
+namespace detail {
+
+at::Tensor llama_inv_freq(const LlamaConfig& config) {
+  const int64_t dim = config.resolved_head_dim();
+  // Same operations, in fp32, as transformers' _compute_default_rope_parameters.
+  auto exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+  auto inv_freq = at::pow(config.rope_theta, exponent).reciprocal();
+  if (config.rope_type != "llama3") return inv_freq;
+  // _compute_llama3_parameters.
+  const double factor = config.rope_factor;
+  const double low = config.rope_low_freq_factor;
+  const double high = config.rope_high_freq_factor;
+  const double old_context_len = static_cast<double>(config.rope_original_max_position_embeddings);
+  const double low_freq_wavelen = old_context_len / low;
+  const double high_freq_wavelen = old_context_len / high;
+  auto wavelen = inv_freq.reciprocal() * (2 * M_PI);
+  auto scaled = at::where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq);
+  auto smooth = (wavelen.reciprocal() * old_context_len - low) / (high - low);
+  auto smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+  auto medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
+at::Tensor causal_additive_mask(int64_t batch, int64_t length, const at::Tensor& attention_mask,
+                                at::ScalarType dtype, at::Device device) {
+  auto idx = at::arange(length, at::TensorOptions().dtype(at::kLong).device(device));
+  auto allowed = (idx.view({length, 1}) >= idx.view({1, length})).view({1, 1, length, length});
+  allowed = allowed.expand({batch, 1, length, length});
+  if (attention_mask.defined()) {
+    TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == batch && attention_mask.size(1) == length,
+                "attention_mask has shape ", attention_mask.sizes(), ", expected [", batch, ", ", length, "]");
+    allowed = allowed.logical_and(attention_mask.to(device).to(at::kBool).view({batch, 1, 1, length}));
+  }
+  return at::zeros({batch, 1, length, length}, at::TensorOptions().dtype(dtype).device(device))
+      .masked_fill(allowed.logical_not(), lowest_value(dtype));
+}
+
+}  // namespace detail
+
+LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({hidden_size}));
+}
+
+at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
+  auto h = x.to(at::kFloat);
+  auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps_);
+  return weight * h.to(x.scalar_type());
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_base)
+    : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.resolved_head_dim()) {
+  const int64_t q_out = num_heads_ * head_dim_;
+  const int64_t kv_out = num_kv_heads_ * head_dim_;
+  q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, c.attention_bias, materialize_base));
+  k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, c.attention_bias, materialize_base));
+  v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, c.attention_bias, materialize_base));
+  o_proj = register_module("o_proj", nn::Linear(q_out, c.hidden_size, c.attention_bias, materialize_base));
+}
+
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& additive_mask) {
+  const int64_t batch = x.size(0), length = x.size(1);
+  auto q = q_proj->forward(x).view({batch, length, num_heads_, head_dim_}).transpose(1, 2);
+  auto k = k_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  auto v = v_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  q = q * c + rotate_half(q) * s;
+  k = k * c + rotate_half(k) * s;
+  // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
+  const int64_t rep = num_heads_ / num_kv_heads_;
+  if (rep > 1) {
+    k = k.unsqueeze(2).expand({batch, num_kv_heads_, rep, length, head_dim_}).reshape({batch, num_heads_, length, head_dim_});
+    v = v.unsqueeze(2).expand({batch, num_kv_heads_, rep, length, head_dim_}).reshape({batch, num_heads_, length, head_dim_});
+  }
+  auto scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  scores = scores + additive_mask;
+  auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  auto out = at::matmul(probs, v).transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
+  return o_proj->forward(out);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) {
+  gate_proj = register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+  up_proj = register_module("up_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+  down_proj = register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
+}
+
+at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  return down_proj->forward(at::silu(gate_proj->forward(x)) * up_proj->forward(x));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool materialize_base) {
+  self_attn = register_module("self_attn", LlamaAttention(c, materialize_base));
+  mlp = register_module("mlp", LlamaMLP(c, materialize_base));
+  input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm = register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                          const at::Tensor& additive_mask) {
+  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask);
+  return h + mlp->forward(post_attention_layernorm->forward(h));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
+  config_.validate();
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, materialize_base));
+  norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  inv_freq_ = detail::llama_inv_freq(c);
+}
+
+at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                   const at::Tensor& position_ids) {
+  TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
+  const int64_t batch = input_ids.size(0), length = input_ids.size(1);
+  auto h = embed_tokens->forward(input_ids);
+  const auto device = h.device();
+  at::Tensor positions = position_ids.defined()
+                             ? position_ids.to(device).to(at::kLong)
+                             : at::arange(length, at::TensorOptions().dtype(at::kLong).device(device));
+  positions = positions.dim() == 1 ? positions.unsqueeze(0).expand({batch, length}) : positions;
+  TORCH_CHECK(positions.sizes() == at::IntArrayRef({batch, length}), "position_ids has shape ", position_ids.sizes(),
+              ", expected [", batch, ", ", length, "] or [", length, "]");
+  // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
+  auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq_.to(device);
+  auto emb = at::cat({freqs, freqs}, -1);
+  auto cos = emb.cos().to(h.scalar_type());
+  auto sin = emb.sin().to(h.scalar_type());
+  auto mask = detail::causal_additive_mask(batch, length, attention_mask, h.scalar_type(), device);
+  for (const auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, mask);
+  return norm->forward(h);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
+  model = register_module("model", LlamaModel(c, materialize_base));
+  if (!c.tie_word_embeddings) {
+    lm_head = register_module("lm_head", nn::Linear(c.hidden_size, c.vocab_size, /*bias=*/false, materialize_base));
+  }
+}
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                         const at::Tensor& position_ids) {
+  auto h = model->forward(input_ids, attention_mask, position_ids);
+  auto logits = lm_head ? lm_head->forward(h) : at::linear(h, model->embed_tokens->weight);
+  return logits.to(at::kFloat);
+}
+
+}  // namespace symbiosis

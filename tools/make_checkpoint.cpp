@@ -1,0 +1,301 @@
+// symbiosis-make-checkpoint: writes a Hugging Face checkpoint (config.json plus model.safetensors,
+// or shards and model.safetensors.index.json) with random weights in the shapes of a preset model,
+// exactly as transformers' save_pretrained lays them out. For tests and benchmarks: no download is
+// needed, and the weights are deterministic in (seed, tensor name), whatever the dtype or sharding,
+// so a bf16 or sharded checkpoint holds the same values as the fp32 single-file one.
+//
+// Tensors are generated and written one at a time, so the 13B shapes need only one tensor's memory.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/checkpoint.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+enum class Init {
+  kMatrix,  // normal(0, 0.02): projections and embeddings
+  kNorm,    // 1 + 0.1 * normal: norm scales
+  kBias,    // 0.02 * normal
+};
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  Init init;
+};
+
+struct ModelSpec {
+  json config;  // without torch_dtype
+  std::vector<TensorSpec> tensors;
+};
+
+struct LlamaShape {
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads, max_positions;
+  double rms_eps, rope_theta;
+  json rope_scaling;  // null or {rope_type: llama3, ...}
+  bool tied;
+  int64_t bos, eos;
+};
+
+ModelSpec llama_spec(const LlamaShape& s) {
+  const int64_t head_dim = s.hidden / s.heads;
+  ModelSpec m;
+  m.config = {{"architectures", {"LlamaForCausalLM"}},
+              {"model_type", "llama"},
+              {"attention_bias", false},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", s.bos},
+              {"eos_token_id", s.eos},
+              {"head_dim", head_dim},
+              {"hidden_act", "silu"},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"max_position_embeddings", s.max_positions},
+              {"mlp_bias", false},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"num_key_value_heads", s.kv_heads},
+              {"pretraining_tp", 1},
+              {"rms_norm_eps", s.rms_eps},
+              {"rope_scaling", s.rope_scaling},
+              {"rope_theta", s.rope_theta},
+              {"tie_word_embeddings", s.tied},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  auto& t = m.tensors;
+  t.push_back({"model.embed_tokens.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    t.push_back({p + "input_layernorm.weight", {s.hidden}, Init::kNorm});
+    t.push_back({p + "self_attn.q_proj.weight", {s.heads * head_dim, s.hidden}, Init::kMatrix});
+    t.push_back({p + "self_attn.k_proj.weight", {s.kv_heads * head_dim, s.hidden}, Init::kMatrix});
+    t.push_back({p + "self_attn.v_proj.weight", {s.kv_heads * head_dim, s.hidden}, Init::kMatrix});
+    t.push_back({p + "self_attn.o_proj.weight", {s.hidden, s.heads * head_dim}, Init::kMatrix});
+    t.push_back({p + "post_attention_layernorm.weight", {s.hidden}, Init::kNorm});
+    t.push_back({p + "mlp.gate_proj.weight", {s.intermediate, s.hidden}, Init::kMatrix});
+    t.push_back({p + "mlp.up_proj.weight", {s.intermediate, s.hidden}, Init::kMatrix});
+    t.push_back({p + "mlp.down_proj.weight", {s.hidden, s.intermediate}, Init::kMatrix});
+  }
+  t.push_back({"model.norm.weight", {s.hidden}, Init::kNorm});
+  if (!s.tied) t.push_back({"lm_head.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  return m;
+}
+
+json llama3_rope(double factor, double low, double high, int64_t original) {
+  return {{"rope_type", "llama3"},
+          {"factor", factor},
+          {"low_freq_factor", low},
+          {"high_freq_factor", high},
+          {"original_max_position_embeddings", original}};
+}
+
+struct GPT2Shape {
+  int64_t vocab, positions, embd, layers, heads;
+  int64_t bos_eos;
+};
+
+ModelSpec gpt2_spec(const GPT2Shape& s) {
+  ModelSpec m;
+  m.config = {{"architectures", {"GPT2LMHeadModel"}},
+              {"model_type", "gpt2"},
+              {"activation_function", "gelu_new"},
+              {"attn_pdrop", 0.1},
+              {"bos_token_id", s.bos_eos},
+              {"eos_token_id", s.bos_eos},
+              {"embd_pdrop", 0.1},
+              {"initializer_range", 0.02},
+              {"layer_norm_epsilon", 1e-5},
+              {"n_ctx", s.positions},
+              {"n_embd", s.embd},
+              {"n_head", s.heads},
+              {"n_inner", nullptr},
+              {"n_layer", s.layers},
+              {"n_positions", s.positions},
+              {"reorder_and_upcast_attn", false},
+              {"resid_pdrop", 0.1},
+              {"scale_attn_by_inverse_layer_idx", false},
+              {"scale_attn_weights", true},
+              {"summary_activation", nullptr},
+              {"summary_first_dropout", 0.1},
+              {"summary_proj_to_labels", true},
+              {"summary_type", "cls_index"},
+              {"summary_use_proj", true},
+              {"tie_word_embeddings", true},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  const int64_t e = s.embd, inner = 4 * s.embd;
+  auto& t = m.tensors;
+  t.push_back({"transformer.wte.weight", {s.vocab, e}, Init::kMatrix});
+  t.push_back({"transformer.wpe.weight", {s.positions, e}, Init::kMatrix});
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "transformer.h." + std::to_string(i) + ".";
+    t.push_back({p + "ln_1.weight", {e}, Init::kNorm});
+    t.push_back({p + "ln_1.bias", {e}, Init::kBias});
+    t.push_back({p + "attn.c_attn.weight", {e, 3 * e}, Init::kMatrix});  // Conv1D: [in, out]
+    t.push_back({p + "attn.c_attn.bias", {3 * e}, Init::kBias});
+    t.push_back({p + "attn.c_proj.weight", {e, e}, Init::kMatrix});
+    t.push_back({p + "attn.c_proj.bias", {e}, Init::kBias});
+    t.push_back({p + "ln_2.weight", {e}, Init::kNorm});
+    t.push_back({p + "ln_2.bias", {e}, Init::kBias});
+    t.push_back({p + "mlp.c_fc.weight", {e, inner}, Init::kMatrix});
+    t.push_back({p + "mlp.c_fc.bias", {inner}, Init::kBias});
+    t.push_back({p + "mlp.c_proj.weight", {inner, e}, Init::kMatrix});
+    t.push_back({p + "mlp.c_proj.bias", {e}, Init::kBias});
+  }
+  t.push_back({"transformer.ln_f.weight", {e}, Init::kNorm});
+  t.push_back({"transformer.ln_f.bias", {e}, Init::kBias});
+  return m;
+}
+
+const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "llama-3.2-1b",
+                                           "llama-2-7b", "llama-2-13b", "gpt2-xl"};
+
+// Presets' configs follow the Hub's config.json of each model (meta-llama/Llama-3.2-1B,
+// meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, openai-community/gpt2-xl). layers >= 0
+// overrides the number of layers.
+ModelSpec preset_spec(const std::string& name, int64_t layers) {
+  auto n = [&](int64_t preset_layers) { return layers >= 0 ? layers : preset_layers; };
+  if (name == "tiny-llama") {
+    // llama3 RoPE scaling with a small original context, so all three frequency bands occur.
+    return llama_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, llama3_rope(8.0, 1.0, 4.0, 32), false, 1, 2});
+  }
+  if (name == "tiny-llama-tied") {
+    return llama_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 10000.0, nullptr, true, 1, 2});
+  }
+  if (name == "tiny-gpt2") return gpt2_spec({256, 128, 64, n(2), 4, 255});
+  if (name == "llama-3.2-1b") {
+    return llama_spec({128256, 2048, 8192, n(16), 32, 8, 131072, 1e-5, 500000.0, llama3_rope(32.0, 1.0, 4.0, 8192),
+                       true, 128000, 128001});
+  }
+  if (name == "llama-2-7b") return llama_spec({32000, 4096, 11008, n(32), 32, 32, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
+  if (name == "llama-2-13b") return llama_spec({32000, 5120, 13824, n(40), 40, 40, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
+  if (name == "gpt2-xl") return gpt2_spec({50257, 1024, 1600, n(48), 25, 50256});
+  std::string known;
+  for (const auto& p : kPresets) known += (known.empty() ? "" : ", ") + p;
+  TORCH_CHECK(false, "unknown preset '", name, "' (known: ", known, ")");
+}
+
+uint64_t tensor_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull ^ (seed * 0x9E3779B97F4A7C15ull);
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+at::Tensor generate(const TensorSpec& spec, uint64_t seed, at::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(tensor_seed(seed, spec.name));
+  auto t = at::empty(spec.shape, at::kFloat);
+  switch (spec.init) {
+    case Init::kMatrix: t.normal_(0.0, 0.02, gen); break;
+    case Init::kNorm: t.normal_(0.0, 0.1, gen).add_(1.0); break;
+    case Init::kBias: t.normal_(0.0, 0.02, gen); break;
+  }
+  return t.to(dtype);
+}
+
+void write_json(const fs::path& path, const json& j) {
+  std::ofstream out(path);
+  TORCH_CHECK(out.good(), "cannot write ", path);
+  out << j.dump(2) << "\n";
+  TORCH_CHECK(out.good(), "failed writing ", path);
+}
+
+void make_checkpoint(const std::string& preset, const fs::path& out, at::ScalarType dtype, uint64_t seed,
+                     uint64_t shard_size, int64_t layers) {
+  ModelSpec spec = preset_spec(preset, layers);
+  spec.config["torch_dtype"] = dtype == at::kFloat ? "float32" : dtype == at::kBFloat16 ? "bfloat16" : "float16";
+  fs::create_directories(out);
+  // Stale weights from an earlier run would mix with these (an old index wins over a new file).
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const std::string f = entry.path().filename().string();
+    if (f == "model.safetensors" || f == "model.safetensors.index.json" ||
+        (f.rfind("model-", 0) == 0 && f.size() > 12 && f.substr(f.size() - 12) == ".safetensors")) {
+      fs::remove(entry.path());
+    }
+  }
+  write_json(out / "config.json", spec.config);
+
+  // Shards: consecutive tensors, each shard at most shard_size bytes unless one tensor is larger.
+  std::vector<std::vector<symbiosis::SafetensorsWriter::Entry>> shards(1);
+  std::vector<std::vector<const TensorSpec*>> shard_specs(1);
+  uint64_t current = 0, total = 0;
+  for (const auto& t : spec.tensors) {
+    symbiosis::SafetensorsWriter::Entry e{t.name, dtype, t.shape};
+    const uint64_t bytes = symbiosis::SafetensorsWriter::data_bytes(e);
+    if (shard_size > 0 && !shards.back().empty() && current + bytes > shard_size) {
+      shards.emplace_back();
+      shard_specs.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(e);
+    shard_specs.back().push_back(&t);
+    current += bytes;
+    total += bytes;
+  }
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  json weight_map = json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    std::string file = "model.safetensors";
+    if (shard_size > 0) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", s + 1, shards.size());
+      file = buf;
+    }
+    symbiosis::SafetensorsWriter writer(out / file, shards[s], metadata);
+    for (const TensorSpec* t : shard_specs[s]) {
+      writer.write(t->name, generate(*t, seed, dtype));
+      weight_map[t->name] = file;
+    }
+    writer.finish();
+  }
+  if (shard_size > 0) {
+    write_json(out / "model.safetensors.index.json", {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
+  }
+  std::cout << "wrote " << preset << " (" << spec.tensors.size() << " tensors, " << total << " bytes, "
+            << shards.size() << (shards.size() == 1 ? " file" : " shards") << ") to " << out.string() << "\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Writes a Hugging Face checkpoint with random weights in a preset model's shapes."};
+  std::string preset, out, dtype_name = "fp32";
+  uint64_t seed = 0, shard_size = 0;
+  int64_t layers = -1;
+  app.add_option("--preset", preset, "tiny-llama, tiny-llama-tied, tiny-gpt2, llama-3.2-1b, llama-2-7b, llama-2-13b, gpt2-xl")
+      ->required();
+  app.add_option("--out", out, "output directory (created if needed)")->required();
+  app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--seed", seed, "random seed")->capture_default_str();
+  app.add_option("--shard-size", shard_size, "bytes per shard; 0 writes one model.safetensors")->capture_default_str();
+  app.add_option("--layers", layers, "number of layers instead of the preset's")->check(CLI::NonNegativeNumber);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    make_checkpoint(preset, out, symbiosis::parse_dtype_name(dtype_name), seed, shard_size, layers);
+  } catch (const c10::Error& e) {
+    std::cerr << "symbiosis-make-checkpoint: error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "symbiosis-make-checkpoint: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
