@@ -1,0 +1,115 @@
+// Reading Hugging Face checkpoints: dtypes, shards, memory mapping, and an error naming the file
+// and the problem for each kind of bad checkpoint.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "common/checkpoint.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+namespace fs = std::filesystem;
+
+void write_config(const fs::path& dir, const std::string& text = R"({"model_type": "llama", "rope_scaling": {"factor": 8.0}})") {
+  std::ofstream(dir / "config.json") << text;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+TEST(CheckpointTest, ReadsEveryDtypeAndTheConfig) {
+  auto dir = testing::temp_dir("ckpt");
+  write_config(dir);
+  auto a = at::randn({3, 5});
+  write_safetensors(dir / "model.safetensors",
+                    {{"a", a}, {"b", a.to(at::kBFloat16)}, {"c", a.to(at::kHalf)}});
+  auto ckpt = Checkpoint::open(dir);
+  EXPECT_TRUE(ckpt->tensor("a", {3, 5}).equal(a));
+  EXPECT_TRUE(ckpt->tensor("b").equal(a.to(at::kBFloat16)));
+  EXPECT_TRUE(ckpt->tensor("c").equal(a.to(at::kHalf)));
+  EXPECT_EQ(ckpt->record("b").dtype, at::kBFloat16);
+  EXPECT_EQ(ckpt->config_string("model_type"), "llama");
+  EXPECT_EQ(ckpt->config_number("rope_scaling.factor"), 8.0);
+  EXPECT_FALSE(ckpt->config_number("rope_scaling.missing").has_value());
+  EXPECT_EQ(ckpt->names(), (std::vector<std::string>{"a", "b", "c"}));
+}
+
+TEST(CheckpointTest, ReadsShardsThroughTheIndex) {
+  auto dir = testing::temp_dir("ckpt");
+  write_config(dir);
+  auto a = at::randn({4}), b = at::randn({2, 2});
+  write_safetensors(dir / "model-00001-of-00002.safetensors", {{"a", a}});
+  write_safetensors(dir / "model-00002-of-00002.safetensors", {{"b", b}});
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})";
+  auto ckpt = Checkpoint::open(dir);
+  EXPECT_TRUE(ckpt->tensor("a").equal(a));
+  EXPECT_TRUE(ckpt->tensor("b").equal(b));
+}
+
+TEST(CheckpointTest, TensorsAreMappedNotCopiedAndWritesStayPrivate) {
+  auto dir = testing::temp_dir("ckpt");
+  write_config(dir);
+  write_safetensors(dir / "model.safetensors", {{"a", at::ones({1024})}});
+  {
+    auto ckpt = Checkpoint::open(dir);
+    auto t1 = ckpt->tensor("a");
+    auto t2 = ckpt->tensor("a");
+    EXPECT_EQ(t1.data_ptr(), t2.data_ptr());  // both views of the one mapping
+    t1.fill_(5);                              // copy-on-write: the file is untouched
+  }
+  EXPECT_TRUE(Checkpoint::open(dir)->tensor("a").equal(at::ones({1024})));
+}
+
+TEST(CheckpointTest, ModelHashIdentifiesConfigAndTensorTable) {
+  auto dir1 = testing::temp_dir("ckpt"), dir2 = testing::temp_dir("ckpt");
+  write_config(dir1);
+  write_config(dir2);
+  write_safetensors(dir1 / "model.safetensors", {{"a", at::zeros({2, 3})}});
+  write_safetensors(dir2 / "model.safetensors", {{"a", at::zeros({3, 2})}});
+  EXPECT_NE(Checkpoint::open(dir1)->model_hash(), Checkpoint::open(dir2)->model_hash());
+  EXPECT_EQ(Checkpoint::open(dir1)->model_hash(), Checkpoint::open(dir1)->model_hash());
+}
+
+TEST(CheckpointTest, ErrorsNameTheFileAndTheProblem) {
+  auto dir = testing::temp_dir("ckpt");
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir / "nope"); }).find("does not exist"), std::string::npos);
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir); }).find("missing file \"" + (dir / "config.json").string()),
+            std::string::npos);
+  write_config(dir, "{ not json");
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir); }).find("bad JSON in \"" + (dir / "config.json").string()),
+            std::string::npos);
+  write_config(dir);
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir); }).find("model.safetensors"), std::string::npos);
+
+  write_safetensors(dir / "model.safetensors", {{"w", at::zeros({2, 3})}});
+  auto ckpt = Checkpoint::open(dir);
+  EXPECT_NE(error_of([&] { ckpt->tensor("missing"); }).find("is missing tensor 'missing'"), std::string::npos);
+  EXPECT_NE(error_of([&] { ckpt->tensor("w", {3, 2}); }).find("tensor 'w' has shape [2, 3], expected [3, 2]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ckpt->config_number("model_type"); }).find("field 'model_type' should be a number"),
+            std::string::npos);
+
+  // An integer tensor: a dtype this project does not serve.
+  const std::string header = R"({"w": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}})";
+  std::ofstream out(dir / "model.safetensors", std::ios::binary);
+  uint64_t len = header.size();
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << header << std::string(8, '\0');
+  out.close();
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir); }).find("tensor 'w': unsupported dtype 'I64'"), std::string::npos);
+
+  std::ofstream(dir / "model.safetensors", std::ios::binary) << "tiny";
+  EXPECT_NE(error_of([&] { Checkpoint::open(dir); }).find("too short to be safetensors"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace symbiosis
