@@ -20,14 +20,14 @@ namespace {
 using testing::relative_error;
 constexpr double kTolerance = 1e-5;
 
-struct Run {
+struct TrainingRun {
   CausalLM lm;
   std::vector<at::Tensor> adapter;
   std::unique_ptr<torch::optim::AdamW> optimizer;
 };
 
-Run make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const LoraConfig& lora) {
-  Run run;
+TrainingRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const LoraConfig& lora) {
+  TrainingRun run;
   run.lm = open_causal_lm(checkpoint, client);
   at::manual_seed(1234);  // the same adapter initialization on both sides
   run.adapter = add_lora(*run.lm.module, lora);
@@ -50,8 +50,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   lora.r = 4;
   lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
   lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
-  Run split = make_run(*checkpoint, client, lora);
-  Run mono = make_run(*checkpoint, nullptr, lora);
+  TrainingRun split = make_run(*checkpoint, client, lora);
+  TrainingRun mono = make_run(*checkpoint, nullptr, lora);
   ASSERT_GT(split.lm.virtual_layers, 0u);
   EXPECT_EQ(split.lm.virtual_layers, client->layers().size());
   ASSERT_EQ(split.adapter.size(), mono.adapter.size());
@@ -59,7 +59,7 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   at::manual_seed(7);
   auto ids = at::randint(0, 200, {2, 12}, at::kLong);
   for (int step = 0; step < 5; ++step) {
-    for (Run* run : {&split, &mono}) run->optimizer->zero_grad();
+    for (TrainingRun* run : {&split, &mono}) run->optimizer->zero_grad();
     auto split_logits = split.lm.forward(ids, {});
     auto mono_logits = mono.lm.forward(ids, {});
     auto split_loss = causal_lm_loss(split_logits, ids);
