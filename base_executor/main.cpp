@@ -1,6 +1,7 @@
 // symbiosis-executor: serves the base layers of one Hugging Face checkpoint to many clients.
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <csignal>
@@ -28,6 +29,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  // Logs go to stderr; stdout carries only the "ready ENDPOINT" line that scripts wait for.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("executor"));
   spdlog::set_level(spdlog::level::from_str(log_level));
   options.model_dir = model_dir;
 
