@@ -2,6 +2,12 @@ BUILD_DIR     ?= build
 CTEST_JOBS    ?= 2
 CTEST_TIMEOUT ?= 900
 export BUILD_DIR
+# Torch's CMake package (used again by the installed-package test) needs nvcc to be found.
+ifeq ($(shell command -v nvcc),)
+  ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
+    export CUDACXX ?= /usr/local/cuda/bin/nvcc
+  endif
+endif
 
 .PHONY: build demo test clean
 
@@ -13,7 +19,7 @@ demo: build
 	bash examples/demo.sh $(BUILD_DIR)
 
 test: build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(CTEST_JOBS) --timeout $(CTEST_TIMEOUT)
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(CTEST_JOBS) --timeout $(CTEST_TIMEOUT) --no-tests=error
 
 # The build folder only; the venv (~/.cache/symbiosis/venv) stays.
 clean:
