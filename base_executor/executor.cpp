@@ -6,11 +6,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
 
+#include "base_executor/batching.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -18,11 +18,26 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// One validated request waiting for the compute thread.
+// What a queued request carries besides what the Batcher decides on.
 struct Work {
   zmq::message_t identity;
   proto::Request request;
   at::Tensor input;
+};
+using WorkBatcher = Batcher<Work>;
+
+LatencyClass to_latency_class(proto::LatencyClass c) {
+  switch (c) {
+    case proto::INFERENCE_DECODE: return LatencyClass::kInferenceDecode;
+    case proto::INFERENCE_PREFILL: return LatencyClass::kInferencePrefill;
+    default: return LatencyClass::kFineTuning;
+  }
+}
+
+// Per-layer counters, written by the compute thread and read for statistics.
+struct LayerCounters {
+  uint64_t requests = 0, tokens = 0, batches = 0, forward_batches = 0, backward_batches = 0;
+  double compute_seconds = 0, wait_seconds = 0;
 };
 
 struct ClientRecord {
@@ -50,6 +65,7 @@ void ExecutorOptions::validate() const {
               "executor option --listen '", listen, "' should be a ZeroMQ endpoint like tcp://127.0.0.1:5555");
   TORCH_CHECK(max_request_bytes > 0, "executor option --max-request-bytes must be positive");
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
+  batching.validate();
 }
 
 class Executor::Impl {
@@ -65,10 +81,15 @@ class Executor::Impl {
   std::thread io_thread;
   std::thread compute_thread;
 
-  // Requests validated by the IO thread, waiting for the compute thread.
+  // Requests validated by the IO thread, waiting for the compute thread. See [Opportunistic batching].
   std::mutex queue_mutex;
-  std::condition_variable queue_cv;  // signalled on push and on stop
-  std::deque<Work> queue;            // guarded by queue_mutex
+  std::condition_variable queue_cv;     // signalled on push, on client changes and on stop
+  std::unique_ptr<WorkBatcher> batcher;  // guarded by queue_mutex
+
+  std::mutex counters_mutex;
+  std::vector<LayerCounters> counters;  // per layer id; guarded by counters_mutex
+  uint64_t max_batch_requests = 0;      // guarded by counters_mutex
+  const Clock::time_point started = Clock::now();
 
   // Owned by the IO thread.
   std::map<std::string, ClientRecord> clients;
@@ -88,6 +109,9 @@ class Executor::Impl {
                   bool as_reply);
   std::string validate(const proto::Request& r, const std::vector<zmq::message_t>& frames, proto::ErrorCode* code) const;
   void log_stats();
+  void run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies_out);
+  proto::Stats collect_stats();
+  void forget_client(const std::string& key);
 };
 
 void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code,
@@ -182,6 +206,11 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
       if (client == clients.end()) {
         client = clients.emplace(key, ClientRecord{next_client_id++, hello.tenant(), Clock::now()}).first;
         clients_now = clients.size();
+        {
+          std::lock_guard<std::mutex> lock(queue_mutex);
+          batcher->add_client(client->second.id);
+        }
+        queue_cv.notify_one();
         spdlog::info("client {} (tenant '{}') connected", client->second.id, hello.tenant());
       }
       proto::Envelope reply;
@@ -209,13 +238,19 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
         return;
       }
       const auto& layer = model->layers()[r.layer_id()];
-      Work work;
-      work.input = wire::frame_to_tensor(std::move(frames[2]), layer.dtype, {r.shape(0), r.shape(1)});
-      work.identity = std::move(identity);
-      work.request = r;
+      WorkBatcher::Request queued;
+      queued.client_id = client->second.id;
+      queued.layer_id = r.layer_id();
+      queued.op = to_layer_op(r.op());
+      queued.tokens = r.shape(0);
+      queued.latency = to_latency_class(r.latency_class());
+      queued.arrival = Clock::now();
+      queued.payload.input = wire::frame_to_tensor(std::move(frames[2]), layer.dtype, {r.shape(0), r.shape(1)});
+      queued.payload.identity = std::move(identity);
+      queued.payload.request = r;
       {
         std::lock_guard<std::mutex> lock(queue_mutex);
-        queue.push_back(std::move(work));
+        batcher->push(std::move(queued));
       }
       queue_cv.notify_one();
       return;
@@ -223,18 +258,12 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
     case proto::Envelope::kGoodbye:
       if (client != clients.end()) {
         spdlog::info("client {} (tenant '{}') left", client->second.id, client->second.tenant);
-        clients.erase(client);
-        clients_now = clients.size();
+        forget_client(key);
       }
       return;
     case proto::Envelope::kStatsRequest: {
       proto::Envelope reply;
-      auto* s = reply.mutable_stats();
-      s->set_clients(clients.size());
-      s->set_requests(requests);
-      s->set_errors(errors);
-      s->set_tokens(tokens);
-      s->set_compute_seconds(compute_nanos * 1e-9);
+      *reply.mutable_stats() = collect_stats();
       router.send(identity, zmq::send_flags::sndmore);
       router.send(wire::serialize(reply), zmq::send_flags::none);
       return;
@@ -244,9 +273,66 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
   }
 }
 
+void Executor::Impl::forget_client(const std::string& key) {
+  auto it = clients.find(key);
+  if (it == clients.end()) return;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    batcher->remove_client(it->second.id);
+  }
+  queue_cv.notify_one();  // lockstep queues may be ready now
+  clients.erase(it);
+  clients_now = clients.size();
+}
+
+proto::Stats Executor::Impl::collect_stats() {
+  proto::Stats s;
+  s.set_clients(clients_now);
+  s.set_requests(requests);
+  s.set_errors(errors);
+  s.set_tokens(tokens);
+  s.set_compute_seconds(compute_nanos * 1e-9);
+  s.set_policy(batching_policy_name(options.batching.policy));
+  s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started).count());
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    s.set_queue_depth(batcher->pending());
+  }
+  std::lock_guard<std::mutex> lock(counters_mutex);
+  uint64_t batches = 0;
+  double wait = 0;
+  for (size_t id = 0; id < counters.size(); ++id) {
+    const auto& c = counters[id];
+    batches += c.batches;
+    wait += c.wait_seconds;
+    if (c.requests == 0) continue;
+    auto* layer = s.add_layers();
+    layer->set_layer_id(static_cast<uint32_t>(id));
+    layer->set_name(model->layers()[id].name);
+    layer->set_requests(c.requests);
+    layer->set_tokens(c.tokens);
+    layer->set_batches(c.batches);
+    layer->set_compute_seconds(c.compute_seconds);
+    layer->set_wait_seconds(c.wait_seconds);
+    layer->set_op_forward(c.forward_batches);
+    layer->set_op_backward(c.backward_batches);
+  }
+  s.set_batches(batches);
+  s.set_wait_seconds(wait);
+  s.set_max_batch_requests(max_batch_requests);
+  return s;
+}
+
 void Executor::Impl::log_stats() {
-  spdlog::info("stats: {} clients, {} requests, {} errors, {} tokens, {:.3f} s computing", clients_now.load(),
-               requests.load(), errors.load(), tokens.load(), compute_nanos * 1e-9);
+  const auto s = collect_stats();
+  const double uptime = std::max(s.uptime_seconds(), 1e-9);
+  spdlog::info(
+      "stats ({}): {} clients, {} requests in {} batches ({:.2f} requests/batch, max {}), {} errors, {} tokens "
+      "({:.0f} tokens/s), {:.3f} s computing, mean wait {:.1f} us, queue depth {}",
+      s.policy(), s.clients(), s.requests(), s.batches(),
+      s.batches() ? double(s.requests()) / s.batches() : 0.0, s.max_batch_requests(), s.errors(), s.tokens(),
+      s.tokens() / uptime, s.compute_seconds(), s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0,
+      s.queue_depth());
 }
 
 void Executor::Impl::io_loop() {
@@ -277,10 +363,67 @@ void Executor::Impl::io_loop() {
       last_stats = now;
     }
     if (now - last_prune > std::chrono::seconds(10)) {
-      std::erase_if(clients, [&](const auto& kv) { return now - kv.second.last_seen > kClientIdleLimit; });
-      clients_now = clients.size();
+      std::vector<std::string> idle;
+      for (const auto& [key, record] : clients) {
+        if (now - record.last_seen > kClientIdleLimit) idle.push_back(key);
+      }
+      for (const auto& key : idle) forget_client(key);
       last_prune = now;
     }
+  }
+}
+
+void Executor::Impl::run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies_out) {
+  const auto started_at = Clock::now();
+  at::Tensor out;
+  std::string failure;
+  try {
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(batch.requests.size());
+    for (auto& r : batch.requests) inputs.push_back(r.payload.input);
+    // Padding-free: the requests' tokens, concatenated.
+    auto x = inputs.size() == 1 ? inputs[0] : at::cat(inputs, 0);
+    out = model->compute(batch.layer_id, batch.op, x.to(model->device()));
+    out = out.to(at::kCPU).contiguous();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  const auto finished_at = Clock::now();
+  const double compute_seconds = std::chrono::duration<double>(finished_at - started_at).count();
+  compute_nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(finished_at - started_at).count();
+  {
+    std::lock_guard<std::mutex> lock(counters_mutex);
+    auto& c = counters[batch.layer_id];
+    c.batches++;
+    (batch.op == LayerOp::kBackwardInput ? c.backward_batches : c.forward_batches)++;
+    c.requests += batch.requests.size();
+    c.tokens += batch.tokens;
+    c.compute_seconds += compute_seconds;
+    for (const auto& r : batch.requests) c.wait_seconds += std::chrono::duration<double>(started_at - r.arrival).count();
+    max_batch_requests = std::max<uint64_t>(max_batch_requests, batch.requests.size());
+  }
+  int64_t offset = 0;
+  for (auto& r : batch.requests) {
+    proto::Envelope env;
+    auto* reply = env.mutable_reply();
+    reply->set_request_id(r.payload.request.request_id());
+    replies_out.send(r.payload.identity, zmq::send_flags::sndmore);
+    if (!failure.empty()) {
+      errors++;
+      reply->mutable_error()->set_code(proto::INTERNAL);
+      reply->mutable_error()->set_message(failure);
+      replies_out.send(wire::serialize(env), zmq::send_flags::none);
+      continue;
+    }
+    auto rows = out.narrow(0, offset, r.tokens);  // each request gets its own rows back
+    offset += r.tokens;
+    reply->set_dtype(wire::to_proto(rows.scalar_type()));
+    reply->add_shape(rows.size(0));
+    reply->add_shape(rows.size(1));
+    requests++;
+    tokens += r.tokens;
+    replies_out.send(wire::serialize(env), zmq::send_flags::sndmore);
+    replies_out.send(wire::tensor_frame(rows), zmq::send_flags::none);
   }
 }
 
@@ -288,43 +431,22 @@ void Executor::Impl::compute_loop() {
   zmq::socket_t replies_out(context, zmq::socket_type::push);
   replies_out.set(zmq::sockopt::linger, 0);
   replies_out.connect(replies_endpoint);
-  while (true) {
-    Work work;
-    {
-      std::unique_lock<std::mutex> lock(queue_mutex);
-      queue_cv.wait(lock, [&] { return stopping || !queue.empty(); });
-      if (stopping) return;
-      work = std::move(queue.front());
-      queue.pop_front();
+  std::unique_lock<std::mutex> lock(queue_mutex);
+  while (!stopping) {
+    const auto now = Clock::now();
+    auto batch = batcher->pop(now);
+    if (!batch) {
+      const auto deadline = batcher->next_deadline(now);
+      if (deadline == Clock::time_point::max()) {
+        queue_cv.wait(lock);
+      } else {
+        queue_cv.wait_until(lock, deadline);
+      }
+      continue;
     }
-    const auto& r = work.request;
-    proto::Envelope env;
-    auto* reply = env.mutable_reply();
-    reply->set_request_id(r.request_id());
-    at::Tensor out;
-    try {
-      const auto t0 = Clock::now();
-      out = model->compute(r.layer_id(), to_layer_op(r.op()), work.input.to(model->device()));
-      out = out.to(at::kCPU).contiguous();
-      compute_nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-      reply->set_dtype(wire::to_proto(out.scalar_type()));
-      reply->add_shape(out.size(0));
-      reply->add_shape(out.size(1));
-      requests++;
-      tokens += r.shape(0);
-    } catch (const std::exception& e) {
-      errors++;
-      reply->mutable_error()->set_code(proto::INTERNAL);
-      reply->mutable_error()->set_message(e.what());
-      out = at::Tensor();
-    }
-    replies_out.send(work.identity, zmq::send_flags::sndmore);
-    if (out.defined()) {
-      replies_out.send(wire::serialize(env), zmq::send_flags::sndmore);
-      replies_out.send(wire::tensor_frame(out), zmq::send_flags::none);
-    } else {
-      replies_out.send(wire::serialize(env), zmq::send_flags::none);
-    }
+    lock.unlock();
+    run_batch(*batch, replies_out);
+    lock.lock();
   }
 }
 
@@ -340,6 +462,8 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
   spdlog::info("loaded {} base layers ({:.1f} MiB) of model {} from {} on {}", impl->model->layers().size(),
                impl->model->weight_bytes() / 1048576.0, impl->model->model_hash(), options.model_dir.string(),
                options.device);
+  impl->batcher = std::make_unique<WorkBatcher>(options.batching);
+  impl->counters.resize(impl->model->layers().size());
   impl->router.set(zmq::sockopt::linger, 0);
   impl->router.set(zmq::sockopt::sndhwm, 0);
   try {
@@ -353,7 +477,7 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
   Impl* raw = impl.get();
   impl->io_thread = std::thread([raw] { raw->io_loop(); });
   impl->compute_thread = std::thread([raw] { raw->compute_loop(); });
-  spdlog::info("serving on {}", impl->endpoint);
+  spdlog::info("serving on {} (batching: {})", impl->endpoint, batching_policy_name(options.batching.policy));
   return std::unique_ptr<Executor>(new Executor(std::move(impl)));
 }
 

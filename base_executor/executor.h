@@ -12,6 +12,7 @@
 #include <string>
 
 #include "base_executor/base_model.h"
+#include "base_executor/batching.h"
 
 namespace symbiosis {
 
@@ -22,6 +23,7 @@ struct ExecutorOptions {
   std::optional<at::ScalarType> dtype;           // compute dtype; default: the checkpoint's
   BaseLayerRule layers;                          // which tensors are base layers
   size_t max_request_bytes = size_t{256} << 20;  // larger payloads are refused
+  BatchingOptions batching;                      // see [Opportunistic batching]
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
 
   // Throws naming the field when an option is out of range.

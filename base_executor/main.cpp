@@ -25,6 +25,15 @@ int main(int argc, char** argv) {
   app.add_flag("--lm-head", options.layers.lm_head, "serve lm_head as a base layer too");
   app.add_option("--max-request-bytes", options.max_request_bytes, "refuse request payloads larger than this")
       ->capture_default_str();
+  std::string policy = "opportunistic";
+  int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
+  app.add_option("--batching", policy, "batching policy: none, lockstep or opportunistic")->capture_default_str();
+  app.add_option("--max-wait", max_wait_us, "opportunistic: longest a request waits for companions (us)")
+      ->capture_default_str();
+  app.add_option("--max-batch-tokens", options.batching.max_batch_tokens, "a batch closes at this many tokens")
+      ->capture_default_str();
+  app.add_option("--lockstep-timeout", lockstep_timeout_ms,
+                 "lockstep: stop waiting for a client missing this long (ms)")->capture_default_str();
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
@@ -44,6 +53,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<symbiosis::Executor> executor;
   try {
     if (!dtype.empty()) options.dtype = symbiosis::parse_dtype_name(dtype);
+    options.batching.policy = symbiosis::parse_batching_policy(policy);
+    options.batching.max_wait = std::chrono::microseconds(max_wait_us);
+    options.batching.lockstep_timeout = std::chrono::milliseconds(lockstep_timeout_ms);
     executor = symbiosis::Executor::start(options);
   } catch (const c10::Error& e) {
     spdlog::error("{}", e.what_without_backtrace());

@@ -86,20 +86,27 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest, ::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"));
 
-// Three separate client processes share one executor at once; each checks its own split run
-// against its own monolithic run (the demo client's --verify mode) and exits 0 only if exact.
-TEST(MultiProcessExactness, ThreeClientsAtOnceEachEqualTheirMonolithicRun) {
+// Separate client processes share one executor at once, with different batch sizes, sequence
+// lengths and adapters, under each batching policy; each checks its own split run against its own
+// monolithic run (the demo client's --verify mode) and exits 0 only if they agree within 1e-5.
+class MultiProcessExactness : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MultiProcessExactness, EveryClientEqualsItsMonolithicRun) {
   const auto dir = testing::make_checkpoint("tiny-llama");
-  auto executor = testing::start_executor(dir);
+  ExecutorOptions options;
+  options.batching.policy = parse_batching_policy(GetParam());
+  options.batching.lockstep_timeout = std::chrono::milliseconds(300);
+  auto executor = testing::start_executor(dir, options);
   const std::string program = testing::binary("examples/symbiosis-demo-client");
   const std::vector<std::vector<std::string>> configs = {
-      {"--rank", "4", "--targets", "q_proj,v_proj", "--seed", "1"},
-      {"--rank", "8", "--targets", "q_proj,k_proj,v_proj,o_proj", "--seed", "2"},
-      {"--rank", "2", "--targets", "gate_proj,up_proj,down_proj", "--seed", "3"}};
+      {"--rank", "4", "--targets", "q_proj,v_proj", "--seed", "1", "--batch", "1", "--seq", "8"},
+      {"--rank", "8", "--targets", "q_proj,k_proj,v_proj,o_proj", "--seed", "2", "--batch", "4", "--seq", "16"},
+      {"--rank", "2", "--targets", "gate_proj,up_proj,down_proj", "--seed", "3", "--batch", "2", "--seq", "32"},
+      {"--rank", "16", "--targets", "all-linear", "--seed", "4", "--batch", "3", "--seq", "5"}};
   std::vector<pid_t> pids;
   for (const auto& extra : configs) {
     std::vector<std::string> args = {program, "--executor", executor->endpoint(), "--model", dir.string(),
-                                     "--steps", "5", "--verify", "--quiet"};
+                                     "--steps", "4", "--verify", "--quiet"};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -113,8 +120,12 @@ TEST(MultiProcessExactness, ThreeClientsAtOnceEachEqualTheirMonolithicRun) {
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "client process " << pid << " status " << status;
   }
-  EXPECT_GE(executor->stats().requests, 3u * 5u * 2u * executor->model().layers().size());
+  const auto stats = executor->stats();
+  EXPECT_EQ(stats.errors, 0u);
+  EXPECT_GE(stats.requests, 4u * 4u * 2u * executor->model().layers().size());
 }
+
+INSTANTIATE_TEST_SUITE_P(Policies, MultiProcessExactness, ::testing::Values("none", "lockstep", "opportunistic"));
 
 }  // namespace
 }  // namespace symbiosis

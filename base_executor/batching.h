@@ -1,0 +1,207 @@
+#pragma once
+// [Opportunistic batching]
+// Requests for the same (layer, op) from different clients are concatenated along the token
+// dimension, padding-free, and run as one GEMM. The Batcher keeps one FIFO queue per (layer, op)
+// and decides, for a given time, which queue runs next and which of its requests go together.
+// Three policies sit behind one switch:
+//  - kNone: every request alone, the globally oldest first.
+//  - kLockstep: a queue runs once it holds a request from every client in the lockstep set.
+//    A client that leaves is removed; when the oldest request has waited lockstep_timeout, the
+//    clients still missing are dropped from the set (re-added at their next request), so a
+//    stalled or dead client never deadlocks the others.
+//  - kOpportunistic (default): each request may wait for companions until its own deadline,
+//    arrival + min(max_wait, class_wait + per_token_wait * tokens). A queue runs when its earliest
+//    deadline passes (so a small decode request is never held behind a large fine-tuning one: it
+//    takes them along when it leaves), when it holds max_batch_tokens, or when every active client
+//    already has a request in it (nobody else can come).
+// Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
+// among ready queues the one whose oldest request is oldest runs first, so no queue starves.
+// The Batcher is a plain data structure with an explicit clock: thread safety is the caller's
+// (the executor guards it with one mutex), and tests drive it with a fake clock.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base_executor/base_model.h"
+#include "virt_layer/layer_info.h"
+
+namespace symbiosis {
+
+enum class BatchingPolicy { kNone, kLockstep, kOpportunistic };
+
+BatchingPolicy parse_batching_policy(const std::string& name);  // "none" | "lockstep" | "opportunistic"
+const char* batching_policy_name(BatchingPolicy policy);
+
+struct BatchingOptions {
+  BatchingPolicy policy = BatchingPolicy::kOpportunistic;
+  std::chrono::microseconds max_wait{2000};                 // no request waits longer for companions
+  int64_t max_batch_tokens = 16384;                         // a batch closes at this many tokens
+  std::chrono::microseconds decode_wait{50};                // base budget of an inference decode step
+  std::chrono::microseconds prefill_wait{300};              // ... of an inference prefill
+  std::chrono::microseconds fine_tuning_wait{500};          // ... of a fine-tuning step
+  std::chrono::nanoseconds per_token_wait{1000};            // budget added per token
+  std::chrono::milliseconds lockstep_timeout{1000};         // lockstep: drop clients missing this long
+
+  void validate() const;  // throws naming the field
+  std::chrono::nanoseconds budget(LatencyClass latency, int64_t tokens) const;
+};
+
+template <typename Payload>
+class Batcher {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using TimePoint = Clock::time_point;
+
+  struct Request {
+    uint64_t client_id = 0;
+    uint32_t layer_id = 0;
+    LayerOp op = LayerOp::kForward;
+    int64_t tokens = 0;
+    LatencyClass latency = LatencyClass::kFineTuning;
+    TimePoint arrival{};
+    Payload payload{};
+  };
+
+  struct Batch {
+    uint32_t layer_id = 0;
+    LayerOp op = LayerOp::kForward;
+    int64_t tokens = 0;
+    std::vector<Request> requests;
+  };
+
+  explicit Batcher(BatchingOptions options) : options_(std::move(options)) { options_.validate(); }
+
+  const BatchingOptions& options() const { return options_; }
+
+  // Clients known to the executor: the lockstep set, and "everyone who could still come".
+  void add_client(uint64_t client_id) { clients_.insert(client_id); }
+  void remove_client(uint64_t client_id) {
+    clients_.erase(client_id);
+    dropped_.erase(client_id);
+  }
+  size_t clients() const { return clients_.size(); }
+  size_t lockstep_set_size() const { return clients_.size() - dropped_.size(); }
+
+  void push(Request request) {
+    if (dropped_.erase(request.client_id)) clients_.insert(request.client_id);  // back in lockstep
+    total_requests_++;
+    queues_[{request.layer_id, static_cast<int>(request.op)}].push_back(std::move(request));
+  }
+
+  size_t pending() const { return total_requests_; }
+
+  // The batch to run now, if any queue is ready at `now`.
+  std::optional<Batch> pop(TimePoint now) {
+    Queue* best = nullptr;
+    for (auto& [key, queue] : queues_) {
+      if (queue.empty() || !ready(queue, now)) continue;
+      if (best == nullptr || queue.front().arrival < best->front().arrival) best = &queue;
+    }
+    if (best == nullptr) return std::nullopt;
+    return take(*best);
+  }
+
+  // When pop() may next return a batch without another push: the earliest deadline of any
+  // queue (TimePoint::max() when nothing waits).
+  TimePoint next_deadline(TimePoint now) const {
+    TimePoint next = TimePoint::max();
+    for (const auto& [key, queue] : queues_) {
+      if (!queue.empty()) next = std::min(next, deadline(queue, now));
+    }
+    return next;
+  }
+
+ private:
+  using Queue = std::deque<Request>;
+
+  int64_t queued_tokens(const Queue& queue) const {
+    int64_t tokens = 0;
+    for (const auto& r : queue) tokens += r.tokens;
+    return tokens;
+  }
+
+  bool every_client_present(const Queue& queue, const std::set<uint64_t>& who) const {
+    std::set<uint64_t> present;
+    for (const auto& r : queue) present.insert(r.client_id);
+    return std::all_of(who.begin(), who.end(), [&](uint64_t id) { return present.count(id) > 0; });
+  }
+
+  std::set<uint64_t> lockstep_set() const {
+    std::set<uint64_t> set;
+    std::set_difference(clients_.begin(), clients_.end(), dropped_.begin(), dropped_.end(),
+                        std::inserter(set, set.end()));
+    return set;
+  }
+
+  // The time at which the queue becomes ready by waiting alone.
+  TimePoint deadline(const Queue& queue, TimePoint now) const {
+    switch (options_.policy) {
+      case BatchingPolicy::kNone:
+        return queue.front().arrival;
+      case BatchingPolicy::kLockstep:
+        return every_client_present(queue, lockstep_set()) ? now : queue.front().arrival + options_.lockstep_timeout;
+      case BatchingPolicy::kOpportunistic: {
+        TimePoint earliest = TimePoint::max();
+        for (const auto& r : queue) {
+          earliest = std::min(earliest, r.arrival + std::chrono::duration_cast<Clock::duration>(
+                                                        options_.budget(r.latency, r.tokens)));
+        }
+        return earliest;
+      }
+    }
+    return now;
+  }
+
+  bool ready(Queue& queue, TimePoint now) {
+    switch (options_.policy) {
+      case BatchingPolicy::kNone:
+        return true;
+      case BatchingPolicy::kLockstep: {
+        const auto set = lockstep_set();
+        if (every_client_present(queue, set)) return true;
+        if (now - queue.front().arrival < options_.lockstep_timeout) return false;
+        // Stalled or gone: drop the missing clients from the set so the others go on.
+        std::set<uint64_t> present;
+        for (const auto& r : queue) present.insert(r.client_id);
+        for (uint64_t id : set) {
+          if (!present.count(id)) dropped_.insert(id);
+        }
+        return true;
+      }
+      case BatchingPolicy::kOpportunistic:
+        return deadline(queue, now) <= now || queued_tokens(queue) >= options_.max_batch_tokens ||
+               every_client_present(queue, clients_);
+    }
+    return true;
+  }
+
+  Batch take(Queue& queue) {
+    Batch batch;
+    batch.layer_id = queue.front().layer_id;
+    batch.op = queue.front().op;
+    const size_t limit = options_.policy == BatchingPolicy::kNone ? 1 : queue.size();
+    while (!queue.empty() && batch.requests.size() < limit &&
+           (batch.requests.empty() || batch.tokens + queue.front().tokens <= options_.max_batch_tokens)) {
+      batch.tokens += queue.front().tokens;
+      batch.requests.push_back(std::move(queue.front()));
+      queue.pop_front();
+    }
+    total_requests_ -= batch.requests.size();
+    return batch;
+  }
+
+  BatchingOptions options_;
+  std::map<std::pair<uint32_t, int>, Queue> queues_;
+  std::set<uint64_t> clients_;
+  std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
+  size_t total_requests_ = 0;
+};
+
+}  // namespace symbiosis

@@ -1,0 +1,218 @@
+// The batching policies' decisions, driven by a fake clock (explicit time points): budgets and
+// --max-wait are respected, a small request is not held behind a large one, lockstep survives a
+// client that leaves or stalls, the token cap splits batches, and no queue starves.
+#include <gtest/gtest.h>
+
+#include "base_executor/batching.h"
+
+namespace symbiosis {
+namespace {
+
+using namespace std::chrono_literals;
+using TestBatcher = Batcher<int>;
+using TimePoint = TestBatcher::TimePoint;
+
+const TimePoint t0 = TimePoint(std::chrono::seconds(1000));
+
+TestBatcher::Request request(uint64_t client, uint32_t layer, int64_t tokens, TimePoint arrival,
+                             LatencyClass latency = LatencyClass::kFineTuning, LayerOp op = LayerOp::kForward) {
+  TestBatcher::Request r;
+  r.client_id = client;
+  r.layer_id = layer;
+  r.op = op;
+  r.tokens = tokens;
+  r.latency = latency;
+  r.arrival = arrival;
+  r.payload = static_cast<int>(client);
+  return r;
+}
+
+BatchingOptions opportunistic() {
+  BatchingOptions o;
+  o.policy = BatchingPolicy::kOpportunistic;
+  o.max_wait = 2000us;
+  o.decode_wait = 50us;
+  o.prefill_wait = 300us;
+  o.fine_tuning_wait = 500us;
+  o.per_token_wait = 1000ns;
+  o.max_batch_tokens = 4096;
+  return o;
+}
+
+std::vector<int> payloads(const TestBatcher::Batch& batch) {
+  std::vector<int> out;
+  for (const auto& r : batch.requests) out.push_back(r.payload);
+  return out;
+}
+
+TEST(BatchingTest, BudgetGrowsWithSizeAndClassAndStopsAtMaxWait) {
+  auto o = opportunistic();
+  EXPECT_EQ(o.budget(LatencyClass::kInferenceDecode, 1), 51us);
+  EXPECT_EQ(o.budget(LatencyClass::kInferencePrefill, 100), 400us);
+  EXPECT_EQ(o.budget(LatencyClass::kFineTuning, 1024), 1524us);
+  EXPECT_EQ(o.budget(LatencyClass::kFineTuning, 100000), 2000us);  // never past max_wait
+}
+
+TEST(BatchingTest, OpportunisticWaitsForCompanionsUntilTheBudgetThenBatchesThem) {
+  TestBatcher b(opportunistic());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  b.push(request(1, 0, 100, t0));            // budget 600 us
+  b.push(request(2, 0, 200, t0 + 100us));    // budget 700 us
+  EXPECT_FALSE(b.pop(t0 + 599us));           // client 3 could still come
+  EXPECT_EQ(b.next_deadline(t0), t0 + 600us);
+  auto batch = b.pop(t0 + 600us);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1, 2}));
+  EXPECT_EQ(batch->tokens, 300);
+  EXPECT_EQ(b.pending(), 0u);
+}
+
+TEST(BatchingTest, OpportunisticNeverWaitsPastMaxWait) {
+  auto o = opportunistic();
+  o.max_batch_tokens = int64_t{1} << 40;  // so only the wait can close the batch
+  TestBatcher b(o);
+  b.add_client(1);
+  b.add_client(2);
+  b.push(request(1, 0, 1'000'000, t0));  // a huge request: budget capped at 2000 us
+  EXPECT_FALSE(b.pop(t0 + 1999us));
+  EXPECT_TRUE(b.pop(t0 + 2000us));
+}
+
+TEST(BatchingTest, ASmallDecodeRequestIsNotHeldBehindALargeOne) {
+  TestBatcher b(opportunistic());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  b.push(request(1, 0, 1024, t0));                                          // fine-tuning, budget 1524 us
+  b.push(request(2, 0, 1, t0 + 10us, LatencyClass::kInferenceDecode));      // decode, budget 51 us
+  EXPECT_FALSE(b.pop(t0 + 60us));
+  auto batch = b.pop(t0 + 61us);  // the decode deadline closes the batch; the big one rides along
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1, 2}));
+}
+
+TEST(BatchingTest, RunsAtOnceWhenEveryClientIsAlreadyWaiting) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.add_client(2);
+  b.push(request(1, 0, 10, t0));
+  EXPECT_FALSE(b.pop(t0));
+  b.push(request(2, 0, 10, t0));
+  auto batch = b.pop(t0);  // nobody else can come: no point waiting
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(batch->requests.size(), 2u);
+}
+
+TEST(BatchingTest, TheTokenCapClosesABatchAndSplitsTheQueue) {
+  auto o = opportunistic();
+  o.max_batch_tokens = 300;
+  TestBatcher b(o);
+  for (uint64_t c : {1, 2, 3, 4}) b.add_client(c);
+  b.push(request(1, 0, 200, t0));
+  EXPECT_FALSE(b.pop(t0));
+  b.push(request(2, 0, 150, t0));  // 350 queued >= cap: ready now
+  auto first = b.pop(t0);
+  ASSERT_TRUE(first);
+  EXPECT_EQ(payloads(*first), (std::vector<int>{1}));  // 200 + 150 would pass the cap
+  EXPECT_EQ(b.pending(), 1u);
+}
+
+TEST(BatchingTest, ForwardAndBackwardOfOneLayerBatchSeparately) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.add_client(2);
+  b.push(request(1, 0, 8, t0, LatencyClass::kFineTuning, LayerOp::kForward));
+  b.push(request(2, 0, 8, t0, LatencyClass::kFineTuning, LayerOp::kBackwardInput));
+  EXPECT_FALSE(b.pop(t0));  // neither queue holds both clients
+  auto batch = b.pop(t0 + 1ms);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(batch->requests.size(), 1u);
+}
+
+TEST(BatchingTest, ReadyQueuesRunOldestFirstSoNoneStarves) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.push(request(1, 5, 10, t0 + 20us));
+  b.push(request(1, 3, 10, t0));
+  b.push(request(1, 9, 10, t0 + 10us));
+  std::vector<uint32_t> order;
+  while (auto batch = b.pop(t0 + 1ms)) order.push_back(batch->layer_id);
+  EXPECT_EQ(order, (std::vector<uint32_t>{3, 9, 5}));
+}
+
+TEST(BatchingTest, NoneRunsEveryRequestAloneOldestFirst) {
+  BatchingOptions o;
+  o.policy = BatchingPolicy::kNone;
+  TestBatcher b(o);
+  b.push(request(1, 0, 10, t0));
+  b.push(request(2, 0, 10, t0 + 1us));
+  b.push(request(3, 1, 10, t0 + 2us));
+  std::vector<int> order;
+  while (auto batch = b.pop(t0)) {
+    ASSERT_EQ(batch->requests.size(), 1u);
+    order.push_back(batch->requests[0].payload);
+  }
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+}
+
+BatchingOptions lockstep() {
+  BatchingOptions o;
+  o.policy = BatchingPolicy::kLockstep;
+  o.lockstep_timeout = 100ms;
+  return o;
+}
+
+TEST(BatchingTest, LockstepWaitsForEveryRegisteredClient) {
+  TestBatcher b(lockstep());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  b.push(request(1, 0, 10, t0));
+  b.push(request(2, 0, 10, t0));
+  EXPECT_FALSE(b.pop(t0 + 99ms));
+  b.push(request(3, 0, 10, t0 + 1ms));
+  auto batch = b.pop(t0 + 1ms);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(batch->requests.size(), 3u);
+}
+
+TEST(BatchingTest, LockstepGoesOnWhenAClientLeaves) {
+  TestBatcher b(lockstep());
+  for (uint64_t c : {1, 2}) b.add_client(c);
+  b.push(request(1, 0, 10, t0));
+  EXPECT_FALSE(b.pop(t0));
+  b.remove_client(2);  // disconnects: no deadlock
+  auto batch = b.pop(t0);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1}));
+}
+
+TEST(BatchingTest, LockstepDropsAStalledClientAfterTheTimeoutAndTakesItBackLater) {
+  TestBatcher b(lockstep());
+  for (uint64_t c : {1, 2}) b.add_client(c);
+  b.push(request(1, 0, 10, t0));
+  EXPECT_EQ(b.next_deadline(t0), t0 + 100ms);
+  EXPECT_FALSE(b.pop(t0 + 99ms));
+  ASSERT_TRUE(b.pop(t0 + 100ms));  // client 2 stalled: dropped from the lockstep set
+  EXPECT_EQ(b.lockstep_set_size(), 1u);
+  b.push(request(1, 1, 10, t0 + 101ms));
+  EXPECT_TRUE(b.pop(t0 + 101ms));  // no more waiting for client 2
+  b.push(request(2, 2, 10, t0 + 200ms));  // client 2 is back, and is waited for again
+  EXPECT_EQ(b.lockstep_set_size(), 2u);
+  EXPECT_FALSE(b.pop(t0 + 200ms));
+  b.push(request(1, 2, 10, t0 + 201ms));
+  auto batch = b.pop(t0 + 201ms);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(batch->requests.size(), 2u);
+}
+
+TEST(BatchingTest, OptionsAreValidatedWithTheFieldNamed) {
+  BatchingOptions o;
+  o.max_batch_tokens = 0;
+  try {
+    TestBatcher b(o);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_batch_tokens must be positive"), std::string::npos);
+  }
+  EXPECT_THROW(parse_batching_policy("fastest"), c10::Error);
+}
+
+}  // namespace
+}  // namespace symbiosis
