@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "client_runtime/nn.h"
+#include "virt_layer/virtual_weight.h"
 
 namespace symbiosis {
 
@@ -18,16 +19,15 @@ size_t virtualize(torch::nn::Module& root, const std::shared_ptr<LayerBackend>& 
     const std::string name = options.name_prefix + item.key();
     auto it = served.find(name);
     if (it == served.end()) continue;
-    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
-    if (base == nullptr) {
-      TORCH_CHECK(dynamic_cast<torch::nn::LinearImpl*>(item.value().get()) == nullptr, "module '", name,
-                  "' is a torch::nn::Linear: C++ binds a member's forward at compile time, so it cannot be "
-                  "redirected; declare it as symbiosis::nn::Linear (same interface) to virtualize it");
-      continue;  // a container or block that happens to share a name
-    }
-    if (base->is_virtual()) continue;
     try {
-      base->bind(VirtLayer(*it->second, backend));
+      if (auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get())) {
+        if (!base->is_virtual()) base->bind(VirtLayer(*it->second, backend));
+      } else if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) {
+        // See [Virtual weights].
+        if (!is_virtual_weight(linear->weight)) virtualize_torch_linear(*linear, *it->second, backend);
+      } else {
+        continue;  // a container or block that happens to share a name
+      }
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "cannot virtualize module '", name, "': ", e.what_without_backtrace());
     }

@@ -1,7 +1,9 @@
 #pragma once
-// virtualize(): binds every base layer of a module tree that the executor serves to a VirtLayer,
-// matched by the layer's path in the tree (= its checkpoint name), with no change to the
-// model's code. Nested modules, ModuleList and Sequential are all walked.
+// virtualize(): binds every base layer of a module tree that the executor serves, matched by the
+// layer's path in the tree (= its checkpoint name), with no change to the model's code. Nested
+// modules, ModuleList and Sequential are all walked. symbiosis::nn::Linear/Conv1D layers are bound
+// to a VirtLayer (and can carry adapters); a plain torch::nn::Linear gets a virtual weight (see
+// [Virtual weights] in virt_layer/virtual_weight.h). Either way the local weights are released.
 #include <torch/nn/module.h>
 
 #include <memory>
@@ -19,8 +21,7 @@ struct VirtualizeOptions {
 };
 
 // Returns how many layers were bound. Throws naming the module when a served layer's kind or
-// shape differs from the module's, or when a served name is a torch::nn::Linear (which C++
-// cannot redirect: declare it symbiosis::nn::Linear).
+// shape differs from the module's.
 size_t virtualize(torch::nn::Module& root, const std::shared_ptr<LayerBackend>& backend,
                   const std::vector<LayerInfo>& layers, const VirtualizeOptions& options = {});
 size_t virtualize(torch::nn::Module& root, const std::shared_ptr<Client>& client,

@@ -2,6 +2,8 @@
 
 #include <torch/autograd.h>
 
+#include "virt_layer/virt_layer_function.h"
+
 namespace symbiosis {
 
 const char* layer_kind_name(LayerKind kind) {
@@ -10,11 +12,7 @@ const char* layer_kind_name(LayerKind kind) {
 
 namespace {
 
-// What the autograd node keeps: the layer and its backend, never an activation.
-struct Binding : torch::CustomClassHolder {
-  LayerInfo info;
-  std::shared_ptr<LayerBackend> backend;
-};
+using Binding = VirtLayerBinding;
 
 at::Tensor flatten_for_wire(const at::Tensor& x, int64_t features, at::ScalarType dtype) {
   return x.reshape({-1, features}).to(dtype).contiguous();
@@ -30,13 +28,9 @@ class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             c10::intrusive_ptr<Binding> binding, bool with_bias) {
-    const auto& info = binding->info;
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == info.in_features, "VirtLayer ", info.name, ": input has ",
-                x.dim() >= 1 ? x.size(-1) : 0, " features, expected ", info.in_features);
-    auto y = binding->backend->forward(info, flatten_for_wire(x, info.in_features, info.dtype), with_bias);
     ctx->saved_data["binding"] = c10::IValue::make_capsule(binding);
     ctx->saved_data["input_dtype"] = c10::IValue(static_cast<int64_t>(x.scalar_type()));
-    return unflatten(y, x, info.out_features);
+    return virt_layer_forward(x, *binding, with_bias);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -54,23 +48,29 @@ class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
 
 }  // namespace
 
+at::Tensor virt_layer_forward(const at::Tensor& x, const VirtLayerBinding& binding, bool with_bias) {
+  const auto& info = binding.info;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == info.in_features, "base layer ", info.name, ": input has ",
+              x.dim() >= 1 ? x.size(-1) : 0, " features, expected ", info.in_features);
+  auto y = binding.backend->forward(info, flatten_for_wire(x, info.in_features, info.dtype), with_bias);
+  return unflatten(y, x, info.out_features);
+}
+
+at::Tensor virt_layer_apply(const at::Tensor& x, const c10::intrusive_ptr<VirtLayerBinding>& binding,
+                            bool with_bias) {
+  return VirtLayerFunction::apply(x, binding, with_bias);
+}
+
 VirtLayerImpl::VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backend)
     : info_(std::move(info)), backend_(std::move(backend)) {
   TORCH_CHECK(backend_, "VirtLayer ", info_.name, " needs a backend");
+  binding_ = c10::make_intrusive<VirtLayerBinding>();
+  binding_->info = info_;
+  binding_->backend = backend_;
 }
 
-at::Tensor VirtLayerImpl::forward(const at::Tensor& x) {
-  auto binding = c10::make_intrusive<Binding>();
-  binding->info = info_;
-  binding->backend = backend_;
-  return VirtLayerFunction::apply(x, binding, true);
-}
+at::Tensor VirtLayerImpl::forward(const at::Tensor& x) { return virt_layer_apply(x, binding_, true); }
 
-at::Tensor VirtLayerImpl::forward_no_bias(const at::Tensor& x) {
-  auto binding = c10::make_intrusive<Binding>();
-  binding->info = info_;
-  binding->backend = backend_;
-  return VirtLayerFunction::apply(x, binding, false);
-}
+at::Tensor VirtLayerImpl::forward_no_bias(const at::Tensor& x) { return virt_layer_apply(x, binding_, false); }
 
 }  // namespace symbiosis

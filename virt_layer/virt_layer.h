@@ -7,12 +7,21 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <ATen/core/custom_class.h>
+#include <c10/util/intrusive_ptr.h>
+
 #include <memory>
 
 #include "virt_layer/layer_backend.h"
 #include "virt_layer/layer_info.h"
 
 namespace symbiosis {
+
+// Which layer and which backend: all an autograd node of a base layer keeps.
+struct VirtLayerBinding : torch::CustomClassHolder {
+  LayerInfo info;
+  std::shared_ptr<LayerBackend> backend;
+};
 
 class VirtLayerImpl : public torch::nn::Module {
  public:
@@ -25,6 +34,7 @@ class VirtLayerImpl : public torch::nn::Module {
  private:
   LayerInfo info_;
   std::shared_ptr<LayerBackend> backend_;
+  c10::intrusive_ptr<VirtLayerBinding> binding_;  // made once, shared by every call's autograd node
 };
 TORCH_MODULE(VirtLayer);
 

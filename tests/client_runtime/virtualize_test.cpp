@@ -104,19 +104,56 @@ TEST(VirtualizeTest, RefusesALayerWhoseShapeDiffersFromTheExecutors) {
   }
 }
 
-TEST(VirtualizeTest, RefusesATorchLinearWithAMessageSayingWhatToUse) {
-  UserNet net;
-  auto executor = serve_everything(save_as_checkpoint(net));
-  struct PlainImpl : torch::nn::Module {
-    PlainImpl() { register_module("head", torch::nn::Sequential(torch::nn::Linear(6, 6))); }
-  };
-  PlainImpl plain;
-  try {
-    virtualize(plain, connect(*executor));
-    FAIL() << "virtualize should have thrown";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("module 'head.0' is a torch::nn::Linear"), std::string::npos) << e.what();
+// A tenant model written purely against LibTorch: torch::nn::Linear members called as fc(x).
+struct TorchNetImpl : torch::nn::Module {
+  TorchNetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 10));
+    fc2 = register_module("fc2", torch::nn::Linear(torch::nn::LinearOptions(10, 6).bias(false)));
+    head = register_module("head", torch::nn::Sequential(torch::nn::Linear(6, 4), torch::nn::ReLU()));
   }
+  at::Tensor forward(const at::Tensor& x) { return head->forward(x + fc2(at::tanh(fc1(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Sequential head{nullptr};
+};
+TORCH_MODULE(TorchNet);
+
+TEST(VirtualizeTest, PlainTorchLinearModelsAreVirtualizedWithoutChangingTheirCode) {
+  at::manual_seed(5);
+  TorchNet reference;
+  auto dir = testing::temp_dir("torch-net");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& p : reference->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
+  write_safetensors(dir / "model.safetensors", tensors);
+  std::ofstream(dir / "config.json") << R"({"model_type": "torch-net"})";
+  auto executor = serve_everything(dir);
+  auto client = connect(*executor);
+
+  TorchNet split;
+  EXPECT_EQ(virtualize(*split, client, {.require_all = true}), 3u);
+  EXPECT_FALSE(split->fc1->bias.defined());  // the executor adds it
+  split->to(at::kCPU);                       // Module::to keeps working on virtual weights
+
+  auto x = at::randn({2, 7, 6});
+  auto x_split = x.clone().requires_grad_(true);
+  auto x_ref = x.clone().requires_grad_(true);
+  auto y_split = split->forward(x_split);
+  auto y_ref = reference->forward(x_ref);
+  EXPECT_LT(relative_error(y_split, y_ref), 1e-5);
+  y_split.pow(2).sum().backward();
+  y_ref.pow(2).sum().backward();
+  EXPECT_LT(relative_error(x_split.grad(), x_ref.grad()), 1e-5);
+  const auto calls_after_training = client->calls();
+  EXPECT_EQ(calls_after_training, 6u);  // three layers, forward and backward
+
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_LT(relative_error(split->forward(x), reference->forward(x)), 1e-5);
+  }
+  {
+    c10::InferenceMode inference;
+    EXPECT_LT(relative_error(split->forward(x), reference->forward(x)), 1e-5);
+  }
+  EXPECT_EQ(client->calls(), calls_after_training + 6u);
 }
 
 TEST(VirtualizeTest, RequireAllNamesAServedLayerTheModelLacks) {
