@@ -4,6 +4,7 @@
 // sent it, and a received frame becomes a tensor that owns the frame.
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 #include <zmq.hpp>
@@ -32,5 +33,8 @@ at::Tensor frame_to_tensor(zmq::message_t&& frame, at::ScalarType dtype, at::Int
 
 // Receives every frame of one multipart message (non-blocking caller must have polled first).
 std::vector<zmq::message_t> recv_all(zmq::socket_t& socket);
+
+// Asks the executor at `endpoint` for its statistics; nullopt when it does not answer in time.
+std::optional<proto::Stats> request_stats(const std::string& endpoint, int timeout_ms);
 
 }  // namespace symbiosis::wire

@@ -1,0 +1,62 @@
+// symbiosis-ctl: asks a running executor about itself.
+//   symbiosis-ctl stats --executor tcp://HOST:PORT [--json]
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <google/protobuf/util/json_util.h>
+
+#include "transport/zmq_wire.h"
+
+namespace {
+
+void print_table(const symbiosis::proto::Stats& s) {
+  const double uptime = std::max(s.uptime_seconds(), 1e-9);
+  std::printf("policy %s, up %.1f s, %lu clients, queue depth %lu\n", s.policy().c_str(), s.uptime_seconds(),
+              static_cast<unsigned long>(s.clients()), static_cast<unsigned long>(s.queue_depth()));
+  std::printf("requests %lu in %lu batches (mean %.2f, max %lu), errors %lu, tokens %lu (%.0f tokens/s)\n",
+              static_cast<unsigned long>(s.requests()), static_cast<unsigned long>(s.batches()),
+              s.batches() ? double(s.requests()) / s.batches() : 0.0, static_cast<unsigned long>(s.max_batch_requests()),
+              static_cast<unsigned long>(s.errors()), static_cast<unsigned long>(s.tokens()), s.tokens() / uptime);
+  std::printf("computing %.3f s, mean wait per request %.1f us\n\n", s.compute_seconds(),
+              s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0);
+  std::printf("%-5s %-48s %10s %10s %9s %12s %12s\n", "id", "layer", "requests", "tokens", "batches", "compute ms",
+              "mean wait us");
+  for (const auto& l : s.layers()) {
+    std::printf("%-5u %-48s %10lu %10lu %9lu %12.2f %12.1f\n", l.layer_id(), l.name().c_str(),
+                static_cast<unsigned long>(l.requests()), static_cast<unsigned long>(l.tokens()),
+                static_cast<unsigned long>(l.batches()), 1e3 * l.compute_seconds(),
+                l.requests() ? 1e6 * l.wait_seconds() / l.requests() : 0.0);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"symbiosis-ctl: ask a running executor about itself"};
+  app.require_subcommand(1);
+  std::string endpoint = "tcp://127.0.0.1:5555";
+  bool json = false;
+  int timeout_ms = 5000;
+  auto* stats = app.add_subcommand("stats", "batching and compute statistics, overall and per layer");
+  stats->add_option("--executor", endpoint, "the executor's endpoint")->capture_default_str();
+  stats->add_option("--timeout", timeout_ms, "milliseconds to wait for the answer")->capture_default_str();
+  stats->add_flag("--json", json, "print JSON instead of a table");
+  CLI11_PARSE(app, argc, argv);
+  auto s = symbiosis::wire::request_stats(endpoint, timeout_ms);
+  if (!s) {
+    std::cerr << "symbiosis-ctl: executor at " << endpoint << " did not answer within " << timeout_ms << " ms\n";
+    return 1;
+  }
+  if (json) {
+    std::string text;
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(*s, &text, options);
+    std::cout << text << std::endl;
+  } else {
+    print_table(*s);
+  }
+  return 0;
+}
