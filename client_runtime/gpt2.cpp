@@ -56,11 +56,15 @@ GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& c, bool materialize_base)
   c_proj = register_module("c_proj", nn::Conv1D(c.n_embd, c.n_embd, /*bias=*/true, materialize_base));
 }
 
-at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask) {
+at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past) {
   const int64_t batch = x.size(0), length = x.size(1), head_dim = n_embd_ / n_head_;
   auto qkv = c_attn->forward(x).split(n_embd_, 2);
   auto heads = [&](const at::Tensor& t) { return t.view({batch, length, n_head_, head_dim}).transpose(1, 2); };
   auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  if (past != nullptr) {
+    k = at::cat({past->key, k}, 2);
+    v = at::cat({past->value, v}, 2);
+  }
   auto scores = at::matmul(q, k.transpose(-1, -2)) * std::pow(static_cast<double>(head_dim), -0.5);
   scores = scores + additive_mask;
   // Softmax in the model's dtype, as transformers' GPT-2 does (Llama's is in fp32).
@@ -87,8 +91,8 @@ GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& c, bool materialize_base) {
   mlp = register_module("mlp", GPT2MLP(c, materialize_base));
 }
 
-at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask) {
-  auto h = x + attn->forward(ln_1->forward(x), additive_mask);
+at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past) {
+  auto h = x + attn->forward(ln_1->forward(x), additive_mask, past);
   return h + mlp->forward(ln_2->forward(h));
 }
 
@@ -102,22 +106,20 @@ GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, bool materialize_base) : confi
 }
 
 at::Tensor GPT2ModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                  const at::Tensor& position_ids) {
+                                  const at::Tensor& position_ids, ModelAdapterImpl* adapter) {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
-  const int64_t batch = input_ids.size(0), length = input_ids.size(1);
-  TORCH_CHECK(length <= config_.n_positions, "GPT-2 input has ", length, " tokens, more than n_positions (",
-              config_.n_positions, ")");
-  const auto device = input_ids.device();
-  at::Tensor positions = position_ids.defined()
-                             ? position_ids.to(device).to(at::kLong)
-                             : at::arange(length, at::TensorOptions().dtype(at::kLong).device(device));
-  positions = positions.dim() == 1 ? positions.unsqueeze(0).expand({batch, length}) : positions;
-  TORCH_CHECK(positions.sizes() == at::IntArrayRef({batch, length}), "position_ids has shape ", position_ids.sizes(),
-              ", expected [", batch, ", ", length, "] or [", length, "]");
-  auto x = wte->forward(input_ids) + wpe->forward(positions);
-  auto mask = detail::causal_additive_mask(batch, length, attention_mask, x.scalar_type(), x.device());
-  for (const auto& block : *h) x = block->as<GPT2BlockImpl>()->forward(x, mask);
-  return ln_f->forward(x);
+  const int64_t length = input_ids.size(1);
+  auto in = detail::adapt_inputs(adapter, wte->forward(input_ids), attention_mask, position_ids, config_.n_layer);
+  const int64_t last_position = in.position_ids.numel() > 0 ? in.position_ids.max().item<int64_t>() : 0;
+  TORCH_CHECK(last_position < config_.n_positions, "GPT-2 input reaches position ", last_position,
+              " (virtual tokens included), beyond n_positions (", config_.n_positions, ")");
+  auto x = in.embeddings + wpe->forward(in.position_ids);
+  for (size_t i = 0; i < h->size(); ++i) {
+    const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
+    x = h[i]->as<GPT2BlockImpl>()->forward(x, in.additive_mask, past);
+  }
+  x = ln_f->forward(x);
+  return in.prompt_length > 0 ? x.narrow(1, in.prompt_length, length) : x;
 }
 
 GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& c, bool materialize_base) : config_(c) {
@@ -126,8 +128,17 @@ GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& c, bool materialize_b
 
 at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                         const at::Tensor& position_ids) {
-  auto hidden = transformer->forward(input_ids, attention_mask, position_ids);
+  auto hidden = transformer->forward(input_ids, attention_mask, position_ids, adapter_.get());
   return at::linear(hidden, transformer->wte->weight).to(at::kFloat);
+}
+
+void GPT2LMHeadModelImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {
+  TORCH_CHECK(!adapter_, "the model already has a model-level adapter");
+  adapter_ = register_module("adapter", std::move(adapter));
+}
+
+ModelShape GPT2LMHeadModelImpl::model_shape() const {
+  return {"gpt2", config_.n_layer, config_.n_embd, config_.n_head, config_.n_head, config_.n_embd / config_.n_head};
 }
 
 }  // namespace symbiosis

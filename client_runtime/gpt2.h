@@ -10,6 +10,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "client_runtime/nn.h"
+#include "client_runtime/peft_model_adapter.h"
 
 namespace symbiosis {
 
@@ -34,7 +35,9 @@ struct GPT2Config {
 class GPT2AttentionImpl : public torch::nn::Module {
  public:
   GPT2AttentionImpl(const GPT2Config& config, bool materialize_base);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask);  // x [B,T,E]
+  // x [B,T,E]; additive_mask [B,1,T,P+T]; past: keys and values [B,heads,P,head_dim] prepended to
+  // this layer's (prefix tuning), or null.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
   nn::Conv1D c_attn{nullptr}, c_proj{nullptr};
 
  private:
@@ -53,7 +56,7 @@ TORCH_MODULE(GPT2MLP);
 class GPT2BlockImpl : public torch::nn::Module {
  public:
   GPT2BlockImpl(const GPT2Config& config, bool materialize_base);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   GPT2Attention attn{nullptr};
   GPT2MLP mlp{nullptr};
@@ -64,8 +67,9 @@ TORCH_MODULE(GPT2Block);
 class GPT2ModelImpl : public torch::nn::Module {
  public:
   GPT2ModelImpl(const GPT2Config& config, bool materialize_base);
+  // adapter: a model-level PEFT adapter applied as [Model adapter conventions] say, or null.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
-                     const at::Tensor& position_ids = {});
+                     const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -75,7 +79,7 @@ class GPT2ModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT2Model);
 
-class GPT2LMHeadModelImpl : public torch::nn::Module {
+class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost {
  public:
   // materialize_base=false allocates no base-layer (Conv1D) weights: load them with
   // load_weights() or virtualize the model before calling forward.
@@ -86,10 +90,16 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
                      const at::Tensor& position_ids = {});
   const GPT2Config& config() const { return config_; }
 
+  // ModelAdapterHost: prompt tuning, P-tuning, prefix tuning (peft_model_adapter.h).
+  void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
+  std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
+  ModelShape model_shape() const override;
+
   GPT2Model transformer{nullptr};
 
  private:
   GPT2Config config_;
+  std::shared_ptr<ModelAdapterImpl> adapter_;
 };
 TORCH_MODULE(GPT2LMHeadModel);
 

@@ -158,7 +158,7 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                       const at::Tensor& additive_mask) {
+                                       const at::Tensor& additive_mask, const PastKeyValue* past) {
   const int64_t batch = x.size(0), length = x.size(1);
   auto q = q_proj->forward(x).view({batch, length, num_heads_, head_dim_}).transpose(1, 2);
   auto k = k_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
@@ -166,11 +166,16 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
+  if (past != nullptr) {  // a cache's keys are stored rotated already: prefix keys are used as they are
+    k = at::cat({past->key, k}, 2);
+    v = at::cat({past->value, v}, 2);
+  }
+  const int64_t keys = k.size(2);
   // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
   const int64_t rep = num_heads_ / num_kv_heads_;
   if (rep > 1) {
-    k = k.unsqueeze(2).expand({batch, num_kv_heads_, rep, length, head_dim_}).reshape({batch, num_heads_, length, head_dim_});
-    v = v.unsqueeze(2).expand({batch, num_kv_heads_, rep, length, head_dim_}).reshape({batch, num_heads_, length, head_dim_});
+    k = k.unsqueeze(2).expand({batch, num_kv_heads_, rep, keys, head_dim_}).reshape({batch, num_heads_, keys, head_dim_});
+    v = v.unsqueeze(2).expand({batch, num_kv_heads_, rep, keys, head_dim_}).reshape({batch, num_heads_, keys, head_dim_});
   }
   auto scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
   scores = scores + additive_mask;
@@ -197,8 +202,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool material
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                          const at::Tensor& additive_mask) {
-  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask);
+                                          const at::Tensor& additive_mask, const PastKeyValue* past) {
+  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past);
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 
@@ -212,25 +217,24 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool materialize_base) : co
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                   const at::Tensor& position_ids) {
+                                   const at::Tensor& position_ids, ModelAdapterImpl* adapter) {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
-  const int64_t batch = input_ids.size(0), length = input_ids.size(1);
-  auto h = embed_tokens->forward(input_ids);
+  const int64_t length = input_ids.size(1);
+  auto in = detail::adapt_inputs(adapter, embed_tokens->forward(input_ids), attention_mask, position_ids,
+                                 config_.num_hidden_layers);
+  auto h = in.embeddings;
   const auto device = h.device();
-  at::Tensor positions = position_ids.defined()
-                             ? position_ids.to(device).to(at::kLong)
-                             : at::arange(length, at::TensorOptions().dtype(at::kLong).device(device));
-  positions = positions.dim() == 1 ? positions.unsqueeze(0).expand({batch, length}) : positions;
-  TORCH_CHECK(positions.sizes() == at::IntArrayRef({batch, length}), "position_ids has shape ", position_ids.sizes(),
-              ", expected [", batch, ", ", length, "] or [", length, "]");
   // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
-  auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq_.to(device);
+  auto freqs = in.position_ids.unsqueeze(-1).to(at::kFloat) * inv_freq_.to(device);
   auto emb = at::cat({freqs, freqs}, -1);
   auto cos = emb.cos().to(h.scalar_type());
   auto sin = emb.sin().to(h.scalar_type());
-  auto mask = detail::causal_additive_mask(batch, length, attention_mask, h.scalar_type(), device);
-  for (const auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, mask);
-  return norm->forward(h);
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
+    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, in.additive_mask, past);
+  }
+  h = norm->forward(h);
+  return in.prompt_length > 0 ? h.narrow(1, in.prompt_length, length) : h;
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
@@ -242,9 +246,19 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materializ
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                          const at::Tensor& position_ids) {
-  auto h = model->forward(input_ids, attention_mask, position_ids);
+  auto h = model->forward(input_ids, attention_mask, position_ids, adapter_.get());
   auto logits = lm_head ? lm_head->forward(h) : at::linear(h, model->embed_tokens->weight);
   return logits.to(at::kFloat);
+}
+
+void LlamaForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {
+  TORCH_CHECK(!adapter_, "the model already has a model-level adapter");
+  adapter_ = register_module("adapter", std::move(adapter));
+}
+
+ModelShape LlamaForCausalLMImpl::model_shape() const {
+  return {"llama", config_.num_hidden_layers, config_.hidden_size, config_.num_attention_heads,
+          config_.num_key_value_heads, config_.resolved_head_dim()};
 }
 
 }  // namespace symbiosis

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "client_runtime/nn.h"
+#include "client_runtime/peft_model_adapter.h"
 
 namespace symbiosis {
 
@@ -65,9 +66,10 @@ TORCH_MODULE(LlamaRMSNorm);
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const LlamaConfig& config, bool materialize_base);
-  // x [B,T,H]; cos/sin [B,T,head_dim]; additive_mask [B,1,T,T] (0 or the dtype's lowest).
+  // x [B,T,H]; cos/sin [B,T,head_dim]; additive_mask [B,1,T,P+T] (0 or the dtype's lowest);
+  // past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix tuning), or null.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask);
+                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
   nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
@@ -87,7 +89,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, bool materialize_base);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask);
+                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -98,8 +100,9 @@ TORCH_MODULE(LlamaDecoderLayer);
 class LlamaModelImpl : public torch::nn::Module {
  public:
   LlamaModelImpl(const LlamaConfig& config, bool materialize_base);
+  // adapter: a model-level PEFT adapter applied as [Model adapter conventions] say, or null.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
-                     const at::Tensor& position_ids = {});
+                     const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
@@ -110,7 +113,7 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
-class LlamaForCausalLMImpl : public torch::nn::Module {
+class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost {
  public:
   // materialize_base=false allocates no base-layer weights (the projections and lm_head): load
   // them with load_weights() or virtualize the model before calling forward.
@@ -122,11 +125,17 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
                      const at::Tensor& position_ids = {});
   const LlamaConfig& config() const { return config_; }
 
+  // ModelAdapterHost: prompt tuning, P-tuning, prefix tuning (peft_model_adapter.h).
+  void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
+  std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
+  ModelShape model_shape() const override;
+
   LlamaModel model{nullptr};
   nn::Linear lm_head{nullptr};  // null when tie_word_embeddings: the logits use embed_tokens' weight
 
  private:
   LlamaConfig config_;
+  std::shared_ptr<ModelAdapterImpl> adapter_;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

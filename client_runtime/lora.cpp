@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "common/checkpoint.h"
 
@@ -29,17 +30,44 @@ bool targeted(const std::string& name, const LoraConfig& config) {
 
 const std::string kPeftPrefix = "base_model.model.";
 
+// PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", path).
+template <typename Map>
+const typename Map::mapped_type* pattern_value(const Map& patterns, const std::string& path) {
+  for (const auto& [key, value] : patterns) {
+    if (std::regex_match(path, std::regex("(.*\\.)?(" + key + ")"))) return &value;
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+int64_t LoraConfig::rank_for(const std::string& path) const {
+  const auto* v = pattern_value(rank_pattern, path);
+  return v ? *v : r;
+}
+
+double LoraConfig::alpha_for(const std::string& path) const {
+  const auto* v = pattern_value(alpha_pattern, path);
+  return v ? *v : alpha;
+}
 
 void LoraConfig::validate() const {
   TORCH_CHECK(r > 0, "LoRA field 'r' must be positive, got ", r);
   TORCH_CHECK(alpha > 0, "LoRA field 'lora_alpha' must be positive, got ", alpha);
   TORCH_CHECK(dropout >= 0 && dropout < 1, "LoRA field 'lora_dropout' must be in [0, 1), got ", dropout);
   TORCH_CHECK(!target_modules.empty(), "LoRA field 'target_modules' is empty");
+  TORCH_CHECK(bias == "none", "LoRA field 'bias' is '", bias, "'; only 'none' is supported");
+  for (const auto& [key, rank] : rank_pattern) {
+    TORCH_CHECK(rank > 0, "LoRA field 'rank_pattern' gives '", key, "' rank ", rank, ", expected a positive rank");
+  }
+  for (const auto& [key, a] : alpha_pattern) {
+    TORCH_CHECK(a > 0, "LoRA field 'alpha_pattern' gives '", key, "' alpha ", a, ", expected a positive alpha");
+  }
 }
 
 LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config)
-    : scaling(config.alpha / static_cast<double>(config.r)), dropout(config.dropout) {
+    : scaling(config.alpha / (config.use_rslora ? std::sqrt(static_cast<double>(config.r)) : static_cast<double>(config.r))),
+      dropout(config.dropout) {
   // PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0.
   auto a = at::empty({config.r, in_features});
   torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));
@@ -60,7 +88,10 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
   for (const auto& item : model.named_modules("", false)) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
     if (base == nullptr || !targeted(item.key(), config)) continue;
-    auto adapter = std::make_shared<LoraAdapterImpl>(base->in_features(), base->out_features(), config);
+    LoraConfig layer_config = config;
+    layer_config.r = config.rank_for(item.key());
+    layer_config.alpha = config.alpha_for(item.key());
+    auto adapter = std::make_shared<LoraAdapterImpl>(base->in_features(), base->out_features(), layer_config);
     base->set_adapter(adapter);
     params.push_back(adapter->lora_A);
     params.push_back(adapter->lora_B);
@@ -93,12 +124,16 @@ void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::fi
                       {"lora_alpha", config.alpha},
                       {"lora_dropout", config.dropout},
                       {"target_modules", config.target_modules},
-                      {"bias", "none"},
+                      {"bias", config.bias},
                       {"fan_in_fan_out", false},
-                      {"use_rslora", false},
+                      {"use_rslora", config.use_rslora},
+                      {"rank_pattern", config.rank_pattern},
+                      {"alpha_pattern", config.alpha_pattern},
                       {"use_dora", false},
                       {"inference_mode", false},
                       {"base_model_name_or_path", nullptr}};
+  // PEFT reads "all-linear" as a string only (in a list it would be a module name).
+  if (config.target_modules == std::vector<std::string>{"all-linear"}) j["target_modules"] = "all-linear";
   std::ofstream(dir / "adapter_config.json") << j.dump(2) << "\n";
 }
 
@@ -120,12 +155,38 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
   config.dropout = j.value("lora_dropout", config.dropout);
   if (j.contains("target_modules")) {
     const auto& t = j["target_modules"];
+    TORCH_CHECK(!t.is_string() || t.get<std::string>() == "all-linear", path, ": field 'target_modules' is the regular expression ",
+                t.dump(), "; only a list of names or \"all-linear\" is supported");
     config.target_modules = t.is_string() ? std::vector<std::string>{t.get<std::string>()}
                                           : t.get<std::vector<std::string>>();
   }
-  TORCH_CHECK(!j.value("use_dora", false), path, ": field 'use_dora' is true; DoRA adapters are not supported here");
-  TORCH_CHECK(!j.value("use_rslora", false), path, ": field 'use_rslora' is true; rsLoRA scaling is not supported here");
-  config.validate();
+  TORCH_CHECK(!j.value("use_dora", false), path,
+              ": field 'use_dora' is true; DoRA is not supported (its magnitude needs the base weights' norms, "
+              "which live on the executor)");
+  config.use_rslora = j.value("use_rslora", false);
+  if (j.contains("rank_pattern") && !j["rank_pattern"].is_null()) {
+    config.rank_pattern = j["rank_pattern"].get<std::map<std::string, int64_t>>();
+  }
+  if (j.contains("alpha_pattern") && !j["alpha_pattern"].is_null()) {
+    config.alpha_pattern = j["alpha_pattern"].get<std::map<std::string, double>>();
+  }
+  if (j.contains("bias") && j["bias"].is_string()) config.bias = j["bias"].get<std::string>();
+  auto refuse_set = [&](const char* field, const char* why) {
+    const bool set = j.contains(field) && !j[field].is_null() && !(j[field].is_array() && j[field].empty()) &&
+                     !(j[field].is_object() && j[field].empty()) && j[field] != false;
+    TORCH_CHECK(!set, path, ": field '", field, "' is ", j.contains(field) ? j[field].dump() : "", "; ", why);
+  };
+  refuse_set("modules_to_save", "extra trainable modules are not supported");
+  refuse_set("layers_to_transform", "per-layer selection is not supported");
+  refuse_set("exclude_modules", "excluded modules are not supported");
+  refuse_set("trainable_token_indices", "trainable tokens are not supported");
+  refuse_set("use_qalora", "QALoRA is not supported");
+  refuse_set("lora_bias", "LoRA bias terms (lora_bias) are not supported");
+  try {
+    config.validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
+  }
   return config;
 }
 

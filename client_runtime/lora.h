@@ -3,6 +3,7 @@
 // Adapters are saved and loaded in Hugging Face PEFT's format (adapter_config.json +
 // adapter_model.safetensors with keys base_model.model.<layer>.lora_A.weight).
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,8 +21,19 @@ struct LoraConfig {
   // PEFT initializes B to zero (the adapter starts as a no-op); false draws B like A, which
   // makes every gradient non-zero from the first step (useful in tests).
   bool init_b_zero = true;
+  // rsLoRA: scaling alpha/sqrt(r) instead of alpha/r.
+  bool use_rslora = false;
+  // Per-layer rank and alpha, PEFT's rank_pattern/alpha_pattern: a key applies to a layer whose path
+  // matches the regular expression "(.*\.)?(key)" whole; the first matching key (in key order) wins.
+  std::map<std::string, int64_t> rank_pattern;
+  std::map<std::string, double> alpha_pattern;
+  // Only "none" (no trainable biases) is supported.
+  std::string bias = "none";
 
   void validate() const;  // throws naming the bad field
+  // The rank and alpha of the layer at this path, after the patterns.
+  int64_t rank_for(const std::string& path) const;
+  double alpha_for(const std::string& path) const;
 };
 
 class LoraAdapterImpl : public LayerAdapterImpl {

@@ -1,0 +1,205 @@
+// Invariant 1 (exactness) for every PEFT method: split execution against an in-process executor
+// computes what the same model computes monolithically, in logits, loss and every adapter gradient
+// (fp32, 1e-5 relative), and the adapters still agree after three AdamW steps. Llama (grouped-query
+// attention, llama3 RoPE), tied Llama and GPT-2; a right-padded batch exercises the attention
+// mask's extension for virtual tokens.
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <cctype>
+#include <functional>
+
+#include "client_runtime/causal_lm.h"
+#include "client_runtime/peft_adapter.h"
+#include "client_runtime/training.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+using testing::relative_error;
+constexpr double kTolerance = 1e-5;
+
+using AddMethod = std::function<std::vector<at::Tensor>(torch::nn::Module&)>;
+
+struct Method {
+  std::string name;
+  AddMethod add;
+};
+
+std::vector<Method> methods() {
+  return {
+      {"ia3",
+       [](torch::nn::Module& m) {
+         IA3Config c;
+         c.init_ia3_weights = false;  // random vectors: every gradient non-trivial
+         return add_ia3(m, c);
+       }},
+      {"prompt_tuning",
+       [](torch::nn::Module& m) {
+         PromptTuningConfig c;
+         c.num_virtual_tokens = 5;
+         return add_prompt_tuning(m, c);
+       }},
+      {"p_tuning",
+       [](torch::nn::Module& m) {
+         PTuningConfig c;
+         c.num_virtual_tokens = 4;
+         c.encoder_hidden_size = 32;
+         return add_p_tuning(m, c);
+       }},
+      {"prefix_tuning",
+       [](torch::nn::Module& m) {
+         PrefixTuningConfig c;
+         c.num_virtual_tokens = 6;
+         return add_prefix_tuning(m, c);
+       }},
+      {"prefix_tuning_projection",
+       [](torch::nn::Module& m) {
+         PrefixTuningConfig c;
+         c.num_virtual_tokens = 3;
+         c.prefix_projection = true;
+         c.encoder_hidden_size = 24;
+         return add_prefix_tuning(m, c);
+       }},
+      {"lora_rslora_patterns",
+       [](torch::nn::Module& m) {
+         LoraConfig c;
+         c.r = 4;
+         c.alpha = 8;
+         c.use_rslora = true;
+         c.target_modules = {"all-linear"};
+         c.rank_pattern = {{"v_proj", 2}, {"c_fc", 6}};
+         c.alpha_pattern = {{"layers\\.1\\.mlp\\.down_proj", 3}, {"h\\.0\\.attn\\.c_attn", 5}};
+         c.init_b_zero = false;
+         return add_lora(m, c);
+       }},
+  };
+}
+
+struct MethodRun {
+  CausalLM lm;
+  std::vector<at::Tensor> adapter;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+
+MethodRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const Method& method) {
+  MethodRun run;
+  run.lm = open_causal_lm(checkpoint, client);
+  at::manual_seed(4321);  // the same adapter initialization on both sides
+  run.adapter = method.add(*run.lm.module);
+  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(1e-2));
+  return run;
+}
+
+using Param = std::tuple<std::string, int>;  // preset, index into methods()
+
+class PeftExactnessTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(PeftExactnessTest, SplitEqualsMonolithicInLossLogitsAndAdapterGradients) {
+  const auto& [preset, index] = GetParam();
+  const Method method = methods()[index];
+  const auto dir = testing::make_checkpoint(preset);
+  auto checkpoint = Checkpoint::open(dir);
+  auto executor = testing::start_executor(dir);
+  ClientOptions options;
+  options.endpoint = executor->endpoint();
+  options.expected_model_hash = checkpoint->model_hash();
+  auto client = Client::connect(options);
+
+  MethodRun split = make_run(*checkpoint, client, method);
+  MethodRun mono = make_run(*checkpoint, nullptr, method);
+  ASSERT_GT(split.lm.virtual_layers, 0u);
+  ASSERT_FALSE(split.adapter.empty());
+  ASSERT_EQ(split.adapter.size(), mono.adapter.size());
+  EXPECT_EQ(adapter_parameters(*split.lm.module).size(), split.adapter.size());
+
+  at::manual_seed(7);
+  auto ids = at::randint(0, 200, {2, 10}, at::kLong);
+  auto mask = at::ones({2, 10}, at::kLong);
+  mask.index_put_({1, at::indexing::Slice(7, at::indexing::None)}, 0);
+  auto labels = ids.masked_fill(mask == 0, kIgnoreIndex);
+  for (int step = 0; step < 3; ++step) {
+    for (MethodRun* run : {&split, &mono}) run->optimizer->zero_grad();
+    auto split_logits = split.lm.forward(ids, mask);
+    auto mono_logits = mono.lm.forward(ids, mask);
+    ASSERT_EQ(split_logits.sizes(), at::IntArrayRef({2, 10, 256}));
+    auto split_loss = causal_lm_loss(split_logits, labels);
+    auto mono_loss = causal_lm_loss(mono_logits, labels);
+    split_loss.backward();
+    mono_loss.backward();
+    EXPECT_LT(relative_error(split_logits, mono_logits), kTolerance) << "step " << step;
+    EXPECT_LT(relative_error(split_loss, mono_loss), kTolerance) << "step " << step;
+    for (size_t i = 0; i < split.adapter.size(); ++i) {
+      ASSERT_TRUE(split.adapter[i].grad().defined()) << "adapter tensor " << i;
+      EXPECT_GT(mono.adapter[i].grad().abs().max().item<double>(), 0.0) << "adapter tensor " << i;
+      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), kTolerance)
+          << "step " << step << ", adapter tensor " << i;
+    }
+    split.optimizer->step();
+    mono.optimizer->step();
+  }
+  for (size_t i = 0; i < split.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance) << "adapter tensor " << i;
+  }
+  EXPECT_GE(client->calls(), 3 * 2 * client->layers().size());
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  auto name = std::get<0>(info.param) + "_" + methods()[std::get<1>(info.param)].name;
+  for (auto& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, PeftExactnessTest,
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"),
+                                            ::testing::Range(0, 6)),
+                         param_name);
+
+// The model-level hook with no adapter changes nothing, and an adapter's virtual tokens change the
+// logits of real tokens only through attention (the output keeps the input's length).
+TEST(PeftModelAdapter, PromptTuningKeepsOutputShapeAndRefusesASecondAdapter) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  auto lm = open_causal_lm(*checkpoint);
+  auto ids = at::randint(0, 200, {1, 6}, at::kLong);
+  auto before = lm.forward(ids, {});
+  add_prompt_tuning(*lm.module, PromptTuningConfig{3});
+  auto after = lm.forward(ids, {});
+  EXPECT_EQ(after.sizes(), before.sizes());
+  EXPECT_GT((after - before).abs().max().item<double>(), 1e-4);
+  try {
+    add_prefix_tuning(*lm.module, PrefixTuningConfig{});
+    FAIL() << "a second model-level adapter was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already has a model-level adapter"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PeftConfigs, RefusalsNameTheField) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& field) {
+    try {
+      f();
+      ADD_FAILURE() << "no error for " << field;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + field + "'"), std::string::npos) << e.what();
+    }
+  };
+  LoraConfig lora;
+  lora.bias = "all";
+  expect_error([&] { lora.validate(); }, "bias");
+  lora.bias = "none";
+  lora.rank_pattern = {{"q_proj", 0}};
+  expect_error([&] { lora.validate(); }, "rank_pattern");
+  IA3Config ia3;
+  ia3.target_modules = {"k_proj"};
+  ia3.feedforward_modules = {"down_proj"};
+  expect_error([&] { ia3.validate(); }, "feedforward_modules");
+  expect_error([] { PromptTuningConfig{0}.validate(); }, "num_virtual_tokens");
+  PrefixTuningConfig prefix;
+  prefix.encoder_hidden_size = 8;
+  expect_error([&] { prefix.validate(); }, "encoder_hidden_size");
+}
+
+}  // namespace
+}  // namespace symbiosis
