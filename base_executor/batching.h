@@ -12,8 +12,10 @@
 //  - kOpportunistic (default): each request may wait for companions until its own deadline,
 //    arrival + min(max_wait, class_wait + per_token_wait * tokens). A queue runs when its earliest
 //    deadline passes (so a small decode request is never held behind a large fine-tuning one: it
-//    takes them along when it leaves), when it holds max_batch_tokens, or when every active client
-//    already has a request in it (nobody else can come).
+//    takes them along when it leaves), when it holds max_batch_tokens, or when no companion is
+//    expected: every client that used this queue within the last companion_window already has a
+//    request in it. Clients that progress at very different rates thus do not wait for each
+//    other at all, while clients moving through the layers together batch.
 // Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
 // among ready queues the one whose oldest request is oldest runs first, so no queue starves.
 // The Batcher is a plain data structure with an explicit clock: thread safety is the caller's
@@ -48,6 +50,7 @@ struct BatchingOptions {
   std::chrono::microseconds fine_tuning_wait{500};          // ... of a fine-tuning step
   std::chrono::nanoseconds per_token_wait{1000};            // budget added per token
   std::chrono::milliseconds lockstep_timeout{1000};         // lockstep: drop clients missing this long
+  std::chrono::microseconds companion_window{20000};        // opportunistic: who counts as a likely companion
 
   void validate() const;  // throws naming the field
   std::chrono::nanoseconds budget(LatencyClass latency, int64_t tokens) const;
@@ -85,6 +88,7 @@ class Batcher {
   void remove_client(uint64_t client_id) {
     clients_.erase(client_id);
     dropped_.erase(client_id);
+    for (auto& [key, queue] : queues_) queue.last_seen.erase(client_id);
   }
   size_t clients() const { return clients_.size(); }
   size_t lockstep_set_size() const { return clients_.size() - dropped_.size(); }
@@ -92,7 +96,9 @@ class Batcher {
   void push(Request request) {
     if (dropped_.erase(request.client_id)) clients_.insert(request.client_id);  // back in lockstep
     total_requests_++;
-    queues_[{request.layer_id, static_cast<int>(request.op)}].push_back(std::move(request));
+    auto& queue = queues_[{request.layer_id, static_cast<int>(request.op)}];
+    queue.last_seen[request.client_id] = request.arrival;
+    queue.requests.push_back(std::move(request));
   }
 
   size_t pending() const { return total_requests_; }
@@ -101,8 +107,8 @@ class Batcher {
   std::optional<Batch> pop(TimePoint now) {
     Queue* best = nullptr;
     for (auto& [key, queue] : queues_) {
-      if (queue.empty() || !ready(queue, now)) continue;
-      if (best == nullptr || queue.front().arrival < best->front().arrival) best = &queue;
+      if (queue.requests.empty() || !ready(queue, now)) continue;
+      if (best == nullptr || queue.requests.front().arrival < best->requests.front().arrival) best = &queue;
     }
     if (best == nullptr) return std::nullopt;
     return take(*best);
@@ -113,24 +119,41 @@ class Batcher {
   TimePoint next_deadline(TimePoint now) const {
     TimePoint next = TimePoint::max();
     for (const auto& [key, queue] : queues_) {
-      if (!queue.empty()) next = std::min(next, deadline(queue, now));
+      if (!queue.requests.empty()) next = std::min(next, deadline(queue, now));
     }
     return next;
   }
 
  private:
-  using Queue = std::deque<Request>;
+  struct Queue {
+    std::deque<Request> requests;
+    std::map<uint64_t, TimePoint> last_seen;  // each client's latest arrival here
+  };
 
   int64_t queued_tokens(const Queue& queue) const {
     int64_t tokens = 0;
-    for (const auto& r : queue) tokens += r.tokens;
+    for (const auto& r : queue.requests) tokens += r.tokens;
     return tokens;
   }
 
+  static std::set<uint64_t> present(const Queue& queue) {
+    std::set<uint64_t> ids;
+    for (const auto& r : queue.requests) ids.insert(r.client_id);
+    return ids;
+  }
+
   bool every_client_present(const Queue& queue, const std::set<uint64_t>& who) const {
-    std::set<uint64_t> present;
-    for (const auto& r : queue) present.insert(r.client_id);
-    return std::all_of(who.begin(), who.end(), [&](uint64_t id) { return present.count(id) > 0; });
+    const auto ids = present(queue);
+    return std::all_of(who.begin(), who.end(), [&](uint64_t id) { return ids.count(id) > 0; });
+  }
+
+  // Opportunistic: could another client still come to this queue soon?
+  bool companion_expected(const Queue& queue, TimePoint now) const {
+    const auto ids = present(queue);
+    for (const auto& [id, seen] : queue.last_seen) {
+      if (!ids.count(id) && clients_.count(id) && now - seen <= options_.companion_window) return true;
+    }
+    return false;
   }
 
   std::set<uint64_t> lockstep_set() const {
@@ -144,12 +167,13 @@ class Batcher {
   TimePoint deadline(const Queue& queue, TimePoint now) const {
     switch (options_.policy) {
       case BatchingPolicy::kNone:
-        return queue.front().arrival;
+        return queue.requests.front().arrival;
       case BatchingPolicy::kLockstep:
-        return every_client_present(queue, lockstep_set()) ? now : queue.front().arrival + options_.lockstep_timeout;
+        return every_client_present(queue, lockstep_set()) ? now
+                                                           : queue.requests.front().arrival + options_.lockstep_timeout;
       case BatchingPolicy::kOpportunistic: {
         TimePoint earliest = TimePoint::max();
-        for (const auto& r : queue) {
+        for (const auto& r : queue.requests) {
           earliest = std::min(earliest, r.arrival + std::chrono::duration_cast<Clock::duration>(
                                                         options_.budget(r.latency, r.tokens)));
         }
@@ -166,32 +190,32 @@ class Batcher {
       case BatchingPolicy::kLockstep: {
         const auto set = lockstep_set();
         if (every_client_present(queue, set)) return true;
-        if (now - queue.front().arrival < options_.lockstep_timeout) return false;
+        if (now - queue.requests.front().arrival < options_.lockstep_timeout) return false;
         // Stalled or gone: drop the missing clients from the set so the others go on.
-        std::set<uint64_t> present;
-        for (const auto& r : queue) present.insert(r.client_id);
+        const auto ids = present(queue);
         for (uint64_t id : set) {
-          if (!present.count(id)) dropped_.insert(id);
+          if (!ids.count(id)) dropped_.insert(id);
         }
         return true;
       }
       case BatchingPolicy::kOpportunistic:
         return deadline(queue, now) <= now || queued_tokens(queue) >= options_.max_batch_tokens ||
-               every_client_present(queue, clients_);
+               !companion_expected(queue, now);
     }
     return true;
   }
 
   Batch take(Queue& queue) {
+    auto& requests = queue.requests;
     Batch batch;
-    batch.layer_id = queue.front().layer_id;
-    batch.op = queue.front().op;
-    const size_t limit = options_.policy == BatchingPolicy::kNone ? 1 : queue.size();
-    while (!queue.empty() && batch.requests.size() < limit &&
-           (batch.requests.empty() || batch.tokens + queue.front().tokens <= options_.max_batch_tokens)) {
-      batch.tokens += queue.front().tokens;
-      batch.requests.push_back(std::move(queue.front()));
-      queue.pop_front();
+    batch.layer_id = requests.front().layer_id;
+    batch.op = requests.front().op;
+    const size_t limit = options_.policy == BatchingPolicy::kNone ? 1 : requests.size();
+    while (!requests.empty() && batch.requests.size() < limit &&
+           (batch.requests.empty() || batch.tokens + requests.front().tokens <= options_.max_batch_tokens)) {
+      batch.tokens += requests.front().tokens;
+      batch.requests.push_back(std::move(requests.front()));
+      requests.pop_front();
     }
     total_requests_ -= batch.requests.size();
     return batch;

@@ -1,6 +1,7 @@
 #include "base_executor/executor.h"
 
 #include <c10/util/Exception.h>
+#include <ATen/Parallel.h>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
@@ -66,6 +67,7 @@ void ExecutorOptions::validate() const {
   TORCH_CHECK(max_request_bytes > 0, "executor option --max-request-bytes must be positive");
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
+  TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
 }
 
 class Executor::Impl {
@@ -428,6 +430,8 @@ void Executor::Impl::run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies
 }
 
 void Executor::Impl::compute_loop() {
+  // OpenMP's thread count is per calling thread: set it on the thread that computes.
+  if (options.threads > 0) at::set_num_threads(options.threads);
   zmq::socket_t replies_out(context, zmq::socket_type::push);
   replies_out.set(zmq::sockopt::linger, 0);
   replies_out.connect(replies_endpoint);

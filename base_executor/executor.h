@@ -24,6 +24,9 @@ struct ExecutorOptions {
   BaseLayerRule layers;                          // which tensors are base layers
   size_t max_request_bytes = size_t{256} << 20;  // larger payloads are refused
   BatchingOptions batching;                      // see [Opportunistic batching]
+  // CPU threads of each GEMM on a CPU device; 0: LibTorch's default (all cores). When clients
+  // share the host, fewer avoids OpenMP threads spinning against them (measured in bench/).
+  int threads = 0;
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
 
   // Throws naming the field when an option is out of range.

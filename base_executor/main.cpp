@@ -27,13 +27,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   std::string policy = "opportunistic";
   int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
+  int64_t companion_window_us = options.batching.companion_window.count();
   app.add_option("--batching", policy, "batching policy: none, lockstep or opportunistic")->capture_default_str();
   app.add_option("--max-wait", max_wait_us, "opportunistic: longest a request waits for companions (us)")
+      ->capture_default_str();
+  app.add_option("--companion-window", companion_window_us,
+                 "opportunistic: wait only for clients that used the same layer within this window (us)")
       ->capture_default_str();
   app.add_option("--max-batch-tokens", options.batching.max_batch_tokens, "a batch closes at this many tokens")
       ->capture_default_str();
   app.add_option("--lockstep-timeout", lockstep_timeout_ms,
                  "lockstep: stop waiting for a client missing this long (ms)")->capture_default_str();
+  app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: all cores)")
+      ->capture_default_str();
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
@@ -55,6 +61,7 @@ int main(int argc, char** argv) {
     if (!dtype.empty()) options.dtype = symbiosis::parse_dtype_name(dtype);
     options.batching.policy = symbiosis::parse_batching_policy(policy);
     options.batching.max_wait = std::chrono::microseconds(max_wait_us);
+    options.batching.companion_window = std::chrono::microseconds(companion_window_us);
     options.batching.lockstep_timeout = std::chrono::milliseconds(lockstep_timeout_ms);
     executor = symbiosis::Executor::start(options);
   } catch (const c10::Error& e) {

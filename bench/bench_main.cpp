@@ -142,6 +142,7 @@ json run_policy(const json& scenario, const std::vector<json>& clients, const fs
                                    "--batching", policy,
                                    "--max-wait", std::to_string(ex.value("max_wait_us", 2000)),
                                    "--lockstep-timeout", std::to_string(ex.value("lockstep_timeout_ms", 1000)),
+                                   "--threads", std::to_string(ex.value("threads", 1)),
                                    "--log-level", "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
   pid_t executor = spawn(args, dir / "executor.out", dir / "executor.err");

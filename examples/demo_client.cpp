@@ -3,6 +3,7 @@
 // AdamW steps on a fixed synthetic batch, printing the loss as it falls. With --verify it then
 // repeats the run monolithically (base layers in-process) and exits 1 unless both agree.
 #include <CLI/CLI.hpp>
+#include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
 
 #include <cstdio>
@@ -32,6 +33,7 @@ struct Settings {
   bool verify = false;
   bool quiet = false;
   std::string save;
+  int threads = 1;
 };
 
 struct Result {
@@ -93,7 +95,9 @@ int main(int argc, char** argv) {
   app.add_option("--save", s.save, "save the trained adapter here (PEFT format)");
   app.add_flag("--verify", s.verify, "repeat monolithically and require equal losses and adapters (1e-5)");
   app.add_flag("--quiet", s.quiet, "print only the verdict");
+  app.add_option("--threads", s.threads, "CPU threads of this process (tenants share the host)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  at::set_num_threads(s.threads);
   try {
     auto checkpoint = Checkpoint::open(s.model);
     ClientOptions options;

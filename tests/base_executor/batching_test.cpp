@@ -39,6 +39,14 @@ BatchingOptions opportunistic() {
   return o;
 }
 
+// Each client uses (layer, op) once, together, just before t0: they are all likely companions.
+void recently_used(TestBatcher& b, std::vector<uint64_t> clients, uint32_t layer = 0, LayerOp op = LayerOp::kForward) {
+  for (uint64_t c : clients) b.push(request(c, layer, 1, t0 - 1ms, LatencyClass::kFineTuning, op));
+  auto batch = b.pop(t0 - 1ms);
+  ASSERT_TRUE(batch);
+  ASSERT_EQ(batch->requests.size(), clients.size());
+}
+
 std::vector<int> payloads(const TestBatcher::Batch& batch) {
   std::vector<int> out;
   for (const auto& r : batch.requests) out.push_back(r.payload);
@@ -56,6 +64,7 @@ TEST(BatchingTest, BudgetGrowsWithSizeAndClassAndStopsAtMaxWait) {
 TEST(BatchingTest, OpportunisticWaitsForCompanionsUntilTheBudgetThenBatchesThem) {
   TestBatcher b(opportunistic());
   for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  recently_used(b, {1, 2, 3});
   b.push(request(1, 0, 100, t0));            // budget 600 us
   b.push(request(2, 0, 200, t0 + 100us));    // budget 700 us
   EXPECT_FALSE(b.pop(t0 + 599us));           // client 3 could still come
@@ -73,6 +82,7 @@ TEST(BatchingTest, OpportunisticNeverWaitsPastMaxWait) {
   TestBatcher b(o);
   b.add_client(1);
   b.add_client(2);
+  recently_used(b, {1, 2});
   b.push(request(1, 0, 1'000'000, t0));  // a huge request: budget capped at 2000 us
   EXPECT_FALSE(b.pop(t0 + 1999us));
   EXPECT_TRUE(b.pop(t0 + 2000us));
@@ -81,6 +91,7 @@ TEST(BatchingTest, OpportunisticNeverWaitsPastMaxWait) {
 TEST(BatchingTest, ASmallDecodeRequestIsNotHeldBehindALargeOne) {
   TestBatcher b(opportunistic());
   for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  recently_used(b, {1, 2, 3});
   b.push(request(1, 0, 1024, t0));                                          // fine-tuning, budget 1524 us
   b.push(request(2, 0, 1, t0 + 10us, LatencyClass::kInferenceDecode));      // decode, budget 51 us
   EXPECT_FALSE(b.pop(t0 + 60us));
@@ -93,6 +104,7 @@ TEST(BatchingTest, RunsAtOnceWhenEveryClientIsAlreadyWaiting) {
   TestBatcher b(opportunistic());
   b.add_client(1);
   b.add_client(2);
+  recently_used(b, {1, 2});
   b.push(request(1, 0, 10, t0));
   EXPECT_FALSE(b.pop(t0));
   b.push(request(2, 0, 10, t0));
@@ -101,11 +113,25 @@ TEST(BatchingTest, RunsAtOnceWhenEveryClientIsAlreadyWaiting) {
   EXPECT_EQ(batch->requests.size(), 2u);
 }
 
+TEST(BatchingTest, ClientsThatHaveNotSharedAQueueLatelyDoNotWaitForEachOther) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.add_client(2);
+  recently_used(b, {1, 2});
+  // Client 2 last used this queue 30 ms ago (past the 20 ms companion window): it is busy
+  // elsewhere, so client 1's request runs at once.
+  b.push(request(1, 0, 10, t0 + 30ms));
+  auto batch = b.pop(t0 + 30ms);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1}));
+}
+
 TEST(BatchingTest, TheTokenCapClosesABatchAndSplitsTheQueue) {
   auto o = opportunistic();
   o.max_batch_tokens = 300;
   TestBatcher b(o);
   for (uint64_t c : {1, 2, 3, 4}) b.add_client(c);
+  recently_used(b, {1, 2, 3, 4});
   b.push(request(1, 0, 200, t0));
   EXPECT_FALSE(b.pop(t0));
   b.push(request(2, 0, 150, t0));  // 350 queued >= cap: ready now
@@ -119,6 +145,8 @@ TEST(BatchingTest, ForwardAndBackwardOfOneLayerBatchSeparately) {
   TestBatcher b(opportunistic());
   b.add_client(1);
   b.add_client(2);
+  recently_used(b, {1, 2}, 0, LayerOp::kForward);
+  recently_used(b, {1, 2}, 0, LayerOp::kBackwardInput);
   b.push(request(1, 0, 8, t0, LatencyClass::kFineTuning, LayerOp::kForward));
   b.push(request(2, 0, 8, t0, LatencyClass::kFineTuning, LayerOp::kBackwardInput));
   EXPECT_FALSE(b.pop(t0));  // neither queue holds both clients
