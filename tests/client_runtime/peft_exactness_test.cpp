@@ -7,7 +7,10 @@
 #include <torch/optim/adamw.h>
 
 #include <cctype>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 
 #include "client_runtime/causal_lm.h"
 #include "client_runtime/peft_adapter.h"
@@ -199,6 +202,76 @@ TEST(PeftConfigs, RefusalsNameTheField) {
   PrefixTuningConfig prefix;
   prefix.encoder_hidden_size = 8;
   expect_error([&] { prefix.validate(); }, "encoder_hidden_size");
+}
+
+// Four clients with four different methods share one executor, their steps interleaved; each
+// equals its own monolithic run.
+TEST(PeftMixedClients, FourMethodsOnOneExecutorEachExact) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  auto executor = testing::start_executor(dir);
+  ClientOptions options;
+  options.endpoint = executor->endpoint();
+  options.expected_model_hash = checkpoint->model_hash();
+  const auto all = methods();
+  const std::vector<int> picks = {5, 0, 3, 2};  // LoRA, IA3, prefix tuning, P-tuning
+  std::vector<MethodRun> split, mono;
+  std::vector<std::shared_ptr<Client>> clients;
+  for (int pick : picks) {
+    clients.push_back(Client::connect(options));
+    split.push_back(make_run(*checkpoint, clients.back(), all[pick]));
+    mono.push_back(make_run(*checkpoint, nullptr, all[pick]));
+  }
+  at::manual_seed(11);
+  auto ids = at::randint(0, 200, {1, 8}, at::kLong);
+  for (int step = 0; step < 2; ++step) {
+    for (size_t c = 0; c < picks.size(); ++c) {
+      for (MethodRun* run : {&split[c], &mono[c]}) {
+        run->optimizer->zero_grad();
+        causal_lm_loss(run->lm.forward(ids, {}), ids).backward();
+        run->optimizer->step();
+      }
+      for (size_t i = 0; i < split[c].adapter.size(); ++i) {
+        EXPECT_LT(relative_error(split[c].adapter[i], mono[c].adapter[i]), kTolerance)
+            << all[picks[c]].name << " step " << step << " tensor " << i;
+      }
+    }
+  }
+  EXPECT_EQ(executor->stats().errors, 0u);
+}
+
+// Adapter files asking for what is not supported are refused with the field's name.
+TEST(PeftFiles, RefusalsNameTheField) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  const auto adapter = testing::temp_dir("symbiosis-peft-refusals");
+  auto expect_refused = [&](const nlohmann::json& config, const std::string& field) {
+    std::ofstream(adapter / "adapter_config.json") << config.dump();
+    auto lm = open_causal_lm(*checkpoint);
+    try {
+      load_peft_adapter(*lm.module, adapter);
+      ADD_FAILURE() << "accepted " << config.dump();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + field + "'"), std::string::npos) << e.what();
+    }
+  };
+  const nlohmann::json lora = {{"peft_type", "LORA"}, {"r", 4}, {"lora_alpha", 8}, {"target_modules", {"q_proj"}}};
+  auto with = [](nlohmann::json j, const std::string& k, const nlohmann::json& v) {
+    j[k] = v;
+    return j;
+  };
+  expect_refused(with(lora, "use_dora", true), "use_dora");
+  expect_refused(with(lora, "bias", "all"), "bias");
+  expect_refused(with(lora, "modules_to_save", {"lm_head"}), "modules_to_save");
+  expect_refused(with(lora, "target_modules", ".*q_proj"), "target_modules");
+  expect_refused(with(lora, "rank_pattern", {{"q_proj", -1}}), "rank_pattern");
+  expect_refused({{"peft_type", "ADALORA"}}, "peft_type");
+  expect_refused({{"peft_type", "IA3"}, {"target_modules", {"k_proj"}}, {"feedforward_modules", {"down_proj"}}},
+                 "feedforward_modules");
+  expect_refused({{"peft_type", "PREFIX_TUNING"}, {"num_virtual_tokens", 4}, {"token_dim", 64}}, "token_dim");
+  expect_refused({{"peft_type", "PROMPT_TUNING"}, {"num_virtual_tokens", 4}, {"num_layers", 7}}, "num_layers");
+  expect_refused({{"peft_type", "P_TUNING"}, {"num_virtual_tokens", 0}}, "num_virtual_tokens");
+  expect_refused({{"peft_type", "PROMPT_TUNING"}, {"num_virtual_tokens", 4}, {"task_type", "SEQ_CLS"}}, "task_type");
 }
 
 }  // namespace
