@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "client_runtime/peft_dora.h"
 #include "common/checkpoint.h"
 
 namespace symbiosis {
@@ -91,10 +92,17 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
     LoraConfig layer_config = config;
     layer_config.r = config.rank_for(item.key());
     layer_config.alpha = config.alpha_for(item.key());
-    auto adapter = std::make_shared<LoraAdapterImpl>(base->in_features(), base->out_features(), layer_config);
+    std::shared_ptr<LoraAdapterImpl> adapter;
+    std::shared_ptr<DoraAdapterImpl> dora;
+    if (config.use_dora) {
+      adapter = dora = std::make_shared<DoraAdapterImpl>(base->in_features(), base->out_features(), layer_config);
+    } else {
+      adapter = std::make_shared<LoraAdapterImpl>(base->in_features(), base->out_features(), layer_config);
+    }
     base->set_adapter(adapter);
     params.push_back(adapter->lora_A);
     params.push_back(adapter->lora_B);
+    if (dora) params.push_back(dora->lora_magnitude_vector);
   }
   TORCH_CHECK(!params.empty(), "LoRA target_modules matched no base layer of the model");
   return params;
@@ -109,6 +117,9 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& mo
     if (!lora) continue;
     state.emplace_back(kPeftPrefix + item.key() + ".lora_A.weight", lora->lora_A);
     state.emplace_back(kPeftPrefix + item.key() + ".lora_B.weight", lora->lora_B);
+    if (auto dora = std::dynamic_pointer_cast<DoraAdapterImpl>(lora)) {
+      state.emplace_back(kPeftPrefix + item.key() + ".lora_magnitude_vector", dora->lora_magnitude_vector);
+    }
   }
   return state;
 }
@@ -129,7 +140,7 @@ void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::fi
                       {"use_rslora", config.use_rslora},
                       {"rank_pattern", config.rank_pattern},
                       {"alpha_pattern", config.alpha_pattern},
-                      {"use_dora", false},
+                      {"use_dora", config.use_dora},
                       {"inference_mode", false},
                       {"base_model_name_or_path", nullptr}};
   // PEFT reads "all-linear" as a string only (in a list it would be a module name).
@@ -160,9 +171,7 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
     config.target_modules = t.is_string() ? std::vector<std::string>{t.get<std::string>()}
                                           : t.get<std::vector<std::string>>();
   }
-  TORCH_CHECK(!j.value("use_dora", false), path,
-              ": field 'use_dora' is true; DoRA is not supported (its magnitude needs the base weights' norms, "
-              "which live on the executor)");
+  config.use_dora = j.value("use_dora", false);
   config.use_rslora = j.value("use_rslora", false);
   if (j.contains("rank_pattern") && !j["rank_pattern"].is_null()) {
     config.rank_pattern = j["rank_pattern"].get<std::map<std::string, int64_t>>();
@@ -205,6 +214,11 @@ LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir)
     auto saved = Checkpoint::open(tmp);
     at::NoGradGuard no_grad;
     for (auto& [name, param] : state) param.copy_(saved->tensor(name, param.sizes()));
+    for (const auto& item : model.named_modules("", false)) {
+      auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
+      auto dora = base ? std::dynamic_pointer_cast<DoraAdapterImpl>(base->adapter()) : nullptr;
+      if (dora) dora->set_magnitude_loaded();
+    }
     TORCH_CHECK(saved->names().size() == state.size(), file, " holds ", saved->names().size(),
                 " tensors, but the model's adapters have ", state.size());
   }

@@ -29,6 +29,8 @@ struct LoraConfig {
   std::map<std::string, double> alpha_pattern;
   // Only "none" (no trainable biases) is supported.
   std::string bias = "none";
+  // DoRA (peft_dora.h): a learned per-row magnitude over the normalized adapted weight.
+  bool use_dora = false;
 
   void validate() const;  // throws naming the bad field
   // The rank and alpha of the layer at this path, after the patterns.
@@ -47,11 +49,13 @@ class LoraAdapterImpl : public LayerAdapterImpl {
   double dropout;
 };
 
-// Attaches a LoRA adapter to each targeted base layer of the model; returns the adapter
-// parameters (the only trainable ones) in a stable order. Throws if no layer matches.
+// Attaches a LoRA adapter (a DoraAdapterImpl when config.use_dora) to each targeted base layer of
+// the model; returns the adapter parameters (the only trainable ones) in a stable order: per layer
+// lora_A, lora_B and, with DoRA, lora_magnitude_vector. Throws if no layer matches.
 std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config);
 
-// The LoRA parameters of a model, by their PEFT key names.
+// The LoRA parameters of a model, by their PEFT key names (with DoRA also
+// base_model.model.<layer>.lora_magnitude_vector).
 std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& model);
 
 void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir);

@@ -65,6 +65,7 @@ void BaseLayerImpl::bind(VirtLayer virt) {
 void BaseLayerImpl::set_adapter(std::shared_ptr<LayerAdapterImpl> adapter) {
   TORCH_CHECK(!adapter_, "base layer already has an adapter");
   adapter_ = register_module("adapter", std::move(adapter));
+  adapter_->attach(this);
 }
 
 at::Tensor BaseLayerImpl::base_forward(const at::Tensor& x) {
@@ -75,6 +76,20 @@ at::Tensor BaseLayerImpl::base_forward(const at::Tensor& x) {
   // Conv1D: x·W + b
   auto y = at::matmul(x, weight);
   return bias.defined() ? y + bias : y;
+}
+
+at::Tensor BaseLayerImpl::base_forward_no_bias(const at::Tensor& x) {
+  if (is_virtual()) return virt_->forward_no_bias(x);
+  TORCH_CHECK(weight.defined(), layer_kind_name(kind_),
+              " has no weights: load them from a checkpoint or virtualize the model first");
+  return kind_ == LayerKind::kLinear ? at::linear(x, weight) : at::matmul(x, weight);
+}
+
+at::Tensor BaseLayerImpl::base_bias() {
+  if (!has_bias_) return at::Tensor();
+  if (!is_virtual()) return bias;
+  at::NoGradGuard no_grad;
+  return virt_->forward(at::zeros({1, in_features_})).reshape({out_features_});
 }
 
 at::Tensor BaseLayerImpl::forward(const at::Tensor& x) {

@@ -19,11 +19,19 @@
 
 namespace symbiosis {
 
+namespace nn {
+class BaseLayerImpl;
+}
+
 // Wraps a base layer's computation: forward(x, base) where base(x) is the frozen layer.
 class LayerAdapterImpl : public torch::nn::Module {
  public:
   using BaseFn = std::function<at::Tensor(const at::Tensor&)>;
   virtual at::Tensor forward(const at::Tensor& x, const BaseFn& base) = 0;
+  // Called once by BaseLayerImpl::set_adapter with the layer that now holds this adapter. Most
+  // adapters need only BaseFn; one that needs more of the base (DoRA: its output without bias, its
+  // bias, its weight norms) keeps the pointer, valid for as long as that layer holds the adapter.
+  virtual void attach(nn::BaseLayerImpl* /*layer*/) {}
 };
 
 namespace nn {
@@ -37,6 +45,12 @@ class BaseLayerImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   // The frozen layer alone, without the adapter.
   at::Tensor base_forward(const at::Tensor& x);
+  // The frozen layer without its bias: x·Wᵀ (Linear) or x·W (Conv1D); on the executor
+  // (FORWARD_NO_BIAS) when virtual. Differentiable in x like base_forward.
+  at::Tensor base_forward_no_bias(const at::Tensor& x);
+  // The bias [out], undefined when the layer has none. When virtual it is computed by one executor
+  // call on a zero row (0·W + b = b exactly), without autograd; callers that need it often cache it.
+  at::Tensor base_bias();
 
   // Computes the base on the executor from now on; drops local weights.
   void bind(VirtLayer virt);

@@ -5,14 +5,16 @@
 // (peft_model_adapter.h). Every method saves and loads Hugging Face PEFT's files:
 // adapter_config.json + adapter_model.safetensors.
 //
-// Not supported, refused when a file asks for them (naming the field): DoRA (use_dora: its
-// magnitude needs the norms of the base weights, which live on the executor), AdaLoRA, LoRA bias
+// LoRA with use_dora is DoRA (peft_dora.h).
+//
+// Not supported, refused when a file asks for them (naming the field): AdaLoRA, LoRA bias
 // other than "none", modules_to_save, and every other peft_type.
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "client_runtime/lora.h"
+#include "client_runtime/peft_dora.h"
 #include "client_runtime/peft_ia3.h"
 #include "client_runtime/peft_prompt.h"
 

@@ -77,6 +77,18 @@ std::vector<Method> methods() {
          c.init_b_zero = false;
          return add_lora(m, c);
        }},
+      // DoRA on Linear (no bias) and Conv1D (with bias) layers: the split side finds the weight
+      // norms through FORWARD_NO_BIAS ([DoRA norms on the executor]), the monolithic side from W.
+      {"lora_dora",
+       [](torch::nn::Module& m) {
+         LoraConfig c;
+         c.r = 4;
+         c.alpha = 8;
+         c.use_dora = true;
+         c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+         c.init_b_zero = false;
+         return add_lora(m, c);
+       }},
   };
 }
 
@@ -156,8 +168,61 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Methods, PeftExactnessTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"),
-                                            ::testing::Range(0, 6)),
+                                            ::testing::Range(0, 7)),
                          param_name);
+
+// DoRA's weight norms found through the executor ([DoRA norms on the executor]) equal
+// ‖W + s·B·A‖ computed directly from the checkpoint's weights, and its dropout path (the rescaled
+// base term on the dropped input, through FORWARD_NO_BIAS) is exact in loss and gradients.
+TEST(PeftDora, NormsThroughTheExecutorAndDropoutPathMatchMonolithic) {
+  const auto dir = testing::make_checkpoint("tiny-gpt2");  // Conv1D with biases
+  auto checkpoint = Checkpoint::open(dir);
+  auto executor = testing::start_executor(dir);
+  ClientOptions options;
+  options.endpoint = executor->endpoint();
+  options.expected_model_hash = checkpoint->model_hash();
+  auto client = Client::connect(options);
+  LoraConfig c;
+  c.r = 4;
+  c.alpha = 8;
+  c.dropout = 0.3;
+  c.use_dora = true;
+  c.target_modules = {"c_attn", "mlp.c_proj"};
+  c.init_b_zero = false;
+  MethodRun split = make_run(*checkpoint, client, {"dora_dropout", [&](torch::nn::Module& m) { return add_lora(m, c); }});
+  MethodRun mono = make_run(*checkpoint, nullptr, {"dora_dropout", [&](torch::nn::Module& m) { return add_lora(m, c); }});
+
+  int checked = 0;
+  for (const auto& item : mono.lm.module->named_modules("", false)) {
+    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
+    auto dora = base ? std::dynamic_pointer_cast<DoraAdapterImpl>(base->adapter()) : nullptr;
+    if (!dora) continue;
+    auto split_base = split.lm.module->named_modules("", false)[item.key()];
+    auto split_dora = std::dynamic_pointer_cast<DoraAdapterImpl>(
+        std::dynamic_pointer_cast<nn::BaseLayerImpl>(split_base)->adapter());
+    ASSERT_TRUE(split_dora) << item.key();
+    auto direct = at::linalg_vector_norm(base->weight.t() + dora->scaling * at::matmul(dora->lora_B, dora->lora_A),
+                                         2, {1});
+    EXPECT_LT(relative_error(split_dora->weight_norm(), direct), 1e-6) << item.key();
+    EXPECT_LT(relative_error(split_dora->lora_magnitude_vector, direct), 1e-6) << item.key();  // PEFT's init
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);
+
+  auto ids = at::randint(0, 200, {2, 7}, at::kLong);
+  at::Tensor losses[2];
+  MethodRun* runs[2] = {&split, &mono};
+  for (int i = 0; i < 2; ++i) {
+    runs[i]->lm.module->train();
+    at::manual_seed(99);  // the same dropout masks on both sides
+    losses[i] = causal_lm_loss(runs[i]->lm.forward(ids, {}), ids);
+    losses[i].backward();
+  }
+  EXPECT_LT(relative_error(losses[0], losses[1]), kTolerance);
+  for (size_t i = 0; i < split.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), kTolerance) << "adapter tensor " << i;
+  }
+}
 
 // The model-level hook with no adapter changes nothing, and an adapter's virtual tokens change the
 // logits of real tokens only through attention (the output keeps the input's length).
@@ -260,7 +325,6 @@ TEST(PeftFiles, RefusalsNameTheField) {
     j[k] = v;
     return j;
   };
-  expect_refused(with(lora, "use_dora", true), "use_dora");
   expect_refused(with(lora, "bias", "all"), "bias");
   expect_refused(with(lora, "modules_to_save", {"lm_head"}), "modules_to_save");
   expect_refused(with(lora, "target_modules", ".*q_proj"), "target_modules");

@@ -70,6 +70,23 @@ LoraConfig lora_rslora_patterns() {
   return c;
 }
 
+LoraConfig lora_dora() {
+  LoraConfig c = lora_plain();
+  c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+  c.use_dora = true;
+  return c;
+}
+
+// DoRA's magnitude starts at the weight norm, where DoRA equals LoRA; move it off that point.
+void perturb_dora_magnitudes(torch::nn::Module& model) {
+  at::NoGradGuard no_grad;
+  for (const auto& item : model.named_parameters()) {
+    if (item.key().find("lora_magnitude_vector") != std::string::npos) {
+      item.value().mul_(at::rand_like(item.value()) + 0.5);
+    }
+  }
+}
+
 std::vector<Method> methods() {
   auto prompt_save = [](torch::nn::Module& m, const fs::path& d) { save_prompt_learning(m, d); };
   return {
@@ -103,6 +120,12 @@ std::vector<Method> methods() {
          add_prefix_tuning(m, c);
        },
        prompt_save},
+      {"lora_dora",
+       [](torch::nn::Module& m) {
+         add_lora(m, lora_dora());
+         perturb_dora_magnitudes(m);
+       },
+       [](torch::nn::Module& m, const fs::path& d) { save_lora(m, lora_dora(), d); }},
   };
 }
 
@@ -180,7 +203,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Range(0, 7)),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Range(0, 8)),
                          param_name);
 
 }  // namespace

@@ -27,6 +27,10 @@ def make_config(peft, method, model_type):
                                use_rslora=True, init_lora_weights=False,
                                rank_pattern={"v_proj": 2, "c_fc": 6},
                                alpha_pattern={r"layers\.1\.mlp\.down_proj": 3, r"h\.0\.attn\.c_attn": 5})
+    if method == "lora_dora":
+        mlp = ["down_proj"] if model_type == "llama" else ["c_fc"]
+        return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention + mlp,
+                               use_dora=True, init_lora_weights=False)
     if method == "ia3":
         return peft.IA3Config(task_type="CAUSAL_LM", init_ia3_weights=False)
     if method == "prompt_tuning":
@@ -68,6 +72,11 @@ def main() -> int:
     else:
         torch.manual_seed(99)
         model = peft.get_peft_model(base, make_config(peft, args.method, base.config.model_type))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                # DoRA's magnitude starts at the weight norm, where DoRA equals LoRA; move it off.
+                if "lora_magnitude_vector" in name:
+                    p.mul_(torch.rand_like(p) + 0.5)
     model.eval()
     kwargs = {k: inputs[k].long() for k in ("input_ids", "attention_mask") if k in inputs}
     with torch.no_grad():
