@@ -16,10 +16,10 @@ LoadedAdapter load_peft_adapter(torch::nn::Module& model, const std::filesystem:
   } else if (type == "PROMPT_TUNING" || type == "P_TUNING" || type == "PREFIX_TUNING") {
     load_prompt_learning(model, dir);
   } else if (type == "ADALORA") {
-    TORCH_CHECK(false, dir / "adapter_config.json", ": field 'peft_type' is 'ADALORA'; AdaLoRA is not supported");
+    load_adalora(model, dir);
   } else {
     TORCH_CHECK(false, dir / "adapter_config.json", ": field 'peft_type' is '", type,
-                "'; supported: LORA, IA3, PROMPT_TUNING, P_TUNING, PREFIX_TUNING");
+                "'; supported: LORA, ADALORA, IA3, PROMPT_TUNING, P_TUNING, PREFIX_TUNING");
   }
   loaded.parameters = adapter_parameters(model);
   return loaded;

@@ -5,15 +5,16 @@
 // (peft_model_adapter.h). Every method saves and loads Hugging Face PEFT's files:
 // adapter_config.json + adapter_model.safetensors.
 //
-// LoRA with use_dora is DoRA (peft_dora.h).
+// LoRA with use_dora is DoRA (peft_dora.h); AdaLoRA is in peft_adalora.h.
 //
-// Not supported, refused when a file asks for them (naming the field): AdaLoRA, LoRA bias
-// other than "none", modules_to_save, and every other peft_type.
+// Not supported, refused when a file asks for them (naming the field): LoRA bias other than
+// "none", modules_to_save, and every other peft_type.
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "client_runtime/lora.h"
+#include "client_runtime/peft_adalora.h"
 #include "client_runtime/peft_dora.h"
 #include "client_runtime/peft_ia3.h"
 #include "client_runtime/peft_prompt.h"
@@ -21,7 +22,7 @@
 namespace symbiosis {
 
 struct LoadedAdapter {
-  std::string peft_type;               // "LORA", "IA3", "PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"
+  std::string peft_type;               // "LORA", "ADALORA", "IA3", "PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"
   std::vector<at::Tensor> parameters;  // trainable, in a stable order
 };
 

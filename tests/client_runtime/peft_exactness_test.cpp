@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -224,6 +225,72 @@ TEST(PeftDora, NormsThroughTheExecutorAndDropoutPathMatchMonolithic) {
   }
 }
 
+// AdaLoRA: split equals monolithic in loss (with the orthogonal regularization), gradients,
+// parameters and allocation over steps covering every phase of the schedule: warm-up (step 1,
+// importance only), a budgeted allocation (2), the final allocation (3) and the fixed one (4).
+TEST(PeftAdaLora, SplitEqualsMonolithicThroughRankAllocation) {
+  for (const std::string preset : {"tiny-llama", "tiny-gpt2"}) {
+    SCOPED_TRACE(preset);
+    const auto dir = testing::make_checkpoint(preset);
+    auto checkpoint = Checkpoint::open(dir);
+    auto executor = testing::start_executor(dir);
+    ClientOptions options;
+    options.endpoint = executor->endpoint();
+    options.expected_model_hash = checkpoint->model_hash();
+    auto client = Client::connect(options);
+    AdaLoraConfig c;
+    c.init_r = 6;
+    c.target_r = 2;
+    c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+    c.total_step = 4;
+    c.tinit = 1;
+    c.tfinal = 1;
+    const Method method{"adalora", [&](torch::nn::Module& m) { return add_adalora(m, c); }};
+    MethodRun split = make_run(*checkpoint, client, method);
+    MethodRun mono = make_run(*checkpoint, nullptr, method);
+    AdaLoraAllocator split_allocator(*split.lm.module, c);
+    AdaLoraAllocator mono_allocator(*mono.lm.module, c);
+    const int64_t layers = static_cast<int64_t>(split.adapter.size() / 3);
+
+    at::manual_seed(5);
+    auto ids = at::randint(0, 200, {2, 9}, at::kLong);
+    for (int64_t step = 1; step <= 4; ++step) {
+      at::Tensor loss[2];
+      MethodRun* runs[2] = {&split, &mono};
+      for (int i = 0; i < 2; ++i) {
+        runs[i]->optimizer->zero_grad();
+        loss[i] = causal_lm_loss(runs[i]->lm.forward(ids, {}), ids) +
+                  adalora_orthogonal_regularization(*runs[i]->lm.module, c);
+        loss[i].backward();
+      }
+      EXPECT_LT(relative_error(loss[0], loss[1]), kTolerance) << "step " << step;
+      for (size_t i = 0; i < split.adapter.size(); ++i) {
+        EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), kTolerance)
+            << "step " << step << ", adapter tensor " << i;
+      }
+      split.optimizer->step();
+      mono.optimizer->step();
+      split_allocator.update_and_allocate(step);
+      mono_allocator.update_and_allocate(step);
+      for (size_t i = 0; i < split.adapter.size(); ++i) {
+        EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance)
+            << "step " << step << ", adapter tensor " << i;
+      }
+      EXPECT_EQ(split_allocator.config().rank_pattern, mono_allocator.config().rank_pattern) << "step " << step;
+      EXPECT_EQ(split_allocator.config().rank_pattern.empty(), step == 1) << "step " << step;
+      if (step >= 3) {  // the final allocation keeps exactly the target budget
+        int64_t kept = 0;
+        for (const auto& [key, keep] : mono_allocator.config().rank_pattern) kept += std::count(keep.begin(), keep.end(), true);
+        EXPECT_EQ(kept, c.target_r * layers) << "step " << step;
+        int64_t zeros = 0;  // masked singular values are zero
+        for (size_t i = 1; i < mono.adapter.size(); i += 3) zeros += (mono.adapter[i] == 0).sum().item<int64_t>();
+        EXPECT_GE(zeros, c.init_r * layers - kept) << "step " << step;
+      }
+    }
+    EXPECT_EQ(split_allocator.budget_schedule(2).first, int64_t((6 - 2) * layers * 0.125 + 2 * layers));
+  }
+}
+
 // The model-level hook with no adapter changes nothing, and an adapter's virtual tokens change the
 // logits of real tokens only through attention (the output keeps the input's length).
 TEST(PeftModelAdapter, PromptTuningKeepsOutputShapeAndRefusesASecondAdapter) {
@@ -329,7 +396,10 @@ TEST(PeftFiles, RefusalsNameTheField) {
   expect_refused(with(lora, "modules_to_save", {"lm_head"}), "modules_to_save");
   expect_refused(with(lora, "target_modules", ".*q_proj"), "target_modules");
   expect_refused(with(lora, "rank_pattern", {{"q_proj", -1}}), "rank_pattern");
-  expect_refused({{"peft_type", "ADALORA"}}, "peft_type");
+  expect_refused({{"peft_type", "ADALORA"}, {"total_step", 0}}, "total_step");
+  expect_refused({{"peft_type", "ADALORA"}, {"total_step", 10}, {"tinit", 6}, {"tfinal", 4}}, "tinit");
+  expect_refused({{"peft_type", "ADALORA"}, {"total_step", 10}, {"use_dora", true}}, "use_dora");
+  expect_refused({{"peft_type", "BOFT"}}, "peft_type");
   expect_refused({{"peft_type", "IA3"}, {"target_modules", {"k_proj"}}, {"feedforward_modules", {"down_proj"}}},
                  "feedforward_modules");
   expect_refused({{"peft_type", "PREFIX_TUNING"}, {"num_virtual_tokens", 4}, {"token_dim", 64}}, "token_dim");

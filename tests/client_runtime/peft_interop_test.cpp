@@ -14,6 +14,7 @@
 
 #include "client_runtime/causal_lm.h"
 #include "client_runtime/peft_adapter.h"
+#include "client_runtime/training.h"
 #include "tests/test_util.h"
 
 namespace symbiosis {
@@ -50,6 +51,7 @@ struct Method {
   std::string name;
   std::function<void(torch::nn::Module&)> add;
   std::function<void(torch::nn::Module&, const fs::path&)> save;
+  std::function<void(CausalLM&)> train;  // optional, after add: training that changes the file (AdaLoRA)
 };
 
 LoraConfig lora_plain() {
@@ -85,6 +87,34 @@ void perturb_dora_magnitudes(torch::nn::Module& model) {
       item.value().mul_(at::rand_like(item.value()) + 0.5);
     }
   }
+}
+
+AdaLoraConfig adalora_config() {
+  AdaLoraConfig c;
+  c.init_r = 6;
+  c.target_r = 2;
+  c.target_modules = {"q_proj", "v_proj", "c_attn"};
+  c.init_lora_weights = false;
+  c.total_step = 2;
+  return c;
+}
+
+// The config after our allocation step, with its rank_pattern: what the saved file holds.
+AdaLoraConfig& adalora_allocated_config() {
+  static AdaLoraConfig config;
+  return config;
+}
+
+// One training step and a budgeted allocation (step 1 of 2), so the saved adapter is resized by a
+// rank_pattern as PEFT's is after training.
+void adalora_train(CausalLM& lm) {
+  const auto config = adalora_config();
+  AdaLoraAllocator allocator(*lm.module, config);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
+  auto ids = at::randint(200, {2, 7}, gen, at::kLong);
+  (causal_lm_loss(lm.forward(ids, {}), ids) + adalora_orthogonal_regularization(*lm.module, config)).backward();
+  allocator.update_and_allocate(1);
+  adalora_allocated_config() = allocator.config();
 }
 
 std::vector<Method> methods() {
@@ -126,6 +156,8 @@ std::vector<Method> methods() {
          perturb_dora_magnitudes(m);
        },
        [](torch::nn::Module& m, const fs::path& d) { save_lora(m, lora_dora(), d); }},
+      {"adalora", [](torch::nn::Module& m) { add_adalora(m, adalora_config()); },
+       [](torch::nn::Module& m, const fs::path& d) { save_adalora(m, adalora_allocated_config(), d); }, adalora_train},
   };
 }
 
@@ -166,6 +198,7 @@ TEST_P(PeftInteropTest, SavedHereLoadsInPeftWithTheSameLogits) {
   auto lm = open_causal_lm(*checkpoint_);
   at::manual_seed(4321);
   method_.add(*lm.module);
+  if (method_.train) method_.train(lm);
   at::Tensor ours;
   {
     at::NoGradGuard no_grad;
@@ -203,7 +236,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Range(0, 8)),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Range(0, 9)),
                          param_name);
 
 }  // namespace

@@ -31,6 +31,9 @@ def make_config(peft, method, model_type):
         mlp = ["down_proj"] if model_type == "llama" else ["c_fc"]
         return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention + mlp,
                                use_dora=True, init_lora_weights=False)
+    if method == "adalora":
+        return peft.AdaLoraConfig(task_type="CAUSAL_LM", init_r=6, target_r=2, lora_alpha=8, target_modules=attention,
+                                  init_lora_weights=False, total_step=2)
     if method == "ia3":
         return peft.IA3Config(task_type="CAUSAL_LM", init_ia3_weights=False)
     if method == "prompt_tuning":
@@ -77,6 +80,13 @@ def main() -> int:
                 # DoRA's magnitude starts at the weight norm, where DoRA equals LoRA; move it off.
                 if "lora_magnitude_vector" in name:
                     p.mul_(torch.rand_like(p) + 0.5)
+        if args.method == "adalora":
+            # One training step and a budgeted allocation (step 1 of 2), so the saved adapter carries a
+            # rank_pattern and holds only the kept triplets.
+            ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(77))
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.base_model.update_and_allocate(1)
+            model.zero_grad()
     model.eval()
     kwargs = {k: inputs[k].long() for k in ("input_ids", "attention_mask") if k in inputs}
     with torch.no_grad():
