@@ -55,21 +55,32 @@ size_t BaseModel::weight_bytes() const {
   return total;
 }
 
-at::Tensor BaseModel::compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const {
+// Linear stores [out, in] (y = x·Wᵀ + b); Conv1D stores [in, out] (y = x·W + b). The matrix x is
+// multiplied by, and the bias to add (undefined when none or not wanted).
+std::pair<at::Tensor, at::Tensor> BaseModel::operands(uint32_t layer_id, LayerOp op) const {
   TORCH_CHECK(layer_id < layers_.size(), "unknown layer id ", layer_id);
-  const auto& info = layers_[layer_id];
   const auto& w = weights_[layer_id];
-  // Linear stores [out, in] (y = x·Wᵀ + b); Conv1D stores [in, out] (y = x·W + b).
-  const at::Tensor forward_matrix = info.kind == LayerKind::kLinear ? w.weight.t() : w.weight;
+  const at::Tensor forward_matrix = layers_[layer_id].kind == LayerKind::kLinear ? w.weight.t() : w.weight;
   switch (op) {
-    case LayerOp::kForward:
-      return w.bias.defined() ? at::addmm(w.bias, x, forward_matrix) : at::mm(x, forward_matrix);
-    case LayerOp::kForwardNoBias:
-      return at::mm(x, forward_matrix);
-    case LayerOp::kBackwardInput:
-      return at::mm(x, forward_matrix.t());
+    case LayerOp::kForward: return {forward_matrix, w.bias};
+    case LayerOp::kForwardNoBias: return {forward_matrix, at::Tensor()};
+    case LayerOp::kBackwardInput: return {forward_matrix.t(), at::Tensor()};
   }
   TORCH_CHECK(false, "unknown op");
+}
+
+at::Tensor BaseModel::compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const {
+  const auto [matrix, bias] = operands(layer_id, op);
+  return bias.defined() ? at::addmm(bias, x, matrix) : at::mm(x, matrix);
+}
+
+void BaseModel::compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const {
+  const auto [matrix, bias] = operands(layer_id, op);
+  if (bias.defined()) {
+    at::addmm_out(out, bias, x, matrix);
+  } else {
+    at::mm_out(out, x, matrix);
+  }
 }
 
 }  // namespace symbiosis

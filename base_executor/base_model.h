@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/checkpoint.h"
@@ -38,8 +39,12 @@ class BaseModel {
 
   // x: [tokens, in] (FORWARD*) or [tokens, out] (BACKWARD_INPUT), on device(), in the layer dtype.
   at::Tensor compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const;
+  // The same, written into `out` ([tokens, out features], contiguous, on device()): a client's
+  // payload buffer receives its result without a copy.
+  void compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const;
 
  private:
+  std::pair<at::Tensor, at::Tensor> operands(uint32_t layer_id, LayerOp op) const;
   struct Weights {
     at::Tensor weight;
     at::Tensor bias;

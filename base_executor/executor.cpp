@@ -2,17 +2,27 @@
 
 #include <c10/util/Exception.h>
 #include <ATen/Parallel.h>
+#include <signal.h>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "base_executor/batching.h"
+#include "base_executor/same_host_channel.h"
+#include "transport/cuda_ipc.h"
+#include "transport/nccl_comm.h"
 #include "transport/zmq_wire.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/batched_copy.h"
+#endif
 
 namespace symbiosis {
 namespace {
@@ -21,17 +31,27 @@ using Clock = std::chrono::steady_clock;
 
 // What a queued request carries besides what the Batcher decides on.
 struct Work {
-  zmq::message_t identity;
-  proto::Request request;
-  at::Tensor input;
+  shm::CallHeader header;
+  std::shared_ptr<SameHostChannel> channel;  // same-host clients; null for ZeroMQ clients
+  zmq::message_t identity;                   // ZeroMQ clients: where the reply goes
+  at::Tensor input;                          // ZeroMQ clients: the payload, in host memory
+  at::Tensor destination;                    // same-host clients: where the result goes, if in place
 };
 using WorkBatcher = Batcher<Work>;
 
-LatencyClass to_latency_class(proto::LatencyClass c) {
+LatencyClass to_latency_class(int32_t c) {
   switch (c) {
     case proto::INFERENCE_DECODE: return LatencyClass::kInferenceDecode;
     case proto::INFERENCE_PREFILL: return LatencyClass::kInferencePrefill;
     default: return LatencyClass::kFineTuning;
+  }
+}
+
+LayerOp to_layer_op(int32_t op) {
+  switch (op) {
+    case proto::BACKWARD_INPUT: return LayerOp::kBackwardInput;
+    case proto::FORWARD_NO_BIAS: return LayerOp::kForwardNoBias;
+    default: return LayerOp::kForward;
   }
 }
 
@@ -45,18 +65,23 @@ struct ClientRecord {
   uint64_t id;
   std::string tenant;
   Clock::time_point last_seen;
+  std::string transport;
+  int pid = 0;                               // same-host clients: checked for liveness
+  std::shared_ptr<SameHostChannel> channel;  // same-host clients
 };
 
-LayerOp to_layer_op(proto::Op op) {
-  switch (op) {
-    case proto::BACKWARD_INPUT: return LayerOp::kBackwardInput;
-    case proto::FORWARD_NO_BIAS: return LayerOp::kForwardNoBias;
-    default: return LayerOp::kForward;
-  }
+// ZeroMQ clients idle this long without a Goodbye are forgotten (they died or left). Same-host
+// clients are forgotten as soon as their process is gone.
+constexpr auto kClientIdleLimit = std::chrono::minutes(10);
+constexpr auto kLivenessInterval = std::chrono::milliseconds(200);
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
 }
 
-// Clients idle this long without a Goodbye are forgotten (they died or left).
-constexpr auto kClientIdleLimit = std::chrono::minutes(10);
+bool process_alive(int pid) { return pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH; }
 
 }  // namespace
 
@@ -68,12 +93,14 @@ void ExecutorOptions::validate() const {
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
+  TORCH_CHECK(spin_us >= 0, "executor option --spin-us must be >= 0, got ", spin_us);
 }
 
 class Executor::Impl {
  public:
   ExecutorOptions options;
   std::unique_ptr<BaseModel> model;
+  proto::Placement placement;  // where this executor runs
   zmq::context_t context{1};
   zmq::socket_t router{context, zmq::socket_type::router};
   zmq::socket_t replies_in{context, zmq::socket_type::pull};
@@ -82,11 +109,17 @@ class Executor::Impl {
   std::atomic<bool> stopping{false};
   std::thread io_thread;
   std::thread compute_thread;
+  // The compute thread sleeps on it; the IO thread and same-host clients notify it when they
+  // queue work. See [Shared-memory control channel].
+  Doorbell doorbell;
 
-  // Requests validated by the IO thread, waiting for the compute thread. See [Opportunistic batching].
+  // Requests validated by the IO thread or the compute thread, waiting for a batch.
+  // See [Opportunistic batching].
   std::mutex queue_mutex;
-  std::condition_variable queue_cv;     // signalled on push, on client changes and on stop
   std::unique_ptr<WorkBatcher> batcher;  // guarded by queue_mutex
+  // Set-up work for the compute thread, which owns the same-host channels (registering buffers,
+  // NCCL set-up, adding and dropping channels). Each task may answer through replies_out.
+  std::vector<std::function<void(zmq::socket_t& replies_out)>> control_tasks;  // guarded by queue_mutex
 
   std::mutex counters_mutex;
   std::vector<LayerCounters> counters;  // per layer id; guarded by counters_mutex
@@ -97,7 +130,15 @@ class Executor::Impl {
   std::map<std::string, ClientRecord> clients;
   uint64_t next_client_id = 1;
 
-  std::atomic<uint64_t> clients_now{0}, requests{0}, errors{0}, tokens{0};
+  // Owned by the compute thread.
+  std::map<uint64_t, std::shared_ptr<SameHostChannel>> channels;  // polled for requests
+  struct PendingSetup {
+    std::shared_ptr<SameHostChannel> channel;
+    std::string identity;  // the client's ZeroMQ routing id
+  };
+  std::vector<PendingSetup> pending_setups;  // NCCL communicators still joining
+
+  std::atomic<uint64_t> clients_now{0}, same_host_clients_now{0}, requests{0}, errors{0}, tokens{0};
   std::atomic<uint64_t> compute_nanos{0};
 
   std::mutex done_mutex;
@@ -107,13 +148,24 @@ class Executor::Impl {
   void io_loop();
   void compute_loop();
   void handle(std::vector<zmq::message_t>& frames);
+  void handle_hello(const proto::Hello& hello, zmq::message_t& identity, const std::string& key);
   void send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code, const std::string& message,
                   bool as_reply);
-  std::string validate(const proto::Request& r, const std::vector<zmq::message_t>& frames, proto::ErrorCode* code) const;
+  std::string choose_transport(const proto::Hello& hello) const;
+  std::string validate_call(shm::CallHeader& h, const std::vector<int64_t>& shape, proto::ErrorCode* code) const;
+  void queue(WorkBatcher::Request request);
+  void post(std::function<void(zmq::socket_t&)> task);
+  void poll_channels();
+  void accept_same_host(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& h);
+  void finish_setups(zmq::socket_t& replies_out);
   void log_stats();
   void run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies_out);
+  std::vector<at::Tensor> compute_batch(WorkBatcher::Batch& batch);
+  void deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>& results, const std::string& failure,
+               zmq::socket_t& replies_out);
   proto::Stats collect_stats();
   void forget_client(const std::string& key);
+  void check_liveness();
 };
 
 void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code,
@@ -129,48 +181,178 @@ void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, p
   router.send(wire::serialize(env), zmq::send_flags::none);
 }
 
-std::string Executor::Impl::validate(const proto::Request& r, const std::vector<zmq::message_t>& frames,
-                                     proto::ErrorCode* code) const {
+// Fills h.tokens and h.features from `shape`; returns "" or the problem (and its code).
+std::string Executor::Impl::validate_call(shm::CallHeader& h, const std::vector<int64_t>& shape,
+                                          proto::ErrorCode* code) const {
   const auto& layers = model->layers();
-  if (r.layer_id() >= layers.size()) {
+  if (h.layer_id >= layers.size()) {
     *code = proto::NOT_FOUND;
-    return "unknown layer id " + std::to_string(r.layer_id()) + " (this executor serves " +
+    return "unknown layer id " + std::to_string(h.layer_id) + " (this executor serves " +
            std::to_string(layers.size()) + " layers, ids 0.." + std::to_string(layers.size() - 1) + ")";
   }
-  const auto& layer = layers[r.layer_id()];
-  const std::string where = "request " + std::to_string(r.request_id()) + " for layer " +
-                            std::to_string(layer.id) + " (" + layer.name + ")";
+  const auto& layer = layers[h.layer_id];
+  // Built only for an error: this runs for every call.
+  auto where = [&] {
+    return "request " + std::to_string(h.request_id) + " for layer " + std::to_string(layer.id) + " (" + layer.name +
+           ")";
+  };
   *code = proto::INVALID_ARGUMENT;
-  if (r.op() != proto::FORWARD && r.op() != proto::BACKWARD_INPUT && r.op() != proto::FORWARD_NO_BIAS) {
-    return where + ": op " + std::to_string(r.op()) + " is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS";
+  if (h.op != proto::FORWARD && h.op != proto::BACKWARD_INPUT && h.op != proto::FORWARD_NO_BIAS) {
+    return where() + ": op " + std::to_string(h.op) + " is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS";
   }
   const auto expected_dtype = wire::to_proto(layer.dtype);
-  if (r.dtype() != expected_dtype) {
-    return where + ": dtype " + proto::DType_Name(r.dtype()) + " does not match the layer's " +
-           proto::DType_Name(expected_dtype);
+  if (h.dtype != expected_dtype) {
+    const std::string got = proto::DType_IsValid(h.dtype) ? proto::DType_Name(static_cast<proto::DType>(h.dtype))
+                                                          : std::to_string(h.dtype);
+    return where() + ": dtype " + got + " does not match the layer's " + proto::DType_Name(expected_dtype);
   }
-  const int64_t features = r.op() == proto::BACKWARD_INPUT ? layer.out_features : layer.in_features;
-  if (r.shape_size() != 2 || r.shape(0) < 1 || r.shape(1) != features) {
-    std::string shape = "[";
-    for (int i = 0; i < r.shape_size(); ++i) shape += (i ? ", " : "") + std::to_string(r.shape(i));
-    return where + " (" + wire::op_name(r.op()) + "): shape " + shape + "] should be [tokens >= 1, " +
-           std::to_string(features) + "]";
+  const int64_t features = h.op == proto::BACKWARD_INPUT ? layer.out_features : layer.in_features;
+  if (shape.size() != 2 || shape[0] < 1 || shape[1] != features) {
+    return where() + " (" + wire::op_name(static_cast<proto::Op>(h.op)) + "): shape " + shape_text(shape) +
+           " should be [tokens >= 1, " + std::to_string(features) + "]";
   }
-  const uint64_t bytes = static_cast<uint64_t>(r.shape(0)) * r.shape(1) * at::elementSize(layer.dtype);
-  if (bytes > options.max_request_bytes) {
+  h.tokens = shape[0];
+  h.features = shape[1];
+  // Compared by rows, so that no product of a client's numbers can overflow.
+  const uint64_t row_bytes = static_cast<uint64_t>(h.features) * at::elementSize(layer.dtype);
+  if (static_cast<uint64_t>(h.tokens) > options.max_request_bytes / row_bytes) {
     *code = proto::RESOURCE_EXHAUSTED;
-    return where + ": " + std::to_string(bytes) + " bytes exceed the executor's limit of " +
-           std::to_string(options.max_request_bytes) + " bytes (--max-request-bytes)";
-  }
-  *code = proto::MALFORMED;
-  if (frames.size() != 3) {
-    return where + ": expected exactly one payload frame after the header, got " + std::to_string(frames.size() - 2);
-  }
-  if (frames[2].size() != bytes) {
-    return where + ": payload has " + std::to_string(frames[2].size()) + " bytes, expected " + std::to_string(bytes) +
-           " for its shape and dtype";
+    return where() + ": " + std::to_string(h.tokens) + " tokens of " + std::to_string(row_bytes) +
+           " bytes exceed the executor's limit of " + std::to_string(options.max_request_bytes) +
+           " bytes (--max-request-bytes)";
   }
   return "";
+}
+
+// [Transport choice]
+// A client names a transport or asks for "auto". Auto picks by where the client runs (its Hello's
+// Placement) against where the executor runs: another host, tcp; the same host, a CPU client,
+// shm; the executor's own GPU (same GPU UUID), cuda-ipc; another GPU of this host, nccl. A named
+// transport that the placement cannot support is refused with the reason.
+std::string Executor::Impl::choose_transport(const proto::Hello& hello) const {
+  const auto& p = hello.placement();
+  const std::string asked = hello.transport().empty() ? "auto" : hello.transport();
+  const bool same_host = !p.host_id().empty() && p.host_id() == placement.host_id();
+  const bool client_gpu = !p.gpu_uuid().empty();
+  const bool executor_gpu = !placement.gpu_uuid().empty();
+  const bool same_gpu = client_gpu && p.gpu_uuid() == placement.gpu_uuid();
+  if (asked == "auto") {
+    if (!same_host) return "tcp";
+    if (same_gpu) return "cuda-ipc";
+    if (client_gpu && executor_gpu && nccl::nccl_available()) return "nccl";
+    return "shm";
+  }
+  const std::string refusal = "transport " + asked + " is not possible here: ";
+  if (asked == "tcp") return asked;
+  TORCH_CHECK(asked == "shm" || asked == "cuda-ipc" || asked == "nccl", "unknown transport '", asked,
+              "' (expected auto, tcp, shm, cuda-ipc or nccl)");
+  TORCH_CHECK(same_host, refusal, "the client is on another host (", p.host_id(), ", the executor on ",
+              placement.host_id(), "); use tcp");
+  if (asked == "cuda-ipc") {
+    TORCH_CHECK(same_gpu, refusal, "it needs the client on the executor's GPU (", placement.device(), " ",
+                placement.gpu_uuid(), "), but the client is on ", p.device(), " ", p.gpu_uuid());
+  }
+  if (asked == "nccl") {
+    TORCH_CHECK(executor_gpu && client_gpu && !same_gpu, refusal,
+                "it needs the client and the executor on two different GPUs (client ", p.device(), ", executor ",
+                placement.device(), ")");
+    TORCH_CHECK(nccl::nccl_available(), refusal, "this executor was built without NCCL");
+  }
+  return asked;
+}
+
+void Executor::Impl::post(std::function<void(zmq::socket_t&)> task) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    control_tasks.push_back(std::move(task));
+  }
+  doorbell.word().notify();
+}
+
+void Executor::Impl::queue(WorkBatcher::Request request) {
+  std::lock_guard<std::mutex> lock(queue_mutex);
+  batcher->push(std::move(request));
+}
+
+// Sends `env` to the client `identity` names, from the compute thread (through the IO thread's
+// inproc socket).
+void send_via(zmq::socket_t& replies_out, const std::string& identity, const proto::Envelope& env) {
+  replies_out.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
+  replies_out.send(wire::serialize(env), zmq::send_flags::none);
+}
+
+void send_error_via(zmq::socket_t& replies_out, const std::string& identity, const std::string& message) {
+  proto::Envelope env;
+  env.mutable_error()->set_code(proto::FAILED_PRECONDITION);
+  env.mutable_error()->set_message(message);
+  send_via(replies_out, identity, env);
+}
+
+void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& identity, const std::string& key) {
+  if (hello.protocol_version() != wire::kProtocolVersion) {
+    send_error(identity, 0, proto::FAILED_PRECONDITION,
+               "client speaks protocol " + std::to_string(hello.protocol_version()) + ", executor speaks " +
+                   std::to_string(wire::kProtocolVersion), false);
+    return;
+  }
+  if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model->model_hash()) {
+    send_error(identity, 0, proto::FAILED_PRECONDITION,
+               "model mismatch: the client was built for model " + hello.expected_model_hash() +
+                   ", but this executor serves model " + model->model_hash() + " (" + options.model_dir.string() + ")",
+               false);
+    return;
+  }
+  std::string transport;
+  try {
+    transport = choose_transport(hello);
+  } catch (const c10::Error& e) {
+    send_error(identity, 0, proto::FAILED_PRECONDITION, e.what_without_backtrace(), false);
+    return;
+  }
+  if (clients.count(key)) forget_client(key);  // a second Hello starts the client afresh
+  ClientRecord record{next_client_id++, hello.tenant(), Clock::now(), transport};
+  if (transport != "tcp") {
+    try {
+      record.channel = SameHostChannel::create(transport, record.id, model->device());
+    } catch (const c10::Error& e) {
+      send_error(identity, 0, proto::FAILED_PRECONDITION, e.what_without_backtrace(), false);
+      return;
+    }
+    record.pid = hello.placement().pid();
+    post([this, channel = record.channel](zmq::socket_t&) { channels[channel->client_id()] = channel; });
+  }
+  if (transport == "cuda-ipc" && !(hello.placement().mps() && placement.mps())) {
+    spdlog::warn(
+        "client {} (tenant '{}') shares {} with the executor without NVIDIA MPS ({} lacks it): every hand-off of GPU "
+        "work between the two processes then costs a context switch (~300 us instead of ~14 us). To use MPS, {}",
+        record.id, hello.tenant(), placement.device(), placement.mps() ? "the client" : "the executor",
+        cuda::mps_hint());
+  }
+  auto& client = clients.emplace(key, std::move(record)).first->second;
+  clients_now = clients.size();
+  if (client.channel) same_host_clients_now++;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex);
+    batcher->add_client(client.id);
+  }
+  doorbell.word().notify();
+  spdlog::info("client {} (tenant '{}', {} on {}) connected", client.id, hello.tenant(), transport,
+               hello.placement().device().empty() ? "?" : hello.placement().device());
+  proto::Envelope reply;
+  auto* welcome = reply.mutable_welcome();
+  welcome->set_client_id(client.id);
+  welcome->set_model_hash(model->model_hash());
+  welcome->set_max_request_bytes(options.max_request_bytes);
+  welcome->set_executor_version("symbiosis 0.2.0");
+  welcome->set_transport(transport);
+  *welcome->mutable_placement() = placement;
+  if (client.channel) {
+    welcome->set_control_segment(client.channel->control_segment());
+    welcome->set_doorbell_segment(doorbell.segment());
+  }
+  for (const auto& layer : model->layers()) *welcome->add_layers() = wire::to_proto(layer);
+  router.send(identity, zmq::send_flags::sndmore);
+  router.send(wire::serialize(reply), zmq::send_flags::none);
 }
 
 void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
@@ -190,42 +372,9 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
   if (client != clients.end()) client->second.last_seen = Clock::now();
 
   switch (env.body_case()) {
-    case proto::Envelope::kHello: {
-      const auto& hello = env.hello();
-      if (hello.protocol_version() != wire::kProtocolVersion) {
-        send_error(identity, 0, proto::FAILED_PRECONDITION,
-                   "client speaks protocol " + std::to_string(hello.protocol_version()) + ", executor speaks " +
-                       std::to_string(wire::kProtocolVersion), false);
-        return;
-      }
-      if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model->model_hash()) {
-        send_error(identity, 0, proto::FAILED_PRECONDITION,
-                   "model mismatch: the client was built for model " + hello.expected_model_hash() +
-                       ", but this executor serves model " + model->model_hash() + " (" + options.model_dir.string() +
-                       ")", false);
-        return;
-      }
-      if (client == clients.end()) {
-        client = clients.emplace(key, ClientRecord{next_client_id++, hello.tenant(), Clock::now()}).first;
-        clients_now = clients.size();
-        {
-          std::lock_guard<std::mutex> lock(queue_mutex);
-          batcher->add_client(client->second.id);
-        }
-        queue_cv.notify_one();
-        spdlog::info("client {} (tenant '{}') connected", client->second.id, hello.tenant());
-      }
-      proto::Envelope reply;
-      auto* welcome = reply.mutable_welcome();
-      welcome->set_client_id(client->second.id);
-      welcome->set_model_hash(model->model_hash());
-      welcome->set_max_request_bytes(options.max_request_bytes);
-      welcome->set_executor_version("symbiosis 0.1.0");
-      for (const auto& layer : model->layers()) *welcome->add_layers() = wire::to_proto(layer);
-      router.send(identity, zmq::send_flags::sndmore);
-      router.send(wire::serialize(reply), zmq::send_flags::none);
+    case proto::Envelope::kHello:
+      handle_hello(env.hello(), identity, key);
       return;
-    }
     case proto::Envelope::kRequest: {
       const auto& r = env.request();
       if (client == clients.end()) {
@@ -233,28 +382,71 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
                    "request " + std::to_string(r.request_id()) + " before the handshake: send Hello first", true);
         return;
       }
+      shm::CallHeader h;
+      h.request_id = r.request_id();
+      h.layer_id = r.layer_id();
+      h.op = r.op();
+      h.dtype = r.dtype();
+      h.latency_class = r.latency_class();
       proto::ErrorCode code;
-      std::string problem = validate(r, frames, &code);
+      std::string problem = validate_call(h, {r.shape().begin(), r.shape().end()}, &code);
+      if (problem.empty()) {
+        const uint64_t bytes = static_cast<uint64_t>(h.tokens) * h.features *
+                               at::elementSize(model->layers()[h.layer_id].dtype);
+        const std::string where = "request " + std::to_string(h.request_id) + " for layer " +
+                                  std::to_string(h.layer_id) + " (" + model->layers()[h.layer_id].name + ")";
+        code = proto::MALFORMED;
+        if (frames.size() != 3) {
+          problem = where + ": expected exactly one payload frame after the header, got " +
+                    std::to_string(frames.size() - 2);
+        } else if (frames[2].size() != bytes) {
+          problem = where + ": payload has " + std::to_string(frames[2].size()) + " bytes, expected " +
+                    std::to_string(bytes) + " for its shape and dtype";
+        }
+      }
       if (!problem.empty()) {
         send_error(identity, r.request_id(), code, problem, true);
         return;
       }
-      const auto& layer = model->layers()[r.layer_id()];
       WorkBatcher::Request queued;
       queued.client_id = client->second.id;
-      queued.layer_id = r.layer_id();
-      queued.op = to_layer_op(r.op());
-      queued.tokens = r.shape(0);
-      queued.latency = to_latency_class(r.latency_class());
+      queued.layer_id = h.layer_id;
+      queued.op = to_layer_op(h.op);
+      queued.tokens = h.tokens;
+      queued.latency = to_latency_class(h.latency_class);
       queued.arrival = Clock::now();
-      queued.payload.input = wire::frame_to_tensor(std::move(frames[2]), layer.dtype, {r.shape(0), r.shape(1)});
+      queued.payload.input = wire::frame_to_tensor(std::move(frames[2]), model->layers()[h.layer_id].dtype,
+                                                   {h.tokens, h.features});
       queued.payload.identity = std::move(identity);
-      queued.payload.request = r;
-      {
-        std::lock_guard<std::mutex> lock(queue_mutex);
-        batcher->push(std::move(queued));
+      queued.payload.header = h;
+      queue(std::move(queued));
+      doorbell.word().notify();
+      return;
+    }
+    case proto::Envelope::kRegisterBuffer:
+    case proto::Envelope::kNcclSetup: {
+      if (client == clients.end() || !client->second.channel) {
+        send_error(identity, 0, proto::FAILED_PRECONDITION,
+                   "payload set-up from a client without a same-host transport (shm, cuda-ipc or nccl)", false);
+        return;
       }
-      queue_cv.notify_one();
+      auto channel = client->second.channel;
+      channel->attached();  // it has mapped its control segment
+      post([this, channel, env, id = key](zmq::socket_t& out) {
+        try {
+          if (env.has_register_buffer()) {
+            proto::Envelope answer;
+            *answer.mutable_buffer_registered() = channel->register_buffer(env.register_buffer());
+            send_via(out, id, answer);
+          } else {
+            channel->setup_nccl(env.nccl_setup());
+            pending_setups.push_back({channel, id});
+          }
+        } catch (const c10::Error& e) {
+          errors++;
+          send_error_via(out, id, e.what_without_backtrace());
+        }
+      });
       return;
     }
     case proto::Envelope::kGoodbye:
@@ -271,7 +463,10 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
       return;
     }
     default:
-      send_error(identity, 0, proto::MALFORMED, "unexpected message: the executor takes Hello, Request, Goodbye and StatsRequest", false);
+      send_error(identity, 0, proto::MALFORMED,
+                 "unexpected message: the executor takes Hello, Request, RegisterBuffer, NcclSetup, Goodbye and "
+                 "StatsRequest",
+                 false);
   }
 }
 
@@ -282,9 +477,32 @@ void Executor::Impl::forget_client(const std::string& key) {
     std::lock_guard<std::mutex> lock(queue_mutex);
     batcher->remove_client(it->second.id);
   }
-  queue_cv.notify_one();  // lockstep queues may be ready now
+  if (auto channel = it->second.channel) {
+    channel->abort();  // nothing may wait on a client that is gone (NCCL kernels)
+    post([this, id = it->second.id](zmq::socket_t&) {
+      channels.erase(id);
+      std::erase_if(pending_setups, [id](const PendingSetup& p) { return p.channel->client_id() == id; });
+    });
+    same_host_clients_now--;
+  }
+  doorbell.word().notify();  // lockstep queues may be ready now
   clients.erase(it);
   clients_now = clients.size();
+}
+
+void Executor::Impl::check_liveness() {
+  std::vector<std::string> gone;
+  const auto now = Clock::now();
+  for (const auto& [key, record] : clients) {
+    const bool gone_now = record.channel ? record.channel->broken() || !process_alive(record.pid)
+                                         : now - record.last_seen > kClientIdleLimit;
+    if (gone_now) gone.push_back(key);
+  }
+  for (const auto& key : gone) {
+    spdlog::info("client {} (tenant '{}') is gone; releasing what it held", clients.at(key).id,
+                 clients.at(key).tenant);
+    forget_client(key);
+  }
 }
 
 proto::Stats Executor::Impl::collect_stats() {
@@ -340,9 +558,9 @@ void Executor::Impl::log_stats() {
 void Executor::Impl::io_loop() {
   zmq::pollitem_t items[] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {replies_in.handle(), 0, ZMQ_POLLIN, 0}};
   auto last_stats = Clock::now();
-  auto last_prune = Clock::now();
+  auto last_liveness = Clock::now();
   while (!stopping) {
-    zmq::poll(items, 2, std::chrono::milliseconds(100));
+    zmq::poll(items, 2, kLivenessInterval);
     if (items[0].revents & ZMQ_POLLIN) {
       auto frames = wire::recv_all(router);
       try {
@@ -364,93 +582,299 @@ void Executor::Impl::io_loop() {
       log_stats();
       last_stats = now;
     }
-    if (now - last_prune > std::chrono::seconds(10)) {
-      std::vector<std::string> idle;
-      for (const auto& [key, record] : clients) {
-        if (now - record.last_seen > kClientIdleLimit) idle.push_back(key);
-      }
-      for (const auto& key : idle) forget_client(key);
-      last_prune = now;
+    if (now - last_liveness > kLivenessInterval) {
+      check_liveness();
+      last_liveness = now;
     }
+  }
+}
+
+void Executor::Impl::accept_same_host(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& header) {
+  shm::CallHeader h = header;
+  proto::ErrorCode code;
+  std::string problem = validate_call(h, {header.tokens, header.features}, &code);
+  if (problem.empty()) {
+    const auto& layer = model->layers()[h.layer_id];
+    const int64_t out_features = h.op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features;
+    const uint64_t element = at::elementSize(layer.dtype);
+    const uint64_t in_bytes = h.tokens * h.features * element, out_bytes = h.tokens * out_features * element;
+    if (auto payload = channel->check_payload(h, in_bytes, out_bytes); !payload.empty()) {
+      code = proto::INVALID_ARGUMENT;
+      problem = "request " + std::to_string(h.request_id) + " for layer " + std::to_string(h.layer_id) + " (" +
+                layer.name + "): " + payload;
+    }
+  }
+  if (!problem.empty()) {
+    errors++;
+    channel->reply(h, code, problem);
+    channel->refused();
+    return;
+  }
+  WorkBatcher::Request queued;
+  queued.client_id = channel->client_id();
+  queued.layer_id = h.layer_id;
+  queued.op = to_layer_op(h.op);
+  queued.tokens = h.tokens;
+  queued.latency = to_latency_class(h.latency_class);
+  queued.arrival = Clock::now();
+  queued.payload.header = h;
+  queued.payload.channel = channel;
+  queue(std::move(queued));
+}
+
+void Executor::Impl::poll_channels() {
+  for (auto it = channels.begin(); it != channels.end();) {
+    const auto& channel = it->second;
+    while (auto header = channel->next_request()) accept_same_host(channel, *header);
+    it = channel->broken() ? channels.erase(it) : std::next(it);
+  }
+}
+
+void Executor::Impl::finish_setups(zmq::socket_t& replies_out) {
+  for (auto it = pending_setups.begin(); it != pending_setups.end();) {
+    try {
+      if (!it->channel->setup_done()) {
+        ++it;
+        continue;
+      }
+      proto::Envelope ready;
+      ready.mutable_nccl_ready();
+      send_via(replies_out, it->identity, ready);
+    } catch (const c10::Error& e) {
+      errors++;
+      send_error_via(replies_out, it->identity, e.what_without_backtrace());
+    }
+    it = pending_setups.erase(it);
+  }
+}
+
+// [Batch data path]
+// Inputs: ZeroMQ payloads and shm buffers are host memory; cuda-ipc buffers and NCCL receives are
+// on the executor's GPU. On a GPU, host inputs are concatenated into one pinned buffer and copied
+// up once, and one kernel packs every part into the batch; the results go back the same way (one
+// kernel writes each cuda-ipc client's rows into its buffer; host destinations are filled from the
+// GPU by DMA). A batch of one request whose input and destination are both on the executor's
+// device is computed straight from the client's buffer into the client's buffer, with no copy.
+// Returns each request's result rows (views into the batch result, or its destination).
+std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch) {
+  const at::Device device = model->device();
+  auto& requests = batch.requests;
+  const auto& layer = model->layers()[batch.layer_id];
+  const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+  std::vector<at::Tensor> inputs;
+  for (auto& r : requests) {
+    auto& w = r.payload;
+    if (!w.channel) {
+      inputs.push_back(w.input);
+      continue;
+    }
+    inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
+    w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
+  }
+  auto& only = requests[0].payload;
+  if (requests.size() == 1 && only.destination.defined() && only.destination.device() == device &&
+      inputs[0].device() == device) {
+    model->compute_into(batch.layer_id, batch.op, inputs[0], only.destination);
+    return {only.destination};
+  }
+  // Each request's first row in the batch: on a GPU, host inputs come first (one upload), device
+  // inputs after them; the order of rows inside a batch is free.
+  std::vector<int64_t> first_row(inputs.size());
+  std::vector<at::Tensor> host_inputs;
+  int64_t host_tokens = 0;
+  for (const auto& in : inputs) {
+    if (in.is_cuda() == device.is_cuda()) continue;
+    host_inputs.push_back(in);
+    host_tokens += in.size(0);
+  }
+  int64_t host_row = 0, device_row = host_tokens;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    int64_t& next = inputs[i].device() == device ? device_row : host_row;
+    first_row[i] = next;
+    next += inputs[i].size(0);
+  }
+  const bool pack_on_gpu = device.is_cuda() && inputs.size() > 1 && host_inputs.size() < inputs.size();
+  at::Tensor x;
+  if (host_inputs.size() == 1 && host_inputs[0].is_pinned()) {
+    x = host_inputs[0].to(device, /*non_blocking=*/true);  // a pinned shm buffer: DMA straight from it
+  } else if (!host_inputs.empty()) {
+    // ZeroMQ payloads sit in pageable frames: staged through one pinned buffer.
+    auto pinned = at::empty({host_tokens, inputs[0].size(1)}, inputs[0].options().device(at::kCPU).pinned_memory(true));
+    at::cat_out(pinned, host_inputs, 0);
+    x = pinned.to(device, /*non_blocking=*/true);
+  } else if (!pack_on_gpu) {
+    x = inputs.size() == 1 ? inputs[0] : at::cat(inputs, 0);
+  }
+  if (pack_on_gpu) {
+#ifdef SYMBIOSIS_WITH_CUDA
+    // One kernel packs the device inputs (and the uploaded host block) into the batch.
+    auto packed = at::empty({batch.tokens, inputs[0].size(1)}, inputs[0].options().device(device));
+    std::vector<at::Tensor> sources, targets;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].is_cuda()) continue;
+      sources.push_back(inputs[i]);
+      targets.push_back(packed.narrow(0, first_row[i], inputs[i].size(0)));
+    }
+    if (!host_inputs.empty()) {
+      sources.push_back(x);
+      targets.push_back(packed.narrow(0, 0, host_tokens));
+    }
+    kernels::copy_tensors(sources, targets);
+    x = packed;
+#endif
+  }
+  auto y = model->compute(batch.layer_id, batch.op, x);
+  std::vector<at::Tensor> rows;
+  for (size_t i = 0; i < inputs.size(); ++i) rows.push_back(y.narrow(0, first_row[i], inputs[i].size(0)));
+  return rows;
+}
+
+void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>& results, const std::string& failure,
+                             zmq::socket_t& replies_out) {
+  auto& requests = batch.requests;
+  if (!failure.empty()) {
+    for (auto& r : requests) {
+      errors++;
+      auto& w = r.payload;
+      if (w.channel) {
+        w.channel->reply(w.header, proto::INTERNAL, failure);
+        w.channel->refused();
+        continue;
+      }
+      proto::Envelope env;
+      env.mutable_reply()->set_request_id(w.header.request_id);
+      env.mutable_reply()->mutable_error()->set_code(proto::INTERNAL);
+      env.mutable_reply()->mutable_error()->set_message(failure);
+      replies_out.send(w.identity, zmq::send_flags::sndmore);
+      replies_out.send(wire::serialize(env), zmq::send_flags::none);
+    }
+    return;
+  }
+  const bool gpu = model->device().is_cuda();
+  // 1. Results that go to a destination: one kernel for those on the GPU, copies for host ones.
+  std::vector<at::Tensor> sources, targets;
+  bool host_copies = false;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& w = requests[i].payload;
+    if (!w.channel) continue;
+    const auto& destination = w.destination;
+    if (!destination.defined()) {
+      w.channel->deliver(w.header, results[i]);  // NCCL
+    } else if (destination.data_ptr() != results[i].data_ptr()) {
+      if (destination.is_cuda()) {
+        sources.push_back(results[i]);
+        targets.push_back(destination);
+      } else {
+        destination.copy_(results[i], /*non_blocking=*/true);
+        host_copies = host_copies || gpu;
+      }
+    }
+  }
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (!sources.empty()) kernels::copy_tensors(sources, targets);
+#endif
+  // 2. ZeroMQ replies need the rows in host memory: one pinned copy of theirs.
+  std::vector<at::Tensor> host_rows(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (requests[i].payload.channel) continue;
+    host_rows[i] = gpu ? results[i].to(at::TensorOptions().device(at::kCPU).pinned_memory(true), true)
+                       : results[i].contiguous();
+    host_copies = host_copies || gpu;
+  }
+  // 3. Make the writes visible: GPU clients order on events; host memory needs the GPU done.
+  std::set<SameHostChannel*> finished;
+  for (auto& r : requests) {
+    if (r.payload.channel && finished.insert(r.payload.channel.get()).second) r.payload.channel->finish_writes();
+  }
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (host_copies) cuda::synchronize_stream(cuda::current_stream(model->device().index()));
+#endif
+  // 4. Replies.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& r = requests[i];
+    auto& w = r.payload;
+    this->requests++;
+    this->tokens += r.tokens;
+    if (w.channel) {
+      w.channel->reply(w.header, proto::OK);
+      continue;
+    }
+    proto::Envelope env;
+    auto* reply = env.mutable_reply();
+    reply->set_request_id(w.header.request_id);
+    reply->set_dtype(wire::to_proto(host_rows[i].scalar_type()));
+    reply->add_shape(host_rows[i].size(0));
+    reply->add_shape(host_rows[i].size(1));
+    replies_out.send(w.identity, zmq::send_flags::sndmore);
+    replies_out.send(wire::serialize(env), zmq::send_flags::sndmore);
+    replies_out.send(wire::tensor_frame(host_rows[i]), zmq::send_flags::none);
   }
 }
 
 void Executor::Impl::run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies_out) {
   const auto started_at = Clock::now();
-  at::Tensor out;
+  std::vector<at::Tensor> results;
   std::string failure;
   try {
-    std::vector<at::Tensor> inputs;
-    inputs.reserve(batch.requests.size());
-    for (auto& r : batch.requests) inputs.push_back(r.payload.input);
-    // Padding-free: the requests' tokens, concatenated.
-    auto x = inputs.size() == 1 ? inputs[0] : at::cat(inputs, 0);
-    out = model->compute(batch.layer_id, batch.op, x.to(model->device()));
-    out = out.to(at::kCPU).contiguous();
+    results = compute_batch(batch);
   } catch (const std::exception& e) {
     failure = e.what();
+  }
+  try {
+    deliver(batch, results, failure, replies_out);
+  } catch (const std::exception& e) {
+    spdlog::error("failed delivering a batch of layer {}: {}", batch.layer_id, e.what());
   }
   const auto finished_at = Clock::now();
   const double compute_seconds = std::chrono::duration<double>(finished_at - started_at).count();
   compute_nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(finished_at - started_at).count();
-  {
-    std::lock_guard<std::mutex> lock(counters_mutex);
-    auto& c = counters[batch.layer_id];
-    c.batches++;
-    (batch.op == LayerOp::kBackwardInput ? c.backward_batches : c.forward_batches)++;
-    c.requests += batch.requests.size();
-    c.tokens += batch.tokens;
-    c.compute_seconds += compute_seconds;
-    for (const auto& r : batch.requests) c.wait_seconds += std::chrono::duration<double>(started_at - r.arrival).count();
-    max_batch_requests = std::max<uint64_t>(max_batch_requests, batch.requests.size());
-  }
-  int64_t offset = 0;
-  for (auto& r : batch.requests) {
-    proto::Envelope env;
-    auto* reply = env.mutable_reply();
-    reply->set_request_id(r.payload.request.request_id());
-    replies_out.send(r.payload.identity, zmq::send_flags::sndmore);
-    if (!failure.empty()) {
-      errors++;
-      reply->mutable_error()->set_code(proto::INTERNAL);
-      reply->mutable_error()->set_message(failure);
-      replies_out.send(wire::serialize(env), zmq::send_flags::none);
-      continue;
-    }
-    auto rows = out.narrow(0, offset, r.tokens);  // each request gets its own rows back
-    offset += r.tokens;
-    reply->set_dtype(wire::to_proto(rows.scalar_type()));
-    reply->add_shape(rows.size(0));
-    reply->add_shape(rows.size(1));
-    requests++;
-    tokens += r.tokens;
-    replies_out.send(wire::serialize(env), zmq::send_flags::sndmore);
-    replies_out.send(wire::tensor_frame(rows), zmq::send_flags::none);
-  }
+  std::lock_guard<std::mutex> lock(counters_mutex);
+  auto& c = counters[batch.layer_id];
+  c.batches++;
+  (batch.op == LayerOp::kBackwardInput ? c.backward_batches : c.forward_batches)++;
+  c.requests += batch.requests.size();
+  c.tokens += batch.tokens;
+  c.compute_seconds += compute_seconds;
+  for (const auto& r : batch.requests) c.wait_seconds += std::chrono::duration<double>(started_at - r.arrival).count();
+  max_batch_requests = std::max<uint64_t>(max_batch_requests, batch.requests.size());
 }
 
 void Executor::Impl::compute_loop() {
-  // OpenMP's thread count is per calling thread: set it on the thread that computes.
+  // OpenMP's thread count and the current CUDA device are per thread: set them where we compute.
   if (options.threads > 0) at::set_num_threads(options.threads);
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (model->device().is_cuda()) cuda::use_device(model->device().index());
+#endif
   zmq::socket_t replies_out(context, zmq::socket_type::push);
   replies_out.set(zmq::sockopt::linger, 0);
   replies_out.connect(replies_endpoint);
-  std::unique_lock<std::mutex> lock(queue_mutex);
+  const auto spin = std::chrono::microseconds(options.spin_us);
+  auto& bell = doorbell.word();
   while (!stopping) {
+    // Anything that happens after this read rings the doorbell, so the wait below cannot miss it.
+    const uint32_t seen = bell.current();
+    std::vector<std::function<void(zmq::socket_t&)>> tasks;
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex);
+      tasks.swap(control_tasks);
+    }
+    for (auto& task : tasks) task(replies_out);
+    finish_setups(replies_out);
+    poll_channels();
     const auto now = Clock::now();
-    auto batch = batcher->pop(now);
-    if (!batch) {
-      const auto deadline = batcher->next_deadline(now);
-      if (deadline == Clock::time_point::max()) {
-        queue_cv.wait(lock);
-      } else {
-        queue_cv.wait_until(lock, deadline);
-      }
+    std::optional<WorkBatcher::Batch> batch;
+    auto deadline = Clock::time_point::max();
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex);
+      batch = batcher->pop(now);
+      if (!batch) deadline = batcher->next_deadline(now);
+    }
+    if (batch) {
+      run_batch(*batch, replies_out);
       continue;
     }
-    lock.unlock();
-    run_batch(*batch, replies_out);
-    lock.lock();
+    if (!pending_setups.empty()) deadline = std::min(deadline, now + std::chrono::milliseconds(1));
+    shm::wait_until(bell, [&] { return bell.current() != seen; }, spin, deadline);
   }
 }
 
@@ -460,12 +884,22 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
   options.validate();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  const at::Device device(options.device);
+  at::Device device(options.device);
+  if (device.is_cuda() && !device.has_index()) device = at::Device(at::kCUDA, 0);
+  TORCH_CHECK(device.is_cpu() || cuda::cuda_available(), "executor option --device ", options.device,
+              ": no CUDA GPU is available here");
   auto checkpoint = Checkpoint::open(options.model_dir);
   impl->model = BaseModel::load(*checkpoint, options.layers, device, options.dtype);
-  spdlog::info("loaded {} base layers ({:.1f} MiB) of model {} from {} on {}", impl->model->layers().size(),
+  impl->placement.set_host_id(shm::host_id());
+  impl->placement.set_pid(::getpid());
+  impl->placement.set_device(options.device);
+  if (device.is_cuda()) {
+    impl->placement.set_gpu_uuid(cuda::gpu_uuid(device.index()));
+    impl->placement.set_mps(cuda::mps_active());
+  }
+  spdlog::info("loaded {} base layers ({:.1f} MiB) of model {} from {} on {}{}", impl->model->layers().size(),
                impl->model->weight_bytes() / 1048576.0, impl->model->model_hash(), options.model_dir.string(),
-               options.device);
+               options.device, device.is_cuda() ? (impl->placement.mps() ? " (NVIDIA MPS active)" : " (no NVIDIA MPS)") : "");
   impl->batcher = std::make_unique<WorkBatcher>(options.batching);
   impl->counters.resize(impl->model->layers().size());
   impl->router.set(zmq::sockopt::linger, 0);
@@ -491,14 +925,18 @@ std::string Executor::endpoint() const { return impl_->endpoint; }
 const BaseModel& Executor::model() const { return *impl_->model; }
 
 ExecutorStats Executor::stats() const {
-  return {impl_->clients_now, impl_->requests, impl_->errors, impl_->tokens, impl_->compute_nanos * 1e-9};
+  return {impl_->clients_now,  impl_->same_host_clients_now, impl_->requests, impl_->errors,
+          impl_->tokens,       impl_->compute_nanos * 1e-9};
 }
 
 void Executor::shutdown() {
   if (impl_->stopping.exchange(true)) return;
-  impl_->queue_cv.notify_all();
+  impl_->doorbell.word().notify();
   if (impl_->compute_thread.joinable()) impl_->compute_thread.join();
   if (impl_->io_thread.joinable()) impl_->io_thread.join();
+  for (auto& [key, record] : impl_->clients) {
+    if (record.channel) record.channel->abort();
+  }
   impl_->log_stats();
   {
     std::lock_guard<std::mutex> lock(impl_->done_mutex);

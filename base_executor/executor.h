@@ -1,5 +1,8 @@
 #pragma once
-// The base executor: serves one checkpoint's base layers to many clients over ZeroMQ.
+// The base executor: serves one checkpoint's base layers to many clients. Clients handshake over
+// ZeroMQ; a client on another host sends its calls there too (tcp), a client on this host sends
+// them through a shared-memory control channel with payloads in host shared memory (shm), a CUDA
+// IPC buffer on the executor's GPU (cuda-ipc) or over NCCL from another GPU (nccl).
 // start() loads the layers and begins serving on background threads; shutdown() stops them.
 // The executor keeps no per-request state beyond bounded queues: a client that disappears
 // leaves nothing behind. Thread safety: all public methods may be called from any thread.
@@ -28,6 +31,9 @@ struct ExecutorOptions {
   // share the host, fewer avoids OpenMP threads spinning against them (measured in bench/).
   int threads = 0;
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
+  // Same-host clients: how long the compute thread spins for new work before sleeping on its
+  // doorbell (see [Spin, then sleep] in transport/shared_memory.h).
+  int spin_us = 50;
 
   // Throws naming the field when an option is out of range.
   void validate() const;
@@ -35,6 +41,7 @@ struct ExecutorOptions {
 
 struct ExecutorStats {
   uint64_t clients = 0;   // connected now
+  uint64_t same_host_clients = 0;  // of which on shared-memory transports (shm, cuda-ipc, nccl)
   uint64_t requests = 0;  // answered with a result
   uint64_t errors = 0;    // answered with an error
   uint64_t tokens = 0;

@@ -17,7 +17,9 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_dir, "Hugging Face checkpoint directory (config.json + safetensors)")->required();
   app.add_option("--listen", options.listen, "ZeroMQ endpoint to bind; tcp://HOST:* picks a free port")
       ->capture_default_str();
-  app.add_option("--device", options.device, "where the base layers live: cpu or cuda:N")->capture_default_str();
+  app.add_option("--device", options.device,
+                 "where the base layers live: cpu or cuda:N (clients on the same GPU should run under NVIDIA MPS)")
+      ->capture_default_str();
   app.add_option("--dtype", dtype, "compute dtype: fp32, bf16 or fp16 (default: the checkpoint's)");
   app.add_option("--layer-pattern", options.layers.pattern,
                  "regex over module names choosing the base layers (2-D .weight tensors)")
@@ -39,6 +41,9 @@ int main(int argc, char** argv) {
   app.add_option("--lockstep-timeout", lockstep_timeout_ms,
                  "lockstep: stop waiting for a client missing this long (ms)")->capture_default_str();
   app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: all cores)")
+      ->capture_default_str();
+  app.add_option("--spin-us", options.spin_us,
+                 "same-host clients: how long the compute thread spins for new work before sleeping (us)")
       ->capture_default_str();
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();

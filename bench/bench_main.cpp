@@ -1,19 +1,22 @@
-// symbiosis-bench: runs a benchmark scenario. For each batching policy it starts an executor and
-// the scenario's clients as separate processes, collects each client's iteration latencies and
-// tokens/s, the executor's batch statistics and peak memory; optionally it runs the same clients
-// as independent monolithic processes (the baseline) in the same invocation, and reports ratios.
+// symbiosis-bench: runs a benchmark scenario (see docs/benchmarks.md for the format). For each
+// client count and batching policy it starts an executor and the scenario's clients as separate
+// processes, and runs the baselines asked for with the same clients in the same invocation:
+// "monolithic" (our C++ client with its own copy of the base layers) and "hf_peft" (Hugging Face
+// PEFT jobs, bench/hf_peft_client.py). It collects each client's iteration latencies and tokens/s
+// over a common window after every process is warm ([Measurement window] in bench_client.cpp),
+// the executor's batch statistics, peak host memory and the GPU's peak memory in use, and reports
+// each run against the strongest baseline. A "capacity" scenario instead starts clients one after
+// another until one fails (out of memory) and reports how many ran at once, for each system.
 // Writes OUT/results.json and, when Python with matplotlib is there, OUT/results.png.
 //   symbiosis-bench --scenario bench/scenarios/table5_cpu.json --out /tmp/bench
 #include <CLI/CLI.hpp>
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <google/protobuf/util/json_util.h>
@@ -21,97 +24,152 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "bench/process.h"
 #include "transport/zmq_wire.h"
-
-extern char** environ;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using namespace symbiosis::bench;
 
 namespace {
 
-// The build directory: this program lives in <build>/bench/.
-fs::path build_dir() { return fs::read_symlink("/proc/self/exe").parent_path().parent_path(); }
+// Where the Python with transformers and peft is, and this source tree (for the HF PEFT client and
+// the plot); compiled in, overridable on the command line (a build carried to another machine).
+std::string python = SYMBIOSIS_PYTHON;
+std::string source_dir = SYMBIOSIS_SOURCE_DIR;
 
-pid_t spawn(const std::vector<std::string>& args, const fs::path& stdout_file, const fs::path& stderr_file) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, stdout_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, stderr_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> copy = args;
-  std::vector<char*> argv;
-  for (auto& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) throw std::runtime_error("cannot start " + args[0] + ": " + std::strerror(rc));
-  return pid;
-}
-
-bool wait_ok(pid_t pid) {
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-size_t peak_rss_bytes(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+double epoch_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 // Each client entry may stand for several identical clients ("count").
-std::vector<json> expand_clients(const json& scenario) {
+std::vector<json> expand_clients(const json& scenario, int count_override) {
   std::vector<json> out;
   for (const auto& c : scenario.at("clients")) {
-    for (int i = 0; i < c.value("count", 1); ++i) out.push_back(c);
+    const int count = count_override > 0 ? count_override : c.value("count", 1);
+    for (int i = 0; i < count; ++i) out.push_back(c);
   }
   return out;
 }
 
-std::vector<std::string> client_args(const json& c, const fs::path& model, int index, const json& defaults) {
+// The command line of one client of `system` ("symbiosis", "monolithic" or "hf_peft").
+std::vector<std::string> client_args(const std::string& system, const json& c, const fs::path& model, int index,
+                                     const json& defaults) {
   auto get = [&](const char* key) { return c.contains(key) ? c[key] : defaults.at(key); };
-  return {(build_dir() / "bench/symbiosis-bench-client").string(),
-          "--model", model.string(),
-          "--mode", get("mode").get<std::string>(),
-          "--batch", std::to_string(get("batch").get<int64_t>()),
-          "--seq", std::to_string(get("seq").get<int64_t>()),
-          "--rank", std::to_string(get("rank").get<int64_t>()),
-          "--targets", get("targets").get<std::string>(),
-          "--iterations", std::to_string(get("iterations").get<int>()),
-          "--warmup", std::to_string(get("warmup").get<int>()),
-          "--seed", std::to_string(index + 1)};
+  std::vector<std::string> args;
+  if (system == "hf_peft") {
+    args = {python, source_dir + "/bench/hf_peft_client.py"};
+  } else {
+    args = {(build_dir() / "bench/symbiosis-bench-client").string(),
+            "--threads", std::to_string(get("threads").get<int>()),
+            "--transport", get("transport").get<std::string>()};
+    if (system == "monolithic") args.push_back("--monolithic");
+  }
+  std::vector<std::string> common = {"--model", model.string(),
+                                     "--mode", get("mode").get<std::string>(),
+                                     "--batch", std::to_string(get("batch").get<int64_t>()),
+                                     "--seq", std::to_string(get("seq").get<int64_t>()),
+                                     "--rank", std::to_string(get("rank").get<int64_t>()),
+                                     "--targets", get("targets").get<std::string>(),
+                                     "--iterations", std::to_string(get("iterations").get<int>()),
+                                     "--warmup", std::to_string(get("warmup").get<int>()),
+                                     "--device", get("device").get<std::string>(),
+                                     "--dtype", get("dtype").get<std::string>(),
+                                     "--seed", std::to_string(index + 1)};
+  args.insert(args.end(), common.begin(), common.end());
+  return args;
 }
 
-// Runs every client at once; returns their results and the aggregate figures.
-json run_clients(const std::vector<json>& clients, const fs::path& model, const json& defaults, const fs::path& dir,
-                 const std::string& executor, bool monolithic) {
-  std::vector<pid_t> pids;
-  for (size_t i = 0; i < clients.size(); ++i) {
-    auto args = client_args(clients[i], model, static_cast<int>(i), defaults);
-    args.insert(args.end(), {"--out", (dir / ("client" + std::to_string(i) + ".json")).string()});
-    if (monolithic) {
-      args.push_back("--monolithic");
-    } else {
-      args.insert(args.end(), {"--executor", executor});
-    }
-    pids.push_back(spawn(args, dir / ("client" + std::to_string(i) + ".out"),
-                         dir / ("client" + std::to_string(i) + ".err")));
+// Samples the GPU's memory in use (MiB, nvidia-smi) while alive; peak() is the largest reading.
+class GpuMemorySampler {
+ public:
+  explicit GpuMemorySampler(int gpu) : gpu_(gpu) {
+    if (gpu_ < 0) return;
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        peak_ = std::max(peak_.load(), read(gpu_));
+        std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      }
+    });
   }
-  json result = {{"clients", json::array()}};
+  ~GpuMemorySampler() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  double peak_mib() const { return peak_; }
+  static double read(int gpu) {
+    if (gpu < 0) return 0;
+    const std::string command =
+        "nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i " + std::to_string(gpu) + " 2>/dev/null";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    if (pipe == nullptr) return 0;
+    double mib = 0;
+    if (std::fscanf(pipe, "%lf", &mib) != 1) mib = 0;
+    ::pclose(pipe);
+    return mib;
+  }
+
+ private:
+  int gpu_;
+  std::atomic<bool> stop_{false};
+  std::atomic<double> peak_{0};
+  std::thread thread_;
+};
+
+int gpu_index(const std::string& device) {
+  if (device.rfind("cuda", 0) != 0) return -1;
+  const auto colon = device.find(':');
+  return colon == std::string::npos ? 0 : std::stoi(device.substr(colon + 1));
+}
+
+// Runs every client at once and measures them over one window; returns their results and the
+// aggregate figures.
+json run_clients(const std::string& system, const std::vector<json>& clients, const fs::path& model,
+                 const json& defaults, const fs::path& dir, const std::string& executor, double window_s, int gpu) {
+  fs::create_directories(dir);
+  const double idle_mib = GpuMemorySampler::read(gpu);
+  GpuMemorySampler sampler(gpu);
+  std::vector<pid_t> pids;
+  const fs::path go = dir / "go";
+  fs::remove(go);
+  for (size_t i = 0; i < clients.size(); ++i) {
+    const std::string name = "client" + std::to_string(i);
+    auto args = client_args(system, clients[i], model, static_cast<int>(i), defaults);
+    args.insert(args.end(), {"--out", (dir / (name + ".json")).string()});
+    if (window_s > 0) {
+      fs::remove(dir / (name + ".ready"));
+      args.insert(args.end(), {"--ready-file", (dir / (name + ".ready")).string(), "--go-file", go.string()});
+    }
+    if (system == "symbiosis") args.insert(args.end(), {"--executor", executor});
+    pids.push_back(spawn(args, dir / (name + ".out"), dir / (name + ".err")));
+  }
+  auto fail = [&](const std::string& why) {
+    for (pid_t pid : pids) kill(pid, SIGKILL);
+    for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+    throw std::runtime_error(system + ": " + why + "; see the .err files in " + dir.string());
+  };
+  if (window_s > 0) {
+    // [Measurement window]: open it once every client is warm.
+    for (size_t i = 0; i < clients.size(); ++i) {
+      const auto ready = dir / ("client" + std::to_string(i) + ".ready");
+      for (int t = 0; !fs::exists(ready); ++t) {
+        int status = 0;
+        if (waitpid(pids[i], &status, WNOHANG) == pids[i]) fail("client " + std::to_string(i) + " exited while warming up");
+        if (t > 9000) fail("client " + std::to_string(i) + " not warm after 15 minutes");
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+    const double start = epoch_seconds() + 0.5;
+    std::ofstream(dir / "go.tmp") << std::to_string(start) << " " << std::to_string(start + window_s) << "\n";
+    fs::rename(dir / "go.tmp", go);
+  }
   bool ok = true;
-  for (size_t i = 0; i < pids.size(); ++i) ok = wait_ok(pids[i]) && ok;
-  if (!ok) throw std::runtime_error("a client failed; see the .err files in " + dir.string());
+  for (pid_t pid : pids) ok = wait_ok(pid) && ok;
+  if (!ok) fail("a client failed");
+  json result = {{"system", system}, {"count", clients.size()}, {"clients", json::array()}};
   double start = 1e300, end = 0, tokens = 0, latency_sum = 0;
-  size_t latency_count = 0, peak = 0;
+  size_t latency_count = 0, rss = 0, gpu_reserved = 0;
+  std::vector<double> latencies;
   for (size_t i = 0; i < pids.size(); ++i) {
     json c = json::parse(read_file(dir / ("client" + std::to_string(i) + ".json")));
     start = std::min(start, c["start_epoch_s"].get<double>());
@@ -120,62 +178,110 @@ json run_clients(const std::vector<json>& clients, const fs::path& model, const 
     for (double l : c["latencies_s"]) {
       latency_sum += l;
       latency_count++;
+      latencies.push_back(l);
     }
-    peak += c["peak_rss_bytes"].get<size_t>();
+    rss += c["peak_rss_bytes"].get<size_t>();
+    gpu_reserved += c.value("gpu_peak_reserved_bytes", size_t{0});
     c.erase("latencies_s");
     result["clients"].push_back(c);
   }
-  result["aggregate_tokens_per_s"] = tokens / (end - start);
-  result["mean_iteration_s"] = latency_sum / latency_count;
-  result["clients_peak_rss_bytes_total"] = peak;
+  std::sort(latencies.begin(), latencies.end());
+  result["aggregate_tokens_per_s"] = tokens / std::max(end - start, 1e-9);
+  result["mean_iteration_s"] = latency_count ? latency_sum / latency_count : 0.0;
+  result["p50_iteration_s"] = latencies.empty() ? 0.0 : latencies[latencies.size() / 2];
+  result["clients_peak_rss_bytes_total"] = rss;
+  result["clients_gpu_peak_reserved_bytes_total"] = gpu_reserved;
+  result["gpu_memory_used_peak_mib"] = sampler.peak_mib();
+  result["gpu_memory_idle_mib"] = idle_mib;
   return result;
 }
 
-json run_policy(const json& scenario, const std::vector<json>& clients, const fs::path& model, const json& defaults,
-                const std::string& policy, const fs::path& dir) {
-  fs::create_directories(dir);
+std::vector<std::string> executor_args(const json& scenario, const fs::path& model, const std::string& policy) {
   const json& ex = scenario.value("executor", json::object());
-  std::vector<std::string> args = {(build_dir() / "base_executor/symbiosis-executor").string(),
-                                   "--model", model.string(),
+  std::vector<std::string> args = {"--model", model.string(),
                                    "--listen", "tcp://127.0.0.1:*",
                                    "--device", ex.value("device", "cpu"),
                                    "--batching", policy,
                                    "--max-wait", std::to_string(ex.value("max_wait_us", 2000)),
                                    "--lockstep-timeout", std::to_string(ex.value("lockstep_timeout_ms", 1000)),
                                    "--threads", std::to_string(ex.value("threads", 1)),
+                                   "--spin-us", std::to_string(ex.value("spin_us", 50)),
                                    "--log-level", "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
-  pid_t executor = spawn(args, dir / "executor.out", dir / "executor.err");
-  std::string endpoint;
-  for (int i = 0; i < 600 && endpoint.empty(); ++i) {
-    auto text = read_file(dir / "executor.out");
-    if (text.rfind("ready ", 0) == 0) endpoint = text.substr(6, text.find('\n') - 6);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  if (endpoint.empty()) {
-    kill(executor, SIGKILL);
-    throw std::runtime_error("executor did not start: " + read_file(dir / "executor.err"));
-  }
+  return args;
+}
+
+json run_symbiosis(const json& scenario, const std::vector<json>& clients, const fs::path& model, const json& defaults,
+                   const std::string& policy, const fs::path& dir, double window_s, int gpu) {
+  auto executor = start_executor(executor_args(scenario, model, policy), dir);
   json result;
   try {
-    result = run_clients(clients, model, defaults, dir, endpoint, false);
+    result = run_clients("symbiosis", clients, model, defaults, dir, executor.endpoint, window_s, gpu);
   } catch (...) {
-    kill(executor, SIGKILL);
+    kill(executor.pid, SIGKILL);
+    waitpid(executor.pid, nullptr, 0);
     throw;
   }
-  auto stats = symbiosis::wire::request_stats(endpoint, 10000);
-  if (stats) {
+  if (auto stats = symbiosis::wire::request_stats(executor.endpoint, 10000)) {
     std::string text;
     (void)google::protobuf::util::MessageToJsonString(*stats, &text);
     result["executor"] = json::parse(text);
     result["mean_batch_requests"] = stats->batches() ? double(stats->requests()) / stats->batches() : 0.0;
     result["mean_batch_tokens"] = stats->batches() ? double(stats->tokens()) / stats->batches() : 0.0;
   }
-  result["executor_peak_rss_bytes"] = peak_rss_bytes(executor);
+  result["executor_peak_rss_bytes"] = peak_rss_bytes(executor.pid);
   result["policy"] = policy;
-  kill(executor, SIGTERM);
-  wait_ok(executor);
+  stop(executor.pid);
   return result;
+}
+
+// Capacity: clients of `system` start one after another, each once the previous is warm, until
+// one fails or `limit` run; all then stop. Returns how many ran at once.
+json run_capacity(const std::string& system, const json& scenario, const json& client, const fs::path& model,
+                  const json& defaults, const fs::path& dir, int limit, int gpu) {
+  fs::create_directories(dir);
+  std::optional<ExecutorProcess> executor;
+  if (system == "symbiosis") executor = start_executor(executor_args(scenario, model, "opportunistic"), dir);
+  const fs::path stop_file = dir / "stop";
+  fs::remove(stop_file);
+  GpuMemorySampler sampler(gpu);
+  std::vector<pid_t> pids;
+  std::string reason = "reached the limit of " + std::to_string(limit);
+  for (int i = 0; i < limit; ++i) {
+    const std::string name = "client" + std::to_string(i);
+    auto args = client_args(system, client, model, i, defaults);
+    args.insert(args.end(), {"--out", (dir / (name + ".json")).string(), "--ready-file",
+                             (dir / (name + ".ready")).string(), "--stop-file", stop_file.string()});
+    if (executor) args.insert(args.end(), {"--executor", executor->endpoint});
+    const pid_t pid = spawn(args, dir / (name + ".out"), dir / (name + ".err"));
+    bool warm = false, died = false;
+    while (!warm && !died) {
+      warm = fs::exists(dir / (name + ".ready"));
+      died = waitpid(pid, nullptr, WNOHANG) == pid;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    if (died || !warm) {
+      reason = "client " + std::to_string(i) + " failed: " + read_file(dir / (name + ".err")).substr(0, 400);
+      break;
+    }
+    pids.push_back(pid);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // the running ones keep iterating together
+  std::ofstream(stop_file) << "stop\n";
+  int still_ok = 0;
+  for (pid_t pid : pids) still_ok += wait_ok(pid) ? 1 : 0;
+  if (executor) stop(executor->pid);
+  return {{"system", system}, {"clients_that_fit", still_ok}, {"started", pids.size()}, {"stopped_because", reason},
+          {"gpu_memory_used_peak_mib", sampler.peak_mib()}};
+}
+
+void print_row(const json& run, double best_baseline) {
+  const std::string name = run["system"].get<std::string>() + (run.contains("policy") ? "/" + run["policy"].get<std::string>() : "");
+  const double tps = run["aggregate_tokens_per_s"].get<double>();
+  std::printf("%-26s %5d %12.1f %14.2f %14.2f %12.0f %16s\n", name.c_str(), run["count"].get<int>(), tps,
+              1e3 * run["mean_iteration_s"].get<double>(), 1e3 * run["p50_iteration_s"].get<double>(),
+              run["gpu_memory_used_peak_mib"].get<double>(),
+              best_baseline > 0 ? (std::to_string(tps / best_baseline).substr(0, 5) + "x").c_str() : "-");
 }
 
 }  // namespace
@@ -185,19 +291,30 @@ int main(int argc, char** argv) {
   CLI::App app{"symbiosis-bench: run a benchmark scenario (see docs/benchmarks.md)"};
   app.add_option("--scenario", scenario_file, "scenario JSON file")->required();
   app.add_option("--out", out_dir, "directory for results.json, results.png and the logs")->required();
+  app.add_option("--python", python, "Python with transformers and peft (HF PEFT baseline, plot)")
+      ->capture_default_str();
+  app.add_option("--source-dir", source_dir, "the Symbiosis source tree")->capture_default_str();
+  std::string checkpoint_override;
+  std::vector<int> counts_override;
+  app.add_option("--checkpoint", checkpoint_override, "use this checkpoint instead of the scenario's model");
+  app.add_option("--counts", counts_override, "client counts instead of the scenario's (comma-separated)")
+      ->delimiter(',');
   CLI11_PARSE(app, argc, argv);
   try {
     const json scenario = json::parse(read_file(scenario_file));
     const fs::path out = out_dir;
     fs::create_directories(out);
-    const json defaults = {{"mode", "finetune"}, {"batch", 1},  {"seq", 64},   {"rank", 8},
-                           {"targets", "q_proj,v_proj"}, {"iterations", 10}, {"warmup", 2}};
-    json merged_defaults = defaults;
-    if (scenario.contains("client_defaults")) merged_defaults.update(scenario["client_defaults"]);
+    json defaults = {{"mode", "finetune"}, {"batch", 1},      {"seq", 64},       {"rank", 8},
+                     {"targets", "q_proj,v_proj"}, {"iterations", 10}, {"warmup", 2}, {"device", "cpu"},
+                     {"dtype", "fp32"}, {"transport", "auto"}, {"threads", 1}};
+    if (scenario.contains("client_defaults")) defaults.update(scenario["client_defaults"]);
+    const int gpu = gpu_index(scenario.value("executor", json::object()).value("device", "cpu"));
 
     fs::path model;
     const json& m = scenario.at("model");
-    if (m.contains("checkpoint")) {
+    if (!checkpoint_override.empty()) {
+      model = checkpoint_override;
+    } else if (m.contains("checkpoint")) {
       model = m["checkpoint"].get<std::string>();
     } else {
       model = out / "model";
@@ -207,40 +324,73 @@ int main(int argc, char** argv) {
                                   " --out " + model.string() + " > " + (out / "make_checkpoint.log").string();
       if (std::system(command.c_str()) != 0) throw std::runtime_error("failed: " + command);
     }
-    const auto clients = expand_clients(scenario);
+    std::vector<std::string> baselines = scenario.value("baselines", std::vector<std::string>{});
+    if (scenario.value("baseline", false)) baselines.push_back("monolithic");
+    const auto systems_with_baselines = [&] {
+      std::vector<std::string> s = {"symbiosis"};
+      s.insert(s.end(), baselines.begin(), baselines.end());
+      return s;
+    }();
     json results = {{"scenario", scenario}, {"runs", json::array()}};
-    const json& ex = scenario.value("executor", json::object());
-    for (const auto& policy : ex.value("policies", std::vector<std::string>{"opportunistic"})) {
-      std::cerr << "symbiosis-bench: " << clients.size() << " clients, policy " << policy << std::endl;
-      results["runs"].push_back(run_policy(scenario, clients, model, merged_defaults, policy, out / policy));
-    }
-    if (scenario.value("baseline", true)) {
-      std::cerr << "symbiosis-bench: baseline, " << clients.size() << " monolithic processes" << std::endl;
-      fs::create_directories(out / "baseline");
-      results["baseline"] = run_clients(clients, model, merged_defaults, out / "baseline", "", true);
-      const double base = results["baseline"]["aggregate_tokens_per_s"];
-      for (auto& run : results["runs"]) {
-        run["throughput_vs_baseline"] = run["aggregate_tokens_per_s"].get<double>() / base;
-        run["iteration_time_vs_baseline"] =
-            run["mean_iteration_s"].get<double>() / results["baseline"]["mean_iteration_s"].get<double>();
-      }
-    }
-    std::ofstream(out / "results.json") << results.dump(2) << "\n";
 
-    std::printf("%-15s %14s %16s %16s %14s %14s\n", "run", "tokens/s", "mean iter (ms)", "mean batch (req)",
-                "vs baseline", "exec RSS MiB");
-    for (const auto& run : results["runs"]) {
-      std::printf("%-15s %14.1f %16.2f %16.2f %14.2f %14.1f\n", run["policy"].get<std::string>().c_str(),
-                  run["aggregate_tokens_per_s"].get<double>(), 1e3 * run["mean_iteration_s"].get<double>(),
-                  run.value("mean_batch_requests", 0.0), run.value("throughput_vs_baseline", 0.0),
-                  run["executor_peak_rss_bytes"].get<double>() / 1048576.0);
+    if (scenario.value("mode", "throughput") == "capacity") {
+      const int limit = scenario.value("capacity_limit", 16);
+      for (const auto& system : systems_with_baselines) {
+        std::cerr << "symbiosis-bench: capacity of " << system << std::endl;
+        results["runs"].push_back(
+            run_capacity(system, scenario, scenario.at("clients").at(0), model, defaults, out / system, limit, gpu));
+        std::printf("%-12s %3d clients fit (%s)\n", system.c_str(), results["runs"].back()["clients_that_fit"].get<int>(),
+                    results["runs"].back()["stopped_because"].get<std::string>().c_str());
+      }
+      std::ofstream(out / "results.json") << results.dump(2) << "\n";
+      return 0;
     }
-    if (results.contains("baseline")) {
-      const auto& b = results["baseline"];
-      std::printf("%-15s %14.1f %16.2f %16s %14.2f %14s\n", "monolithic", b["aggregate_tokens_per_s"].get<double>(),
-                  1e3 * b["mean_iteration_s"].get<double>(), "-", 1.0, "-");
+
+    const double window_s = scenario.value("window_s", 0.0);
+    const std::vector<int> counts =
+        counts_override.empty() ? scenario.value("counts", std::vector<int>{0}) : counts_override;
+    // Variants of the Symbiosis clients run side by side (e.g. remote and local placement).
+    const auto variants = scenario.value("variants", std::vector<json>{json::object()});
+    const auto policies = scenario.value("executor", json::object())
+                              .value("policies", std::vector<std::string>{"opportunistic"});
+    std::printf("%-26s %5s %12s %14s %14s %12s %16s\n", "run", "N", "tokens/s", "mean iter ms", "p50 iter ms",
+                "GPU MiB", "vs best base");
+    for (int count : counts) {
+      const auto clients = expand_clients(scenario, count);
+      const std::string tag = count > 0 ? "n" + std::to_string(count) : "all";
+      std::vector<json> runs;
+      for (const auto& variant : variants) {
+        json variant_defaults = defaults;
+        variant_defaults.update(variant);
+        const std::string name = variant.value("name", "");
+        for (const auto& policy : policies) {
+          std::cerr << "symbiosis-bench: " << clients.size() << " clients " << name << ", policy " << policy << std::endl;
+          runs.push_back(run_symbiosis(scenario, clients, model, variant_defaults, policy,
+                                       out / tag / (name.empty() ? policy : name + "-" + policy), window_s, gpu));
+          if (!name.empty()) runs.back()["system"] = "symbiosis/" + name;
+        }
+      }
+      double best_baseline = 0, best_baseline_iteration = 0;
+      for (const auto& system : baselines) {
+        std::cerr << "symbiosis-bench: baseline " << system << ", " << clients.size() << " processes" << std::endl;
+        runs.push_back(run_clients(system, clients, model, defaults, out / tag / system, "", window_s, gpu));
+        if (runs.back()["aggregate_tokens_per_s"].get<double>() > best_baseline) {
+          best_baseline = runs.back()["aggregate_tokens_per_s"].get<double>();
+          best_baseline_iteration = runs.back()["mean_iteration_s"].get<double>();
+        }
+      }
+      for (auto& run : runs) {
+        if (best_baseline > 0) {
+          run["throughput_vs_best_baseline"] = run["aggregate_tokens_per_s"].get<double>() / best_baseline;
+          run["iteration_time_vs_best_baseline"] = run["mean_iteration_s"].get<double>() / best_baseline_iteration;
+        }
+        print_row(run, best_baseline);
+        results["runs"].push_back(run);
+      }
+      std::fflush(stdout);
+      std::ofstream(out / "results.json") << results.dump(2) << "\n";  // partial results survive a later failure
     }
-    const std::string plot = std::string(SYMBIOSIS_PYTHON) + " " + SYMBIOSIS_SOURCE_DIR + "/bench/plot.py " +
+    const std::string plot = python + " " + source_dir + "/bench/plot.py " +
                              (out / "results.json").string() + " " + (out / "results.png").string();
     if (std::system(plot.c_str()) != 0) std::cerr << "symbiosis-bench: no plot (" << plot << " failed)\n";
     std::printf("results: %s\n", (out / "results.json").c_str());

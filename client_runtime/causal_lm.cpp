@@ -9,8 +9,10 @@ namespace symbiosis {
 namespace {
 
 template <typename Model>
-CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client) {
+CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                const CausalLMOptions& options) {
   CausalLM lm;
+  model->to(options.device, options.dtype);
   if (client) lm.virtual_layers = virtualize(*model, client);
   // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.
   load_weights(*model, checkpoint);
@@ -21,15 +23,18 @@ CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr
 
 }  // namespace
 
-CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client) {
+CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                        const CausalLMOptions& options) {
   if (client) {
     TORCH_CHECK(client->model_hash() == checkpoint.model_hash(), "the executor serves model ", client->model_hash(),
                 ", but checkpoint ", checkpoint.dir(), " is model ", checkpoint.model_hash());
   }
   const bool materialize = client == nullptr;
   const auto type = checkpoint.config_string("model_type").value_or("");
-  if (type == "llama") return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client);
-  if (type == "gpt2") return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client);
+  if (type == "llama") return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
+  if (type == "gpt2") {
+    return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
+  }
   TORCH_CHECK(false, checkpoint.dir() / "config.json", ": model_type '", type, "' is not supported (expected llama or gpt2)");
 }
 

@@ -19,8 +19,17 @@ struct CausalLM {
   size_t virtual_layers = 0;  // base layers computed on the executor
 };
 
+// Where the client's part of the model lives and in which dtype (its norms and softmax still
+// compute in fp32, as transformers does). Base layers on the executor compute in the executor's
+// dtype; inputs are cast to it and results back.
+struct CausalLMOptions {
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+};
+
 // client == nullptr: monolithic. Otherwise the executor must serve this very model (the
 // client's model hash is checked against the checkpoint's).
-CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client = nullptr);
+CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client = nullptr,
+                        const CausalLMOptions& options = {});
 
 }  // namespace symbiosis

@@ -2,6 +2,10 @@
 // A tenant's connection to a base executor. connect() handshakes, checks the model hash and
 // fetches the layer table; forward()/backward_input() run one base layer on the executor.
 // Executor errors are thrown as c10::Error carrying the executor's message.
+// The transport follows the placement unless options.transport names one: a client on the
+// executor's host uses the shared-memory control channel, with payloads in host shared memory
+// (CPU clients, "shm"), in a device buffer shared through CUDA IPC (clients on the executor's GPU,
+// "cuda-ipc") or over NCCL (clients on another GPU, "nccl"); a client on another host uses TCP.
 // Thread safety: calls are serialized internally; one Client may serve several threads.
 #include <ATen/ATen.h>
 
@@ -20,6 +24,14 @@ struct ClientOptions {
   std::string expected_model_hash;                // refuse an executor serving another model; "" accepts any
   int timeout_ms = 60000;                         // per call; the executor must answer within this
   LatencyClass latency_class = LatencyClass::kFineTuning;
+  // Where this client's tensors live: "cpu" or "cuda:N". Decides the transport with "auto".
+  std::string device = "cpu";
+  // "auto" (the executor picks by placement), "tcp", "shm", "cuda-ipc" or "nccl".
+  std::string transport = "auto";
+  // Same-host transports: how long to spin for a reply before sleeping (see [Spin, then sleep]).
+  int spin_us = 50;
+
+  void validate() const;  // throws naming the field
 };
 
 class Client : public LayerBackend {
@@ -40,6 +52,7 @@ class Client : public LayerBackend {
 
   void set_latency_class(LatencyClass latency_class);
   uint64_t calls() const;  // base-layer calls made so far
+  const std::string& transport() const;  // the transport in use: tcp, shm, cuda-ipc or nccl
 
   class Impl;
 

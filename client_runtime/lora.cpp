@@ -80,11 +80,21 @@ LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, cons
 
 at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
   auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
-  return base(x) + at::matmul(at::matmul(h, lora_A.t()), lora_B.t()) * scaling;
+  // Adapters may keep another dtype than the model (fp32 over a bf16 model): compute in theirs.
+  auto update = at::matmul(at::matmul(h.to(lora_A.scalar_type()), lora_A.t()), lora_B.t()) * scaling;
+  return base(x) + update.to(x.scalar_type());
 }
 
 std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config) {
   config.validate();
+  // Adapters live where the model's own parameters live, in their dtype.
+  at::TensorOptions where;
+  for (const auto& p : model.parameters()) {
+    if (at::isFloatingType(p.scalar_type())) {
+      where = p.options();
+      break;
+    }
+  }
   std::vector<at::Tensor> params;
   for (const auto& item : model.named_modules("", false)) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
@@ -99,6 +109,7 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
     } else {
       adapter = std::make_shared<LoraAdapterImpl>(base->in_features(), base->out_features(), layer_config);
     }
+    adapter->to(where.device(), where.dtype().toScalarType());
     base->set_adapter(adapter);
     params.push_back(adapter->lora_A);
     params.push_back(adapter->lora_B);

@@ -34,6 +34,10 @@ struct Settings {
   bool quiet = false;
   std::string save;
   int threads = 1;
+  std::string transport = "auto";
+  std::string device = "cpu";
+  std::string dtype = "fp32";
+  double tolerance = 1e-5;
 };
 
 struct Result {
@@ -42,7 +46,8 @@ struct Result {
 };
 
 Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client) {
-  auto lm = open_causal_lm(checkpoint, client);
+  const at::Device device(s.device);
+  auto lm = open_causal_lm(checkpoint, client, {parse_dtype_name(s.dtype), device});
   LoraConfig lora;
   lora.r = s.rank;
   lora.alpha = s.alpha;
@@ -54,7 +59,7 @@ Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_
   result.adapter = add_lora(*lm.module, lora);
   torch::optim::AdamW optimizer(result.adapter, torch::optim::AdamWOptions(s.lr));
   const int64_t vocab = static_cast<int64_t>(checkpoint.config_number("vocab_size").value_or(256));
-  auto ids = at::randint(0, vocab, {s.batch, s.seq}, at::kLong);
+  auto ids = at::randint(0, vocab, {s.batch, s.seq}, at::kLong).to(device);
   for (int step = 0; step < s.steps; ++step) {
     optimizer.zero_grad();
     auto loss = causal_lm_loss(lm.forward(ids, {}), ids);
@@ -96,6 +101,10 @@ int main(int argc, char** argv) {
   app.add_flag("--verify", s.verify, "repeat monolithically and require equal losses and adapters (1e-5)");
   app.add_flag("--quiet", s.quiet, "print only the verdict");
   app.add_option("--threads", s.threads, "CPU threads of this process (tenants share the host)")->capture_default_str();
+  app.add_option("--transport", s.transport, "auto, tcp, shm, cuda-ipc or nccl")->capture_default_str();
+  app.add_option("--device", s.device, "where this client's model runs: cpu or cuda:N")->capture_default_str();
+  app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--tolerance", s.tolerance, "--verify: largest relative difference accepted")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(s.threads);
   try {
@@ -104,7 +113,10 @@ int main(int argc, char** argv) {
     options.endpoint = s.executor;
     options.tenant = s.tenant;
     options.expected_model_hash = checkpoint->model_hash();
+    options.transport = s.transport;
+    options.device = s.device;
     auto client = Client::connect(options);
+    if (!s.quiet) std::printf("[%s] transport %s\n", s.tenant.c_str(), client->transport().c_str());
     auto split = train(s, *checkpoint, client);
     if (!s.verify) return 0;
     auto mono = train(Settings(s), *checkpoint, nullptr);
@@ -113,9 +125,10 @@ int main(int argc, char** argv) {
       worst = std::max(worst, std::abs(split.losses[i] - mono.losses[i]) / std::abs(mono.losses[i]));
     }
     for (size_t i = 0; i < split.adapter.size(); ++i) worst = std::max(worst, relative_error(split.adapter[i], mono.adapter[i]));
-    std::printf("[%s] verify: max relative difference split vs monolithic %.3g over %d steps: %s\n", s.tenant.c_str(),
-                worst, s.steps, worst <= 1e-5 ? "EXACT" : "MISMATCH");
-    return worst <= 1e-5 ? 0 : 1;
+    std::printf("[%s] verify (%s): max relative difference split vs monolithic %.3g over %d steps: %s\n",
+                s.tenant.c_str(), client->transport().c_str(), worst, s.steps,
+                worst <= s.tolerance ? "EXACT" : "MISMATCH");
+    return worst <= s.tolerance ? 0 : 1;
   } catch (const c10::Error& e) {
     std::cerr << "[" << s.tenant << "] error: " << e.what_without_backtrace() << std::endl;
     return 2;

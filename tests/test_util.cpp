@@ -1,13 +1,35 @@
 #include "tests/test_util.h"
 
 #include <c10/util/Exception.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 
+extern char** environ;
+
 namespace symbiosis::testing {
+
+pid_t spawn(const std::vector<std::string>& args) {
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
+  TORCH_CHECK(rc == 0, "cannot start ", args[0], ": ", std::strerror(rc));
+  return pid;
+}
+
+bool exited_ok(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return false;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
 
 std::filesystem::path temp_dir(const std::string& prefix) {
   std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
@@ -15,7 +37,12 @@ std::filesystem::path temp_dir(const std::string& prefix) {
   return pattern;
 }
 
-std::string binary(const std::string& relative) { return std::string(SYMBIOSIS_BINARY_DIR) + "/" + relative; }
+// Tests live in <build>/tests/<part>/; the build directory is found from the running test, so a
+// build carried to another machine (the GPU machine) finds its programs.
+std::string binary(const std::string& relative) {
+  const auto build = std::filesystem::read_symlink("/proc/self/exe").parent_path().parent_path().parent_path();
+  return (build / relative).string();
+}
 
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args) {
   static std::mutex mutex;

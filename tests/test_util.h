@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <sys/types.h>
+#include <vector>
 
 #include "base_executor/executor.h"
 
@@ -18,5 +20,9 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
 // max|a - b| / max|b|
 double relative_error(const at::Tensor& a, const at::Tensor& b);
 std::string binary(const std::string& relative);  // a path under the build directory
+// Spawns a program with arguments (stdout and stderr inherited); returns its pid.
+pid_t spawn(const std::vector<std::string>& args);
+// Waits for a spawned program; true when it exited 0.
+bool exited_ok(pid_t pid);
 
 }  // namespace symbiosis::testing

@@ -1,8 +1,11 @@
 // Invariant 1 (exactness): split execution against an executor computes what the same model
 // computes monolithically: logits, loss and every LoRA gradient within 1e-5 relative (fp32, CPU),
-// and adapter weights still agree after 5 AdamW steps. Llama and GPT-2, in one process and in
-// three client processes at once.
+// and adapter weights still agree after 5 AdamW steps. Llama and GPT-2, over each CPU transport
+// (ZeroMQ TCP and the same-host shared-memory channel), in one process and in four client
+// processes at once under each batching policy.
 #include <gtest/gtest.h>
+
+#include <algorithm>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <torch/optim/adamw.h>
@@ -35,16 +38,19 @@ TrainingRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>
   return run;
 }
 
-class ExactnessTest : public ::testing::TestWithParam<std::string> {};
+class ExactnessTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveSteps) {
-  const auto dir = testing::make_checkpoint(GetParam());
+  const auto& [preset, transport] = GetParam();
+  const auto dir = testing::make_checkpoint(preset);
   auto checkpoint = Checkpoint::open(dir);
   auto executor = testing::start_executor(dir);
   ClientOptions options;
   options.endpoint = executor->endpoint();
   options.expected_model_hash = checkpoint->model_hash();
+  options.transport = transport;
   auto client = Client::connect(options);
+  ASSERT_EQ(client->transport(), transport);
 
   LoraConfig lora;
   lora.r = 4;
@@ -84,17 +90,25 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   EXPECT_GE(client->calls(), 5 * 2 * client->layers().size());
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest, ::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"));
+INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"),
+                                            ::testing::Values("tcp", "shm")),
+                         [](const auto& info) {
+                           auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 // Separate client processes share one executor at once, with different batch sizes, sequence
 // lengths and adapters, under each batching policy; each checks its own split run against its own
 // monolithic run (the demo client's --verify mode) and exits 0 only if they agree within 1e-5.
-class MultiProcessExactness : public ::testing::TestWithParam<std::string> {};
+class MultiProcessExactness : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(MultiProcessExactness, EveryClientEqualsItsMonolithicRun) {
+  const auto& [policy, transport] = GetParam();
   const auto dir = testing::make_checkpoint("tiny-llama");
   ExecutorOptions options;
-  options.batching.policy = parse_batching_policy(GetParam());
+  options.batching.policy = parse_batching_policy(policy);
   options.batching.lockstep_timeout = std::chrono::milliseconds(300);
   auto executor = testing::start_executor(dir, options);
   const std::string program = testing::binary("examples/symbiosis-demo-client");
@@ -106,7 +120,7 @@ TEST_P(MultiProcessExactness, EveryClientEqualsItsMonolithicRun) {
   std::vector<pid_t> pids;
   for (const auto& extra : configs) {
     std::vector<std::string> args = {program, "--executor", executor->endpoint(), "--model", dir.string(),
-                                     "--steps", "4", "--verify", "--quiet"};
+                                     "--steps", "4", "--verify", "--quiet", "--transport", transport};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -125,7 +139,10 @@ TEST_P(MultiProcessExactness, EveryClientEqualsItsMonolithicRun) {
   EXPECT_GE(stats.requests, 4u * 4u * 2u * executor->model().layers().size());
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, MultiProcessExactness, ::testing::Values("none", "lockstep", "opportunistic"));
+INSTANTIATE_TEST_SUITE_P(Policies, MultiProcessExactness,
+                         ::testing::Combine(::testing::Values("none", "lockstep", "opportunistic"),
+                                            ::testing::Values("tcp", "shm")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 }  // namespace
 }  // namespace symbiosis

@@ -1,0 +1,114 @@
+// The executor's end of the "nccl" transport (see same_host_channel.h): the client, on another
+// GPU, sends each input and receives each result over a 2-rank NCCL communicator, the client rank
+// 0 and the executor rank 1. Headers arrive through the shared-memory control channel.
+//
+// [NCCL streams] Receives and sends run on a side stream of the channel's own, joined to the
+// compute stream by events: the compute stream waits for a receive only where the GEMM needs it,
+// and a send (which completes only once the client posts its receive) never holds up the batches
+// of other clients behind it.
+#include <c10/util/Exception.h>
+
+#include <mutex>
+
+#include "base_executor/same_host_channel.h"
+
+#ifdef SYMBIOSIS_WITH_NCCL
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "transport/nccl_comm.h"
+#endif
+
+namespace symbiosis {
+
+#ifdef SYMBIOSIS_WITH_NCCL
+namespace {
+
+constexpr int kClientRank = 0;
+
+class NcclChannel : public SameHostChannel {
+ public:
+  NcclChannel(uint64_t client_id, at::Device device)
+      : SameHostChannel("nccl", client_id),
+        device_(device.has_index() ? device.index() : 0),
+        side_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {}
+
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer&) override {
+    TORCH_CHECK(false, "an nccl client registers no payload buffer (send NcclSetup)");
+  }
+
+  void setup_nccl(const proto::NcclSetup& setup) override {
+    TORCH_CHECK(comm_ == nullptr, "NCCL is already set up for this client");
+    auto comm = std::make_shared<nccl::Communicator>(setup.unique_id(), /*rank=*/1, device_);
+    std::lock_guard<std::mutex> lock(comm_mutex_);
+    comm_ = std::move(comm);
+  }
+
+  bool setup_done() override { return comm_ != nullptr && comm_->ready(); }
+
+  std::string check_payload(const shm::CallHeader&, uint64_t, uint64_t) const override {
+    if (comm_ == nullptr) return "NCCL is not set up (send NcclSetup first)";
+    if (comm_->aborted()) return "this client's NCCL communicator was aborted";
+    return "";
+  }
+
+  at::Tensor input(const shm::CallHeader&, at::ScalarType dtype, at::IntArrayRef shape) override {
+    auto compute = c10::cuda::getCurrentCUDAStream(device_);
+    auto x = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
+    // The side stream must not reuse memory the compute stream still reads, and vice versa.
+    join(compute, side_stream_);
+    comm_->recv(x, kClientRank, side_stream_.stream());
+    c10::cuda::CUDACachingAllocator::recordStream(x.storage().data_ptr(), side_stream_);
+    join(side_stream_, compute);
+    return x;
+  }
+
+  at::Tensor destination(const shm::CallHeader&, at::ScalarType, at::IntArrayRef) override { return {}; }
+
+  void deliver(const shm::CallHeader&, const at::Tensor& rows) override {
+    auto compute = c10::cuda::getCurrentCUDAStream(device_);
+    join(compute, side_stream_);
+    comm_->send(rows, kClientRank, side_stream_.stream());
+    c10::cuda::CUDACachingAllocator::recordStream(rows.storage().data_ptr(), side_stream_);
+  }
+
+  // A refused call's input was never received: the communicator cannot be used again.
+  void refused() override {
+    if (comm_) comm_->abort();
+  }
+
+  void abort() override {
+    std::lock_guard<std::mutex> lock(comm_mutex_);
+    if (comm_) comm_->abort();
+  }
+
+ private:
+  // `later` waits for what `earlier` has enqueued so far.
+  static void join(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStream& later) {
+    at::cuda::CUDAEvent event;
+    event.record(earlier);
+    event.block(later);
+  }
+
+  int device_;
+  c10::cuda::CUDAStream side_stream_;
+  std::mutex comm_mutex_;  // guards comm_ being set (compute thread) against abort() (IO thread)
+  std::shared_ptr<nccl::Communicator> comm_;  // set once; the compute thread reads it without the lock
+};
+
+}  // namespace
+#endif
+
+std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device) {
+#ifdef SYMBIOSIS_WITH_NCCL
+  TORCH_CHECK(device.is_cuda(), "transport nccl needs an executor on a GPU; this one runs on ", device);
+  return std::make_shared<NcclChannel>(client_id, device);
+#else
+  (void)client_id;
+  (void)device;
+  TORCH_CHECK(false, "transport nccl: this build of symbiosis has no NCCL");
+#endif
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,209 @@
+#include "base_executor/same_host_channel.h"
+
+#include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
+
+#include <new>
+
+#include "transport/cuda_ipc.h"
+
+namespace symbiosis {
+
+SameHostChannel::SameHostChannel(std::string kind, uint64_t client_id)
+    : kind_(std::move(kind)), client_id_(client_id) {
+  control_ = shm::SharedMemory::create("symbiosis-control", sizeof(shm::ControlBlock));
+  block_ = new (control_.data()) shm::ControlBlock();
+  block_->magic = shm::ControlBlock::kMagic;
+}
+
+SameHostChannel::~SameHostChannel() = default;
+
+void SameHostChannel::setup_nccl(const proto::NcclSetup&) {
+  TORCH_CHECK(false, "NcclSetup on a ", kind_, " client: only nccl clients set up a communicator");
+}
+
+void SameHostChannel::deliver(const shm::CallHeader&, const at::Tensor&) {
+  TORCH_CHECK(false, "internal: a ", kind_, " result has a destination and is not delivered");
+}
+
+std::optional<shm::CallHeader> SameHostChannel::next_request() {
+  if (broken_) return std::nullopt;
+  bool corrupt = false;
+  auto record = block_->requests.pop_untrusted(&next_read_, &corrupt);
+  if (corrupt) {
+    spdlog::warn("client {}: its request ring is corrupt; dropping the client", client_id_);
+    broken_ = true;
+  }
+  if (!record) return std::nullopt;
+  return record->header;
+}
+
+void SameHostChannel::reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message) {
+  shm::CallRecord record;
+  record.header = h;
+  record.error_code = code;
+  if (!message.empty()) record.set_message(message);
+  // The client has one call in flight, so its reply ring has room; if not, it stopped reading.
+  if (!block_->replies.push(record)) {
+    spdlog::warn("client {}: its reply ring is full; dropping the client", client_id_);
+    broken_ = true;
+    return;
+  }
+  block_->replies.wait().notify();
+}
+
+namespace {
+
+std::string region_problem(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes, uint64_t size,
+                           uint64_t generation) {
+  if (generation == 0) return "no payload buffer is registered (send RegisterBuffer first)";
+  if (h.buffer_generation != generation) {
+    return "names payload buffer generation " + std::to_string(h.buffer_generation) + ", but generation " +
+           std::to_string(generation) + " is registered";
+  }
+  auto inside = [&](uint64_t offset, uint64_t bytes) { return offset <= size && bytes <= size - offset; };
+  if (!inside(h.in_offset, in_bytes) || !inside(h.out_offset, out_bytes)) {
+    return "input [" + std::to_string(h.in_offset) + ", +" + std::to_string(in_bytes) + ") or output [" +
+           std::to_string(h.out_offset) + ", +" + std::to_string(out_bytes) + ") lies outside the " +
+           std::to_string(size) + "-byte payload buffer";
+  }
+  if (h.in_offset % 16 != 0 || h.out_offset % 16 != 0) return "payload offsets must be multiples of 16 bytes";
+  const bool disjoint = h.in_offset + in_bytes <= h.out_offset || h.out_offset + out_bytes <= h.in_offset;
+  if (!disjoint) return "input and output regions overlap";
+  return "";
+}
+
+// "shm": the client's host shared-memory segment. On a GPU executor it is pinned, so inputs and
+// results move by DMA without a staging copy.
+class HostShmChannel : public SameHostChannel {
+ public:
+  HostShmChannel(uint64_t client_id, at::Device device) : SameHostChannel("shm", client_id), device_(device) {}
+
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) override {
+    TORCH_CHECK(!r.shm_name().empty(), "RegisterBuffer for an shm client needs shm_name");
+    TORCH_CHECK(r.generation() == generation_ + 1, "RegisterBuffer generation ", r.generation(), ", expected ",
+                generation_ + 1);
+    auto memory = shm::SharedMemory::open(r.shm_name(), r.bytes());
+#ifdef SYMBIOSIS_WITH_CUDA
+    pinned_ = cuda::PinnedRange();
+    if (device_.is_cuda()) {
+      try {
+        pinned_ = cuda::PinnedRange(memory.data(), memory.size());
+      } catch (const c10::Error& e) {
+        spdlog::warn("client {}: payload buffer not pinned, copies will be synchronous: {}", client_id(),
+                     e.what_without_backtrace());
+      }
+    }
+#endif
+    memory_ = std::move(memory);
+    generation_ = r.generation();
+    proto::BufferRegistered answer;
+    answer.set_generation(generation_);
+    return answer;
+  }
+
+  std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const override {
+    return region_problem(h, in_bytes, out_bytes, memory_.size(), generation_);
+  }
+  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
+    return view(h.in_offset, dtype, shape);
+  }
+  at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
+    return view(h.out_offset, dtype, shape);
+  }
+
+ private:
+  at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
+    return at::from_blob(static_cast<char*>(memory_.data()) + offset, shape, at::TensorOptions().dtype(dtype));
+  }
+
+  at::Device device_;
+#ifdef SYMBIOSIS_WITH_CUDA
+  cuda::PinnedRange pinned_;  // declared before memory_: unpinned before unmapped
+#endif
+  shm::SharedMemory memory_;
+};
+
+#ifdef SYMBIOSIS_WITH_CUDA
+// "cuda-ipc": the client's device buffer on the executor's GPU, mapped through CUDA IPC. The
+// executor's stream waits on the client's event before reading an input, and records the
+// executor's event after writing results; the client's stream waits on that before reading.
+class CudaIpcChannel : public SameHostChannel {
+ public:
+  CudaIpcChannel(uint64_t client_id, at::Device device)
+      : SameHostChannel("cuda-ipc", client_id),
+        device_(device.has_index() ? device.index() : 0),
+        executor_event_(cuda::InterprocessEvent::create(device_)) {}
+
+  ~CudaIpcChannel() override {
+    // Work enqueued on our buffer must finish before the mapping closes, whichever thread drops
+    // the last reference.
+    if (stream_ != nullptr) cuda::synchronize_stream(stream_);
+  }
+
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) override {
+    TORCH_CHECK(!r.cuda_ipc_handle().empty(), "RegisterBuffer for a cuda-ipc client needs cuda_ipc_handle");
+    TORCH_CHECK(r.generation() == generation_ + 1, "RegisterBuffer generation ", r.generation(), ", expected ",
+                generation_ + 1);
+    if (!client_event_.valid()) client_event_ = cuda::InterprocessEvent::open(device_, r.client_event());
+    auto mapped = cuda::MappedDeviceBuffer::open(device_, r.cuda_ipc_handle(), r.bytes());
+    stream_ = cuda::current_stream(device_);  // the compute thread's: all work on the buffer goes there
+    if (buffer_.data() != nullptr) cuda::synchronize_stream(stream_);
+    buffer_ = std::move(mapped);
+    generation_ = r.generation();
+    proto::BufferRegistered answer;
+    answer.set_generation(generation_);
+    answer.set_executor_event(executor_event_.ipc_handle());
+    return answer;
+  }
+
+  std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const override {
+    return region_problem(h, in_bytes, out_bytes, buffer_.size(), generation_);
+  }
+  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
+    client_event_.make_stream_wait(cuda::current_stream(device_));
+    return view(h.in_offset, dtype, shape);
+  }
+  at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
+    return view(h.out_offset, dtype, shape);
+  }
+  void finish_writes() override { executor_event_.record(cuda::current_stream(device_)); }
+
+ private:
+  at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
+    return at::from_blob(static_cast<char*>(buffer_.data()) + offset, shape,
+                         at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
+  }
+
+  int device_;
+  void* stream_ = nullptr;  // cudaStream_t of the compute thread
+  cuda::InterprocessEvent executor_event_, client_event_;
+  cuda::MappedDeviceBuffer buffer_;
+};
+#endif
+
+}  // namespace
+
+std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device);
+
+std::shared_ptr<SameHostChannel> SameHostChannel::create(const std::string& kind, uint64_t client_id,
+                                                         at::Device device) {
+  if (kind == "shm") return std::make_shared<HostShmChannel>(client_id, device);
+  if (kind == "cuda-ipc") {
+#ifdef SYMBIOSIS_WITH_CUDA
+    return std::make_shared<CudaIpcChannel>(client_id, device);
+#else
+    TORCH_CHECK(false, "transport cuda-ipc: this build of symbiosis has no CUDA");
+#endif
+  }
+  if (kind == "nccl") return make_nccl_channel(client_id, device);
+  TORCH_CHECK(false, "unknown same-host transport '", kind, "'");
+}
+
+Doorbell::Doorbell() {
+  memory_ = shm::SharedMemory::create("symbiosis-doorbell", sizeof(shm::DoorbellBlock));
+  block_ = new (memory_.data()) shm::DoorbellBlock();
+  block_->magic = shm::DoorbellBlock::kMagic;
+}
+
+}  // namespace symbiosis

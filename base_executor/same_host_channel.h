@@ -1,0 +1,94 @@
+#pragma once
+// Internal to the executor: its end of one same-host client ([Shared-memory control channel] in
+// transport/call_ring.h). A channel owns the client's control segment and the executor's mapping
+// of the client's payload: a host shared-memory segment ("shm"), a CUDA IPC device buffer and two
+// interprocess events ("cuda-ipc"), or a 2-rank NCCL communicator ("nccl").
+//
+// Threads: the IO thread creates a channel at the handshake; from then on only the compute thread
+// touches it (it polls the request ring, registers buffers, reads inputs, writes results,
+// replies). A channel is kept alive by the work that refers to it, so a client that leaves while
+// its requests are queued leaves nothing half-released: the mapping closes after the last use.
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "symbiosis.pb.h"
+#include "transport/call_ring.h"
+
+namespace symbiosis {
+
+class SameHostChannel {
+ public:
+  // kind: "shm", "cuda-ipc" or "nccl"; device: the executor's.
+  static std::shared_ptr<SameHostChannel> create(const std::string& kind, uint64_t client_id, at::Device device);
+  virtual ~SameHostChannel();
+  SameHostChannel(const SameHostChannel&) = delete;
+  SameHostChannel& operator=(const SameHostChannel&) = delete;
+
+  const std::string& kind() const { return kind_; }
+  uint64_t client_id() const { return client_id_; }
+  const std::string& control_segment() const { return control_.name(); }
+  // The client has mapped the control segment: its name can go.
+  void attached() { control_.unlink(); }
+
+  // Compute thread from here on.
+
+  // Maps the buffer a RegisterBuffer names (releasing the previous one). Throws naming the problem.
+  virtual proto::BufferRegistered register_buffer(const proto::RegisterBuffer& registration) = 0;
+  // Payload set-up a transport needs beyond buffers (NCCL's communicator): starts it, and
+  // setup_done() says when it is finished. Throws naming the problem.
+  virtual void setup_nccl(const proto::NcclSetup& setup);
+  virtual bool setup_done() { return true; }
+  // The next request header the client pushed, or nullopt. After a corrupt ring, broken() is true
+  // (any thread may ask; the IO thread then forgets the client).
+  std::optional<shm::CallHeader> next_request();
+  bool broken() const { return broken_; }
+  // Checks the call's payload against what the client registered; "" when fine.
+  virtual std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const = 0;
+  // The call's input, ready to read on the current stream (host memory, or the executor's GPU).
+  virtual at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
+  // Where the result goes, or an undefined tensor when it must be handed to deliver() instead.
+  virtual at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
+  // Hands over a result that has no destination (NCCL sends it).
+  virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
+  // After this batch's writes for this client are enqueued: orders them before the client's reads.
+  virtual void finish_writes() {}
+  // Pushes the reply (OK, or an error with its message) and wakes the client.
+  void reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message = "");
+  // A call was refused before its payload was taken (NCCL: the client's send can never match now).
+  virtual void refused() {}
+
+  // Any thread: the client is gone; release what could block on it (NCCL kernels waiting on a
+  // dead peer). The compute thread drops the channel afterwards.
+  virtual void abort() {}
+
+ protected:
+  SameHostChannel(std::string kind, uint64_t client_id);
+  uint64_t generation_ = 0;  // of the payload buffer mapped now
+
+ private:
+  std::string kind_;
+  uint64_t client_id_;
+  shm::SharedMemory control_;
+  shm::ControlBlock* block_ = nullptr;
+  uint64_t next_read_ = 0;
+  std::atomic<bool> broken_{false};
+};
+
+// The executor's doorbell ([Shared-memory control channel]): clients and the IO thread notify it,
+// the compute thread sleeps on it.
+class Doorbell {
+ public:
+  Doorbell();
+  const std::string& segment() const { return memory_.name(); }
+  shm::WaitWord& word() { return block_->doorbell; }
+
+ private:
+  shm::SharedMemory memory_;
+  shm::DoorbellBlock* block_ = nullptr;
+};
+
+}  // namespace symbiosis

@@ -1,0 +1,95 @@
+#include "bench/process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <thread>
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+
+namespace symbiosis::bench {
+
+fs::path build_dir() {
+  // The nearest folder above this program that holds the executor (bench/ and tests/*/ alike).
+  const auto exe = fs::read_symlink("/proc/self/exe");
+  for (auto dir = exe.parent_path(); !dir.empty() && dir != dir.root_path(); dir = dir.parent_path()) {
+    if (fs::exists(dir / "base_executor" / "symbiosis-executor")) return dir;
+  }
+  return exe.parent_path().parent_path();
+}
+
+pid_t spawn(const std::vector<std::string>& args, const fs::path& stdout_file, const fs::path& stderr_file) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, stdout_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 2, stderr_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) throw std::runtime_error("cannot start " + args[0] + ": " + std::strerror(rc));
+  return pid;
+}
+
+bool wait_ok(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+size_t peak_rss_bytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+ExecutorProcess start_executor(const std::vector<std::string>& args, const fs::path& dir, int timeout_s) {
+  fs::create_directories(dir);
+  std::vector<std::string> all = {(build_dir() / "base_executor/symbiosis-executor").string()};
+  all.insert(all.end(), args.begin(), args.end());
+  ExecutorProcess executor;
+  executor.pid = spawn(all, dir / "executor.out", dir / "executor.err");
+  for (int i = 0; i < timeout_s * 10 && executor.endpoint.empty(); ++i) {
+    const auto text = read_file(dir / "executor.out");
+    if (text.rfind("ready ", 0) == 0 && text.find('\n') != std::string::npos) {
+      executor.endpoint = text.substr(6, text.find('\n') - 6);
+      break;
+    }
+    int status = 0;
+    if (waitpid(executor.pid, &status, WNOHANG) == executor.pid) break;  // it died
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (executor.endpoint.empty()) {
+    kill(executor.pid, SIGKILL);
+    waitpid(executor.pid, nullptr, 0);
+    throw std::runtime_error("executor did not start: " + read_file(dir / "executor.err"));
+  }
+  return executor;
+}
+
+void stop(pid_t pid) {
+  kill(pid, SIGTERM);
+  waitpid(pid, nullptr, 0);
+}
+
+}  // namespace symbiosis::bench

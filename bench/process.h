@@ -1,0 +1,32 @@
+#pragma once
+// Processes for the benchmark programs: start a program with its output in files, wait for it,
+// start an executor and wait for its "ready ENDPOINT" line, read a process's peak memory.
+#include <sys/types.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace symbiosis::bench {
+
+// The build directory: the nearest folder above the running program that holds the executor.
+std::filesystem::path build_dir();
+
+pid_t spawn(const std::vector<std::string>& args, const std::filesystem::path& stdout_file,
+            const std::filesystem::path& stderr_file);
+bool wait_ok(pid_t pid);  // true when it exited 0
+size_t peak_rss_bytes(pid_t pid);
+std::string read_file(const std::filesystem::path& path);
+
+struct ExecutorProcess {
+  pid_t pid = 0;
+  std::string endpoint;
+};
+// Starts build/base_executor/symbiosis-executor with `args` (after the program name), logs in
+// `dir`; waits up to `timeout_s` for its ready line. Throws with its stderr when it does not come.
+ExecutorProcess start_executor(const std::vector<std::string>& args, const std::filesystem::path& dir,
+                               int timeout_s = 120);
+// SIGTERM, then wait.
+void stop(pid_t pid);
+
+}  // namespace symbiosis::bench

@@ -1,0 +1,130 @@
+// symbiosis-bench-roundtrip: the per-layer round-trip time of each transport. An executor
+// process serves one [hidden, hidden] layer; a client in this process sends FORWARD requests of 1
+// and 1024 tokens over each transport asked for, and waits for each result to be usable (on a GPU
+// client, its stream synchronized). The baseline in the same run is the same GEMM computed locally
+// on the client's device, so a transport's cost is the difference.
+//   symbiosis-bench-roundtrip --executor-device cuda:0 --client-device cuda:0 --transports cuda-ipc,tcp
+#include <CLI/CLI.hpp>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "bench/process.h"
+#include "client_runtime/client.h"
+#include "common/checkpoint.h"
+
+using namespace symbiosis;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Summary {
+  double median_us;
+  double p99_us;
+};
+
+template <typename F>
+Summary time_it(int iterations, F&& f) {
+  for (int i = 0; i < std::max(10, iterations / 10); ++i) f();  // warm-up
+  std::vector<double> us;
+  for (int i = 0; i < iterations; ++i) {
+    const auto t0 = Clock::now();
+    f();
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t hidden = 2048;
+  int iterations = 300;
+  std::string json_out, executor_device = "cpu", client_device = "cpu", transports = "tcp,shm", dtype = "fp32";
+  int spin_us = 50;
+  CLI::App app{"symbiosis-bench-roundtrip: per-layer round trip of each transport against local compute"};
+  app.add_option("--hidden", hidden, "layer size (in = out)")->capture_default_str();
+  app.add_option("--iterations", iterations, "timed calls per size")->capture_default_str();
+  app.add_option("--executor-device", executor_device, "the executor's device: cpu or cuda:N")->capture_default_str();
+  app.add_option("--client-device", client_device, "this client's device: cpu or cuda:N")->capture_default_str();
+  app.add_option("--transports", transports, "comma-separated: tcp, shm, cuda-ipc, nccl")->capture_default_str();
+  app.add_option("--dtype", dtype, "fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--spin-us", spin_us, "spin before sleeping, executor and client (us)")->capture_default_str();
+  app.add_option("--json", json_out, "also write the results here");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    char dir_template[] = "/tmp/symbiosis-bench-XXXXXX";
+    const std::filesystem::path dir = ::mkdtemp(dir_template);
+    const auto type = parse_dtype_name(dtype);
+    at::manual_seed(0);
+    const auto weight = (at::randn({hidden, hidden}) * 0.02).to(type);
+    write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", weight}});
+    std::ofstream(dir / "config.json") << R"({"model_type": "llama"})";
+    auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                           executor_device, "--max-request-bytes", std::to_string(1 << 30),
+                                           "--spin-us", std::to_string(spin_us), "--log-level", "warn"},
+                                          dir);
+    const at::Device device(client_device);
+    const bool gpu = device.is_cuda();
+    auto sync = [&] {
+      if (gpu) torch::cuda::synchronize(device.index());
+    };
+    const auto local_weight = weight.to(device);
+    std::printf("executor on %s, client on %s, %s, hidden %ld\n", executor_device.c_str(), client_device.c_str(),
+                dtype.c_str(), static_cast<long>(hidden));
+    std::printf("%-9s %-7s %13s %11s %15s %13s %14s\n", "transport", "tokens", "rtt median us", "rtt p99 us",
+                "local median us", "local p99 us", "overhead us");
+    nlohmann::json results = nlohmann::json::array();
+    std::stringstream list(transports);
+    for (std::string transport; std::getline(list, transport, ',');) {
+      ClientOptions options;
+      options.endpoint = executor.endpoint;
+      options.transport = transport;
+      options.device = client_device;
+      options.spin_us = spin_us;
+      auto client = Client::connect(options);
+      const auto& layer = client->layers().at(0);
+      for (int64_t tokens : {1, 1024}) {
+        const auto x = at::randn({tokens, hidden}, at::TensorOptions().device(device)).to(type);
+        const auto remote = time_it(iterations, [&] {
+          client->forward(layer, x, true);
+          sync();
+        });
+        const auto local = time_it(iterations, [&] {
+          at::mm(x, local_weight.t());
+          sync();
+        });
+        std::printf("%-9s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f\n", client->transport().c_str(),
+                    static_cast<long>(tokens), remote.median_us, remote.p99_us, local.median_us, local.p99_us,
+                    remote.median_us - local.median_us);
+        results.push_back({{"transport", client->transport()},
+                           {"tokens", tokens},
+                           {"rtt_median_us", remote.median_us},
+                           {"rtt_p99_us", remote.p99_us},
+                           {"local_median_us", local.median_us},
+                           {"local_p99_us", local.p99_us}});
+      }
+    }
+    bench::stop(executor.pid);
+    if (!json_out.empty()) {
+      std::ofstream(json_out) << nlohmann::json{{"executor_device", executor_device},
+                                                {"client_device", client_device},
+                                                {"dtype", dtype},
+                                                {"hidden", hidden},
+                                                {"results", results}}
+                                     .dump(2)
+                              << "\n";
+    }
+    std::filesystem::remove_all(dir);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "symbiosis-bench-roundtrip: %s\n", e.what());
+    return 1;
+  }
+}

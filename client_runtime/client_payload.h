@@ -1,0 +1,38 @@
+#pragma once
+// Internal to the client runtime: where a same-host call's tensors travel (see client_transport.h).
+// A ClientPayload moves one call's input to the executor and its result back; the control
+// channel carries the header in between.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "client_runtime/client.h"
+
+namespace symbiosis {
+
+class ControlSocket;
+
+class ClientPayload {
+ public:
+  virtual ~ClientPayload() = default;
+  // Makes room for a call of `bytes` (input and output regions), registering a larger buffer with
+  // the executor first when needed.
+  virtual void reserve(uint64_t bytes) = 0;
+  // Which registration the call's offsets refer to.
+  virtual uint64_t generation() const = 0;
+  // Makes x (contiguous, the layer's dtype) available to the executor at `offset`.
+  virtual void send_input(const at::Tensor& x, uint64_t offset) = 0;
+  // The result at `offset`, once the executor's reply said OK, as a tensor of its own on `device`.
+  virtual at::Tensor receive_output(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape,
+                                    at::Device device) = 0;
+  // The executor answered with an error: no result will come.
+  virtual void abandon_output() {}
+};
+
+// kind: "shm" (host shared memory), "cuda-ipc" (a device buffer shared through CUDA IPC) or "nccl".
+std::unique_ptr<ClientPayload> make_client_payload(const std::string& kind, const ClientOptions& options,
+                                                   ControlSocket& socket);
+
+}  // namespace symbiosis

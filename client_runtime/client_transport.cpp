@@ -1,0 +1,191 @@
+#include "client_runtime/client_transport.h"
+
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <chrono>
+
+#include "client_runtime/client_payload.h"
+#include "transport/call_ring.h"
+#include "transport/cuda_ipc.h"
+#include "transport/zmq_wire.h"
+
+namespace symbiosis {
+
+ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms) : endpoint_(endpoint), timeout_ms_(timeout_ms) {
+  socket_.set(zmq::sockopt::linger, 0);
+  try {
+    socket_.connect(endpoint);
+  } catch (const zmq::error_t& e) {
+    TORCH_CHECK(false, "cannot connect to executor endpoint '", endpoint, "': ", e.what());
+  }
+}
+
+void ControlSocket::send(const proto::Envelope& envelope, const at::Tensor* payload) {
+  // Never blocks: ZeroMQ queues for a connection that is not up yet, and a full queue means the
+  // executor has stopped reading.
+  const auto more = payload ? zmq::send_flags::sndmore : zmq::send_flags::none;
+  bool sent = socket_.send(wire::serialize(envelope), more | zmq::send_flags::dontwait).has_value();
+  if (sent && payload) sent = socket_.send(wire::tensor_frame(*payload), zmq::send_flags::dontwait).has_value();
+  TORCH_CHECK(sent, "executor at ", endpoint_, " is not taking messages (its queue to us is full)");
+}
+
+std::vector<zmq::message_t> ControlSocket::receive(const char* waiting_for) {
+  zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+  zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms_));
+  TORCH_CHECK(item.revents & ZMQ_POLLIN, "executor at ", endpoint_, " did not answer ", waiting_for, " within ",
+              timeout_ms_, " ms (is it running and reachable?)");
+  return wire::recv_all(socket_);
+}
+
+proto::Envelope ControlSocket::parse_or_throw(const std::vector<zmq::message_t>& frames) {
+  proto::Envelope env;
+  TORCH_CHECK(!frames.empty() && wire::parse(frames[0], &env), "executor sent a message that does not parse");
+  if (env.has_error()) {
+    TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(env.error().code()), "): ", env.error().message());
+  }
+  return env;
+}
+
+proto::Envelope ControlSocket::exchange(const proto::Envelope& envelope, const char* waiting_for) {
+  send(envelope);
+  return parse_or_throw(receive(waiting_for));
+}
+
+namespace {
+
+[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message) {
+  TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(code), ") on layer '", layer.name, "': ", message);
+}
+
+// Header and payload in ZeroMQ frames.
+class TcpTransport : public ClientTransport {
+ public:
+  explicit TcpTransport(ControlSocket& socket) : socket_(socket) {}
+
+  at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
+    proto::Envelope env;
+    auto* r = env.mutable_request();
+    r->set_request_id(spec.request_id);
+    r->set_layer_id(spec.layer->id);
+    r->set_op(spec.op);
+    r->set_dtype(wire::to_proto(x.scalar_type()));
+    r->add_shape(x.size(0));
+    r->add_shape(x.size(1));
+    r->set_latency_class(spec.latency_class);
+    const auto payload = x.to(at::kCPU).contiguous();
+    socket_.send(env, &payload);
+    while (true) {
+      auto frames = socket_.receive("a layer request");
+      auto reply_env = ControlSocket::parse_or_throw(frames);
+      TORCH_CHECK(reply_env.has_reply(), "executor answered a request with something other than a reply");
+      const auto& reply = reply_env.reply();
+      if (reply.request_id() != spec.request_id) continue;  // a late answer to a call that timed out
+      if (reply.has_error() && reply.error().code() != proto::OK) {
+        throw_executor_error(*spec.layer, reply.error().code(), reply.error().message());
+      }
+      TORCH_CHECK(frames.size() == 2 && reply.shape_size() == 2, "executor reply to request ", spec.request_id,
+                  " lacks its payload");
+      auto out = wire::frame_to_tensor(std::move(frames[1]), wire::from_proto(reply.dtype()),
+                                       {reply.shape(0), reply.shape(1)});
+      return x.device().is_cpu() ? out : out.to(x.device());
+    }
+  }
+
+ private:
+  ControlSocket& socket_;
+};
+
+constexpr uint64_t kAlignment = 256;
+uint64_t align_up(uint64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+// Headers through the shared-memory control channel; payloads through a ClientPayload.
+class SameHostTransport : public ClientTransport {
+ public:
+  SameHostTransport(ControlSocket& socket, const proto::Welcome& welcome, const ClientOptions& options)
+      : socket_(socket), options_(options), kind_(welcome.transport()) {
+    control_memory_ = shm::SharedMemory::open(welcome.control_segment(), sizeof(shm::ControlBlock));
+    doorbell_memory_ = shm::SharedMemory::open(welcome.doorbell_segment(), sizeof(shm::DoorbellBlock));
+    control_ = shm::map_block<shm::ControlBlock>(control_memory_);
+    doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
+    payload_ = make_client_payload(kind_, options_, socket_);
+  }
+
+  at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
+    TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
+                " stopped after a call timed out; connect a new Client");
+    const uint64_t in_bytes = x.nbytes();
+    const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
+    payload_->reserve(align_up(in_bytes) + out_bytes);
+    shm::CallRecord record;
+    auto& h = record.header;
+    h.request_id = spec.request_id;
+    h.layer_id = spec.layer->id;
+    h.op = spec.op;
+    h.dtype = wire::to_proto(x.scalar_type());
+    h.latency_class = spec.latency_class;
+    h.tokens = x.size(0);
+    h.features = x.size(1);
+    h.in_offset = 0;
+    h.out_offset = align_up(in_bytes);
+    h.buffer_generation = payload_->generation();
+    payload_->send_input(x, h.in_offset);
+    TORCH_CHECK(control_->requests.push(record), "the executor's request ring for this client is full");
+    doorbell_->doorbell.notify();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
+    std::optional<shm::CallRecord> reply;
+    while (true) {
+      const bool got = shm::wait_until(
+          control_->replies.wait(), [&] { return !control_->replies.empty(); },
+          std::chrono::microseconds(options_.spin_us), deadline);
+      if (!got) {
+        broken_ = true;
+        TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", spec.request_id,
+                    " for layer '", spec.layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
+      }
+      reply = control_->replies.pop();
+      if (reply->header.request_id == spec.request_id) break;  // older ones answered calls that timed out
+    }
+    if (reply->error_code != proto::OK) {
+      payload_->abandon_output();
+      throw_executor_error(*spec.layer, static_cast<proto::ErrorCode>(reply->error_code), reply->message_text());
+    }
+    return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
+  }
+
+ private:
+  ControlSocket& socket_;
+  ClientOptions options_;
+  std::string kind_;
+  shm::SharedMemory control_memory_, doorbell_memory_;
+  shm::ControlBlock* control_ = nullptr;
+  shm::DoorbellBlock* doorbell_ = nullptr;
+  std::unique_ptr<ClientPayload> payload_;
+  bool broken_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket) {
+  return std::make_unique<TcpTransport>(socket);
+}
+
+std::unique_ptr<ClientTransport> make_same_host_transport(ControlSocket& socket, const proto::Welcome& welcome,
+                                                          const ClientOptions& options) {
+  return std::make_unique<SameHostTransport>(socket, welcome, options);
+}
+
+proto::Placement local_placement(const std::string& device) {
+  proto::Placement p;
+  p.set_host_id(shm::host_id());
+  p.set_pid(::getpid());
+  p.set_device(device);
+  const at::Device d(device);
+  if (d.is_cuda()) {
+    p.set_gpu_uuid(cuda::gpu_uuid(d.has_index() ? d.index() : 0));
+    p.set_mps(cuda::mps_active());
+  }
+  return p;
+}
+
+}  // namespace symbiosis

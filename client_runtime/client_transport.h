@@ -1,0 +1,69 @@
+#pragma once
+// Internal to the client runtime: how a Client moves one call's tensors. The Client handshakes
+// over its ControlSocket, and the executor's Welcome names the transport; the Client then makes
+// one ClientTransport and sends every base-layer call through it.
+//  - tcp: header and payload in ZeroMQ frames on the control socket (any host, CPU or GPU tensors
+//    staged through host memory).
+//  - shm, cuda-ipc, nccl (same host): headers through the shared-memory control channel
+//    ([Shared-memory control channel] in transport/call_ring.h); payloads in a host shared-memory
+//    buffer (shm), in a cudaMalloc'd device buffer shared through CUDA IPC with interprocess
+//    events ordering the two processes' streams (cuda-ipc), or sent and received over a 2-rank
+//    NCCL communicator (nccl).
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "client_runtime/client.h"
+#include "symbiosis.pb.h"
+
+namespace symbiosis {
+
+// The client's DEALER socket to the executor: handshake, set-up messages, and TCP calls.
+class ControlSocket {
+ public:
+  ControlSocket(const std::string& endpoint, int timeout_ms);
+  // Sends a header frame, then the tensor's bytes as a second frame when given (CPU, contiguous).
+  void send(const proto::Envelope& envelope, const at::Tensor* payload = nullptr);
+  // The next message, or a c10::Error naming the executor when none comes within the timeout.
+  std::vector<zmq::message_t> receive(const char* waiting_for);
+  // Sends and returns the answer; an executor error becomes a c10::Error carrying its message.
+  proto::Envelope exchange(const proto::Envelope& envelope, const char* waiting_for);
+  static proto::Envelope parse_or_throw(const std::vector<zmq::message_t>& frames);
+  const std::string& endpoint() const { return endpoint_; }
+  int timeout_ms() const { return timeout_ms_; }
+
+ private:
+  std::string endpoint_;
+  int timeout_ms_;
+  zmq::context_t context_{1};
+  zmq::socket_t socket_{context_, zmq::socket_type::dealer};
+};
+
+struct CallSpec {
+  const LayerInfo* layer;
+  proto::Op op;
+  uint64_t request_id;
+  proto::LatencyClass latency_class;
+  int64_t out_features;  // of the result
+};
+
+class ClientTransport {
+ public:
+  virtual ~ClientTransport() = default;
+  // x: [tokens, features] contiguous, in the layer's dtype. Returns [tokens, out_features] on x's
+  // device. Throws the executor's error, or a timeout naming the executor.
+  virtual at::Tensor call(const CallSpec& spec, const at::Tensor& x) = 0;
+};
+
+std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket);
+// shm, cuda-ipc or nccl, as welcome.transport() says.
+std::unique_ptr<ClientTransport> make_same_host_transport(ControlSocket& socket, const proto::Welcome& welcome,
+                                                          const ClientOptions& options);
+
+// Where this process runs, for the Hello.
+proto::Placement local_placement(const std::string& device);
+
+}  // namespace symbiosis

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On your own machine, after `make build`: copies what the GPU machine runs (the executor, the
+# demo and benchmark clients, the benchmark programs, the GPU tests and the client library),
+# stripped, into .gpu-build/ in the build tree's layout, so that the GPU machine needs no
+# compiler time. They link against the same torch 2.11.0+cu130 wheel there; scripts/gpu_check.sh
+# points the loader at that machine's copies and falls back to building from source when the
+# bundle does not load. Pass carry: [".gpu", ".gpu-build"].
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+out=.gpu-build
+rm -rf "$out"
+for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/symbiosis-make-checkpoint \
+         tools/symbiosis-ctl bench/symbiosis-bench bench/symbiosis-bench-client bench/symbiosis-bench-roundtrip \
+         tests/gpu/gpu_executor_test tests/gpu/cuda_ipc_test tests/gpu/nccl_test \
+         client_runtime/libsymbiosis_client.so; do
+  mkdir -p "$out/$(dirname "$f")"
+  strip --strip-debug -o "$out/$f" "$BUILD_DIR/$f"
+done
+git rev-parse HEAD > "$out/COMMIT"
+git diff --stat HEAD > "$out/DIFF" || true
+echo "bundled $(du -sh "$out" | cut -f1) into $out"

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# On the GPU machine (see ../shared/gpu/README.md): runs the GPU tests and benchmarks of the
+# stages named as arguments, leaving every log and result under $OUT. Start it as
+#   source .gpu/env.sh && bash scripts/gpu_check.sh tests roundtrip ...
+# with carry: [".gpu", ".gpu-build"]. It uses the binaries that scripts/gpu_bundle.sh carried in
+# .gpu-build when they load here, and builds from source into build-gpu otherwise.
+# Stages:
+#   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
+#   roundtrip      per-layer round trip of each transport, with and without MPS
+#   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8, against both baselines, under MPS
+#   bench-128      the same at batch 1 x 128
+#   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
+#   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs
+#   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
+set -uo pipefail
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+root=$(pwd)
+start=$(date +%s)
+log() { echo "[gpu_check $(( $(date +%s) - start ))s] $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+log "$(cat "$out/gpu.txt" | head -2 | tr '\n' ';')"
+
+# The loader finds this machine's torch, CUDA libraries and NCCL (the wheel's), then ours.
+site=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+nv=""
+for d in "$site"/nvidia/*/lib; do nv="$nv:$d"; done
+export LD_LIBRARY_PATH="$site/torch/lib$nv:${LD_LIBRARY_PATH:-}"
+B=$root/.gpu-build
+if [ -x "$B/base_executor/symbiosis-executor" ] && \
+   LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH" "$B/base_executor/symbiosis-executor" --help > /dev/null 2>&1; then
+  export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
+  log "using the carried build ($(cat "$B/COMMIT" 2>/dev/null))"
+else
+  log "carried build does not load here; building from source"
+  LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH" ldd "$B/base_executor/symbiosis-executor" 2>&1 | grep "not found" | head
+  B=$root/build-gpu
+  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
+    || { tail -30 "$out/configure.log"; exit 1; }
+  cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
+    symbiosis-bench-client symbiosis-bench-roundtrip gpu_executor_test cuda_ipc_test nccl_test > "$out/build.log" 2>&1 \
+    || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
+  export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
+  log "built"
+fi
+gpus=$(nvidia-smi -L | wc -l)
+
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+mps_on() {
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  pgrep -x nvidia-cuda-mps > /dev/null || nvidia-cuda-mps-control -d
+  sleep 1
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  sleep 2
+}
+
+run_gtest() {  # name, then filter
+  local name=$1
+  timeout 900 "$B/tests/gpu/$name" --gtest_filter="${2:-*}" > "$out/$name.log" 2>&1
+  log "$name: $(grep -cE '^\[ +OK' "$out/$name.log") ok, $(grep -cE '^\[ +FAILED +\] [A-Z]' "$out/$name.log") failed, $(grep -cE '^\[ +SKIPPED' "$out/$name.log") skipped"
+  grep -E "^\[ +FAILED +\] [A-Z]|Failure|Expected|actual|Which is|error" "$out/$name.log" | head -20
+}
+
+bench() {  # tag, scenario, extra args
+  local tag=$1 scenario=$2
+  shift 2
+  "$B/bench/symbiosis-bench" --scenario "$scenario" --out "/tmp/bench-$tag" --python python3 --source-dir "$root" "$@" \
+    > "$out/bench-$tag.txt" 2> "$out/bench-$tag.err"
+  log "bench $tag exited $?"
+  cat "$out/bench-$tag.txt"
+  tail -3 "$out/bench-$tag.err"
+  cp "/tmp/bench-$tag/results.json" "$out/bench-$tag.json" 2>/dev/null
+}
+
+model_1b=/tmp/llama-1b
+make_1b() {
+  [ -f $model_1b/config.json ] || "$B/tools/symbiosis-make-checkpoint" --preset llama-3.2-1b --dtype bf16 --out $model_1b > /dev/null
+}
+
+for stage in "$@"; do
+  log "stage $stage"
+  case $stage in
+    tests)
+      mps_on
+      run_gtest gpu_executor_test
+      run_gtest cuda_ipc_test
+      [ "$gpus" -ge 2 ] && run_gtest nccl_test
+      mps_off
+      ;;
+    roundtrip)
+      for mps in on off; do
+        mps_$mps
+        "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:0 --dtype bf16 \
+          --transports cuda-ipc,tcp --json "$out/roundtrip-gpu-mps-$mps.json" > "$out/roundtrip-gpu-mps-$mps.txt" 2>&1
+        cat "$out/roundtrip-gpu-mps-$mps.txt"
+      done
+      "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cpu --dtype fp32 \
+        --transports shm,tcp --iterations 100 --json "$out/roundtrip-cpu-client.json" > "$out/roundtrip-cpu-client.txt" 2>&1
+      cat "$out/roundtrip-cpu-client.txt"
+      if [ "$gpus" -ge 2 ]; then
+        "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:1 --dtype bf16 \
+          --transports nccl,tcp --json "$out/roundtrip-nccl.json" > "$out/roundtrip-nccl.txt" 2>&1
+        cat "$out/roundtrip-nccl.txt"
+      fi
+      ;;
+    bench-512|bench-128)
+      make_1b
+      mps_on
+      bench "${stage#bench-}" "bench/scenarios/gpu_llama1b_${stage#bench-}.json" --checkpoint $model_1b
+      mps_off
+      ;;
+    bench-nomps)
+      make_1b
+      mps_off
+      bench nomps-512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 1,8
+      bench nomps-128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
+      ;;
+    capacity-13b)
+      "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out /tmp/llama-13b > /dev/null
+      log "13B checkpoint written"
+      mps_on
+      bench capacity-13b bench/scenarios/gpu_llama13b_capacity.json --checkpoint /tmp/llama-13b
+      mps_off
+      ;;
+    remote)
+      make_1b
+      mps_on
+      bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b
+      "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out /tmp/llama-13b > /dev/null
+      bench remote-13b bench/scenarios/gpu_remote_llama13b.json --checkpoint /tmp/llama-13b
+      mps_off
+      ;;
+    *) log "unknown stage $stage" ;;
+  esac
+done
+log "done"

@@ -1,0 +1,301 @@
+// Same-host clients ([Shared-memory control channel]): the transport chosen by placement, exact
+// results over shared memory, payload buffers that grow, a precise error for every bad call
+// header, and an executor that survives clients that corrupt their ring or die mid-request.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <thread>
+
+#include "base_executor/executor.h"
+#include "client_runtime/client.h"
+#include "common/checkpoint.h"
+#include "tests/test_util.h"
+#include "transport/call_ring.h"
+#include "transport/zmq_wire.h"
+
+namespace symbiosis {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class SameHostTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::filesystem::path(testing::temp_dir("same-host-test"));
+    at::manual_seed(3);
+    q_ = at::randn({8, 4});
+    up_w_ = at::randn({6, 4});
+    up_b_ = at::randn({6});
+    write_safetensors(*dir_ / "model.safetensors", {{"model.embed_tokens.weight", at::randn({10, 4})},
+                                                    {"model.layers.0.self_attn.q_proj.weight", q_},
+                                                    {"model.layers.0.mlp.up_proj.weight", up_w_},
+                                                    {"model.layers.0.mlp.up_proj.bias", up_b_}});
+    std::ofstream(*dir_ / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
+  }
+
+  void SetUp() override {
+    ExecutorOptions options;
+    options.max_request_bytes = size_t{64} << 20;
+    executor_ = testing::start_executor(*dir_, options);
+  }
+
+  std::shared_ptr<Client> connect(const std::string& transport) {
+    ClientOptions options;
+    options.endpoint = executor_->endpoint();
+    options.timeout_ms = 10000;
+    options.transport = transport;
+    return Client::connect(options);
+  }
+
+  // Waits until the executor counts `n` same-host clients (it notices dead ones within ~200 ms).
+  bool same_host_clients_become(uint64_t n) {
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (Clock::now() < deadline) {
+      if (executor_->stats().same_host_clients == n) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  static std::filesystem::path* dir_;
+  static at::Tensor q_, up_w_, up_b_;
+  std::unique_ptr<Executor> executor_;
+};
+std::filesystem::path* SameHostTest::dir_ = nullptr;
+at::Tensor SameHostTest::q_, SameHostTest::up_w_, SameHostTest::up_b_;
+
+// What a real client never does: speaks the control channel by hand.
+struct RawShmPeer {
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::dealer};
+  shm::SharedMemory control, doorbell, payload;
+  shm::ControlBlock* block = nullptr;
+  shm::DoorbellBlock* bell = nullptr;
+
+  explicit RawShmPeer(const std::string& endpoint) {
+    socket.set(zmq::sockopt::linger, 0);
+    socket.set(zmq::sockopt::rcvtimeo, 10000);
+    socket.connect(endpoint);
+    proto::Envelope hello;
+    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+    hello.mutable_hello()->set_transport("shm");
+    hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
+    hello.mutable_hello()->mutable_placement()->set_pid(::getpid());
+    hello.mutable_hello()->mutable_placement()->set_device("cpu");
+    auto welcome = exchange(hello);
+    EXPECT_TRUE(welcome.has_welcome());
+    EXPECT_EQ(welcome.welcome().transport(), "shm");
+    control = shm::SharedMemory::open(welcome.welcome().control_segment(), sizeof(shm::ControlBlock));
+    doorbell = shm::SharedMemory::open(welcome.welcome().doorbell_segment(), sizeof(shm::DoorbellBlock));
+    block = shm::map_block<shm::ControlBlock>(control);
+    bell = shm::map_block<shm::DoorbellBlock>(doorbell);
+    payload = shm::SharedMemory::create("symbiosis-test-payload", 4096);
+    auto registered = register_buffer(1);
+    EXPECT_TRUE(registered.has_buffer_registered()) << registered.DebugString();
+  }
+
+  proto::Envelope exchange(const proto::Envelope& env) {
+    socket.send(wire::serialize(env), zmq::send_flags::none);
+    auto frames = wire::recv_all(socket);
+    proto::Envelope answer;
+    EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
+    return answer;
+  }
+
+  proto::Envelope register_buffer(uint64_t generation) {
+    proto::Envelope env;
+    env.mutable_register_buffer()->set_generation(generation);
+    env.mutable_register_buffer()->set_bytes(payload.size());
+    env.mutable_register_buffer()->set_shm_name(payload.name());
+    return exchange(env);
+  }
+
+  // A FORWARD of layer 1 (q_proj, in 4, out 8; ids follow sorted names) in fp32 with one token,
+  // unless changed by `edit`.
+  template <typename Edit>
+  shm::CallRecord call(Edit&& edit) {
+    shm::CallRecord r;
+    auto& h = r.header;
+    h.request_id = next_id++;
+    h.layer_id = 1;
+    h.op = proto::FORWARD;
+    h.dtype = proto::FLOAT32;
+    h.latency_class = proto::FINE_TUNING;
+    h.tokens = 1;
+    h.features = 4;
+    h.in_offset = 0;
+    h.out_offset = 256;
+    h.buffer_generation = 1;
+    edit(h);
+    EXPECT_TRUE(block->requests.push(r));
+    bell->doorbell.notify();
+    EXPECT_TRUE(shm::wait_until(
+        block->replies.wait(), [&] { return !block->replies.empty(); }, std::chrono::microseconds(50),
+        Clock::now() + std::chrono::seconds(10)));
+    return *block->replies.pop();
+  }
+
+  std::string error_of(std::function<void(shm::CallHeader&)> edit) {
+    auto reply = call(edit);
+    return reply.error_code == proto::OK ? "" : reply.message_text();
+  }
+
+  uint64_t next_id = 1;
+};
+
+TEST_F(SameHostTest, AutoPicksSharedMemoryOnThisHostAndEveryTransportComputesExactly) {
+  auto shm_client = connect("auto");
+  EXPECT_EQ(shm_client->transport(), "shm");
+  auto tcp_client = connect("tcp");
+  EXPECT_EQ(tcp_client->transport(), "tcp");
+  EXPECT_EQ(executor_->stats().same_host_clients, 1u);
+  for (const auto& client : {shm_client, tcp_client}) {
+    const auto* q = client->find_layer("model.layers.0.self_attn.q_proj");
+    const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+    ASSERT_TRUE(q && up);
+    for (int64_t tokens : {1, 5, 300}) {
+      auto x = at::randn({tokens, 4});
+      EXPECT_TRUE(at::allclose(client->forward(*q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_b_, x, up_w_.t()), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(client->forward(*up, x, false), at::mm(x, up_w_.t()), 1e-6, 1e-6));
+      auto g = at::randn({tokens, 6});
+      EXPECT_TRUE(at::allclose(client->backward_input(*up, g), at::mm(g, up_w_), 1e-6, 1e-6));
+    }
+  }
+}
+
+TEST_F(SameHostTest, PayloadBufferGrowsForLargerCalls) {
+  auto client = connect("shm");
+  const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+  // 2^20 tokens x 4 features x 4 bytes = 16 MiB in, 24 MiB out: past the first 4 MiB buffer.
+  for (int64_t tokens : {int64_t{3}, int64_t{1} << 20, int64_t{7}}) {
+    auto x = at::randn({tokens, 4});
+    EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_b_, x, up_w_.t()), 1e-5, 1e-5));
+  }
+}
+
+TEST_F(SameHostTest, TransportsThePlacementCannotCarryAreRefusedWithTheReason) {
+  auto refusal = [&](const std::string& transport) {
+    try {
+      connect(transport);
+      return std::string("(connected)");
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+  };
+  EXPECT_NE(refusal("cuda-ipc").find("transport cuda-ipc is not possible here: it needs the client on the executor's GPU"),
+            std::string::npos)
+      << refusal("cuda-ipc");
+  EXPECT_NE(refusal("nccl").find("transport nccl is not possible here: it needs the client and the executor on two "
+                                 "different GPUs"),
+            std::string::npos)
+      << refusal("nccl");
+  EXPECT_NE(refusal("carrier-pigeon").find("client option transport 'carrier-pigeon' is not one of"), std::string::npos);
+
+  // A client on another host may not ask for shared memory.
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::dealer};
+  socket.set(zmq::sockopt::rcvtimeo, 10000);
+  socket.connect(executor_->endpoint());
+  proto::Envelope hello;
+  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+  hello.mutable_hello()->set_transport("shm");
+  hello.mutable_hello()->mutable_placement()->set_host_id("elsewhere/0000");
+  socket.send(wire::serialize(hello), zmq::send_flags::none);
+  auto frames = wire::recv_all(socket);
+  proto::Envelope answer;
+  ASSERT_TRUE(wire::parse(frames.at(0), &answer));
+  ASSERT_TRUE(answer.has_error());
+  EXPECT_NE(answer.error().message().find("the client is on another host (elsewhere/0000"), std::string::npos)
+      << answer.error().message();
+}
+
+TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
+  RawShmPeer peer(executor_->endpoint());
+  auto contains = [](const std::string& text, const std::string& part) {
+    return text.find(part) != std::string::npos;
+  };
+  // A good call first: the raw peer gets q_proj of its payload.
+  auto x = at::randn({1, 4});
+  std::memcpy(peer.payload.data(), x.data_ptr(), 16);
+  ASSERT_EQ(peer.error_of([](shm::CallHeader&) {}), "");
+  auto y = at::from_blob(static_cast<char*>(peer.payload.data()) + 256, {1, 8});
+  EXPECT_TRUE(at::allclose(y, at::mm(x, q_.t()), 1e-6, 1e-6));
+
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.layer_id = 9; }), "unknown layer id 9"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.op = 42; }), "op 42 is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.dtype = proto::BFLOAT16; }),
+                       "dtype BFLOAT16 does not match the layer's FLOAT32"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.features = 5; }), "shape [1, 5] should be [tokens >= 1, 4]"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.tokens = 0; }), "shape [0, 4] should be [tokens >= 1, 4]"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.tokens = int64_t{1} << 30; }), "exceed the executor's limit"));
+  // A size whose byte count overflows 64 bits is still refused.
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.tokens = int64_t{1} << 62; }), "exceed the executor's limit"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.buffer_generation = 2; }),
+                       "names payload buffer generation 2, but generation 1 is registered"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 4090; }), "lies outside the 4096-byte payload buffer"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.in_offset = uint64_t{1} << 63; }), "lies outside"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 0; }), "input and output regions overlap"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 250; }), "multiples of 16 bytes"));
+  // Every error named its request and layer; the executor still serves this client and others.
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.features = 5; }), "for layer 1 (model.layers.0.self_attn.q_proj)"));
+  EXPECT_EQ(peer.error_of([](shm::CallHeader&) {}), "");
+  auto other = connect("shm");
+  auto x2 = at::randn({2, 4});
+  EXPECT_TRUE(at::allclose(other->forward(*other->find_layer("model.layers.0.self_attn.q_proj"), x2, true),
+                           at::mm(x2, q_.t()), 1e-6, 1e-6));
+  // Registrations must come in order.
+  auto stale = peer.register_buffer(1);
+  ASSERT_TRUE(stale.has_error());
+  EXPECT_TRUE(contains(stale.error().message(), "RegisterBuffer generation 1, expected 2")) << stale.error().message();
+}
+
+TEST_F(SameHostTest, ACorruptRingDropsOnlyThatClient) {
+  auto good = connect("shm");
+  {
+    RawShmPeer peer(executor_->endpoint());
+    reinterpret_cast<std::atomic<uint64_t>*>(&peer.block->requests)->store(1000);  // head far past capacity
+    peer.bell->doorbell.notify();
+    EXPECT_TRUE(same_host_clients_become(1)) << "the executor kept the client that corrupted its ring";
+  }
+  const auto* q = good->find_layer("model.layers.0.self_attn.q_proj");
+  auto x = at::randn({3, 4});
+  EXPECT_TRUE(at::allclose(good->forward(*q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
+}
+
+TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
+  const std::string endpoint = executor_->endpoint();
+  for (int i = 0; i < 3; ++i) {
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      // Fresh ZeroMQ and shared-memory objects only (nothing of the parent's threads): a call
+      // answered, then one more pushed, and death before its answer.
+      RawShmPeer peer(endpoint);
+      peer.call([](shm::CallHeader&) {});
+      shm::CallRecord r;
+      r.header = {.request_id = 99, .layer_id = 1, .op = proto::FORWARD, .dtype = proto::FLOAT32,
+                  .latency_class = proto::FINE_TUNING, .tokens = 40, .features = 4, .in_offset = 0,
+                  .out_offset = 1024, .buffer_generation = 1};
+      peer.block->requests.push(r);
+      peer.bell->doorbell.notify();
+      ::raise(SIGKILL);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status));
+  }
+  EXPECT_TRUE(same_host_clients_become(0)) << "the executor still holds a dead client's channel";
+  EXPECT_EQ(executor_->stats().clients, 0u);
+  EXPECT_EQ(executor_->stats().errors, 0u);
+  auto survivor = connect("shm");
+  auto x = at::randn({2, 4});
+  EXPECT_TRUE(at::allclose(survivor->forward(*survivor->find_layer("model.layers.0.self_attn.q_proj"), x, true),
+                           at::mm(x, q_.t()), 1e-6, 1e-6));
+}
+
+}  // namespace
+}  // namespace symbiosis

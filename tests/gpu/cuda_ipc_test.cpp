@@ -1,0 +1,175 @@
+// Clients on the executor's GPU (the `local` placement) over CUDA IPC: split equals monolithic on
+// the same GPU (fp32 within 1e-5, bf16 within bf16 tolerance); clients of every transport share
+// one GPU executor, each exact; the executor's GPU memory does not grow with its clients; a
+// killed client leaks nothing. CUDA IPC needs two processes: the executor runs in its own process
+// where this test is the client, and the clients run as processes where the test holds the
+// executor. Skipped, with a message saying so, where there is no GPU.
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/optim/adamw.h>
+
+#include "bench/process.h"
+#include "client_runtime/causal_lm.h"
+#include "client_runtime/lora.h"
+#include "client_runtime/training.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace symbiosis {
+namespace {
+
+using testing::relative_error;
+
+struct TrainingRun {
+  CausalLM lm;
+  std::vector<at::Tensor> adapter;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+
+TrainingRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, at::ScalarType dtype) {
+  TrainingRun run;
+  run.lm = open_causal_lm(checkpoint, client, {dtype, at::Device(at::kCUDA, 0)});
+  LoraConfig lora;
+  lora.init_b_zero = false;
+  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"};
+  at::manual_seed(21);
+  run.adapter = add_lora(*run.lm.module, lora);
+  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(1e-3));
+  return run;
+}
+
+class SameGpuExactness : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
+  SKIP_WITHOUT_GPUS(1);
+  const std::string dtype_name = GetParam();
+  const auto dtype = parse_dtype_name(dtype_name);
+  const double tolerance = dtype == at::kFloat ? 1e-5 : 5e-2;
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                         "cuda:0", "--dtype", dtype_name, "--log-level", "warn"},
+                                        testing::temp_dir("cuda-ipc-executor"));
+  ClientOptions options;
+  options.endpoint = executor.endpoint;
+  options.device = "cuda:0";
+  auto client = Client::connect(options);
+  EXPECT_EQ(client->transport(), "cuda-ipc");  // chosen by placement: the executor's GPU
+  TrainingRun split = make_run(*checkpoint, client, dtype), mono = make_run(*checkpoint, nullptr, dtype);
+  auto ids = at::randint(0, 200, {3, 24}, at::kLong).to(at::kCUDA);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<at::Tensor> logits, losses;
+    for (TrainingRun* run : {&split, &mono}) {
+      run->optimizer->zero_grad();
+      logits.push_back(run->lm.forward(ids, {}));
+      losses.push_back(causal_lm_loss(logits.back(), ids));
+      losses.back().backward();
+    }
+    EXPECT_LT(relative_error(logits[0], logits[1]), tolerance) << "step " << step;
+    EXPECT_LT(relative_error(losses[0], losses[1]), tolerance) << "step " << step;
+    for (size_t i = 0; i < split.adapter.size(); ++i) {
+      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), tolerance)
+          << "step " << step << ", adapter tensor " << i;
+    }
+    split.optimizer->step();
+    mono.optimizer->step();
+  }
+  for (size_t i = 0; i < split.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), tolerance) << "adapter tensor " << i;
+  }
+  EXPECT_GE(client->calls(), 3u * 2u * client->layers().size());
+  client.reset();
+  bench::stop(executor.pid);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SameGpuExactness, ::testing::Values("fp32", "bf16"));
+
+// The executor in this process on cuda:0; clients as processes.
+class GpuExecutorWithClientProcesses : public ::testing::Test {
+ protected:
+  void start(const std::string& policy = "opportunistic") {
+    dir_ = testing::make_checkpoint("tiny-llama");
+    ExecutorOptions options;
+    options.device = "cuda:0";
+    options.batching.policy = parse_batching_policy(policy);
+    options.batching.lockstep_timeout = std::chrono::milliseconds(300);
+    executor_ = testing::start_executor(dir_, options);
+  }
+  std::vector<std::string> client(const std::string& device, const std::string& transport,
+                                  const std::vector<std::string>& extra) {
+    return testing::demo_client(executor_->endpoint(), dir_, device, transport, extra);
+  }
+  std::filesystem::path dir_;
+  std::unique_ptr<Executor> executor_;
+};
+
+class MixedTransports : public GpuExecutorWithClientProcesses, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
+  SKIP_WITHOUT_GPUS(1);
+  start(GetParam());
+  const std::vector<std::string> verify = {"--verify", "--steps", "4", "--tolerance", "1e-5"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), verify.begin(), verify.end());
+    return extra;
+  };
+  EXPECT_TRUE(testing::run_all({
+      client("cuda:0", "cuda-ipc", with({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1"})),
+      client("cuda:0", "cuda-ipc", with({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2",
+                                         "--targets", "all-linear"})),
+      client("cpu", "shm", with({"--rank", "8", "--batch", "3", "--seq", "8", "--seed", "3"})),
+      client("cpu", "tcp", with({"--rank", "2", "--batch", "1", "--seq", "5", "--seed", "4"})),
+  })) << "a client's split run differed from its monolithic run (see its output above)";
+  EXPECT_EQ(executor_->stats().errors, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, MixedTransports, ::testing::Values("none", "lockstep", "opportunistic"));
+
+TEST_F(GpuExecutorWithClientProcesses, ExecutorGpuMemoryStaysFlatFromOneToEightClients) {
+  SKIP_WITHOUT_GPUS(1);
+  start();
+  const std::vector<std::string> work = {"--steps", "6", "--batch", "2", "--seq", "32"};
+  // One client warms the executor up (CUDA context, cuBLAS workspace, first batches).
+  ASSERT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", work)}));
+  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
+  const size_t used_before = testing::gpu_memory_used(0);
+  testing::reset_gpu_peak(0);
+  ASSERT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", work)}));
+  const size_t peak_one = testing::gpu_peak_reserved(0);
+  testing::reset_gpu_peak(0);
+  std::vector<std::vector<std::string>> eight(8, client("cuda:0", "cuda-ipc", work));
+  ASSERT_TRUE(testing::run_all(eight));
+  const size_t peak_eight = testing::gpu_peak_reserved(0);
+  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
+  // Eight clients' batches are at most eight times one client's rows; the executor holds no
+  // per-client memory. Per token: the batch input, its result and one packing buffer at the
+  // widest layer (tiny-llama: 256 features), fp32; plus the allocator's 2 MiB rounding.
+  const size_t workspace_bound = 8 * 2 * 32 * 3 * 256 * 4 + (size_t{8} << 20);
+  EXPECT_LE(peak_eight, peak_one + workspace_bound)
+      << "executor reserved " << peak_one << " bytes serving one client, " << peak_eight << " serving eight";
+  // Every client's IPC buffer and events were released: the GPU is back where it was.
+  const size_t used_after = testing::gpu_memory_used(0);
+  EXPECT_LE(used_after, used_before + (size_t{16} << 20))
+      << "GPU memory in use grew from " << used_before << " to " << used_after << " bytes";
+}
+
+TEST_F(GpuExecutorWithClientProcesses, AKilledClientLeaksNoGpuMemoryAndOthersStayExact) {
+  SKIP_WITHOUT_GPUS(1);
+  start();
+  ASSERT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--steps", "2"})}));  // warm-up
+  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
+  const size_t used_before = testing::gpu_memory_used(0);
+  const pid_t victim = testing::spawn(client("cuda:0", "cuda-ipc", {"--steps", "100000", "--seq", "64"}));
+  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 1));
+  const auto requests = executor_->stats().requests;
+  while (executor_->stats().requests < requests + 200) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  kill(victim, SIGKILL);
+  waitpid(victim, nullptr, 0);
+  EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0)) << "the executor still holds the dead client";
+  const size_t used_after = testing::gpu_memory_used(0);
+  EXPECT_LE(used_after, used_before + (size_t{16} << 20))
+      << "GPU memory in use grew from " << used_before << " to " << used_after << " bytes after the kill";
+  EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--verify", "--steps", "3"})}));
+}
+
+}  // namespace
+}  // namespace symbiosis

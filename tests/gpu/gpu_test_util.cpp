@@ -1,0 +1,53 @@
+#include "tests/gpu/gpu_test_util.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+namespace symbiosis::testing {
+
+size_t gpu_memory_used(int device) {
+  torch::cuda::synchronize(device);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  size_t free = 0, total = 0;
+  TORCH_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed");
+  return total - free;
+}
+
+size_t gpu_peak_reserved(int device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  return stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+}
+
+void reset_gpu_peak(int device) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+}
+
+std::vector<std::string> demo_client(const std::string& endpoint, const std::filesystem::path& model,
+                                     const std::string& device, const std::string& transport,
+                                     const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {binary("examples/symbiosis-demo-client"), "--executor", endpoint, "--model",
+                                   model.string(), "--device", device, "--transport", transport, "--quiet"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+bool run_all(const std::vector<std::vector<std::string>>& clients) {
+  std::vector<pid_t> pids;
+  for (const auto& args : clients) pids.push_back(spawn(args));
+  bool ok = true;
+  for (pid_t pid : pids) ok = exited_ok(pid) && ok;
+  return ok;
+}
+
+bool same_host_clients_become(const Executor& executor, uint64_t n) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (executor.stats().same_host_clients == n) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+}  // namespace symbiosis::testing

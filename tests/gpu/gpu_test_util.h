@@ -1,0 +1,43 @@
+#pragma once
+// Shared by the GPU tests: skipping where there is no GPU (with a message saying so), the GPU
+// memory in use, running demo clients as separate processes and waiting for the executor to
+// notice clients that left.
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base_executor/executor.h"
+#include "tests/test_util.h"
+
+#define SKIP_WITHOUT_GPUS(n)                                                                                    \
+  if (static_cast<int>(torch::cuda::device_count()) < (n))                                                      \
+  GTEST_SKIP() << "needs " << (n) << " CUDA GPU(s), this machine has " << torch::cuda::device_count()           \
+               << ": GPU tests run on the GPU machine (scripts/gpu_check.sh)"
+
+namespace symbiosis::testing {
+
+// Bytes in use on the GPU, by every process (cudaMemGetInfo), after this process's cached but
+// unused blocks are returned.
+size_t gpu_memory_used(int device);
+
+// Peak bytes this process's caching allocator has reserved on `device`; reset_gpu_peak() restarts it.
+size_t gpu_peak_reserved(int device);
+void reset_gpu_peak(int device);
+
+// Arguments of one demo client (examples/demo_client.cpp) that fine-tunes against `endpoint` and,
+// with --verify, exits 0 only if its split run equals its monolithic run within `tolerance`.
+std::vector<std::string> demo_client(const std::string& endpoint, const std::filesystem::path& model,
+                                     const std::string& device, const std::string& transport,
+                                     const std::vector<std::string>& extra = {});
+
+// Runs the clients at once; true when every one exited 0.
+bool run_all(const std::vector<std::vector<std::string>>& clients);
+
+// Waits (up to 10 s) until the executor counts `n` same-host clients.
+bool same_host_clients_become(const Executor& executor, uint64_t n);
+
+}  // namespace symbiosis::testing

@@ -1,0 +1,133 @@
+// The shared-memory control channel's pieces: segments, the call ring (including a producer that
+// corrupts it), and a consumer in another process that sleeps and is woken.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <new>
+#include <thread>
+
+#include <c10/util/Exception.h>
+
+#include "transport/call_ring.h"
+
+namespace symbiosis::shm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+CallRecord record(uint64_t id) {
+  CallRecord r;
+  r.header.request_id = id;
+  r.header.layer_id = static_cast<uint32_t>(id % 7);
+  r.header.tokens = static_cast<int64_t>(id * 3);
+  return r;
+}
+
+struct RingInSharedMemory {
+  SharedMemory memory = SharedMemory::create("symbiosis-test", sizeof(ControlBlock));
+  ControlBlock* block = new (memory.data()) ControlBlock();
+};
+
+TEST(SharedMemoryTest, OpenSeesWhatCreateWroteAndErrorsNameTheSegment) {
+  auto created = SharedMemory::create("symbiosis-test", 4096);
+  static_cast<char*>(created.data())[100] = 42;
+  auto opened = SharedMemory::open(created.name(), 4096);
+  EXPECT_EQ(static_cast<char*>(opened.data())[100], 42);
+  try {
+    SharedMemory::open(created.name(), 1 << 20);
+    FAIL() << "a segment smaller than asked was opened";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(created.name()), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("expected at least 1048576"), std::string::npos) << e.what();
+  }
+  created.unlink();
+  try {
+    SharedMemory::open(created.name(), 4096);
+    FAIL() << "an unlinked segment was opened";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot open shared memory " + created.name()), std::string::npos);
+  }
+  // Both mappings stay valid after the name is gone.
+  EXPECT_EQ(static_cast<char*>(opened.data())[100], 42);
+}
+
+TEST(CallRingTest, DeliversInOrderAndRefusesWhenFull) {
+  RingInSharedMemory shared;
+  auto& ring = shared.block->requests;
+  EXPECT_TRUE(ring.empty());
+  for (uint64_t i = 0; i < CallRing::kCapacity; ++i) EXPECT_TRUE(ring.push(record(i)));
+  EXPECT_FALSE(ring.push(record(99))) << "a full ring took another record";
+  for (uint64_t i = 0; i < CallRing::kCapacity; ++i) {
+    auto r = ring.pop();
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->header.request_id, i);
+    EXPECT_EQ(r->header.tokens, static_cast<int64_t>(i * 3));
+  }
+  EXPECT_FALSE(ring.pop().has_value());
+  EXPECT_TRUE(ring.push(record(100)));  // wraps around
+  EXPECT_EQ(ring.pop()->header.request_id, 100u);
+}
+
+TEST(CallRingTest, UntrustedReaderDetectsAHeadThatClaimsTooMuch) {
+  RingInSharedMemory shared;
+  auto& ring = shared.block->requests;
+  uint64_t next_read = 0;
+  bool corrupt = false;
+  ASSERT_TRUE(ring.push(record(1)));
+  EXPECT_EQ(ring.pop_untrusted(&next_read, &corrupt)->header.request_id, 1u);
+  EXPECT_FALSE(corrupt);
+  // A misbehaving client scribbles over the head: more records than the ring can hold.
+  reinterpret_cast<std::atomic<uint64_t>*>(&ring)->store(next_read + CallRing::kCapacity + 5);
+  EXPECT_FALSE(ring.pop_untrusted(&next_read, &corrupt).has_value());
+  EXPECT_TRUE(corrupt);
+  // ... or moves it backwards.
+  corrupt = false;
+  reinterpret_cast<std::atomic<uint64_t>*>(&ring)->store(0);
+  EXPECT_FALSE(ring.pop_untrusted(&next_read, &corrupt).has_value());
+  EXPECT_TRUE(corrupt);
+}
+
+TEST(CallRingTest, ErrorMessagesAreTruncatedAndTerminated) {
+  CallRecord r;
+  r.set_message(std::string(2 * CallRecord::kMessageBytes, 'x'));
+  EXPECT_EQ(r.message_text().size(), CallRecord::kMessageBytes - 1);
+  r.set_message("layer 3: shape [2, 5] should be [tokens >= 1, 4]");
+  EXPECT_EQ(r.message_text(), "layer 3: shape [2, 5] should be [tokens >= 1, 4]");
+}
+
+// [Spin, then sleep]: a consumer in another process that has stopped spinning and sleeps on the
+// futex is woken by the producer's notify, well before its deadline.
+TEST(CallRingTest, WakesASleepingConsumerInAnotherProcess) {
+  RingInSharedMemory shared;
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto& ring = shared.block->replies;
+    const auto started = Clock::now();
+    const bool got = wait_until(
+        ring.wait(), [&] { return !ring.empty(); }, std::chrono::microseconds(10), started + std::chrono::seconds(20));
+    const auto waited = Clock::now() - started;
+    _exit(got && ring.pop()->header.request_id == 7 && waited < std::chrono::seconds(5) ? 0 : 1);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the child is asleep by now
+  ASSERT_TRUE(shared.block->replies.push(record(7)));
+  shared.block->replies.wait().notify();
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the consumer was not woken with the record";
+}
+
+TEST(CallRingTest, WaitGivesUpAtTheDeadline) {
+  RingInSharedMemory shared;
+  auto& ring = shared.block->replies;
+  const auto started = Clock::now();
+  EXPECT_FALSE(wait_until(
+      ring.wait(), [&] { return !ring.empty(); }, std::chrono::microseconds(10),
+      started + std::chrono::milliseconds(150)));
+  EXPECT_GE(Clock::now() - started, std::chrono::milliseconds(150));
+}
+
+}  // namespace
+}  // namespace symbiosis::shm

@@ -1,0 +1,45 @@
+#include "transport/call_ring.h"
+
+#include <algorithm>
+
+namespace symbiosis::shm {
+
+void CallRecord::set_message(const std::string& text) {
+  const size_t n = std::min(text.size(), kMessageBytes - 1);
+  std::memcpy(message, text.data(), n);
+  message[n] = '\0';
+}
+
+std::string CallRecord::message_text() const { return std::string(message, strnlen(message, kMessageBytes)); }
+
+bool CallRing::push(const CallRecord& record) {
+  const uint64_t head = head_.load(std::memory_order_relaxed);
+  if (head - tail_.load(std::memory_order_acquire) >= kCapacity) return false;
+  slots_[head % kCapacity] = record;
+  head_.store(head + 1, std::memory_order_release);
+  return true;
+}
+
+std::optional<CallRecord> CallRing::pop() {
+  const uint64_t tail = tail_.load(std::memory_order_relaxed);
+  if (head_.load(std::memory_order_acquire) == tail) return std::nullopt;
+  CallRecord record = slots_[tail % kCapacity];
+  tail_.store(tail + 1, std::memory_order_release);
+  return record;
+}
+
+std::optional<CallRecord> CallRing::pop_untrusted(uint64_t* next_read, bool* corrupt) {
+  const uint64_t head = head_.load(std::memory_order_acquire);
+  if (head == *next_read) return std::nullopt;
+  if (head - *next_read > kCapacity) {  // also catches a head behind next_read (wraps to huge)
+    *corrupt = true;
+    return std::nullopt;
+  }
+  CallRecord record = slots_[*next_read % kCapacity];
+  record.message[CallRecord::kMessageBytes - 1] = '\0';
+  ++*next_read;
+  tail_.store(*next_read, std::memory_order_release);
+  return record;
+}
+
+}  // namespace symbiosis::shm

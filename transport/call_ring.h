@@ -1,0 +1,100 @@
+#pragma once
+// [Shared-memory control channel]
+// When a client shares a host with the executor, per-call headers do not travel over ZeroMQ (a
+// round trip there costs ~60 us before any work) but through a control segment in shared memory:
+// two single-producer single-consumer rings of fixed-size CallRecords, requests (client to
+// executor) and replies (executor to client). A CallRecord is the fixed binary form of
+// proto::Request and proto::Reply. Payloads never travel in the ring: they sit in the client's
+// registered payload buffer (host shared memory, a CUDA IPC device buffer) at the offsets the
+// record names, or move over NCCL.
+//
+// Waking: a client pushes a request and notifies the executor's doorbell (one WaitWord in a
+// segment every same-host client maps), on which the executor's compute thread sleeps when idle;
+// the executor pushes a reply and notifies the ring's own WaitWord, on which the client sleeps.
+// Both spin briefly first ([Spin, then sleep]).
+//
+// Trust: the executor never trusts what a client wrote. It keeps its own read position (a
+// corrupted head is detected as a ring that claims more than its capacity) and validates every
+// record like a ZeroMQ request.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include "transport/shared_memory.h"
+
+namespace symbiosis::shm {
+
+// One call as the executor sees it, whatever transport it came by.
+struct CallHeader {
+  uint64_t request_id = 0;
+  uint32_t layer_id = 0;
+  int32_t op = 0;             // proto::Op
+  int32_t dtype = 0;          // proto::DType
+  int32_t latency_class = 0;  // proto::LatencyClass
+  int64_t tokens = 0;
+  int64_t features = 0;
+  uint64_t in_offset = 0;   // byte offset of the input in the client's payload buffer
+  uint64_t out_offset = 0;  // byte offset where the result goes
+  uint64_t buffer_generation = 0;  // which registration of the payload buffer the offsets refer to
+};
+
+struct CallRecord {
+  static constexpr size_t kMessageBytes = 384;
+  CallHeader header;
+  int32_t error_code = 0;  // replies: proto::ErrorCode; OK means the result is at out_offset
+  char message[kMessageBytes] = {};
+
+  void set_message(const std::string& text);
+  std::string message_text() const;
+};
+
+class CallRing {
+ public:
+  static constexpr uint64_t kCapacity = 8;  // calls of one client are serialized; a few suffice
+
+  // Producer side. False when the ring is full (the consumer is stuck or gone).
+  bool push(const CallRecord& record);
+  // Consumer side, trusting the producer (a client reading the executor's replies).
+  std::optional<CallRecord> pop();
+  bool empty() const { return head_.load(std::memory_order_acquire) == tail_.load(std::memory_order_acquire); }
+  // Consumer side, not trusting the producer: `next_read` is the consumer's private position.
+  // Returns nullopt when empty; sets *corrupt when the shared head is impossible.
+  std::optional<CallRecord> pop_untrusted(uint64_t* next_read, bool* corrupt);
+
+  WaitWord& wait() { return wait_; }
+
+ private:
+  alignas(64) std::atomic<uint64_t> head_{0};  // next slot the producer writes
+  alignas(64) std::atomic<uint64_t> tail_{0};  // next slot the consumer reads
+  alignas(64) WaitWord wait_;                  // the consumer sleeps here
+  alignas(64) CallRecord slots_[kCapacity];
+};
+
+// The per-client control segment. Created (zero-filled) by the executor, mapped by the client.
+struct ControlBlock {
+  static constexpr uint64_t kMagic = 0x53594d42494f5331ull;  // "SYMBIOS1"
+  uint64_t magic = 0;
+  CallRing requests;  // client -> executor
+  CallRing replies;   // executor -> client
+};
+
+// The executor's doorbell segment: one WaitWord every same-host client notifies.
+struct DoorbellBlock {
+  static constexpr uint64_t kMagic = 0x53594d42444f4f52ull;  // "SYMBDOOR"
+  uint64_t magic = 0;
+  alignas(64) WaitWord doorbell;
+};
+
+// Maps a control or doorbell segment made by the executor; throws naming it when it is not one.
+template <typename Block>
+Block* map_block(SharedMemory& memory) {
+  auto* block = static_cast<Block*>(memory.data());
+  if (block->magic != Block::kMagic) {
+    throw std::runtime_error("shared memory " + memory.name() + " is not a symbiosis control segment");
+  }
+  return block;
+}
+
+}  // namespace symbiosis::shm

@@ -1,0 +1,267 @@
+#include "transport/cuda_ipc.h"
+
+#include <c10/util/Exception.h>
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <utility>
+
+#ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+// One checking macro for the CUDA runtime: file, line, the call, and CUDA's own error string.
+#define SYMBIOSIS_CUDA_CHECK(call)                                                                     \
+  do {                                                                                                 \
+    const cudaError_t symbiosis_cuda_status = (call);                                                  \
+    TORCH_CHECK(symbiosis_cuda_status == cudaSuccess, __FILE__, ":", __LINE__, ": ", #call, " failed: ", \
+                cudaGetErrorString(symbiosis_cuda_status));                                            \
+  } while (0)
+#endif
+
+namespace symbiosis::cuda {
+namespace {
+
+bool process_running(const char* comm_prefix) {
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return false;
+  bool found = false;
+  while (dirent* entry = ::readdir(proc)) {
+    if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
+    std::ifstream comm(std::string("/proc/") + entry->d_name + "/comm");
+    std::string name;
+    if (std::getline(comm, name) && name.rfind(comm_prefix, 0) == 0) {
+      found = true;
+      break;
+    }
+  }
+  ::closedir(proc);
+  return found;
+}
+
+}  // namespace
+
+bool mps_active() {
+  const char* dir = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+  const std::string pipe_dir = dir != nullptr && *dir != '\0' ? dir : "/tmp/nvidia-mps";
+  struct stat st {};
+  if (::stat((pipe_dir + "/control").c_str(), &st) != 0) return false;
+  // /proc/PID/comm holds 15 characters: "nvidia-cuda-mps" covers the control daemon and its server.
+  return process_running("nvidia-cuda-mps");
+}
+
+const char* mps_hint() {
+  return "start it before the executor and the clients, with the same variables in every process: "
+         "export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log; "
+         "mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d";
+}
+
+#ifndef SYMBIOSIS_WITH_CUDA
+
+bool cuda_available() { return false; }
+std::string gpu_uuid(int) { TORCH_CHECK(false, "this build of symbiosis has no CUDA"); }
+
+#else
+
+bool cuda_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+std::string gpu_uuid(int device) {
+  cudaDeviceProp prop{};
+  SYMBIOSIS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+  char text[64];
+  std::snprintf(text, sizeof(text), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+  return text;
+}
+
+namespace {
+
+// Runs on `device`, restoring the caller's device afterwards.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) SYMBIOSIS_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
+  DeviceScope scope(device);
+  DeviceBuffer buffer;
+  const cudaError_t status = cudaMalloc(&buffer.data_, bytes);
+  TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC payload buffer on cuda:", device,
+              ": ", cudaGetErrorString(status));
+  buffer.size_ = bytes;
+  buffer.device_ = device;
+  return buffer;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_ != nullptr) {
+    DeviceScope scope(device_);
+    cudaFree(data_);
+  }
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) {
+      DeviceScope scope(device_);
+      cudaFree(data_);
+    }
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+std::string DeviceBuffer::ipc_handle() const {
+  cudaIpcMemHandle_t handle;
+  SYMBIOSIS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, data_));
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_handle, size_t bytes) {
+  TORCH_CHECK(ipc_handle.size() == sizeof(cudaIpcMemHandle_t), "CUDA IPC memory handle has ", ipc_handle.size(),
+              " bytes, expected ", sizeof(cudaIpcMemHandle_t));
+  DeviceScope scope(device);
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
+  MappedDeviceBuffer mapped;
+  const cudaError_t status = cudaIpcOpenMemHandle(&mapped.data_, handle, cudaIpcMemLazyEnablePeerAccess);
+  TORCH_CHECK(status == cudaSuccess, "cannot open the client's CUDA IPC payload buffer on cuda:", device, ": ",
+              cudaGetErrorString(status), " (is the client on this executor's GPU, in another process?)");
+  mapped.size_ = bytes;
+  mapped.device_ = device;
+  return mapped;
+}
+
+MappedDeviceBuffer::~MappedDeviceBuffer() {
+  if (data_ != nullptr) {
+    DeviceScope scope(device_);
+    cudaIpcCloseMemHandle(data_);
+  }
+}
+
+MappedDeviceBuffer::MappedDeviceBuffer(MappedDeviceBuffer&& other) noexcept { *this = std::move(other); }
+
+MappedDeviceBuffer& MappedDeviceBuffer::operator=(MappedDeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) {
+      DeviceScope scope(device_);
+      cudaIpcCloseMemHandle(data_);
+    }
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+InterprocessEvent InterprocessEvent::create(int device) {
+  DeviceScope scope(device);
+  InterprocessEvent event;
+  cudaEvent_t e;
+  SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess));
+  event.event_ = e;
+  event.device_ = device;
+  return event;
+}
+
+InterprocessEvent InterprocessEvent::open(int device, const std::string& ipc_handle) {
+  TORCH_CHECK(ipc_handle.size() == sizeof(cudaIpcEventHandle_t), "CUDA IPC event handle has ", ipc_handle.size(),
+              " bytes, expected ", sizeof(cudaIpcEventHandle_t));
+  DeviceScope scope(device);
+  cudaIpcEventHandle_t handle;
+  std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
+  InterprocessEvent event;
+  cudaEvent_t e;
+  const cudaError_t status = cudaIpcOpenEventHandle(&e, handle);
+  TORCH_CHECK(status == cudaSuccess, "cannot open the peer's CUDA IPC event on cuda:", device, ": ",
+              cudaGetErrorString(status));
+  event.event_ = e;
+  event.device_ = device;
+  return event;
+}
+
+InterprocessEvent::~InterprocessEvent() {
+  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+InterprocessEvent::InterprocessEvent(InterprocessEvent&& other) noexcept { *this = std::move(other); }
+
+InterprocessEvent& InterprocessEvent::operator=(InterprocessEvent&& other) noexcept {
+  if (this != &other) {
+    if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    event_ = std::exchange(other.event_, nullptr);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+std::string InterprocessEvent::ipc_handle() const {
+  cudaIpcEventHandle_t handle;
+  SYMBIOSIS_CUDA_CHECK(cudaIpcGetEventHandle(&handle, static_cast<cudaEvent_t>(event_)));
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void InterprocessEvent::record(void* stream) const {
+  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)));
+}
+
+void InterprocessEvent::make_stream_wait(void* stream) const {
+  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0));
+}
+
+PinnedRange::PinnedRange(void* data, size_t bytes) {
+  SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, cudaHostRegisterDefault));
+  data_ = data;
+}
+
+PinnedRange::~PinnedRange() {
+  if (data_ != nullptr) cudaHostUnregister(data_);
+}
+
+PinnedRange::PinnedRange(PinnedRange&& other) noexcept { *this = std::move(other); }
+
+PinnedRange& PinnedRange::operator=(PinnedRange&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaHostUnregister(data_);
+    data_ = std::exchange(other.data_, nullptr);
+  }
+  return *this;
+}
+
+void use_device(int device) {
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  c10::cuda::set_device(index);
+  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index));
+}
+
+void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }
+
+void synchronize_stream(void* stream) {
+  SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+#endif  // SYMBIOSIS_WITH_CUDA
+
+}  // namespace symbiosis::cuda

@@ -1,0 +1,119 @@
+#pragma once
+// CUDA pieces of the same-GPU transport, each an RAII owner with copying deleted:
+//  - DeviceBuffer: the client's payload buffer, cudaMalloc'd so that its IPC handle names exactly
+//    this allocation (a handle to a block of LibTorch's caching allocator would name the start of
+//    its segment instead), wrapped as tensors without copies;
+//  - MappedDeviceBuffer: the executor's mapping of a client's DeviceBuffer (cudaIpcOpenMemHandle);
+//  - InterprocessEvent: an event one process records and the other waits on in its stream, so the
+//    two processes' GPU work is ordered without a host synchronization per layer.
+// Every CUDA runtime call goes through SYMBIOSIS_CUDA_CHECK, which names file, line, call and
+// CUDA's own error string.
+//
+// Built only with CUDA (SYMBIOSIS_WITH_CUDA); cuda_available() says whether this build has it.
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <string>
+
+namespace symbiosis::cuda {
+
+// True when this build has CUDA and a GPU is visible.
+bool cuda_available();
+// The GPU's UUID (as nvidia-smi prints it): equal UUIDs are the same GPU across processes.
+std::string gpu_uuid(int device);
+// Whether NVIDIA MPS serves this process's GPU work (its control daemon is running for our pipe
+// directory). Same-GPU clients need it: see docs/operating.md.
+bool mps_active();
+// How to start MPS, for messages.
+const char* mps_hint();
+
+#ifdef SYMBIOSIS_WITH_CUDA
+
+class DeviceBuffer {
+ public:
+  static DeviceBuffer allocate(int device, size_t bytes);
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  int device() const { return device_; }
+  std::string ipc_handle() const;  // cudaIpcMemHandle_t's bytes
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  int device_ = 0;
+};
+
+class MappedDeviceBuffer {
+ public:
+  // Throws naming the problem when the handle is not a buffer of at least `bytes` on `device`.
+  static MappedDeviceBuffer open(int device, const std::string& ipc_handle, size_t bytes);
+  MappedDeviceBuffer() = default;
+  ~MappedDeviceBuffer();
+  MappedDeviceBuffer(MappedDeviceBuffer&& other) noexcept;
+  MappedDeviceBuffer& operator=(MappedDeviceBuffer&& other) noexcept;
+  MappedDeviceBuffer(const MappedDeviceBuffer&) = delete;
+  MappedDeviceBuffer& operator=(const MappedDeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  int device_ = 0;
+};
+
+class InterprocessEvent {
+ public:
+  static InterprocessEvent create(int device);
+  static InterprocessEvent open(int device, const std::string& ipc_handle);
+  InterprocessEvent() = default;
+  ~InterprocessEvent();
+  InterprocessEvent(InterprocessEvent&& other) noexcept;
+  InterprocessEvent& operator=(InterprocessEvent&& other) noexcept;
+  InterprocessEvent(const InterprocessEvent&) = delete;
+  InterprocessEvent& operator=(const InterprocessEvent&) = delete;
+
+  std::string ipc_handle() const;
+  // stream: a cudaStream_t.
+  void record(void* stream) const;
+  void make_stream_wait(void* stream) const;
+  bool valid() const { return event_ != nullptr; }
+
+ private:
+  void* event_ = nullptr;  // cudaEvent_t
+  int device_ = 0;
+};
+
+// Pins (cudaHostRegister) a host range for asynchronous copies; unregisters on destruction.
+class PinnedRange {
+ public:
+  PinnedRange() = default;
+  PinnedRange(void* data, size_t bytes);  // throws when CUDA refuses
+  ~PinnedRange();
+  PinnedRange(PinnedRange&& other) noexcept;
+  PinnedRange& operator=(PinnedRange&& other) noexcept;
+  PinnedRange(const PinnedRange&) = delete;
+  PinnedRange& operator=(const PinnedRange&) = delete;
+
+ private:
+  void* data_ = nullptr;
+};
+
+// Makes `device` the calling thread's current device, with a high-priority stream of its own as
+// the current stream (the executor's compute thread: no implicit syncs with the legacy stream).
+void use_device(int device);
+// The current CUDA stream of `device` (LibTorch's), as a cudaStream_t.
+void* current_stream(int device);
+void synchronize_stream(void* stream);
+
+#endif  // SYMBIOSIS_WITH_CUDA
+
+}  // namespace symbiosis::cuda

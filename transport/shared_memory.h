@@ -1,0 +1,89 @@
+#pragma once
+// POSIX shared memory between a client and the executor on one host, and the futex-based wait
+// both sides use on it.
+//
+// SharedMemory owns one mapping (shm_open + mmap), RAII, copying deleted. The side that creates a
+// segment gives its name to the other side over the ZeroMQ control socket; once the other side has
+// mapped it, the name is unlinked (unlink()), so the memory goes away with the last mapping even if
+// both processes are killed.
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace symbiosis::shm {
+
+class SharedMemory {
+ public:
+  // A new segment of `bytes` (zero-filled) under a fresh name starting with `prefix`.
+  static SharedMemory create(const std::string& prefix, size_t bytes);
+  // Maps an existing segment; throws naming the segment when it is missing or smaller than `bytes`.
+  static SharedMemory open(const std::string& name, size_t bytes);
+
+  SharedMemory() = default;
+  ~SharedMemory();
+  SharedMemory(SharedMemory&& other) noexcept;
+  SharedMemory& operator=(SharedMemory&& other) noexcept;
+  SharedMemory(const SharedMemory&) = delete;
+  SharedMemory& operator=(const SharedMemory&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  bool mapped() const { return data_ != nullptr; }
+  // Removes the name (the mapping stays valid). Idempotent.
+  void unlink();
+
+ private:
+  void release();
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  std::string name_;
+  bool linked_ = false;
+};
+
+// [Spin, then sleep]
+// A waiter first spins on its condition for a short while (a hand-off between processes on one
+// host then costs well under a microsecond), then sleeps on a futex word in shared memory. A
+// producer changes the state, then calls notify(): it bumps the word and wakes sleepers only if
+// there are any, so the hot path makes no system call. The word/sleepers pair follows the Dekker
+// pattern with sequentially consistent operations, so no wake-up is lost.
+struct WaitWord {
+  std::atomic<uint32_t> word{0};
+  std::atomic<uint32_t> sleepers{0};
+
+  void notify();
+  uint32_t current() const { return word.load(std::memory_order_seq_cst); }
+  // Sleeps while word == seen, at most until `deadline`. Returns at once if it changed.
+  void sleep_while(uint32_t seen, std::chrono::steady_clock::time_point deadline);
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
+
+// Waits until ready() holds: spins for `spin`, then sleeps on `wait` between checks. Returns false
+// if `deadline` passed first.
+template <typename Ready>
+bool wait_until(WaitWord& wait, Ready&& ready, std::chrono::nanoseconds spin,
+                std::chrono::steady_clock::time_point deadline) {
+  using Clock = std::chrono::steady_clock;
+  const auto spin_until = Clock::now() + spin;
+  for (uint32_t i = 0;; ++i) {
+    if (ready()) return true;
+    if ((i & 63) == 0 && Clock::now() >= spin_until) break;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  while (true) {
+    const uint32_t seen = wait.current();
+    if (ready()) return true;
+    if (Clock::now() >= deadline) return false;
+    wait.sleep_while(seen, deadline);
+  }
+}
+
+// This host, as two processes on it agree: hostname and boot id. Equal ids mean shared memory
+// can be used between them.
+std::string host_id();
+
+}  // namespace symbiosis::shm
