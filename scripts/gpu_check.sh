@@ -58,7 +58,7 @@ mps_off() {
 
 run_gtest() {  # name, then filter
   local name=$1
-  timeout 900 "$B/tests/gpu/$name" --gtest_filter="${2:-*}" > "$out/$name.log" 2>&1
+  timeout "${GTEST_TIMEOUT:-300}" "$B/tests/gpu/$name" --gtest_filter="${2:-*}" > "$out/$name.log" 2>&1
   log "$name: $(grep -cE '^\[ +OK' "$out/$name.log") ok, $(grep -cE '^\[ +FAILED +\] [A-Z]' "$out/$name.log") failed, $(grep -cE '^\[ +SKIPPED' "$out/$name.log") skipped"
   grep -E "^\[ +FAILED +\] [A-Z]|Failure|Expected|actual|Which is|error" "$out/$name.log" | head -20
 }
