@@ -41,6 +41,9 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
       info.bias = true;
       w.bias = checkpoint.tensor(bias_name, {info.out_features}).to(device, info.dtype);
     }
+    // Linear stores [out, in] (y = x·Wᵀ + b); Conv1D stores [in, out] (y = x·W + b).
+    w.forward_matrix = info.kind == LayerKind::kLinear ? w.weight.t() : w.weight;
+    w.backward_matrix = w.forward_matrix.t();
     model->layers_.push_back(info);
     model->weights_.push_back(std::move(w));
   }
@@ -55,16 +58,14 @@ size_t BaseModel::weight_bytes() const {
   return total;
 }
 
-// Linear stores [out, in] (y = x·Wᵀ + b); Conv1D stores [in, out] (y = x·W + b). The matrix x is
-// multiplied by, and the bias to add (undefined when none or not wanted).
-std::pair<at::Tensor, at::Tensor> BaseModel::operands(uint32_t layer_id, LayerOp op) const {
+// The matrix x is multiplied by, and the bias to add (undefined when none or not wanted).
+std::pair<const at::Tensor&, const at::Tensor&> BaseModel::operands(uint32_t layer_id, LayerOp op) const {
   TORCH_CHECK(layer_id < layers_.size(), "unknown layer id ", layer_id);
   const auto& w = weights_[layer_id];
-  const at::Tensor forward_matrix = layers_[layer_id].kind == LayerKind::kLinear ? w.weight.t() : w.weight;
   switch (op) {
-    case LayerOp::kForward: return {forward_matrix, w.bias};
-    case LayerOp::kForwardNoBias: return {forward_matrix, at::Tensor()};
-    case LayerOp::kBackwardInput: return {forward_matrix.t(), at::Tensor()};
+    case LayerOp::kForward: return {w.forward_matrix, w.bias};
+    case LayerOp::kForwardNoBias: return {w.forward_matrix, no_bias_};
+    case LayerOp::kBackwardInput: return {w.backward_matrix, no_bias_};
   }
   TORCH_CHECK(false, "unknown op");
 }

@@ -44,11 +44,15 @@ class BaseModel {
   void compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const;
 
  private:
-  std::pair<at::Tensor, at::Tensor> operands(uint32_t layer_id, LayerOp op) const;
+  std::pair<const at::Tensor&, const at::Tensor&> operands(uint32_t layer_id, LayerOp op) const;
   struct Weights {
     at::Tensor weight;
     at::Tensor bias;
+    // Views made once (a view per call costs a tensor allocation on every request): what x is
+    // multiplied by forward ([in, out]) and backward ([out, in]).
+    at::Tensor forward_matrix, backward_matrix;
   };
+  at::Tensor no_bias_;  // undefined
   std::vector<LayerInfo> layers_;
   std::vector<Weights> weights_;
   std::string model_hash_;

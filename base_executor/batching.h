@@ -98,6 +98,7 @@ class Batcher {
     total_requests_++;
     auto& queue = queues_[{request.layer_id, static_cast<int>(request.op)}];
     queue.last_seen[request.client_id] = request.arrival;
+    if (queue.requests.empty()) active_.push_back(&queue);
     queue.requests.push_back(std::move(request));
   }
 
@@ -106,9 +107,9 @@ class Batcher {
   // The batch to run now, if any queue is ready at `now`.
   std::optional<Batch> pop(TimePoint now) {
     Queue* best = nullptr;
-    for (auto& [key, queue] : queues_) {
-      if (queue.requests.empty() || !ready(queue, now)) continue;
-      if (best == nullptr || queue.requests.front().arrival < best->requests.front().arrival) best = &queue;
+    for (Queue* queue : active_) {
+      if (!ready(*queue, now)) continue;
+      if (best == nullptr || queue->requests.front().arrival < best->requests.front().arrival) best = queue;
     }
     if (best == nullptr) return std::nullopt;
     return take(*best);
@@ -118,9 +119,7 @@ class Batcher {
   // queue (TimePoint::max() when nothing waits).
   TimePoint next_deadline(TimePoint now) const {
     TimePoint next = TimePoint::max();
-    for (const auto& [key, queue] : queues_) {
-      if (!queue.requests.empty()) next = std::min(next, deadline(queue, now));
-    }
+    for (const Queue* queue : active_) next = std::min(next, deadline(*queue, now));
     return next;
   }
 
@@ -218,11 +217,13 @@ class Batcher {
       requests.pop_front();
     }
     total_requests_ -= batch.requests.size();
+    if (requests.empty()) std::erase(active_, &queue);
     return batch;
   }
 
   BatchingOptions options_;
-  std::map<std::pair<uint32_t, int>, Queue> queues_;
+  std::map<std::pair<uint32_t, int>, Queue> queues_;  // every queue ever used (node addresses are stable)
+  std::vector<Queue*> active_;                        // the queues holding requests: what pop() looks at
   std::set<uint64_t> clients_;
   std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
   size_t total_requests_ = 0;

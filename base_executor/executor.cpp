@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
@@ -845,6 +846,8 @@ void Executor::Impl::compute_loop() {
 #ifdef SYMBIOSIS_WITH_CUDA
   if (model->device().is_cuda()) cuda::use_device(model->device().index());
 #endif
+  // Nothing here is differentiated: skip autograd's bookkeeping on every operation.
+  c10::InferenceMode inference_mode;
   zmq::socket_t replies_out(context, zmq::socket_type::push);
   replies_out.set(zmq::sockopt::linger, 0);
   replies_out.connect(replies_endpoint);

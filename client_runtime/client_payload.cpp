@@ -90,14 +90,18 @@ class CudaIpcPayload : public RegisteredBuffer {
       : RegisteredBuffer(socket), device_(device), client_event_(cuda::InterprocessEvent::create(device)) {}
 
   void send_input(const at::Tensor& x, uint64_t offset) override {
-    auto view = region(offset, x.scalar_type(), x.sizes());
-    view.copy_(x, /*non_blocking=*/true);
-    client_event_.record(cuda::current_stream(device_));
+    const at::Device gpu(at::kCUDA, device_);
+    const auto input = x.device() == gpu ? x : x.to(gpu);  // contiguous, the layer's dtype (VirtLayer)
+    void* stream = cuda::current_stream(device_);
+    cuda::copy_on_stream(static_cast<char*>(buffer_.data()) + offset, input.data_ptr(), input.nbytes(), stream);
+    client_event_.record(stream);
   }
 
   at::Tensor receive_output(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
-    executor_event_.make_stream_wait(cuda::current_stream(device_));
-    auto out = region(offset, dtype, shape).clone();
+    void* stream = cuda::current_stream(device_);
+    executor_event_.make_stream_wait(stream);
+    auto out = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
+    cuda::copy_on_stream(out.data_ptr(), static_cast<const char*>(buffer_.data()) + offset, out.nbytes(), stream);
     return device == out.device() ? out : out.to(device);
   }
 
@@ -115,11 +119,6 @@ class CudaIpcPayload : public RegisteredBuffer {
   }
 
  private:
-  at::Tensor region(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
-    return at::from_blob(static_cast<char*>(buffer_.data()) + offset, shape,
-                         at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
-  }
-
   int device_;
   cuda::InterprocessEvent client_event_, executor_event_;
   cuda::DeviceBuffer buffer_, next_;

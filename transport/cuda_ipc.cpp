@@ -258,6 +258,11 @@ void use_device(int device) {
 
 void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }
 
+void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream) {
+  SYMBIOSIS_CUDA_CHECK(
+      cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+}
+
 void synchronize_stream(void* stream) {
   SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }
