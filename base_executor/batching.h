@@ -13,9 +13,12 @@
 //    arrival + min(max_wait, class_wait + per_token_wait * tokens). A queue runs when its earliest
 //    deadline passes (so a small decode request is never held behind a large fine-tuning one: it
 //    takes them along when it leaves), when it holds max_batch_tokens, or when no companion is
-//    expected: every client that used this queue within the last companion_window already has a
-//    request in it. Clients that progress at very different rates thus do not wait for each
-//    other at all, while clients moving through the layers together batch.
+//    expected. A companion is a client, not yet in the queue, whose next request is predicted to
+//    come here: each client walks the layers in the same order every iteration, so the Batcher
+//    learns, per client, which queue followed which, and predicts the client's next queue from
+//    its last one. Only clients active within the last companion_window count (one that went
+//    quiet is not waited for). Clients whose paths do not cross a queue soon thus do not wait for
+//    each other at all, while clients moving through the layers together batch.
 // Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
 // among ready queues the one whose oldest request is oldest runs first, so no queue starves.
 // The Batcher is a plain data structure with an explicit clock: thread safety is the caller's
@@ -50,7 +53,7 @@ struct BatchingOptions {
   std::chrono::microseconds fine_tuning_wait{500};          // ... of a fine-tuning step
   std::chrono::nanoseconds per_token_wait{1000};            // budget added per token
   std::chrono::milliseconds lockstep_timeout{1000};         // lockstep: drop clients missing this long
-  std::chrono::microseconds companion_window{20000};        // opportunistic: who counts as a likely companion
+  std::chrono::microseconds companion_window{20000};        // opportunistic: companions must have been active this recently
 
   void validate() const;  // throws naming the field
   std::chrono::nanoseconds budget(LatencyClass latency, int64_t tokens) const;
@@ -88,7 +91,7 @@ class Batcher {
   void remove_client(uint64_t client_id) {
     clients_.erase(client_id);
     dropped_.erase(client_id);
-    for (auto& [key, queue] : queues_) queue.last_seen.erase(client_id);
+    tracks_.erase(client_id);
   }
   size_t clients() const { return clients_.size(); }
   size_t lockstep_set_size() const { return clients_.size() - dropped_.size(); }
@@ -96,8 +99,13 @@ class Batcher {
   void push(Request request) {
     if (dropped_.erase(request.client_id)) clients_.insert(request.client_id);  // back in lockstep
     total_requests_++;
-    auto& queue = queues_[{request.layer_id, static_cast<int>(request.op)}];
-    queue.last_seen[request.client_id] = request.arrival;
+    const Key key{request.layer_id, static_cast<int>(request.op)};
+    auto& queue = queues_[key];
+    queue.key = key;
+    auto& track = tracks_[request.client_id];
+    if (track.last_queue) track.next_after[*track.last_queue] = key;
+    track.last_queue = key;
+    track.last_arrival = request.arrival;
     if (queue.requests.empty()) active_.push_back(&queue);
     queue.requests.push_back(std::move(request));
   }
@@ -124,9 +132,21 @@ class Batcher {
   }
 
  private:
+  using Key = std::pair<uint32_t, int>;  // (layer id, op)
   struct Queue {
+    Key key;
     std::deque<Request> requests;
-    std::map<uint64_t, TimePoint> last_seen;  // each client's latest arrival here
+  };
+  // What the Batcher has learnt of one client's path through the queues.
+  struct ClientTrack {
+    std::optional<Key> last_queue;  // where its latest request went
+    TimePoint last_arrival{};
+    std::map<Key, Key> next_after;  // the queue that followed each queue last time
+    std::optional<Key> predicted_next() const {
+      if (!last_queue) return std::nullopt;
+      auto it = next_after.find(*last_queue);
+      return it == next_after.end() ? std::nullopt : std::optional<Key>(it->second);
+    }
   };
 
   int64_t queued_tokens(const Queue& queue) const {
@@ -146,11 +166,12 @@ class Batcher {
     return std::all_of(who.begin(), who.end(), [&](uint64_t id) { return ids.count(id) > 0; });
   }
 
-  // Opportunistic: could another client still come to this queue soon?
+  // Opportunistic: is another active client predicted to come to this queue next?
   bool companion_expected(const Queue& queue, TimePoint now) const {
     const auto ids = present(queue);
-    for (const auto& [id, seen] : queue.last_seen) {
-      if (!ids.count(id) && clients_.count(id) && now - seen <= options_.companion_window) return true;
+    for (const auto& [id, track] : tracks_) {
+      if (ids.count(id) || !clients_.count(id) || now - track.last_arrival > options_.companion_window) continue;
+      if (track.predicted_next() == queue.key) return true;
     }
     return false;
   }
@@ -222,10 +243,11 @@ class Batcher {
   }
 
   BatchingOptions options_;
-  std::map<std::pair<uint32_t, int>, Queue> queues_;  // every queue ever used (node addresses are stable)
+  std::map<Key, Queue> queues_;  // every queue ever used (node addresses are stable)
   std::vector<Queue*> active_;                        // the queues holding requests: what pop() looks at
   std::set<uint64_t> clients_;
   std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
+  std::map<uint64_t, ClientTrack> tracks_;  // opportunistic: each client's learnt path
   size_t total_requests_ = 0;
 };
 

@@ -16,6 +16,9 @@ CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr
   if (client) lm.virtual_layers = virtualize(*model, client);
   // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.
   load_weights(*model, checkpoint);
+  // The whole checkpoint is the frozen base, as PEFT freezes it: autograd computes no gradient
+  // for embeddings, norms or a local lm_head, and none flows below the first adapter.
+  for (auto& p : model->parameters()) p.set_requires_grad(false);
   lm.module = model.ptr();
   lm.forward = [model](const at::Tensor& ids, const at::Tensor& mask) mutable { return model->forward(ids, mask); };
   return lm;

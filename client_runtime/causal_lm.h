@@ -28,7 +28,8 @@ struct CausalLMOptions {
 };
 
 // client == nullptr: monolithic. Otherwise the executor must serve this very model (the
-// client's model hash is checked against the checkpoint's).
+// client's model hash is checked against the checkpoint's). Every parameter of the model is frozen
+// (the base, as PEFT freezes it); adapters attached afterwards bring the trainable parameters.
 CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client = nullptr,
                         const CausalLMOptions& options = {});
 

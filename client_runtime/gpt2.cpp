@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "client_runtime/llama.h"  // detail::causal_additive_mask
+#include "client_runtime/attention.h"
 #include "common/checkpoint.h"
 
 namespace symbiosis {
@@ -65,11 +65,7 @@ at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& add
     k = at::cat({past->key, k}, 2);
     v = at::cat({past->value, v}, 2);
   }
-  auto scores = at::matmul(q, k.transpose(-1, -2)) * std::pow(static_cast<double>(head_dim), -0.5);
-  scores = scores + additive_mask;
-  // Softmax in the model's dtype, as transformers' GPT-2 does (Llama's is in fp32).
-  auto probs = at::softmax(scores, -1).to(v.scalar_type());
-  auto out = at::matmul(probs, v).transpose(1, 2).reshape({batch, length, n_embd_});
+  auto out = detail::attention(q, k, v, additive_mask).transpose(1, 2).reshape({batch, length, n_embd_});
   return c_proj->forward(out);
 }
 

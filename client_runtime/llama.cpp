@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "client_runtime/attention.h"
 #include "common/checkpoint.h"
 
 namespace symbiosis {
@@ -18,16 +19,6 @@ int64_t required_int(const Checkpoint& ckpt, const std::string& field) {
   TORCH_CHECK(v.has_value(), ckpt.dir() / "config.json", ": missing field '", field, "'");
   TORCH_CHECK(*v == std::floor(*v), ckpt.dir() / "config.json", ": field '", field, "' should be an integer, got ", *v);
   return static_cast<int64_t>(*v);
-}
-
-double lowest_value(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return std::numeric_limits<float>::lowest();
-    case at::kDouble: return std::numeric_limits<double>::lowest();
-    case at::kBFloat16: return static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest());
-    case at::kHalf: return static_cast<float>(std::numeric_limits<c10::Half>::lowest());
-    default: TORCH_CHECK(false, "attention in unsupported dtype ", dtype);
-  }
 }
 
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -120,20 +111,6 @@ at::Tensor llama_inv_freq(const LlamaConfig& config) {
   return at::where(medium, smoothed, scaled);
 }
 
-at::Tensor causal_additive_mask(int64_t batch, int64_t length, const at::Tensor& attention_mask,
-                                at::ScalarType dtype, at::Device device) {
-  auto idx = at::arange(length, at::TensorOptions().dtype(at::kLong).device(device));
-  auto allowed = (idx.view({length, 1}) >= idx.view({1, length})).view({1, 1, length, length});
-  allowed = allowed.expand({batch, 1, length, length});
-  if (attention_mask.defined()) {
-    TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == batch && attention_mask.size(1) == length,
-                "attention_mask has shape ", attention_mask.sizes(), ", expected [", batch, ", ", length, "]");
-    allowed = allowed.logical_and(attention_mask.to(device).to(at::kBool).view({batch, 1, 1, length}));
-  }
-  return at::zeros({batch, 1, length, length}, at::TensorOptions().dtype(dtype).device(device))
-      .masked_fill(allowed.logical_not(), lowest_value(dtype));
-}
-
 }  // namespace detail
 
 LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps) : eps_(eps) {
@@ -170,17 +147,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
     k = at::cat({past->key, k}, 2);
     v = at::cat({past->value, v}, 2);
   }
-  const int64_t keys = k.size(2);
   // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
-  const int64_t rep = num_heads_ / num_kv_heads_;
-  if (rep > 1) {
-    k = k.unsqueeze(2).expand({batch, num_kv_heads_, rep, keys, head_dim_}).reshape({batch, num_heads_, keys, head_dim_});
-    v = v.unsqueeze(2).expand({batch, num_kv_heads_, rep, keys, head_dim_}).reshape({batch, num_heads_, keys, head_dim_});
-  }
-  auto scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
-  scores = scores + additive_mask;
-  auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  auto out = at::matmul(probs, v).transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
+  auto out = detail::attention(q, k, v, additive_mask).transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
   return o_proj->forward(out);
 }
 
@@ -225,7 +193,8 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   auto h = in.embeddings;
   const auto device = h.device();
   // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
-  auto freqs = in.position_ids.unsqueeze(-1).to(at::kFloat) * inv_freq_.to(device);
+  if (inv_freq_.device() != device) inv_freq_ = inv_freq_.to(device);
+  auto freqs = in.position_ids.unsqueeze(-1).to(at::kFloat) * inv_freq_;
   auto emb = at::cat({freqs, freqs}, -1);
   auto cos = emb.cos().to(h.scalar_type());
   auto sin = emb.sin().to(h.scalar_type());

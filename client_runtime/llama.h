@@ -142,9 +142,6 @@ TORCH_MODULE(LlamaForCausalLM);
 namespace detail {
 // RoPE inverse frequencies as transformers computes them ("default" or "llama3"). fp32 [head_dim/2].
 at::Tensor llama_inv_freq(const LlamaConfig& config);
-// Additive attention mask [B,1,T,T] in dtype: causal, plus key padding from attention_mask [B,T].
-at::Tensor causal_additive_mask(int64_t batch, int64_t length, const at::Tensor& attention_mask,
-                                at::ScalarType dtype, at::Device device);
 }  // namespace detail
 
 }  // namespace symbiosis

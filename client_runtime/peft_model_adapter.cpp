@@ -77,7 +77,9 @@ AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddin
   }
   out.position_ids = positions + past_length;
 
-  // Causal among the P+T positions; every query sees the whole cache; padding masked.
+  // Causal among the P+T positions; every query sees the whole cache; padding masked. Plain
+  // causal attention needs no mask at all (attention() then uses the causal kernels).
+  if (!attention_mask.defined() && past_length == 0) return out;
   const int64_t queries = out.prompt_length + length, keys = past_length + queries;
   auto q = at::arange(queries, long_options).view({queries, 1}) + past_length;
   auto k = at::arange(keys, long_options).view({1, keys});

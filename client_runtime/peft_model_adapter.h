@@ -69,7 +69,9 @@ namespace detail {
 struct AdaptedInputs {
   at::Tensor embeddings;      // [B, P+T, hidden]
   at::Tensor position_ids;    // [B, P+T] int64
-  at::Tensor additive_mask;   // [B, 1, P+T, past+P+T] in the embeddings' dtype
+  // [B, 1, P+T, past+P+T] in the embeddings' dtype; undefined when attention is plainly causal
+  // (no padding, no past keys), see detail::attention.
+  at::Tensor additive_mask;
   std::vector<PastKeyValue> past;  // per layer [B, kv_heads, past, head_dim]; empty for none
   int64_t prompt_length = 0;  // leading positions to drop from the output
 };

@@ -39,12 +39,16 @@ BatchingOptions opportunistic() {
   return o;
 }
 
-// Each client uses (layer, op) once, together, just before t0: they are all likely companions.
+// Each client walked layer + 1, then `layer`, then layer + 1 again (all with `op`), together, just
+// before t0: the Batcher has learnt that each comes to `layer` next, so at `layer` they are all
+// likely companions of each other.
 void recently_used(TestBatcher& b, std::vector<uint64_t> clients, uint32_t layer = 0, LayerOp op = LayerOp::kForward) {
-  for (uint64_t c : clients) b.push(request(c, layer, 1, t0 - 1ms, LatencyClass::kFineTuning, op));
-  auto batch = b.pop(t0 - 1ms);
-  ASSERT_TRUE(batch);
-  ASSERT_EQ(batch->requests.size(), clients.size());
+  for (uint32_t step : {layer + 1, layer, layer + 1}) {
+    for (uint64_t c : clients) b.push(request(c, step, 1, t0 - 1ms, LatencyClass::kFineTuning, op));
+    auto batch = b.pop(t0 - 1ms);
+    ASSERT_TRUE(batch);
+    ASSERT_EQ(batch->requests.size(), clients.size());
+  }
 }
 
 std::vector<int> payloads(const TestBatcher::Batch& batch) {
@@ -145,14 +149,39 @@ TEST(BatchingTest, ForwardAndBackwardOfOneLayerBatchSeparately) {
   TestBatcher b(opportunistic());
   b.add_client(1);
   b.add_client(2);
-  recently_used(b, {1, 2}, 0, LayerOp::kForward);
-  recently_used(b, {1, 2}, 0, LayerOp::kBackwardInput);
   b.push(request(1, 0, 8, t0, LatencyClass::kFineTuning, LayerOp::kForward));
   b.push(request(2, 0, 8, t0, LatencyClass::kFineTuning, LayerOp::kBackwardInput));
-  EXPECT_FALSE(b.pop(t0));  // neither queue holds both clients
-  auto batch = b.pop(t0 + 1ms);
+  auto first = b.pop(t0 + 2ms), second = b.pop(t0 + 2ms);
+  ASSERT_TRUE(first && second);
+  EXPECT_EQ(first->requests.size(), 1u);
+  EXPECT_EQ(second->requests.size(), 1u);
+  EXPECT_NE(first->op, second->op);
+}
+
+TEST(BatchingTest, AClientPredictedToGoElsewhereIsNotWaitedFor) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.add_client(2);
+  recently_used(b, {1, 2});  // both come to layer 0 next...
+  b.push(request(2, 7, 10, t0));  // ...but client 2 went to layer 7 instead: heading elsewhere now
+  ASSERT_TRUE(b.pop(t0));
+  b.push(request(1, 0, 10, t0 + 10us));
+  auto batch = b.pop(t0 + 10us);  // nobody is predicted here: runs at once
   ASSERT_TRUE(batch);
-  EXPECT_EQ(batch->requests.size(), 1u);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1}));
+}
+
+TEST(BatchingTest, ALearntPathMakesTheClientBehindACompanion) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.add_client(2);
+  recently_used(b, {1, 2});
+  b.push(request(1, 0, 10, t0));
+  EXPECT_FALSE(b.pop(t0 + 100us));  // client 2 is one step behind, on its way here
+  b.push(request(2, 0, 10, t0 + 200us));
+  auto batch = b.pop(t0 + 200us);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1, 2}));
 }
 
 TEST(BatchingTest, ReadyQueuesRunOldestFirstSoNoneStarves) {

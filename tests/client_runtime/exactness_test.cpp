@@ -86,8 +86,9 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   for (size_t i = 0; i < split.adapter.size(); ++i) {
     EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance) << "adapter tensor " << i;
   }
-  // Every base layer went through the executor: forward and backward for each layer, each step.
-  EXPECT_GE(client->calls(), 5 * 2 * client->layers().size());
+  // Every base layer went through the executor forward, each step, and gradients came back through
+  // it (not below the first adapter: the frozen base needs none there).
+  EXPECT_GT(client->calls(), 5 * client->layers().size() + 5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,

@@ -158,7 +158,7 @@ TEST_P(PeftExactnessTest, SplitEqualsMonolithicInLossLogitsAndAdapterGradients) 
   for (size_t i = 0; i < split.adapter.size(); ++i) {
     EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance) << "adapter tensor " << i;
   }
-  EXPECT_GE(client->calls(), 3 * 2 * client->layers().size());
+  EXPECT_GT(client->calls(), 3 * client->layers().size() + 3);  // forward each step, and backward
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {

@@ -60,17 +60,17 @@ class MixedPlacements : public RemoteGpuClients, public ::testing::WithParamInte
 TEST_P(MixedPlacements, NcclCudaIpcAndCpuClientsShareOneExecutorEachExact) {
   SKIP_WITHOUT_NCCL();
   start(GetParam());
-  const std::vector<std::string> verify = {"--verify", "--steps", "4", "--tolerance", "1e-5"};
-  auto with = [&](std::vector<std::string> extra) {
-    extra.insert(extra.end(), verify.begin(), verify.end());
+  auto exact = [](std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5"});
     return extra;
   };
   EXPECT_TRUE(testing::run_all({
-      client("cuda:1", "nccl", with({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1"})),
-      client("cuda:1", "nccl", with({"--rank", "8", "--batch", "1", "--seq", "33", "--seed", "2"})),
-      client("cuda:0", "cuda-ipc", with({"--rank", "16", "--batch", "2", "--seq", "9", "--seed", "3"})),
-      // A CPU client's reference is on the CPU: smaller steps (see cuda_ipc_test.cpp, MixedTransports).
-      client("cpu", "shm", with({"--rank", "2", "--batch", "1", "--seq", "12", "--seed", "4", "--lr", "1e-3"})),
+      client("cuda:1", "nccl", exact({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1"})),
+      client("cuda:1", "nccl", exact({"--rank", "8", "--batch", "1", "--seq", "33", "--seed", "2"})),
+      client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "2", "--seq", "9", "--seed", "3"})),
+      // A CPU client's reference is on the CPU: held to 1e-3 (see cuda_ipc_test.cpp, MixedTransports).
+      client("cpu", "shm", {"--rank", "2", "--batch", "1", "--seq", "12", "--seed", "4", "--verify", "--steps", "4",
+                            "--tolerance", "1e-3"}),
   })) << "a client's split run differed from its monolithic run (see its output above)";
   EXPECT_EQ(executor_->stats().errors, 0u);
 }
@@ -86,7 +86,7 @@ TEST_F(RemoteGpuClients, ARemoteClientKilledMidIterationLeavesTheOthersServedAnd
   for (int round = 0; round < 2; ++round) {
     const pid_t victim = testing::spawn(client("cuda:1", "nccl", {"--steps", "100000", "--seq", "64"}));
     const pid_t bystander =
-        testing::spawn(client("cpu", "shm", {"--verify", "--steps", "6", "--seed", "9", "--lr", "1e-3"}));
+        testing::spawn(client("cpu", "shm", {"--verify", "--steps", "6", "--seed", "9", "--tolerance", "1e-3"}));
     ASSERT_TRUE(testing::same_host_clients_become(*executor_, 2));
     const auto requests = executor_->stats().requests;
     while (executor_->stats().requests < requests + 150) std::this_thread::sleep_for(std::chrono::milliseconds(2));
