@@ -75,6 +75,8 @@ struct ClientRecord {
 // clients are forgotten as soon as their process is gone.
 constexpr auto kClientIdleLimit = std::chrono::minutes(10);
 constexpr auto kLivenessInterval = std::chrono::milliseconds(200);
+// From this many tokens a request's GEMM keeps an H100 busy alone: see [Batch data path].
+constexpr int64_t kInPlaceTokens = 512;
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string text = "[";
@@ -94,7 +96,7 @@ void ExecutorOptions::validate() const {
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
-  TORCH_CHECK(spin_us >= 0, "executor option --spin-us must be >= 0, got ", spin_us);
+  TORCH_CHECK(spin_us >= -1, "executor option --spin-us must be >= 0 (or -1: by device), got ", spin_us);
 }
 
 class Executor::Impl {
@@ -655,7 +657,8 @@ void Executor::Impl::finish_setups(zmq::socket_t& replies_out) {
 // up once, and one kernel packs every part into the batch; the results go back the same way (one
 // kernel writes each cuda-ipc client's rows into its buffer; host destinations are filled from the
 // GPU by DMA). A batch of one request whose input and destination are both on the executor's
-// device is computed straight from the client's buffer into the client's buffer, with no copy.
+// device is computed straight from the client's buffer into the client's buffer, with no copy; so
+// is a batch of such requests that are each large (kInPlaceTokens), one GEMM after another.
 // Returns each request's result rows (views into the batch result, or its destination).
 std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch) {
   const at::Device device = model->device();
@@ -672,11 +675,22 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
     inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
     w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
   }
-  auto& only = requests[0].payload;
-  if (requests.size() == 1 && only.destination.defined() && only.destination.device() == device &&
-      inputs[0].device() == device) {
-    model->compute_into(batch.layer_id, batch.op, inputs[0], only.destination);
-    return {only.destination};
+  // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
+  // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
+  // them would add two copies of every row and gain nothing.
+  bool in_place = true;
+  for (size_t i = 0; i < requests.size() && in_place; ++i) {
+    const auto& w = requests[i].payload;
+    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].device() == device &&
+               (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
+  }
+  if (in_place) {
+    std::vector<at::Tensor> rows;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      model->compute_into(batch.layer_id, batch.op, inputs[i], requests[i].payload.destination);
+      rows.push_back(requests[i].payload.destination);
+    }
+    return rows;
   }
   // Each request's first row in the batch: on a GPU, host inputs come first (one upload), device
   // inputs after them; the order of rows inside a batch is free.
@@ -851,7 +865,8 @@ void Executor::Impl::compute_loop() {
   zmq::socket_t replies_out(context, zmq::socket_type::push);
   replies_out.set(zmq::sockopt::linger, 0);
   replies_out.connect(replies_endpoint);
-  const auto spin = std::chrono::microseconds(options.spin_us);
+  const auto spin = std::chrono::microseconds(
+      options.spin_us >= 0 ? options.spin_us : shm::default_spin_us(model->device().is_cuda()));
   auto& bell = doorbell.word();
   while (!stopping) {
     // Anything that happens after this read rings the doorbell, so the wait below cannot miss it.

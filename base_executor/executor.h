@@ -32,8 +32,8 @@ struct ExecutorOptions {
   int threads = 0;
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
   // Same-host clients: how long the compute thread spins for new work before sleeping on its
-  // doorbell (see [Spin, then sleep] in transport/shared_memory.h).
-  int spin_us = 50;
+  // doorbell (see [Spin, then sleep] in transport/shared_memory.h); -1: 1000 on a GPU, 50 on CPU.
+  int spin_us = -1;
 
   // Throws naming the field when an option is out of range.
   void validate() const;

@@ -26,6 +26,7 @@ namespace symbiosis {
 namespace {
 
 constexpr int kClientRank = 0;
+constexpr std::chrono::milliseconds kConnectTimeout{3000};
 
 class NcclChannel : public SameHostChannel {
  public:
@@ -45,7 +46,14 @@ class NcclChannel : public SameHostChannel {
     comm_ = std::move(comm);
   }
 
-  bool setup_done() override { return comm_ != nullptr && comm_->ready(); }
+  // Joined, then connected ([NCCL connection] in transport/nccl_comm.h): the client connects as
+  // soon as it has joined too, so this waits for a few milliseconds at most, or for the time-out
+  // when the client died in between.
+  bool setup_done() override {
+    if (comm_ == nullptr || !comm_->ready()) return false;
+    comm_->connect(kClientRank, kConnectTimeout);
+    return true;
+  }
 
   std::string check_payload(const shm::CallHeader&, uint64_t, uint64_t) const override {
     if (comm_ == nullptr) return "NCCL is not set up (send NcclSetup first)";

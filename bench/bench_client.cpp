@@ -12,7 +12,6 @@
 #include <CLI/CLI.hpp>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
-#include <torch/optim/adamw.h>
 
 #include <chrono>
 #include <filesystem>
@@ -27,6 +26,7 @@
 #endif
 
 #include "client_runtime/causal_lm.h"
+#include "client_runtime/fused_adamw.h"
 #include "client_runtime/lora.h"
 #include "client_runtime/training.h"
 
@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
     for (std::string t; std::getline(ss, t, ',');) lora.target_modules.push_back(t);
     at::manual_seed(seed);
     auto params = add_lora(*lm.module, lora);
-    torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-4));
+    FusedAdamW optimizer(params, {.lr = 1e-4});
     const int64_t vocab = static_cast<int64_t>(checkpoint->config_number("vocab_size").value_or(256));
     auto ids = at::randint(0, vocab, {batch, seq}, at::kLong).to(device);
 

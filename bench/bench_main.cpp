@@ -205,7 +205,7 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    "--max-wait", std::to_string(ex.value("max_wait_us", 2000)),
                                    "--lockstep-timeout", std::to_string(ex.value("lockstep_timeout_ms", 1000)),
                                    "--threads", std::to_string(ex.value("threads", 1)),
-                                   "--spin-us", std::to_string(ex.value("spin_us", 50)),
+                                   "--spin-us", std::to_string(ex.value("spin_us", -1)),
                                    "--log-level", "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
   return args;

@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   int64_t hidden = 2048;
   int iterations = 300;
   std::string json_out, executor_device = "cpu", client_device = "cpu", transports = "tcp,shm", dtype = "fp32";
-  int spin_us = 50;
+  int spin_us = -1;
   CLI::App app{"symbiosis-bench-roundtrip: per-layer round trip of each transport against local compute"};
   app.add_option("--hidden", hidden, "layer size (in = out)")->capture_default_str();
   app.add_option("--iterations", iterations, "timed calls per size")->capture_default_str();
@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
   app.add_option("--client-device", client_device, "this client's device: cpu or cuda:N")->capture_default_str();
   app.add_option("--transports", transports, "comma-separated: tcp, shm, cuda-ipc, nccl")->capture_default_str();
   app.add_option("--dtype", dtype, "fp32, bf16 or fp16")->capture_default_str();
-  app.add_option("--spin-us", spin_us, "spin before sleeping, executor and client (us)")->capture_default_str();
+  app.add_option("--spin-us", spin_us, "spin before sleeping, executor and client (us; -1: by device)")
+      ->capture_default_str();
   app.add_option("--json", json_out, "also write the results here");
   CLI11_PARSE(app, argc, argv);
   try {

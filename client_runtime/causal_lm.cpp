@@ -32,7 +32,9 @@ CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Clie
     TORCH_CHECK(client->model_hash() == checkpoint.model_hash(), "the executor serves model ", client->model_hash(),
                 ", but checkpoint ", checkpoint.dir(), " is model ", checkpoint.model_hash());
   }
-  const bool materialize = client == nullptr;
+  // Base layers are never materialized here: split, they are virtual; monolithic, load_weights
+  // fills them from the checkpoint straight in the model's dtype and on its device.
+  const bool materialize = false;
   const auto type = checkpoint.config_string("model_type").value_or("");
   if (type == "llama") return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
   if (type == "gpt2") {

@@ -25,7 +25,7 @@ const char* const kTransports[] = {"auto", "tcp", "shm", "cuda-ipc", "nccl"};
 
 void ClientOptions::validate() const {
   TORCH_CHECK(timeout_ms > 0, "client option timeout_ms must be positive, got ", timeout_ms);
-  TORCH_CHECK(spin_us >= 0, "client option spin_us must be >= 0, got ", spin_us);
+  TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(std::find(std::begin(kTransports), std::end(kTransports), transport) != std::end(kTransports),
               "client option transport '", transport, "' is not one of auto, tcp, shm, cuda-ipc, nccl");
   try {

@@ -28,8 +28,9 @@ struct ClientOptions {
   std::string device = "cpu";
   // "auto" (the executor picks by placement), "tcp", "shm", "cuda-ipc" or "nccl".
   std::string transport = "auto";
-  // Same-host transports: how long to spin for a reply before sleeping (see [Spin, then sleep]).
-  int spin_us = 50;
+  // Same-host transports: how long to spin for a reply before sleeping (see [Spin, then sleep]);
+  // -1: 1000 us for a client on a GPU, 50 on CPU.
+  int spin_us = -1;
 
   void validate() const;  // throws naming the field
 };

@@ -109,6 +109,8 @@ class SameHostTransport : public ClientTransport {
     control_ = shm::map_block<shm::ControlBlock>(control_memory_);
     doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
     payload_ = make_client_payload(kind_, options_, socket_);
+    spin_ = std::chrono::microseconds(options_.spin_us >= 0 ? options_.spin_us
+                                                            : shm::default_spin_us(at::Device(options_.device).is_cuda()));
   }
 
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
@@ -137,7 +139,7 @@ class SameHostTransport : public ClientTransport {
     while (true) {
       const bool got = shm::wait_until(
           control_->replies.wait(), [&] { return !control_->replies.empty(); },
-          std::chrono::microseconds(options_.spin_us), deadline);
+          spin_, deadline);
       if (!got) {
         broken_ = true;
         TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", spec.request_id,
@@ -161,6 +163,7 @@ class SameHostTransport : public ClientTransport {
   shm::ControlBlock* control_ = nullptr;
   shm::DoorbellBlock* doorbell_ = nullptr;
   std::unique_ptr<ClientPayload> payload_;
+  std::chrono::microseconds spin_{0};
   bool broken_ = false;
 };
 

@@ -94,8 +94,8 @@ at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& additiv
 
 GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, bool materialize_base) : config_(c) {
   config_.validate();
-  wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.n_embd));
-  wpe = register_module("wpe", torch::nn::Embedding(c.n_positions, c.n_embd));
+  wte = register_module("wte", nn::unfilled_embedding(c.vocab_size, c.n_embd));
+  wpe = register_module("wpe", nn::unfilled_embedding(c.n_positions, c.n_embd));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(GPT2Block(c, materialize_base));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.layer_norm_epsilon)));

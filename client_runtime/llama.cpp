@@ -117,12 +117,9 @@ LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps) : eps_(eps) 
   weight = register_parameter("weight", at::ones({hidden_size}));
 }
 
-at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
-  auto h = x.to(at::kFloat);
-  auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + eps_);
-  return weight * h.to(x.scalar_type());
-}
+// LibTorch's rms_norm (one fused kernel on a GPU, fp32 statistics for reduced-precision inputs):
+// transformers' LlamaRMSNorm, but for where bf16/fp16 results round once instead of twice.
+at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) { return at::rms_norm(x, {x.size(-1)}, weight, eps_); }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_base)
     : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.resolved_head_dim()) {
@@ -177,7 +174,7 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
   config_.validate();
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  embed_tokens = register_module("embed_tokens", nn::unfilled_embedding(c.vocab_size, c.hidden_size));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, materialize_base));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));

@@ -51,7 +51,7 @@ struct LlamaConfig {
   void validate() const;
 };
 
-// RMSNorm as transformers computes it: normalize in fp32, cast back, then scale by "weight".
+// RMSNorm: x / sqrt(mean(x²) + eps) · weight, statistics in fp32 (see forward).
 class LlamaRMSNormImpl : public torch::nn::Module {
  public:
   LlamaRMSNormImpl(int64_t hidden_size, double eps);

@@ -81,8 +81,8 @@ LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, cons
 at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
   auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
   // Adapters may keep another dtype than the model (fp32 over a bf16 model): compute in theirs.
-  auto update = at::matmul(at::matmul(h.to(lora_A.scalar_type()), lora_A.t()), lora_B.t()) * scaling;
-  return base(x) + update.to(x.scalar_type());
+  auto update = at::matmul(at::matmul(h.to(lora_A.scalar_type()), lora_A.t()), lora_B.t());
+  return at::add(base(x), update.to(x.scalar_type()), scaling);  // one kernel scales and adds
 }
 
 std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config) {

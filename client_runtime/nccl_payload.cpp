@@ -27,6 +27,7 @@ class NcclPayload : public ClientPayload {
     socket.send(setup);
     comm_ = std::make_unique<nccl::Communicator>(id, 0, device_);
     comm_->wait_ready(std::chrono::milliseconds(socket.timeout_ms()));
+    comm_->connect(kExecutorRank, std::chrono::milliseconds(socket.timeout_ms()));  // [NCCL connection]
     auto answer = ControlSocket::parse_or_throw(socket.receive("the NCCL set-up"));
     TORCH_CHECK(answer.has_nccl_ready(), "executor answered the NCCL set-up with something else");
   }

@@ -22,6 +22,11 @@ BaseLayerImpl::BaseLayerImpl(LayerKind kind, int64_t in_features, int64_t out_fe
   set_weights(w, b);
 }
 
+torch::nn::Embedding unfilled_embedding(int64_t num_embeddings, int64_t embedding_dim) {
+  return torch::nn::Embedding(
+      torch::nn::EmbeddingOptions(num_embeddings, embedding_dim)._weight(at::empty({num_embeddings, embedding_dim})));
+}
+
 std::vector<int64_t> BaseLayerImpl::weight_shape() const {
   return kind_ == LayerKind::kLinear ? std::vector<int64_t>{out_features_, in_features_}
                                      : std::vector<int64_t>{in_features_, out_features_};

@@ -9,6 +9,7 @@
 // library can redirect an existing torch::nn::Linear member after construction. These layers keep
 // torch::nn::Linear's interface (forward, weight, bias, options-like fields) and add the binding.
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/pimpl.h>
 
 #include <functional>
@@ -94,6 +95,10 @@ class Conv1DImpl : public BaseLayerImpl {
       : BaseLayerImpl(LayerKind::kConv1D, in_features, out_features, bias, materialize) {}
 };
 TORCH_MODULE(Conv1D);
+
+// An embedding table whose values come from a checkpoint: allocated, never initialized randomly
+// (a random draw of a 128k x 2k table costs seconds, every time a client starts).
+torch::nn::Embedding unfilled_embedding(int64_t num_embeddings, int64_t embedding_dim);
 
 }  // namespace nn
 }  // namespace symbiosis

@@ -9,6 +9,7 @@
 #   roundtrip      per-layer round trip of each transport, with and without MPS
 #   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8, against both baselines, under MPS
 #   bench-128      the same at batch 1 x 128
+#   bench-128-ends the same at N = 1 and 8 only
 #   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs
 #   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
@@ -109,6 +110,12 @@ for stage in "$@"; do
       make_1b
       mps_on
       bench "${stage#bench-}" "bench/scenarios/gpu_llama1b_${stage#bench-}.json" --checkpoint $model_1b
+      mps_off
+      ;;
+    bench-128-ends)
+      make_1b
+      mps_on
+      bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 1,8
       mps_off
       ;;
     bench-nomps)

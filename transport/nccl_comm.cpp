@@ -121,6 +121,32 @@ void Communicator::enqueue(bool send, const at::Tensor& t, int peer, void* strea
               " ms (the peer is not answering); the communicator was aborted");
 }
 
+void Communicator::connect(int peer, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto out = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
+  auto in = at::empty_like(out);
+  cudaStream_t stream = nullptr;
+  TORCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "NCCL connect: no stream");
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!aborted_, "NCCL connect: the communicator was aborted");
+    SYMBIOSIS_NCCL_CHECK(ncclGroupStart());
+    SYMBIOSIS_NCCL_CHECK(ncclSend(out.data_ptr(), 1, ncclFloat32, peer, as_comm(comm_), stream));
+    SYMBIOSIS_NCCL_CHECK(ncclRecv(in.data_ptr(), 1, ncclFloat32, peer, as_comm(comm_), stream));
+    SYMBIOSIS_NCCL_CHECK(ncclGroupEnd());
+    done = finish_enqueue("connect", deadline);
+  }
+  while (done && cudaStreamQuery(stream) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > deadline) done = false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  if (!done) abort();  // ends the kernels, so the stream can go
+  cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  TORCH_CHECK(done, "NCCL: the peer did not connect within ", timeout.count(), " ms; the communicator was aborted");
+}
+
 void Communicator::send(const at::Tensor& t, int peer, void* stream) { enqueue(true, t, peer, stream); }
 void Communicator::recv(const at::Tensor& t, int peer, void* stream) { enqueue(false, t, peer, stream); }
 

@@ -37,6 +37,12 @@ class Communicator {
   // Enqueue on `stream` (a cudaStream_t); the tensor must be contiguous on this communicator's GPU.
   void send(const at::Tensor& t, int peer, void* stream);
   void recv(const at::Tensor& t, int peer, void* stream);
+  // [NCCL connection] NCCL connects two ranks at their first send and receive, and that first
+  // operation does not finish enqueueing until the peer takes part. A call's send must enqueue
+  // before its header is pushed, so both ranks exchange one element here, right after joining,
+  // and wait for it; from then on sends and receives enqueue without waiting for the peer.
+  // Aborts and throws when the peer does not take part within `timeout`.
+  void connect(int peer, std::chrono::milliseconds timeout);
   // Tears the communicator down; pending kernels end. Any thread; idempotent.
   void abort();
   bool aborted() const;

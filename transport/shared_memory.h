@@ -60,6 +60,13 @@ struct WaitWord {
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
 
+// How long a waiter on `device` spins before sleeping, unless told (spin_us >= 0): a GPU process
+// has cores to spare and its peer answers within tens of microseconds, while a futex wake-up can
+// cost as much again; on a CPU, spinning takes the cores the computation needs.
+constexpr int kSpinUsOnGpu = 1000;
+constexpr int kSpinUsOnCpu = 50;
+inline int default_spin_us(bool gpu) { return gpu ? kSpinUsOnGpu : kSpinUsOnCpu; }
+
 // Waits until ready() holds: spins for `spin`, then sleeps on `wait` between checks. Returns false
 // if `deadline` passed first.
 template <typename Ready>
