@@ -19,8 +19,7 @@ mkdir -p "$out"
 root=$(pwd)
 start=$(date +%s)
 log() { echo "[gpu_check $(( $(date +%s) - start ))s] $*"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-log "$(cat "$out/gpu.txt" | head -2 | tr '\n' ';')"
+log "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tr '\n' ';')"
 
 # The loader finds this machine's torch, CUDA libraries and NCCL (the wheel's), then ours.
 site=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
@@ -45,6 +44,13 @@ else
   log "built"
 fi
 gpus=$(nvidia-smi -L | wc -l)
+# The 13B checkpoint takes a minute or two to write: start it now, beside the other stages.
+model_13b=/tmp/llama-13b
+case " $* " in *" capacity-13b "*|*" remote "*)
+  ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
+    && mv $model_13b.tmp $model_13b ) & ;;
+esac
+wait_13b() { while [ ! -f $model_13b/config.json ]; do sleep 1; done; log "13B checkpoint ready"; }
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 mps_on() {
@@ -57,21 +63,34 @@ mps_off() {
   sleep 2
 }
 
+# At most 8 files come back from the GPU machine: logs stay in /tmp unless something failed.
+logs=/tmp/gpu-check-logs
+mkdir -p $logs
 run_gtest() {  # name, then filter
-  local name=$1
-  timeout "${GTEST_TIMEOUT:-300}" "$B/tests/gpu/$name" --gtest_filter="${2:-*}" > "$out/$name.log" 2>&1
-  log "$name: $(grep -cE '^\[ +OK' "$out/$name.log") ok, $(grep -cE '^\[ +FAILED +\] [A-Z]' "$out/$name.log") failed, $(grep -cE '^\[ +SKIPPED' "$out/$name.log") skipped"
-  grep -E "^\[ +FAILED +\] [A-Z]|Failure|Expected|actual|Which is|error" "$out/$name.log" | head -20
+  local name=$1 log_file=$logs/$1.log
+  timeout "${GTEST_TIMEOUT:-300}" "$B/tests/gpu/$name" --gtest_filter="${2:-*}" > "$log_file" 2>&1
+  local failed=$(grep -cE '^\[ +FAILED +\] [A-Z]' "$log_file")
+  log "$name: $(grep -cE '^\[ +OK' "$log_file") ok, $failed failed, $(grep -cE '^\[ +SKIPPED' "$log_file") skipped"
+  if [ "$failed" != 0 ] || ! grep -q "PASSED" "$log_file"; then
+    cp "$log_file" "$out/"
+    grep -E "^\[ +FAILED +\] [A-Z]|Failure|Expected|actual|Which is|error|MISMATCH|NCCL WARN" "$log_file" | head -30
+  fi
 }
 
 bench() {  # tag, scenario, extra args
   local tag=$1 scenario=$2
   shift 2
   "$B/bench/symbiosis-bench" --scenario "$scenario" --out "/tmp/bench-$tag" --python python3 --source-dir "$root" "$@" \
-    > "$out/bench-$tag.txt" 2> "$out/bench-$tag.err"
-  log "bench $tag exited $?"
-  cat "$out/bench-$tag.txt"
-  tail -3 "$out/bench-$tag.err"
+    > "$logs/bench-$tag.txt" 2> "$logs/bench-$tag.err"
+  local rc=$?
+  log "bench $tag exited $rc"
+  cat "$logs/bench-$tag.txt"
+  tail -3 "$logs/bench-$tag.err"
+  if [ $rc != 0 ]; then
+    for f in $(ls /tmp/bench-$tag/*/*/client0.err /tmp/bench-$tag/*/*/executor.err 2>/dev/null | head -3); do
+      echo "== $f"; tail -6 "$f"
+    done
+  fi
   cp "/tmp/bench-$tag/results.json" "$out/bench-$tag.json" 2>/dev/null
 }
 
@@ -94,16 +113,16 @@ for stage in "$@"; do
       for mps in on off; do
         mps_$mps
         "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:0 --dtype bf16 \
-          --transports cuda-ipc,tcp --json "$out/roundtrip-gpu-mps-$mps.json" > "$out/roundtrip-gpu-mps-$mps.txt" 2>&1
-        cat "$out/roundtrip-gpu-mps-$mps.txt"
+          --transports cuda-ipc,tcp > "$logs/roundtrip-gpu-mps-$mps.txt" 2>&1
+        cat "$logs/roundtrip-gpu-mps-$mps.txt"
       done
       "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cpu --dtype fp32 \
-        --transports shm,tcp --iterations 100 --json "$out/roundtrip-cpu-client.json" > "$out/roundtrip-cpu-client.txt" 2>&1
-      cat "$out/roundtrip-cpu-client.txt"
+        --transports shm,tcp --iterations 100 > "$logs/roundtrip-cpu-client.txt" 2>&1
+      cat "$logs/roundtrip-cpu-client.txt"
       if [ "$gpus" -ge 2 ]; then
         "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:1 --dtype bf16 \
-          --transports nccl,tcp --json "$out/roundtrip-nccl.json" > "$out/roundtrip-nccl.txt" 2>&1
-        cat "$out/roundtrip-nccl.txt"
+          --transports nccl,tcp > "$logs/roundtrip-nccl.txt" 2>&1
+        cat "$logs/roundtrip-nccl.txt"
       fi
       ;;
     bench-512|bench-128)
@@ -125,18 +144,17 @@ for stage in "$@"; do
       bench nomps-128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
       ;;
     capacity-13b)
-      "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out /tmp/llama-13b > /dev/null
-      log "13B checkpoint written"
+      wait_13b
       mps_on
-      bench capacity-13b bench/scenarios/gpu_llama13b_capacity.json --checkpoint /tmp/llama-13b
+      bench capacity-13b bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
       mps_off
       ;;
     remote)
       make_1b
       mps_on
       bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b
-      "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out /tmp/llama-13b > /dev/null
-      bench remote-13b bench/scenarios/gpu_remote_llama13b.json --checkpoint /tmp/llama-13b
+      wait_13b
+      bench remote-13b bench/scenarios/gpu_remote_llama13b.json --checkpoint $model_13b --counts "${REMOTE_13B_COUNTS:-1,2,4,8}"
       mps_off
       ;;
     *) log "unknown stage $stage" ;;
