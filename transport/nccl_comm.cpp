@@ -125,8 +125,15 @@ void Communicator::connect(int peer, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto out = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
   auto in = at::empty_like(out);
+  // The stream must belong to the communicator's GPU, whichever device is current here.
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
   cudaStream_t stream = nullptr;
-  TORCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "NCCL connect: no stream");
+  const cudaError_t created = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  cudaSetDevice(previous);
+  TORCH_CHECK(created == cudaSuccess, "NCCL connect: cannot create a stream on cuda:", device_, ": ",
+              cudaGetErrorString(created));
   bool done = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
