@@ -11,6 +11,7 @@
 #   bench-128      the same at batch 1 x 128
 #   bench-128-ends the same at N = 1 and 8 only
 #   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
+#   nomps-512      batch 2 x 512 at N = 8 without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs
 #   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
 set -uo pipefail
@@ -136,6 +137,11 @@ for stage in "$@"; do
       mps_on
       bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 1,8
       mps_off
+      ;;
+    nomps-512)
+      make_1b
+      mps_off
+      bench nomps-512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 8
       ;;
     bench-nomps)
       make_1b
