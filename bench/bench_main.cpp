@@ -235,10 +235,10 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
   return result;
 }
 
-// Capacity: clients of `system` start one after another, each once the previous is warm, until
-// one fails or `limit` run; all then stop. Returns how many ran at once.
+// Capacity: clients of `system` start in waves of `wave` (each wave once the previous is warm)
+// until one fails or `limit` run; all then stop. Returns how many ran at once.
 json run_capacity(const std::string& system, const json& scenario, const json& client, const fs::path& model,
-                  const json& defaults, const fs::path& dir, int limit, int gpu) {
+                  const json& defaults, const fs::path& dir, int limit, int wave, int gpu) {
   fs::create_directories(dir);
   std::optional<ExecutorProcess> executor;
   if (system == "symbiosis") executor = start_executor(executor_args(scenario, model, "opportunistic"), dir);
@@ -247,24 +247,30 @@ json run_capacity(const std::string& system, const json& scenario, const json& c
   GpuMemorySampler sampler(gpu);
   std::vector<pid_t> pids;
   std::string reason = "reached the limit of " + std::to_string(limit);
-  for (int i = 0; i < limit; ++i) {
-    const std::string name = "client" + std::to_string(i);
-    auto args = client_args(system, client, model, i, defaults);
-    args.insert(args.end(), {"--out", (dir / (name + ".json")).string(), "--ready-file",
-                             (dir / (name + ".ready")).string(), "--stop-file", stop_file.string()});
-    if (executor) args.insert(args.end(), {"--executor", executor->endpoint});
-    const pid_t pid = spawn(args, dir / (name + ".out"), dir / (name + ".err"));
-    bool warm = false, died = false;
-    while (!warm && !died) {
-      warm = fs::exists(dir / (name + ".ready"));
-      died = waitpid(pid, nullptr, WNOHANG) == pid;
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (int first = 0; first < limit && reason.rfind("reached", 0) == 0; first += wave) {
+    std::vector<std::pair<int, pid_t>> starting;
+    for (int i = first; i < std::min(limit, first + wave); ++i) {
+      const std::string name = "client" + std::to_string(i);
+      auto args = client_args(system, client, model, i, defaults);
+      args.insert(args.end(), {"--out", (dir / (name + ".json")).string(), "--ready-file",
+                               (dir / (name + ".ready")).string(), "--stop-file", stop_file.string()});
+      if (executor) args.insert(args.end(), {"--executor", executor->endpoint});
+      starting.emplace_back(i, spawn(args, dir / (name + ".out"), dir / (name + ".err")));
     }
-    if (died || !warm) {
-      reason = "client " + std::to_string(i) + " failed: " + read_file(dir / (name + ".err")).substr(0, 400);
-      break;
+    for (const auto& [i, pid] : starting) {
+      const std::string name = "client" + std::to_string(i);
+      bool warm = false, died = false;
+      while (!warm && !died) {
+        warm = fs::exists(dir / (name + ".ready"));
+        died = waitpid(pid, nullptr, WNOHANG) == pid;
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+      if (warm) {
+        pids.push_back(pid);
+      } else {
+        reason = "client " + std::to_string(i) + " failed: " + read_file(dir / (name + ".err")).substr(0, 400);
+      }
     }
-    pids.push_back(pid);
   }
   std::this_thread::sleep_for(std::chrono::seconds(3));  // the running ones keep iterating together
   std::ofstream(stop_file) << "stop\n";
@@ -335,10 +341,11 @@ int main(int argc, char** argv) {
 
     if (scenario.value("mode", "throughput") == "capacity") {
       const int limit = scenario.value("capacity_limit", 16);
+      const int wave = scenario.value("capacity_wave", 1);
       for (const auto& system : systems_with_baselines) {
         std::cerr << "symbiosis-bench: capacity of " << system << std::endl;
         results["runs"].push_back(
-            run_capacity(system, scenario, scenario.at("clients").at(0), model, defaults, out / system, limit, gpu));
+            run_capacity(system, scenario, scenario.at("clients").at(0), model, defaults, out / system, limit, wave, gpu));
         std::printf("%-12s %3d clients fit (%s)\n", system.c_str(), results["runs"].back()["clients_that_fit"].get<int>(),
                     results["runs"].back()["stopped_because"].get<std::string>().c_str());
       }
