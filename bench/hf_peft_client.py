@@ -41,7 +41,7 @@ def main() -> None:
 
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPES[a.dtype]).to(device)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPES[a.dtype], device_map=device)
     config = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
                         task_type="CAUSAL_LM")
     # Adapters in the model's dtype, as Symbiosis keeps them (PEFT would otherwise upcast to fp32).
