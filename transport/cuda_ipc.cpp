@@ -100,42 +100,40 @@ class DeviceScope {
 
 }  // namespace
 
-DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
-  DeviceScope scope(device);
-  DeviceBuffer buffer;
-  const cudaError_t status = cudaMalloc(&buffer.data_, bytes);
-  TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC payload buffer on cuda:", device,
-              ": ", cudaGetErrorString(status));
-  buffer.size_ = bytes;
-  buffer.device_ = device;
-  return buffer;
-}
+DeviceMemory::~DeviceMemory() { reset(); }
 
-DeviceBuffer::~DeviceBuffer() {
-  if (data_ != nullptr) {
-    DeviceScope scope(device_);
-    cudaFree(data_);
-  }
-}
+DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept { *this = std::move(other); }
 
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) {
-      DeviceScope scope(device_);
-      cudaFree(data_);
-    }
+    reset();
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     device_ = other.device_;
+    release_ = other.release_;
   }
   return *this;
 }
 
+void DeviceMemory::reset() {
+  if (data_ == nullptr) return;
+  DeviceScope scope(device_);
+  release_(data_);
+  data_ = nullptr;
+}
+
+DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
+  DeviceScope scope(device);
+  void* data = nullptr;
+  const cudaError_t status = cudaMalloc(&data, bytes);
+  TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC payload buffer on cuda:", device,
+              ": ", cudaGetErrorString(status));
+  return DeviceBuffer(data, bytes, device, [](void* p) { cudaFree(p); });
+}
+
 std::string DeviceBuffer::ipc_handle() const {
   cudaIpcMemHandle_t handle;
-  SYMBIOSIS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, data_));
+  SYMBIOSIS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, data()));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
@@ -145,35 +143,11 @@ MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_h
   DeviceScope scope(device);
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
-  MappedDeviceBuffer mapped;
-  const cudaError_t status = cudaIpcOpenMemHandle(&mapped.data_, handle, cudaIpcMemLazyEnablePeerAccess);
+  void* data = nullptr;
+  const cudaError_t status = cudaIpcOpenMemHandle(&data, handle, cudaIpcMemLazyEnablePeerAccess);
   TORCH_CHECK(status == cudaSuccess, "cannot open the client's CUDA IPC payload buffer on cuda:", device, ": ",
               cudaGetErrorString(status), " (is the client on this executor's GPU, in another process?)");
-  mapped.size_ = bytes;
-  mapped.device_ = device;
-  return mapped;
-}
-
-MappedDeviceBuffer::~MappedDeviceBuffer() {
-  if (data_ != nullptr) {
-    DeviceScope scope(device_);
-    cudaIpcCloseMemHandle(data_);
-  }
-}
-
-MappedDeviceBuffer::MappedDeviceBuffer(MappedDeviceBuffer&& other) noexcept { *this = std::move(other); }
-
-MappedDeviceBuffer& MappedDeviceBuffer::operator=(MappedDeviceBuffer&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) {
-      DeviceScope scope(device_);
-      cudaIpcCloseMemHandle(data_);
-    }
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    device_ = other.device_;
-  }
-  return *this;
+  return MappedDeviceBuffer(data, bytes, device, [](void* p) { cudaIpcCloseMemHandle(p); });
 }
 
 InterprocessEvent InterprocessEvent::create(int device) {

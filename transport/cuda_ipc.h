@@ -29,45 +29,54 @@ const char* mps_hint();
 
 #ifdef SYMBIOSIS_WITH_CUDA
 
-class DeviceBuffer {
+// Device memory released on its own device when the owner goes: the base of DeviceBuffer and
+// MappedDeviceBuffer, which differ only in how the memory is had and given back.
+class DeviceMemory {
  public:
-  static DeviceBuffer allocate(int device, size_t bytes);
-  DeviceBuffer() = default;
-  ~DeviceBuffer();
-  DeviceBuffer(DeviceBuffer&& other) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  using Release = void (*)(void* data);
+  DeviceMemory() = default;
+  ~DeviceMemory();
+  DeviceMemory(DeviceMemory&& other) noexcept;
+  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
 
   void* data() const { return data_; }
   size_t size() const { return size_; }
   int device() const { return device_; }
-  std::string ipc_handle() const;  // cudaIpcMemHandle_t's bytes
+
+ protected:
+  DeviceMemory(void* data, size_t size, int device, Release release)
+      : data_(data), size_(size), device_(device), release_(release) {}
 
  private:
+  void reset();
   void* data_ = nullptr;
   size_t size_ = 0;
   int device_ = 0;
+  Release release_ = nullptr;
 };
 
-class MappedDeviceBuffer {
+// The client's payload buffer: cudaMalloc'd, so its IPC handle names exactly this allocation.
+class DeviceBuffer : public DeviceMemory {
+ public:
+  static DeviceBuffer allocate(int device, size_t bytes);
+  DeviceBuffer() = default;
+  std::string ipc_handle() const;  // cudaIpcMemHandle_t's bytes
+
+ private:
+  using DeviceMemory::DeviceMemory;
+};
+
+// The executor's mapping of a client's DeviceBuffer.
+class MappedDeviceBuffer : public DeviceMemory {
  public:
   // Throws naming the problem when the handle is not a buffer of at least `bytes` on `device`.
   static MappedDeviceBuffer open(int device, const std::string& ipc_handle, size_t bytes);
   MappedDeviceBuffer() = default;
-  ~MappedDeviceBuffer();
-  MappedDeviceBuffer(MappedDeviceBuffer&& other) noexcept;
-  MappedDeviceBuffer& operator=(MappedDeviceBuffer&& other) noexcept;
-  MappedDeviceBuffer(const MappedDeviceBuffer&) = delete;
-  MappedDeviceBuffer& operator=(const MappedDeviceBuffer&) = delete;
-
-  void* data() const { return data_; }
-  size_t size() const { return size_; }
 
  private:
-  void* data_ = nullptr;
-  size_t size_ = 0;
-  int device_ = 0;
+  using DeviceMemory::DeviceMemory;
 };
 
 class InterprocessEvent {

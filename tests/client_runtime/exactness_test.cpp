@@ -137,7 +137,8 @@ TEST_P(MultiProcessExactness, EveryClientEqualsItsMonolithicRun) {
   }
   const auto stats = executor->stats();
   EXPECT_EQ(stats.errors, 0u);
-  EXPECT_GE(stats.requests, 4u * 4u * 2u * executor->model().layers().size());
+  // Every client: forward through every layer each step, and backward (not below its first adapter).
+  EXPECT_GT(stats.requests, 4u * 4u * executor->model().layers().size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, MultiProcessExactness,
