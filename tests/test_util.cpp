@@ -1,6 +1,7 @@
 #include "tests/test_util.h"
 
 #include <c10/util/Exception.h>
+#include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -62,6 +63,42 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
   options.model_dir = model;
   options.listen = "tcp://127.0.0.1:*";
   return Executor::start(options);
+}
+
+TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                              const LoraConfig& lora, const CausalLMOptions& options, double lr, uint64_t seed) {
+  TrainingRun run;
+  run.lm = open_causal_lm(checkpoint, client, options);
+  at::manual_seed(seed);
+  run.adapter = add_lora(*run.lm.module, lora);
+  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(lr));
+  return run;
+}
+
+void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance) {
+  ASSERT_EQ(split.adapter.size(), mono.adapter.size());
+  for (int step = 0; step < steps; ++step) {
+    std::vector<at::Tensor> logits, losses;
+    for (TrainingRun* run : {&split, &mono}) {
+      run->optimizer->zero_grad();
+      logits.push_back(run->lm.forward(ids, {}));
+      losses.push_back(causal_lm_loss(logits.back(), ids));
+      losses.back().backward();
+    }
+    EXPECT_LT(relative_error(logits[0], logits[1]), tolerance) << "step " << step;
+    EXPECT_LT(relative_error(losses[0], losses[1]), tolerance) << "step " << step;
+    for (size_t i = 0; i < split.adapter.size(); ++i) {
+      ASSERT_TRUE(split.adapter[i].grad().defined()) << "adapter tensor " << i;
+      EXPECT_GT(mono.adapter[i].grad().abs().max().item<double>(), 0.0) << "adapter tensor " << i;
+      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), tolerance)
+          << "step " << step << ", adapter tensor " << i;
+    }
+    split.optimizer->step();
+    mono.optimizer->step();
+  }
+  for (size_t i = 0; i < split.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), tolerance) << "adapter tensor " << i;
+  }
 }
 
 double relative_error(const at::Tensor& a, const at::Tensor& b) {

@@ -9,7 +9,12 @@
 #include <sys/types.h>
 #include <vector>
 
+#include <torch/optim/adamw.h>
+
 #include "base_executor/executor.h"
+#include "client_runtime/causal_lm.h"
+#include "client_runtime/lora.h"
+#include "client_runtime/training.h"
 
 namespace symbiosis::testing {
 
@@ -19,6 +24,19 @@ std::filesystem::path make_checkpoint(const std::string& preset, const std::stri
 std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, ExecutorOptions options = {});
 // max|a - b| / max|b|
 double relative_error(const at::Tensor& a, const at::Tensor& b);
+
+// A causal LM with a LoRA adapter and its optimizer, split (client) or monolithic (nullptr).
+struct TrainingRun {
+  CausalLM lm;
+  std::vector<at::Tensor> adapter;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+// The adapter's initialization is drawn from `seed`, so split and monolithic runs start equal.
+TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                              const LoraConfig& lora, const CausalLMOptions& options, double lr, uint64_t seed);
+// Trains both runs `steps` AdamW steps on `ids`, expecting logits, loss and every adapter
+// gradient at each step, and every adapter tensor at the end, to agree within `tolerance`.
+void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance);
 std::string binary(const std::string& relative);  // a path under the build directory
 // Spawns a program with arguments (stdout and stderr inherited); returns its pid.
 pid_t spawn(const std::vector<std::string>& args);

@@ -20,23 +20,7 @@ extern char** environ;
 namespace symbiosis {
 namespace {
 
-using testing::relative_error;
 constexpr double kTolerance = 1e-5;
-
-struct TrainingRun {
-  CausalLM lm;
-  std::vector<at::Tensor> adapter;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-};
-
-TrainingRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const LoraConfig& lora) {
-  TrainingRun run;
-  run.lm = open_causal_lm(checkpoint, client);
-  at::manual_seed(1234);  // the same adapter initialization on both sides
-  run.adapter = add_lora(*run.lm.module, lora);
-  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(1e-2));
-  return run;
-}
 
 class ExactnessTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
@@ -56,36 +40,13 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   lora.r = 4;
   lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
   lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
-  TrainingRun split = make_run(*checkpoint, client, lora);
-  TrainingRun mono = make_run(*checkpoint, nullptr, lora);
+  auto split = testing::make_training_run(*checkpoint, client, lora, {}, 1e-2, 1234);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, lora, {}, 1e-2, 1234);
   ASSERT_GT(split.lm.virtual_layers, 0u);
   EXPECT_EQ(split.lm.virtual_layers, client->layers().size());
-  ASSERT_EQ(split.adapter.size(), mono.adapter.size());
-
   at::manual_seed(7);
   auto ids = at::randint(0, 200, {2, 12}, at::kLong);
-  for (int step = 0; step < 5; ++step) {
-    for (TrainingRun* run : {&split, &mono}) run->optimizer->zero_grad();
-    auto split_logits = split.lm.forward(ids, {});
-    auto mono_logits = mono.lm.forward(ids, {});
-    auto split_loss = causal_lm_loss(split_logits, ids);
-    auto mono_loss = causal_lm_loss(mono_logits, ids);
-    split_loss.backward();
-    mono_loss.backward();
-    EXPECT_LT(relative_error(split_logits, mono_logits), kTolerance) << "step " << step;
-    EXPECT_LT(relative_error(split_loss, mono_loss), kTolerance) << "step " << step;
-    for (size_t i = 0; i < split.adapter.size(); ++i) {
-      ASSERT_TRUE(split.adapter[i].grad().defined());
-      EXPECT_GT(mono.adapter[i].grad().abs().max().item<double>(), 0.0);
-      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), kTolerance)
-          << "step " << step << ", adapter tensor " << i;
-    }
-    split.optimizer->step();
-    mono.optimizer->step();
-  }
-  for (size_t i = 0; i < split.adapter.size(); ++i) {
-    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance) << "adapter tensor " << i;
-  }
+  testing::expect_same_training(split, mono, ids, 5, kTolerance);
   // Every base layer went through the executor forward, each step, and gradients came back through
   // it (not below the first adapter: the frozen base needs none there).
   EXPECT_GT(client->calls(), 5 * client->layers().size() + 5);

@@ -17,24 +17,12 @@
 namespace symbiosis {
 namespace {
 
-using testing::relative_error;
 
-struct TrainingRun {
-  CausalLM lm;
-  std::vector<at::Tensor> adapter;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-};
-
-TrainingRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, at::ScalarType dtype) {
-  TrainingRun run;
-  run.lm = open_causal_lm(checkpoint, client, {dtype, at::Device(at::kCUDA, 0)});
+LoraConfig same_gpu_lora() {
   LoraConfig lora;
   lora.init_b_zero = false;
   lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"};
-  at::manual_seed(21);
-  run.adapter = add_lora(*run.lm.module, lora);
-  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(1e-3));
-  return run;
+  return lora;
 }
 
 class SameGpuExactness : public ::testing::TestWithParam<std::string> {};
@@ -54,28 +42,11 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   options.device = "cuda:0";
   auto client = Client::connect(options);
   EXPECT_EQ(client->transport(), "cuda-ipc");  // chosen by placement: the executor's GPU
-  TrainingRun split = make_run(*checkpoint, client, dtype), mono = make_run(*checkpoint, nullptr, dtype);
+  const CausalLMOptions on_gpu{dtype, at::Device(at::kCUDA, 0)};
+  auto split = testing::make_training_run(*checkpoint, client, same_gpu_lora(), on_gpu, 1e-3, 21);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, same_gpu_lora(), on_gpu, 1e-3, 21);
   auto ids = at::randint(0, 200, {3, 24}, at::kLong).to(at::kCUDA);
-  for (int step = 0; step < 3; ++step) {
-    std::vector<at::Tensor> logits, losses;
-    for (TrainingRun* run : {&split, &mono}) {
-      run->optimizer->zero_grad();
-      logits.push_back(run->lm.forward(ids, {}));
-      losses.push_back(causal_lm_loss(logits.back(), ids));
-      losses.back().backward();
-    }
-    EXPECT_LT(relative_error(logits[0], logits[1]), tolerance) << "step " << step;
-    EXPECT_LT(relative_error(losses[0], losses[1]), tolerance) << "step " << step;
-    for (size_t i = 0; i < split.adapter.size(); ++i) {
-      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), tolerance)
-          << "step " << step << ", adapter tensor " << i;
-    }
-    split.optimizer->step();
-    mono.optimizer->step();
-  }
-  for (size_t i = 0; i < split.adapter.size(); ++i) {
-    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), tolerance) << "adapter tensor " << i;
-  }
+  testing::expect_same_training(split, mono, ids, 3, tolerance);
   EXPECT_GT(client->calls(), 3u * client->layers().size() + 3u);  // forward each step, and backward
   client.reset();
   bench::stop(executor.pid);
