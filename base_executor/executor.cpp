@@ -171,14 +171,20 @@ class Executor::Impl {
   void check_liveness();
 };
 
-void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code,
-                                const std::string& message, bool as_reply) {
-  errors++;
+// An error for a ZeroMQ client: as the reply to one request, or on its own (handshake, set-up).
+proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const std::string& message, bool as_reply) {
   proto::Envelope env;
   proto::Error* err = as_reply ? env.mutable_reply()->mutable_error() : env.mutable_error();
   if (as_reply) env.mutable_reply()->set_request_id(request_id);
   err->set_code(code);
   err->set_message(message);
+  return env;
+}
+
+void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code,
+                                const std::string& message, bool as_reply) {
+  errors++;
+  const auto env = error_envelope(request_id, code, message, as_reply);
   spdlog::debug("error to client: {}", message);
   router.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
   router.send(wire::serialize(env), zmq::send_flags::none);
@@ -285,10 +291,7 @@ void send_via(zmq::socket_t& replies_out, const std::string& identity, const pro
 }
 
 void send_error_via(zmq::socket_t& replies_out, const std::string& identity, const std::string& message) {
-  proto::Envelope env;
-  env.mutable_error()->set_code(proto::FAILED_PRECONDITION);
-  env.mutable_error()->set_message(message);
-  send_via(replies_out, identity, env);
+  send_via(replies_out, identity, error_envelope(0, proto::FAILED_PRECONDITION, message, false));
 }
 
 void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& identity, const std::string& key) {
@@ -609,8 +612,7 @@ void Executor::Impl::accept_same_host(const std::shared_ptr<SameHostChannel>& ch
   }
   if (!problem.empty()) {
     errors++;
-    channel->reply(h, code, problem);
-    channel->refused();
+    channel->refuse(h, code, problem);
     return;
   }
   WorkBatcher::Request queued;
@@ -752,16 +754,12 @@ void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>&
       errors++;
       auto& w = r.payload;
       if (w.channel) {
-        w.channel->reply(w.header, proto::INTERNAL, failure);
-        w.channel->refused();
+        w.channel->refuse(w.header, proto::INTERNAL, failure);
         continue;
       }
-      proto::Envelope env;
-      env.mutable_reply()->set_request_id(w.header.request_id);
-      env.mutable_reply()->mutable_error()->set_code(proto::INTERNAL);
-      env.mutable_reply()->mutable_error()->set_message(failure);
       replies_out.send(w.identity, zmq::send_flags::sndmore);
-      replies_out.send(wire::serialize(env), zmq::send_flags::none);
+      replies_out.send(wire::serialize(error_envelope(w.header.request_id, proto::INTERNAL, failure, true)),
+                       zmq::send_flags::none);
     }
     return;
   }
@@ -811,7 +809,7 @@ void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>&
     this->requests++;
     this->tokens += r.tokens;
     if (w.channel) {
-      w.channel->reply(w.header, proto::OK);
+      w.channel->reply(w.header);
       continue;
     }
     proto::Envelope env;

@@ -81,15 +81,14 @@ class NcclChannel : public SameHostChannel {
     c10::cuda::CUDACachingAllocator::recordStream(rows.storage().data_ptr(), side_stream_);
   }
 
-  // A refused call's input was never received: the communicator cannot be used again.
-  void refused() override {
-    if (comm_) comm_->abort();
-  }
-
   void abort() override {
     std::lock_guard<std::mutex> lock(comm_mutex_);
     if (comm_) comm_->abort();
   }
+
+ protected:
+  // A refused call's input or result will never be exchanged: the communicator cannot be used again.
+  void after_refusal() override { abort(); }
 
  private:
   // `later` waits for what `earlier` has enqueued so far.

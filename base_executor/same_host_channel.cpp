@@ -38,7 +38,12 @@ std::optional<shm::CallHeader> SameHostChannel::next_request() {
   return record->header;
 }
 
-void SameHostChannel::reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message) {
+void SameHostChannel::refuse(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message) {
+  push_reply(h, code, message);
+  after_refusal();
+}
+
+void SameHostChannel::push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message) {
   shm::CallRecord record;
   record.header = h;
   record.error_code = code;
@@ -73,16 +78,57 @@ std::string region_problem(const shm::CallHeader& h, uint64_t in_bytes, uint64_t
   return "";
 }
 
-// "shm": the client's host shared-memory segment. On a GPU executor it is pinned, so inputs and
-// results move by DMA without a staging copy.
-class HostShmChannel : public SameHostChannel {
+// A client whose payload lives in a buffer it registered (shm, cuda-ipc): a call names offsets into
+// it, inputs are read and results written there in place. Subclasses map the buffer.
+class RegisteredBufferChannel : public SameHostChannel {
  public:
-  HostShmChannel(uint64_t client_id, at::Device device) : SameHostChannel("shm", client_id), device_(device) {}
+  using SameHostChannel::SameHostChannel;
 
-  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) override {
-    TORCH_CHECK(!r.shm_name().empty(), "RegisterBuffer for an shm client needs shm_name");
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) final {
     TORCH_CHECK(r.generation() == generation_ + 1, "RegisterBuffer generation ", r.generation(), ", expected ",
                 generation_ + 1);
+    proto::BufferRegistered answer;
+    map(r, &answer);
+    generation_ = r.generation();
+    answer.set_generation(generation_);
+    return answer;
+  }
+  std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const final {
+    return region_problem(h, in_bytes, out_bytes, size(), generation_);
+  }
+  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final {
+    before_read();
+    return view(h.in_offset, dtype, shape);
+  }
+  at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final {
+    return view(h.out_offset, dtype, shape);
+  }
+
+ protected:
+  // Maps the buffer `r` names in place of the previous one (which then goes); may add to `answer`.
+  virtual void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) = 0;
+  virtual void* base() const = 0;
+  virtual size_t size() const = 0;
+  virtual at::TensorOptions view_options() const = 0;
+  // Before an input is read: order the compute stream after the client's writes, if needed.
+  virtual void before_read() {}
+
+ private:
+  at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
+    return at::from_blob(static_cast<char*>(base()) + offset, shape, view_options().dtype(dtype));
+  }
+  uint64_t generation_ = 0;  // of the buffer mapped now
+};
+
+// "shm": the client's host shared-memory segment. On a GPU executor it is pinned, so inputs and
+// results move by DMA without a staging copy.
+class HostShmChannel : public RegisteredBufferChannel {
+ public:
+  HostShmChannel(uint64_t client_id, at::Device device) : RegisteredBufferChannel("shm", client_id), device_(device) {}
+
+ protected:
+  void map(const proto::RegisterBuffer& r, proto::BufferRegistered*) override {
+    TORCH_CHECK(!r.shm_name().empty(), "RegisterBuffer for an shm client needs shm_name");
     auto memory = shm::SharedMemory::open(r.shm_name(), r.bytes());
 #ifdef SYMBIOSIS_WITH_CUDA
     pinned_ = cuda::PinnedRange();
@@ -96,27 +142,12 @@ class HostShmChannel : public SameHostChannel {
     }
 #endif
     memory_ = std::move(memory);
-    generation_ = r.generation();
-    proto::BufferRegistered answer;
-    answer.set_generation(generation_);
-    return answer;
   }
-
-  std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const override {
-    return region_problem(h, in_bytes, out_bytes, memory_.size(), generation_);
-  }
-  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
-    return view(h.in_offset, dtype, shape);
-  }
-  at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
-    return view(h.out_offset, dtype, shape);
-  }
+  void* base() const override { return memory_.data(); }
+  size_t size() const override { return memory_.size(); }
+  at::TensorOptions view_options() const override { return at::TensorOptions(); }
 
  private:
-  at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
-    return at::from_blob(static_cast<char*>(memory_.data()) + offset, shape, at::TensorOptions().dtype(dtype));
-  }
-
   at::Device device_;
 #ifdef SYMBIOSIS_WITH_CUDA
   cuda::PinnedRange pinned_;  // declared before memory_: unpinned before unmapped
@@ -128,10 +159,10 @@ class HostShmChannel : public SameHostChannel {
 // "cuda-ipc": the client's device buffer on the executor's GPU, mapped through CUDA IPC. The
 // executor's stream waits on the client's event before reading an input, and records the
 // executor's event after writing results; the client's stream waits on that before reading.
-class CudaIpcChannel : public SameHostChannel {
+class CudaIpcChannel : public RegisteredBufferChannel {
  public:
   CudaIpcChannel(uint64_t client_id, at::Device device)
-      : SameHostChannel("cuda-ipc", client_id),
+      : RegisteredBufferChannel("cuda-ipc", client_id),
         device_(device.has_index() ? device.index() : 0),
         executor_event_(cuda::InterprocessEvent::create(device_)) {}
 
@@ -141,40 +172,24 @@ class CudaIpcChannel : public SameHostChannel {
     if (stream_ != nullptr) cuda::synchronize_stream(stream_);
   }
 
-  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) override {
+  void finish_writes() override { executor_event_.record(cuda::current_stream(device_)); }
+
+ protected:
+  void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) override {
     TORCH_CHECK(!r.cuda_ipc_handle().empty(), "RegisterBuffer for a cuda-ipc client needs cuda_ipc_handle");
-    TORCH_CHECK(r.generation() == generation_ + 1, "RegisterBuffer generation ", r.generation(), ", expected ",
-                generation_ + 1);
     if (!client_event_.valid()) client_event_ = cuda::InterprocessEvent::open(device_, r.client_event());
     auto mapped = cuda::MappedDeviceBuffer::open(device_, r.cuda_ipc_handle(), r.bytes());
     stream_ = cuda::current_stream(device_);  // the compute thread's: all work on the buffer goes there
     if (buffer_.data() != nullptr) cuda::synchronize_stream(stream_);
     buffer_ = std::move(mapped);
-    generation_ = r.generation();
-    proto::BufferRegistered answer;
-    answer.set_generation(generation_);
-    answer.set_executor_event(executor_event_.ipc_handle());
-    return answer;
+    answer->set_executor_event(executor_event_.ipc_handle());
   }
-
-  std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const override {
-    return region_problem(h, in_bytes, out_bytes, buffer_.size(), generation_);
-  }
-  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
-    client_event_.make_stream_wait(cuda::current_stream(device_));
-    return view(h.in_offset, dtype, shape);
-  }
-  at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
-    return view(h.out_offset, dtype, shape);
-  }
-  void finish_writes() override { executor_event_.record(cuda::current_stream(device_)); }
+  void* base() const override { return buffer_.data(); }
+  size_t size() const override { return buffer_.size(); }
+  at::TensorOptions view_options() const override { return at::TensorOptions().device(at::kCUDA, device_); }
+  void before_read() override { client_event_.make_stream_wait(cuda::current_stream(device_)); }
 
  private:
-  at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
-    return at::from_blob(static_cast<char*>(buffer_.data()) + offset, shape,
-                         at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
-  }
-
   int device_;
   void* stream_ = nullptr;  // cudaStream_t of the compute thread
   cuda::InterprocessEvent executor_event_, client_event_;
@@ -183,8 +198,6 @@ class CudaIpcChannel : public SameHostChannel {
 #endif
 
 }  // namespace
-
-std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device);
 
 std::shared_ptr<SameHostChannel> SameHostChannel::create(const std::string& kind, uint64_t client_id,
                                                          at::Device device) {

@@ -56,10 +56,11 @@ class SameHostChannel {
   virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
   // After this batch's writes for this client are enqueued: orders them before the client's reads.
   virtual void finish_writes() {}
-  // Pushes the reply (OK, or an error with its message) and wakes the client.
-  void reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message = "");
-  // A call was refused before its payload was taken (NCCL: the client's send can never match now).
-  virtual void refused() {}
+  // Pushes an OK reply and wakes the client.
+  void reply(const shm::CallHeader& h) { push_reply(h, proto::OK, ""); }
+  // Answers the call with an error naming the problem. A transport whose payload cannot be left
+  // half-exchanged (NCCL: the client's send or receive can never be matched now) is shut down.
+  void refuse(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
 
   // Any thread: the client is gone; release what could block on it (NCCL kernels waiting on a
   // dead peer). The compute thread drops the channel afterwards.
@@ -67,9 +68,11 @@ class SameHostChannel {
 
  protected:
   SameHostChannel(std::string kind, uint64_t client_id);
-  uint64_t generation_ = 0;  // of the payload buffer mapped now
+  // refuse() has answered: what the transport must do about the call's payload.
+  virtual void after_refusal() {}
 
  private:
+  void push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
   std::string kind_;
   uint64_t client_id_;
   shm::SharedMemory control_;
@@ -77,6 +80,9 @@ class SameHostChannel {
   uint64_t next_read_ = 0;
   std::atomic<bool> broken_{false};
 };
+
+// The "nccl" channel (nccl_channel.cpp), made by SameHostChannel::create.
+std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device);
 
 // The executor's doorbell ([Shared-memory control channel]): clients and the IO thread notify it,
 // the compute thread sleeps on it.

@@ -127,8 +127,6 @@ class CudaIpcPayload : public RegisteredBuffer {
 
 }  // namespace
 
-std::unique_ptr<ClientPayload> make_nccl_payload(const ClientOptions& options, ControlSocket& socket);
-
 std::unique_ptr<ClientPayload> make_client_payload(const std::string& kind, const ClientOptions& options,
                                                    ControlSocket& socket) {
   if (kind == "shm") return std::make_unique<HostPayload>(socket);

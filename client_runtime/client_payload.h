@@ -31,6 +31,9 @@ class ClientPayload {
   virtual void abandon_output() {}
 };
 
+// The "nccl" payload (nccl_payload.cpp), made by make_client_payload.
+std::unique_ptr<ClientPayload> make_nccl_payload(const ClientOptions& options, ControlSocket& socket);
+
 // kind: "shm" (host shared memory), "cuda-ipc" (a device buffer shared through CUDA IPC) or "nccl".
 std::unique_ptr<ClientPayload> make_client_payload(const std::string& kind, const ClientOptions& options,
                                                    ControlSocket& socket);

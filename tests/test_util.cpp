@@ -65,24 +65,31 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
   return Executor::start(options);
 }
 
+AddAdapter lora_adapter(const LoraConfig& lora) {
+  return [lora](torch::nn::Module& model) { return add_lora(model, lora); };
+}
+
 TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
-                              const LoraConfig& lora, const CausalLMOptions& options, double lr, uint64_t seed) {
+                              const AddAdapter& add_adapter, const CausalLMOptions& options, double lr, uint64_t seed) {
   TrainingRun run;
   run.lm = open_causal_lm(checkpoint, client, options);
   at::manual_seed(seed);
-  run.adapter = add_lora(*run.lm.module, lora);
+  run.adapter = add_adapter(*run.lm.module);
   run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(lr));
   return run;
 }
 
-void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance) {
+void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance,
+                          const at::Tensor& attention_mask, const at::Tensor& labels) {
+  ASSERT_FALSE(split.adapter.empty());
   ASSERT_EQ(split.adapter.size(), mono.adapter.size());
+  const at::Tensor& targets = labels.defined() ? labels : ids;
   for (int step = 0; step < steps; ++step) {
     std::vector<at::Tensor> logits, losses;
     for (TrainingRun* run : {&split, &mono}) {
       run->optimizer->zero_grad();
-      logits.push_back(run->lm.forward(ids, {}));
-      losses.push_back(causal_lm_loss(logits.back(), ids));
+      logits.push_back(run->lm.forward(ids, attention_mask));
+      losses.push_back(causal_lm_loss(logits.back(), targets));
       losses.back().backward();
     }
     EXPECT_LT(relative_error(logits[0], logits[1]), tolerance) << "step " << step;

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <sys/types.h>
@@ -25,18 +26,23 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
 // max|a - b| / max|b|
 double relative_error(const at::Tensor& a, const at::Tensor& b);
 
-// A causal LM with a LoRA adapter and its optimizer, split (client) or monolithic (nullptr).
+// A causal LM with an adapter and its optimizer, split (client) or monolithic (nullptr).
 struct TrainingRun {
   CausalLM lm;
   std::vector<at::Tensor> adapter;
   std::unique_ptr<torch::optim::AdamW> optimizer;
 };
+// Attaches an adapter to the model and returns its trainable tensors.
+using AddAdapter = std::function<std::vector<at::Tensor>(torch::nn::Module&)>;
+AddAdapter lora_adapter(const LoraConfig& lora);
 // The adapter's initialization is drawn from `seed`, so split and monolithic runs start equal.
 TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
-                              const LoraConfig& lora, const CausalLMOptions& options, double lr, uint64_t seed);
-// Trains both runs `steps` AdamW steps on `ids`, expecting logits, loss and every adapter
-// gradient at each step, and every adapter tensor at the end, to agree within `tolerance`.
-void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance);
+                              const AddAdapter& add_adapter, const CausalLMOptions& options, double lr, uint64_t seed);
+// Trains both runs `steps` AdamW steps on `ids` (with `attention_mask` and `labels`, which default
+// to none and `ids`), expecting logits, loss and every adapter gradient at each step, and every
+// adapter tensor at the end, to agree within `tolerance`.
+void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance,
+                          const at::Tensor& attention_mask = {}, const at::Tensor& labels = {});
 std::string binary(const std::string& relative);  // a path under the build directory
 // Spawns a program with arguments (stdout and stderr inherited); returns its pid.
 pid_t spawn(const std::vector<std::string>& args);

@@ -40,8 +40,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   lora.r = 4;
   lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
   lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
-  auto split = testing::make_training_run(*checkpoint, client, lora, {}, 1e-2, 1234);
-  auto mono = testing::make_training_run(*checkpoint, nullptr, lora, {}, 1e-2, 1234);
+  auto split = testing::make_training_run(*checkpoint, client, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
   ASSERT_GT(split.lm.virtual_layers, 0u);
   EXPECT_EQ(split.lm.virtual_layers, client->layers().size());
   at::manual_seed(7);

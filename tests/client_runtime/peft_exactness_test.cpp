@@ -24,7 +24,7 @@ namespace {
 using testing::relative_error;
 constexpr double kTolerance = 1e-5;
 
-using AddMethod = std::function<std::vector<at::Tensor>(torch::nn::Module&)>;
+using AddMethod = testing::AddAdapter;
 
 struct Method {
   std::string name;
@@ -93,19 +93,11 @@ std::vector<Method> methods() {
   };
 }
 
-struct MethodRun {
-  CausalLM lm;
-  std::vector<at::Tensor> adapter;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-};
+using MethodRun = testing::TrainingRun;
 
+// The same adapter initialization on both sides.
 MethodRun make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const Method& method) {
-  MethodRun run;
-  run.lm = open_causal_lm(checkpoint, client);
-  at::manual_seed(4321);  // the same adapter initialization on both sides
-  run.adapter = method.add(*run.lm.module);
-  run.optimizer = std::make_unique<torch::optim::AdamW>(run.adapter, torch::optim::AdamWOptions(1e-2));
-  return run;
+  return testing::make_training_run(checkpoint, client, method.add, {}, 1e-2, 4321);
 }
 
 using Param = std::tuple<std::string, int>;  // preset, index into methods()
@@ -126,8 +118,6 @@ TEST_P(PeftExactnessTest, SplitEqualsMonolithicInLossLogitsAndAdapterGradients) 
   MethodRun split = make_run(*checkpoint, client, method);
   MethodRun mono = make_run(*checkpoint, nullptr, method);
   ASSERT_GT(split.lm.virtual_layers, 0u);
-  ASSERT_FALSE(split.adapter.empty());
-  ASSERT_EQ(split.adapter.size(), mono.adapter.size());
   EXPECT_EQ(adapter_parameters(*split.lm.module).size(), split.adapter.size());
 
   at::manual_seed(7);
@@ -135,29 +125,7 @@ TEST_P(PeftExactnessTest, SplitEqualsMonolithicInLossLogitsAndAdapterGradients) 
   auto mask = at::ones({2, 10}, at::kLong);
   mask.index_put_({1, at::indexing::Slice(7, at::indexing::None)}, 0);
   auto labels = ids.masked_fill(mask == 0, kIgnoreIndex);
-  for (int step = 0; step < 3; ++step) {
-    for (MethodRun* run : {&split, &mono}) run->optimizer->zero_grad();
-    auto split_logits = split.lm.forward(ids, mask);
-    auto mono_logits = mono.lm.forward(ids, mask);
-    ASSERT_EQ(split_logits.sizes(), at::IntArrayRef({2, 10, 256}));
-    auto split_loss = causal_lm_loss(split_logits, labels);
-    auto mono_loss = causal_lm_loss(mono_logits, labels);
-    split_loss.backward();
-    mono_loss.backward();
-    EXPECT_LT(relative_error(split_logits, mono_logits), kTolerance) << "step " << step;
-    EXPECT_LT(relative_error(split_loss, mono_loss), kTolerance) << "step " << step;
-    for (size_t i = 0; i < split.adapter.size(); ++i) {
-      ASSERT_TRUE(split.adapter[i].grad().defined()) << "adapter tensor " << i;
-      EXPECT_GT(mono.adapter[i].grad().abs().max().item<double>(), 0.0) << "adapter tensor " << i;
-      EXPECT_LT(relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), kTolerance)
-          << "step " << step << ", adapter tensor " << i;
-    }
-    split.optimizer->step();
-    mono.optimizer->step();
-  }
-  for (size_t i = 0; i < split.adapter.size(); ++i) {
-    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), kTolerance) << "adapter tensor " << i;
-  }
+  testing::expect_same_training(split, mono, ids, 3, kTolerance, mask, labels);
   EXPECT_GT(client->calls(), 3 * client->layers().size() + 3);  // forward each step, and backward
 }
 

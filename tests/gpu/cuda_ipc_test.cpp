@@ -43,8 +43,9 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   auto client = Client::connect(options);
   EXPECT_EQ(client->transport(), "cuda-ipc");  // chosen by placement: the executor's GPU
   const CausalLMOptions on_gpu{dtype, at::Device(at::kCUDA, 0)};
-  auto split = testing::make_training_run(*checkpoint, client, same_gpu_lora(), on_gpu, 1e-3, 21);
-  auto mono = testing::make_training_run(*checkpoint, nullptr, same_gpu_lora(), on_gpu, 1e-3, 21);
+  const auto lora = testing::lora_adapter(same_gpu_lora());
+  auto split = testing::make_training_run(*checkpoint, client, lora, on_gpu, 1e-3, 21);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, lora, on_gpu, 1e-3, 21);
   auto ids = at::randint(0, 200, {3, 24}, at::kLong).to(at::kCUDA);
   testing::expect_same_training(split, mono, ids, 3, tolerance);
   EXPECT_GT(client->calls(), 3u * client->layers().size() + 3u);  // forward each step, and backward

@@ -24,8 +24,8 @@ void cpu_client_against_gpu_executor(const std::string& dtype, const std::string
   LoraConfig lora;
   lora.init_b_zero = false;
   lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
-  auto split = testing::make_training_run(*checkpoint, client, lora, {}, 1e-3, 11);
-  auto mono = testing::make_training_run(*checkpoint, nullptr, lora, {}, 1e-3, 11);
+  auto split = testing::make_training_run(*checkpoint, client, testing::lora_adapter(lora), {}, 1e-3, 11);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-3, 11);
   testing::expect_same_training(split, mono, at::randint(0, 200, {2, 16}, at::kLong), 3, tolerance);
   EXPECT_GT(executor->stats().requests, 0u);
   EXPECT_EQ(executor->stats().errors, 0u);
