@@ -33,10 +33,10 @@ using Clock = std::chrono::steady_clock;
 // What a queued request carries besides what the Batcher decides on.
 struct Work {
   shm::CallHeader header;
-  std::shared_ptr<SameHostChannel> channel;  // same-host clients; null for ZeroMQ clients
-  zmq::message_t identity;                   // ZeroMQ clients: where the reply goes
-  at::Tensor input;                          // ZeroMQ clients: the payload, in host memory
-  at::Tensor destination;                    // same-host clients: where the result goes, if in place
+  std::shared_ptr<SameHostChannel> channel;  // clients of a payload channel; null for tcp clients
+  zmq::message_t identity;                   // tcp clients: where the reply goes
+  at::Tensor input;                          // tcp clients: the payload, in host memory
+  at::Tensor destination;                    // channel clients: where the result goes, if in place
 };
 using WorkBatcher = Batcher<Work>;
 
@@ -67,8 +67,8 @@ struct ClientRecord {
   std::string tenant;
   Clock::time_point last_seen;
   std::string transport;
-  int pid = 0;                               // same-host clients: checked for liveness
-  std::shared_ptr<SameHostChannel> channel;  // same-host clients
+  int pid = 0;                               // clients with a control segment: checked for liveness
+  std::shared_ptr<SameHostChannel> channel;  // shm, cuda-ipc and nccl clients
 };
 
 // ZeroMQ clients idle this long without a Goodbye are forgotten (they died or left). Same-host
@@ -159,7 +159,9 @@ class Executor::Impl {
   void queue(WorkBatcher::Request request);
   void post(std::function<void(zmq::socket_t&)> task);
   void poll_channels();
-  void accept_same_host(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& h);
+  // Checks a call a channel client sent (through its ring, or over ZeroMQ) and queues it or refuses it.
+  void accept_channel_call(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& h,
+                           const std::vector<int64_t>& shape);
   void finish_setups(zmq::socket_t& replies_out);
   void log_stats();
   void run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies_out);
@@ -171,20 +173,10 @@ class Executor::Impl {
   void check_liveness();
 };
 
-// An error for a ZeroMQ client: as the reply to one request, or on its own (handshake, set-up).
-proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const std::string& message, bool as_reply) {
-  proto::Envelope env;
-  proto::Error* err = as_reply ? env.mutable_reply()->mutable_error() : env.mutable_error();
-  if (as_reply) env.mutable_reply()->set_request_id(request_id);
-  err->set_code(code);
-  err->set_message(message);
-  return env;
-}
-
 void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code,
                                 const std::string& message, bool as_reply) {
   errors++;
-  const auto env = error_envelope(request_id, code, message, as_reply);
+  const auto env = wire::error_envelope(request_id, code, message, as_reply);
   spdlog::debug("error to client: {}", message);
   router.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
   router.send(wire::serialize(env), zmq::send_flags::none);
@@ -237,14 +229,16 @@ std::string Executor::Impl::validate_call(shm::CallHeader& h, const std::vector<
 // A client names a transport or asks for "auto". Auto picks by where the client runs (its Hello's
 // Placement) against where the executor runs: another host, tcp; the same host, a CPU client,
 // shm; the executor's own GPU (same GPU UUID), cuda-ipc; another GPU of this host, nccl. A named
-// transport that the placement cannot support is refused with the reason.
+// transport that the placement cannot support is refused with the reason. nccl also reaches a GPU
+// client on another host (NCCL's network transport), which asks for it by name: its headers then
+// go over ZeroMQ, as every client's do that asks for control "zmq".
 std::string Executor::Impl::choose_transport(const proto::Hello& hello) const {
   const auto& p = hello.placement();
   const std::string asked = hello.transport().empty() ? "auto" : hello.transport();
   const bool same_host = !p.host_id().empty() && p.host_id() == placement.host_id();
   const bool client_gpu = !p.gpu_uuid().empty();
   const bool executor_gpu = !placement.gpu_uuid().empty();
-  const bool same_gpu = client_gpu && p.gpu_uuid() == placement.gpu_uuid();
+  const bool same_gpu = same_host && client_gpu && p.gpu_uuid() == placement.gpu_uuid();
   if (asked == "auto") {
     if (!same_host) return "tcp";
     if (same_gpu) return "cuda-ipc";
@@ -255,8 +249,8 @@ std::string Executor::Impl::choose_transport(const proto::Hello& hello) const {
   if (asked == "tcp") return asked;
   TORCH_CHECK(asked == "shm" || asked == "cuda-ipc" || asked == "nccl", "unknown transport '", asked,
               "' (expected auto, tcp, shm, cuda-ipc or nccl)");
-  TORCH_CHECK(same_host, refusal, "the client is on another host (", p.host_id(), ", the executor on ",
-              placement.host_id(), "); use tcp");
+  TORCH_CHECK(same_host || asked == "nccl", refusal, "the client is on another host (", p.host_id(),
+              ", the executor on ", placement.host_id(), "); use tcp, or nccl from a GPU");
   if (asked == "cuda-ipc") {
     TORCH_CHECK(same_gpu, refusal, "it needs the client on the executor's GPU (", placement.device(), " ",
                 placement.gpu_uuid(), "), but the client is on ", p.device(), " ", p.gpu_uuid());
@@ -291,7 +285,7 @@ void send_via(zmq::socket_t& replies_out, const std::string& identity, const pro
 }
 
 void send_error_via(zmq::socket_t& replies_out, const std::string& identity, const std::string& message) {
-  send_via(replies_out, identity, error_envelope(0, proto::FAILED_PRECONDITION, message, false));
+  send_via(replies_out, identity, wire::error_envelope(0, proto::FAILED_PRECONDITION, message, false));
 }
 
 void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& identity, const std::string& key) {
@@ -319,12 +313,19 @@ void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& ide
   ClientRecord record{next_client_id++, hello.tenant(), Clock::now(), transport};
   if (transport != "tcp") {
     try {
+      TORCH_CHECK(hello.control().empty() || hello.control() == "auto" || hello.control() == "zmq",
+                  "unknown control '", hello.control(), "' (expected auto or zmq)");
       record.channel = SameHostChannel::create(transport, record.id, model->device());
     } catch (const c10::Error& e) {
       send_error(identity, 0, proto::FAILED_PRECONDITION, e.what_without_backtrace(), false);
       return;
     }
-    record.pid = hello.placement().pid();
+    const bool same_host = hello.placement().host_id() == placement.host_id();
+    if (!same_host || hello.control() == "zmq") {
+      record.channel->control_over_zmq(context, replies_endpoint, key);
+    } else {
+      record.pid = hello.placement().pid();  // a process of this host: watched for its end
+    }
     post([this, channel = record.channel](zmq::socket_t&) { channels[channel->client_id()] = channel; });
   }
   if (transport == "cuda-ipc" && !(hello.placement().mps() && placement.mps())) {
@@ -352,7 +353,7 @@ void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& ide
   welcome->set_executor_version("symbiosis 0.2.0");
   welcome->set_transport(transport);
   *welcome->mutable_placement() = placement;
-  if (client.channel) {
+  if (client.channel && !client.channel->zmq_control()) {
     welcome->set_control_segment(client.channel->control_segment());
     welcome->set_doorbell_segment(doorbell.segment());
   }
@@ -394,6 +395,25 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
       h.op = r.op();
       h.dtype = r.dtype();
       h.latency_class = r.latency_class();
+      if (const auto& channel = client->second.channel) {
+        // Its payload travels through the channel: the compute thread checks and queues the call.
+        if (!channel->zmq_control() || frames.size() != 2) {
+          send_error(identity, r.request_id(), proto::MALFORMED,
+                     !channel->zmq_control()
+                         ? "this client's calls go through its shared-memory control channel, not ZeroMQ"
+                         : "a " + channel->kind() + " client's request carries no payload frame",
+                     true);
+          return;
+        }
+        h.tokens = r.shape_size() > 0 ? r.shape(0) : 0;
+        h.features = r.shape_size() > 1 ? r.shape(1) : 0;
+        h.in_offset = r.in_offset();
+        h.out_offset = r.out_offset();
+        h.buffer_generation = r.buffer_generation();
+        const std::vector<int64_t> shape(r.shape().begin(), r.shape().end());
+        post([this, channel, h, shape](zmq::socket_t&) { accept_channel_call(channel, h, shape); });
+        return;
+      }
       proto::ErrorCode code;
       std::string problem = validate_call(h, {r.shape().begin(), r.shape().end()}, &code);
       if (problem.empty()) {
@@ -500,8 +520,9 @@ void Executor::Impl::check_liveness() {
   std::vector<std::string> gone;
   const auto now = Clock::now();
   for (const auto& [key, record] : clients) {
-    const bool gone_now = record.channel ? record.channel->broken() || !process_alive(record.pid)
-                                         : now - record.last_seen > kClientIdleLimit;
+    // Clients of this host are watched by process; others (ZeroMQ control) by silence.
+    const bool gone_now = (record.channel && (record.channel->broken() || record.channel->failed())) ||
+                          (record.pid > 0 ? !process_alive(record.pid) : now - record.last_seen > kClientIdleLimit);
     if (gone_now) gone.push_back(key);
   }
   for (const auto& key : gone) {
@@ -595,10 +616,11 @@ void Executor::Impl::io_loop() {
   }
 }
 
-void Executor::Impl::accept_same_host(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& header) {
+void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& header,
+                                         const std::vector<int64_t>& shape) {
   shm::CallHeader h = header;
   proto::ErrorCode code;
-  std::string problem = validate_call(h, {header.tokens, header.features}, &code);
+  std::string problem = validate_call(h, shape, &code);
   if (problem.empty()) {
     const auto& layer = model->layers()[h.layer_id];
     const int64_t out_features = h.op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features;
@@ -630,7 +652,9 @@ void Executor::Impl::accept_same_host(const std::shared_ptr<SameHostChannel>& ch
 void Executor::Impl::poll_channels() {
   for (auto it = channels.begin(); it != channels.end();) {
     const auto& channel = it->second;
-    while (auto header = channel->next_request()) accept_same_host(channel, *header);
+    while (auto header = channel->next_request()) {
+      accept_channel_call(channel, *header, {header->tokens, header->features});
+    }
     it = channel->broken() ? channels.erase(it) : std::next(it);
   }
 }
@@ -758,7 +782,7 @@ void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>&
         continue;
       }
       replies_out.send(w.identity, zmq::send_flags::sndmore);
-      replies_out.send(wire::serialize(error_envelope(w.header.request_id, proto::INTERNAL, failure, true)),
+      replies_out.send(wire::serialize(wire::error_envelope(w.header.request_id, proto::INTERNAL, failure, true)),
                        zmq::send_flags::none);
     }
     return;

@@ -41,19 +41,13 @@ class NcclChannel : public SameHostChannel {
 
   void setup_nccl(const proto::NcclSetup& setup) override {
     TORCH_CHECK(comm_ == nullptr, "NCCL is already set up for this client");
-    auto comm = std::make_shared<nccl::Communicator>(setup.unique_id(), /*rank=*/1, device_);
+    auto comm = std::make_shared<nccl::Communicator>(setup.unique_id(), /*rank=*/1, device_, kClientRank, kConnectTimeout);
     std::lock_guard<std::mutex> lock(comm_mutex_);
     comm_ = std::move(comm);
   }
 
-  // Joined, then connected ([NCCL connection] in transport/nccl_comm.h): the client connects as
-  // soon as it has joined too, so this waits for a few milliseconds at most, or for the time-out
-  // when the client died in between.
-  bool setup_done() override {
-    if (comm_ == nullptr || !comm_->ready()) return false;
-    comm_->connect(kClientRank, kConnectTimeout);
-    return true;
-  }
+  // Joined and connected, on the communicator's own thread ([NCCL blocking mode]): never blocks.
+  bool setup_done() override { return comm_ != nullptr && comm_->ready(); }
 
   std::string check_payload(const shm::CallHeader&, uint64_t, uint64_t) const override {
     if (comm_ == nullptr) return "NCCL is not set up (send NcclSetup first)";
@@ -81,6 +75,11 @@ class NcclChannel : public SameHostChannel {
     c10::cuda::CUDACachingAllocator::recordStream(rows.storage().data_ptr(), side_stream_);
   }
 
+  bool failed() const override {
+    std::lock_guard<std::mutex> lock(comm_mutex_);
+    return comm_ && comm_->failed();
+  }
+
   void abort() override {
     std::lock_guard<std::mutex> lock(comm_mutex_);
     if (comm_) comm_->abort();
@@ -100,7 +99,7 @@ class NcclChannel : public SameHostChannel {
 
   int device_;
   c10::cuda::CUDAStream side_stream_;
-  std::mutex comm_mutex_;  // guards comm_ being set (compute thread) against abort() (IO thread)
+  mutable std::mutex comm_mutex_;  // guards comm_ being set (compute thread) against abort() (IO thread)
   std::shared_ptr<nccl::Communicator> comm_;  // set once; the compute thread reads it without the lock
 };
 

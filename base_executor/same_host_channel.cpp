@@ -6,6 +6,7 @@
 #include <new>
 
 #include "transport/cuda_ipc.h"
+#include "transport/zmq_wire.h"
 
 namespace symbiosis {
 
@@ -43,7 +44,30 @@ void SameHostChannel::refuse(const shm::CallHeader& h, proto::ErrorCode code, co
   after_refusal();
 }
 
+void SameHostChannel::control_over_zmq(zmq::context_t& context, std::string replies_endpoint, std::string identity) {
+  zmq_context_ = &context;
+  replies_endpoint_ = std::move(replies_endpoint);
+  identity_ = std::move(identity);
+  control_.unlink();
+}
+
 void SameHostChannel::push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message) {
+  if (zmq_context_ != nullptr) {
+    if (!replies_) {
+      replies_ = std::make_unique<zmq::socket_t>(*zmq_context_, zmq::socket_type::push);
+      replies_->set(zmq::sockopt::linger, 0);
+      replies_->connect(replies_endpoint_);
+    }
+    proto::Envelope env;
+    if (code == proto::OK) {
+      env.mutable_reply()->set_request_id(h.request_id);
+    } else {
+      env = wire::error_envelope(h.request_id, code, message, /*as_reply=*/true);
+    }
+    replies_->send(zmq::message_t(identity_.data(), identity_.size()), zmq::send_flags::sndmore);
+    replies_->send(wire::serialize(env), zmq::send_flags::none);
+    return;
+  }
   shm::CallRecord record;
   record.header = h;
   record.error_code = code;

@@ -1,8 +1,11 @@
 #pragma once
-// Internal to the executor: its end of one same-host client ([Shared-memory control channel] in
-// transport/call_ring.h). A channel owns the client's control segment and the executor's mapping
-// of the client's payload: a host shared-memory segment ("shm"), a CUDA IPC device buffer and two
-// interprocess events ("cuda-ipc"), or a 2-rank NCCL communicator ("nccl").
+// Internal to the executor: its end of one client whose payload does not travel in ZeroMQ frames.
+// A channel owns the executor's mapping of the client's payload: a host shared-memory segment
+// ("shm"), a CUDA IPC device buffer and two interprocess events ("cuda-ipc"), or a 2-rank NCCL
+// communicator ("nccl"); and the client's control: its control segment ([Shared-memory control
+// channel] in transport/call_ring.h) on this host, or, for a client on another host (nccl) or one
+// that asked for it, ZeroMQ (control_over_zmq): headers come as Requests without a payload frame
+// and replies go back as Replies.
 //
 // Threads: the IO thread creates a channel at the handshake; from then on only the compute thread
 // touches it (it polls the request ring, registers buffers, reads inputs, writes results,
@@ -14,6 +17,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+
+#include <zmq.hpp>
 
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
@@ -33,6 +38,11 @@ class SameHostChannel {
   const std::string& control_segment() const { return control_.name(); }
   // The client has mapped the control segment: its name can go.
   void attached() { control_.unlink(); }
+  // IO thread, at the handshake: headers come over ZeroMQ (the IO thread hands them to the compute
+  // thread), and replies go to the client `identity` names through a socket of the channel's own
+  // connected to the IO thread's `replies_endpoint`. The control segment is not used.
+  void control_over_zmq(zmq::context_t& context, std::string replies_endpoint, std::string identity);
+  bool zmq_control() const { return zmq_context_ != nullptr; }
 
   // Compute thread from here on.
 
@@ -46,6 +56,8 @@ class SameHostChannel {
   // (any thread may ask; the IO thread then forgets the client).
   std::optional<shm::CallHeader> next_request();
   bool broken() const { return broken_; }
+  // Any thread: the payload's connection reports the client gone (NCCL to a peer that died).
+  virtual bool failed() const { return false; }
   // Checks the call's payload against what the client registered; "" when fine.
   virtual std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const = 0;
   // The call's input, ready to read on the current stream (host memory, or the executor's GPU).
@@ -79,6 +91,9 @@ class SameHostChannel {
   shm::ControlBlock* block_ = nullptr;
   uint64_t next_read_ = 0;
   std::atomic<bool> broken_{false};
+  zmq::context_t* zmq_context_ = nullptr;  // set by control_over_zmq
+  std::string replies_endpoint_, identity_;
+  std::unique_ptr<zmq::socket_t> replies_;  // made on the compute thread at the first reply
 };
 
 // The "nccl" channel (nccl_channel.cpp), made by SameHostChannel::create.

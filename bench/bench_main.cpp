@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -97,10 +98,11 @@ class GpuMemorySampler {
     if (thread_.joinable()) thread_.join();
   }
   double peak_mib() const { return peak_; }
-  static double read(int gpu) {
+  // One nvidia-smi reading in MiB: memory.used by default, or memory.total.
+  static double read(int gpu, const std::string& what = "memory.used") {
     if (gpu < 0) return 0;
     const std::string command =
-        "nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i " + std::to_string(gpu) + " 2>/dev/null";
+        "nvidia-smi --query-gpu=" + what + " --format=csv,noheader,nounits -i " + std::to_string(gpu) + " 2>/dev/null";
     FILE* pipe = ::popen(command.c_str(), "r");
     if (pipe == nullptr) return 0;
     double mib = 0;
@@ -235,8 +237,10 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
   return result;
 }
 
-// Capacity: clients of `system` start in waves of `wave` (each wave once the previous is warm)
-// until one fails or `limit` run; all then stop. Returns how many ran at once.
+// Capacity: clients of `system` start in waves (each once the previous is warm) until one fails or
+// `limit` run; all then stop. Returns how many ran at once. A wave starts at most `wave` clients,
+// and no more than the memory left fits by the peak memory each running client has taken so far:
+// near the end they start one at a time, so a wave that overshoots does not undercount.
 json run_capacity(const std::string& system, const json& scenario, const json& client, const fs::path& model,
                   const json& defaults, const fs::path& dir, int limit, int wave, int gpu) {
   fs::create_directories(dir);
@@ -245,11 +249,17 @@ json run_capacity(const std::string& system, const json& scenario, const json& c
   const fs::path stop_file = dir / "stop";
   fs::remove(stop_file);
   GpuMemorySampler sampler(gpu);
+  const double before_clients = GpuMemorySampler::read(gpu), total = GpuMemorySampler::read(gpu, "memory.total");
   std::vector<pid_t> pids;
   std::string reason = "reached the limit of " + std::to_string(limit);
-  for (int first = 0; first < limit && reason.rfind("reached", 0) == 0; first += wave) {
+  for (int first = 0, size = wave; first < limit && reason.rfind("reached", 0) == 0; first += size) {
+    if (!pids.empty() && total > 0) {
+      const double per_client = (sampler.peak_mib() - before_clients) / static_cast<double>(pids.size());
+      const double left = total - sampler.peak_mib();
+      size = per_client > 0 ? std::clamp(static_cast<int>(left / per_client), 1, wave) : wave;
+    }
     std::vector<std::pair<int, pid_t>> starting;
-    for (int i = first; i < std::min(limit, first + wave); ++i) {
+    for (int i = first; i < std::min(limit, first + size); ++i) {
       const std::string name = "client" + std::to_string(i);
       auto args = client_args(system, client, model, i, defaults);
       args.insert(args.end(), {"--out", (dir / (name + ".json")).string(), "--ready-file",

@@ -28,6 +28,8 @@ void ClientOptions::validate() const {
   TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(std::find(std::begin(kTransports), std::end(kTransports), transport) != std::end(kTransports),
               "client option transport '", transport, "' is not one of auto, tcp, shm, cuda-ipc, nccl");
+  TORCH_CHECK(control == "auto" || control == "zmq", "client option control '", control,
+              "' is not one of auto, zmq");
   try {
     const at::Device d(device);
     TORCH_CHECK(d.is_cpu() || d.is_cuda(), "");
@@ -73,6 +75,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   hello.mutable_hello()->set_tenant(options.tenant);
   hello.mutable_hello()->set_expected_model_hash(options.expected_model_hash);
   hello.mutable_hello()->set_transport(options.transport);
+  hello.mutable_hello()->set_control(options.control);
   *hello.mutable_hello()->mutable_placement() = local_placement(options.device);
   auto env = impl->socket.exchange(hello, "the handshake");
   TORCH_CHECK(env.has_welcome(), "executor answered the handshake with something other than Welcome");
@@ -85,7 +88,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   }
   impl->transport_name = welcome.transport().empty() ? "tcp" : welcome.transport();
   impl->transport = impl->transport_name == "tcp" ? make_tcp_transport(impl->socket)
-                                                  : make_same_host_transport(impl->socket, welcome, options);
+                                                  : make_payload_transport(impl->socket, welcome, options);
   impl->latency = to_proto(options.latency_class);
   return std::shared_ptr<Client>(new Client(std::move(impl)));
 }

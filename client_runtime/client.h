@@ -5,7 +5,8 @@
 // The transport follows the placement unless options.transport names one: a client on the
 // executor's host uses the shared-memory control channel, with payloads in host shared memory
 // (CPU clients, "shm"), in a device buffer shared through CUDA IPC (clients on the executor's GPU,
-// "cuda-ipc") or over NCCL (clients on another GPU, "nccl"); a client on another host uses TCP.
+// "cuda-ipc") or over NCCL (clients on another GPU, "nccl"); a client on another host uses TCP,
+// or NCCL when it asks for it (headers then go over ZeroMQ; see ClientOptions::control).
 // Thread safety: calls are serialized internally; one Client may serve several threads.
 #include <ATen/ATen.h>
 
@@ -31,6 +32,11 @@ struct ClientOptions {
   // Same-host transports: how long to spin for a reply before sleeping (see [Spin, then sleep]);
   // -1: 1000 us for a client on a GPU, 50 on CPU.
   int spin_us = -1;
+  // Where call headers go when the payload does not travel in ZeroMQ frames (shm, cuda-ipc,
+  // nccl): "auto" (the shared-memory control channel on the executor's host, ZeroMQ from another
+  // host, as an nccl client on another host needs) or "zmq" (ZeroMQ in any case, e.g. where the
+  // client cannot share /dev/shm with the executor).
+  std::string control = "auto";
 
   void validate() const;  // throws naming the field
 };

@@ -58,38 +58,49 @@ namespace {
   TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(code), ") on layer '", layer.name, "': ", message);
 }
 
+// A call's Request header (its payload, if any, follows in a frame of its own).
+proto::Envelope request_envelope(const CallSpec& spec, const at::Tensor& x) {
+  proto::Envelope env;
+  auto* r = env.mutable_request();
+  r->set_request_id(spec.request_id);
+  r->set_layer_id(spec.layer->id);
+  r->set_op(spec.op);
+  r->set_dtype(wire::to_proto(x.scalar_type()));
+  r->add_shape(x.size(0));
+  r->add_shape(x.size(1));
+  r->set_latency_class(spec.latency_class);
+  return env;
+}
+
+// The executor's Reply to this call over ZeroMQ, its frames in `frames`; skips late answers to
+// calls that timed out.
+proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vector<zmq::message_t>& frames) {
+  while (true) {
+    frames = socket.receive("a layer request");
+    auto reply_env = ControlSocket::parse_or_throw(frames);
+    TORCH_CHECK(reply_env.has_reply(), "executor answered a request with something other than a reply");
+    if (reply_env.reply().request_id() == spec.request_id) return reply_env.reply();
+  }
+}
+
 // Header and payload in ZeroMQ frames.
 class TcpTransport : public ClientTransport {
  public:
   explicit TcpTransport(ControlSocket& socket) : socket_(socket) {}
 
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
-    proto::Envelope env;
-    auto* r = env.mutable_request();
-    r->set_request_id(spec.request_id);
-    r->set_layer_id(spec.layer->id);
-    r->set_op(spec.op);
-    r->set_dtype(wire::to_proto(x.scalar_type()));
-    r->add_shape(x.size(0));
-    r->add_shape(x.size(1));
-    r->set_latency_class(spec.latency_class);
     const auto payload = x.to(at::kCPU).contiguous();
-    socket_.send(env, &payload);
-    while (true) {
-      auto frames = socket_.receive("a layer request");
-      auto reply_env = ControlSocket::parse_or_throw(frames);
-      TORCH_CHECK(reply_env.has_reply(), "executor answered a request with something other than a reply");
-      const auto& reply = reply_env.reply();
-      if (reply.request_id() != spec.request_id) continue;  // a late answer to a call that timed out
-      if (reply.has_error() && reply.error().code() != proto::OK) {
-        throw_executor_error(*spec.layer, reply.error().code(), reply.error().message());
-      }
-      TORCH_CHECK(frames.size() == 2 && reply.shape_size() == 2, "executor reply to request ", spec.request_id,
-                  " lacks its payload");
-      auto out = wire::frame_to_tensor(std::move(frames[1]), wire::from_proto(reply.dtype()),
-                                       {reply.shape(0), reply.shape(1)});
-      return x.device().is_cpu() ? out : out.to(x.device());
+    socket_.send(request_envelope(spec, x), &payload);
+    std::vector<zmq::message_t> frames;
+    const auto reply = await_reply(socket_, spec, frames);
+    if (reply.has_error() && reply.error().code() != proto::OK) {
+      throw_executor_error(*spec.layer, reply.error().code(), reply.error().message());
     }
+    TORCH_CHECK(frames.size() == 2 && reply.shape_size() == 2, "executor reply to request ", spec.request_id,
+                " lacks its payload");
+    auto out = wire::frame_to_tensor(std::move(frames[1]), wire::from_proto(reply.dtype()),
+                                     {reply.shape(0), reply.shape(1)});
+    return x.device().is_cpu() ? out : out.to(x.device());
   }
 
  private:
@@ -99,15 +110,18 @@ class TcpTransport : public ClientTransport {
 constexpr uint64_t kAlignment = 256;
 uint64_t align_up(uint64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
-// Headers through the shared-memory control channel; payloads through a ClientPayload.
-class SameHostTransport : public ClientTransport {
+// Payloads through a ClientPayload; headers through the shared-memory control channel, or over
+// ZeroMQ when the Welcome names no control segment (a client on another host, or control "zmq").
+class PayloadTransport : public ClientTransport {
  public:
-  SameHostTransport(ControlSocket& socket, const proto::Welcome& welcome, const ClientOptions& options)
-      : socket_(socket), options_(options), kind_(welcome.transport()) {
-    control_memory_ = shm::SharedMemory::open(welcome.control_segment(), sizeof(shm::ControlBlock));
-    doorbell_memory_ = shm::SharedMemory::open(welcome.doorbell_segment(), sizeof(shm::DoorbellBlock));
-    control_ = shm::map_block<shm::ControlBlock>(control_memory_);
-    doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
+  PayloadTransport(ControlSocket& socket, const proto::Welcome& welcome, const ClientOptions& options)
+      : socket_(socket), options_(options), kind_(welcome.transport()), zmq_control_(welcome.control_segment().empty()) {
+    if (!zmq_control_) {
+      control_memory_ = shm::SharedMemory::open(welcome.control_segment(), sizeof(shm::ControlBlock));
+      doorbell_memory_ = shm::SharedMemory::open(welcome.doorbell_segment(), sizeof(shm::DoorbellBlock));
+      control_ = shm::map_block<shm::ControlBlock>(control_memory_);
+      doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
+    }
     payload_ = make_client_payload(kind_, options_, socket_);
     spin_ = std::chrono::microseconds(options_.spin_us >= 0 ? options_.spin_us
                                                             : shm::default_spin_us(at::Device(options_.device).is_cuda()));
@@ -132,33 +146,60 @@ class SameHostTransport : public ClientTransport {
     h.out_offset = align_up(in_bytes);
     h.buffer_generation = payload_->generation();
     payload_->send_input(x, h.in_offset);
-    TORCH_CHECK(control_->requests.push(record), "the executor's request ring for this client is full");
-    doorbell_->doorbell.notify();
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
-    std::optional<shm::CallRecord> reply;
-    while (true) {
-      const bool got = shm::wait_until(
-          control_->replies.wait(), [&] { return !control_->replies.empty(); },
-          spin_, deadline);
-      if (!got) {
-        broken_ = true;
-        TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", spec.request_id,
-                    " for layer '", spec.layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
-      }
-      reply = control_->replies.pop();
-      if (reply->header.request_id == spec.request_id) break;  // older ones answered calls that timed out
-    }
-    if (reply->error_code != proto::OK) {
+    const auto [code, message] = zmq_control_ ? exchange_over_zmq(spec, x, h) : exchange_over_shm(spec, record);
+    if (code != proto::OK) {
       payload_->abandon_output();
-      throw_executor_error(*spec.layer, static_cast<proto::ErrorCode>(reply->error_code), reply->message_text());
+      throw_executor_error(*spec.layer, code, message);
     }
     return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
   }
 
  private:
+  struct Answer {
+    proto::ErrorCode code;
+    std::string message;
+  };
+
+  Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
+    TORCH_CHECK(control_->requests.push(record), "the executor's request ring for this client is full");
+    doorbell_->doorbell.notify();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
+    while (true) {
+      const bool got = shm::wait_until(
+          control_->replies.wait(), [&] { return !control_->replies.empty(); }, spin_, deadline);
+      if (!got) {
+        broken_ = true;
+        TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", spec.request_id,
+                    " for layer '", spec.layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
+      }
+      auto reply = control_->replies.pop();
+      if (reply->header.request_id != spec.request_id) continue;  // older ones answered calls that timed out
+      return {static_cast<proto::ErrorCode>(reply->error_code), reply->message_text()};
+    }
+  }
+
+  Answer exchange_over_zmq(const CallSpec& spec, const at::Tensor& x, const shm::CallHeader& h) {
+    auto env = request_envelope(spec, x);
+    auto* r = env.mutable_request();
+    r->set_in_offset(h.in_offset);
+    r->set_out_offset(h.out_offset);
+    r->set_buffer_generation(h.buffer_generation);
+    socket_.send(env);
+    std::vector<zmq::message_t> frames;
+    try {
+      const auto reply = await_reply(socket_, spec, frames);
+      if (!reply.has_error()) return {proto::OK, ""};
+      return {reply.error().code(), reply.error().message()};
+    } catch (const c10::Error&) {
+      broken_ = true;  // a timed-out call's payload may still be in flight
+      throw;
+    }
+  }
+
   ControlSocket& socket_;
   ClientOptions options_;
   std::string kind_;
+  bool zmq_control_;
   shm::SharedMemory control_memory_, doorbell_memory_;
   shm::ControlBlock* control_ = nullptr;
   shm::DoorbellBlock* doorbell_ = nullptr;
@@ -173,9 +214,9 @@ std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket) {
   return std::make_unique<TcpTransport>(socket);
 }
 
-std::unique_ptr<ClientTransport> make_same_host_transport(ControlSocket& socket, const proto::Welcome& welcome,
-                                                          const ClientOptions& options) {
-  return std::make_unique<SameHostTransport>(socket, welcome, options);
+std::unique_ptr<ClientTransport> make_payload_transport(ControlSocket& socket, const proto::Welcome& welcome,
+                                                        const ClientOptions& options) {
+  return std::make_unique<PayloadTransport>(socket, welcome, options);
 }
 
 proto::Placement local_placement(const std::string& device) {

@@ -4,11 +4,12 @@
 // one ClientTransport and sends every base-layer call through it.
 //  - tcp: header and payload in ZeroMQ frames on the control socket (any host, CPU or GPU tensors
 //    staged through host memory).
-//  - shm, cuda-ipc, nccl (same host): headers through the shared-memory control channel
-//    ([Shared-memory control channel] in transport/call_ring.h); payloads in a host shared-memory
-//    buffer (shm), in a cudaMalloc'd device buffer shared through CUDA IPC with interprocess
-//    events ordering the two processes' streams (cuda-ipc), or sent and received over a 2-rank
-//    NCCL communicator (nccl).
+//  - shm, cuda-ipc, nccl: headers through the shared-memory control channel on the executor's
+//    host ([Shared-memory control channel] in transport/call_ring.h), or as ZeroMQ Requests without
+//    a payload frame (from another host, or with ClientOptions::control "zmq"); payloads in a
+//    host shared-memory buffer (shm), in a cudaMalloc'd device buffer shared through CUDA IPC
+//    with interprocess events ordering the two processes' streams (cuda-ipc), or sent and
+//    received over a 2-rank NCCL communicator (nccl).
 #include <ATen/ATen.h>
 
 #include <memory>
@@ -59,9 +60,10 @@ class ClientTransport {
 };
 
 std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket);
-// shm, cuda-ipc or nccl, as welcome.transport() says.
-std::unique_ptr<ClientTransport> make_same_host_transport(ControlSocket& socket, const proto::Welcome& welcome,
-                                                          const ClientOptions& options);
+// shm, cuda-ipc or nccl, as welcome.transport() says; headers through the control segment the
+// Welcome names, or over ZeroMQ when it names none.
+std::unique_ptr<ClientTransport> make_payload_transport(ControlSocket& socket, const proto::Welcome& welcome,
+                                                        const ClientOptions& options);
 
 // Where this process runs, for the Hello.
 proto::Placement local_placement(const std::string& device);

@@ -25,9 +25,9 @@ class NcclPayload : public ClientPayload {
     proto::Envelope setup;
     setup.mutable_nccl_setup()->set_unique_id(id);
     socket.send(setup);
-    comm_ = std::make_unique<nccl::Communicator>(id, 0, device_);
-    comm_->wait_ready(std::chrono::milliseconds(socket.timeout_ms()));
-    comm_->connect(kExecutorRank, std::chrono::milliseconds(socket.timeout_ms()));  // [NCCL connection]
+    const std::chrono::milliseconds timeout(socket.timeout_ms());
+    comm_ = std::make_unique<nccl::Communicator>(id, 0, device_, kExecutorRank, timeout);
+    comm_->wait_ready(timeout);
     auto answer = ControlSocket::parse_or_throw(socket.receive("the NCCL set-up"));
     TORCH_CHECK(answer.has_nccl_ready(), "executor answered the NCCL set-up with something else");
   }

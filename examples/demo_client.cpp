@@ -35,6 +35,7 @@ struct Settings {
   std::string save;
   int threads = 1;
   std::string transport = "auto";
+  std::string control = "auto";
   std::string device = "cpu";
   std::string dtype = "fp32";
   double tolerance = 1e-5;
@@ -102,6 +103,8 @@ int main(int argc, char** argv) {
   app.add_flag("--quiet", s.quiet, "print only the verdict");
   app.add_option("--threads", s.threads, "CPU threads of this process (tenants share the host)")->capture_default_str();
   app.add_option("--transport", s.transport, "auto, tcp, shm, cuda-ipc or nccl")->capture_default_str();
+  app.add_option("--control", s.control, "where call headers go: auto, or zmq (ZeroMQ even on the executor's host)")
+      ->capture_default_str();
   app.add_option("--device", s.device, "where this client's model runs: cpu or cuda:N")->capture_default_str();
   app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--tolerance", s.tolerance, "--verify: largest relative difference accepted")->capture_default_str();
@@ -114,6 +117,7 @@ int main(int argc, char** argv) {
     options.tenant = s.tenant;
     options.expected_model_hash = checkpoint->model_hash();
     options.transport = s.transport;
+    options.control = s.control;
     options.device = s.device;
     auto client = Client::connect(options);
     if (!s.quiet) std::printf("[%s] transport %s\n", s.tenant.c_str(), client->transport().c_str());

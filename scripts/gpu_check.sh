@@ -14,6 +14,8 @@
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs
 #   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
+#   remote-1b      the same, Llama-3.2-1B only;  remote-13b: Llama-2-13B only
+#   roundtrip-nccl the NCCL round trip alone (2 GPUs), with and without MPS
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -47,7 +49,7 @@ fi
 gpus=$(nvidia-smi -L | wc -l)
 # The 13B checkpoint takes a minute or two to write: start it now, beside the other stages.
 model_13b=/tmp/llama-13b
-case " $* " in *" capacity-13b "*|*" remote "*)
+case " $* " in *" capacity-13b "*|*" remote "*|*" remote-13b "*)
   ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
     && mv $model_13b.tmp $model_13b ) & ;;
 esac
@@ -155,13 +157,25 @@ for stage in "$@"; do
       bench capacity-13b bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
       mps_off
       ;;
-    remote)
-      make_1b
+    remote|remote-1b|remote-13b)
       mps_on
-      bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b
-      wait_13b
-      bench remote-13b bench/scenarios/gpu_remote_llama13b.json --checkpoint $model_13b --counts "${REMOTE_13B_COUNTS:-1,2,4,8}"
+      if [ $stage != remote-13b ]; then
+        make_1b
+        bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b
+      fi
+      if [ $stage != remote-1b ]; then
+        wait_13b
+        bench remote-13b bench/scenarios/gpu_remote_llama13b.json --checkpoint $model_13b --counts "${REMOTE_13B_COUNTS:-1,2,4,8}"
+      fi
       mps_off
+      ;;
+    roundtrip-nccl)
+      for mps in on off; do
+        mps_$mps
+        "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:1 --dtype bf16 \
+          --transports nccl,tcp > "$logs/roundtrip-nccl-mps-$mps.txt" 2>&1
+        echo "== MPS $mps"; cat "$logs/roundtrip-nccl-mps-$mps.txt"
+      done
       ;;
     *) log "unknown stage $stage" ;;
   esac

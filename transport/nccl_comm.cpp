@@ -49,48 +49,110 @@ std::string new_unique_id() {
   return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
 }
 
-Communicator::Communicator(const std::string& unique_id, int rank, int device) : device_(device) {
+struct Communicator::Joining {
+  std::mutex mutex;
+  bool done = false;
+  bool abandoned = false;  // the Communicator was aborted first: the thread tears down what it made
+  std::string error;
+  ncclComm_t comm = nullptr;
+};
+
+namespace {
+
+// [NCCL connection] NCCL connects two ranks at their first send and receive, and that first
+// operation does not finish enqueueing until the peer takes part. A call's send must enqueue
+// before its header is pushed, so both ranks exchange one element right after joining and wait
+// for it; from then on sends and receives enqueue without waiting for the peer. Returns "" or what
+// failed; when the peer does not take part within `timeout`, aborts `comm` and nulls it.
+std::string connect_peers(ncclComm_t& comm, int peer, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  float* buffer = nullptr;  // [0] is sent, [1] received
+  cudaStream_t stream = nullptr;
+  if (cudaMalloc(&buffer, 2 * sizeof(float)) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    cudaFree(buffer);
+    return std::string("cannot allocate the connection buffer: ") + cudaGetErrorString(cudaGetLastError());
+  }
+  std::string error;
+  ncclGroupStart();
+  ncclSend(buffer, 1, ncclFloat32, peer, comm, stream);
+  ncclRecv(buffer + 1, 1, ncclFloat32, peer, comm, stream);
+  const ncclResult_t status = ncclGroupEnd();
+  if (status != ncclSuccess) {
+    error = std::string("connecting to the peer failed: ") + ncclGetErrorString(status);
+  } else {
+    while (cudaStreamQuery(stream) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        error = "the peer did not connect within " + std::to_string(timeout.count()) + " ms";
+        ncclCommAbort(comm);  // ends the kernels, so the stream can go
+        comm = nullptr;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  cudaFree(buffer);
+  return error;
+}
+
+// The joining thread: blocking init, then connection; hands the communicator over (or tears it
+// down when the Communicator was aborted meanwhile).
+void join_and_connect(const std::shared_ptr<Communicator::Joining>& joining, const ncclUniqueId& id, int rank,
+                      int device, int peer, std::chrono::milliseconds timeout) {
+  std::string error;
+  ncclComm_t comm = nullptr;
+  if (cudaSetDevice(device) != cudaSuccess) {
+    error = "cannot use cuda:" + std::to_string(device);
+  } else {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;
+    const ncclResult_t status = ncclCommInitRankConfig(&comm, 2, id, rank, &config);
+    if (status != ncclSuccess) {
+      error = std::string("cannot join the 2-rank communicator as rank ") + std::to_string(rank) + " on cuda:" +
+              std::to_string(device) + ": " + ncclGetErrorString(status);
+      comm = nullptr;
+    } else {
+      error = connect_peers(comm, peer, timeout);
+    }
+  }
+  std::lock_guard<std::mutex> lock(joining->mutex);
+  if (comm != nullptr && (!error.empty() || joining->abandoned)) {
+    ncclCommAbort(comm);
+    comm = nullptr;
+  }
+  joining->comm = comm;
+  joining->error = error;
+  joining->done = true;
+}
+
+}  // namespace
+
+Communicator::Communicator(const std::string& unique_id, int rank, int device, int peer,
+                           std::chrono::milliseconds connect_timeout)
+    : joining_(std::make_shared<Joining>()), device_(device) {
   TORCH_CHECK(unique_id.size() == sizeof(ncclUniqueId), "NCCL unique id has ", unique_id.size(), " bytes, expected ",
               sizeof(ncclUniqueId));
   ncclUniqueId id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device);
-  ncclComm_t comm = nullptr;
-  const ncclResult_t status = ncclCommInitRankConfig(&comm, 2, id, rank, &config);
-  cudaSetDevice(previous);
-  TORCH_CHECK(status == ncclSuccess || status == ncclInProgress, "NCCL: cannot start joining the 2-rank communicator",
-              " as rank ", rank, " on cuda:", device, ": ", ncclGetErrorString(status));
-  comm_ = comm;
+  // Detached: it ends by itself (NCCL's bootstrap fails when the peer's process is gone, and the
+  // connection has its time-out), and it shares only `joining_` with this object.
+  std::thread(join_and_connect, joining_, id, rank, device, peer, connect_timeout).detach();
 }
 
 Communicator::~Communicator() { abort(); }
 
-// Non-blocking NCCL may still be enqueueing (a first send or receive also connects the peers):
-// poll until done. False when `deadline` passed first.
-bool Communicator::finish_enqueue(const char* what, std::chrono::steady_clock::time_point deadline) {
-  while (true) {
-    ncclResult_t state = ncclSuccess;
-    SYMBIOSIS_NCCL_CHECK(ncclCommGetAsyncError(as_comm(comm_), &state));
-    if (state == ncclSuccess) return true;
-    TORCH_CHECK(state == ncclInProgress, "NCCL ", what, " failed: ", ncclGetErrorString(state), " (",
-                ncclGetLastError(as_comm(comm_)), ")");
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::yield();
-  }
-}
-
 bool Communicator::ready() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!aborted_, "NCCL communicator was aborted");
-  ncclResult_t state = ncclSuccess;
-  SYMBIOSIS_NCCL_CHECK(ncclCommGetAsyncError(as_comm(comm_), &state));
-  TORCH_CHECK(state == ncclSuccess || state == ncclInProgress, "NCCL: joining the communicator failed: ",
-              ncclGetErrorString(state));
-  return state == ncclSuccess;
+  if (comm_ != nullptr) return true;
+  std::lock_guard<std::mutex> joined(joining_->mutex);
+  if (!joining_->done) return false;
+  TORCH_CHECK(joining_->error.empty(), "NCCL: ", joining_->error);
+  comm_ = joining_->comm;
+  joining_->comm = nullptr;
+  return true;
 }
 
 void Communicator::wait_ready(std::chrono::milliseconds timeout) {
@@ -98,60 +160,22 @@ void Communicator::wait_ready(std::chrono::milliseconds timeout) {
   while (!ready()) {
     if (std::chrono::steady_clock::now() > deadline) {
       abort();
-      TORCH_CHECK(false, "NCCL: the peer did not join the communicator within ", timeout.count(), " ms");
+      TORCH_CHECK(false, "NCCL: the peer did not join and connect within ", timeout.count(), " ms");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
 
+// Blocking mode: returns once the operation is enqueued, never waiting for the peer (connected).
 void Communicator::enqueue(bool send, const at::Tensor& t, int peer, void* stream) {
   const char* what = send ? "send" : "receive";
-  const auto deadline = std::chrono::steady_clock::now() + kEnqueueTimeout;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!aborted_, "NCCL ", what, ": the communicator was aborted (the peer left or timed out)");
-    auto* s = static_cast<cudaStream_t>(stream);
-    const auto type = to_nccl(t.scalar_type());
-    SYMBIOSIS_NCCL_CHECK(send ? ncclSend(t.data_ptr(), t.numel(), type, peer, as_comm(comm_), s)
-                              : ncclRecv(t.data_ptr(), t.numel(), type, peer, as_comm(comm_), s));
-    if (finish_enqueue(what, deadline)) return;
-  }
-  abort();
-  TORCH_CHECK(false, "NCCL ", what, " could not be enqueued within ", kEnqueueTimeout.count(),
-              " ms (the peer is not answering); the communicator was aborted");
-}
-
-void Communicator::connect(int peer, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto out = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
-  auto in = at::empty_like(out);
-  // The stream must belong to the communicator's GPU, whichever device is current here.
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_);
-  cudaStream_t stream = nullptr;
-  const cudaError_t created = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  cudaSetDevice(previous);
-  TORCH_CHECK(created == cudaSuccess, "NCCL connect: cannot create a stream on cuda:", device_, ": ",
-              cudaGetErrorString(created));
-  bool done = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!aborted_, "NCCL connect: the communicator was aborted");
-    SYMBIOSIS_NCCL_CHECK(ncclGroupStart());
-    SYMBIOSIS_NCCL_CHECK(ncclSend(out.data_ptr(), 1, ncclFloat32, peer, as_comm(comm_), stream));
-    SYMBIOSIS_NCCL_CHECK(ncclRecv(in.data_ptr(), 1, ncclFloat32, peer, as_comm(comm_), stream));
-    SYMBIOSIS_NCCL_CHECK(ncclGroupEnd());
-    done = finish_enqueue("connect", deadline);
-  }
-  while (done && cudaStreamQuery(stream) == cudaErrorNotReady) {
-    if (std::chrono::steady_clock::now() > deadline) done = false;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  if (!done) abort();  // ends the kernels, so the stream can go
-  cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
-  TORCH_CHECK(done, "NCCL: the peer did not connect within ", timeout.count(), " ms; the communicator was aborted");
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!aborted_, "NCCL ", what, ": the communicator was aborted (the peer left or timed out)");
+  TORCH_CHECK(comm_ != nullptr, "NCCL ", what, " before the communicator is ready");
+  auto* s = static_cast<cudaStream_t>(stream);
+  const auto type = to_nccl(t.scalar_type());
+  SYMBIOSIS_NCCL_CHECK(send ? ncclSend(t.data_ptr(), t.numel(), type, peer, as_comm(comm_), s)
+                            : ncclRecv(t.data_ptr(), t.numel(), type, peer, as_comm(comm_), s));
 }
 
 void Communicator::send(const at::Tensor& t, int peer, void* stream) { enqueue(true, t, peer, stream); }
@@ -159,10 +183,27 @@ void Communicator::recv(const at::Tensor& t, int peer, void* stream) { enqueue(f
 
 void Communicator::abort() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_ || comm_ == nullptr) return;
+  if (aborted_) return;
   aborted_ = true;
-  ncclCommAbort(as_comm(comm_));
-  comm_ = nullptr;
+  if (comm_ != nullptr) {
+    ncclCommAbort(as_comm(comm_));
+    comm_ = nullptr;
+    return;
+  }
+  std::lock_guard<std::mutex> joined(joining_->mutex);
+  if (!joining_->done) {
+    joining_->abandoned = true;
+  } else if (joining_->comm != nullptr) {
+    ncclCommAbort(joining_->comm);
+    joining_->comm = nullptr;
+  }
+}
+
+bool Communicator::failed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (comm_ == nullptr) return false;
+  ncclResult_t state = ncclSuccess;
+  return ncclCommGetAsyncError(as_comm(comm_), &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress);
 }
 
 bool Communicator::aborted() const {

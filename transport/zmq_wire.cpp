@@ -57,6 +57,15 @@ zmq::message_t serialize(const proto::Envelope& envelope) {
   return frame;
 }
 
+proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const std::string& message, bool as_reply) {
+  proto::Envelope env;
+  proto::Error* err = as_reply ? env.mutable_reply()->mutable_error() : env.mutable_error();
+  if (as_reply) env.mutable_reply()->set_request_id(request_id);
+  err->set_code(code);
+  err->set_message(message);
+  return env;
+}
+
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope) {
   return envelope->ParseFromArray(frame.data(), static_cast<int>(frame.size()));
 }

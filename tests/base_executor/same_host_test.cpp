@@ -42,11 +42,12 @@ class SameHostTest : public ::testing::Test {
     executor_ = testing::start_executor(*dir_, options);
   }
 
-  std::shared_ptr<Client> connect(const std::string& transport) {
+  std::shared_ptr<Client> connect(const std::string& transport, const std::string& control = "auto") {
     ClientOptions options;
     options.endpoint = executor_->endpoint();
     options.timeout_ms = 10000;
     options.transport = transport;
+    options.control = control;
     return Client::connect(options);
   }
 
@@ -75,7 +76,8 @@ struct RawShmPeer {
   shm::ControlBlock* block = nullptr;
   shm::DoorbellBlock* bell = nullptr;
 
-  explicit RawShmPeer(const std::string& endpoint) {
+  // control "zmq": headers go over ZeroMQ, and there is no control segment to map.
+  explicit RawShmPeer(const std::string& endpoint, const std::string& control = "auto") {
     socket.set(zmq::sockopt::linger, 0);
     socket.set(zmq::sockopt::rcvtimeo, 10000);
     socket.connect(endpoint);
@@ -85,13 +87,17 @@ struct RawShmPeer {
     hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
     hello.mutable_hello()->mutable_placement()->set_pid(::getpid());
     hello.mutable_hello()->mutable_placement()->set_device("cpu");
+    hello.mutable_hello()->set_control(control);
     auto welcome = exchange(hello);
     EXPECT_TRUE(welcome.has_welcome());
     EXPECT_EQ(welcome.welcome().transport(), "shm");
-    control = shm::SharedMemory::open(welcome.welcome().control_segment(), sizeof(shm::ControlBlock));
-    doorbell = shm::SharedMemory::open(welcome.welcome().doorbell_segment(), sizeof(shm::DoorbellBlock));
-    block = shm::map_block<shm::ControlBlock>(control);
-    bell = shm::map_block<shm::DoorbellBlock>(doorbell);
+    EXPECT_EQ(welcome.welcome().control_segment().empty(), control == "zmq");
+    if (control != "zmq") {
+      this->control = shm::SharedMemory::open(welcome.welcome().control_segment(), sizeof(shm::ControlBlock));
+      doorbell = shm::SharedMemory::open(welcome.welcome().doorbell_segment(), sizeof(shm::DoorbellBlock));
+      block = shm::map_block<shm::ControlBlock>(this->control);
+      bell = shm::map_block<shm::DoorbellBlock>(doorbell);
+    }
     payload = shm::SharedMemory::create("symbiosis-test-payload", 4096);
     auto registered = register_buffer(1);
     EXPECT_TRUE(registered.has_buffer_registered()) << registered.DebugString();
@@ -141,6 +147,29 @@ struct RawShmPeer {
   std::string error_of(std::function<void(shm::CallHeader&)> edit) {
     auto reply = call(edit);
     return reply.error_code == proto::OK ? "" : reply.message_text();
+  }
+
+  // The same call as a ZeroMQ Request (with a payload frame of its bytes when asked); returns the
+  // error message of the Reply, "" for OK.
+  std::string zmq_error_of(std::function<void(proto::Request&)> edit, bool with_frame = false) {
+    proto::Envelope env;
+    auto* r = env.mutable_request();
+    r->set_request_id(next_id++);
+    r->set_layer_id(1);
+    r->set_op(proto::FORWARD);
+    r->set_dtype(proto::FLOAT32);
+    r->add_shape(1);
+    r->add_shape(4);
+    r->set_out_offset(256);
+    r->set_buffer_generation(1);
+    edit(*r);
+    socket.send(wire::serialize(env), with_frame ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    if (with_frame) socket.send(zmq::message_t(16), zmq::send_flags::none);
+    auto frames = wire::recv_all(socket);
+    proto::Envelope answer;
+    EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer) && answer.has_reply()) << answer.DebugString();
+    EXPECT_EQ(answer.reply().request_id(), r->request_id());
+    return answer.reply().has_error() ? answer.reply().error().message() : "";
   }
 
   uint64_t next_id = 1;
@@ -251,6 +280,39 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   auto stale = peer.register_buffer(1);
   ASSERT_TRUE(stale.has_error());
   EXPECT_TRUE(contains(stale.error().message(), "RegisterBuffer generation 1, expected 2")) << stale.error().message();
+}
+
+// Control "zmq": the payload stays in shared memory, the headers go over ZeroMQ (as an nccl client's
+// do from another host); the executor checks them as it checks the ring's.
+TEST_F(SameHostTest, HeadersOverZeroMQAreCheckedAndAnsweredLikeTheRings) {
+  auto client = connect("shm", "zmq");
+  EXPECT_EQ(client->transport(), "shm");
+  const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+  for (int64_t tokens : {int64_t{1}, int64_t{300}, int64_t{1} << 20}) {  // the last one grows the buffer
+    auto x = at::randn({tokens, 4});
+    EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_b_, x, up_w_.t()), 1e-5, 1e-5));
+  }
+
+  RawShmPeer peer(executor_->endpoint(), "zmq");
+  auto x = at::randn({1, 4});
+  std::memcpy(peer.payload.data(), x.data_ptr(), 16);
+  ASSERT_EQ(peer.zmq_error_of([](proto::Request&) {}), "");
+  auto y = at::from_blob(static_cast<char*>(peer.payload.data()) + 256, {1, 8});
+  EXPECT_TRUE(at::allclose(y, at::mm(x, q_.t()), 1e-6, 1e-6));
+  auto contains = [](const std::string& text, const std::string& part) {
+    return text.find(part) != std::string::npos;
+  };
+  EXPECT_TRUE(contains(peer.zmq_error_of([](auto& r) { r.set_layer_id(9); }), "unknown layer id 9"));
+  EXPECT_TRUE(contains(peer.zmq_error_of([](auto& r) { r.set_shape(1, 5); }), "shape [1, 5] should be [tokens >= 1, 4]"));
+  EXPECT_TRUE(contains(peer.zmq_error_of([](auto& r) { r.set_out_offset(4090); }), "lies outside the 4096-byte"));
+  EXPECT_TRUE(contains(peer.zmq_error_of([](proto::Request&) {}, /*with_frame=*/true),
+                       "a shm client's request carries no payload frame"));
+  EXPECT_EQ(peer.zmq_error_of([](proto::Request&) {}), "");
+
+  // A client of the shared-memory control channel cannot switch to ZeroMQ headers.
+  RawShmPeer ring_peer(executor_->endpoint());
+  EXPECT_TRUE(contains(ring_peer.zmq_error_of([](proto::Request&) {}), "go through its shared-memory control channel"));
+  EXPECT_EQ(ring_peer.error_of([](shm::CallHeader&) {}), "");
 }
 
 TEST_F(SameHostTest, ACorruptRingDropsOnlyThatClient) {

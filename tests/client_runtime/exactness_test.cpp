@@ -1,11 +1,12 @@
 // Invariant 1 (exactness): split execution against an executor computes what the same model
 // computes monolithically: logits, loss and every LoRA gradient within 1e-5 relative (fp32, CPU),
 // and adapter weights still agree after 5 AdamW steps. Llama and GPT-2, over each CPU transport
-// (ZeroMQ TCP and the same-host shared-memory channel), in one process and in four client
-// processes at once under each batching policy.
+// (ZeroMQ TCP, and shared memory with headers through the shared-memory control channel or over
+// ZeroMQ), in one process and in four client processes at once under each batching policy.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <torch/optim/adamw.h>
@@ -22,6 +23,9 @@ namespace {
 
 constexpr double kTolerance = 1e-5;
 
+// A transport as the tests name it: "shm+zmq-control" is shm with its headers over ZeroMQ.
+constexpr const char* kZmqControl = "+zmq-control";
+
 class ExactnessTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveSteps) {
@@ -32,9 +36,10 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
   ClientOptions options;
   options.endpoint = executor->endpoint();
   options.expected_model_hash = checkpoint->model_hash();
-  options.transport = transport;
+  options.transport = transport.substr(0, transport.find(kZmqControl));
+  if (options.transport != transport) options.control = "zmq";
   auto client = Client::connect(options);
-  ASSERT_EQ(client->transport(), transport);
+  ASSERT_EQ(client->transport(), options.transport);
 
   LoraConfig lora;
   lora.r = 4;
@@ -54,10 +59,10 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"),
-                                            ::testing::Values("tcp", "shm")),
+                                            ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
                          [](const auto& info) {
                            auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);
-                           std::replace(name.begin(), name.end(), '-', '_');
+                           std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
                            return name;
                          });
 

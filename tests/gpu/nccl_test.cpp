@@ -1,7 +1,8 @@
 // Clients on another GPU than the executor's (the `remote` placement) over NCCL: each equals its
 // monolithic run (fp32 within 1e-5, bf16 within bf16 tolerance); NCCL, CUDA IPC and CPU clients
 // share one executor, each exact; a remote client killed mid-iteration leaves the executor serving
-// the others, with its communicator aborted and nothing leaked. The executor runs in this process
+// the others, with its communicator aborted and nothing leaked; call headers over ZeroMQ (as from
+// another host) work too. The executor runs in this process
 // on cuda:0, the clients as processes on cuda:1. Needs two GPUs; skipped elsewhere, saying so.
 #include <signal.h>
 #include <sys/wait.h>
@@ -53,6 +54,18 @@ TEST_F(RemoteGpuClients, Bf16NcclClientsAreWithinBf16Tolerance) {
   };
   EXPECT_TRUE(testing::run_all({client("cuda:1", "nccl", with({"--seed", "1"})),
                                 client("cuda:1", "nccl", with({"--seed", "2", "--batch", "4"}))}));
+}
+
+// What a client on another host does (NCCL for the tensors, ZeroMQ for the headers), here from
+// the second GPU of this host with control "zmq".
+TEST_F(RemoteGpuClients, NcclWithHeadersOverZeroMQEqualsItsMonolithicRun) {
+  SKIP_WITHOUT_NCCL();
+  start();
+  EXPECT_TRUE(testing::run_all({client("cuda:1", "nccl", {"--verify", "--steps", "3", "--tolerance", "1e-5",
+                                                          "--control", "zmq", "--seed", "5"}),
+                                client("cuda:1", "nccl", {"--verify", "--steps", "3", "--tolerance", "1e-5",
+                                                          "--seed", "6", "--batch", "3"})}));
+  EXPECT_EQ(executor_->stats().errors, 0u);
 }
 
 class MixedPlacements : public RemoteGpuClients, public ::testing::WithParamInterface<std::string> {};
