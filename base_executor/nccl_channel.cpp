@@ -1,12 +1,11 @@
 // The executor's end of the "nccl" transport (see same_host_channel.h): the client, on another
 // GPU, sends each input and receives each result over a 2-rank NCCL communicator, the client rank
-// 0 and the executor rank 1. Headers arrive through the shared-memory control channel (or over
-// ZeroMQ from another host).
+// 0 and the executor rank 1. Headers arrive through the shared-memory control channel.
 //
-// [NCCL streams] Receives and sends run on the compute stream, in its order, with nothing to join:
-// the client posts a call's result receive together with its input send ([NCCL call] in
-// client_runtime/nccl_payload.cpp), so the executor's send finds it waiting and completes as fast
-// as the data moves; a receive waits for the client's input as a CUDA IPC client's event does.
+// [NCCL streams] Receives and sends run on a side stream of the channel's own, joined to the
+// compute stream by events: the compute stream waits for a receive only where the GEMM needs it,
+// and a send (which completes only once the client posts its receive) never holds up the batches
+// of other clients behind it.
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -14,6 +13,8 @@
 #include "base_executor/same_host_channel.h"
 
 #ifdef SYMBIOSIS_WITH_NCCL
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "transport/nccl_comm.h"
@@ -30,7 +31,9 @@ constexpr std::chrono::milliseconds kConnectTimeout{3000};
 class NcclChannel : public SameHostChannel {
  public:
   NcclChannel(uint64_t client_id, at::Device device)
-      : SameHostChannel("nccl", client_id), device_(device.has_index() ? device.index() : 0) {}
+      : SameHostChannel("nccl", client_id),
+        device_(device.has_index() ? device.index() : 0),
+        side_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)) {}
 
   proto::BufferRegistered register_buffer(const proto::RegisterBuffer&) override {
     TORCH_CHECK(false, "an nccl client registers no payload buffer (send NcclSetup)");
@@ -53,15 +56,23 @@ class NcclChannel : public SameHostChannel {
   }
 
   at::Tensor input(const shm::CallHeader&, at::ScalarType dtype, at::IntArrayRef shape) override {
+    auto compute = c10::cuda::getCurrentCUDAStream(device_);
     auto x = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
-    comm_->recv(x, kClientRank, c10::cuda::getCurrentCUDAStream(device_).stream());
+    // The side stream must not reuse memory the compute stream still reads, and vice versa.
+    join(compute, side_stream_);
+    comm_->recv(x, kClientRank, side_stream_.stream());
+    c10::cuda::CUDACachingAllocator::recordStream(x.storage().data_ptr(), side_stream_);
+    join(side_stream_, compute);
     return x;
   }
 
   at::Tensor destination(const shm::CallHeader&, at::ScalarType, at::IntArrayRef) override { return {}; }
 
   void deliver(const shm::CallHeader&, const at::Tensor& rows) override {
-    comm_->send(rows, kClientRank, c10::cuda::getCurrentCUDAStream(device_).stream());
+    auto compute = c10::cuda::getCurrentCUDAStream(device_);
+    join(compute, side_stream_);
+    comm_->send(rows, kClientRank, side_stream_.stream());
+    c10::cuda::CUDACachingAllocator::recordStream(rows.storage().data_ptr(), side_stream_);
   }
 
   bool failed() const override {
@@ -79,7 +90,15 @@ class NcclChannel : public SameHostChannel {
   void after_refusal() override { abort(); }
 
  private:
+  // `later` waits for what `earlier` has enqueued so far.
+  static void join(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStream& later) {
+    at::cuda::CUDAEvent event;
+    event.record(earlier);
+    event.block(later);
+  }
+
   int device_;
+  c10::cuda::CUDAStream side_stream_;
   mutable std::mutex comm_mutex_;  // guards comm_ being set (compute thread) against abort() (IO thread)
   std::shared_ptr<nccl::Communicator> comm_;  // set once; the compute thread reads it without the lock
 };

@@ -57,7 +57,7 @@ class HostPayload : public RegisteredBuffer {
  public:
   using RegisteredBuffer::RegisteredBuffer;
 
-  void send_input(const at::Tensor& x, uint64_t offset, at::IntArrayRef) override {
+  void send_input(const at::Tensor& x, uint64_t offset) override {
     const auto host = x.device().is_cpu() ? x : x.to(at::kCPU);
     std::memcpy(static_cast<char*>(memory_.data()) + offset, host.data_ptr(), host.nbytes());
   }
@@ -89,7 +89,7 @@ class CudaIpcPayload : public RegisteredBuffer {
   CudaIpcPayload(ControlSocket& socket, int device)
       : RegisteredBuffer(socket), device_(device), client_event_(cuda::InterprocessEvent::create(device)) {}
 
-  void send_input(const at::Tensor& x, uint64_t offset, at::IntArrayRef) override {
+  void send_input(const at::Tensor& x, uint64_t offset) override {
     const at::Device gpu(at::kCUDA, device_);
     const auto input = x.device() == gpu ? x : x.to(gpu);  // contiguous, the layer's dtype (VirtLayer)
     void* stream = cuda::current_stream(device_);

@@ -22,9 +22,8 @@ class ClientPayload {
   virtual void reserve(uint64_t bytes) = 0;
   // Which registration the call's offsets refer to.
   virtual uint64_t generation() const = 0;
-  // Makes x (contiguous, the layer's dtype) available to the executor at `offset`; the result
-  // will have `out_shape` (NCCL posts its receive here, with the send).
-  virtual void send_input(const at::Tensor& x, uint64_t offset, at::IntArrayRef out_shape) = 0;
+  // Makes x (contiguous, the layer's dtype) available to the executor at `offset`.
+  virtual void send_input(const at::Tensor& x, uint64_t offset) = 0;
   // The result at `offset`, once the executor's reply said OK, as a tensor of its own on `device`.
   virtual at::Tensor receive_output(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape,
                                     at::Device device) = 0;

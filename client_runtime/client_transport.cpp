@@ -145,7 +145,7 @@ class PayloadTransport : public ClientTransport {
     h.in_offset = 0;
     h.out_offset = align_up(in_bytes);
     h.buffer_generation = payload_->generation();
-    payload_->send_input(x, h.in_offset, {x.size(0), spec.out_features});
+    payload_->send_input(x, h.in_offset);
     const auto [code, message] = zmq_control_ ? exchange_over_zmq(spec, x, h) : exchange_over_shm(spec, record);
     if (code != proto::OK) {
       payload_->abandon_output();

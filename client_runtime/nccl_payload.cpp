@@ -35,30 +35,22 @@ class NcclPayload : public ClientPayload {
   void reserve(uint64_t) override {}
   uint64_t generation() const override { return 0; }
 
-  // [NCCL call] One grouped operation per call: the input's send and the result's receive,
-  // posted together before the header goes, so the executor's send of the result finds its
-  // receive waiting and never holds up the executor's stream.
-  void send_input(const at::Tensor& x, uint64_t, at::IntArrayRef out_shape) override {
+  void send_input(const at::Tensor& x, uint64_t) override {
     check_usable();
-    const at::Device device(at::kCUDA, device_);
-    output_ = at::empty(out_shape, x.options().device(device));
     // x is freed when the call returns; the caching allocator reuses it only in this stream's order.
-    comm_->exchange(x.device() == device ? x : x.to(device), output_, kExecutorRank, cuda::current_stream(device_));
+    comm_->send(x.device() == at::Device(at::kCUDA, device_) ? x : x.to(at::Device(at::kCUDA, device_)),
+                kExecutorRank, cuda::current_stream(device_));
   }
 
   at::Tensor receive_output(uint64_t, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
-    TORCH_CHECK(output_.defined() && output_.scalar_type() == dtype && output_.sizes() == shape,
-                "internal: the nccl result was posted with another dtype or shape");
-    auto out = std::move(output_);
+    auto out = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
+    comm_->recv(out, kExecutorRank, cuda::current_stream(device_));
     return device == out.device() ? out : out.to(device);
   }
 
   // The executor refused the call without receiving its input: the send in flight can never be
   // matched, so the communicator is unusable from here on.
-  void abandon_output() override {
-    output_ = at::Tensor();
-    comm_->abort();
-  }
+  void abandon_output() override { comm_->abort(); }
 
  private:
   void check_usable() const {
@@ -67,7 +59,6 @@ class NcclPayload : public ClientPayload {
 
   int device_ = 0;
   std::unique_ptr<nccl::Communicator> comm_;
-  at::Tensor output_;  // the call in flight's result, its receive posted
 };
 
 }  // namespace

@@ -166,33 +166,20 @@ void Communicator::wait_ready(std::chrono::milliseconds timeout) {
   }
 }
 
-// Blocking mode: returns once enqueued, never waiting for the peer (connected).
-void Communicator::enqueue(const at::Tensor& out, const at::Tensor& in, int peer, void* stream) {
-  const char* what = out.defined() ? (in.defined() ? "exchange" : "send") : "receive";
+// Blocking mode: returns once the operation is enqueued, never waiting for the peer (connected).
+void Communicator::enqueue(bool send, const at::Tensor& t, int peer, void* stream) {
+  const char* what = send ? "send" : "receive";
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!aborted_, "NCCL ", what, ": the communicator was aborted (the peer left or timed out)");
   TORCH_CHECK(comm_ != nullptr, "NCCL ", what, " before the communicator is ready");
   auto* s = static_cast<cudaStream_t>(stream);
-  const auto out_type = out.defined() ? to_nccl(out.scalar_type()) : ncclFloat32;
-  const auto in_type = in.defined() ? to_nccl(in.scalar_type()) : ncclFloat32;
-  // No throw between the group's start and end: a group left open would swallow later calls.
-  const bool grouped = out.defined() && in.defined();
-  ncclResult_t status = grouped ? ncclGroupStart() : ncclSuccess;
-  if (status == ncclSuccess && out.defined()) status = ncclSend(out.data_ptr(), out.numel(), out_type, peer, as_comm(comm_), s);
-  if (status == ncclSuccess && in.defined()) status = ncclRecv(in.data_ptr(), in.numel(), in_type, peer, as_comm(comm_), s);
-  if (grouped) {
-    const ncclResult_t ended = ncclGroupEnd();
-    if (status == ncclSuccess) status = ended;
-  }
-  TORCH_CHECK(status == ncclSuccess, "NCCL ", what, " to rank ", peer, " failed: ", ncclGetErrorString(status), " (",
-              ncclGetLastError(as_comm(comm_)), ")");
+  const auto type = to_nccl(t.scalar_type());
+  SYMBIOSIS_NCCL_CHECK(send ? ncclSend(t.data_ptr(), t.numel(), type, peer, as_comm(comm_), s)
+                            : ncclRecv(t.data_ptr(), t.numel(), type, peer, as_comm(comm_), s));
 }
 
-void Communicator::send(const at::Tensor& t, int peer, void* stream) { enqueue(t, {}, peer, stream); }
-void Communicator::recv(const at::Tensor& t, int peer, void* stream) { enqueue({}, t, peer, stream); }
-void Communicator::exchange(const at::Tensor& out, const at::Tensor& in, int peer, void* stream) {
-  enqueue(out, in, peer, stream);
-}
+void Communicator::send(const at::Tensor& t, int peer, void* stream) { enqueue(true, t, peer, stream); }
+void Communicator::recv(const at::Tensor& t, int peer, void* stream) { enqueue(false, t, peer, stream); }
 
 void Communicator::abort() {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -43,8 +43,6 @@ class Communicator {
   // Enqueue on `stream` (a cudaStream_t); the tensor must be contiguous on this communicator's GPU.
   void send(const at::Tensor& t, int peer, void* stream);
   void recv(const at::Tensor& t, int peer, void* stream);
-  // Sends `out` and receives `in` as one grouped operation (one kernel).
-  void exchange(const at::Tensor& out, const at::Tensor& in, int peer, void* stream);
   // True when NCCL reports an error of the connection (a network peer that died). Any thread.
   bool failed() const;
   // Tears the communicator down; pending kernels end. Any thread; idempotent.
@@ -54,8 +52,7 @@ class Communicator {
   struct Joining;  // what the joining thread shares with the communicator
 
  private:
-  // Enqueues a send of `out` and/or a receive into `in` (whichever is defined), grouped.
-  void enqueue(const at::Tensor& out, const at::Tensor& in, int peer, void* stream);
+  void enqueue(bool send, const at::Tensor& t, int peer, void* stream);
   std::shared_ptr<Joining> joining_;
   mutable std::mutex mutex_;  // guards comm_ against abort() from another thread
   void* comm_ = nullptr;      // ncclComm_t, set by ready() once the joining thread is done
