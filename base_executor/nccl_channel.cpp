@@ -26,7 +26,9 @@ namespace symbiosis {
 namespace {
 
 constexpr int kClientRank = 0;
-constexpr std::chrono::milliseconds kConnectTimeout{3000};
+// Joining and connecting run on the communicator's own thread, so a generous limit costs nothing
+// while clients start many at once.
+constexpr std::chrono::milliseconds kConnectTimeout{30000};
 
 class NcclChannel : public SameHostChannel {
  public:

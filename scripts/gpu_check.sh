@@ -90,8 +90,10 @@ bench() {  # tag, scenario, extra args
   cat "$logs/bench-$tag.txt"
   tail -3 "$logs/bench-$tag.err"
   if [ $rc != 0 ]; then
-    for f in $(ls /tmp/bench-$tag/*/*/client0.err /tmp/bench-$tag/*/*/executor.err 2>/dev/null | head -3); do
-      echo "== $f"; tail -6 "$f"
+    # The run that failed names its directory; show the errors of its processes.
+    local failed=$(grep -o "see the .err files in [^ ]*" "$logs/bench-$tag.err" | tail -1 | awk '{print $NF}')
+    for f in $(ls ${failed:-/tmp/bench-$tag/*/*}/*.err 2>/dev/null | head -12); do
+      [ -s "$f" ] && { echo "== $f"; tail -6 "$f"; }
     done
   fi
   cp "/tmp/bench-$tag/results.json" "$out/bench-$tag.json" 2>/dev/null
