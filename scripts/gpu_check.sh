@@ -12,7 +12,9 @@
 #   bench-128-ends the same at N = 1 and 8 only
 #   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
-#   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs
+#   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs, with
+#                  PyTorch's default allocator settings and then with expandable segments (every process)
+#   capacity-13b-expandable  the second of those alone
 #   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
 #   remote-1b      the same, Llama-3.2-1B only;  remote-13b: Llama-2-13B only
 #   roundtrip-nccl the NCCL round trip alone (2 GPUs), with and without MPS
@@ -49,7 +51,7 @@ fi
 gpus=$(nvidia-smi -L | wc -l)
 # The 13B checkpoint takes a minute or two to write: start it now, beside the other stages.
 model_13b=/tmp/llama-13b
-case " $* " in *" capacity-13b "*|*" remote "*|*" remote-13b "*)
+case " $* " in *" capacity-13b"*|*" remote "*|*" remote-13b "*)
   ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
     && mv $model_13b.tmp $model_13b ) & ;;
 esac
@@ -157,6 +159,17 @@ for stage in "$@"; do
       wait_13b
       mps_on
       bench capacity-13b bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
+      # The same with PyTorch's expandable segments for every process (HF PEFT's too): less of
+      # each job's memory is left in partly used blocks.
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        bench capacity-13b-expandable bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
+      mps_off
+      ;;
+    capacity-13b-expandable)
+      wait_13b
+      mps_on
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        bench capacity-13b-expandable bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
       mps_off
       ;;
     remote|remote-1b|remote-13b)

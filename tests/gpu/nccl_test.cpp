@@ -97,9 +97,11 @@ TEST_F(RemoteGpuClients, ARemoteClientKilledMidIterationLeavesTheOthersServedAnd
   ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
   const size_t used_before = testing::gpu_memory_used(0);
   for (int round = 0; round < 2; ++round) {
+    // The victim first: a bystander started beside it can finish before the victim has connected.
     const pid_t victim = testing::spawn(client("cuda:1", "nccl", {"--steps", "100000", "--seq", "64"}));
+    ASSERT_TRUE(testing::same_host_clients_become(*executor_, 1));
     const pid_t bystander =
-        testing::spawn(client("cpu", "shm", {"--verify", "--steps", "6", "--seed", "9", "--tolerance", "1e-3"}));
+        testing::spawn(client("cpu", "shm", {"--verify", "--steps", "12", "--seed", "9", "--tolerance", "1e-3"}));
     ASSERT_TRUE(testing::same_host_clients_become(*executor_, 2));
     const auto requests = executor_->stats().requests;
     while (executor_->stats().requests < requests + 150) std::this_thread::sleep_for(std::chrono::milliseconds(2));
