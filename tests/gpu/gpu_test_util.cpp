@@ -15,6 +15,16 @@ size_t gpu_memory_used(int device) {
   return total - free;
 }
 
+size_t gpu_memory_used_settled(int device, size_t bound, std::chrono::milliseconds wait) {
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  size_t used = gpu_memory_used(device);
+  while (used > bound && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    used = gpu_memory_used(device);
+  }
+  return used;
+}
+
 size_t gpu_peak_reserved(int device) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
   return stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;

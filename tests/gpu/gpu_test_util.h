@@ -23,6 +23,9 @@ namespace symbiosis::testing {
 // Bytes in use on the GPU, by every process (cudaMemGetInfo), after this process's cached but
 // unused blocks are returned.
 size_t gpu_memory_used(int device);
+// gpu_memory_used, read again until it is at most `bound` or `wait` has passed (what a killed
+// process held is released by the driver after the process ends, not at once); the last reading.
+size_t gpu_memory_used_settled(int device, size_t bound, std::chrono::milliseconds wait);
 
 // Peak bytes this process's caching allocator has reserved on `device`; reset_gpu_peak() restarts it.
 size_t gpu_peak_reserved(int device);
