@@ -84,7 +84,7 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
-bool process_alive(int pid) { return pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH; }
+bool process_alive(int pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }
 
 }  // namespace
 
@@ -155,6 +155,10 @@ class Executor::Impl {
   void send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code, const std::string& message,
                   bool as_reply);
   std::string choose_transport(const proto::Hello& hello) const;
+  // Whether the client runs on this executor's host (its Hello names this host's id).
+  bool same_host(const proto::Placement& client) const {
+    return !client.host_id().empty() && client.host_id() == placement.host_id();
+  }
   std::string validate_call(shm::CallHeader& h, const std::vector<int64_t>& shape, proto::ErrorCode* code) const;
   void queue(WorkBatcher::Request request);
   void post(std::function<void(zmq::socket_t&)> task);
@@ -235,7 +239,7 @@ std::string Executor::Impl::validate_call(shm::CallHeader& h, const std::vector<
 std::string Executor::Impl::choose_transport(const proto::Hello& hello) const {
   const auto& p = hello.placement();
   const std::string asked = hello.transport().empty() ? "auto" : hello.transport();
-  const bool same_host = !p.host_id().empty() && p.host_id() == placement.host_id();
+  const bool same_host = this->same_host(p);
   const bool client_gpu = !p.gpu_uuid().empty();
   const bool executor_gpu = !placement.gpu_uuid().empty();
   const bool same_gpu = same_host && client_gpu && p.gpu_uuid() == placement.gpu_uuid();
@@ -320,8 +324,7 @@ void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& ide
       send_error(identity, 0, proto::FAILED_PRECONDITION, e.what_without_backtrace(), false);
       return;
     }
-    const bool same_host = hello.placement().host_id() == placement.host_id();
-    if (!same_host || hello.control() == "zmq") {
+    if (!same_host(hello.placement()) || hello.control() == "zmq") {
       record.channel->control_over_zmq(context, replies_endpoint, key);
     } else {
       record.pid = hello.placement().pid();  // a process of this host: watched for its end
@@ -405,8 +408,6 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
                      true);
           return;
         }
-        h.tokens = r.shape_size() > 0 ? r.shape(0) : 0;
-        h.features = r.shape_size() > 1 ? r.shape(1) : 0;
         h.in_offset = r.in_offset();
         h.out_offset = r.out_offset();
         h.buffer_generation = r.buffer_generation();

@@ -41,7 +41,7 @@ struct ExecutorOptions {
 
 struct ExecutorStats {
   uint64_t clients = 0;   // connected now
-  uint64_t same_host_clients = 0;  // of which on shared-memory transports (shm, cuda-ipc, nccl)
+  uint64_t same_host_clients = 0;  // of which with a payload channel (shm, cuda-ipc, nccl; headers over ZeroMQ too)
   uint64_t requests = 0;  // answered with a result
   uint64_t errors = 0;    // answered with an error
   uint64_t tokens = 0;

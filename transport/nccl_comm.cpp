@@ -13,7 +13,7 @@
 #define SYMBIOSIS_NCCL_CHECK(call)                                                                        \
   do {                                                                                                    \
     const ncclResult_t symbiosis_nccl_status = (call);                                                    \
-    TORCH_CHECK(symbiosis_nccl_status == ncclSuccess || symbiosis_nccl_status == ncclInProgress, __FILE__, \
+    TORCH_CHECK(symbiosis_nccl_status == ncclSuccess, __FILE__,                                            \
                 ":", __LINE__, ": ", #call, " failed: ", ncclGetErrorString(symbiosis_nccl_status));      \
   } while (0)
 #endif
@@ -74,10 +74,11 @@ std::string connect_peers(ncclComm_t& comm, int peer, std::chrono::milliseconds 
     return std::string("cannot allocate the connection buffer: ") + cudaGetErrorString(cudaGetLastError());
   }
   std::string error;
-  ncclGroupStart();
-  ncclSend(buffer, 1, ncclFloat32, peer, comm, stream);
-  ncclRecv(buffer + 1, 1, ncclFloat32, peer, comm, stream);
-  const ncclResult_t status = ncclGroupEnd();
+  ncclResult_t status = ncclGroupStart();
+  if (status == ncclSuccess) status = ncclSend(buffer, 1, ncclFloat32, peer, comm, stream);
+  if (status == ncclSuccess) status = ncclRecv(buffer + 1, 1, ncclFloat32, peer, comm, stream);
+  const ncclResult_t ended = ncclGroupEnd();  // always: an open group would swallow later calls
+  if (status == ncclSuccess) status = ended;
   if (status != ncclSuccess) {
     error = std::string("connecting to the peer failed: ") + ncclGetErrorString(status);
   } else {
@@ -131,7 +132,7 @@ void join_and_connect(const std::shared_ptr<Communicator::Joining>& joining, con
 
 Communicator::Communicator(const std::string& unique_id, int rank, int device, int peer,
                            std::chrono::milliseconds connect_timeout)
-    : joining_(std::make_shared<Joining>()), device_(device) {
+    : joining_(std::make_shared<Joining>()) {
   TORCH_CHECK(unique_id.size() == sizeof(ncclUniqueId), "NCCL unique id has ", unique_id.size(), " bytes, expected ",
               sizeof(ncclUniqueId));
   ncclUniqueId id;

@@ -57,7 +57,6 @@ class Communicator {
   mutable std::mutex mutex_;  // guards comm_ against abort() from another thread
   void* comm_ = nullptr;      // ncclComm_t, set by ready() once the joining thread is done
   bool aborted_ = false;
-  int device_;
 };
 
 #endif  // SYMBIOSIS_WITH_NCCL

@@ -223,6 +223,14 @@ TEST_F(SameHostTest, TransportsThePlacementCannotCarryAreRefusedWithTheReason) {
             std::string::npos)
       << refusal("nccl");
   EXPECT_NE(refusal("carrier-pigeon").find("client option transport 'carrier-pigeon' is not one of"), std::string::npos);
+  try {
+    connect("shm", "semaphore");
+    ADD_FAILURE() << "an unknown control was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("client option control 'semaphore' is not one of auto, zmq"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
 
   // A client on another host may not ask for shared memory.
   zmq::context_t context{1};
@@ -239,6 +247,16 @@ TEST_F(SameHostTest, TransportsThePlacementCannotCarryAreRefusedWithTheReason) {
   ASSERT_TRUE(wire::parse(frames.at(0), &answer));
   ASSERT_TRUE(answer.has_error());
   EXPECT_NE(answer.error().message().find("the client is on another host (elsewhere/0000"), std::string::npos)
+      << answer.error().message();
+
+  // The executor checks the control it is asked for, too.
+  hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
+  hello.mutable_hello()->set_control("semaphore");
+  socket.send(wire::serialize(hello), zmq::send_flags::none);
+  frames = wire::recv_all(socket);
+  ASSERT_TRUE(wire::parse(frames.at(0), &answer));
+  ASSERT_TRUE(answer.has_error());
+  EXPECT_NE(answer.error().message().find("unknown control 'semaphore' (expected auto or zmq)"), std::string::npos)
       << answer.error().message();
 }
 
