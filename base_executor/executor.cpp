@@ -86,6 +86,14 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 bool process_alive(int pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }
 
+// targets[i] = sources[i] (equal sizes): one kernel for all of them on a GPU, copies on a CPU.
+void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& targets) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (sources[0].is_cuda()) return kernels::copy_tensors(sources, targets);
+#endif
+  for (size_t i = 0; i < sources.size(); ++i) targets[i].copy_(sources[i]);
+}
+
 }  // namespace
 
 void ExecutorOptions::validate() const {
@@ -681,7 +689,8 @@ void Executor::Impl::finish_setups(zmq::socket_t& replies_out) {
 // [Batch data path]
 // Inputs: ZeroMQ payloads and shm buffers are host memory; cuda-ipc buffers and NCCL receives are
 // on the executor's GPU. On a GPU, host inputs are concatenated into one pinned buffer and copied
-// up once, and one kernel packs every part into the batch; the results go back the same way (one
+// up once, NCCL receives land straight in their rows of the batch, and one kernel packs every
+// other part into it; the results go back the same way (one
 // kernel writes each cuda-ipc client's rows into its buffer; host destinations are filled from the
 // GPU by DMA). A batch of one request whose input and destination are both on the executor's
 // device is computed straight from the client's buffer into the client's buffer, with no copy; so
@@ -692,6 +701,9 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
   auto& requests = batch.requests;
   const auto& layer = model->layers()[batch.layer_id];
   const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+  const int64_t features = requests[0].payload.header.features;
+  // Undefined where the channel receives the input straight into the batch (NCCL): only its rows
+  // are known until the batch is allocated.
   std::vector<at::Tensor> inputs;
   for (auto& r : requests) {
     auto& w = r.payload;
@@ -699,16 +711,19 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
       inputs.push_back(w.input);
       continue;
     }
-    inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
+    inputs.push_back(w.channel->receives_into()
+                         ? at::Tensor()
+                         : w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
     w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
   }
+  auto on_device = [&](size_t i) { return !inputs[i].defined() || inputs[i].device() == device; };
   // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
   // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
   // them would add two copies of every row and gain nothing.
   bool in_place = true;
   for (size_t i = 0; i < requests.size() && in_place; ++i) {
     const auto& w = requests[i].payload;
-    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].device() == device &&
+    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() && on_device(i) &&
                (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
   }
   if (in_place) {
@@ -724,50 +739,52 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
   std::vector<int64_t> first_row(inputs.size());
   std::vector<at::Tensor> host_inputs;
   int64_t host_tokens = 0;
-  for (const auto& in : inputs) {
-    if (in.is_cuda() == device.is_cuda()) continue;
-    host_inputs.push_back(in);
-    host_tokens += in.size(0);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (on_device(i)) continue;
+    host_inputs.push_back(inputs[i]);
+    host_tokens += inputs[i].size(0);
   }
   int64_t host_row = 0, device_row = host_tokens;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    int64_t& next = inputs[i].device() == device ? device_row : host_row;
+    int64_t& next = on_device(i) ? device_row : host_row;
     first_row[i] = next;
-    next += inputs[i].size(0);
+    next += requests[i].payload.header.tokens;
   }
-  const bool pack_on_gpu = device.is_cuda() && inputs.size() > 1 && host_inputs.size() < inputs.size();
+  const auto options = at::TensorOptions().dtype(layer.dtype).device(device);
   at::Tensor x;
   if (host_inputs.size() == 1 && host_inputs[0].is_pinned()) {
     x = host_inputs[0].to(device, /*non_blocking=*/true);  // a pinned shm buffer: DMA straight from it
   } else if (!host_inputs.empty()) {
     // ZeroMQ payloads sit in pageable frames: staged through one pinned buffer.
-    auto pinned = at::empty({host_tokens, inputs[0].size(1)}, inputs[0].options().device(at::kCPU).pinned_memory(true));
+    auto pinned = at::empty({host_tokens, features}, options.device(at::kCPU).pinned_memory(true));
     at::cat_out(pinned, host_inputs, 0);
     x = pinned.to(device, /*non_blocking=*/true);
-  } else if (!pack_on_gpu) {
-    x = inputs.size() == 1 ? inputs[0] : at::cat(inputs, 0);
   }
-  if (pack_on_gpu) {
-#ifdef SYMBIOSIS_WITH_CUDA
-    // One kernel packs the device inputs (and the uploaded host block) into the batch.
-    auto packed = at::empty({batch.tokens, inputs[0].size(1)}, inputs[0].options().device(device));
+  if (host_inputs.size() < inputs.size()) {
+    // Device inputs: received straight into the batch, or packed into it by one kernel (with the
+    // uploaded host block); a single device input is used as it is.
+    at::Tensor packed = inputs.size() == 1 && inputs[0].defined() ? inputs[0] : at::empty({batch.tokens, features}, options);
     std::vector<at::Tensor> sources, targets;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      if (!inputs[i].is_cuda()) continue;
-      sources.push_back(inputs[i]);
-      targets.push_back(packed.narrow(0, first_row[i], inputs[i].size(0)));
+      if (!on_device(i)) continue;
+      auto rows = packed.narrow(0, first_row[i], requests[i].payload.header.tokens);
+      if (!inputs[i].defined()) {
+        requests[i].payload.channel->receive_into(requests[i].payload.header, rows);
+      } else if (inputs[i].data_ptr() != rows.data_ptr()) {
+        sources.push_back(inputs[i]);
+        targets.push_back(rows);
+      }
     }
     if (!host_inputs.empty()) {
       sources.push_back(x);
       targets.push_back(packed.narrow(0, 0, host_tokens));
     }
-    kernels::copy_tensors(sources, targets);
+    if (!sources.empty()) copy_rows(sources, targets);
     x = packed;
-#endif
   }
   auto y = model->compute(batch.layer_id, batch.op, x);
   std::vector<at::Tensor> rows;
-  for (size_t i = 0; i < inputs.size(); ++i) rows.push_back(y.narrow(0, first_row[i], inputs[i].size(0)));
+  for (size_t i = 0; i < inputs.size(); ++i) rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
   return rows;
 }
 
@@ -808,9 +825,7 @@ void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>&
       }
     }
   }
-#ifdef SYMBIOSIS_WITH_CUDA
-  if (!sources.empty()) kernels::copy_tensors(sources, targets);
-#endif
+  if (!sources.empty()) copy_rows(sources, targets);
   // 2. ZeroMQ replies need the rows in host memory: one pinned copy of theirs.
   std::vector<at::Tensor> host_rows(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {

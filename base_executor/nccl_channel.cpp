@@ -3,9 +3,10 @@
 // 0 and the executor rank 1. Headers arrive through the shared-memory control channel.
 //
 // [NCCL streams] Receives and sends run on a side stream of the channel's own, joined to the
-// compute stream by events: the compute stream waits for a receive only where the GEMM needs it,
-// and a send (which completes only once the client posts its receive) never holds up the batches
-// of other clients behind it.
+// compute stream by two events the channel keeps: the compute stream waits for a receive only
+// where the GEMM needs it, and a send (which completes only once the client posts its receive)
+// never holds up the batches of other clients behind it. A receive lands straight in the client's
+// rows of the batch.
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -57,22 +58,31 @@ class NcclChannel : public SameHostChannel {
     return "";
   }
 
-  at::Tensor input(const shm::CallHeader&, at::ScalarType dtype, at::IntArrayRef shape) override {
-    auto compute = c10::cuda::getCurrentCUDAStream(device_);
+  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
     auto x = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
-    // The side stream must not reuse memory the compute stream still reads, and vice versa.
-    join(compute, side_stream_);
-    comm_->recv(x, kClientRank, side_stream_.stream());
-    c10::cuda::CUDACachingAllocator::recordStream(x.storage().data_ptr(), side_stream_);
-    join(side_stream_, compute);
+    receive_into(h, x);
     return x;
+  }
+
+  bool receives_into() const override { return true; }
+
+  // `rows` belong to the compute stream (the batch): the side stream writes them once the compute
+  // stream's earlier work is done (their memory may have served it), and the compute stream reads
+  // them once the receive is done; so the caching allocator needs no note of the side stream.
+  void receive_into(const shm::CallHeader&, const at::Tensor& rows) override {
+    auto compute = c10::cuda::getCurrentCUDAStream(device_);
+    compute_done_.record(compute);
+    compute_done_.block(side_stream_);
+    comm_->recv(rows, kClientRank, side_stream_.stream());
+    received_.record(side_stream_);
+    received_.block(compute);
   }
 
   at::Tensor destination(const shm::CallHeader&, at::ScalarType, at::IntArrayRef) override { return {}; }
 
   void deliver(const shm::CallHeader&, const at::Tensor& rows) override {
-    auto compute = c10::cuda::getCurrentCUDAStream(device_);
-    join(compute, side_stream_);
+    compute_done_.record(c10::cuda::getCurrentCUDAStream(device_));
+    compute_done_.block(side_stream_);
     comm_->send(rows, kClientRank, side_stream_.stream());
     c10::cuda::CUDACachingAllocator::recordStream(rows.storage().data_ptr(), side_stream_);
   }
@@ -92,15 +102,10 @@ class NcclChannel : public SameHostChannel {
   void after_refusal() override { abort(); }
 
  private:
-  // `later` waits for what `earlier` has enqueued so far.
-  static void join(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStream& later) {
-    at::cuda::CUDAEvent event;
-    event.record(earlier);
-    event.block(later);
-  }
-
   int device_;
   c10::cuda::CUDAStream side_stream_;
+  // Reused for every call (a wait takes the event as last recorded): no event is made per call.
+  at::cuda::CUDAEvent compute_done_, received_;
   mutable std::mutex comm_mutex_;  // guards comm_ being set (compute thread) against abort() (IO thread)
   std::shared_ptr<nccl::Communicator> comm_;  // set once; the compute thread reads it without the lock
 };

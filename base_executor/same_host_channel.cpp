@@ -23,6 +23,10 @@ void SameHostChannel::setup_nccl(const proto::NcclSetup&) {
   TORCH_CHECK(false, "NcclSetup on a ", kind_, " client: only nccl clients set up a communicator");
 }
 
+void SameHostChannel::receive_into(const shm::CallHeader&, const at::Tensor&) {
+  TORCH_CHECK(false, "internal: a ", kind_, " input is read where it lies, not received");
+}
+
 void SameHostChannel::deliver(const shm::CallHeader&, const at::Tensor&) {
   TORCH_CHECK(false, "internal: a ", kind_, " result has a destination and is not delivered");
 }
