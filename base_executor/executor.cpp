@@ -140,6 +140,7 @@ class Executor::Impl {
   // Owned by the IO thread.
   std::map<std::string, ClientRecord> clients;
   uint64_t next_client_id = 1;
+  std::map<std::string, GpuClientCount> nccl_clients_by_gpu;  // by GPU UUID ([NCCL readiness])
 
   // Owned by the compute thread.
   std::map<uint64_t, std::shared_ptr<SameHostChannel>> channels;  // polled for requests
@@ -170,7 +171,8 @@ class Executor::Impl {
   std::string validate_call(shm::CallHeader& h, const std::vector<int64_t>& shape, proto::ErrorCode* code) const;
   void queue(WorkBatcher::Request request);
   void post(std::function<void(zmq::socket_t&)> task);
-  void poll_channels();
+  // Takes the channels' new calls and pushes the replies they held; true while one is still held.
+  bool poll_channels();
   // Checks a call a channel client sent (through its ring, or over ZeroMQ) and queues it or refuses it.
   void accept_channel_call(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& h,
                            const std::vector<int64_t>& shape);
@@ -327,7 +329,13 @@ void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& ide
     try {
       TORCH_CHECK(hello.control().empty() || hello.control() == "auto" || hello.control() == "zmq",
                   "unknown control '", hello.control(), "' (expected auto or zmq)");
-      record.channel = SameHostChannel::create(transport, record.id, model->device());
+      GpuClientCount gpu_clients;
+      if (transport == "nccl") {
+        auto& count = nccl_clients_by_gpu[hello.placement().gpu_uuid()];
+        if (!count) count = std::make_shared<std::atomic<int>>(0);
+        gpu_clients = count;
+      }
+      record.channel = SameHostChannel::create(transport, record.id, model->device(), gpu_clients);
     } catch (const c10::Error& e) {
       send_error(identity, 0, proto::FAILED_PRECONDITION, e.what_without_backtrace(), false);
       return;
@@ -658,14 +666,17 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
   queue(std::move(queued));
 }
 
-void Executor::Impl::poll_channels() {
+bool Executor::Impl::poll_channels() {
+  bool holding = false;
   for (auto it = channels.begin(); it != channels.end();) {
     const auto& channel = it->second;
+    holding = channel->release_replies() || holding;
     while (auto header = channel->next_request()) {
       accept_channel_call(channel, *header, {header->tokens, header->features});
     }
     it = channel->broken() ? channels.erase(it) : std::next(it);
   }
+  return holding;
 }
 
 void Executor::Impl::finish_setups(zmq::socket_t& replies_out) {
@@ -916,7 +927,7 @@ void Executor::Impl::compute_loop() {
     }
     for (auto& task : tasks) task(replies_out);
     finish_setups(replies_out);
-    poll_channels();
+    const bool holding_replies = poll_channels();
     const auto now = Clock::now();
     std::optional<WorkBatcher::Batch> batch;
     auto deadline = Clock::time_point::max();
@@ -930,6 +941,7 @@ void Executor::Impl::compute_loop() {
       continue;
     }
     if (!pending_setups.empty()) deadline = std::min(deadline, now + std::chrono::milliseconds(1));
+    if (holding_replies) continue;  // a result about to be ready: look again at once
     shm::wait_until(bell, [&] { return bell.current() != seen; }, spin, deadline);
   }
 }

@@ -228,7 +228,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 }  // namespace
 
 std::shared_ptr<SameHostChannel> SameHostChannel::create(const std::string& kind, uint64_t client_id,
-                                                         at::Device device) {
+                                                         at::Device device, GpuClientCount gpu_clients) {
   if (kind == "shm") return std::make_shared<HostShmChannel>(client_id, device);
   if (kind == "cuda-ipc") {
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -237,7 +237,7 @@ std::shared_ptr<SameHostChannel> SameHostChannel::create(const std::string& kind
     TORCH_CHECK(false, "transport cuda-ipc: this build of symbiosis has no CUDA");
 #endif
   }
-  if (kind == "nccl") return make_nccl_channel(client_id, device);
+  if (kind == "nccl") return make_nccl_channel(client_id, device, std::move(gpu_clients));
   TORCH_CHECK(false, "unknown same-host transport '", kind, "'");
 }
 

@@ -25,10 +25,16 @@
 
 namespace symbiosis {
 
+// How many live nccl channels serve clients on one GPU (the executor keeps one count per GPU
+// UUID): a channel counts itself while it lives. Any thread.
+using GpuClientCount = std::shared_ptr<std::atomic<int>>;
+
 class SameHostChannel {
  public:
-  // kind: "shm", "cuda-ipc" or "nccl"; device: the executor's.
-  static std::shared_ptr<SameHostChannel> create(const std::string& kind, uint64_t client_id, at::Device device);
+  // kind: "shm", "cuda-ipc" or "nccl"; device: the executor's; gpu_clients (nccl): the count of
+  // the client's GPU.
+  static std::shared_ptr<SameHostChannel> create(const std::string& kind, uint64_t client_id, at::Device device,
+                                                 GpuClientCount gpu_clients = nullptr);
   virtual ~SameHostChannel();
   SameHostChannel(const SameHostChannel&) = delete;
   SameHostChannel& operator=(const SameHostChannel&) = delete;
@@ -73,8 +79,13 @@ class SameHostChannel {
   virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
   // After this batch's writes for this client are enqueued: orders them before the client's reads.
   virtual void finish_writes() {}
-  // Pushes an OK reply and wakes the client.
-  void reply(const shm::CallHeader& h) { push_reply(h, proto::OK, ""); }
+  // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only
+  // once the result is computed (NCCL, [NCCL readiness]) holds it until release_replies().
+  void reply(const shm::CallHeader& h) {
+    if (!hold_reply(h)) push_reply(h, proto::OK, "");
+  }
+  // Pushes the held replies whose results are ready; true while one is still held.
+  virtual bool release_replies() { return false; }
   // Answers the call with an error naming the problem. A transport whose payload cannot be left
   // half-exchanged (NCCL: the client's send or receive can never be matched now) is shut down.
   void refuse(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
@@ -87,9 +98,11 @@ class SameHostChannel {
   SameHostChannel(std::string kind, uint64_t client_id);
   // refuse() has answered: what the transport must do about the call's payload.
   virtual void after_refusal() {}
+  // reply() is about to answer: true when the transport keeps the reply for release_replies().
+  virtual bool hold_reply(const shm::CallHeader&) { return false; }
+  void push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
 
  private:
-  void push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
   std::string kind_;
   uint64_t client_id_;
   shm::SharedMemory control_;
@@ -102,7 +115,7 @@ class SameHostChannel {
 };
 
 // The "nccl" channel (nccl_channel.cpp), made by SameHostChannel::create.
-std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device);
+std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device, GpuClientCount gpu_clients);
 
 // The executor's doorbell ([Shared-memory control channel]): clients and the IO thread notify it,
 // the compute thread sleeps on it.
