@@ -63,6 +63,7 @@ class NcclChannel : public SameHostChannel {
     return "";
   }
 
+  // The executor receives into the batch (receives_into); this is the input on its own.
   at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
     auto x = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
     receive_into(h, x);
