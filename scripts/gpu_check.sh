@@ -10,6 +10,9 @@
 #   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8, against both baselines, under MPS
 #   bench-128      the same at batch 1 x 128
 #   bench-128-ends the same at N = 1 and 8 only
+#   patched        the scenario in SCENARIO with the JSON in PATCH merged over its top level
+#                  (e.g. PATCH='{"executor": {...}, "baselines": []}'), at COUNTS, under MPS
+#   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
 #   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs, with
@@ -145,6 +148,25 @@ for stage in "$@"; do
       make_1b
       mps_on
       bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 1,8
+      mps_off
+      ;;
+    patched)
+      make_1b
+      mps_on
+      python3 - "$SCENARIO" "$PATCH" > /tmp/patched.json <<'PY'
+import json, sys
+scenario = json.load(open(sys.argv[1]))
+scenario.update(json.loads(sys.argv[2]))
+print(json.dumps(scenario))
+PY
+      bench patched /tmp/patched.json --checkpoint $model_1b --counts "${COUNTS:-8}"
+      mps_off
+      ;;
+    targets)
+      make_1b
+      mps_on
+      bench 512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 1,8
+      bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
       mps_off
       ;;
     nomps-512)
