@@ -1,6 +1,6 @@
 // Clients on another GPU than the executor's (the `remote` placement) over NCCL: each equals its
 // monolithic run (fp32 within 1e-5, bf16 within bf16 tolerance); NCCL, CUDA IPC and CPU clients
-// share one executor, each exact; a remote client killed mid-iteration leaves the executor serving
+// (over shm and over TCP) share one executor, each exact; a remote client killed mid-iteration leaves the executor serving
 // the others, with its communicator aborted and nothing leaked; call headers over ZeroMQ (as from
 // another host) work too. Two nccl clients on one GPU take the path where the executor holds each
 // reply until the result is computed ([NCCL readiness]); one alone, the path where it does not.
@@ -72,7 +72,7 @@ TEST_F(RemoteGpuClients, NcclWithHeadersOverZeroMQEqualsItsMonolithicRun) {
 
 class MixedPlacements : public RemoteGpuClients, public ::testing::WithParamInterface<std::string> {};
 
-TEST_P(MixedPlacements, NcclCudaIpcAndCpuClientsShareOneExecutorEachExact) {
+TEST_P(MixedPlacements, NcclCudaIpcShmAndTcpClientsShareOneExecutorEachExact) {
   SKIP_WITHOUT_NCCL();
   start(GetParam());
   auto exact = [](std::vector<std::string> extra) {
@@ -85,6 +85,8 @@ TEST_P(MixedPlacements, NcclCudaIpcAndCpuClientsShareOneExecutorEachExact) {
       client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "2", "--seq", "9", "--seed", "3"})),
       // A CPU client's reference is on the CPU: held to 1e-3 (see cuda_ipc_test.cpp, MixedTransports).
       client("cpu", "shm", {"--rank", "2", "--batch", "1", "--seq", "12", "--seed", "4", "--verify", "--steps", "4",
+                            "--tolerance", "1e-3"}),
+      client("cpu", "tcp", {"--rank", "4", "--batch", "2", "--seq", "7", "--seed", "5", "--verify", "--steps", "4",
                             "--tolerance", "1e-3"}),
   })) << "a client's split run differed from its monolithic run (see its output above)";
   EXPECT_EQ(executor_->stats().errors, 0u);
