@@ -46,7 +46,35 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// RoPE, x·cos + rotate_half(x)·sin, as one autograd node. Left to autograd it is eight nodes per
+// tensor, two of them slice backwards that each fill a zero tensor of x's size: the largest share
+// of a client's host time after the base-layer calls (docs/benchmarks.md, [Op profile]). The
+// gradient is the one autograd computes: rotate_half's transpose is -rotate_half, so
+// dx = g·cos - rotate_half(g·sin). cos and sin take no gradient.
+class Rotary : public torch::autograd::Function<Rotary> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return x * cos + rotate_half(x) * sin;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& grad = grads[0];
+    return {grad * saved[0] - rotate_half(grad * saved[1]), at::Tensor(), at::Tensor()};
+  }
+};
+
+
 }  // namespace
+
+namespace detail {
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (at::GradMode::is_enabled() && x.requires_grad()) return Rotary::apply(x, cos, sin);
+  return x * cos + rotate_half(x) * sin;
+}
+}  // namespace detail
 
 LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   const auto where = ckpt.dir() / "config.json";
@@ -158,8 +186,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   auto k = k_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
   auto v = v_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  q = q * c + rotate_half(q) * s;
-  k = k * c + rotate_half(k) * s;
+  q = detail::apply_rotary(q, c, s);
+  k = detail::apply_rotary(k, c, s);
   if (past != nullptr) {  // a cache's keys are stored rotated already: prefix keys are used as they are
     k = at::cat({past->key, k}, 2);
     v = at::cat({past->value, v}, 2);

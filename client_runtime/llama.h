@@ -142,6 +142,8 @@ TORCH_MODULE(LlamaForCausalLM);
 namespace detail {
 // RoPE inverse frequencies as transformers computes them ("default" or "llama3"). fp32 [head_dim/2].
 at::Tensor llama_inv_freq(const LlamaConfig& config);
+// RoPE on x [..., head_dim]: x·cos + rotate_half(x)·sin, one autograd node when x takes a gradient.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 }  // namespace detail
 
 }  // namespace symbiosis

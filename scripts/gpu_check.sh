@@ -12,6 +12,8 @@
 #   bench-128-ends the same at N = 1 and 8 only
 #   patched        the scenario in SCENARIO with the JSON in PATCH merged over its top level
 #                  (e.g. PATCH='{"executor": {...}, "baselines": []}'), at COUNTS, under MPS
+#   op-profile     where one 1B client's host time goes ([Op profile] in bench/bench_client.cpp): split
+#                  (CUDA IPC) and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
 #   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
@@ -160,6 +162,34 @@ scenario.update(json.loads(sys.argv[2]))
 print(json.dumps(scenario))
 PY
       bench patched /tmp/patched.json --checkpoint $model_1b --counts "${COUNTS:-8}"
+      mps_off
+      ;;
+    op-profile)
+      make_1b
+      mps_on
+      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5790 \
+        --log-level warn > $logs/op-profile-executor.log 2>&1 &
+      executor_pid=$!
+      sleep 8
+      for shape in "2 512" "1 128"; do
+        set -- $shape
+        for system in split monolithic; do
+          flags="--executor tcp://127.0.0.1:5790"
+          [ $system = monolithic ] && flags="--monolithic"
+          "$B/bench/symbiosis-bench-client" --model $model_1b $flags --device cuda:0 --dtype bf16 --batch $1 --seq $2 \
+            --warmup 3 --iterations 1 --op-profile 5 --out $out/op-profile-$system-$1x$2.json > $logs/op-$system.log 2>&1 \
+            || tail -5 $logs/op-$system.log
+          python3 - $out/op-profile-$system-$1x$2.json <<'PY'
+import json, sys
+path = sys.argv[1]
+p = json.load(open(path))["op_profile"]
+print(f"== {path.split('/')[-1]}: {p['iteration_ms']:.1f} ms an iteration, {p['top_level_ops_per_iteration']:.0f} top-level ops")
+for op in p["ops"][:18]:
+    print(f"  {op['ms_per_iteration']:8.2f} ms {op['per_iteration']:7.0f}x  {op['name']}")
+PY
+        done
+      done
+      kill $executor_pid
       mps_off
       ;;
     targets)

@@ -347,6 +347,30 @@ TEST(LlamaRopeTest, Llama3ScalingFollowsTheThreeBands) {
   for (int64_t i = 2; i < 8; ++i) EXPECT_FLOAT_EQ(scaled[i].item<float>(), base[i].item<float>() / 8.0f) << i;
 }
 
+// The fused RoPE node gives what autograd gives for the same expression left to it, in value and
+// in gradient, for a non-contiguous x (q and k are transposed views) and cos/sin broadcast over heads.
+TEST(LlamaRopeTest, FusedRotaryMatchesAutogradOfTheExpression) {
+  at::manual_seed(3);
+  const auto opts = at::TensorOptions().dtype(at::kDouble);
+  const auto x0 = at::randn({2, 5, 3, 8}, opts).transpose(1, 2);  // [batch, heads, tokens, head_dim]
+  const auto cos = at::randn({2, 1, 5, 8}, opts), sin = at::randn({2, 1, 5, 8}, opts);
+  const auto upstream = at::randn({2, 3, 5, 8}, opts);
+  auto fused_x = x0.detach().requires_grad_(true);
+  auto fused = detail::apply_rotary(fused_x, cos, sin);
+  fused.backward(upstream);
+  auto plain_x = x0.detach().requires_grad_(true);
+  auto rotated = at::cat({-plain_x.narrow(-1, 4, 4), plain_x.narrow(-1, 0, 4)}, -1);
+  auto plain = plain_x * cos + rotated * sin;
+  plain.backward(upstream);
+  EXPECT_TRUE(at::allclose(fused, plain, 1e-12, 1e-12));
+  EXPECT_TRUE(at::allclose(fused_x.grad(), plain_x.grad(), 1e-12, 1e-12));
+  EXPECT_GT(fused_x.grad().abs().sum().item<double>(), 0.0);
+  {
+    at::NoGradGuard no_grad;  // without a gradient, the plain expression
+    EXPECT_TRUE(at::allclose(detail::apply_rotary(x0, cos, sin), plain, 1e-12, 1e-12));
+  }
+}
+
 TEST(CausalLmLossTest, ShiftsAndIgnores) {
   // Two positions predict; the second label is ignored, so the loss is the first prediction's.
   auto logits = at::zeros({1, 3, 4});
