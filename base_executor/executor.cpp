@@ -722,9 +722,7 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
       inputs.push_back(w.input);
       continue;
     }
-    inputs.push_back(w.channel->receives_into()
-                         ? at::Tensor()
-                         : w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
+    inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
     w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
   }
   auto on_device = [&](size_t i) { return !inputs[i].defined() || inputs[i].device() == device; };
@@ -734,8 +732,8 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
   bool in_place = true;
   for (size_t i = 0; i < requests.size() && in_place; ++i) {
     const auto& w = requests[i].payload;
-    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() && on_device(i) &&
-               (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
+    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() &&
+               inputs[i].device() == device && (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
   }
   if (in_place) {
     std::vector<at::Tensor> rows;
@@ -771,19 +769,21 @@ std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch)
     at::cat_out(pinned, host_inputs, 0);
     x = pinned.to(device, /*non_blocking=*/true);
   }
-  if (host_inputs.size() < inputs.size()) {
+  if (inputs.size() == 1 && inputs[0].defined() && on_device(0)) {
+    x = inputs[0];  // a single device input is used as it is
+  } else if (host_inputs.size() < inputs.size()) {
     // Device inputs: received straight into the batch, or packed into it by one kernel (with the
-    // uploaded host block); a single device input is used as it is.
-    at::Tensor packed = inputs.size() == 1 && inputs[0].defined() ? inputs[0] : at::empty({batch.tokens, features}, options);
+    // uploaded host block).
+    auto packed = at::empty({batch.tokens, features}, options);
     std::vector<at::Tensor> sources, targets;
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (!on_device(i)) continue;
       auto rows = packed.narrow(0, first_row[i], requests[i].payload.header.tokens);
-      if (!inputs[i].defined()) {
-        requests[i].payload.channel->receive_into(requests[i].payload.header, rows);
-      } else if (inputs[i].data_ptr() != rows.data_ptr()) {
+      if (inputs[i].defined()) {
         sources.push_back(inputs[i]);
         targets.push_back(rows);
+      } else {
+        requests[i].payload.channel->receive_into(requests[i].payload.header, rows);
       }
     }
     if (!host_inputs.empty()) {

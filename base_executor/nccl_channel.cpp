@@ -63,14 +63,7 @@ class NcclChannel : public SameHostChannel {
     return "";
   }
 
-  // The executor receives into the batch (receives_into); this is the input on its own.
-  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
-    auto x = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
-    receive_into(h, x);
-    return x;
-  }
-
-  bool receives_into() const override { return true; }
+  at::Tensor input(const shm::CallHeader&, at::ScalarType, at::IntArrayRef) override { return {}; }
 
   // `rows` belong to the compute stream (the batch): the side stream writes them once the compute
   // stream's earlier work is done (their memory may have served it), and the compute stream reads

@@ -66,12 +66,11 @@ class SameHostChannel {
   virtual bool failed() const { return false; }
   // Checks the call's payload against what the client registered; "" when fine.
   virtual std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const = 0;
-  // The call's input, ready to read on the current stream (host memory, or the executor's GPU).
+  // The call's input, ready to read on the current stream (host memory, or the executor's GPU), or
+  // an undefined tensor when it must be received into rows the executor gives instead (NCCL
+  // receives it straight into the batch): receive_into writes it there, ready to read on the
+  // current stream.
   virtual at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
-  // Whether the input is better written into rows the executor gives (NCCL receives it straight
-  // into the batch) than read from where it lies; receive_into writes it there, ready to read on
-  // the current stream.
-  virtual bool receives_into() const { return false; }
   virtual void receive_into(const shm::CallHeader& h, const at::Tensor& rows);
   // Where the result goes, or an undefined tensor when it must be handed to deliver() instead.
   virtual at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;

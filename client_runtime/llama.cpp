@@ -46,6 +46,10 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x * cos + rotate_half(x) * sin;
+}
+
 // RoPE, x·cos + rotate_half(x)·sin, as one autograd node. Left to autograd it is eight nodes per
 // tensor, two of them slice backwards that each fill a zero tensor of x's size: the largest share
 // of a client's host time after the base-layer calls (docs/benchmarks.md, [Op profile]). The
@@ -56,7 +60,7 @@ class Rotary : public torch::autograd::Function<Rotary> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
                             const at::Tensor& sin) {
     ctx->save_for_backward({cos, sin});
-    return x * cos + rotate_half(x) * sin;
+    return rope(x, cos, sin);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -66,13 +70,12 @@ class Rotary : public torch::autograd::Function<Rotary> {
   }
 };
 
-
 }  // namespace
 
 namespace detail {
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   if (at::GradMode::is_enabled() && x.requires_grad()) return Rotary::apply(x, cos, sin);
-  return x * cos + rotate_half(x) * sin;
+  return rope(x, cos, sin);
 }
 }  // namespace detail
 
