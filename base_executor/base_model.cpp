@@ -4,6 +4,10 @@
 
 #include <regex>
 
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/direct_gemm.h"
+#endif
+
 namespace symbiosis {
 
 std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
@@ -72,7 +76,10 @@ std::pair<const at::Tensor&, const at::Tensor&> BaseModel::operands(uint32_t lay
 
 at::Tensor BaseModel::compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const {
   const auto [matrix, bias] = operands(layer_id, op);
-  return bias.defined() ? at::addmm(bias, x, matrix) : at::mm(x, matrix);
+  if (bias.defined()) return at::addmm(bias, x, matrix);
+  auto out = at::empty({x.size(0), matrix.size(1)}, x.options());
+  product_into(x, matrix, out);
+  return out;
 }
 
 void BaseModel::compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const {
@@ -80,8 +87,15 @@ void BaseModel::compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x,
   if (bias.defined()) {
     at::addmm_out(out, bias, x, matrix);
   } else {
-    at::mm_out(out, x, matrix);
+    product_into(x, matrix, out);
   }
+}
+
+void BaseModel::product_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (cuda::gemm_into(x, matrix, out)) return;  // [Direct cuBLAS]
+#endif
+  at::mm_out(out, x, matrix);
 }
 
 }  // namespace symbiosis

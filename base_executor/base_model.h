@@ -45,6 +45,8 @@ class BaseModel {
 
  private:
   std::pair<const at::Tensor&, const at::Tensor&> operands(uint32_t layer_id, LayerOp op) const;
+  // out = x · matrix: on a GPU through cuBLAS directly where it applies ([Direct cuBLAS]).
+  static void product_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out);
   struct Weights {
     at::Tensor weight;
     at::Tensor bias;

@@ -152,6 +152,7 @@ class Executor::Impl {
 
   std::atomic<uint64_t> clients_now{0}, same_host_clients_now{0}, requests{0}, errors{0}, tokens{0};
   std::atomic<uint64_t> compute_nanos{0};
+  std::atomic<uint64_t> deliver_nanos{0};  // the part of compute_nanos spent in deliver()
 
   std::mutex done_mutex;
   std::condition_variable done_cv;  // signalled when shutdown completes
@@ -556,6 +557,7 @@ proto::Stats Executor::Impl::collect_stats() {
   s.set_errors(errors);
   s.set_tokens(tokens);
   s.set_compute_seconds(compute_nanos * 1e-9);
+  s.set_deliver_seconds(deliver_nanos * 1e-9);
   s.set_policy(batching_policy_name(options.batching.policy));
   s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started).count());
   {
@@ -884,6 +886,7 @@ void Executor::Impl::run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies
   } catch (const std::exception& e) {
     failure = e.what();
   }
+  const auto computed_at = Clock::now();
   try {
     deliver(batch, results, failure, replies_out);
   } catch (const std::exception& e) {
@@ -892,6 +895,7 @@ void Executor::Impl::run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies
   const auto finished_at = Clock::now();
   const double compute_seconds = std::chrono::duration<double>(finished_at - started_at).count();
   compute_nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(finished_at - started_at).count();
+  deliver_nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(finished_at - computed_at).count();
   std::lock_guard<std::mutex> lock(counters_mutex);
   auto& c = counters[batch.layer_id];
   c.batches++;

@@ -2,7 +2,10 @@
 // process serves one [hidden, hidden] layer; a client in this process sends FORWARD requests of 1
 // and 1024 tokens over each transport asked for, and waits for each result to be usable (on a GPU
 // client, its stream synchronized). The baseline in the same run is the same GEMM computed locally
-// on the client's device, so a transport's cost is the difference.
+// on the client's device, so a transport's cost is the difference. Where the time goes: the
+// client's host time per call (until forward returns, before the synchronization) and the
+// executor's, from its stats (means: a call's wait from arrival until its batch starts, its batch's
+// host time until the GEMM is enqueued, and from then until the reply).
 //   symbiosis-bench-roundtrip --executor-device cuda:0 --client-device cuda:0 --transports cuda-ipc,tcp
 #include <CLI/CLI.hpp>
 #include <torch/cuda.h>
@@ -11,12 +14,17 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "bench/process.h"
 #include "client_runtime/client.h"
 #include "common/checkpoint.h"
+#include "transport/zmq_wire.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "transport/cuda_ipc.h"
+#endif
 
 using namespace symbiosis;
 using Clock = std::chrono::steady_clock;
@@ -28,9 +36,36 @@ struct Summary {
   double p99_us;
 };
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// The executor's host time per call, as its stats give it.
+struct ExecutorShare {
+  double wait_us = 0;     // arrival until the call's batch starts
+  double launch_us = 0;   // the batch's start until its GEMM is enqueued
+  double deliver_us = 0;  // then until the reply is sent
+};
+
+proto::Stats stats_of(const std::string& endpoint) {
+  auto stats = wire::request_stats(endpoint, 10000);
+  if (!stats) throw std::runtime_error("the executor did not answer a stats request");
+  return *stats;
+}
+
+ExecutorShare share_between(const proto::Stats& before, const proto::Stats& after) {
+  const double calls = static_cast<double>(after.requests() - before.requests());
+  if (calls <= 0) return {};
+  const double deliver = after.deliver_seconds() - before.deliver_seconds();
+  return {1e6 * (after.wait_seconds() - before.wait_seconds()) / calls,
+          1e6 * (after.compute_seconds() - before.compute_seconds() - deliver) / calls, 1e6 * deliver / calls};
+}
+
 template <typename F>
-Summary time_it(int iterations, F&& f) {
+Summary time_it(int iterations, F&& f, const std::function<void()>& warm = [] {}) {
   for (int i = 0; i < std::max(10, iterations / 10); ++i) f();  // warm-up
+  warm();
   std::vector<double> us;
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = Clock::now();
@@ -40,6 +75,40 @@ Summary time_it(int iterations, F&& f) {
   std::sort(us.begin(), us.end());
   return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
 }
+
+#ifdef SYMBIOSIS_WITH_CUDA
+// The host time of each operation a CUDA IPC call is made of, alone on this process's stream
+// (median; the stream is synchronized between batches of calls, outside the timed part).
+void time_primitives(at::Device device, at::ScalarType type, int64_t hidden, int iterations) {
+  const int index = device.index();
+  const auto opts = at::TensorOptions().dtype(type).device(device);
+  const auto x = at::randn({1, hidden}, opts), weight = at::randn({hidden, hidden}, opts);
+  auto out = at::empty({1, hidden}, opts);
+  auto buffer = cuda::DeviceBuffer::allocate(index, x.nbytes());
+  auto event = cuda::InterprocessEvent::create(index);
+  void* stream = cuda::current_stream(index);
+  std::printf("host time of one operation, median of %d (us):\n", iterations);
+  auto measure = [&](const char* what, const std::function<void()>& op) {
+    std::vector<double> us;
+    for (int i = 0; i < iterations; ++i) {
+      if (i % 32 == 0) cuda::synchronize_stream(stream);
+      const auto t0 = Clock::now();
+      op();
+      us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    cuda::synchronize_stream(stream);
+    std::printf("  %-48s %7.2f\n", what, median(us));
+  };
+  measure("at::mm, 1 token", [&] { at::mm(x, weight.t()); });
+  measure("at::mm_out into a given tensor, 1 token", [&] { at::mm_out(out, x, weight.t()); });
+  measure("at::from_blob over device memory", [&] { at::from_blob(buffer.data(), {1, hidden}, opts); });
+  measure("at::empty, 1 row", [&] { at::empty({1, hidden}, opts); });
+  measure("cudaMemcpyAsync device to device, 1 row",
+          [&] { cuda::copy_on_stream(buffer.data(), x.data_ptr(), x.nbytes(), stream); });
+  measure("cudaEventRecord, interprocess event", [&] { event.record(stream); });
+  measure("cudaStreamWaitEvent, interprocess event", [&] { event.make_stream_wait(stream); });
+}
+#endif
 
 }  // namespace
 
@@ -58,6 +127,8 @@ int main(int argc, char** argv) {
   app.add_option("--spin-us", spin_us, "spin before sleeping, executor and client (us; -1: by device)")
       ->capture_default_str();
   app.add_option("--json", json_out, "also write the results here");
+  bool primitives = false;
+  app.add_flag("--primitives", primitives, "also time the host side of each CUDA operation a call is made of (GPU client)");
   CLI11_PARSE(app, argc, argv);
   try {
     char dir_template[] = "/tmp/symbiosis-bench-XXXXXX";
@@ -79,8 +150,9 @@ int main(int argc, char** argv) {
     const auto local_weight = weight.to(device);
     std::printf("executor on %s, client on %s, %s, hidden %ld\n", executor_device.c_str(), client_device.c_str(),
                 dtype.c_str(), static_cast<long>(hidden));
-    std::printf("%-9s %-7s %13s %11s %15s %13s %14s\n", "transport", "tokens", "rtt median us", "rtt p99 us",
-                "local median us", "local p99 us", "overhead us");
+    std::printf("%-9s %-7s %13s %11s %15s %13s %14s %14s %9s %11s %12s\n", "transport", "tokens", "rtt median us",
+                "rtt p99 us", "local median us", "local p99 us", "overhead us", "client host us", "exec wait",
+                "exec launch", "exec deliver");
     nlohmann::json results = nlohmann::json::array();
     std::stringstream list(transports);
     for (std::string transport; std::getline(list, transport, ',');) {
@@ -93,23 +165,40 @@ int main(int argc, char** argv) {
       const auto& layer = client->layers().at(0);
       for (int64_t tokens : {1, 1024}) {
         const auto x = at::randn({tokens, hidden}, at::TensorOptions().device(device)).to(type);
-        const auto remote = time_it(iterations, [&] {
-          client->forward(layer, x, true);
-          sync();
-        });
+        std::vector<double> host_us;
+        proto::Stats before;
+        const auto remote = time_it(
+            iterations,
+            [&] {
+              const auto t0 = Clock::now();
+              client->forward(layer, x, true);
+              host_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+              sync();
+            },
+            [&] {
+              host_us.clear();
+              before = stats_of(executor.endpoint);
+            });
+        const auto executor_share = share_between(before, stats_of(executor.endpoint));
+        const double client_host_us = median(host_us);
         const auto local = time_it(iterations, [&] {
           at::mm(x, local_weight.t());
           sync();
         });
-        std::printf("%-9s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f\n", client->transport().c_str(),
-                    static_cast<long>(tokens), remote.median_us, remote.p99_us, local.median_us, local.p99_us,
-                    remote.median_us - local.median_us);
+        std::printf("%-9s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f %14.1f %9.1f %11.1f %12.1f\n",
+                    client->transport().c_str(), static_cast<long>(tokens), remote.median_us, remote.p99_us,
+                    local.median_us, local.p99_us, remote.median_us - local.median_us, client_host_us,
+                    executor_share.wait_us, executor_share.launch_us, executor_share.deliver_us);
         results.push_back({{"transport", client->transport()},
                            {"tokens", tokens},
                            {"rtt_median_us", remote.median_us},
                            {"rtt_p99_us", remote.p99_us},
                            {"local_median_us", local.median_us},
-                           {"local_p99_us", local.p99_us}});
+                           {"local_p99_us", local.p99_us},
+                           {"client_host_median_us", client_host_us},
+                           {"executor_wait_mean_us", executor_share.wait_us},
+                           {"executor_launch_mean_us", executor_share.launch_us},
+                           {"executor_deliver_mean_us", executor_share.deliver_us}});
       }
     }
     bench::stop(executor.pid);
@@ -123,6 +212,9 @@ int main(int argc, char** argv) {
                               << "\n";
     }
     std::filesystem::remove_all(dir);
+#ifdef SYMBIOSIS_WITH_CUDA
+    if (primitives && gpu) time_primitives(device, type, hidden, iterations);
+#endif
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "symbiosis-bench-roundtrip: %s\n", e.what());

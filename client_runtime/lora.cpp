@@ -1,6 +1,7 @@
 #include "client_runtime/lora.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -78,11 +79,63 @@ LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, cons
   lora_B = register_parameter("lora_B", b);
 }
 
+namespace {
+
+// base + (x·Aᵀ·Bᵀ)·scaling, the operations in the order of the expression left to autograd.
+// Adapters may keep another dtype than the model (fp32 over a bf16 model): the products are in
+// theirs. h = x·Aᵀ as [tokens, r].
+at::Tensor lora_sum(const at::Tensor& base, const at::Tensor& h, const at::Tensor& b, double scaling) {
+  auto update = at::mm(h, b.t()).to(base.scalar_type()).view(base.sizes());
+  return at::add(base, update, scaling);  // one kernel scales and adds
+}
+
+// LoRA's update as one autograd node. Left to autograd it is some ten nodes per adapted layer (two
+// products with their transposes and reshapes, a scaled add): after the base-layer calls
+// the largest share of a client's host time (docs/benchmarks.md, [Op profile]). The gradients are
+// the ones autograd computes for that expression, product for product.
+class LoraUpdate : public torch::autograd::Function<LoraUpdate> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& base, const at::Tensor& x,
+                            const at::Tensor& a, const at::Tensor& b, double scaling) {
+    auto x2 = x.reshape({-1, x.size(-1)}).to(a.scalar_type());
+    auto h = at::mm(x2, a.t());
+    ctx->save_for_backward({x2, h, a, b});
+    ctx->saved_data["scaling"] = scaling;
+    ctx->saved_data["x_shape"] = x.sizes();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    return lora_sum(base, h, b, scaling);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &h = saved[1], &a = saved[2], &b = saved[3];
+    const auto& g = grads[0];
+    // The scaled add's gradient, cast back to the adapter's dtype, as [tokens, out].
+    auto gu = (g * ctx->saved_data["scaling"].toDouble()).to(a.scalar_type()).reshape({-1, g.size(-1)});
+    at::Tensor grad_x, grad_a, grad_b;
+    if (ctx->needs_input_grad(3)) grad_b = h.t().mm(gu).t();
+    if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      auto grad_h = gu.mm(b);
+      if (ctx->needs_input_grad(2)) grad_a = x2.t().mm(grad_h).t();
+      if (ctx->needs_input_grad(1)) {
+        const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+        grad_x = grad_h.mm(a).to(dtype).view(ctx->saved_data["x_shape"].toIntVector());
+      }
+    }
+    return {ctx->needs_input_grad(0) ? g : at::Tensor(), grad_x, grad_a, grad_b, at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
   auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
-  // Adapters may keep another dtype than the model (fp32 over a bf16 model): compute in theirs.
-  auto update = at::matmul(at::matmul(h.to(lora_A.scalar_type()), lora_A.t()), lora_B.t());
-  return at::add(base(x), update.to(x.scalar_type()), scaling);  // one kernel scales and adds
+  auto y = base(x);
+  const bool differentiable = at::GradMode::is_enabled() &&
+                              (y.requires_grad() || h.requires_grad() || lora_A.requires_grad() || lora_B.requires_grad());
+  if (differentiable) return LoraUpdate::apply(y, h, lora_A, lora_B, scaling);
+  auto h2 = h.reshape({-1, h.size(-1)}).to(lora_A.scalar_type());
+  return lora_sum(y, at::mm(h2, lora_A.t()), lora_B, scaling);
 }
 
 std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config) {

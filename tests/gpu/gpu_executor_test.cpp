@@ -1,7 +1,8 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
-// over same-host shared memory (pinned in place), split equals monolithic; and the batch packing
-// kernel. Skipped, with a message saying so, where there is no GPU.
+// over same-host shared memory (pinned in place), split equals monolithic; the executor's direct
+// cuBLAS GEMM; and the batch packing kernel. Skipped, with a message saying so, where there is no GPU.
 #include "kernels/batched_copy.h"
+#include "kernels/direct_gemm.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace symbiosis {
@@ -45,6 +46,38 @@ TEST_P(CpuClientGpuExecutorTest, Bf16IsWithinBf16Tolerance) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values("tcp", "shm"));
+
+// [Direct cuBLAS]: the executor's GEMM equals ATen's product of the same operands, for both
+// layouts a weight takes (Linear's forward uses Wᵀ, its backward W) and each dtype; operands it
+// does not take (a non-contiguous input, an integer dtype) are left to ATen.
+TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(11);
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    for (int64_t tokens : {1, 37, 1024}) {
+      const auto weight = at::randn({96, 64}, options) * 0.1;  // [out, in]
+      for (const bool transposed : {true, false}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + ", " + std::to_string(tokens) + " tokens, " +
+                     (transposed ? "x·Wᵀ" : "g·W"));
+        const auto matrix = transposed ? weight.t() : weight;
+        const auto x = at::randn({tokens, matrix.size(0)}, options);
+        auto out = at::full({tokens, matrix.size(1)}, 7.0, options);
+        ASSERT_TRUE(cuda::gemm_into(x, matrix, out));
+        const auto expected = at::mm(x, matrix);
+        const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+        EXPECT_TRUE(at::allclose(out, expected, tolerance, tolerance))
+            << "max difference " << (out - expected).abs().max().item<double>();
+      }
+    }
+  }
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  auto out = at::empty({4, 8}, options);
+  EXPECT_FALSE(cuda::gemm_into(at::randn({16, 4}, options).t(), at::randn({16, 8}, options), out));
+  auto ints = at::empty({4, 8}, options.dtype(at::kInt));
+  EXPECT_FALSE(cuda::gemm_into(at::ones({4, 16}, options.dtype(at::kInt)), at::ones({16, 8}, options.dtype(at::kInt)),
+                               ints));
+}
 
 TEST(BatchedCopyKernelTest, PacksAndUnpacksLikeCatAndSplitForAnySizes) {
   SKIP_WITHOUT_GPUS(1);

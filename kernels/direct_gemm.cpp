@@ -1,0 +1,87 @@
+#include "kernels/direct_gemm.h"
+
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cublas_v2.h>
+
+#include <memory>
+#include <unordered_map>
+
+namespace symbiosis::cuda {
+namespace {
+
+void check(cublasStatus_t status, const char* what) {
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "cuBLAS ", what, " failed: ", cublasGetStatusString(status));
+}
+
+// One handle per thread and stream, made on first use: a cuBLAS handle is not shared between
+// threads, and GEMMs of one handle running at once on two streams would share its workspace.
+struct Handle {
+  cublasHandle_t handle = nullptr;
+  explicit Handle(cudaStream_t stream) {
+    check(cublasCreate(&handle), "cublasCreate");
+    check(cublasSetStream(handle, stream), "cublasSetStream");
+  }
+  ~Handle() { cublasDestroy(handle); }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+};
+
+cublasHandle_t handle_for(cudaStream_t stream) {
+  static thread_local std::unordered_map<cudaStream_t, std::unique_ptr<Handle>> handles;
+  auto& h = handles[stream];
+  if (!h) h = std::make_unique<Handle>(stream);
+  return h->handle;
+}
+
+cudaDataType_t data_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: return CUDA_R_16F;
+  }
+}
+
+}  // namespace
+
+bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
+  const auto type = x.scalar_type();
+  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf) return false;
+  if (!x.is_cuda() || x.dim() != 2 || matrix.dim() != 2 || out.dim() != 2) return false;
+  if (matrix.scalar_type() != type || out.scalar_type() != type) return false;
+  if (!x.is_contiguous() || !out.is_contiguous()) return false;
+  const int64_t m = x.size(0), k = x.size(1), n = matrix.size(1);
+  if (matrix.size(0) != k || out.size(0) != m || out.size(1) != n) return false;
+  // Column-major, as cuBLAS counts: outᵀ [n, m] = matrixᵀ · xᵀ, where x's rows are xᵀ's columns.
+  cublasOperation_t op;
+  int64_t ld;
+  if (matrix.stride(1) == 1 && matrix.stride(0) == n) {  // [k, n] row-major: its memory is matrixᵀ
+    op = CUBLAS_OP_N;
+    ld = n;
+  } else if (matrix.stride(0) == 1 && matrix.stride(1) == k) {  // the transpose of a row-major [n, k]
+    op = CUBLAS_OP_T;
+    ld = k;
+  } else {
+    return false;
+  }
+  cublasHandle_t handle = handle_for(c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  auto& context = at::globalContext();
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  cublasMath_t math = CUBLAS_DEFAULT_MATH;
+  if (type == at::kFloat && context.allowTF32CuBLAS()) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  constexpr auto allowed = at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK;
+  if ((type == at::kBFloat16 && context.allowBF16ReductionCuBLAS() != allowed) ||
+      (type == at::kHalf && context.allowFP16ReductionCuBLAS() != allowed)) {
+    math = CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
+  }
+  check(cublasSetMathMode(handle, math), "cublasSetMathMode");
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto dt = data_type(type);
+  check(cublasGemmEx(handle, op, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha,
+                     matrix.data_ptr(), dt, static_cast<int>(ld), x.data_ptr(), dt, static_cast<int>(k), &beta,
+                     out.data_ptr(), dt, static_cast<int>(n), compute, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
+  return true;
+}
+
+}  // namespace symbiosis::cuda
