@@ -23,6 +23,7 @@
 #include "common/checkpoint.h"
 #include "transport/zmq_wire.h"
 #ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/direct_gemm.h"
 #include "transport/cuda_ipc.h"
 #endif
 
@@ -101,6 +102,7 @@ void time_primitives(at::Device device, at::ScalarType type, int64_t hidden, int
   };
   measure("at::mm, 1 token", [&] { at::mm(x, weight.t()); });
   measure("at::mm_out into a given tensor, 1 token", [&] { at::mm_out(out, x, weight.t()); });
+  measure("cublasGemmEx directly (the executor's GEMM), 1 token", [&] { cuda::gemm_into(x, weight.t(), out); });
   measure("at::from_blob over device memory", [&] { at::from_blob(buffer.data(), {1, hidden}, opts); });
   measure("at::empty, 1 row", [&] { at::empty({1, hidden}, opts); });
   measure("cudaMemcpyAsync device to device, 1 row",
