@@ -292,15 +292,8 @@ void Executor::Impl::queue(WorkBatcher::Request request) {
   batcher->push(std::move(request));
 }
 
-// Sends `env` to the client `identity` names, from the compute thread (through the IO thread's
-// inproc socket).
-void send_via(zmq::socket_t& replies_out, const std::string& identity, const proto::Envelope& env) {
-  replies_out.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
-  replies_out.send(wire::serialize(env), zmq::send_flags::none);
-}
-
 void send_error_via(zmq::socket_t& replies_out, const std::string& identity, const std::string& message) {
-  send_via(replies_out, identity, wire::error_envelope(0, proto::FAILED_PRECONDITION, message, false));
+  wire::send_to(replies_out, identity, wire::error_envelope(0, proto::FAILED_PRECONDITION, message, false));
 }
 
 void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& identity, const std::string& key) {
@@ -481,7 +474,7 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
           if (env.has_register_buffer()) {
             proto::Envelope answer;
             *answer.mutable_buffer_registered() = channel->register_buffer(env.register_buffer());
-            send_via(out, id, answer);
+            wire::send_to(out, id, answer);
           } else {
             channel->setup_nccl(env.nccl_setup());
             pending_setups.push_back({channel, id});
@@ -690,7 +683,7 @@ void Executor::Impl::finish_setups(zmq::socket_t& replies_out) {
       }
       proto::Envelope ready;
       ready.mutable_nccl_ready();
-      send_via(replies_out, it->identity, ready);
+      wire::send_to(replies_out, it->identity, ready);
     } catch (const c10::Error& e) {
       errors++;
       send_error_via(replies_out, it->identity, e.what_without_backtrace());

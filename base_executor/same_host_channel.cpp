@@ -68,8 +68,7 @@ void SameHostChannel::push_reply(const shm::CallHeader& h, proto::ErrorCode code
     } else {
       env = wire::error_envelope(h.request_id, code, message, /*as_reply=*/true);
     }
-    replies_->send(zmq::message_t(identity_.data(), identity_.size()), zmq::send_flags::sndmore);
-    replies_->send(wire::serialize(env), zmq::send_flags::none);
+    wire::send_to(*replies_, identity_, env);
     return;
   }
   shm::CallRecord record;

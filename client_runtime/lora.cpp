@@ -83,7 +83,11 @@ namespace {
 
 // base + (x·Aᵀ·Bᵀ)·scaling, the operations in the order of the expression left to autograd.
 // Adapters may keep another dtype than the model (fp32 over a bf16 model): the products are in
-// theirs. h = x·Aᵀ as [tokens, r].
+// theirs. lora_rows gives x as [tokens, in] in A's dtype; lora_sum takes h = x·Aᵀ.
+at::Tensor lora_rows(const at::Tensor& x, const at::Tensor& a) {
+  return x.reshape({-1, x.size(-1)}).to(a.scalar_type());
+}
+
 at::Tensor lora_sum(const at::Tensor& base, const at::Tensor& h, const at::Tensor& b, double scaling) {
   auto update = at::mm(h, b.t()).to(base.scalar_type()).view(base.sizes());
   return at::add(base, update, scaling);  // one kernel scales and adds
@@ -97,7 +101,7 @@ class LoraUpdate : public torch::autograd::Function<LoraUpdate> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& base, const at::Tensor& x,
                             const at::Tensor& a, const at::Tensor& b, double scaling) {
-    auto x2 = x.reshape({-1, x.size(-1)}).to(a.scalar_type());
+    auto x2 = lora_rows(x, a);
     auto h = at::mm(x2, a.t());
     ctx->save_for_backward({x2, h, a, b});
     ctx->saved_data["scaling"] = scaling;
@@ -134,8 +138,7 @@ at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
   const bool differentiable = at::GradMode::is_enabled() &&
                               (y.requires_grad() || h.requires_grad() || lora_A.requires_grad() || lora_B.requires_grad());
   if (differentiable) return LoraUpdate::apply(y, h, lora_A, lora_B, scaling);
-  auto h2 = h.reshape({-1, h.size(-1)}).to(lora_A.scalar_type());
-  return lora_sum(y, at::mm(h2, lora_A.t()), lora_B, scaling);
+  return lora_sum(y, at::mm(lora_rows(h, lora_A), lora_A.t()), lora_B, scaling);
 }
 
 std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config) {

@@ -47,7 +47,8 @@ cudaDataType_t data_type(at::ScalarType t) {
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   const auto type = x.scalar_type();
   if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf) return false;
-  if (!x.is_cuda() || x.dim() != 2 || matrix.dim() != 2 || out.dim() != 2) return false;
+  if (!x.is_cuda() || matrix.device() != x.device() || out.device() != x.device()) return false;
+  if (x.dim() != 2 || matrix.dim() != 2 || out.dim() != 2) return false;
   if (matrix.scalar_type() != type || out.scalar_type() != type) return false;
   if (!x.is_contiguous() || !out.is_contiguous()) return false;
   const int64_t m = x.size(0), k = x.size(1), n = matrix.size(1);

@@ -12,8 +12,8 @@
 namespace symbiosis::cuda {
 
 // out = x · matrix for x [M, K] contiguous, matrix [K, N] contiguous or the transpose of a
-// contiguous [N, K], out [M, N] contiguous, all on the current CUDA device in one dtype (fp32,
-// bf16 or fp16). Returns false, doing nothing, for anything else (the caller then uses ATen).
+// contiguous [N, K], out [M, N] contiguous, all on one CUDA device (the current one) in one dtype
+// (fp32, bf16 or fp16). Returns false, doing nothing, for anything else (the caller then uses ATen).
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out);
 
 }  // namespace symbiosis::cuda

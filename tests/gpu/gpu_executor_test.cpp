@@ -49,7 +49,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values
 
 // [Direct cuBLAS]: the executor's GEMM equals ATen's product of the same operands, for both
 // layouts a weight takes (Linear's forward uses Wᵀ, its backward W) and each dtype; operands it
-// does not take (a non-contiguous input, an integer dtype) are left to ATen.
+// does not take (a non-contiguous input, a matrix on another device, an integer dtype) are left to
+// ATen.
 TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
   SKIP_WITHOUT_GPUS(1);
   at::manual_seed(11);
@@ -74,6 +75,7 @@ TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
   const auto options = at::TensorOptions().device(at::kCUDA);
   auto out = at::empty({4, 8}, options);
   EXPECT_FALSE(cuda::gemm_into(at::randn({16, 4}, options).t(), at::randn({16, 8}, options), out));
+  EXPECT_FALSE(cuda::gemm_into(at::randn({4, 16}, options), at::randn({16, 8}), out));  // a host matrix
   auto ints = at::empty({4, 8}, options.dtype(at::kInt));
   EXPECT_FALSE(cuda::gemm_into(at::ones({4, 16}, options.dtype(at::kInt)), at::ones({16, 8}, options.dtype(at::kInt)),
                                ints));
