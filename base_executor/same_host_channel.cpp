@@ -75,8 +75,7 @@ void SameHostChannel::push_reply(const shm::CallHeader& h, proto::ErrorCode code
   record.header = h;
   record.error_code = code;
   if (!message.empty()) record.set_message(message);
-  // A client has at most a ring's worth of calls in flight (a group of sibling calls), so its reply
-  // ring has room; if not, it stopped reading.
+  // The client has one call in flight, so its reply ring has room; if not, it stopped reading.
   if (!block_->replies.push(record)) {
     spdlog::warn("client {}: its reply ring is full; dropping the client", client_id_);
     broken_ = true;

@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
   double alpha = 16;
   int iterations = 10, warmup = 2, threads = 1;
   uint64_t seed = 0;
-  bool monolithic = false, no_sibling_groups = false;
+  bool monolithic = false;
   CLI::App app{"symbiosis-bench-client: one benchmark client"};
   app.add_option("--executor", executor, "executor endpoint");
   app.add_option("--model", model_dir, "checkpoint directory")->required();
@@ -165,8 +165,6 @@ int main(int argc, char** argv) {
   app.add_option("--stop-file", stop_file, "iterate until this file exists (capacity runs)");
   app.add_option("--out", out, "write the results here (JSON)")->required();
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
-  app.add_flag("--no-sibling-groups", no_sibling_groups,
-               "send every base layer alone ([Sibling calls] in virt_layer/sibling_calls.h)");
   int op_profile = 0;
   app.add_option("--op-profile", op_profile, "after warm-up, profile this many iterations' host time by operation "
                  "(see [Op profile]) into the results");
@@ -183,7 +181,6 @@ int main(int argc, char** argv) {
       options.expected_model_hash = checkpoint->model_hash();
       options.device = device_name;
       options.transport = transport;
-      options.sibling_groups = !no_sibling_groups;
       options.latency_class = mode == "finetune" ? LatencyClass::kFineTuning
                               : seq > 1          ? LatencyClass::kInferencePrefill
                                                  : LatencyClass::kInferenceDecode;

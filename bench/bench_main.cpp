@@ -65,8 +65,6 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
             "--threads", std::to_string(get("threads").get<int>()),
             "--transport", get("transport").get<std::string>()};
     if (system == "monolithic") args.push_back("--monolithic");
-    const bool sibling_groups = c.value("sibling_groups", defaults.value("sibling_groups", true));
-    if (system == "symbiosis" && !sibling_groups) args.push_back("--no-sibling-groups");
   }
   std::vector<std::string> common = {"--model", model.string(),
                                      "--mode", get("mode").get<std::string>(),

@@ -55,26 +55,16 @@ class Client::Impl {
   std::mutex call_mutex;         // serializes calls: one transport, one buffer
   uint64_t next_request_id = 1;  // guarded by call_mutex
   std::atomic<proto::LatencyClass> latency{proto::FINE_TUNING};
-  std::atomic<uint64_t> calls{0}, hand_offs{0};
+  std::atomic<uint64_t> calls{0};
 
   at::Tensor call(const LayerInfo& layer, proto::Op op, const at::Tensor& x) {
-    return call_group({&layer}, op, x)[0];
-  }
-
-  // Every layer's op on x, in one hand-off where the transport can.
-  std::vector<at::Tensor> call_group(const std::vector<const LayerInfo*>& layers, proto::Op op, const at::Tensor& x) {
-    // One scope per hand-off for profilers (LibTorch's RecordFunction): free while none listens.
+    // One scope per call for profilers (LibTorch's RecordFunction): free while none listens.
     RECORD_FUNCTION("symbiosis::executor_call", c10::ArrayRef<const c10::IValue>{});
     std::lock_guard<std::mutex> lock(call_mutex);
-    std::vector<CallSpec> specs;
-    for (const auto* layer : layers) {
-      specs.push_back({layer, op, next_request_id++, latency.load(),
-                       op == proto::BACKWARD_INPUT ? layer->in_features : layer->out_features});
-    }
-    calls += layers.size();
-    hand_offs++;
-    if (specs.size() == 1) return {transport->call(specs[0], x)};
-    return transport->call_group(specs, x);
+    CallSpec spec{&layer, op, next_request_id++, latency.load(),
+                  op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features};
+    calls++;
+    return transport->call(spec, x);
   }
 };
 
@@ -121,7 +111,6 @@ uint64_t Client::client_id() const { return impl_->client_id; }
 const std::string& Client::model_hash() const { return impl_->model_hash; }
 const std::vector<LayerInfo>& Client::layers() const { return impl_->layers; }
 uint64_t Client::calls() const { return impl_->calls; }
-uint64_t Client::hand_offs() const { return impl_->hand_offs; }
 const std::string& Client::transport() const { return impl_->transport_name; }
 
 const LayerInfo* Client::find_layer(const std::string& name) const {
@@ -137,14 +126,6 @@ at::Tensor Client::forward(const LayerInfo& layer, const at::Tensor& x, bool wit
 
 at::Tensor Client::backward_input(const LayerInfo& layer, const at::Tensor& grad_out) {
   return impl_->call(layer, proto::BACKWARD_INPUT, grad_out);
-}
-
-size_t Client::max_group_size() const {
-  return impl_->options.sibling_groups ? impl_->transport->max_group_size() : 1;
-}
-
-std::vector<at::Tensor> Client::forward_group(const std::vector<const LayerInfo*>& layers, const at::Tensor& x) {
-  return impl_->call_group(layers, proto::FORWARD, x);
 }
 
 }  // namespace symbiosis

@@ -37,10 +37,6 @@ struct ClientOptions {
   // host, as an nccl client on another host needs) or "zmq" (ZeroMQ in any case, e.g. where the
   // client cannot share /dev/shm with the executor).
   std::string control = "auto";
-  // Send base layers that read one input (q, k and v; gate and up) to the executor as one group,
-  // learned from the model's calls ([Sibling calls] in virt_layer/sibling_calls.h), where the
-  // transport hands a group over at once (shm, cuda-ipc); false sends every layer alone.
-  bool sibling_groups = true;
 
   void validate() const;  // throws naming the field
 };
@@ -60,12 +56,9 @@ class Client : public LayerBackend {
 
   at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) override;
   at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) override;
-  size_t max_group_size() const override;
-  std::vector<at::Tensor> forward_group(const std::vector<const LayerInfo*>& layers, const at::Tensor& x) override;
 
   void set_latency_class(LatencyClass latency_class);
-  uint64_t calls() const;        // base-layer calls made so far
-  uint64_t hand_offs() const;    // hand-offs to the executor so far: a group of sibling calls is one
+  uint64_t calls() const;  // base-layer calls made so far
   const std::string& transport() const;  // the transport in use: tcp, shm, cuda-ipc or nccl
 
   class Impl;

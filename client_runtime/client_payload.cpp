@@ -38,7 +38,6 @@ class RegisteredBuffer : public ClientPayload {
   }
 
   uint64_t generation() const override { return generation_; }
-  bool holds_several_calls() const override { return true; }
 
  protected:
   // Makes a new buffer of `bytes` the current one (the previous stays alive until registered()).

@@ -29,9 +29,6 @@ class ClientPayload {
                                     at::Device device) = 0;
   // The executor answered with an error: no result will come.
   virtual void abandon_output() {}
-  // Whether several calls may sit in the buffer at once, each at its own offsets (one hand-off
-  // for a group of calls; see ClientTransport::call_group).
-  virtual bool holds_several_calls() const { return false; }
 };
 
 // The "nccl" payload (nccl_payload.cpp), made by make_client_payload.

@@ -127,129 +127,73 @@ class PayloadTransport : public ClientTransport {
                                                             : shm::default_spin_us(at::Device(options_.device).is_cuda()));
   }
 
-  at::Tensor call(const CallSpec& spec, const at::Tensor& x) override { return call_group({spec}, x)[0]; }
-
-  size_t max_group_size() const override {
-    return payload_->holds_several_calls() ? shm::CallRing::kCapacity : 1;
-  }
-
-  // The input, then the results, each at an aligned offset of the payload buffer; the headers go
-  // out together, and the results come back in one piece.
-  std::vector<at::Tensor> call_group(const std::vector<CallSpec>& specs, const at::Tensor& x) override {
+  at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
     TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
                 " stopped after a call timed out; connect a new Client");
-    TORCH_CHECK(!specs.empty() && specs.size() <= max_group_size(), "internal: a group of ", specs.size(),
-                " calls, at most ", max_group_size(), " here");
-    const uint64_t results_at = align_up(x.nbytes());
-    uint64_t end = results_at;
-    std::vector<shm::CallRecord> records(specs.size());
-    for (size_t i = 0; i < specs.size(); ++i) {
-      auto& h = records[i].header;
-      h.request_id = specs[i].request_id;
-      h.layer_id = specs[i].layer->id;
-      h.op = specs[i].op;
-      h.dtype = wire::to_proto(x.scalar_type());
-      h.latency_class = specs[i].latency_class;
-      h.tokens = x.size(0);
-      h.features = x.size(1);
-      h.in_offset = 0;
-      h.out_offset = end;
-      end += align_up(static_cast<uint64_t>(x.size(0)) * specs[i].out_features * x.element_size());
-    }
-    payload_->reserve(end);
-    for (auto& record : records) record.header.buffer_generation = payload_->generation();
-    payload_->send_input(x, 0);
-    const auto answer = zmq_control_ ? exchange_over_zmq(specs, x, records) : exchange_over_shm(specs, records);
-    if (answer.code != proto::OK) {
+    const uint64_t in_bytes = x.nbytes();
+    const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
+    payload_->reserve(align_up(in_bytes) + out_bytes);
+    shm::CallRecord record;
+    auto& h = record.header;
+    h.request_id = spec.request_id;
+    h.layer_id = spec.layer->id;
+    h.op = spec.op;
+    h.dtype = wire::to_proto(x.scalar_type());
+    h.latency_class = spec.latency_class;
+    h.tokens = x.size(0);
+    h.features = x.size(1);
+    h.in_offset = 0;
+    h.out_offset = align_up(in_bytes);
+    h.buffer_generation = payload_->generation();
+    payload_->send_input(x, h.in_offset);
+    const auto [code, message] = zmq_control_ ? exchange_over_zmq(spec, x, h) : exchange_over_shm(spec, record);
+    if (code != proto::OK) {
       payload_->abandon_output();
-      throw_executor_error(*specs[answer.failed].layer, answer.code, answer.message);
+      throw_executor_error(*spec.layer, code, message);
     }
-    const auto dtype = x.scalar_type();
-    if (specs.size() == 1) return {payload_->receive_output(results_at, dtype, {x.size(0), specs[0].out_features}, x.device())};
-    const auto element = static_cast<uint64_t>(x.element_size());
-    auto all = payload_->receive_output(results_at, dtype, {static_cast<int64_t>((end - results_at) / element)}, x.device());
-    std::vector<at::Tensor> results;
-    for (size_t i = 0; i < specs.size(); ++i) {
-      const auto first = static_cast<int64_t>((records[i].header.out_offset - results_at) / element);
-      results.push_back(all.narrow(0, first, x.size(0) * specs[i].out_features).view({x.size(0), specs[i].out_features}));
-    }
-    return results;
+    return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
   }
 
  private:
-  // The calls' answers: OK, or the first error and which call it answered.
   struct Answer {
-    proto::ErrorCode code = proto::OK;
+    proto::ErrorCode code;
     std::string message;
-    size_t failed = 0;
   };
 
-  // Counts the answers to a group's calls (request ids consecutive from specs[0]'s); older
-  // request ids answer calls that timed out and are skipped.
-  class Answers {
-   public:
-    explicit Answers(const std::vector<CallSpec>& specs)
-        : first_id_(specs[0].request_id), count_(specs.size()), left_(specs.size()) {}
-    void take(uint64_t request_id, proto::ErrorCode code, const std::string& message) {
-      if (request_id < first_id_ || request_id - first_id_ >= count_) return;
-      left_--;
-      if (code != proto::OK && answer_.code == proto::OK) answer_ = {code, message, request_id - first_id_};
-    }
-    bool complete() const { return left_ == 0; }
-    const Answer& answer() const { return answer_; }
-
-   private:
-    uint64_t first_id_;
-    size_t count_, left_;
-    Answer answer_;
-  };
-
-  Answer exchange_over_shm(const std::vector<CallSpec>& specs, const std::vector<shm::CallRecord>& records) {
-    for (const auto& record : records) {
-      TORCH_CHECK(control_->requests.push(record), "the executor's request ring for this client is full");
-    }
+  Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
+    TORCH_CHECK(control_->requests.push(record), "the executor's request ring for this client is full");
     doorbell_->doorbell.notify();
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
-    Answers answers(specs);
-    while (!answers.complete()) {
+    while (true) {
       const bool got = shm::wait_until(
           control_->replies.wait(), [&] { return !control_->replies.empty(); }, spin_, deadline);
       if (!got) {
         broken_ = true;
-        TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", specs[0].request_id,
-                    " for layer '", specs[0].layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
+        TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", spec.request_id,
+                    " for layer '", spec.layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
       }
       auto reply = control_->replies.pop();
-      answers.take(reply->header.request_id, static_cast<proto::ErrorCode>(reply->error_code), reply->message_text());
+      if (reply->header.request_id != spec.request_id) continue;  // older ones answered calls that timed out
+      return {static_cast<proto::ErrorCode>(reply->error_code), reply->message_text()};
     }
-    return answers.answer();
   }
 
-  Answer exchange_over_zmq(const std::vector<CallSpec>& specs, const at::Tensor& x,
-                           const std::vector<shm::CallRecord>& records) {
-    for (size_t i = 0; i < specs.size(); ++i) {
-      const auto& h = records[i].header;
-      auto env = request_envelope(specs[i], x);
-      auto* r = env.mutable_request();
-      r->set_in_offset(h.in_offset);
-      r->set_out_offset(h.out_offset);
-      r->set_buffer_generation(h.buffer_generation);
-      socket_.send(env);
-    }
-    Answers answers(specs);
+  Answer exchange_over_zmq(const CallSpec& spec, const at::Tensor& x, const shm::CallHeader& h) {
+    auto env = request_envelope(spec, x);
+    auto* r = env.mutable_request();
+    r->set_in_offset(h.in_offset);
+    r->set_out_offset(h.out_offset);
+    r->set_buffer_generation(h.buffer_generation);
+    socket_.send(env);
+    std::vector<zmq::message_t> frames;
     try {
-      while (!answers.complete()) {
-        const auto reply = ControlSocket::parse_or_throw(socket_.receive("a layer request"));
-        TORCH_CHECK(reply.has_reply(), "executor answered a request with something other than a reply");
-        const auto& r = reply.reply();
-        answers.take(r.request_id(), r.has_error() ? r.error().code() : proto::OK,
-                     r.has_error() ? r.error().message() : std::string());
-      }
+      const auto reply = await_reply(socket_, spec, frames);
+      if (!reply.has_error()) return {proto::OK, ""};
+      return {reply.error().code(), reply.error().message()};
     } catch (const c10::Error&) {
       broken_ = true;  // a timed-out call's payload may still be in flight
       throw;
     }
-    return answers.answer();
   }
 
   ControlSocket& socket_;
@@ -265,12 +209,6 @@ class PayloadTransport : public ClientTransport {
 };
 
 }  // namespace
-
-std::vector<at::Tensor> ClientTransport::call_group(const std::vector<CallSpec>& specs, const at::Tensor& x) {
-  std::vector<at::Tensor> results;
-  for (const auto& spec : specs) results.push_back(call(spec, x));
-  return results;
-}
 
 std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket) {
   return std::make_unique<TcpTransport>(socket);

@@ -57,12 +57,6 @@ class ClientTransport {
   // x: [tokens, features] contiguous, in the layer's dtype. Returns [tokens, out_features] on x's
   // device. Throws the executor's error, or a timeout naming the executor.
   virtual at::Tensor call(const CallSpec& spec, const at::Tensor& x) = 0;
-  // How many calls one call_group hands to the executor at once; 1 where it would send them one
-  // by one anyway.
-  virtual size_t max_group_size() const { return 1; }
-  // Several calls of one input x (request ids consecutive), in one hand-off where the transport
-  // can. Returns the results in order.
-  virtual std::vector<at::Tensor> call_group(const std::vector<CallSpec>& specs, const at::Tensor& x);
 };
 
 std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket);

@@ -14,10 +14,8 @@
 #   patched        the scenario in SCENARIO with the JSON in PATCH merged over its top level
 #                  (e.g. PATCH='{"executor": {...}, "baselines": []}'), at COUNTS, under MPS
 #   op-profile     where one 1B client's host time goes ([Op profile] in bench/bench_client.cpp): split
-#                  (CUDA IPC) with and without [Sibling calls], and monolithic, batch 2 x 512 and 1 x 128,
-#                  under MPS
+#                  (CUDA IPC) and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
-#   no-siblings    Symbiosis alone at the target points, every base layer sent alone (no [Sibling calls])
 #   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs, with
@@ -176,22 +174,6 @@ PY
       bench patched /tmp/patched.json --checkpoint $model_1b --counts "${COUNTS:-8}"
       mps_off
       ;;
-    no-siblings)
-      make_1b
-      mps_on
-      for shape in 512 128; do
-        python3 - bench/scenarios/gpu_llama1b_$shape.json > /tmp/no-siblings-$shape.json <<'PY'
-import json, sys
-scenario = json.load(open(sys.argv[1]))
-scenario["client_defaults"]["sibling_groups"] = False
-scenario["baselines"] = []
-print(json.dumps(scenario))
-PY
-      done
-      bench no-siblings-512 /tmp/no-siblings-512.json --checkpoint $model_1b --counts 1,8
-      bench no-siblings-128 /tmp/no-siblings-128.json --checkpoint $model_1b --counts 8
-      mps_off
-      ;;
     op-profile)
       make_1b
       mps_on
@@ -201,9 +183,8 @@ PY
       sleep 8
       for shape in "2 512" "1 128"; do
         set -- $shape
-        for system in split split-alone monolithic; do
+        for system in split monolithic; do
           flags="--executor tcp://127.0.0.1:5790"
-          [ $system = split-alone ] && flags="$flags --no-sibling-groups"
           [ $system = monolithic ] && flags="--monolithic"
           "$B/bench/symbiosis-bench-client" --model $model_1b $flags --device cuda:0 --dtype bf16 --batch $1 --seq $2 \
             --warmup 3 --iterations 1 --op-profile 5 --out $out/op-profile-$system-$1x$2.json > $logs/op-$system.log 2>&1 \

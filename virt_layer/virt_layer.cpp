@@ -2,7 +2,6 @@
 
 #include <torch/autograd.h>
 
-#include "virt_layer/sibling_calls.h"
 #include "virt_layer/virt_layer_function.h"
 
 namespace symbiosis {
@@ -11,10 +10,9 @@ const char* layer_kind_name(LayerKind kind) {
   return kind == LayerKind::kLinear ? "Linear" : "Conv1D";
 }
 
-void check_layer_input(const at::Tensor& x, const LayerInfo& layer) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == layer.in_features, "base layer ", layer.name, ": input has ",
-              x.dim() >= 1 ? x.size(-1) : 0, " features, expected ", layer.in_features);
-}
+namespace {
+
+using Binding = VirtLayerBinding;
 
 at::Tensor flatten_for_wire(const at::Tensor& x, int64_t features, at::ScalarType dtype) {
   return x.reshape({-1, features}).to(dtype).contiguous();
@@ -26,19 +24,12 @@ at::Tensor unflatten(const at::Tensor& y, const at::Tensor& like, int64_t featur
   return y.to(like.options().requires_grad(false)).reshape(shape);
 }
 
-namespace {
-
-using Binding = VirtLayerBinding;
-
 class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
  public:
-  // computed: the layer's result for x from the wire, where a group call already computed it.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            c10::intrusive_ptr<Binding> binding, bool with_bias,
-                            const std::optional<at::Tensor>& computed) {
+                            c10::intrusive_ptr<Binding> binding, bool with_bias) {
     ctx->saved_data["binding"] = c10::IValue::make_capsule(binding);
     ctx->saved_data["input_dtype"] = c10::IValue(static_cast<int64_t>(x.scalar_type()));
-    if (computed) return unflatten(*computed, x, binding->info.out_features);
     return virt_layer_forward(x, *binding, with_bias);
   }
 
@@ -51,7 +42,7 @@ class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
     auto shape = g.sizes().vec();
     shape.back() = info.in_features;
     auto dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
-    return {gin.to(g.device(), dtype).reshape(shape), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gin.to(g.device(), dtype).reshape(shape), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -59,22 +50,15 @@ class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
 
 at::Tensor virt_layer_forward(const at::Tensor& x, const VirtLayerBinding& binding, bool with_bias) {
   const auto& info = binding.info;
-  check_layer_input(x, info);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == info.in_features, "base layer ", info.name, ": input has ",
+              x.dim() >= 1 ? x.size(-1) : 0, " features, expected ", info.in_features);
   auto y = binding.backend->forward(info, flatten_for_wire(x, info.in_features, info.dtype), with_bias);
   return unflatten(y, x, info.out_features);
 }
 
-at::Tensor virt_layer_apply_computed(const at::Tensor& x, const c10::intrusive_ptr<VirtLayerBinding>& binding,
-                                    bool with_bias, const at::Tensor& computed) {
-  return VirtLayerFunction::apply(x, binding, with_bias,
-                                  computed.defined() ? std::optional<at::Tensor>(computed) : std::nullopt);
-}
-
 at::Tensor virt_layer_apply(const at::Tensor& x, const c10::intrusive_ptr<VirtLayerBinding>& binding,
                             bool with_bias) {
-  // Inference tensors keep no version counter, so an unchanged input cannot be told apart.
-  if (with_bias && binding->backend->max_group_size() > 1 && !x.is_inference()) return call_with_siblings(x, binding);
-  return VirtLayerFunction::apply(x, binding, with_bias, std::optional<at::Tensor>());
+  return VirtLayerFunction::apply(x, binding, with_bias);
 }
 
 VirtLayerImpl::VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backend)

@@ -11,39 +11,16 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <memory>
-#include <optional>
-#include <vector>
 
 #include "virt_layer/layer_backend.h"
 #include "virt_layer/layer_info.h"
 
 namespace symbiosis {
 
-// The identity of a tensor at one moment: the same tensor, unchanged since (its version counter),
-// in the same grad mode. Holds the tensor weakly, so a later tensor cannot take its address.
-struct TensorIdentity {
-  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor{
-      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
-  int64_t version = 0;
-  bool grad_mode = false;
-
-  static TensorIdentity of(const at::Tensor& x);
-  bool matches(const at::Tensor& x) const;
-};
-
 // Which layer and which backend: all an autograd node of a base layer keeps.
 struct VirtLayerBinding : torch::CustomClassHolder {
   LayerInfo info;
   std::shared_ptr<LayerBackend> backend;
-
-  // [Sibling calls] (virt_layer/sibling_calls.h), guarded by the mutex there.
-  std::vector<c10::intrusive_ptr<VirtLayerBinding>> siblings;  // learned: called with this layer's input
-  bool is_sibling = false;     // a later member of another layer's group
-  bool never_group = false;    // its group was unlearned once: it is called alone from now on
-  at::Tensor waiting_result;   // its result from its group's call (wire form), until it is called for it
-  std::optional<TensorIdentity> waiting_input;  // the input that result belongs to
-
-  ~VirtLayerBinding() override;
 };
 
 class VirtLayerImpl : public torch::nn::Module {

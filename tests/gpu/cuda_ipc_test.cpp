@@ -49,7 +49,6 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   auto ids = at::randint(0, 200, {3, 24}, at::kLong).to(at::kCUDA);
   testing::expect_same_training(split, mono, ids, 3, tolerance);
   EXPECT_GT(client->calls(), 3u * client->layers().size() + 3u);  // forward each step, and backward
-  EXPECT_LT(client->hand_offs(), client->calls());  // q, k, v and gate, up went as groups
   client.reset();
   bench::stop(executor.pid);
 }
