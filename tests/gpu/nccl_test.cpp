@@ -1,11 +1,11 @@
 // Clients on another GPU than the executor's (the `remote` placement) over NCCL: each equals its
 // monolithic run (fp32 within 1e-5, bf16 within bf16 tolerance); NCCL, CUDA IPC and CPU clients
-// (over shm and over TCP) share one executor, each exact; a remote client killed mid-iteration leaves the executor serving
-// the others, with its communicator aborted and nothing leaked; call headers over ZeroMQ (as from
-// another host) work too. Two nccl clients on one GPU take the path where the executor holds each
-// reply until the result is computed ([NCCL readiness]); one alone, the path where it does not.
-// The executor runs in this process
-// on cuda:0, the clients as processes on cuda:1. Needs two GPUs; skipped elsewhere, saying so.
+// (over shm and over TCP) share one executor, each exact; a remote client killed mid-iteration
+// leaves the executor serving the others, with its communicator aborted and nothing leaked; call
+// headers over ZeroMQ (as from another host) work too. Two nccl clients on one GPU take the path
+// where the executor holds each reply until the result is computed ([NCCL readiness]); one alone,
+// the path where it does not. The executor runs in this process on cuda:0, the clients as
+// processes on cuda:1. Needs two GPUs; skipped elsewhere, saying so.
 #include <signal.h>
 #include <sys/wait.h>
 
