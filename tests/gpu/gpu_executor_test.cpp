@@ -72,6 +72,19 @@ TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
       }
     }
   }
+  // Tensors that start one element past an allocation (a client may name any offset in its buffer).
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    const auto shifted = [&](int64_t rows, int64_t cols) {
+      return at::randn({rows * cols + 1}, options).narrow(0, 1, rows * cols).view({rows, cols});
+    };
+    const auto x = shifted(5, 64), weight = shifted(96, 64);
+    auto out = shifted(5, 96);
+    ASSERT_TRUE(cuda::gemm_into(x, weight.t(), out));
+    const auto expected = at::mm(x, weight.t());
+    const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_TRUE(at::allclose(out, expected, tolerance, tolerance)) << c10::toString(dtype) << ", unaligned";
+  }
   const auto options = at::TensorOptions().device(at::kCUDA);
   auto out = at::empty({4, 8}, options);
   EXPECT_FALSE(cuda::gemm_into(at::randn({16, 4}, options).t(), at::randn({16, 8}, options), out));
