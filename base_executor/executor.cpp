@@ -105,7 +105,6 @@ void ExecutorOptions::validate() const {
   batching.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
   TORCH_CHECK(spin_us >= -1, "executor option --spin-us must be >= 0 (or -1: by device), got ", spin_us);
-  TORCH_CHECK(streams >= 1 && streams <= 32, "executor option --streams must be 1 to 32, got ", streams);
 }
 
 class Executor::Impl {
@@ -905,8 +904,7 @@ void Executor::Impl::compute_loop() {
   // OpenMP's thread count and the current CUDA device are per thread: set them where we compute.
   if (options.threads > 0) at::set_num_threads(options.threads);
 #ifdef SYMBIOSIS_WITH_CUDA
-  std::optional<cuda::StreamTurns> streams;
-  if (model->device().is_cuda()) streams.emplace(model->device().index(), options.streams);
+  if (model->device().is_cuda()) cuda::use_device(model->device().index());
 #endif
   // Nothing here is differentiated: skip autograd's bookkeeping on every operation.
   c10::InferenceMode inference_mode;
@@ -936,9 +934,6 @@ void Executor::Impl::compute_loop() {
       if (!batch) deadline = batcher->next_deadline(now);
     }
     if (batch) {
-#ifdef SYMBIOSIS_WITH_CUDA
-      if (streams) streams->next();
-#endif
       run_batch(*batch, replies_out);
       continue;
     }

@@ -34,9 +34,6 @@ struct ExecutorOptions {
   // Same-host clients: how long the compute thread spins for new work before sleeping on its
   // doorbell (see [Spin, then sleep] in transport/shared_memory.h); -1: 1000 on a GPU, 50 on CPU.
   int spin_us = -1;
-  // A GPU executor's batches take turns on this many CUDA streams (see [Stream turns] in
-  // transport/cuda_ipc.h); 1: all on one.
-  int streams = 4;
 
   // Throws naming the field when an option is out of range.
   void validate() const;

@@ -46,9 +46,6 @@ int main(int argc, char** argv) {
                  "same-host clients: how long the compute thread spins for new work before sleeping (us; "
                  "-1: 1000 on a GPU, 50 on CPU)")
       ->capture_default_str();
-  app.add_option("--streams", options.streams,
-                 "a GPU executor's batches take turns on this many CUDA streams (1: all on one)")
-      ->capture_default_str();
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();

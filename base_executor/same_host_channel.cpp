@@ -195,8 +195,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   ~CudaIpcChannel() override {
     // Work enqueued on our buffer must finish before the mapping closes, whichever thread drops
-    // the last reference, and whichever of the compute thread's streams it is on.
-    if (buffer_.data() != nullptr) cuda::synchronize_device(device_);
+    // the last reference.
+    if (stream_ != nullptr) cuda::synchronize_stream(stream_);
   }
 
   void finish_writes() override { executor_event_.record(cuda::current_stream(device_)); }
@@ -206,7 +206,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     TORCH_CHECK(!r.cuda_ipc_handle().empty(), "RegisterBuffer for a cuda-ipc client needs cuda_ipc_handle");
     if (!client_event_.valid()) client_event_ = cuda::InterprocessEvent::open(device_, r.client_event());
     auto mapped = cuda::MappedDeviceBuffer::open(device_, r.cuda_ipc_handle(), r.bytes());
-    if (buffer_.data() != nullptr) cuda::synchronize_device(device_);  // work still on the old buffer
+    stream_ = cuda::current_stream(device_);  // the compute thread's: all work on the buffer goes there
+    if (buffer_.data() != nullptr) cuda::synchronize_stream(stream_);
     buffer_ = std::move(mapped);
     answer->set_executor_event(executor_event_.ipc_handle());
   }
@@ -217,6 +218,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
  private:
   int device_;
+  void* stream_ = nullptr;  // cudaStream_t of the compute thread
   cuda::InterprocessEvent executor_event_, client_event_;
   cuda::MappedDeviceBuffer buffer_;
 };

@@ -208,7 +208,6 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    "--lockstep-timeout", std::to_string(ex.value("lockstep_timeout_ms", 1000)),
                                    "--threads", std::to_string(ex.value("threads", 1)),
                                    "--spin-us", std::to_string(ex.value("spin_us", -1)),
-                                   "--streams", std::to_string(ex.value("streams", 4)),
                                    "--log-level", "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
   return args;

@@ -23,7 +23,6 @@
 #   capacity-13b-expandable  the second of those alone
 #   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
 #   remote-1b      the same, Llama-3.2-1B only;  remote-13b: Llama-2-13B only
-#   streams        Symbiosis alone at N = 8, 1 x 128 and 2 x 512, its executor on 1 CUDA stream and on 4
 #   roundtrip-nccl the NCCL round trip alone (2 GPUs), with and without MPS
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
@@ -208,19 +207,6 @@ PY
       mps_on
       bench 512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 1,8
       bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
-      mps_off
-      ;;
-    streams)
-      # Symbiosis alone at N = 8, its executor on one CUDA stream against four, back to back.
-      make_1b
-      mps_on
-      for size in 128 512; do
-        for streams in 1 4; do
-          python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["executor"]["streams"] = int(sys.argv[2]); s["baselines"] = []; json.dump(s, open(sys.argv[3], "w"))' \
-            bench/scenarios/gpu_llama1b_$size.json $streams /tmp/streams-$size-$streams.json
-          bench streams-$size-$streams /tmp/streams-$size-$streams.json --checkpoint $model_1b --counts 8
-        done
-      done
       mps_off
       ;;
     nomps-512)

@@ -12,7 +12,6 @@
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
@@ -225,19 +224,10 @@ PinnedRange& PinnedRange::operator=(PinnedRange&& other) noexcept {
   return *this;
 }
 
-StreamTurns::StreamTurns(int device, int count) {
-  TORCH_CHECK(count >= 1 && count <= 32, "stream count must be 1 to 32 (LibTorch's pool), got ", count);
+void use_device(int device) {
   const auto index = static_cast<c10::DeviceIndex>(device);
   c10::cuda::set_device(index);
-  // The pool hands its 32 streams out in turn: consecutive ones are distinct.
-  for (int i = 0; i < count; ++i) streams_.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index));
-  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[0]));
-}
-
-void StreamTurns::next() {
-  if (streams_.size() == 1) return;
-  turn_ = (turn_ + 1) % streams_.size();
-  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[turn_]));
+  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index));
 }
 
 void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }
@@ -249,11 +239,6 @@ void copy_on_stream(void* destination, const void* source, size_t bytes, void* s
 
 void synchronize_stream(void* stream) {
   SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
-}
-
-void synchronize_device(int device) {
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  SYMBIOSIS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 #endif  // SYMBIOSIS_WITH_CUDA

@@ -14,7 +14,6 @@
 
 #include <cstddef>
 #include <string>
-#include <vector>
 
 namespace symbiosis::cuda {
 
@@ -117,27 +116,12 @@ class PinnedRange {
   void* data_ = nullptr;
 };
 
-// [Stream turns]
-// Makes `device` the calling thread's current device and gives the thread `count` high-priority
-// streams of its own (LibTorch's pool; no implicit syncs with the legacy stream) to take turns on:
-// the first is current from the start, and next() makes the following one current. The executor's
-// compute thread puts each batch on the next stream, so that a batch whose clients' inputs are not
-// written yet on the GPU does not hold back the batches after it, and small GEMMs of different
-// batches can run side by side.
-class StreamTurns {
- public:
-  StreamTurns(int device, int count);
-  void next();
-
- private:
-  std::vector<c10::Stream> streams_;
-  size_t turn_ = 0;
-};
+// Makes `device` the calling thread's current device, with a high-priority stream of its own as
+// the current stream (the executor's compute thread: no implicit syncs with the legacy stream).
+void use_device(int device);
 // The current CUDA stream of `device` (LibTorch's), as a cudaStream_t.
 void* current_stream(int device);
 void synchronize_stream(void* stream);
-// Waits for all of this process's work on `device`, whichever stream it is on.
-void synchronize_device(int device);
 // cudaMemcpyAsync device to device on `stream`: what a payload copy needs, without ATen's
 // per-operation overhead (a few microseconds per call, on every base-layer call).
 void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream);
