@@ -193,8 +193,7 @@ void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, p
   errors++;
   const auto env = wire::error_envelope(request_id, code, message, as_reply);
   spdlog::debug("error to client: {}", message);
-  router.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
-  router.send(wire::serialize(env), zmq::send_flags::none);
+  wire::send_to(router, identity.to_string_view(), env);
 }
 
 // Fills h.tokens and h.features from `shape`; returns "" or the problem (and its code).
@@ -371,8 +370,7 @@ void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& ide
     welcome->set_doorbell_segment(doorbell.segment());
   }
   for (const auto& layer : model->layers()) *welcome->add_layers() = wire::to_proto(layer);
-  router.send(identity, zmq::send_flags::sndmore);
-  router.send(wire::serialize(reply), zmq::send_flags::none);
+  wire::send_to(router, identity.to_string_view(), reply);
 }
 
 void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
@@ -495,8 +493,7 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
     case proto::Envelope::kStatsRequest: {
       proto::Envelope reply;
       *reply.mutable_stats() = collect_stats();
-      router.send(identity, zmq::send_flags::sndmore);
-      router.send(wire::serialize(reply), zmq::send_flags::none);
+      wire::send_to(router, identity.to_string_view(), reply);
       return;
     }
     default:
@@ -805,9 +802,8 @@ void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>&
         w.channel->refuse(w.header, proto::INTERNAL, failure);
         continue;
       }
-      replies_out.send(w.identity, zmq::send_flags::sndmore);
-      replies_out.send(wire::serialize(wire::error_envelope(w.header.request_id, proto::INTERNAL, failure, true)),
-                       zmq::send_flags::none);
+      wire::send_to(replies_out, w.identity.to_string_view(),
+                    wire::error_envelope(w.header.request_id, proto::INTERNAL, failure, true));
     }
     return;
   }

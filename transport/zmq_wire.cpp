@@ -66,7 +66,7 @@ proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const
   return env;
 }
 
-void send_to(zmq::socket_t& socket, const std::string& identity, const proto::Envelope& envelope) {
+void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope) {
   socket.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
   socket.send(serialize(envelope), zmq::send_flags::none);
 }

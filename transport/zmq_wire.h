@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 #include <zmq.hpp>
 
@@ -27,7 +28,7 @@ zmq::message_t serialize(const proto::Envelope& envelope);
 // An error for a ZeroMQ client: as the reply to one request, or on its own (handshake, set-up).
 proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const std::string& message, bool as_reply);
 // Sends `envelope` to the peer `identity` names: through a ROUTER, or a socket that forwards to one.
-void send_to(zmq::socket_t& socket, const std::string& identity, const proto::Envelope& envelope);
+void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope);
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope);
 
 // A frame that borrows t's memory (t is kept alive until ZeroMQ is done). t must be contiguous, CPU.

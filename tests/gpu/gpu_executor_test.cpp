@@ -51,6 +51,15 @@ INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values
 // layouts a weight takes (Linear's forward uses Wᵀ, its backward W) and each dtype; operands it
 // does not take (a non-contiguous input, a matrix on another device, an integer dtype) are left to
 // ATen.
+// gemm_into(x, matrix) takes the operands and equals at::mm of them within the dtype's tolerance.
+void expect_like_aten(const at::Tensor& x, const at::Tensor& matrix, at::Tensor out) {
+  ASSERT_TRUE(cuda::gemm_into(x, matrix, out));
+  const auto expected = at::mm(x, matrix);
+  const double tolerance = x.scalar_type() == at::kFloat ? 1e-5 : 1e-2;
+  EXPECT_TRUE(at::allclose(out, expected, tolerance, tolerance))
+      << "max difference " << (out - expected).abs().max().item<double>();
+}
+
 TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
   SKIP_WITHOUT_GPUS(1);
   at::manual_seed(11);
@@ -62,28 +71,19 @@ TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
         SCOPED_TRACE(std::string(c10::toString(dtype)) + ", " + std::to_string(tokens) + " tokens, " +
                      (transposed ? "x·Wᵀ" : "g·W"));
         const auto matrix = transposed ? weight.t() : weight;
-        const auto x = at::randn({tokens, matrix.size(0)}, options);
-        auto out = at::full({tokens, matrix.size(1)}, 7.0, options);
-        ASSERT_TRUE(cuda::gemm_into(x, matrix, out));
-        const auto expected = at::mm(x, matrix);
-        const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
-        EXPECT_TRUE(at::allclose(out, expected, tolerance, tolerance))
-            << "max difference " << (out - expected).abs().max().item<double>();
+        expect_like_aten(at::randn({tokens, matrix.size(0)}, options), matrix,
+                         at::full({tokens, matrix.size(1)}, 7.0, options));
       }
     }
   }
   // Tensors that start one element past an allocation (a client may name any offset in its buffer).
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(std::string(c10::toString(dtype)) + ", unaligned");
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
     const auto shifted = [&](int64_t rows, int64_t cols) {
       return at::randn({rows * cols + 1}, options).narrow(0, 1, rows * cols).view({rows, cols});
     };
-    const auto x = shifted(5, 64), weight = shifted(96, 64);
-    auto out = shifted(5, 96);
-    ASSERT_TRUE(cuda::gemm_into(x, weight.t(), out));
-    const auto expected = at::mm(x, weight.t());
-    const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
-    EXPECT_TRUE(at::allclose(out, expected, tolerance, tolerance)) << c10::toString(dtype) << ", unaligned";
+    expect_like_aten(shifted(5, 64), shifted(96, 64).t(), shifted(5, 96));
   }
   const auto options = at::TensorOptions().device(at::kCUDA);
   auto out = at::empty({4, 8}, options);
