@@ -13,7 +13,6 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
 
 #include "base_executor/batching.h"
@@ -172,7 +171,8 @@ class Executor::Impl {
   std::string validate_call(shm::CallHeader& h, const std::vector<int64_t>& shape, proto::ErrorCode* code) const;
   void queue(WorkBatcher::Request request);
   void post(std::function<void(zmq::socket_t&)> task);
-  // Takes the channels' new calls and pushes the replies they held; true while one is still held.
+  // Takes the channels' new calls and pushes the replies they held; true while a reply is still
+  // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
   // Checks a call a channel client sent (through its ring, or over ZeroMQ) and queues it or refuses it.
   void accept_channel_call(const std::shared_ptr<SameHostChannel>& channel, const shm::CallHeader& h,
@@ -630,6 +630,11 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
   shm::CallHeader h = header;
   proto::ErrorCode code;
   std::string problem = validate_call(h, shape, &code);
+  if (problem.empty() && h.sequence != 0 && !channel->orders_by_flags()) {
+    problem = "request " + std::to_string(h.request_id) + " is numbered (sequence " + std::to_string(h.sequence) +
+              "), but a " + channel->kind() + " call is answered by reply: send it with sequence 0";
+    h.sequence = 0;  // so that the refusal goes back as a reply
+  }
   if (problem.empty()) {
     const auto& layer = model->layers()[h.layer_id];
     const int64_t out_features = h.op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features;
@@ -664,8 +669,14 @@ bool Executor::Impl::poll_channels() {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
     while (auto header = channel->next_request()) {
-      accept_channel_call(channel, *header, {header->tokens, header->features});
+      if (header->sequence != 0 && channel->orders_by_flags()) {
+        channel->wait_for_input(*header);  // validated once it is taken up: see [Stream-ordered hand-off]
+      } else {
+        accept_channel_call(channel, *header, {header->tokens, header->features});
+      }
     }
+    while (auto header = channel->next_ready()) accept_channel_call(channel, *header, {header->tokens, header->features});
+    holding = channel->waiting() || holding;
     it = channel->broken() ? channels.erase(it) : std::next(it);
   }
   return holding;
@@ -836,10 +847,9 @@ void Executor::Impl::deliver(WorkBatcher::Batch& batch, std::vector<at::Tensor>&
                        : results[i].contiguous();
     host_copies = host_copies || gpu;
   }
-  // 3. Make the writes visible: GPU clients order on events; host memory needs the GPU done.
-  std::set<SameHostChannel*> finished;
+  // 3. Make the writes visible: GPU clients order on events or flags; host memory needs the GPU done.
   for (auto& r : requests) {
-    if (r.payload.channel && finished.insert(r.payload.channel.get()).second) r.payload.channel->finish_writes();
+    if (r.payload.channel) r.payload.channel->finish_writes(r.payload.header);
   }
 #ifdef SYMBIOSIS_WITH_CUDA
   if (host_copies) cuda::synchronize_stream(cuda::current_stream(model->device().index()));
@@ -920,7 +930,7 @@ void Executor::Impl::compute_loop() {
     }
     for (auto& task : tasks) task(replies_out);
     finish_setups(replies_out);
-    const bool holding_replies = poll_channels();
+    const bool watching = poll_channels();
     const auto now = Clock::now();
     std::optional<WorkBatcher::Batch> batch;
     auto deadline = Clock::time_point::max();
@@ -934,7 +944,7 @@ void Executor::Impl::compute_loop() {
       continue;
     }
     if (!pending_setups.empty()) deadline = std::min(deadline, now + std::chrono::milliseconds(1));
-    if (holding_replies) continue;  // a result about to be ready: look again at once
+    if (watching) continue;  // a result or an input about to be ready: look again at once
     shm::wait_until(bell, [&] { return bell.current() != seen; }, spin, deadline);
   }
 }

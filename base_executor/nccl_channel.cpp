@@ -105,7 +105,7 @@ class NcclChannel : public SameHostChannel {
 
  protected:
   // A refused call's input or result will never be exchanged: the communicator cannot be used again.
-  void after_refusal() override { abort(); }
+  void after_refusal(const shm::CallHeader&) override { abort(); }
 
   // [NCCL readiness] The client posts its receive when the reply comes. Until the result arrives
   // that receive's kernel occupies SMs of the client's GPU, polling; alone on its GPU the client

@@ -43,9 +43,16 @@ std::optional<shm::CallHeader> SameHostChannel::next_request() {
   return record->header;
 }
 
+std::optional<shm::CallHeader> SameHostChannel::next_ready() {
+  if (waiting_.empty() || !input_ready(waiting_.front())) return std::nullopt;
+  auto h = waiting_.front();
+  waiting_.pop_front();
+  return h;
+}
+
 void SameHostChannel::refuse(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message) {
   push_reply(h, code, message);
-  after_refusal();
+  after_refusal(h);
 }
 
 void SameHostChannel::control_over_zmq(zmq::context_t& context, std::string replies_endpoint, std::string identity) {
@@ -124,7 +131,7 @@ class RegisteredBufferChannel : public SameHostChannel {
     return region_problem(h, in_bytes, out_bytes, size(), generation_);
   }
   at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final {
-    before_read();
+    before_read(h);
     return view(h.in_offset, dtype, shape);
   }
   at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final {
@@ -138,7 +145,7 @@ class RegisteredBufferChannel : public SameHostChannel {
   virtual size_t size() const = 0;
   virtual at::TensorOptions view_options() const = 0;
   // Before an input is read: order the compute stream after the client's writes, if needed.
-  virtual void before_read() {}
+  virtual void before_read(const shm::CallHeader&) {}
 
  private:
   at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
@@ -183,23 +190,37 @@ class HostShmChannel : public RegisteredBufferChannel {
 };
 
 #ifdef SYMBIOSIS_WITH_CUDA
-// "cuda-ipc": the client's device buffer on the executor's GPU, mapped through CUDA IPC. The
-// executor's stream waits on the client's event before reading an input, and records the
-// executor's event after writing results; the client's stream waits on that before reading.
+// "cuda-ipc": the client's device buffer on the executor's GPU, mapped through CUDA IPC. A call
+// the client numbered is ordered through the control segment's flags ([Stream-ordered hand-off]
+// in transport/call_ring.h): it is taken up once its input is written, and the executor's stream
+// writes results_ready after its result. Otherwise (headers over ZeroMQ) the executor's stream
+// waits on the client's event before reading an input, and records the executor's event after
+// writing results; the client's stream waits on that before reading.
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
   CudaIpcChannel(uint64_t client_id, at::Device device)
       : RegisteredBufferChannel("cuda-ipc", client_id),
         device_(device.has_index() ? device.index() : 0),
-        executor_event_(cuda::InterprocessEvent::create(device_)) {}
+        executor_event_(cuda::InterprocessEvent::create(device_)),
+        control_pin_(control_memory().data(), control_memory().size(), /*mapped=*/true),
+        results_ready_(control_pin_.device_pointer(&control_block()->results_ready)) {}
 
   ~CudaIpcChannel() override {
-    // Work enqueued on our buffer must finish before the mapping closes, whichever thread drops
+    // Work enqueued on our buffer or flags must finish before they go, whichever thread drops
     // the last reference.
     if (stream_ != nullptr) cuda::synchronize_stream(stream_);
   }
 
-  void finish_writes() override { executor_event_.record(cuda::current_stream(device_)); }
+  bool orders_by_flags() const override { return true; }
+
+  void finish_writes(const shm::CallHeader& h) override {
+    stream_ = cuda::current_stream(device_);
+    if (h.sequence != 0) {
+      cuda::write_value_on_stream(stream_, results_ready_, h.sequence);
+    } else {
+      executor_event_.record(stream_);
+    }
+  }
 
  protected:
   void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) override {
@@ -214,12 +235,23 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   void* base() const override { return buffer_.data(); }
   size_t size() const override { return buffer_.size(); }
   at::TensorOptions view_options() const override { return at::TensorOptions().device(at::kCUDA, device_); }
-  void before_read() override { client_event_.make_stream_wait(cuda::current_stream(device_)); }
+  void before_read(const shm::CallHeader& h) override {
+    if (h.sequence == 0) client_event_.make_stream_wait(cuda::current_stream(device_));
+  }
+  bool input_ready(const shm::CallHeader& h) const override {
+    return shm::reached(control_block()->inputs_ready.load(std::memory_order_acquire), h.sequence);
+  }
+  // The client's stream waits for a numbered call's result, which will not come: let it go on.
+  void after_refusal(const shm::CallHeader& h) override {
+    if (h.sequence != 0) finish_writes(h);
+  }
 
  private:
   int device_;
-  void* stream_ = nullptr;  // cudaStream_t of the compute thread
+  void* stream_ = nullptr;  // cudaStream_t of the compute thread, once it has used it
   cuda::InterprocessEvent executor_event_, client_event_;
+  cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
+  void* results_ready_;            // the GPU's address of the control block's results_ready
   cuda::MappedDeviceBuffer buffer_;
 };
 #endif

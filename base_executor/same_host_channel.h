@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -62,6 +63,13 @@ class SameHostChannel {
   // (any thread may ask; the IO thread then forgets the client).
   std::optional<shm::CallHeader> next_request();
   bool broken() const { return broken_; }
+  // [Stream-ordered hand-off] in transport/call_ring.h. Whether this transport answers a numbered
+  // call (sequence != 0) by its flag; a numbered call waits (wait_for_input) until next_ready()
+  // hands it over, oldest first, once the client's GPU has written its input.
+  virtual bool orders_by_flags() const { return false; }
+  void wait_for_input(const shm::CallHeader& h) { waiting_.push_back(h); }
+  std::optional<shm::CallHeader> next_ready();
+  bool waiting() const { return !waiting_.empty(); }
   // Any thread: the payload's connection reports the client gone (NCCL to a peer that died).
   virtual bool failed() const { return false; }
   // Checks the call's payload against what the client registered; "" when fine.
@@ -76,11 +84,12 @@ class SameHostChannel {
   virtual at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
   // Hands over a result that has no destination (NCCL sends it).
   virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
-  // After this batch's writes for this client are enqueued: orders them before the client's reads.
-  virtual void finish_writes() {}
+  // After the call's result is enqueued: orders it before the client's read.
+  virtual void finish_writes(const shm::CallHeader&) {}
   // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only
   // once the result is computed (NCCL, [NCCL readiness]) holds it until release_replies().
   void reply(const shm::CallHeader& h) {
+    if (h.sequence != 0 && orders_by_flags()) return;  // its flag answers it
     if (!hold_reply(h)) push_reply(h, proto::OK, "");
   }
   // Pushes the held replies whose results are ready; true while one is still held.
@@ -96,7 +105,11 @@ class SameHostChannel {
  protected:
   SameHostChannel(std::string kind, uint64_t client_id);
   // refuse() has answered: what the transport must do about the call's payload.
-  virtual void after_refusal() {}
+  virtual void after_refusal(const shm::CallHeader&) {}
+  // Whether the client's GPU has written the input of numbered call `h`.
+  virtual bool input_ready(const shm::CallHeader&) const { return true; }
+  shm::SharedMemory& control_memory() { return control_; }
+  shm::ControlBlock* control_block() const { return block_; }
   // reply() is about to answer: true when the transport keeps the reply for release_replies().
   virtual bool hold_reply(const shm::CallHeader&) { return false; }
   void push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
@@ -108,6 +121,7 @@ class SameHostChannel {
   shm::ControlBlock* block_ = nullptr;
   uint64_t next_read_ = 0;
   std::atomic<bool> broken_{false};
+  std::deque<shm::CallHeader> waiting_;  // numbered calls whose input is not written yet, oldest first
   zmq::context_t* zmq_context_ = nullptr;  // set by control_over_zmq
   std::string replies_endpoint_, identity_;
   std::unique_ptr<zmq::socket_t> replies_;  // made on the compute thread at the first reply

@@ -204,6 +204,7 @@ int main(int argc, char** argv) {
         optimizer.zero_grad();
         auto loss = causal_lm_loss(lm.forward(ids, {}), ids);
         loss.backward();
+        lm.settle();
         optimizer.step();
       } else {
         at::InferenceMode inference;

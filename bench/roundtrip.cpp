@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -110,6 +112,13 @@ void time_primitives(at::Device device, at::ScalarType type, int64_t hidden, int
           [&] { cuda::copy_on_stream(buffer.data(), x.data_ptr(), x.nbytes(), stream); });
   measure("cudaEventRecord, interprocess event", [&] { event.record(stream); });
   measure("cudaStreamWaitEvent, interprocess event", [&] { event.make_stream_wait(stream); });
+  // The flags of [Stream-ordered hand-off]: a word of pinned host memory the GPU addresses.
+  std::unique_ptr<void, decltype(&std::free)> page(std::aligned_alloc(4096, 4096), &std::free);
+  std::memset(page.get(), 0, 4096);
+  cuda::PinnedRange pinned(page.get(), 4096, /*mapped=*/true);
+  void* word = pinned.device_pointer(page.get());
+  measure("cuStreamWriteValue32, mapped host word", [&] { cuda::write_value_on_stream(stream, word, 1); });
+  measure("cuStreamWaitValue32, mapped host word (met)", [&] { cuda::wait_value_on_stream(stream, word, 1); });
 }
 #endif
 

@@ -14,6 +14,7 @@ CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr
   CausalLM lm;
   model->to(options.device, options.dtype);
   if (client) lm.virtual_layers = virtualize(*model, client);
+  lm.client = client;
   // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.
   load_weights(*model, checkpoint);
   // The whole checkpoint is the frozen base, as PEFT freezes it: autograd computes no gradient

@@ -120,6 +120,11 @@ const LayerInfo* Client::find_layer(const std::string& name) const {
 
 void Client::set_latency_class(LatencyClass c) { impl_->latency = to_proto(c); }
 
+void Client::settle() {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  impl_->transport->settle();
+}
+
 at::Tensor Client::forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) {
   return impl_->call(layer, with_bias ? proto::FORWARD : proto::FORWARD_NO_BIAS, x);
 }

@@ -57,6 +57,12 @@ class Client : public LayerBackend {
   at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) override;
   at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) override;
 
+  // Waits until every base-layer call made so far has its result, and throws the first executor
+  // error among them. A same-GPU client's calls return before the executor has answered them
+  // ([Stream-ordered hand-off] in transport/call_ring.h), so an error reaches it at its next call or
+  // here: settle before an optimizer step, so that a failed call never updates the adapters.
+  void settle();
+
   void set_latency_class(LatencyClass latency_class);
   uint64_t calls() const;  // base-layer calls made so far
   const std::string& transport() const;  // the transport in use: tcp, shm, cuda-ipc or nccl

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "client_runtime/client_transport.h"
+#include "transport/call_ring.h"
 #include "transport/cuda_ipc.h"
 #include "transport/shared_memory.h"
 
@@ -38,6 +39,7 @@ class RegisteredBuffer : public ClientPayload {
   }
 
   uint64_t generation() const override { return generation_; }
+  bool fits(uint64_t bytes) const override { return bytes <= capacity_; }
 
  protected:
   // Makes a new buffer of `bytes` the current one (the previous stays alive until registered()).
@@ -81,29 +83,49 @@ class HostPayload : public RegisteredBuffer {
 };
 
 #ifdef SYMBIOSIS_WITH_CUDA
-// "cuda-ipc": a cudaMalloc'd buffer on the client's GPU, which is the executor's GPU. The client
-// records its event after writing an input; the executor's stream waits on it, and records the
-// executor's event after writing the result, on which the client's stream waits before reading.
+// "cuda-ipc": a cudaMalloc'd buffer on the client's GPU, which is the executor's GPU. Calls are
+// ordered through the control segment's flags ([Stream-ordered hand-off] in
+// transport/call_ring.h), or, with headers over ZeroMQ, through two interprocess events: the
+// client records its event after writing an input; the executor's stream waits on it, and records
+// the executor's event after writing the result, on which the client's stream waits before reading.
 class CudaIpcPayload : public RegisteredBuffer {
  public:
   CudaIpcPayload(ControlSocket& socket, int device)
       : RegisteredBuffer(socket), device_(device), client_event_(cuda::InterprocessEvent::create(device)) {}
 
+  ~CudaIpcPayload() override {
+    // The GPU must be done with the buffer and the flags before they go.
+    try {
+      if (stream_ != nullptr) cuda::synchronize_stream(stream_);
+    } catch (const c10::Error&) {
+    }
+  }
+
   void send_input(const at::Tensor& x, uint64_t offset) override {
     const at::Device gpu(at::kCUDA, device_);
     const auto input = x.device() == gpu ? x : x.to(gpu);  // contiguous, the layer's dtype (VirtLayer)
-    void* stream = cuda::current_stream(device_);
+    void* stream = use_stream();
     cuda::copy_on_stream(static_cast<char*>(buffer_.data()) + offset, input.data_ptr(), input.nbytes(), stream);
-    client_event_.record(stream);
+    if (inputs_ready_ == nullptr) client_event_.record(stream);
   }
 
   at::Tensor receive_output(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
-    void* stream = cuda::current_stream(device_);
-    executor_event_.make_stream_wait(stream);
+    void* stream = use_stream();
+    if (inputs_ready_ == nullptr) executor_event_.make_stream_wait(stream);
     auto out = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
     cuda::copy_on_stream(out.data_ptr(), static_cast<const char*>(buffer_.data()) + offset, out.nbytes(), stream);
     return device == out.device() ? out : out.to(device);
   }
+
+  bool order_through(shm::SharedMemory& control) override {
+    control_pin_ = cuda::PinnedRange(control.data(), control.size(), /*mapped=*/true);
+    auto* block = static_cast<shm::ControlBlock*>(control.data());
+    results_ready_ = control_pin_.device_pointer(&block->results_ready);
+    inputs_ready_ = control_pin_.device_pointer(&block->inputs_ready);
+    return true;
+  }
+  void announce_input(uint32_t sequence) override { cuda::write_value_on_stream(use_stream(), inputs_ready_, sequence); }
+  void await_result(uint32_t sequence) override { cuda::wait_value_on_stream(use_stream(), results_ready_, sequence); }
 
  protected:
   void allocate(uint64_t bytes) override { next_ = cuda::DeviceBuffer::allocate(device_, bytes); }
@@ -114,14 +136,27 @@ class CudaIpcPayload : public RegisteredBuffer {
   void registered(const proto::BufferRegistered& answer) override {
     if (!executor_event_.valid()) executor_event_ = cuda::InterprocessEvent::open(device_, answer.executor_event());
     // Work of this stream may still read the old buffer.
-    if (buffer_.data() != nullptr) cuda::synchronize_stream(cuda::current_stream(device_));
+    if (buffer_.data() != nullptr) cuda::synchronize_stream(use_stream());
     buffer_ = std::move(next_);
   }
 
  private:
+  // The current stream, ordered after the stream of the previous call if it was another (a call's
+  // copies reuse the buffer regions the previous call's copies and flags guard).
+  void* use_stream() {
+    void* stream = cuda::current_stream(device_);
+    if (stream_ != nullptr && stream_ != stream) cuda::stream_after(stream, stream_);
+    stream_ = stream;
+    return stream;
+  }
+
   int device_;
   cuda::InterprocessEvent client_event_, executor_event_;
   cuda::DeviceBuffer buffer_, next_;
+  void* stream_ = nullptr;  // cudaStream_t of the last call
+  cuda::PinnedRange control_pin_;
+  void* inputs_ready_ = nullptr;  // GPU addresses of the control block's flags, once ordering through them
+  void* results_ready_ = nullptr;
 };
 #endif
 

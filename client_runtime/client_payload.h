@@ -11,6 +11,9 @@
 #include "client_runtime/client.h"
 
 namespace symbiosis {
+namespace shm {
+class SharedMemory;
+}
 
 class ControlSocket;
 
@@ -29,6 +32,17 @@ class ClientPayload {
                                     at::Device device) = 0;
   // The executor answered with an error: no result will come.
   virtual void abandon_output() {}
+  // Whether a call of `bytes` fits the buffer registered now.
+  virtual bool fits(uint64_t) const { return true; }
+
+  // [Stream-ordered hand-off] (transport/call_ring.h). Whether this payload can order calls through
+  // the flags of the control segment `control` (which it then pins for its GPU); if so, each call
+  // goes send_input, announce_input, await_result, receive_output, and nothing waits on the host.
+  virtual bool order_through(shm::SharedMemory&) { return false; }
+  // The GPU writes `sequence` into inputs_ready once the input sent before is written.
+  virtual void announce_input(uint32_t) {}
+  // The GPU holds later work until results_ready reaches `sequence`.
+  virtual void await_result(uint32_t) {}
 };
 
 // The "nccl" payload (nccl_payload.cpp), made by make_client_payload.

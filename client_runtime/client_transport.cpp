@@ -3,7 +3,11 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 
 #include "client_runtime/client_payload.h"
 #include "transport/call_ring.h"
@@ -125,6 +129,23 @@ class PayloadTransport : public ClientTransport {
     payload_ = make_client_payload(kind_, options_, socket_);
     spin_ = std::chrono::microseconds(options_.spin_us >= 0 ? options_.spin_us
                                                             : shm::default_spin_us(at::Device(options_.device).is_cuda()));
+    ordered_ = !zmq_control_ && payload_->order_through(control_memory_);
+    if (ordered_) watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~PayloadTransport() override {
+    if (!ordered_) return;
+    {
+      std::lock_guard<std::mutex> lock(watch_mutex_);
+      leaving_ = true;
+    }
+    watch_cv_.notify_all();
+    watchdog_.join();
+    try {
+      settle();  // the calls in flight use the buffer and the flags that go with us
+    } catch (const c10::Error&) {
+      // Their errors have no one to go to now.
+    }
   }
 
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
@@ -132,7 +153,13 @@ class PayloadTransport : public ClientTransport {
                 " stopped after a call timed out; connect a new Client");
     const uint64_t in_bytes = x.nbytes();
     const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
-    payload_->reserve(align_up(in_bytes) + out_bytes);
+    const uint64_t bytes = align_up(in_bytes) + out_bytes;
+    if (ordered_) {
+      check_call(spec, x);
+      raise_errors();
+      if (!payload_->fits(bytes)) settle();  // a larger buffer replaces the one the calls in flight use
+    }
+    payload_->reserve(bytes);
     shm::CallRecord record;
     auto& h = record.header;
     h.request_id = spec.request_id;
@@ -146,6 +173,14 @@ class PayloadTransport : public ClientTransport {
     h.out_offset = align_up(in_bytes);
     h.buffer_generation = payload_->generation();
     payload_->send_input(x, h.in_offset);
+    if (ordered_) {
+      h.sequence = ++last_sequence_ == 0 ? ++last_sequence_ : last_sequence_;  // 0 means "answered by reply"
+      payload_->announce_input(h.sequence);
+      push_request(record, spec);
+      issued_.store(h.sequence, std::memory_order_release);
+      payload_->await_result(h.sequence);
+      return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
+    }
     const auto [code, message] = zmq_control_ ? exchange_over_zmq(spec, x, h) : exchange_over_shm(spec, record);
     if (code != proto::OK) {
       payload_->abandon_output();
@@ -154,15 +189,98 @@ class PayloadTransport : public ClientTransport {
     return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
   }
 
+  // [Stream-ordered hand-off]: waits on the host until every call made so far has its result,
+  // then throws the first error among them. When the executor lets calls go unanswered for the
+  // timeout, releases the GPU's waits on them and stops the transport.
+  void settle() override {
+    if (!ordered_) return;
+    const uint32_t issued = issued_.load(std::memory_order_acquire);
+    const bool done = spin_then_sleep([&] { return shm::reached(control_->results_ready.load(), issued); });
+    if (!done) {
+      give_up();
+      TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer call ", issued, " within ",
+                  socket_.timeout_ms(), " ms (is it running?)");
+    }
+    raise_errors();
+  }
+
  private:
   struct Answer {
     proto::ErrorCode code;
     std::string message;
   };
 
-  Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
-    TORCH_CHECK(control_->requests.push(record), "the executor's request ring for this client is full");
+  // Checked here as the executor would: a numbered call's refusal would come back only later.
+  static void check_call(const CallSpec& spec, const at::Tensor& x) {
+    const auto& layer = *spec.layer;
+    const bool backward = spec.op == proto::BACKWARD_INPUT;
+    const int64_t features = backward ? layer.out_features : layer.in_features;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == features && x.scalar_type() == layer.dtype, "layer '", layer.name, "' (",
+                backward ? "backward" : "forward", ") takes [tokens, ", features, "] in ", layer.dtype, ", got ",
+                x.sizes(), " in ", x.scalar_type());
+  }
+
+  // Waits until ready() holds, at most the call timeout: spins first, then naps.
+  template <typename Ready>
+  bool spin_then_sleep(Ready&& ready) const {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    const auto deadline = start + std::chrono::milliseconds(socket_.timeout_ms());
+    while (!ready()) {
+      const auto now = Clock::now();
+      if (now >= deadline) return false;
+      if (now - start > spin_) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return true;
+  }
+
+  // Throws the first error the executor answered an ordered call with.
+  void raise_errors() {
+    while (auto reply = control_->replies.pop()) {
+      if (reply->error_code == proto::OK) continue;  // answers calls made before ordering (none) or that timed out
+      TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(static_cast<proto::ErrorCode>(reply->error_code)),
+                  ") on an earlier call (request ", reply->header.request_id, "), whose result is void: ",
+                  reply->message_text());
+    }
+    TORCH_CHECK(!gave_up_.load(), "executor at ", socket_.endpoint(), " let calls go unanswered for ",
+                socket_.timeout_ms(), " ms (is it running?); connect a new Client");
+  }
+
+  // Lets the GPU's waits on every call made so far go, and stops the transport.
+  void give_up() {
+    broken_ = true;
+    gave_up_ = true;
+    control_->results_ready.store(issued_.load());
+  }
+
+  // The watchdog: a client blocked in a CUDA synchronization cannot see an executor that stopped
+  // answering, so this thread looks for it: no result for the call timeout while calls are open.
+  void watch() {
+    std::unique_lock<std::mutex> lock(watch_mutex_);
+    uint32_t last = control_->results_ready.load();
+    auto since = std::chrono::steady_clock::now();
+    while (!watch_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return leaving_; })) {
+      const uint32_t now_ready = control_->results_ready.load();
+      const auto now = std::chrono::steady_clock::now();
+      if (now_ready != last || shm::reached(now_ready, issued_.load())) {
+        last = now_ready;
+        since = now;
+      } else if (now - since > std::chrono::milliseconds(socket_.timeout_ms()) && !gave_up_) {
+        give_up();
+      }
+    }
+  }
+
+  void push_request(const shm::CallRecord& record, const CallSpec& spec) {
+    // The executor empties the ring at every turn of its loop.
+    const bool pushed = spin_then_sleep([&] { return control_->requests.push(record); });
+    TORCH_CHECK(pushed, "executor at ", socket_.endpoint(), " did not take request ", spec.request_id,
+                " for layer '", spec.layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
     doorbell_->doorbell.notify();
+  }
+
+  Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
+    push_request(record, spec);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
     while (true) {
       const bool got = shm::wait_until(
@@ -205,7 +323,16 @@ class PayloadTransport : public ClientTransport {
   shm::DoorbellBlock* doorbell_ = nullptr;
   std::unique_ptr<ClientPayload> payload_;
   std::chrono::microseconds spin_{0};
-  bool broken_ = false;
+  std::atomic<bool> broken_{false};
+  // [Stream-ordered hand-off]
+  bool ordered_ = false;
+  uint32_t last_sequence_ = 0;          // the last call's number
+  std::atomic<uint32_t> issued_{0};     // the last number pushed to the executor
+  std::atomic<bool> gave_up_{false};    // the watchdog or settle() found the executor silent
+  std::mutex watch_mutex_;
+  std::condition_variable watch_cv_;
+  bool leaving_ = false;  // guarded by watch_mutex_
+  std::thread watchdog_;
 };
 
 }  // namespace

@@ -57,6 +57,9 @@ class ClientTransport {
   // x: [tokens, features] contiguous, in the layer's dtype. Returns [tokens, out_features] on x's
   // device. Throws the executor's error, or a timeout naming the executor.
   virtual at::Tensor call(const CallSpec& spec, const at::Tensor& x) = 0;
+  // Waits until every call made so far has its result and throws the first error among them
+  // (calls ordered on the GPU return before the executor has answered: [Stream-ordered hand-off]).
+  virtual void settle() {}
 };
 
 std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket);

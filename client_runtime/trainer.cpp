@@ -245,6 +245,7 @@ class Trainer::Impl {
       part.backward();
       loss += part.item<double>();
     }
+    lm.settle();  // a base-layer call that failed must not update the adapters
     stats.learning_rate = warmup_cosine_learning_rate(steps_done, total, options.warmup_steps, options.learning_rate,
                                                       options.min_learning_rate);
     if (stats.targets > 0) {

@@ -65,6 +65,7 @@ Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_
     optimizer.zero_grad();
     auto loss = causal_lm_loss(lm.forward(ids, {}), ids);
     loss.backward();
+    lm.settle();  // a failed base-layer call must not update the adapter
     optimizer.step();
     result.losses.push_back(loss.item<double>());
     if (!s.quiet) {

@@ -13,6 +13,21 @@
 // the executor pushes a reply and notifies the ring's own WaitWord, on which the client sleeps.
 // Both spin briefly first ([Spin, then sleep]).
 //
+// [Stream-ordered hand-off]
+// A cuda-ipc client with this channel orders a call's two hand-offs on the GPU instead of through
+// the reply ring, so that neither process's host waits for the other's GPU:
+//  - the client's stream copies the input into its buffer, then writes the call's sequence number
+//    into inputs_ready (a 32-bit stream memory write, fenced after the copy); the client's host
+//    pushes the header (its sequence set) and goes on at once;
+//  - the executor takes the call up when its host sees inputs_ready reach the sequence, and its
+//    stream writes the sequence into results_ready after the result;
+//  - the client's stream waits until results_ready reaches the sequence before it reads the result.
+// Both words live in this segment, which each process pins and maps for its GPU. A client's calls
+// complete in order, so the words only grow (compared modulo 2^32; sequence 0 is never used).
+// Only errors come back as replies; the client reports them at its next call or when it settles
+// (Client::settle), and the executor writes results_ready for a refused call too, so the
+// client's stream never waits for a result that will not come.
+//
 // Trust: the executor never trusts what a client wrote. It keeps its own read position (a
 // corrupted head is detected as a ring that claims more than its capacity) and validates every
 // record like a ZeroMQ request.
@@ -38,6 +53,7 @@ struct CallHeader {
   uint64_t in_offset = 0;   // byte offset of the input in the client's payload buffer
   uint64_t out_offset = 0;  // byte offset where the result goes
   uint64_t buffer_generation = 0;  // which registration of the payload buffer the offsets refer to
+  uint32_t sequence = 0;           // [Stream-ordered hand-off]: the call's number; 0 for a call answered by reply
 };
 
 struct CallRecord {
@@ -52,7 +68,9 @@ struct CallRecord {
 
 class CallRing {
  public:
-  static constexpr uint64_t kCapacity = 8;  // calls of one client are serialized; a few suffice
+  // A client's calls complete in order, but one that orders them on the GPU pushes headers ahead
+  // of its GPU ([Stream-ordered hand-off]); the executor empties the ring at every turn of its loop.
+  static constexpr uint64_t kCapacity = 32;
 
   // Producer side. False when the ring is full (the consumer is stuck or gone).
   bool push(const CallRecord& record);
@@ -78,7 +96,13 @@ struct ControlBlock {
   uint64_t magic = 0;
   CallRing requests;  // client -> executor
   CallRing replies;   // executor -> client
+  // [Stream-ordered hand-off]: written by the GPUs, read by the executor's host and the client's GPU.
+  alignas(64) std::atomic<uint32_t> inputs_ready{0};
+  alignas(64) std::atomic<uint32_t> results_ready{0};
 };
+
+// Whether a word that counts calls modulo 2^32 has reached `sequence`.
+inline bool reached(uint32_t word, uint32_t sequence) { return static_cast<int32_t>(word - sequence) >= 0; }
 
 // The executor's doorbell segment: one WaitWord every same-host client notifies.
 struct DoorbellBlock {

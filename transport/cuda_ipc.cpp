@@ -13,6 +13,7 @@
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 // One checking macro for the CUDA runtime: file, line, the call, and CUDA's own error string.
@@ -205,9 +206,15 @@ void InterprocessEvent::make_stream_wait(void* stream) const {
   SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0));
 }
 
-PinnedRange::PinnedRange(void* data, size_t bytes) {
-  SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, cudaHostRegisterDefault));
+PinnedRange::PinnedRange(void* data, size_t bytes, bool mapped) {
+  SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, mapped ? cudaHostRegisterMapped | cudaHostRegisterPortable : cudaHostRegisterDefault));
   data_ = data;
+}
+
+void* PinnedRange::device_pointer(void* host) const {
+  void* device = nullptr;
+  SYMBIOSIS_CUDA_CHECK(cudaHostGetDevicePointer(&device, host, 0));
+  return device;
 }
 
 PinnedRange::~PinnedRange() {
@@ -239,6 +246,49 @@ void copy_on_stream(void* destination, const void* source, size_t bytes, void* s
 
 void synchronize_stream(void* stream) {
   SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void stream_after(void* stream, void* earlier) {
+  cudaEvent_t event;
+  SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(event, static_cast<cudaStream_t>(earlier)));
+  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), event, 0));
+  SYMBIOSIS_CUDA_CHECK(cudaEventDestroy(event));  // released once the wait is done with it
+}
+
+namespace {
+
+// The driver's stream memory operations, found through the runtime (so that nothing links
+// libcuda, which a machine without a GPU lacks).
+using StreamValueOp = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+StreamValueOp driver_entry(const char* symbol) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  SYMBIOSIS_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &function, 12000, cudaEnableDefault, &found));
+  TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr, "the CUDA driver has no ", symbol,
+              " (stream memory operations need a driver for CUDA 12 or later)");
+  return reinterpret_cast<StreamValueOp>(function);
+}
+
+void check_driver(CUresult status, const char* call) {
+  TORCH_CHECK(status == CUDA_SUCCESS, call, " failed: CUDA driver error ", static_cast<int>(status));
+}
+
+}  // namespace
+
+void write_value_on_stream(void* stream, void* word, uint32_t value) {
+  static const StreamValueOp write = driver_entry("cuStreamWriteValue32");
+  check_driver(write(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                     CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue32");
+}
+
+void wait_value_on_stream(void* stream, void* word, uint32_t value) {
+  static const StreamValueOp wait = driver_entry("cuStreamWaitValue32");
+  check_driver(wait(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                    CU_STREAM_WAIT_VALUE_GEQ),
+               "cuStreamWaitValue32");
 }
 
 #endif  // SYMBIOSIS_WITH_CUDA

@@ -102,10 +102,13 @@ class InterprocessEvent {
 };
 
 // Pins (cudaHostRegister) a host range for asynchronous copies; unregisters on destruction.
+// Mapped, the GPU can also address it (device_pointer), as stream memory operations need.
 class PinnedRange {
  public:
   PinnedRange() = default;
-  PinnedRange(void* data, size_t bytes);  // throws when CUDA refuses
+  PinnedRange(void* data, size_t bytes, bool mapped = false);  // throws when CUDA refuses
+  // The GPU's address of `host`, a byte of a mapped range.
+  void* device_pointer(void* host) const;
   ~PinnedRange();
   PinnedRange(PinnedRange&& other) noexcept;
   PinnedRange& operator=(PinnedRange&& other) noexcept;
@@ -122,6 +125,13 @@ void use_device(int device);
 // The current CUDA stream of `device` (LibTorch's), as a cudaStream_t.
 void* current_stream(int device);
 void synchronize_stream(void* stream);
+// Orders `stream`'s later work after what `earlier` has enqueued so far.
+void stream_after(void* stream, void* earlier);
+// [Stream-ordered hand-off]: the driver's 32-bit stream memory operations on a word the GPU
+// addresses (a mapped PinnedRange's device_pointer). The write is fenced after the stream's
+// earlier work; the wait holds the stream until the word reaches `value` (modulo 2^32).
+void write_value_on_stream(void* stream, void* word, uint32_t value);
+void wait_value_on_stream(void* stream, void* word, uint32_t value);
 // cudaMemcpyAsync device to device on `stream`: what a payload copy needs, without ATen's
 // per-operation overhead (a few microseconds per call, on every base-layer call).
 void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream);

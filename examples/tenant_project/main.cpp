@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
     optimizer.zero_grad();
     auto loss = symbiosis::causal_lm_loss(model.forward(ids, {}), ids);
     loss.backward();
+    model.settle();  // every base-layer call answered: see Client::settle
     optimizer.step();
     (step == 0 ? first : last) = loss.item<double>();
   }

@@ -58,10 +58,11 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, SameGpuExactness, ::testing::Values("fp32", "bf
 // The executor in this process on cuda:0; clients as processes.
 class GpuExecutorWithClientProcesses : public ::testing::Test {
  protected:
-  void start(const std::string& policy = "opportunistic") {
+  void start(const std::string& policy = "opportunistic", uint64_t max_request_bytes = 0) {
     dir_ = testing::make_checkpoint("tiny-llama");
     ExecutorOptions options;
     options.device = "cuda:0";
+    if (max_request_bytes > 0) options.max_request_bytes = max_request_bytes;
     options.batching.policy = parse_batching_policy(policy);
     options.batching.lockstep_timeout = std::chrono::milliseconds(300);
     executor_ = testing::start_executor(dir_, options);
@@ -95,6 +96,9 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
       client("cuda:0", "cuda-ipc", exact({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1"})),
       client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2",
                                           "--targets", "all-linear"})),
+      // Headers over ZeroMQ: ordered by interprocess events instead of the control segment's flags.
+      client("cuda:0", "cuda-ipc", exact({"--rank", "8", "--batch", "2", "--seq", "12", "--seed", "5",
+                                          "--control", "zmq"})),
       client("cpu", "shm", cross_device({"--rank", "8", "--batch", "3", "--seq", "8", "--seed", "3"})),
       client("cpu", "tcp", cross_device({"--rank", "2", "--batch", "1", "--seq", "5", "--seed", "4"})),
   })) << "a client's split run differed from its monolithic run (see its output above)";
@@ -129,6 +133,19 @@ TEST_F(GpuExecutorWithClientProcesses, ExecutorGpuMemoryStaysFlatFromOneToEightC
   const size_t used_after = testing::gpu_memory_used(0);
   EXPECT_LE(used_after, used_before + (size_t{16} << 20))
       << "GPU memory in use grew from " << used_before << " to " << used_after << " bytes";
+}
+
+// [Stream-ordered hand-off]: a call the executor refuses returns before the refusal arrives. Its
+// client's GPU must not wait forever for the result, and the error must reach the client before
+// its optimizer step (Client::settle), ending its run; the others go on, exact.
+TEST_F(GpuExecutorWithClientProcesses, ARefusedOrderedCallFailsItsClientAndOthersStayExact) {
+  SKIP_WITHOUT_GPUS(1);
+  // tiny-llama's widest input row is 1 KiB (fp32, 256 features): 16 KiB admits 16 tokens.
+  start("opportunistic", size_t{16} << 10);
+  const pid_t refused = testing::spawn(client("cuda:0", "cuda-ipc", {"--batch", "2", "--seq", "64", "--steps", "2"}));
+  EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--verify", "--batch", "1", "--seq", "8", "--steps", "3"})}));
+  EXPECT_FALSE(testing::exited_ok(refused)) << "a client whose calls were refused finished its run";
+  EXPECT_GT(executor_->stats().errors, 0u);
 }
 
 TEST_F(GpuExecutorWithClientProcesses, AKilledClientLeaksNoGpuMemoryAndOthersStayExact) {
