@@ -1,8 +1,9 @@
 #pragma once
 // Internal to the executor: its end of one client whose payload does not travel in ZeroMQ frames.
 // A channel owns the executor's mapping of the client's payload: a host shared-memory segment
-// ("shm"), a CUDA IPC device buffer and two interprocess events ("cuda-ipc"), or a 2-rank NCCL
-// communicator ("nccl"); and the client's control: its control segment ([Shared-memory control
+// ("shm"), a CUDA IPC device buffer with the control segment's flags or two interprocess events
+// ("cuda-ipc"), or a 2-rank NCCL communicator ("nccl"); and the client's control: its control
+// segment ([Shared-memory control
 // channel] in transport/call_ring.h) on this host, or, for a client on another host (nccl) or one
 // that asked for it, ZeroMQ (control_over_zmq): headers come as Requests without a payload frame
 // and replies go back as Replies.

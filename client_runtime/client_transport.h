@@ -8,7 +8,8 @@
 //    host ([Shared-memory control channel] in transport/call_ring.h), or as ZeroMQ Requests without
 //    a payload frame (from another host, or with ClientOptions::control "zmq"); payloads in a
 //    host shared-memory buffer (shm), in a cudaMalloc'd device buffer shared through CUDA IPC
-//    with interprocess events ordering the two processes' streams (cuda-ipc), or sent and
+//    with the two processes' streams ordered on the GPU ([Stream-ordered hand-off] in
+//    transport/call_ring.h; interprocess events when headers go over ZeroMQ) (cuda-ipc), or sent and
 //    received over a 2-rank NCCL communicator (nccl).
 #include <ATen/ATen.h>
 
