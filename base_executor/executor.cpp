@@ -668,14 +668,11 @@ bool Executor::Impl::poll_channels() {
   for (auto it = channels.begin(); it != channels.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
+    // A call is checked once its input is ready, so that a refusal, which releases the client's
+    // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it.
     while (auto header = channel->next_request()) {
-      if (header->sequence != 0 && channel->orders_by_flags()) {
-        channel->wait_for_input(*header);  // validated once it is taken up: see [Stream-ordered hand-off]
-      } else {
-        accept_channel_call(channel, *header, {header->tokens, header->features});
-      }
+      accept_channel_call(channel, *header, {header->tokens, header->features});
     }
-    while (auto header = channel->next_ready()) accept_channel_call(channel, *header, {header->tokens, header->features});
     holding = channel->waiting() || holding;
     it = channel->broken() ? channels.erase(it) : std::next(it);
   }

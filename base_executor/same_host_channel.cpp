@@ -33,17 +33,18 @@ void SameHostChannel::deliver(const shm::CallHeader&, const at::Tensor&) {
 
 std::optional<shm::CallHeader> SameHostChannel::next_request() {
   if (broken_) return std::nullopt;
-  bool corrupt = false;
-  auto record = block_->requests.pop_untrusted(&next_read_, &corrupt);
-  if (corrupt) {
-    spdlog::warn("client {}: its request ring is corrupt; dropping the client", client_id_);
-    broken_ = true;
+  // Held calls are bounded like the ring: a client runs at most twice its capacity ahead of its GPU.
+  while (waiting_.size() < shm::CallRing::kCapacity) {
+    bool corrupt = false;
+    auto record = block_->requests.pop_untrusted(&next_read_, &corrupt);
+    if (corrupt) {
+      spdlog::warn("client {}: its request ring is corrupt; dropping the client", client_id_);
+      broken_ = true;
+      return std::nullopt;
+    }
+    if (!record) break;
+    waiting_.push_back(record->header);
   }
-  if (!record) return std::nullopt;
-  return record->header;
-}
-
-std::optional<shm::CallHeader> SameHostChannel::next_ready() {
   if (waiting_.empty() || !input_ready(waiting_.front())) return std::nullopt;
   auto h = waiting_.front();
   waiting_.pop_front();
@@ -239,7 +240,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     if (h.sequence == 0) client_event_.make_stream_wait(cuda::current_stream(device_));
   }
   bool input_ready(const shm::CallHeader& h) const override {
-    return shm::reached(control_block()->inputs_ready.load(std::memory_order_acquire), h.sequence);
+    return h.sequence == 0 || shm::reached(control_block()->inputs_ready.load(std::memory_order_acquire), h.sequence);
   }
   // The client's stream waits for a numbered call's result, which will not come: let it go on.
   void after_refusal(const shm::CallHeader& h) override {

@@ -60,17 +60,16 @@ class SameHostChannel {
   // setup_done() says when it is finished. Throws naming the problem.
   virtual void setup_nccl(const proto::NcclSetup& setup);
   virtual bool setup_done() { return true; }
-  // The next request header the client pushed, or nullopt. After a corrupt ring, broken() is true
-  // (any thread may ask; the IO thread then forgets the client).
+  // The oldest request header the client pushed whose input is ready to read, or nullopt. A call
+  // numbered for the [Stream-ordered hand-off] (transport/call_ring.h) waits here until the
+  // client's GPU has written its input, and the calls after it wait behind it. After a corrupt
+  // ring, broken() is true (any thread may ask; the IO thread then forgets the client).
   std::optional<shm::CallHeader> next_request();
-  bool broken() const { return broken_; }
-  // [Stream-ordered hand-off] in transport/call_ring.h. Whether this transport answers a numbered
-  // call (sequence != 0) by its flag; a numbered call waits (wait_for_input) until next_ready()
-  // hands it over, oldest first, once the client's GPU has written its input.
-  virtual bool orders_by_flags() const { return false; }
-  void wait_for_input(const shm::CallHeader& h) { waiting_.push_back(h); }
-  std::optional<shm::CallHeader> next_ready();
+  // Calls pushed but not yet handed out: their inputs are about to be written.
   bool waiting() const { return !waiting_.empty(); }
+  bool broken() const { return broken_; }
+  // Whether this transport answers a numbered call (sequence != 0) by its flag, not by a reply.
+  virtual bool orders_by_flags() const { return false; }
   // Any thread: the payload's connection reports the client gone (NCCL to a peer that died).
   virtual bool failed() const { return false; }
   // Checks the call's payload against what the client registered; "" when fine.
@@ -107,7 +106,7 @@ class SameHostChannel {
   SameHostChannel(std::string kind, uint64_t client_id);
   // refuse() has answered: what the transport must do about the call's payload.
   virtual void after_refusal(const shm::CallHeader&) {}
-  // Whether the client's GPU has written the input of numbered call `h`.
+  // Whether the client's GPU has written the input of call `h`.
   virtual bool input_ready(const shm::CallHeader&) const { return true; }
   shm::SharedMemory& control_memory() { return control_; }
   shm::ControlBlock* control_block() const { return block_; }
@@ -122,7 +121,7 @@ class SameHostChannel {
   shm::ControlBlock* block_ = nullptr;
   uint64_t next_read_ = 0;
   std::atomic<bool> broken_{false};
-  std::deque<shm::CallHeader> waiting_;  // numbered calls whose input is not written yet, oldest first
+  std::deque<shm::CallHeader> waiting_;  // calls taken from the ring, not yet handed out; oldest first
   zmq::context_t* zmq_context_ = nullptr;  // set by control_over_zmq
   std::string replies_endpoint_, identity_;
   std::unique_ptr<zmq::socket_t> replies_;  // made on the compute thread at the first reply

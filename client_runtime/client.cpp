@@ -60,9 +60,15 @@ class Client::Impl {
   at::Tensor call(const LayerInfo& layer, proto::Op op, const at::Tensor& x) {
     // One scope per call for profilers (LibTorch's RecordFunction): free while none listens.
     RECORD_FUNCTION("symbiosis::executor_call", c10::ArrayRef<const c10::IValue>{});
+    // Checked here as the executor would, for every transport: the refusal of a call ordered on
+    // the GPU ([Stream-ordered hand-off]) would reach the caller only at its next call.
+    const bool backward = op == proto::BACKWARD_INPUT;
+    const int64_t features = backward ? layer.out_features : layer.in_features;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == features && x.scalar_type() == layer.dtype, "layer '", layer.name, "' (",
+                backward ? "backward" : "forward", ") takes [tokens, ", features, "] in ", layer.dtype, ", got ",
+                x.sizes(), " in ", x.scalar_type());
     std::lock_guard<std::mutex> lock(call_mutex);
-    CallSpec spec{&layer, op, next_request_id++, latency.load(),
-                  op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features};
+    CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
     calls++;
     return transport->call(spec, x);
   }

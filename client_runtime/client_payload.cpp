@@ -124,8 +124,9 @@ class CudaIpcPayload : public RegisteredBuffer {
     inputs_ready_ = control_pin_.device_pointer(&block->inputs_ready);
     return true;
   }
-  void announce_input(uint32_t sequence) override { cuda::write_value_on_stream(use_stream(), inputs_ready_, sequence); }
-  void await_result(uint32_t sequence) override { cuda::wait_value_on_stream(use_stream(), results_ready_, sequence); }
+  // On the stream send_input just used.
+  void announce_input(uint32_t sequence) override { cuda::write_value_on_stream(stream_, inputs_ready_, sequence); }
+  void await_result(uint32_t sequence) override { cuda::wait_value_on_stream(stream_, results_ready_, sequence); }
 
  protected:
   void allocate(uint64_t bytes) override { next_ = cuda::DeviceBuffer::allocate(device_, bytes); }

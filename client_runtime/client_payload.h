@@ -39,9 +39,10 @@ class ClientPayload {
   // the flags of the control segment `control` (which it then pins for its GPU); if so, each call
   // goes send_input, announce_input, await_result, receive_output, and nothing waits on the host.
   virtual bool order_through(shm::SharedMemory&) { return false; }
-  // The GPU writes `sequence` into inputs_ready once the input sent before is written.
+  // Right after send_input, on its stream: the GPU writes `sequence` into inputs_ready once the
+  // input is written ...
   virtual void announce_input(uint32_t) {}
-  // The GPU holds later work until results_ready reaches `sequence`.
+  // ... and holds later work until results_ready reaches `sequence`.
   virtual void await_result(uint32_t) {}
 };
 

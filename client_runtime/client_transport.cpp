@@ -155,7 +155,6 @@ class PayloadTransport : public ClientTransport {
     const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
     const uint64_t bytes = align_up(in_bytes) + out_bytes;
     if (ordered_) {
-      check_call(spec, x);
       raise_errors();
       if (!payload_->fits(bytes)) settle();  // a larger buffer replaces the one the calls in flight use
     }
@@ -209,16 +208,6 @@ class PayloadTransport : public ClientTransport {
     proto::ErrorCode code;
     std::string message;
   };
-
-  // Checked here as the executor would: a numbered call's refusal would come back only later.
-  static void check_call(const CallSpec& spec, const at::Tensor& x) {
-    const auto& layer = *spec.layer;
-    const bool backward = spec.op == proto::BACKWARD_INPUT;
-    const int64_t features = backward ? layer.out_features : layer.in_features;
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == features && x.scalar_type() == layer.dtype, "layer '", layer.name, "' (",
-                backward ? "backward" : "forward", ") takes [tokens, ", features, "] in ", layer.dtype, ", got ",
-                x.sizes(), " in ", x.scalar_type());
-  }
 
   // Waits until ready() holds, at most the call timeout: spins first, then naps.
   template <typename Ready>

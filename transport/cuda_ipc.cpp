@@ -207,7 +207,8 @@ void InterprocessEvent::make_stream_wait(void* stream) const {
 }
 
 PinnedRange::PinnedRange(void* data, size_t bytes, bool mapped) {
-  SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, mapped ? cudaHostRegisterMapped | cudaHostRegisterPortable : cudaHostRegisterDefault));
+  const unsigned flags = mapped ? cudaHostRegisterMapped | cudaHostRegisterPortable : cudaHostRegisterDefault;
+  SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, flags));
   data_ = data;
 }
 

@@ -287,6 +287,9 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.in_offset = uint64_t{1} << 63; }), "lies outside"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 0; }), "input and output regions overlap"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 250; }), "multiples of 16 bytes"));
+  // Only a cuda-ipc call is answered by a flag ([Stream-ordered hand-off]).
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.sequence = 7; }),
+                       "is numbered (sequence 7), but a shm call is answered by reply: send it with sequence 0"));
   // Every error named its request and layer; the executor still serves this client and others.
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.features = 5; }), "for layer 1 (model.layers.0.self_attn.q_proj)"));
   EXPECT_EQ(peer.error_of([](shm::CallHeader&) {}), "");
@@ -298,6 +301,41 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   auto stale = peer.register_buffer(1);
   ASSERT_TRUE(stale.has_error());
   EXPECT_TRUE(contains(stale.error().message(), "RegisterBuffer generation 1, expected 2")) << stale.error().message();
+}
+
+// A call the layer cannot take is refused by the client before it leaves, with the executor's
+// reasons, whatever the transport (a call ordered on the GPU would hear the executor's refusal only
+// at its next call); the client goes on serving good calls.
+TEST_F(SameHostTest, ACallOfTheWrongShapeOrDtypeIsRefusedByTheClientNamingTheLayer) {
+  for (const std::string transport : {"shm", "tcp"}) {
+    SCOPED_TRACE(transport);
+    auto client = connect(transport);
+    const auto& q = *client->find_layer("model.layers.0.self_attn.q_proj");
+    auto message_of = [&](const std::function<void()>& call) -> std::string {
+      try {
+        call();
+      } catch (const c10::Error& e) {
+        return e.what_without_backtrace();
+      }
+      return "";
+    };
+    const auto calls = client->calls();
+    EXPECT_NE(message_of([&] { client->forward(q, at::randn({2, 5}), true); })
+                  .find("layer 'model.layers.0.self_attn.q_proj' (forward) takes [tokens, 4] in Float, got [2, 5] in "
+                        "Float"),
+              std::string::npos);
+    EXPECT_NE(message_of([&] { client->backward_input(q, at::randn({2, 4})); })
+                  .find("(backward) takes [tokens, 8] in Float, got [2, 4]"),
+              std::string::npos);
+    EXPECT_NE(message_of([&] { client->forward(q, at::randn({2, 4}, at::kDouble), true); })
+                  .find("takes [tokens, 4] in Float, got [2, 4] in Double"),
+              std::string::npos);
+    EXPECT_NE(message_of([&] { client->forward(q, at::randn({4}), true); }).find("got [4] in Float"),
+              std::string::npos);
+    EXPECT_EQ(client->calls(), calls) << "a refused call reached the executor";
+    const auto x = at::randn({2, 4});
+    EXPECT_TRUE(at::allclose(client->forward(q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
+  }
 }
 
 // Control "zmq": the payload stays in shared memory, the headers go over ZeroMQ (as an nccl client's

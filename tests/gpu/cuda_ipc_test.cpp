@@ -143,7 +143,8 @@ TEST_F(GpuExecutorWithClientProcesses, ARefusedOrderedCallFailsItsClientAndOther
   // tiny-llama's widest input row is 1 KiB (fp32, 256 features): 16 KiB admits 16 tokens.
   start("opportunistic", size_t{16} << 10);
   const pid_t refused = testing::spawn(client("cuda:0", "cuda-ipc", {"--batch", "2", "--seq", "64", "--steps", "2"}));
-  EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--verify", "--batch", "1", "--seq", "8", "--steps", "3"})}));
+  EXPECT_TRUE(
+      testing::run_all({client("cuda:0", "cuda-ipc", {"--verify", "--batch", "1", "--seq", "8", "--steps", "3"})}));
   EXPECT_FALSE(testing::exited_ok(refused)) << "a client whose calls were refused finished its run";
   EXPECT_GT(executor_->stats().errors, 0u);
 }
