@@ -25,7 +25,12 @@
 #include "common/checkpoint.h"
 #include "transport/zmq_wire.h"
 #ifdef SYMBIOSIS_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+
+#include <atomic>
+
 #include "kernels/direct_gemm.h"
+#include "kernels/few_rows_gemm.h"
 #include "transport/cuda_ipc.h"
 #endif
 
@@ -103,9 +108,11 @@ void time_primitives(at::Device device, at::ScalarType type, int64_t hidden, int
     cuda::synchronize_stream(stream);
     std::printf("  %-48s %7.2f\n", what, percentile(us, 50));
   };
-  measure("at::mm, 1 token", [&] { at::mm(x, weight.t()); });
-  measure("at::mm_out into a given tensor, 1 token", [&] { at::mm_out(out, x, weight.t()); });
-  measure("cublasGemmEx directly (the executor's GEMM), 1 token", [&] { cuda::gemm_into(x, weight.t(), out); });
+  const auto matrix = weight.t();  // a Linear's forward operand
+  measure("at::mm, 1 token", [&] { at::mm(x, matrix); });
+  measure("at::mm_out into a given tensor, 1 token", [&] { at::mm_out(out, x, matrix); });
+  measure("cublasGemmEx directly, 1 token", [&] { cuda::cublas_gemm_into(x, matrix, out); });
+  measure("few-row kernel (the executor's GEMM), 1 token", [&] { cuda::gemm_into(x, matrix, out); });
   measure("at::from_blob over device memory", [&] { at::from_blob(buffer.data(), {1, hidden}, opts); });
   measure("at::empty, 1 row", [&] { at::empty({1, hidden}, opts); });
   measure("cudaMemcpyAsync device to device, 1 row",
@@ -119,6 +126,31 @@ void time_primitives(at::Device device, at::ScalarType type, int64_t hidden, int
   void* word = pinned.device_pointer(page.get());
   measure("cuStreamWriteValue32, mapped host word", [&] { cuda::write_value_on_stream(stream, word, 1); });
   measure("cuStreamWaitValue32, mapped host word (met)", [&] { cuda::wait_value_on_stream(stream, word, 1); });
+  // GPU time of a product, the host out of the way: the stream waits on a word while 100 products
+  // are enqueued behind the wait, then runs them back to back between two events.
+  auto& gate = *static_cast<std::atomic<uint32_t>*>(page.get());
+  auto gpu_us = [&](const std::function<void()>& op) {
+    constexpr int kProducts = 100;
+    gate.store(0);
+    cuda::wait_value_on_stream(stream, word, 1);
+    at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
+    start.record();
+    for (int i = 0; i < kProducts; ++i) op();
+    end.record();
+    gate.store(1);
+    end.synchronize();
+    return start.elapsed_time(end) * 1000.0 / kProducts;
+  };
+  std::printf("GPU time of one product [tokens, %ld] x [%ld, %ld], mean of 100 back to back (us):\n", hidden, hidden,
+              hidden);
+  for (int64_t tokens = 1; tokens <= kernels::kFewRowsMax; tokens *= 2) {
+    const auto rows = at::randn({tokens, hidden}, opts);
+    auto result = at::empty({tokens, hidden}, opts);
+    std::printf("  %-48s %7.2f\n", ("cublasGemmEx, " + std::to_string(tokens) + " tokens").c_str(),
+                gpu_us([&] { cuda::cublas_gemm_into(rows, matrix, result); }));
+    std::printf("  %-48s %7.2f\n", ("few-row kernel, " + std::to_string(tokens) + " tokens").c_str(),
+                gpu_us([&] { kernels::few_rows_gemm(rows, matrix, result); }));
+  }
 }
 #endif
 

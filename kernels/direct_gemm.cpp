@@ -1,5 +1,7 @@
 #include "kernels/direct_gemm.h"
 
+#include "kernels/few_rows_gemm.h"
+
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublas_v2.h>
@@ -45,6 +47,10 @@ cudaDataType_t data_type(at::ScalarType t) {
 }  // namespace
 
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
+  return kernels::few_rows_gemm(x, matrix, out) || cublas_gemm_into(x, matrix, out);
+}
+
+bool cublas_gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   const auto type = x.scalar_type();
   if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf) return false;
   if (!x.is_cuda() || matrix.device() != x.device() || out.device() != x.device()) return false;

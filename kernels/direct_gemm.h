@@ -6,7 +6,8 @@
 // --primitives): at::mm_out 9.5–14.2 µs, cublasGemmEx called directly 8.0–11.6 µs. gemm_into
 // enqueues the same cublasGemmEx that ATen reaches (fp32 accumulation; TF32 and reduced-precision
 // reductions as ATen's global settings say) through a cuBLAS handle of the calling thread's own
-// for its current stream.
+// for its current stream. A forward product of a few tokens goes to a kernel of our own instead
+// ([Few-row GEMM] in kernels/few_rows_gemm.h), which takes less host time to enqueue.
 #include <ATen/ATen.h>
 
 namespace symbiosis::cuda {
@@ -14,6 +15,9 @@ namespace symbiosis::cuda {
 // out = x · matrix for x [M, K] contiguous, matrix [K, N] contiguous or the transpose of a
 // contiguous [N, K], out [M, N] contiguous, all on one CUDA device (the current one) in one dtype
 // (fp32, bf16 or fp16). Returns false, doing nothing, for anything else (the caller then uses ATen).
+// Few rows of x times a Linear's forward operand: [Few-row GEMM]; anything else: cuBLAS.
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out);
+// The same, always through cublasGemmEx.
+bool cublas_gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out);
 
 }  // namespace symbiosis::cuda

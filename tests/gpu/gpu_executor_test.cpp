@@ -3,6 +3,7 @@
 // cuBLAS GEMM; and the batch packing kernel. Skipped, with a message saying so, where there is no GPU.
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
+#include "kernels/few_rows_gemm.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace symbiosis {
@@ -92,6 +93,47 @@ TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
   auto ints = at::empty({4, 8}, options.dtype(at::kInt));
   EXPECT_FALSE(cuda::gemm_into(at::ones({4, 16}, options.dtype(at::kInt)), at::ones({16, 8}, options.dtype(at::kInt)),
                                ints));
+}
+
+// [Few-row GEMM]: a forward product of 1 to kFewRowsMax tokens equals ATen's within the dtype's
+// tolerance, for widths that are and are not a multiple of the kernel's 32 lanes' vectors, a
+// weight of more columns than one grid row of blocks, and an output whose columns are not a
+// multiple of a block's; gemm_into takes it that way, and what the kernel does not take
+// (more rows, the backward layout, an unaligned row) goes to cuBLAS, still equal to ATen.
+TEST(FewRowsGemmTest, EqualsAtenForEachNumberOfTokensDtypeAndShape) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(12);
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    for (const auto& [in, out_features] : std::vector<std::pair<int64_t, int64_t>>{{64, 96}, {2048, 2051}, {8200, 40}}) {
+      const auto weight = at::randn({out_features, in}, options) * 0.05;  // [out, in]
+      for (int64_t tokens = 1; tokens <= kernels::kFewRowsMax; ++tokens) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + ", [" + std::to_string(out_features) + ", " +
+                     std::to_string(in) + "], " + std::to_string(tokens) + " tokens");
+        const auto x = at::randn({tokens, in}, options);
+        auto out = at::full({tokens, out_features}, 7.0, options);
+        ASSERT_TRUE(kernels::few_rows_gemm(x, weight.t(), out));
+        const auto expected = at::mm(x.to(at::kDouble), weight.t().to(at::kDouble));
+        // Against a float64 product: fp32 sums of 8 200 terms, or the dtype's own rounding.
+        const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+        EXPECT_TRUE(at::allclose(out.to(at::kDouble), expected, tolerance, tolerance))
+            << "max difference " << (out.to(at::kDouble) - expected).abs().max().item<double>();
+        expect_like_aten(x, weight.t(), at::empty({tokens, out_features}, options));
+      }
+    }
+  }
+  const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto weight = at::randn({96, 64}, options);
+  constexpr int64_t kTooMany = kernels::kFewRowsMax + 1;
+  auto out = at::empty({kTooMany, 96}, options);
+  EXPECT_FALSE(kernels::few_rows_gemm(at::randn({kTooMany, 64}, options), weight.t(), out));
+  expect_like_aten(at::randn({kTooMany, 64}, options), weight.t(), out);
+  auto backward_out = at::empty({1, 64}, options);
+  EXPECT_FALSE(kernels::few_rows_gemm(at::randn({1, 96}, options), weight, backward_out));  // g·W
+  const auto unaligned = at::randn({65}, options).narrow(0, 1, 64).view({1, 64});
+  auto one_row = at::empty({1, 96}, options);
+  EXPECT_FALSE(kernels::few_rows_gemm(unaligned, weight.t(), one_row));
+  expect_like_aten(unaligned, weight.t(), one_row);
 }
 
 TEST(BatchedCopyKernelTest, PacksAndUnpacksLikeCatAndSplitForAnySizes) {
