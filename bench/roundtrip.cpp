@@ -172,7 +172,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--json", json_out, "also write the results here");
   bool primitives = false;
-  app.add_flag("--primitives", primitives, "also time the host side of each CUDA operation a call is made of (GPU client)");
+  app.add_flag("--primitives", primitives,
+               "also time the host side of each CUDA operation a call is made of, and the executor's GEMMs' GPU time "
+               "(GPU client)");
   CLI11_PARSE(app, argc, argv);
   try {
     char dir_template[] = "/tmp/symbiosis-bench-XXXXXX";

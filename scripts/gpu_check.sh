@@ -8,7 +8,7 @@
 #   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
 #   roundtrip      per-layer round trip of each transport, with and without MPS
 #   roundtrip-ipc  the CUDA IPC round trip alone under MPS, three runs, with the host time of its parts
-#   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8, against both baselines, under MPS
+#   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8 (or COUNTS), against both baselines, under MPS
 #   bench-128      the same at batch 1 x 128
 #   bench-128-ends the same at N = 1 and 8 only
 #   patched        the scenario in SCENARIO with the JSON in PATCH merged over its top level
@@ -16,7 +16,7 @@
 #   op-profile     where one 1B client's host time goes ([Op profile] in bench/bench_client.cpp): split
 #                  (CUDA IPC) and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
-#   bench-nomps    both shapes at N = 8 (and 1), every process without MPS
+#   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs, with
 #                  PyTorch's default allocator settings and then with expandable segments (every process)
@@ -153,7 +153,8 @@ for stage in "$@"; do
     bench-512|bench-128)
       make_1b
       mps_on
-      bench "${stage#bench-}" "bench/scenarios/gpu_llama1b_${stage#bench-}.json" --checkpoint $model_1b
+      bench "${stage#bench-}" "bench/scenarios/gpu_llama1b_${stage#bench-}.json" --checkpoint $model_1b \
+        --counts "${COUNTS:-1,2,4,8}"
       mps_off
       ;;
     bench-128-ends)
@@ -218,7 +219,7 @@ PY
       make_1b
       mps_off
       bench nomps-512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 1,8
-      bench nomps-128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
+      bench nomps-128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 1,8
       ;;
     capacity-13b)
       wait_13b

@@ -25,13 +25,14 @@ LoraConfig same_gpu_lora() {
   return lora;
 }
 
-// (dtype, control): headers through the control segment order calls by its flags ([Stream-ordered
-// hand-off]); headers over ZeroMQ, by interprocess events.
-class SameGpuExactness : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+// (dtype, control, batch, sequence): headers through the control segment order calls by its flags
+// ([Stream-ordered hand-off]); headers over ZeroMQ, by interprocess events. A batch of 1 × 3
+// tokens runs each forward product through the executor's [Few-row GEMM].
+class SameGpuExactness : public ::testing::TestWithParam<std::tuple<std::string, std::string, int64_t, int64_t>> {};
 
 TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   SKIP_WITHOUT_GPUS(1);
-  const auto& [dtype_name, control] = GetParam();
+  const auto& [dtype_name, control, batch, sequence] = GetParam();
   const auto dtype = parse_dtype_name(dtype_name);
   const double tolerance = dtype == at::kFloat ? 1e-5 : 5e-2;
   const auto dir = testing::make_checkpoint("tiny-llama");
@@ -49,7 +50,7 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   const auto lora = testing::lora_adapter(same_gpu_lora());
   auto split = testing::make_training_run(*checkpoint, client, lora, on_gpu, 1e-3, 21);
   auto mono = testing::make_training_run(*checkpoint, nullptr, lora, on_gpu, 1e-3, 21);
-  auto ids = at::randint(0, 200, {3, 24}, at::kLong).to(at::kCUDA);
+  auto ids = at::randint(0, 200, {batch, sequence}, at::kLong).to(at::kCUDA);
   testing::expect_same_training(split, mono, ids, 3, tolerance);
   EXPECT_GT(client->calls(), 3u * client->layers().size() + 3u);  // forward each step, and backward
   client.reset();
@@ -57,8 +58,11 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndControls, SameGpuExactness,
-                         ::testing::Values(std::make_tuple("fp32", "auto"), std::make_tuple("bf16", "auto"),
-                                           std::make_tuple("fp32", "zmq")));
+                         ::testing::Values(std::make_tuple("fp32", "auto", 3, 24),
+                                           std::make_tuple("bf16", "auto", 3, 24),
+                                           std::make_tuple("fp32", "zmq", 3, 24),
+                                           std::make_tuple("fp32", "auto", 1, 3),
+                                           std::make_tuple("bf16", "auto", 1, 3)));
 
 // The executor in this process on cuda:0; clients as processes.
 class GpuExecutorWithClientProcesses : public ::testing::Test {

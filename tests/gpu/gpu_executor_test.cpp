@@ -105,7 +105,8 @@ TEST(FewRowsGemmTest, EqualsAtenForEachNumberOfTokensDtypeAndShape) {
   at::manual_seed(12);
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-    for (const auto& [in, out_features] : std::vector<std::pair<int64_t, int64_t>>{{64, 96}, {2048, 2051}, {8200, 40}}) {
+    const std::vector<std::pair<int64_t, int64_t>> shapes{{64, 96}, {2048, 2051}, {8200, 40}};  // [in, out]
+    for (const auto& [in, out_features] : shapes) {
       const auto weight = at::randn({out_features, in}, options) * 0.05;  // [out, in]
       for (int64_t tokens = 1; tokens <= kernels::kFewRowsMax; ++tokens) {
         SCOPED_TRACE(std::string(c10::toString(dtype)) + ", [" + std::to_string(out_features) + ", " +
