@@ -80,7 +80,8 @@ TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_pt
 }
 
 void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance,
-                          const at::Tensor& attention_mask, const at::Tensor& labels) {
+                          const at::Tensor& attention_mask, const at::Tensor& labels,
+                          std::optional<double> adapter_tolerance) {
   ASSERT_FALSE(split.adapter.empty());
   ASSERT_EQ(split.adapter.size(), mono.adapter.size());
   const at::Tensor& targets = labels.defined() ? labels : ids;
@@ -104,7 +105,8 @@ void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tenso
     mono.optimizer->step();
   }
   for (size_t i = 0; i < split.adapter.size(); ++i) {
-    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), tolerance) << "adapter tensor " << i;
+    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), adapter_tolerance.value_or(tolerance))
+        << "adapter tensor " << i;
   }
 }
 

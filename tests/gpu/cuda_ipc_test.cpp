@@ -12,6 +12,7 @@
 #include "client_runtime/causal_lm.h"
 #include "client_runtime/lora.h"
 #include "client_runtime/training.h"
+#include "kernels/few_rows_gemm.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace symbiosis {
@@ -51,7 +52,14 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   auto split = testing::make_training_run(*checkpoint, client, lora, on_gpu, 1e-3, 21);
   auto mono = testing::make_training_run(*checkpoint, nullptr, lora, on_gpu, 1e-3, 21);
   auto ids = at::randint(0, 200, {batch, sequence}, at::kLong).to(at::kCUDA);
-  testing::expect_same_training(split, mono, ids, 3, tolerance);
+  // A few tokens' forward products run through the executor's [Few-row GEMM], whose sums run in
+  // another order than the monolithic client's cuBLAS: logits, losses and gradients agree within
+  // the tolerance at every step, and AdamW's sign-like steps grow their last bits to 1.8e-5 in the
+  // fp32 adapters after three steps (an H200), held to 1e-4. More tokens go through the cuBLAS
+  // call the monolithic client makes.
+  const bool few_rows = batch * sequence <= kernels::kFewRowsMax;
+  testing::expect_same_training(split, mono, ids, 3, tolerance, {}, {},
+                                few_rows ? std::optional<double>(std::max(tolerance, 1e-4)) : std::nullopt);
   EXPECT_GT(client->calls(), 3u * client->layers().size() + 3u);  // forward each step, and backward
   client.reset();
   bench::stop(executor.pid);
