@@ -3,10 +3,9 @@
 // A channel owns the executor's mapping of the client's payload: a host shared-memory segment
 // ("shm"), a CUDA IPC device buffer with the control segment's flags or two interprocess events
 // ("cuda-ipc"), or a 2-rank NCCL communicator ("nccl"); and the client's control: its control
-// segment ([Shared-memory control
-// channel] in transport/call_ring.h) on this host, or, for a client on another host (nccl) or one
-// that asked for it, ZeroMQ (control_over_zmq): headers come as Requests without a payload frame
-// and replies go back as Replies.
+// segment ([Shared-memory control channel] in transport/call_ring.h) on this host, or, for a
+// client on another host (nccl) or one that asked for it, ZeroMQ (control_over_zmq): headers come
+// as Requests without a payload frame and replies go back as Replies.
 //
 // Threads: the IO thread creates a channel at the handshake; from then on only the compute thread
 // touches it (it polls the request ring, registers buffers, reads inputs, writes results,

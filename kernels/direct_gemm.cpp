@@ -1,13 +1,14 @@
 #include "kernels/direct_gemm.h"
 
-#include "kernels/few_rows_gemm.h"
-
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublas_v2.h>
 
 #include <memory>
 #include <unordered_map>
+
+#include "kernels/few_rows_gemm.h"
+#include "kernels/gemm_operands.h"
 
 namespace symbiosis::cuda {
 namespace {
@@ -47,18 +48,15 @@ cudaDataType_t data_type(at::ScalarType t) {
 }  // namespace
 
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
-  return kernels::few_rows_gemm(x, matrix, out) || cublas_gemm_into(x, matrix, out);
+  // Most calls carry many tokens: they skip the few-row kernel's checks.
+  if (x.dim() == 2 && x.size(0) <= kernels::kFewRowsMax && kernels::few_rows_gemm(x, matrix, out)) return true;
+  return cublas_gemm_into(x, matrix, out);
 }
 
 bool cublas_gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
+  if (!kernels::gemm_operands(x, matrix, out)) return false;
   const auto type = x.scalar_type();
-  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf) return false;
-  if (!x.is_cuda() || matrix.device() != x.device() || out.device() != x.device()) return false;
-  if (x.dim() != 2 || matrix.dim() != 2 || out.dim() != 2) return false;
-  if (matrix.scalar_type() != type || out.scalar_type() != type) return false;
-  if (!x.is_contiguous() || !out.is_contiguous()) return false;
   const int64_t m = x.size(0), k = x.size(1), n = matrix.size(1);
-  if (matrix.size(0) != k || out.size(0) != m || out.size(1) != n) return false;
   // Column-major, as cuBLAS counts: outᵀ [n, m] = matrixᵀ · xᵀ, where x's rows are xᵀ's columns.
   cublasOperation_t op;
   int64_t ld;

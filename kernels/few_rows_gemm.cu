@@ -7,6 +7,8 @@
 
 #include <type_traits>
 
+#include "kernels/gemm_operands.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -110,12 +112,17 @@ void launch(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   const auto* x_data = static_cast<const T*>(x.data_ptr());
   const auto* weight = static_cast<const T*>(matrix.data_ptr());
   auto* out_data = static_cast<T*>(out.data_ptr());
+  // The kernel for the smallest bound that holds `rows`.
+  auto run = [&](auto bound) {
+    few_rows_kernel<T, decltype(bound)::value><<<blocks, threads, 0, stream>>>(x_data, weight, out_data, rows, n,
+                                                                                x.size(1));
+  };
   if (rows == 1) {
-    few_rows_kernel<T, 1><<<blocks, threads, 0, stream>>>(x_data, weight, out_data, rows, n, x.size(1));
+    run(std::integral_constant<int, 1>{});
   } else if (rows == 2) {
-    few_rows_kernel<T, 2><<<blocks, threads, 0, stream>>>(x_data, weight, out_data, rows, n, x.size(1));
+    run(std::integral_constant<int, 2>{});
   } else {
-    few_rows_kernel<T, kFewRowsMax><<<blocks, threads, 0, stream>>>(x_data, weight, out_data, rows, n, x.size(1));
+    run(std::integral_constant<int, kFewRowsMax>{});
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -123,18 +130,14 @@ void launch(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
 }  // namespace
 
 bool few_rows_gemm(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
-  const auto type = x.scalar_type();
-  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf) return false;
-  if (matrix.scalar_type() != type || out.scalar_type() != type) return false;
-  if (!x.is_cuda() || matrix.device() != x.device() || out.device() != x.device()) return false;
-  if (x.dim() != 2 || matrix.dim() != 2 || out.dim() != 2) return false;
+  if (!gemm_operands(x, matrix, out)) return false;
   const int64_t m = x.size(0), k = x.size(1), n = matrix.size(1);
-  if (m < 1 || m > kFewRowsMax || n < 1 || matrix.size(0) != k || out.size(0) != m || out.size(1) != n) return false;
+  if (m < 1 || m > kFewRowsMax || n < 1) return false;
   // matrix is Wᵀ for a row-major W [n, k]: its rows are W's columns, one stride apart.
-  if (!x.is_contiguous() || !out.is_contiguous() || matrix.stride(0) != 1 || matrix.stride(1) != k) return false;
+  if (matrix.stride(0) != 1 || matrix.stride(1) != k) return false;
   const auto element = x.element_size();
   if (!whole_vectors(x.data_ptr(), k, element) || !whole_vectors(matrix.data_ptr(), k, element)) return false;
-  switch (type) {
+  switch (x.scalar_type()) {
     case at::kFloat: launch<float>(x, matrix, out); break;
     case at::kBFloat16: launch<__nv_bfloat16>(x, matrix, out); break;
     default: launch<__half>(x, matrix, out); break;
