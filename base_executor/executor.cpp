@@ -149,7 +149,7 @@ class Executor::Impl {
   };
   std::vector<PendingSetup> pending_setups;  // NCCL communicators still joining
 
-  std::atomic<uint64_t> clients_now{0}, same_host_clients_now{0}, requests{0}, errors{0}, tokens{0};
+  std::atomic<uint64_t> clients_now{0}, same_host_clients_now{0}, requests{0}, errors{0}, tokens{0}, direct_calls{0};
   std::atomic<uint64_t> compute_nanos{0};
   std::atomic<uint64_t> deliver_nanos{0};  // the part of compute_nanos spent in deliver()
 
@@ -459,6 +459,7 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
       return;
     }
     case proto::Envelope::kRegisterBuffer:
+    case proto::Envelope::kShareSegments:
     case proto::Envelope::kNcclSetup: {
       if (client == clients.end() || !client->second.channel) {
         send_error(identity, 0, proto::FAILED_PRECONDITION,
@@ -472,6 +473,11 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
           if (env.has_register_buffer()) {
             proto::Envelope answer;
             *answer.mutable_buffer_registered() = channel->register_buffer(env.register_buffer());
+            wire::send_to(out, id, answer);
+          } else if (env.has_share_segments()) {
+            channel->share_segments(env.share_segments());
+            proto::Envelope answer;
+            answer.mutable_segments_shared();
             wire::send_to(out, id, answer);
           } else {
             channel->setup_nccl(env.nccl_setup());
@@ -498,8 +504,8 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
     }
     default:
       send_error(identity, 0, proto::MALFORMED,
-                 "unexpected message: the executor takes Hello, Request, RegisterBuffer, NcclSetup, Goodbye and "
-                 "StatsRequest",
+                 "unexpected message: the executor takes Hello, Request, RegisterBuffer, ShareSegments, NcclSetup, "
+                 "Goodbye and StatsRequest",
                  false);
   }
 }
@@ -548,6 +554,7 @@ proto::Stats Executor::Impl::collect_stats() {
   s.set_tokens(tokens);
   s.set_compute_seconds(compute_nanos * 1e-9);
   s.set_deliver_seconds(deliver_nanos * 1e-9);
+  s.set_direct_calls(direct_calls);
   s.set_policy(batching_policy_name(options.batching.policy));
   s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started).count());
   {
@@ -651,6 +658,7 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
     channel->refuse(h, code, problem);
     return;
   }
+  if (h.in_segment != 0 || h.out_segment != 0) direct_calls++;
   WorkBatcher::Request queued;
   queued.client_id = channel->client_id();
   queued.layer_id = h.layer_id;
@@ -993,8 +1001,8 @@ std::string Executor::endpoint() const { return impl_->endpoint; }
 const BaseModel& Executor::model() const { return *impl_->model; }
 
 ExecutorStats Executor::stats() const {
-  return {impl_->clients_now,  impl_->same_host_clients_now, impl_->requests, impl_->errors,
-          impl_->tokens,       impl_->compute_nanos * 1e-9};
+  return {impl_->clients_now, impl_->same_host_clients_now, impl_->requests,     impl_->errors,
+          impl_->tokens,      impl_->compute_nanos * 1e-9,     impl_->direct_calls};
 }
 
 void Executor::shutdown() {

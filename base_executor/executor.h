@@ -46,6 +46,7 @@ struct ExecutorStats {
   uint64_t errors = 0;    // answered with an error
   uint64_t tokens = 0;
   double compute_seconds = 0;
+  uint64_t direct_calls = 0;  // calls whose input or result lay in a client's shared segment ([Direct operands])
 };
 
 class Executor {

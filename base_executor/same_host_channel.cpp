@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <new>
+#include <unordered_map>
 
 #include "transport/cuda_ipc.h"
 #include "transport/zmq_wire.h"
@@ -21,6 +22,10 @@ SameHostChannel::~SameHostChannel() = default;
 
 void SameHostChannel::setup_nccl(const proto::NcclSetup&) {
   TORCH_CHECK(false, "NcclSetup on a ", kind_, " client: only nccl clients set up a communicator");
+}
+
+void SameHostChannel::share_segments(const proto::ShareSegments&) {
+  TORCH_CHECK(false, "ShareSegments from a ", kind_, " client: only cuda-ipc clients share segments");
 }
 
 void SameHostChannel::receive_into(const shm::CallHeader&, const at::Tensor&) {
@@ -94,22 +99,40 @@ void SameHostChannel::push_reply(const shm::CallHeader& h, proto::ErrorCode code
 
 namespace {
 
-std::string region_problem(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes, uint64_t size,
+// The memory a call's offset refers to: the payload buffer (segment 0) or a shared segment.
+struct Region {
+  const char* base = nullptr;  // nullptr: nothing is registered under that id
+  uint64_t size = 0;
+};
+
+std::string region_problem(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes, Region in, Region out,
                            uint64_t generation) {
-  if (generation == 0) return "no payload buffer is registered (send RegisterBuffer first)";
-  if (h.buffer_generation != generation) {
-    return "names payload buffer generation " + std::to_string(h.buffer_generation) + ", but generation " +
-           std::to_string(generation) + " is registered";
+  if (h.in_segment == 0 || h.out_segment == 0) {
+    if (generation == 0) return "no payload buffer is registered (send RegisterBuffer first)";
+    if (h.buffer_generation != generation) {
+      return "names payload buffer generation " + std::to_string(h.buffer_generation) + ", but generation " +
+             std::to_string(generation) + " is registered";
+    }
   }
-  auto inside = [&](uint64_t offset, uint64_t bytes) { return offset <= size && bytes <= size - offset; };
-  if (!inside(h.in_offset, in_bytes) || !inside(h.out_offset, out_bytes)) {
-    return "input [" + std::to_string(h.in_offset) + ", +" + std::to_string(in_bytes) + ") or output [" +
-           std::to_string(h.out_offset) + ", +" + std::to_string(out_bytes) + ") lies outside the " +
-           std::to_string(size) + "-byte payload buffer";
+  auto missing = [](uint32_t segment) {
+    return "names segment " + std::to_string(segment) + ", which the client has not shared (send ShareSegments first)";
+  };
+  if (in.base == nullptr) return "input " + missing(h.in_segment);
+  if (out.base == nullptr) return "output " + missing(h.out_segment);
+  auto outside = [](const char* what, uint64_t offset, uint64_t bytes, uint64_t segment, uint64_t size) {
+    if (offset <= size && bytes <= size - offset) return std::string();
+    return std::string(what) + " [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") lies outside the " +
+           std::to_string(size) + "-byte " +
+           (segment == 0 ? std::string("payload buffer") : "shared segment " + std::to_string(segment));
+  };
+  if (auto problem = outside("input", h.in_offset, in_bytes, h.in_segment, in.size); !problem.empty()) return problem;
+  if (auto problem = outside("output", h.out_offset, out_bytes, h.out_segment, out.size); !problem.empty()) {
+    return problem;
   }
   if (h.in_offset % 16 != 0 || h.out_offset % 16 != 0) return "payload offsets must be multiples of 16 bytes";
-  const bool disjoint = h.in_offset + in_bytes <= h.out_offset || h.out_offset + out_bytes <= h.in_offset;
-  if (!disjoint) return "input and output regions overlap";
+  const char* input = in.base + h.in_offset;
+  const char* output = out.base + h.out_offset;
+  if (input < output + out_bytes && output < input + in_bytes) return "input and output regions overlap";
   return "";
 }
 
@@ -129,14 +152,14 @@ class RegisteredBufferChannel : public SameHostChannel {
     return answer;
   }
   std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const final {
-    return region_problem(h, in_bytes, out_bytes, size(), generation_);
+    return region_problem(h, in_bytes, out_bytes, region(h.in_segment), region(h.out_segment), generation_);
   }
   at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final {
     before_read(h);
-    return view(h.in_offset, dtype, shape);
+    return view(region(h.in_segment), h.in_offset, dtype, shape);
   }
   at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final {
-    return view(h.out_offset, dtype, shape);
+    return view(region(h.out_segment), h.out_offset, dtype, shape);
   }
 
  protected:
@@ -144,13 +167,19 @@ class RegisteredBufferChannel : public SameHostChannel {
   virtual void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) = 0;
   virtual void* base() const = 0;
   virtual size_t size() const = 0;
+  // [Direct operands]: a segment the client shared (id > 0), or an empty Region.
+  virtual Region shared_segment(uint32_t) const { return {}; }
   virtual at::TensorOptions view_options() const = 0;
   // Before an input is read: order the compute stream after the client's writes, if needed.
   virtual void before_read(const shm::CallHeader&) {}
 
  private:
-  at::Tensor view(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
-    return at::from_blob(static_cast<char*>(base()) + offset, shape, view_options().dtype(dtype));
+  Region region(uint32_t segment) const {
+    if (segment != 0) return shared_segment(segment);
+    return {static_cast<const char*>(base()), base() == nullptr ? 0 : size()};
+  }
+  at::Tensor view(Region region, uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const {
+    return at::from_blob(const_cast<char*>(region.base) + offset, shape, view_options().dtype(dtype));
   }
   uint64_t generation_ = 0;  // of the buffer mapped now
 };
@@ -214,6 +243,20 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   bool orders_by_flags() const override { return true; }
 
+  void share_segments(const proto::ShareSegments& r) override {
+    for (const uint32_t id : r.release()) {
+      TORCH_CHECK(segments_.erase(id) == 1, "ShareSegments releases segment ", id, ", which is not shared");
+    }
+    for (const auto& s : r.add()) {
+      TORCH_CHECK(s.id() != 0, "ShareSegments: segment id 0 is the payload buffer; shared segments count from 1");
+      TORCH_CHECK(s.bytes() > 0, "ShareSegments: segment ", s.id(), " has no bytes");
+      TORCH_CHECK(!segments_.count(s.id()), "ShareSegments adds segment ", s.id(), ", which is already shared");
+      TORCH_CHECK(segments_.size() < kMaxSegments, "ShareSegments: a client shares at most ", kMaxSegments,
+                  " segments at once");
+      segments_.emplace(s.id(), cuda::MappedDeviceBuffer::open(device_, s.cuda_ipc_handle(), s.bytes()));
+    }
+  }
+
   void finish_writes(const shm::CallHeader& h) override {
     stream_ = cuda::current_stream(device_);
     if (h.sequence != 0) {
@@ -235,6 +278,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
   void* base() const override { return buffer_.data(); }
   size_t size() const override { return buffer_.size(); }
+  Region shared_segment(uint32_t id) const override {
+    const auto it = segments_.find(id);
+    if (it == segments_.end()) return {};
+    return {static_cast<const char*>(it->second.data()), it->second.size()};
+  }
   at::TensorOptions view_options() const override { return at::TensorOptions().device(at::kCUDA, device_); }
   void before_read(const shm::CallHeader& h) override {
     if (h.sequence == 0) client_event_.make_stream_wait(cuda::current_stream(device_));
@@ -254,6 +302,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready
   cuda::MappedDeviceBuffer buffer_;
+  // [Direct operands]: the client's allocations its calls may name, by id.
+  static constexpr size_t kMaxSegments = size_t{1} << 16;
+  std::unordered_map<uint32_t, cuda::MappedDeviceBuffer> segments_;
 };
 #endif
 

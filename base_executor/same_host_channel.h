@@ -55,6 +55,10 @@ class SameHostChannel {
 
   // Maps the buffer a RegisterBuffer names (releasing the previous one). Throws naming the problem.
   virtual proto::BufferRegistered register_buffer(const proto::RegisterBuffer& registration) = 0;
+  // [Direct operands] (client_runtime/client_payload.cpp): maps the client's allocations a
+  // ShareSegments adds, and lets go of those it releases (no call in flight names them). Throws
+  // naming the problem; only cuda-ipc clients share segments.
+  virtual void share_segments(const proto::ShareSegments& segments);
   // Payload set-up a transport needs beyond buffers (NCCL's communicator): starts it, and
   // setup_done() says when it is finished. Throws naming the problem.
   virtual void setup_nccl(const proto::NcclSetup& setup);

@@ -159,7 +159,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed");
   app.add_option("--device", device_name, "where this client's model runs: cpu or cuda:N");
   app.add_option("--dtype", dtype, "this client's model dtype: fp32, bf16 or fp16");
-  app.add_option("--transport", transport, "auto, tcp, shm, cuda-ipc or nccl");
+  app.add_option("--transport", transport,
+                 "auto, tcp, shm, cuda-ipc, cuda-ipc-buffer (copies through the payload buffer) or nccl");
   app.add_option("--ready-file", ready_file, "create this file once warm (see [Measurement window])");
   app.add_option("--go-file", go_file, "wait for this file, then measure the window it names");
   app.add_option("--stop-file", stop_file, "iterate until this file exists (capacity runs)");
@@ -180,7 +181,9 @@ int main(int argc, char** argv) {
       options.tenant = mode + "-b" + std::to_string(batch);
       options.expected_model_hash = checkpoint->model_hash();
       options.device = device_name;
-      options.transport = transport;
+      // "cuda-ipc-buffer": cuda-ipc with each call copied through the payload buffer.
+      options.direct_operands = transport != "cuda-ipc-buffer";
+      options.transport = options.direct_operands ? transport : "cuda-ipc";
       options.latency_class = mode == "finetune" ? LatencyClass::kFineTuning
                               : seq > 1          ? LatencyClass::kInferencePrefill
                                                  : LatencyClass::kInferenceDecode;

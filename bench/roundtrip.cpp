@@ -166,7 +166,8 @@ int main(int argc, char** argv) {
   app.add_option("--iterations", iterations, "timed calls per size")->capture_default_str();
   app.add_option("--executor-device", executor_device, "the executor's device: cpu or cuda:N")->capture_default_str();
   app.add_option("--client-device", client_device, "this client's device: cpu or cuda:N")->capture_default_str();
-  app.add_option("--transports", transports, "comma-separated: tcp, shm, cuda-ipc, nccl")->capture_default_str();
+  app.add_option("--transports", transports,
+                 "comma-separated: tcp, shm, cuda-ipc, cuda-ipc-buffer (copies through the payload buffer), nccl")->capture_default_str();
   app.add_option("--dtype", dtype, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--spin-us", spin_us, "spin before sleeping, executor and client (us; -1: by device)")
       ->capture_default_str();
@@ -196,7 +197,7 @@ int main(int argc, char** argv) {
     const auto local_weight = weight.to(device);
     std::printf("executor on %s, client on %s, %s, hidden %ld\n", executor_device.c_str(), client_device.c_str(),
                 dtype.c_str(), static_cast<long>(hidden));
-    std::printf("%-9s %-7s %13s %11s %15s %13s %14s %14s %9s %11s %12s\n", "transport", "tokens", "rtt median us",
+    std::printf("%-15s %-7s %13s %11s %15s %13s %14s %14s %9s %11s %12s\n", "transport", "tokens", "rtt median us",
                 "rtt p99 us", "local median us", "local p99 us", "overhead us", "client host us", "exec wait",
                 "exec launch", "exec deliver");
     nlohmann::json results = nlohmann::json::array();
@@ -204,11 +205,14 @@ int main(int argc, char** argv) {
     for (std::string transport; std::getline(list, transport, ',');) {
       ClientOptions options;
       options.endpoint = executor.endpoint;
-      options.transport = transport;
+      // "cuda-ipc-buffer": cuda-ipc with each call copied through the payload buffer.
+      options.direct_operands = transport != "cuda-ipc-buffer";
+      options.transport = options.direct_operands ? transport : "cuda-ipc";
       options.device = client_device;
       options.spin_us = spin_us;
       auto client = Client::connect(options);
       const auto& layer = client->layers().at(0);
+      const std::string label = options.direct_operands ? client->transport() : transport;
       for (int64_t tokens : {1, 1024}) {
         const auto x = at::randn({tokens, hidden}, at::TensorOptions().device(device)).to(type);
         std::vector<double> host_us;
@@ -231,11 +235,11 @@ int main(int argc, char** argv) {
           at::mm(x, local_weight.t());
           sync();
         });
-        std::printf("%-9s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f %14.1f %9.1f %11.1f %12.1f\n",
-                    client->transport().c_str(), static_cast<long>(tokens), remote.median_us, remote.p99_us,
+        std::printf("%-15s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f %14.1f %9.1f %11.1f %12.1f\n",
+                    label.c_str(), static_cast<long>(tokens), remote.median_us, remote.p99_us,
                     local.median_us, local.p99_us, remote.median_us - local.median_us, client_host_us,
                     executor_share.wait_us, executor_share.launch_us, executor_share.deliver_us);
-        results.push_back({{"transport", client->transport()},
+        results.push_back({{"transport", label},
                            {"tokens", tokens},
                            {"rtt_median_us", remote.median_us},
                            {"rtt_p99_us", remote.p99_us},

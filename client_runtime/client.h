@@ -37,6 +37,10 @@ struct ClientOptions {
   // host, as an nccl client on another host needs) or "zmq" (ZeroMQ in any case, e.g. where the
   // client cannot share /dev/shm with the executor).
   std::string control = "auto";
+  // cuda-ipc with headers through the control segment: a call's input and result stay in this
+  // client's own tensors, which the executor reads and writes where they lie ([Direct operands]
+  // in client_runtime/client_payload.cpp). false: they are copied through the payload buffer.
+  bool direct_operands = true;
 
   void validate() const;  // throws naming the field
 };

@@ -1,13 +1,26 @@
 #include "client_runtime/client_payload.h"
 
 #include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <vector>
 
 #include "client_runtime/client_transport.h"
 #include "transport/call_ring.h"
 #include "transport/cuda_ipc.h"
 #include "transport/shared_memory.h"
+
+#ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace symbiosis {
 namespace {
@@ -30,7 +43,9 @@ class RegisteredBuffer : public ClientPayload {
     r->set_generation(generation_ + 1);
     r->set_bytes(size);
     describe(r);
+    std::unique_lock<std::mutex> lock(socket_mutex_);
     auto answer = socket_.exchange(env, "the payload buffer registration");
+    lock.unlock();
     TORCH_CHECK(answer.has_buffer_registered() && answer.buffer_registered().generation() == generation_ + 1,
                 "executor answered a buffer registration with something else");
     registered(answer.buffer_registered());
@@ -48,8 +63,12 @@ class RegisteredBuffer : public ClientPayload {
   // The executor has mapped the new buffer and released the old one.
   virtual void registered(const proto::BufferRegistered& answer) = 0;
 
- private:
   ControlSocket& socket_;
+  // Held around every exchange on socket_ but for the handshake's: a segment's release
+  // ([Direct operands]) may come from any thread that frees memory.
+  std::mutex socket_mutex_;
+
+ private:
   uint64_t capacity_ = 0;
   uint64_t generation_ = 0;
 };
@@ -83,6 +102,49 @@ class HostPayload : public RegisteredBuffer {
 };
 
 #ifdef SYMBIOSIS_WITH_CUDA
+// [Direct operands]
+// A cuda-ipc client whose calls are ordered through the flags hands the executor its own tensors:
+// the input where the model left it, and a result tensor allocated for the call. Copying both
+// through the payload buffer costs two launches on the client's host and two passes over the rows
+// on the GPU, every call. A CUDA IPC handle names a whole cudaMalloc'd allocation, so the client
+// shares each segment of LibTorch's caching allocator a call touches once (ShareSegments), and a
+// call names a segment and an offset into it; the executor checks every call's regions against
+// what was shared, as it does for the buffer.
+//  - Lifetimes: the client reuses a tensor's memory only through work on its stream after the
+//    call's result wait, which comes after the executor has read and written it; nothing is held.
+//  - A segment the allocator gives back to CUDA (emptyCache, an allocation retried after running
+//    out of memory): freeing memory another process has open is undefined in CUDA. The allocator
+//    reports the segment just before it frees it (SegmentFrees); each client that shared it waits
+//    for its calls in flight and has the executor close its mapping, and the free goes on after.
+//  - The buffer takes the call instead: memory not from the caching allocator, rows not 16-byte
+//    aligned, an input on another device. Memory without a legacy IPC handle (expandable
+//    segments) or an executor that refuses a segment ends direct operands for the client.
+class CudaIpcPayload;
+
+// The process's one trace tracker on LibTorch's caching allocator (trackers cannot be detached,
+// so this outlives every client), passing each segment the allocator frees to the clients that
+// shared it, before CUDA frees it.
+class SegmentFrees {
+ public:
+  static SegmentFrees& instance() {
+    static auto* frees = new SegmentFrees();  // never destroyed: the allocator may call it at exit
+    return *frees;
+  }
+  void add(CudaIpcPayload* payload) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    payloads_.push_back(payload);
+  }
+  void remove(CudaIpcPayload* payload) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    payloads_.erase(std::remove(payloads_.begin(), payloads_.end(), payload), payloads_.end());
+  }
+
+ private:
+  SegmentFrees();  // after CudaIpcPayload
+  std::mutex mutex_;
+  std::vector<CudaIpcPayload*> payloads_;
+};
+
 // "cuda-ipc": a cudaMalloc'd buffer on the client's GPU, which is the executor's GPU. Calls are
 // ordered through the control segment's flags ([Stream-ordered hand-off] in
 // transport/call_ring.h), or, with headers over ZeroMQ, through two interprocess events: the
@@ -90,14 +152,65 @@ class HostPayload : public RegisteredBuffer {
 // the executor's event after writing the result, on which the client's stream waits before reading.
 class CudaIpcPayload : public RegisteredBuffer {
  public:
-  CudaIpcPayload(ControlSocket& socket, int device)
-      : RegisteredBuffer(socket), device_(device), client_event_(cuda::InterprocessEvent::create(device)) {}
+  CudaIpcPayload(ControlSocket& socket, int device, bool direct_operands)
+      : RegisteredBuffer(socket),
+        device_(device),
+        client_event_(cuda::InterprocessEvent::create(device)),
+        direct_(direct_operands) {}
 
   ~CudaIpcPayload() override {
+    if (direct_ever_) SegmentFrees::instance().remove(this);
     // The GPU must be done with the buffer and the flags before they go.
     try {
       if (stream_ != nullptr) cuda::synchronize_stream(stream_);
     } catch (const c10::Error&) {
+    }
+    // The executor lets go of this client's segments only when it forgets the client, which may
+    // come after this process has given them back to CUDA.
+    std::lock_guard<std::mutex> lock(socket_mutex_);
+    if (segments_.empty()) return;
+    proto::Envelope env;
+    for (const auto& [base, segment] : segments_) env.mutable_share_segments()->add_release(segment.id);
+    try {
+      socket_.exchange(env, "the release of the shared segments");
+    } catch (const c10::Error& e) {
+      spdlog::warn("cuda-ipc client: the executor did not release its shared segments: {}", e.what_without_backtrace());
+    }
+  }
+
+  at::Tensor place_direct(const at::Tensor& x, int64_t out_features, shm::CallHeader& h) override {
+    if (!direct_ || x.device() != at::Device(at::kCUDA, device_)) return {};
+    if (!direct_ever_) {
+      SegmentFrees::instance().add(this);
+      direct_ever_ = true;
+    }
+    auto out = at::empty({x.size(0), out_features}, x.options());
+    const auto input = locate(x);
+    const auto result = input ? locate(out) : std::nullopt;
+    if (!result) return {};
+    h.in_segment = input->segment;
+    h.in_offset = input->offset;
+    h.out_segment = result->segment;
+    h.out_offset = result->offset;
+    use_stream();
+    return out;
+  }
+
+  // The caching allocator is about to give the segment at `base` back to CUDA (any thread, its
+  // lock held): once the calls in flight are done, the executor closes its mapping.
+  void segment_freed(void* base) {
+    std::lock_guard<std::mutex> lock(socket_mutex_);
+    const auto it = segments_.find(base);
+    if (it == segments_.end()) return;
+    proto::Envelope env;
+    env.mutable_share_segments()->add_release(it->second.id);
+    segments_.erase(it);
+    try {
+      wait_for_calls();
+      socket_.exchange(env, "a segment's release");
+    } catch (const c10::Error& e) {
+      spdlog::warn("cuda-ipc client: the executor did not release a segment before it was freed: {}",
+                   e.what_without_backtrace());
     }
   }
 
@@ -119,13 +232,16 @@ class CudaIpcPayload : public RegisteredBuffer {
 
   bool order_through(shm::SharedMemory& control) override {
     control_pin_ = cuda::PinnedRange(control.data(), control.size(), /*mapped=*/true);
-    auto* block = static_cast<shm::ControlBlock*>(control.data());
-    results_ready_ = control_pin_.device_pointer(&block->results_ready);
-    inputs_ready_ = control_pin_.device_pointer(&block->inputs_ready);
+    block_ = static_cast<shm::ControlBlock*>(control.data());
+    results_ready_ = control_pin_.device_pointer(&block_->results_ready);
+    inputs_ready_ = control_pin_.device_pointer(&block_->inputs_ready);
     return true;
   }
   // On the stream send_input just used.
-  void announce_input(uint32_t sequence) override { cuda::write_value_on_stream(stream_, inputs_ready_, sequence); }
+  void announce_input(uint32_t sequence) override {
+    cuda::write_value_on_stream(stream_, inputs_ready_, sequence);
+    announced_.store(sequence, std::memory_order_release);
+  }
   void await_result(uint32_t sequence) override { cuda::wait_value_on_stream(stream_, results_ready_, sequence); }
 
  protected:
@@ -151,14 +267,84 @@ class CudaIpcPayload : public RegisteredBuffer {
     return stream;
   }
 
+  struct Place {
+    uint32_t segment;
+    uint64_t offset;
+  };
+
+  // Where t's data lies in a segment shared with the executor (sharing its segment first), or
+  // nullopt when it cannot be named so: not the caching allocator's, or rows not 16-byte aligned.
+  // Memory that has no legacy IPC handle (expandable segments), or an executor that refuses,
+  // ends direct operands for this client.
+  std::optional<Place> locate(const at::Tensor& t) {
+    const auto& allocation = t.storage().data_ptr();
+    const auto* data = static_cast<const char*>(t.data_ptr());
+    if (allocation.get_deleter() != c10::cuda::CUDACachingAllocator::get()->raw_deleter() ||
+        reinterpret_cast<uintptr_t>(data) % 16 != 0) {
+      return std::nullopt;
+    }
+    try {
+      size_t bytes = 0;
+      // The allocator's lock: taken before ours, as segment_freed's caller does.
+      auto* base = static_cast<const char*>(c10::cuda::CUDACachingAllocator::getBaseAllocation(allocation.get(), &bytes));
+      std::lock_guard<std::mutex> lock(socket_mutex_);
+      auto it = segments_.find(base);
+      if (it == segments_.end()) {
+        proto::Envelope env;
+        auto* add = env.mutable_share_segments()->add_add();
+        add->set_id(next_segment_);
+        add->set_bytes(bytes);
+        add->set_cuda_ipc_handle(cuda::memory_ipc_handle(const_cast<char*>(base)));
+        socket_.exchange(env, "the sharing of a segment");
+        it = segments_.emplace(base, Segment{next_segment_++, bytes}).first;
+      }
+      return Place{it->second.id, static_cast<uint64_t>(data - base)};
+    } catch (const c10::Error& e) {
+      direct_ = false;
+      spdlog::info("cuda-ipc client: calls go through the payload buffer from now on ({})", e.what_without_backtrace());
+      return std::nullopt;
+    }
+  }
+
+  // Until the executor has answered every call announced so far (at most the call timeout).
+  void wait_for_calls() const {
+    const uint32_t last = announced_.load(std::memory_order_acquire);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
+    while (!shm::reached(block_->results_ready.load(std::memory_order_acquire), last)) {
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "the executor did not answer call ", last, " within ",
+                  socket_.timeout_ms(), " ms");
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
   int device_;
   cuda::InterprocessEvent client_event_, executor_event_;
   cuda::DeviceBuffer buffer_, next_;
   void* stream_ = nullptr;  // cudaStream_t of the last call
   cuda::PinnedRange control_pin_;
-  void* inputs_ready_ = nullptr;  // GPU addresses of the control block's flags, once ordering through them
+  shm::ControlBlock* block_ = nullptr;  // the control segment, once ordering through its flags
+  void* inputs_ready_ = nullptr;        // GPU addresses of the control block's flags
   void* results_ready_ = nullptr;
+  std::atomic<uint32_t> announced_{0};  // the last call whose input was announced
+  // [Direct operands]
+  struct Segment {
+    uint32_t id;
+    size_t bytes;
+  };
+  bool direct_;
+  bool direct_ever_ = false;                               // registered with SegmentFrees
+  std::unordered_map<const void*, Segment> segments_;      // shared, by base; guarded by socket_mutex_
+  uint32_t next_segment_ = 1;                              // 0 names the payload buffer
 };
+
+
+SegmentFrees::SegmentFrees() {
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([this](const c10::CachingDeviceAllocator::TraceEntry& e) {
+    if (e.action_ != c10::CachingDeviceAllocator::TraceEntry::SEGMENT_FREE) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* payload : payloads_) payload->segment_freed(reinterpret_cast<void*>(e.addr_));
+  });
+}
 #endif
 
 }  // namespace
@@ -171,7 +357,7 @@ std::unique_ptr<ClientPayload> make_client_payload(const std::string& kind, cons
     TORCH_CHECK(device.is_cuda(), "transport cuda-ipc needs a client on the executor's GPU; this client's device is ",
                 options.device);
 #ifdef SYMBIOSIS_WITH_CUDA
-    return std::make_unique<CudaIpcPayload>(socket, device.has_index() ? device.index() : 0);
+    return std::make_unique<CudaIpcPayload>(socket, device.has_index() ? device.index() : 0, options.direct_operands);
 #else
     TORCH_CHECK(false, "transport cuda-ipc: this build of symbiosis has no CUDA");
 #endif

@@ -13,6 +13,7 @@
 namespace symbiosis {
 namespace shm {
 class SharedMemory;
+struct CallHeader;
 }
 
 class ControlSocket;
@@ -44,6 +45,11 @@ class ClientPayload {
   virtual void announce_input(uint32_t) {}
   // ... and holds later work until results_ready reaches `sequence`.
   virtual void await_result(uint32_t) {}
+  // [Direct operands], for a call ordered through the flags: when the executor can read x where it
+  // lies and write the result into a tensor of the client's own, names both in h (segments and
+  // offsets) and returns that tensor (written once await_result's wait is passed); otherwise an
+  // undefined tensor, and the call goes through the buffer.
+  virtual at::Tensor place_direct(const at::Tensor&, int64_t /*out_features*/, shm::CallHeader&) { return {}; }
 };
 
 // The "nccl" payload (nccl_payload.cpp), made by make_client_payload.

@@ -151,14 +151,6 @@ class PayloadTransport : public ClientTransport {
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
     TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
                 " stopped after a call timed out; connect a new Client");
-    const uint64_t in_bytes = x.nbytes();
-    const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
-    const uint64_t bytes = align_up(in_bytes) + out_bytes;
-    if (ordered_) {
-      raise_errors();
-      if (!payload_->fits(bytes)) settle();  // a larger buffer replaces the one the calls in flight use
-    }
-    payload_->reserve(bytes);
     shm::CallRecord record;
     auto& h = record.header;
     h.request_id = spec.request_id;
@@ -168,16 +160,29 @@ class PayloadTransport : public ClientTransport {
     h.latency_class = spec.latency_class;
     h.tokens = x.size(0);
     h.features = x.size(1);
-    h.in_offset = 0;
-    h.out_offset = align_up(in_bytes);
-    h.buffer_generation = payload_->generation();
-    payload_->send_input(x, h.in_offset);
+    at::Tensor direct;
+    if (ordered_) {
+      raise_errors();
+      direct = payload_->place_direct(x, spec.out_features, h);
+    }
+    if (!direct.defined()) {
+      const uint64_t in_bytes = x.nbytes();
+      const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
+      const uint64_t bytes = align_up(in_bytes) + out_bytes;
+      if (ordered_ && !payload_->fits(bytes)) settle();  // a larger buffer replaces the one the calls in flight use
+      payload_->reserve(bytes);
+      h.in_offset = 0;
+      h.out_offset = align_up(in_bytes);
+      h.buffer_generation = payload_->generation();
+      payload_->send_input(x, h.in_offset);
+    }
     if (ordered_) {
       h.sequence = ++last_sequence_ == 0 ? ++last_sequence_ : last_sequence_;  // 0 means "answered by reply"
       payload_->announce_input(h.sequence);
       push_request(record, spec);
       issued_.store(h.sequence, std::memory_order_release);
       payload_->await_result(h.sequence);
+      if (direct.defined()) return direct;
       return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
     }
     const auto [code, message] = zmq_control_ ? exchange_over_zmq(spec, x, h) : exchange_over_shm(spec, record);

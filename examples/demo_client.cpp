@@ -5,6 +5,9 @@
 #include <CLI/CLI.hpp>
 #include <ATen/Parallel.h>
 #include <torch/optim/adamw.h>
+#ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <cstdio>
 #include <iostream>
@@ -39,6 +42,8 @@ struct Settings {
   std::string device = "cpu";
   std::string dtype = "fp32";
   double tolerance = 1e-5;
+  bool buffer_copies = false;
+  bool empty_cache = false;
 };
 
 struct Result {
@@ -68,6 +73,9 @@ Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_
     lm.settle();  // a failed base-layer call must not update the adapter
     optimizer.step();
     result.losses.push_back(loss.item<double>());
+#ifdef SYMBIOSIS_WITH_CUDA
+    if (s.empty_cache && device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
     if (!s.quiet) {
       std::printf("[%s] step %3d  loss %.4f\n", s.tenant.c_str(), step, result.losses.back());
       std::fflush(stdout);
@@ -108,6 +116,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", s.device, "where this client's model runs: cpu or cuda:N")->capture_default_str();
   app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
+  app.add_flag("--buffer-copies", s.buffer_copies,
+               "cuda-ipc: copy each call's input and result through the payload buffer instead of handing the "
+               "executor this client's own tensors");
+  app.add_flag("--empty-cache", s.empty_cache,
+               "give this process's cached GPU memory back to CUDA after every step (as a tenant short of memory "
+               "would)");
   app.add_option("--tolerance", s.tolerance, "--verify: largest relative difference accepted")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(s.threads);
@@ -120,6 +134,7 @@ int main(int argc, char** argv) {
     options.transport = s.transport;
     options.control = s.control;
     options.device = s.device;
+    options.direct_operands = !s.buffer_copies;
     auto client = Client::connect(options);
     if (!s.quiet) std::printf("[%s] transport %s\n", s.tenant.c_str(), client->transport().c_str());
     auto split = train(s, *checkpoint, client);

@@ -7,7 +7,8 @@
 # Stages:
 #   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
 #   roundtrip      per-layer round trip of each transport, with and without MPS
-#   roundtrip-ipc  the CUDA IPC round trip alone under MPS, three runs, with the host time of its parts
+#   roundtrip-ipc  the CUDA IPC round trip alone under MPS (direct operands, then through the buffer),
+#                  three runs, with the host time of its parts
 #   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8 (or COUNTS), against both baselines, under MPS
 #   bench-128      the same at batch 1 x 128
 #   bench-128-ends the same at N = 1 and 8 only
@@ -129,7 +130,7 @@ for stage in "$@"; do
       mps_on
       for run in 1 2 3; do
         "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:0 --dtype bf16 \
-          --transports cuda-ipc --primitives > "$logs/roundtrip-ipc-$run.txt" 2>&1
+          --transports cuda-ipc,cuda-ipc-buffer --primitives > "$logs/roundtrip-ipc-$run.txt" 2>&1
         cat "$logs/roundtrip-ipc-$run.txt"
       done
       mps_off

@@ -54,6 +54,9 @@ struct CallHeader {
   uint64_t out_offset = 0;  // byte offset where the result goes
   uint64_t buffer_generation = 0;  // which registration of the payload buffer the offsets refer to
   uint32_t sequence = 0;           // [Stream-ordered hand-off]: the call's number; 0 for a call answered by reply
+  // [Direct operands]: the shared segment each offset refers to; 0 is the payload buffer.
+  uint32_t in_segment = 0;
+  uint32_t out_segment = 0;
 };
 
 struct CallRecord {

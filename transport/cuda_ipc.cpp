@@ -132,11 +132,13 @@ DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
   return DeviceBuffer(data, bytes, device, [](void* p) { cudaFree(p); });
 }
 
-std::string DeviceBuffer::ipc_handle() const {
+std::string memory_ipc_handle(void* base) {
   cudaIpcMemHandle_t handle;
-  SYMBIOSIS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, data()));
+  SYMBIOSIS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
+
+std::string DeviceBuffer::ipc_handle() const { return memory_ipc_handle(data()); }
 
 MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_handle, size_t bytes) {
   TORCH_CHECK(ipc_handle.size() == sizeof(cudaIpcMemHandle_t), "CUDA IPC memory handle has ", ipc_handle.size(),
@@ -146,7 +148,7 @@ MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_h
   std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
   void* data = nullptr;
   const cudaError_t status = cudaIpcOpenMemHandle(&data, handle, cudaIpcMemLazyEnablePeerAccess);
-  TORCH_CHECK(status == cudaSuccess, "cannot open the client's CUDA IPC payload buffer on cuda:", device, ": ",
+  TORCH_CHECK(status == cudaSuccess, "cannot open the client's CUDA IPC memory on cuda:", device, ": ",
               cudaGetErrorString(status), " (is the client on this executor's GPU, in another process?)");
   return MappedDeviceBuffer(data, bytes, device, [](void* p) { cudaIpcCloseMemHandle(p); });
 }

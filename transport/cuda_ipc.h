@@ -68,7 +68,11 @@ class DeviceBuffer : public DeviceMemory {
   using DeviceMemory::DeviceMemory;
 };
 
-// The executor's mapping of a client's DeviceBuffer.
+// cudaIpcMemHandle_t's bytes for the device allocation that starts at `base` (a cudaMalloc'd
+// block: a DeviceBuffer, or a segment of LibTorch's caching allocator).
+std::string memory_ipc_handle(void* base);
+
+// The executor's mapping of a client's DeviceBuffer, or of a segment of its caching allocator.
 class MappedDeviceBuffer : public DeviceMemory {
  public:
   // Throws naming the problem when the handle is not a buffer of at least `bytes` on `device`.

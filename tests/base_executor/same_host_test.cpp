@@ -287,6 +287,16 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.in_offset = uint64_t{1} << 63; }), "lies outside"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 0; }), "input and output regions overlap"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 250; }), "multiples of 16 bytes"));
+  // [Direct operands]: only a cuda-ipc client shares segments of its own memory.
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.in_segment = 5; }),
+                       "input names segment 5, which the client has not shared (send ShareSegments first)"));
+  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_segment = 3; }), "output names segment 3"));
+  proto::Envelope share;
+  share.mutable_share_segments()->add_release(1);
+  const auto refused = peer.exchange(share);
+  ASSERT_TRUE(refused.has_error());
+  EXPECT_TRUE(contains(refused.error().message(), "ShareSegments from a shm client: only cuda-ipc clients share segments"))
+      << refused.error().message();
   // Only a cuda-ipc call is answered by a flag ([Stream-ordered hand-off]).
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.sequence = 7; }),
                        "is numbered (sequence 7), but a shm call is answered by reply: send it with sequence 0"));

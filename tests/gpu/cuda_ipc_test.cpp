@@ -26,14 +26,17 @@ LoraConfig same_gpu_lora() {
   return lora;
 }
 
-// (dtype, control, batch, sequence): headers through the control segment order calls by its flags
-// ([Stream-ordered hand-off]); headers over ZeroMQ, by interprocess events. A batch of 1 × 3
-// tokens runs each forward product through the executor's [Few-row GEMM].
-class SameGpuExactness : public ::testing::TestWithParam<std::tuple<std::string, std::string, int64_t, int64_t>> {};
+// (dtype, control, batch, sequence, direct operands): headers through the control segment order
+// calls by its flags ([Stream-ordered hand-off]), and the executor reads and writes the client's
+// own tensors ([Direct operands]) or copies go through the payload buffer; headers over ZeroMQ
+// order calls by interprocess events, through the buffer. A batch of 1 × 3 tokens runs each
+// forward product through the executor's [Few-row GEMM].
+class SameGpuExactness
+    : public ::testing::TestWithParam<std::tuple<std::string, std::string, int64_t, int64_t, bool>> {};
 
 TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   SKIP_WITHOUT_GPUS(1);
-  const auto& [dtype_name, control, batch, sequence] = GetParam();
+  const auto& [dtype_name, control, batch, sequence, direct] = GetParam();
   const auto dtype = parse_dtype_name(dtype_name);
   const double tolerance = dtype == at::kFloat ? 1e-5 : 5e-2;
   const auto dir = testing::make_checkpoint("tiny-llama");
@@ -45,6 +48,7 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   options.endpoint = executor.endpoint;
   options.device = "cuda:0";
   options.control = control;
+  options.direct_operands = direct;
   auto client = Client::connect(options);
   EXPECT_EQ(client->transport(), "cuda-ipc");  // chosen by placement: the executor's GPU
   const CausalLMOptions on_gpu{dtype, at::Device(at::kCUDA, 0)};
@@ -66,11 +70,13 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndControls, SameGpuExactness,
-                         ::testing::Values(std::make_tuple("fp32", "auto", 3, 24),
-                                           std::make_tuple("bf16", "auto", 3, 24),
-                                           std::make_tuple("fp32", "zmq", 3, 24),
-                                           std::make_tuple("fp32", "auto", 1, 3),
-                                           std::make_tuple("bf16", "auto", 1, 3)));
+                         ::testing::Values(std::make_tuple("fp32", "auto", 3, 24, true),
+                                           std::make_tuple("bf16", "auto", 3, 24, true),
+                                           std::make_tuple("fp32", "auto", 3, 24, false),
+                                           std::make_tuple("fp32", "zmq", 3, 24, true),
+                                           std::make_tuple("fp32", "auto", 1, 3, true),
+                                           std::make_tuple("bf16", "auto", 1, 3, true),
+                                           std::make_tuple("bf16", "auto", 1, 3, false)));
 
 // The executor in this process on cuda:0; clients as processes.
 class GpuExecutorWithClientProcesses : public ::testing::Test {
@@ -112,11 +118,32 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
   EXPECT_TRUE(testing::run_all({
       client("cuda:0", "cuda-ipc", exact({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1"})),
       client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2",
-                                          "--targets", "all-linear"})),
+                                          "--targets", "all-linear", "--buffer-copies"})),
       client("cpu", "shm", cross_device({"--rank", "8", "--batch", "3", "--seq", "8", "--seed", "3"})),
       client("cpu", "tcp", cross_device({"--rank", "2", "--batch", "1", "--seq", "5", "--seed", "4"})),
   })) << "a client's split run differed from its monolithic run (see its output above)";
   EXPECT_EQ(executor_->stats().errors, 0u);
+  EXPECT_GT(executor_->stats().direct_calls, 0u);  // the first client's; the second copies through its buffer
+}
+
+// [Direct operands]: a client that gives its cached memory back to CUDA after every step frees
+// segments the executor has mapped. Each is released before CUDA frees it, and the next step
+// shares new ones, often at the same addresses: a stale mapping would read freed memory there.
+TEST_F(GpuExecutorWithClientProcesses, SegmentsGivenBackToCudaAreReleasedFirstAndTheClientStaysExact) {
+  SKIP_WITHOUT_GPUS(1);
+  start();
+  ASSERT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--steps", "2"})}));  // warm-up
+  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
+  const size_t used_before = testing::gpu_memory_used(0);
+  const auto direct_before = executor_->stats().direct_calls;
+  EXPECT_TRUE(testing::run_all({client(
+      "cuda:0", "cuda-ipc", {"--verify", "--steps", "4", "--batch", "2", "--seq", "64", "--empty-cache"})}));
+  EXPECT_EQ(executor_->stats().errors, 0u);
+  EXPECT_GT(executor_->stats().direct_calls, direct_before);
+  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
+  const size_t used_after = testing::gpu_memory_used(0);
+  EXPECT_LE(used_after, used_before + (size_t{16} << 20))
+      << "GPU memory in use grew from " << used_before << " to " << used_after << " bytes";
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, MixedTransports, ::testing::Values("none", "lockstep", "opportunistic"));
