@@ -6,6 +6,7 @@
 # .gpu-build when they load here, and builds from source into build-gpu otherwise.
 # Stages:
 #   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
+#   mixed          cuda_ipc_test's clients of every transport on one executor, three times (1 GPU, MPS)
 #   roundtrip      per-layer round trip of each transport, with and without MPS
 #   roundtrip-ipc  the CUDA IPC round trip alone under MPS (direct operands, then through the buffer),
 #                  three runs, with the host time of its parts
@@ -124,6 +125,11 @@ for stage in "$@"; do
       run_gtest gpu_executor_test
       run_gtest cuda_ipc_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
+      mps_off
+      ;;
+    mixed)
+      mps_on
+      for run in 1 2 3; do run_gtest cuda_ipc_test '*MixedTransports*'; done
       mps_off
       ;;
     roundtrip-ipc)

@@ -116,9 +116,10 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
     return extra;
   };
   EXPECT_TRUE(testing::run_all({
-      client("cuda:0", "cuda-ipc", exact({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1"})),
-      client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2",
-                                          "--targets", "all-linear", "--buffer-copies"})),
+      client("cuda:0", "cuda-ipc",
+             exact({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1", "--tenant", "ipc-direct"})),
+      client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2", "--targets",
+                                          "all-linear", "--buffer-copies", "--tenant", "ipc-buffer"})),
       client("cpu", "shm", cross_device({"--rank", "8", "--batch", "3", "--seq", "8", "--seed", "3"})),
       client("cpu", "tcp", cross_device({"--rank", "2", "--batch", "1", "--seq", "5", "--seed", "4"})),
   })) << "a client's split run differed from its monolithic run (see its output above)";
