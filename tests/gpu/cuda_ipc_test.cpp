@@ -90,6 +90,14 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
     options.batching.lockstep_timeout = std::chrono::milliseconds(300);
     executor_ = testing::start_executor(dir_, options);
   }
+  // start(), then one short client warms the executor up; returns the GPU memory in use once it
+  // has gone.
+  size_t start_warm() {
+    start();
+    EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--steps", "2"})}));
+    EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0));
+    return testing::gpu_memory_used(0);
+  }
   std::vector<std::string> client(const std::string& device, const std::string& transport,
                                   const std::vector<std::string>& extra) {
     return testing::demo_client(executor_->endpoint(), dir_, device, transport, extra);
@@ -132,10 +140,7 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
 // shares new ones, often at the same addresses: a stale mapping would read freed memory there.
 TEST_F(GpuExecutorWithClientProcesses, SegmentsGivenBackToCudaAreReleasedFirstAndTheClientStaysExact) {
   SKIP_WITHOUT_GPUS(1);
-  start();
-  ASSERT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--steps", "2"})}));  // warm-up
-  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
-  const size_t used_before = testing::gpu_memory_used(0);
+  const size_t used_before = start_warm();
   const auto direct_before = executor_->stats().direct_calls;
   EXPECT_TRUE(testing::run_all({client(
       "cuda:0", "cuda-ipc", {"--verify", "--steps", "4", "--batch", "2", "--seq", "64", "--empty-cache"})}));
@@ -193,10 +198,7 @@ TEST_F(GpuExecutorWithClientProcesses, ARefusedOrderedCallFailsItsClientAndOther
 
 TEST_F(GpuExecutorWithClientProcesses, AKilledClientLeaksNoGpuMemoryAndOthersStayExact) {
   SKIP_WITHOUT_GPUS(1);
-  start();
-  ASSERT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--steps", "2"})}));  // warm-up
-  ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
-  const size_t used_before = testing::gpu_memory_used(0);
+  const size_t used_before = start_warm();
   const pid_t victim = testing::spawn(client("cuda:0", "cuda-ipc", {"--steps", "100000", "--seq", "64"}));
   ASSERT_TRUE(testing::same_host_clients_become(*executor_, 1));
   const auto requests = executor_->stats().requests;
