@@ -10,7 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
-#include <unordered_map>
+#include <map>
 #include <vector>
 
 #include "client_runtime/client_transport.h"
@@ -159,7 +159,7 @@ class CudaIpcPayload : public RegisteredBuffer {
         direct_(direct_operands) {}
 
   ~CudaIpcPayload() override {
-    if (direct_ever_) SegmentFrees::instance().remove(this);
+    if (watching_frees_) SegmentFrees::instance().remove(this);
     // The GPU must be done with the buffer and the flags before they go.
     try {
       if (stream_ != nullptr) cuda::synchronize_stream(stream_);
@@ -180,10 +180,6 @@ class CudaIpcPayload : public RegisteredBuffer {
 
   at::Tensor place_direct(const at::Tensor& x, int64_t out_features, shm::CallHeader& h) override {
     if (!direct_ || x.device() != at::Device(at::kCUDA, device_)) return {};
-    if (!direct_ever_) {
-      SegmentFrees::instance().add(this);
-      direct_ever_ = true;
-    }
     auto out = at::empty({x.size(0), out_features}, x.options());
     const auto input = locate(x);
     const auto result = input ? locate(out) : std::nullopt;
@@ -198,7 +194,7 @@ class CudaIpcPayload : public RegisteredBuffer {
 
   // The caching allocator is about to give the segment at `base` back to CUDA (any thread, its
   // lock held): once the calls in flight are done, the executor closes its mapping.
-  void segment_freed(void* base) {
+  void segment_freed(const char* base) {
     std::lock_guard<std::mutex> lock(socket_mutex_);
     const auto it = segments_.find(base);
     if (it == segments_.end()) return;
@@ -235,6 +231,8 @@ class CudaIpcPayload : public RegisteredBuffer {
     block_ = static_cast<shm::ControlBlock*>(control.data());
     results_ready_ = control_pin_.device_pointer(&block_->results_ready);
     inputs_ready_ = control_pin_.device_pointer(&block_->inputs_ready);
+    watching_frees_ = direct_;  // calls ordered so may name segments
+    if (watching_frees_) SegmentFrees::instance().add(this);
     return true;
   }
   // On the stream send_input just used.
@@ -275,7 +273,8 @@ class CudaIpcPayload : public RegisteredBuffer {
   // Where t's data lies in a segment shared with the executor (sharing its segment first), or
   // nullopt when it cannot be named so: not the caching allocator's, or rows not 16-byte aligned.
   // Memory that has no legacy IPC handle (expandable segments), or an executor that refuses,
-  // ends direct operands for this client.
+  // ends direct operands for this client. Every call asks twice: a segment shared before is found
+  // in segments_ by address, without the allocator.
   std::optional<Place> locate(const at::Tensor& t) {
     const auto& allocation = t.storage().data_ptr();
     const auto* data = static_cast<const char*>(t.data_ptr());
@@ -283,27 +282,39 @@ class CudaIpcPayload : public RegisteredBuffer {
         reinterpret_cast<uintptr_t>(data) % 16 != 0) {
       return std::nullopt;
     }
+    {
+      std::lock_guard<std::mutex> lock(socket_mutex_);
+      if (auto place = known_place(data)) return place;
+    }
     try {
       size_t bytes = 0;
-      // The allocator's lock: taken before ours, as segment_freed's caller does.
-      auto* base = static_cast<const char*>(c10::cuda::CUDACachingAllocator::getBaseAllocation(allocation.get(), &bytes));
+      // The allocator's lock, not under ours: segment_freed is called holding it, then takes ours.
+      const auto* base =
+          static_cast<const char*>(c10::cuda::CUDACachingAllocator::getBaseAllocation(allocation.get(), &bytes));
+      proto::Envelope env;
+      auto* add = env.mutable_share_segments()->add_add();
+      add->set_bytes(bytes);
+      add->set_cuda_ipc_handle(cuda::memory_ipc_handle(const_cast<char*>(base)));
       std::lock_guard<std::mutex> lock(socket_mutex_);
-      auto it = segments_.find(base);
-      if (it == segments_.end()) {
-        proto::Envelope env;
-        auto* add = env.mutable_share_segments()->add_add();
-        add->set_id(next_segment_);
-        add->set_bytes(bytes);
-        add->set_cuda_ipc_handle(cuda::memory_ipc_handle(const_cast<char*>(base)));
-        socket_.exchange(env, "the sharing of a segment");
-        it = segments_.emplace(base, Segment{next_segment_++, bytes}).first;
-      }
-      return Place{it->second.id, static_cast<uint64_t>(data - base)};
+      add->set_id(next_segment_);
+      socket_.exchange(env, "the sharing of a segment");
+      segments_.emplace(base, Segment{next_segment_++, bytes});
+      return known_place(data);
     } catch (const c10::Error& e) {
       direct_ = false;
       spdlog::info("cuda-ipc client: calls go through the payload buffer from now on ({})", e.what_without_backtrace());
       return std::nullopt;
     }
+  }
+
+  // The place of `data` in a segment already shared (socket_mutex_ held), or nullopt.
+  std::optional<Place> known_place(const char* data) const {
+    auto it = segments_.upper_bound(data);  // the first segment after data
+    if (it == segments_.begin()) return std::nullopt;
+    --it;
+    const auto offset = static_cast<uint64_t>(data - it->first);
+    if (offset >= it->second.bytes) return std::nullopt;
+    return Place{it->second.id, offset};
   }
 
   // Until the executor has answered every call announced so far (at most the call timeout).
@@ -332,17 +343,18 @@ class CudaIpcPayload : public RegisteredBuffer {
     size_t bytes;
   };
   bool direct_;
-  bool direct_ever_ = false;                               // registered with SegmentFrees
-  std::unordered_map<const void*, Segment> segments_;      // shared, by base; guarded by socket_mutex_
-  uint32_t next_segment_ = 1;                              // 0 names the payload buffer
+  bool watching_frees_ = false;              // registered with SegmentFrees
+  std::map<const char*, Segment> segments_;  // shared, by base address; guarded by socket_mutex_
+  uint32_t next_segment_ = 1;                // 0 names the payload buffer
 };
 
 
 SegmentFrees::SegmentFrees() {
-  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([this](const c10::CachingDeviceAllocator::TraceEntry& e) {
-    if (e.action_ != c10::CachingDeviceAllocator::TraceEntry::SEGMENT_FREE) return;
+  using Trace = c10::CachingDeviceAllocator::TraceEntry;
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([this](const Trace& e) {
+    if (e.action_ != Trace::SEGMENT_FREE) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto* payload : payloads_) payload->segment_freed(reinterpret_cast<void*>(e.addr_));
+    for (auto* payload : payloads_) payload->segment_freed(reinterpret_cast<const char*>(e.addr_));
   });
 }
 #endif

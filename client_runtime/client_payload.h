@@ -38,10 +38,11 @@ class ClientPayload {
 
   // [Stream-ordered hand-off] (transport/call_ring.h). Whether this payload can order calls through
   // the flags of the control segment `control` (which it then pins for its GPU); if so, each call
-  // goes send_input, announce_input, await_result, receive_output, and nothing waits on the host.
+  // goes place_direct, or else send_input; then announce_input, await_result, and (after
+  // send_input) receive_output; nothing waits on the host.
   virtual bool order_through(shm::SharedMemory&) { return false; }
-  // Right after send_input, on its stream: the GPU writes `sequence` into inputs_ready once the
-  // input is written ...
+  // Right after place_direct or send_input, on its stream: the GPU writes `sequence` into
+  // inputs_ready once the input is written ...
   virtual void announce_input(uint32_t) {}
   // ... and holds later work until results_ready reaches `sequence`.
   virtual void await_result(uint32_t) {}

@@ -16,12 +16,14 @@
 // [Stream-ordered hand-off]
 // A cuda-ipc client with this channel orders a call's two hand-offs on the GPU instead of through
 // the reply ring, so that neither process's host waits for the other's GPU:
-//  - the client's stream copies the input into its buffer, then writes the call's sequence number
-//    into inputs_ready (a 32-bit stream memory write, fenced after the copy); the client's host
-//    pushes the header (its sequence set) and goes on at once;
+//  - the client's stream writes the call's sequence number into inputs_ready (a 32-bit stream
+//    memory write, fenced after the work that wrote the input: the model's own, or a copy into the
+//    payload buffer); the client's host pushes the header (its sequence set) and goes on at once;
 //  - the executor takes the call up when its host sees inputs_ready reach the sequence, and its
 //    stream writes the sequence into results_ready after the result;
-//  - the client's stream waits until results_ready reaches the sequence before it reads the result.
+//  - the client's stream waits until results_ready reaches the sequence before it reads the result
+//    (in its buffer, or in a tensor of its own: [Direct operands] in
+//    client_runtime/client_payload.cpp).
 // Both words live in this segment, which each process pins and maps for its GPU. A client's calls
 // complete in order, so the words only grow (compared modulo 2^32; sequence 0 is never used).
 // Only errors come back as replies; the client reports them at its next call or when it settles
@@ -50,8 +52,8 @@ struct CallHeader {
   int32_t latency_class = 0;  // proto::LatencyClass
   int64_t tokens = 0;
   int64_t features = 0;
-  uint64_t in_offset = 0;   // byte offset of the input in the client's payload buffer
-  uint64_t out_offset = 0;  // byte offset where the result goes
+  uint64_t in_offset = 0;   // byte offset of the input in the payload buffer or in_segment
+  uint64_t out_offset = 0;  // byte offset where the result goes, in the buffer or out_segment
   uint64_t buffer_generation = 0;  // which registration of the payload buffer the offsets refer to
   uint32_t sequence = 0;           // [Stream-ordered hand-off]: the call's number; 0 for a call answered by reply
   // [Direct operands]: the shared segment each offset refers to; 0 is the payload buffer.

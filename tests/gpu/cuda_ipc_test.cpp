@@ -6,6 +6,7 @@
 // executor. Skipped, with a message saying so, where there is no GPU.
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <torch/optim/adamw.h>
 
 #include "bench/process.h"
@@ -14,6 +15,9 @@
 #include "client_runtime/training.h"
 #include "kernels/few_rows_gemm.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "transport/cuda_ipc.h"
+#include "transport/shared_memory.h"
+#include "transport/zmq_wire.h"
 
 namespace symbiosis {
 namespace {
@@ -210,6 +214,63 @@ TEST_F(GpuExecutorWithClientProcesses, AKilledClientLeaksNoGpuMemoryAndOthersSta
   EXPECT_LE(used_after, used_before + (size_t{16} << 20))
       << "GPU memory in use grew from " << used_before << " to " << used_after << " bytes after the kill";
   EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", {"--verify", "--steps", "3"})}));
+}
+
+// [Direct operands]: what the executor refuses in a ShareSegments, each refusal naming the
+// problem; the client stays connected and its good messages are still answered. (The test speaks
+// ZeroMQ by hand, as a client on this GPU; the executor runs in this process, so no handle of this
+// process's memory can be opened there either.)
+TEST_F(GpuExecutorWithClientProcesses, AShareSegmentsTheExecutorCannotTakeIsRefusedNamingTheProblem) {
+  SKIP_WITHOUT_GPUS(1);
+  start();
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::dealer};
+  socket.set(zmq::sockopt::linger, 0);
+  socket.set(zmq::sockopt::rcvtimeo, 10000);
+  socket.connect(executor_->endpoint());
+  auto exchange = [&](const proto::Envelope& env) {
+    socket.send(wire::serialize(env), zmq::send_flags::none);
+    auto frames = wire::recv_all(socket);
+    proto::Envelope answer;
+    EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
+    return answer;
+  };
+  proto::Envelope hello;
+  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+  auto* placement = hello.mutable_hello()->mutable_placement();
+  placement->set_host_id(shm::host_id());
+  placement->set_pid(::getpid());
+  placement->set_device("cuda:0");
+  placement->set_gpu_uuid(cuda::gpu_uuid(0));
+  placement->set_mps(cuda::mps_active());
+  const auto welcome = exchange(hello);
+  ASSERT_EQ(welcome.welcome().transport(), "cuda-ipc") << welcome.DebugString();
+  // Sends the ShareSegments `fill` makes; its answer must be an error containing `part`.
+  auto expect_refused = [&](const std::function<void(proto::ShareSegments*)>& fill, const std::string& part) {
+    proto::Envelope env;
+    fill(env.mutable_share_segments());
+    const auto answer = exchange(env);
+    ASSERT_TRUE(answer.has_error()) << "accepted: " << answer.DebugString();
+    EXPECT_NE(answer.error().message().find(part), std::string::npos) << answer.error().message();
+  };
+  auto add = [](uint32_t id, uint64_t bytes, std::string handle) {
+    return [=](proto::ShareSegments* r) {
+      auto* segment = r->add_add();
+      segment->set_id(id);
+      segment->set_bytes(bytes);
+      segment->set_cuda_ipc_handle(handle);
+    };
+  };
+  const std::string handle(64, '\0');  // the size of a cudaIpcMemHandle_t, naming nothing
+  expect_refused([](auto* r) { r->add_release(7); }, "ShareSegments releases segment 7, which is not shared");
+  expect_refused(add(0, 4096, handle), "segment id 0 is the payload buffer; shared segments count from 1");
+  expect_refused(add(1, 0, handle), "ShareSegments: segment 1 has no bytes");
+  expect_refused(add(1, 4096, "abc"), "CUDA IPC memory handle has 3 bytes, expected 64");
+  expect_refused(add(1, 4096, handle), "cannot open the client's CUDA IPC memory on cuda:0");
+  // Still connected: an empty ShareSegments is answered.
+  proto::Envelope empty;
+  empty.mutable_share_segments();
+  EXPECT_TRUE(exchange(empty).has_segments_shared());
 }
 
 }  // namespace
