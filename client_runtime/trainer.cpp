@@ -70,15 +70,6 @@ std::optional<int64_t> vocab_size(const CausalLM& lm) {
   return std::nullopt;
 }
 
-// Summed next-token cross-entropy (causal_lm_loss without the mean), fp32.
-at::Tensor summed_loss(const at::Tensor& logits, const at::Tensor& labels) {
-  const int64_t length = logits.size(1);
-  const int64_t vocab = logits.size(2);
-  auto shifted_logits = logits.narrow(1, 0, length - 1).to(at::kFloat).reshape({-1, vocab});
-  auto shifted_labels = labels.narrow(1, 1, length - 1).to(logits.device()).reshape({-1});
-  return at::cross_entropy_loss(shifted_logits, shifted_labels, {}, at::Reduction::Sum, kIgnoreIndex);
-}
-
 std::string clock_text(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--:--";
   const auto s = static_cast<int64_t>(seconds + 0.5);
@@ -241,7 +232,7 @@ class Trainer::Impl {
     double loss = 0;
     for (const auto& mb : batches) {
       if (mb.num_targets == 0) continue;
-      auto part = summed_loss(model_forward(lm, mb, packed), mb.labels) / static_cast<double>(stats.targets);
+      auto part = causal_lm_loss(model_forward(lm, mb, packed), mb.labels, at::Reduction::Sum) / static_cast<double>(stats.targets);
       part.backward();
       loss += part.item<double>();
     }
@@ -273,7 +264,7 @@ class Trainer::Impl {
     for (const auto& plan : plan_micro_batches(d, epoch_order(d.size(), 0, 0, /*shuffle=*/false), options.batching)) {
       auto mb = to_device(collate(d, plan, options.batching));
       if (mb.num_targets == 0) continue;
-      sum += summed_loss(model_forward(lm, mb, packed), mb.labels).item<double>();
+      sum += causal_lm_loss(model_forward(lm, mb, packed), mb.labels, at::Reduction::Sum).item<double>();
       targets += mb.num_targets;
     }
     lm.module->train(was_training);

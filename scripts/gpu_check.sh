@@ -6,6 +6,9 @@
 # .gpu-build when they load here, and builds from source into build-gpu otherwise.
 # Stages:
 #   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
+#   kernels        gpu_executor_test alone (the executor's GEMMs, the packing kernel, the fused loss)
+#   loss           the client's loss, fused against the fp32 copy and ATen's (symbiosis-bench-loss),
+#                  at 2 x 512 and 1 x 128 tokens of Llama 3's vocabulary, bf16
 #   mixed          cuda_ipc_test's clients of every transport on one executor, three times (1 GPU, MPS)
 #   roundtrip      per-layer round trip of each transport, with and without MPS
 #   roundtrip-ipc  the CUDA IPC round trip alone under MPS (direct operands, then through the buffer),
@@ -54,7 +57,8 @@ else
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
-    symbiosis-bench-client symbiosis-bench-roundtrip gpu_executor_test cuda_ipc_test nccl_test > "$out/build.log" 2>&1 \
+    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test cuda_ipc_test nccl_test \
+    > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
   export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
   log "built"
@@ -126,6 +130,14 @@ for stage in "$@"; do
       run_gtest cuda_ipc_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
+      ;;
+    kernels)
+      mps_on
+      run_gtest gpu_executor_test
+      mps_off
+      ;;
+    loss)
+      for tokens in 1024 128; do "$B/bench/symbiosis-bench-loss" --tokens $tokens; done
       ;;
     mixed)
       mps_on

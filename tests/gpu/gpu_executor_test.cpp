@@ -1,9 +1,10 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic; the executor's direct
-// cuBLAS GEMM; and the batch packing kernel. Skipped, with a message saying so, where there is no GPU.
+// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy. Skipped, with a message saying so, where there is no GPU.
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
+#include "client_runtime/training.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace symbiosis {
@@ -135,6 +136,63 @@ TEST(FewRowsGemmTest, EqualsAtenForEachNumberOfTokensDtypeAndShape) {
   auto one_row = at::empty({1, 96}, options);
   EXPECT_FALSE(kernels::few_rows_gemm(unaligned, weight.t(), one_row));
   expect_like_aten(unaligned, weight.t(), one_row);
+}
+
+// [Fused cross-entropy] against ATen's expression (logits copied to fp32, then
+// cross_entropy_loss): losses and gradients for each logits dtype, a vocabulary of whole 16-byte
+// vectors (Llama 3's) and one that is not, rows that start off alignment, ignored labels, large
+// logits (the log-sum-exp must subtract the maximum), both reductions.
+TEST(FusedCrossEntropyTest, EqualsAtenInFp32ForEachDtypeVocabularyAndReduction) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(5);
+  constexpr int64_t kRows = 37;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t vocab : {128256, 1001}) {
+      for (bool aligned : {true, false}) {
+        for (auto reduction : {at::Reduction::Mean, at::Reduction::Sum}) {
+          SCOPED_TRACE(std::string(c10::toString(dtype)) + ", vocabulary " + std::to_string(vocab) +
+                       (aligned ? "" : ", rows off alignment") +
+                       (reduction == at::Reduction::Mean ? ", mean" : ", sum"));
+          const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+          const int64_t shift = aligned ? 0 : 1;
+          const auto values = (at::randn({kRows * vocab + shift}, options.dtype(at::kFloat)) * 8).to(dtype);
+          const auto logits = values.narrow(0, shift, kRows * vocab).view({kRows, vocab});
+          const auto ignored = at::arange(0, kRows, 5, options.dtype(at::kLong));
+          const auto labels = at::randint(0, vocab, {kRows}, options.dtype(at::kLong)).index_fill_(0, ignored, kIgnoreIndex);
+
+          const auto ours_in = logits.detach().clone().requires_grad_(true);
+          const auto ours = token_cross_entropy(ours_in, labels, reduction);
+          ours.backward();
+          const auto aten_in = logits.detach().clone().requires_grad_(true);
+          const auto aten = at::cross_entropy_loss(aten_in.to(at::kFloat), labels, {}, reduction, kIgnoreIndex);
+          aten.backward();
+
+          EXPECT_EQ(ours.scalar_type(), at::kFloat);
+          EXPECT_NEAR(ours.item<double>(), aten.item<double>(), 1e-5 * std::abs(aten.item<double>()));
+          // Gradients: fp32 rounding, then one step of the dtype's where the dtype is narrower.
+          ASSERT_EQ(ours_in.grad().scalar_type(), dtype);
+          const auto got = ours_in.grad().to(at::kDouble), want = aten_in.grad().to(at::kDouble);
+          const double rtol = dtype == at::kFloat ? 1e-4 : dtype == at::kBFloat16 ? 1e-2 : 2e-3;
+          EXPECT_TRUE(at::allclose(got, want, rtol, 1e-7))
+              << "max difference " << (got - want).abs().max().item<double>();
+          EXPECT_EQ(ours_in.grad().index_select(0, ignored).abs().max().item<double>(), 0.0);
+        }
+      }
+    }
+  }
+  // Every label ignored: the mean is NaN, as ATen's (and transformers') is.
+  const auto logits = at::randn({4, 64}, at::TensorOptions().device(at::kCUDA));
+  const auto none = at::full({4}, kIgnoreIndex, logits.options().dtype(at::kLong));
+  EXPECT_TRUE(std::isnan(token_cross_entropy(logits, none).item<double>()));
+  EXPECT_EQ(token_cross_entropy(logits, none, at::Reduction::Sum).item<double>(), 0.0);
+  // Labels that are not int64 are refused, naming what was expected.
+  try {
+    token_cross_entropy(logits, none.to(at::kInt));
+    ADD_FAILURE() << "int32 labels were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("labels must be int64"), std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 TEST(BatchedCopyKernelTest, PacksAndUnpacksLikeCatAndSplitForAnySizes) {
