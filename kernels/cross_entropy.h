@@ -1,15 +1,15 @@
 #pragma once
 // [Fused cross-entropy]
 // Token cross-entropy of a language model's logits [N, V] (V = the vocabulary) in two kernels,
-// one pass over the logits each way, computed in fp32 from logits of any float dtype. transformers
-// (and ATen's cross_entropy_loss, given fp32) first copy the logits to fp32, then write the
-// log-softmax and, in backward, a one-hot gradient, the log-softmax's gradient and its copy back:
-// at Llama-3.2-1B's vocabulary of 128 256 and 1 024 tokens that is some 6 GB of memory traffic an
-// iteration by our count, and 1.25 GB more at the peak (symbiosis-bench-loss measures both ways). Here forward reads the logits once (an
-// online log-sum-exp per row) and keeps four bytes a row; backward reads them once more and writes
-// the gradient in the logits' dtype. The sums run in another order than ATen's, so losses and
-// gradients match its expression within fp32 rounding (then the dtype's), not bit for bit. Its
-// backward is not differentiable again (no double backward).
+// one pass over the logits each way, computed in fp32 from fp32, bf16 or fp16 logits.
+// transformers (and ATen's cross_entropy_loss, given fp32) first copy the logits to fp32, then
+// write the log-softmax and, in backward, a one-hot gradient, the log-softmax's gradient and its
+// copy back: at Llama-3.2-1B's vocabulary of 128 256 and 1 024 tokens that is some 6 GB of memory
+// traffic an iteration by our count, and 1.25 GB more at the peak (symbiosis-bench-loss measures
+// both ways). Here forward reads the logits once (an online log-sum-exp per row) and keeps four
+// bytes a row; backward reads them once more and writes the gradient in the logits' dtype. The
+// sums run in another order than ATen's, so losses and gradients match its expression within fp32
+// rounding (then the dtype's), not bit for bit. Its backward is not differentiable again.
 // Built only with CUDA; client_runtime/training.h is what clients call.
 #include <ATen/ATen.h>
 
