@@ -29,6 +29,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "bench/transport_name.h"
 #include "client_runtime/causal_lm.h"
 #include "client_runtime/fused_adamw.h"
 #include "client_runtime/lora.h"
@@ -181,9 +182,7 @@ int main(int argc, char** argv) {
       options.tenant = mode + "-b" + std::to_string(batch);
       options.expected_model_hash = checkpoint->model_hash();
       options.device = device_name;
-      // "cuda-ipc-buffer": cuda-ipc with each call copied through the payload buffer.
-      options.direct_operands = transport != "cuda-ipc-buffer";
-      options.transport = options.direct_operands ? transport : "cuda-ipc";
+      bench::set_transport(options, transport);
       options.latency_class = mode == "finetune" ? LatencyClass::kFineTuning
                               : seq > 1          ? LatencyClass::kInferencePrefill
                                                  : LatencyClass::kInferenceDecode;

@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "bench/process.h"
+#include "bench/transport_name.h"
 #include "client_runtime/client.h"
 #include "common/checkpoint.h"
 #include "transport/zmq_wire.h"
@@ -205,9 +206,7 @@ int main(int argc, char** argv) {
     for (std::string transport; std::getline(list, transport, ',');) {
       ClientOptions options;
       options.endpoint = executor.endpoint;
-      // "cuda-ipc-buffer": cuda-ipc with each call copied through the payload buffer.
-      options.direct_operands = transport != "cuda-ipc-buffer";
-      options.transport = options.direct_operands ? transport : "cuda-ipc";
+      bench::set_transport(options, transport);
       options.device = client_device;
       options.spin_us = spin_us;
       auto client = Client::connect(options);

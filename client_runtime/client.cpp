@@ -70,7 +70,8 @@ class Client::Impl {
     std::lock_guard<std::mutex> lock(call_mutex);
     CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
     calls++;
-    return transport->call(spec, x);
+    // Every payload reads the input's rows as they lie in memory.
+    return transport->call(spec, x.contiguous());
   }
 };
 

@@ -93,7 +93,7 @@ class TcpTransport : public ClientTransport {
   explicit TcpTransport(ControlSocket& socket) : socket_(socket) {}
 
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
-    const auto payload = x.to(at::kCPU).contiguous();
+    const auto payload = x.to(at::kCPU);  // contiguous (Client)
     socket_.send(request_envelope(spec, x), &payload);
     std::vector<zmq::message_t> frames;
     const auto reply = await_reply(socket_, spec, frames);

@@ -345,6 +345,10 @@ TEST_F(SameHostTest, ACallOfTheWrongShapeOrDtypeIsRefusedByTheClientNamingTheLay
     EXPECT_EQ(client->calls(), calls) << "a refused call reached the executor";
     const auto x = at::randn({2, 4});
     EXPECT_TRUE(at::allclose(client->forward(q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
+    // An input whose rows do not lie one after another (a transposed view) is taken as it reads.
+    const auto strided = at::randn({4, 3}).t();
+    ASSERT_FALSE(strided.is_contiguous());
+    EXPECT_TRUE(at::allclose(client->forward(q, strided, true), at::mm(strided, q_.t()), 1e-6, 1e-6));
   }
 }
 

@@ -1,10 +1,11 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic; the executor's direct
-// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy. Skipped, with a message saying so, where there is no GPU.
+// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy. Skipped, with a
+// message saying so, where there is no GPU.
+#include "client_runtime/training.h"
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
-#include "client_runtime/training.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace symbiosis {
