@@ -642,6 +642,13 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
               "), but a " + channel->kind() + " call is answered by reply: send it with sequence 0";
     h.sequence = 0;  // so that the refusal goes back as a reply
   }
+  if (problem.empty() && h.slot != 0 && (h.slot > shm::kCallSlots || h.sequence == 0)) {
+    code = proto::INVALID_ARGUMENT;
+    problem = "request " + std::to_string(h.request_id) + " names slot " + std::to_string(h.slot) +
+              (h.sequence == 0 ? " without a sequence" : "") + "; a captured call has a sequence and a slot from 1 to " +
+              std::to_string(shm::kCallSlots);
+    h.slot = 0;  // its result flag cannot be set: the sequence answers it
+  }
   if (problem.empty()) {
     const auto& layer = model->layers()[h.layer_id];
     const int64_t out_features = h.op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features;

@@ -53,6 +53,7 @@ std::optional<shm::CallHeader> SameHostChannel::next_request() {
   if (waiting_.empty() || !input_ready(waiting_.front())) return std::nullopt;
   auto h = waiting_.front();
   waiting_.pop_front();
+  taken(h);
   return h;
 }
 
@@ -259,7 +260,10 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   void finish_writes(const shm::CallHeader& h) override {
     stream_ = cuda::current_stream(device_);
-    if (h.sequence != 0) {
+    if (auto* slot = captured_slot(h)) {
+      cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, control_pin_.device_pointer(&slot->result_ready), 1},
+                                           {cuda::MemoryOp::kWrite, results_ready_, h.sequence}});
+    } else if (h.sequence != 0) {
       cuda::write_value_on_stream(stream_, results_ready_, h.sequence);
     } else {
       executor_event_.record(stream_);
@@ -288,7 +292,14 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     if (h.sequence == 0) client_event_.make_stream_wait(cuda::current_stream(device_));
   }
   bool input_ready(const shm::CallHeader& h) const override {
+    if (h.slot != 0) {  // [Captured calls]; a slot out of range is handed out to be refused
+      const auto* slot = captured_slot(h);
+      return slot == nullptr || slot->input_ready.load(std::memory_order_acquire) != 0;
+    }
     return h.sequence == 0 || shm::reached(control_block()->inputs_ready.load(std::memory_order_acquire), h.sequence);
+  }
+  void taken(const shm::CallHeader& h) override {
+    if (auto* slot = captured_slot(h)) slot->input_ready.store(0, std::memory_order_release);
   }
   // The client's stream waits for a numbered call's result, which will not come: let it go on.
   void after_refusal(const shm::CallHeader& h) override {
@@ -296,6 +307,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
  private:
+  // The slot a captured call names, or nullptr (not captured, or a slot out of range: refused).
+  shm::CallSlot* captured_slot(const shm::CallHeader& h) const {
+    if (h.slot == 0 || h.slot > shm::kCallSlots || h.sequence == 0) return nullptr;
+    return &control_block()->slots[h.slot];
+  }
+
   int device_;
   void* stream_ = nullptr;  // cudaStream_t of the compute thread, once it has used it
   cuda::InterprocessEvent executor_event_, client_event_;

@@ -111,6 +111,8 @@ class SameHostChannel {
   virtual void after_refusal(const shm::CallHeader&) {}
   // Whether the client's GPU has written the input of call `h`.
   virtual bool input_ready(const shm::CallHeader&) const { return true; }
+  // next_request() hands `h` out ([Captured calls]: clears its slot's input flag).
+  virtual void taken(const shm::CallHeader&) {}
   shm::SharedMemory& control_memory() { return control_; }
   shm::ControlBlock* control_block() const { return block_; }
   // reply() is about to answer: true when the transport keeps the reply for release_replies().

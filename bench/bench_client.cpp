@@ -33,6 +33,7 @@
 #include "client_runtime/causal_lm.h"
 #include "client_runtime/fused_adamw.h"
 #include "client_runtime/lora.h"
+#include "client_runtime/step_graph.h"
 #include "client_runtime/training.h"
 
 using namespace symbiosis;
@@ -144,7 +145,7 @@ int main(int argc, char** argv) {
   double alpha = 16;
   int iterations = 10, warmup = 2, threads = 1;
   uint64_t seed = 0;
-  bool monolithic = false;
+  bool monolithic = false, cuda_graph = false;
   CLI::App app{"symbiosis-bench-client: one benchmark client"};
   app.add_option("--executor", executor, "executor endpoint");
   app.add_option("--model", model_dir, "checkpoint directory")->required();
@@ -167,6 +168,8 @@ int main(int argc, char** argv) {
   app.add_option("--stop-file", stop_file, "iterate until this file exists (capacity runs)");
   app.add_option("--out", out, "write the results here (JSON)")->required();
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
+  app.add_flag("--cuda-graph", cuda_graph, "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
+               "step and replay it (see [Captured steps] in client_runtime/step_graph.h)");
   int op_profile = 0;
   app.add_option("--op-profile", op_profile, "after warm-up, profile this many iterations' host time by operation "
                  "(see [Op profile]) into the results");
@@ -201,13 +204,15 @@ int main(int argc, char** argv) {
     const int64_t vocab = static_cast<int64_t>(checkpoint->config_number("vocab_size").value_or(256));
     auto ids = at::randint(0, vocab, {batch, seq}, at::kLong).to(device);
 
+    StepGraph step(
+        [&] {
+          optimizer.zero_grad();
+          causal_lm_loss(lm.forward(ids, {}), ids).backward();
+        },
+        [&] { optimizer.step(); }, client, device, {.capture = cuda_graph, .warmup = 1});
     auto iteration = [&] {
       if (mode == "finetune") {
-        optimizer.zero_grad();
-        auto loss = causal_lm_loss(lm.forward(ids, {}), ids);
-        loss.backward();
-        lm.settle();
-        optimizer.step();
+        step.run();
       } else {
         at::InferenceMode inference;
         lm.forward(ids, {});
@@ -258,6 +263,7 @@ int main(int argc, char** argv) {
                         {"mode", mode},
                         {"monolithic", monolithic},
                         {"transport", client ? client->transport() : "none"},
+                        {"cuda_graph", step.captured()},
                         {"device", device_name},
                         {"batch", batch},
                         {"seq", seq},

@@ -55,7 +55,8 @@ class Client::Impl {
   std::mutex call_mutex;         // serializes calls: one transport, one buffer
   uint64_t next_request_id = 1;  // guarded by call_mutex
   std::atomic<proto::LatencyClass> latency{proto::FINE_TUNING};
-  std::atomic<uint64_t> calls{0};
+  std::atomic<uint64_t> calls{0};  // sent: a capture's recordings count when a replay sends them
+  bool capturing = false;          // guarded by call_mutex
 
   at::Tensor call(const LayerInfo& layer, proto::Op op, const at::Tensor& x) {
     // One scope per call for profilers (LibTorch's RecordFunction): free while none listens.
@@ -69,7 +70,7 @@ class Client::Impl {
                 x.sizes(), " in ", x.scalar_type());
     std::lock_guard<std::mutex> lock(call_mutex);
     CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
-    calls++;
+    if (!capturing) calls++;
     // Every payload reads the input's rows as they lie in memory.
     return transport->call(spec, x.contiguous());
   }
@@ -126,6 +127,26 @@ const LayerInfo* Client::find_layer(const std::string& name) const {
 }
 
 void Client::set_latency_class(LatencyClass c) { impl_->latency = to_proto(c); }
+
+void Client::begin_capture() {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  impl_->transport->begin_capture();
+  impl_->capturing = true;
+}
+
+std::shared_ptr<const CapturedCalls> Client::end_capture() {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  impl_->capturing = false;
+  return impl_->transport->end_capture();
+}
+
+void Client::replay(const CapturedCalls& calls) {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  const uint64_t first = impl_->next_request_id;
+  impl_->next_request_id += calls.records.size();
+  impl_->calls += calls.records.size();
+  impl_->transport->replay(calls, first);
+}
 
 void Client::settle() {
   std::lock_guard<std::mutex> lock(impl_->call_mutex);

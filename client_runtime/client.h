@@ -45,6 +45,8 @@ struct ClientOptions {
   void validate() const;  // throws naming the field
 };
 
+struct CapturedCalls;  // [Captured calls]: internal to the client runtime
+
 class Client : public LayerBackend {
  public:
   static std::shared_ptr<Client> connect(const ClientOptions& options);
@@ -67,8 +69,18 @@ class Client : public LayerBackend {
   // here: settle before an optimizer step, so that a failed call never updates the adapters.
   void settle();
 
+  // [Captured steps] (client_runtime/step_graph.h; StepGraph calls these). While the current CUDA
+  // stream is captured into a graph, begin_capture() makes this client record its calls instead of
+  // sending them, and end_capture() returns them; replay() sends one replay's calls, right after
+  // that replay of the graph is launched. Only a client on the executor's GPU whose calls go
+  // through the shared-memory control channel with direct operands (the default there) can be
+  // captured: others throw, naming why.
+  void begin_capture();
+  std::shared_ptr<const CapturedCalls> end_capture();
+  void replay(const CapturedCalls& calls);
+
   void set_latency_class(LatencyClass latency_class);
-  uint64_t calls() const;  // base-layer calls made so far
+  uint64_t calls() const;  // base-layer calls sent so far (a capture's calls count as its replays send them)
   const std::string& transport() const;  // the transport in use: tcp, shm, cuda-ipc or nccl
 
   class Impl;

@@ -241,6 +241,15 @@ class CudaIpcPayload : public RegisteredBuffer {
     announced_.store(sequence, std::memory_order_release);
   }
   void await_result(uint32_t sequence) override { cuda::wait_value_on_stream(stream_, results_ready_, sequence); }
+  void announce_captured(uint32_t slot) override {
+    auto& flags = block_->slots[slot];
+    void* input_ready = control_pin_.device_pointer(&flags.input_ready);
+    void* result_ready = control_pin_.device_pointer(&flags.result_ready);
+    cuda::memory_ops_on_stream(use_stream(), {{cuda::MemoryOp::kWrite, input_ready, 1},
+                                              {cuda::MemoryOp::kWaitReached, result_ready, 1},
+                                              {cuda::MemoryOp::kWrite, result_ready, 0}});
+  }
+  void replayed(uint32_t sequence) override { announced_.store(sequence, std::memory_order_release); }
 
  protected:
   void allocate(uint64_t bytes) override { next_ = cuda::DeviceBuffer::allocate(device_, bytes); }

@@ -46,6 +46,11 @@ class ClientPayload {
   virtual void announce_input(uint32_t) {}
   // ... and holds later work until results_ready reaches `sequence`.
   virtual void await_result(uint32_t) {}
+  // [Captured calls] (transport/call_ring.h), instead of those two, on the stream being captured:
+  // sets slot `slot`'s input flag, waits for its result flag and clears it.
+  virtual void announce_captured(uint32_t) {}
+  // A replay pushed calls up to `sequence`: what announce_input says of the calls it numbers.
+  virtual void replayed(uint32_t) {}
   // [Direct operands], for a call ordered through the flags: when the executor can read x where it
   // lies and write the result into a tensor of the client's own, names both in h (segments and
   // offsets) and returns that tensor (written once await_result's wait is passed); otherwise an

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "client_runtime/client_payload.h"
 #include "transport/call_ring.h"
@@ -57,6 +58,10 @@ proto::Envelope ControlSocket::exchange(const proto::Envelope& envelope, const c
 }
 
 namespace {
+
+constexpr const char* kCaptureNeeds =
+    "a captured step needs a client on the executor's GPU (transport cuda-ipc) with the shared-memory "
+    "control channel (control \"auto\" on the executor's host) and direct operands";
 
 [[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message) {
   TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(code), ") on layer '", layer.name, "': ", message);
@@ -165,6 +170,7 @@ class PayloadTransport : public ClientTransport {
       raise_errors();
       direct = payload_->place_direct(x, spec.out_features, h);
     }
+    if (capture_) return capture_call(*spec.layer, record, direct);
     if (!direct.defined()) {
       const uint64_t in_bytes = x.nbytes();
       const uint64_t out_bytes = static_cast<uint64_t>(x.size(0)) * spec.out_features * x.element_size();
@@ -177,9 +183,9 @@ class PayloadTransport : public ClientTransport {
       payload_->send_input(x, h.in_offset);
     }
     if (ordered_) {
-      h.sequence = ++last_sequence_ == 0 ? ++last_sequence_ : last_sequence_;  // 0 means "answered by reply"
+      h.sequence = next_sequence();
       payload_->announce_input(h.sequence);
-      push_request(record, spec);
+      push_request(record);
       issued_.store(h.sequence, std::memory_order_release);
       payload_->await_result(h.sequence);
       if (direct.defined()) return direct;
@@ -191,6 +197,33 @@ class PayloadTransport : public ClientTransport {
       throw_executor_error(*spec.layer, code, message);
     }
     return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
+  }
+
+  void begin_capture() override {
+    TORCH_CHECK(ordered_, kCaptureNeeds, "; this ", kind_, " client's calls are answered ",
+                zmq_control_ ? "over ZeroMQ" : "by reply");
+    TORCH_CHECK(!capture_, "begin_capture: this client is capturing already");
+    capture_ = std::make_shared<CapturedCalls>();
+  }
+
+  std::shared_ptr<const CapturedCalls> end_capture() override {
+    TORCH_CHECK(capture_, "end_capture: this client is not capturing");
+    return std::exchange(capture_, nullptr);
+  }
+
+  void replay(const CapturedCalls& calls, uint64_t first_request_id) override {
+    TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
+                " stopped after a call timed out; connect a new Client");
+    TORCH_CHECK(!capture_, "replay: this client is capturing");
+    raise_errors();
+    uint64_t request_id = first_request_id;
+    for (auto record : calls.records) {
+      record.header.request_id = request_id++;
+      record.header.sequence = next_sequence();
+      push_request(record);
+      issued_.store(record.header.sequence, std::memory_order_release);
+    }
+    payload_->replayed(issued_.load());
   }
 
   // [Stream-ordered hand-off]: waits on the host until every call made so far has its result,
@@ -228,6 +261,23 @@ class PayloadTransport : public ClientTransport {
     return true;
   }
 
+  // The next call's number; 0 means "answered by reply".
+  uint32_t next_sequence() { return ++last_sequence_ == 0 ? ++last_sequence_ : last_sequence_; }
+
+  // [Captured calls]: records the call, whose operands place_direct named, and enqueues its slot's
+  // flag operations on the stream being captured.
+  at::Tensor capture_call(const LayerInfo& layer, shm::CallRecord& record, const at::Tensor& direct) {
+    TORCH_CHECK(direct.defined(), "layer '", layer.name, "': ", kCaptureNeeds,
+                "; this call's input or result lies where the executor cannot read it (not in this client's "
+                "caching allocator, rows not 16-byte aligned, or direct operands off)");
+    TORCH_CHECK(capture_->records.size() < shm::kCallSlots, "a captured step makes at most ", shm::kCallSlots,
+                " base-layer calls");
+    record.header.slot = static_cast<uint32_t>(capture_->records.size() + 1);
+    payload_->announce_captured(record.header.slot);
+    capture_->records.push_back(record);
+    return direct;
+  }
+
   // Throws the first error the executor answered an ordered call with.
   void raise_errors() {
     while (auto reply = control_->replies.pop()) {
@@ -245,6 +295,7 @@ class PayloadTransport : public ClientTransport {
     broken_ = true;
     gave_up_ = true;
     control_->results_ready.store(issued_.load());
+    for (auto& slot : control_->slots) slot.result_ready.store(1);  // [Captured calls]
   }
 
   // The watchdog: a client blocked in a CUDA synchronization cannot see an executor that stopped
@@ -265,16 +316,16 @@ class PayloadTransport : public ClientTransport {
     }
   }
 
-  void push_request(const shm::CallRecord& record, const CallSpec& spec) {
+  void push_request(const shm::CallRecord& record) {
     // The executor empties the ring at every turn of its loop.
     const bool pushed = spin_then_sleep([&] { return control_->requests.push(record); });
-    TORCH_CHECK(pushed, "executor at ", socket_.endpoint(), " did not take request ", spec.request_id,
-                " for layer '", spec.layer->name, "' within ", socket_.timeout_ms(), " ms (is it running?)");
+    TORCH_CHECK(pushed, "executor at ", socket_.endpoint(), " did not take request ", record.header.request_id,
+                " for layer id ", record.header.layer_id, " within ", socket_.timeout_ms(), " ms (is it running?)");
     doorbell_->doorbell.notify();
   }
 
   Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
-    push_request(record, spec);
+    push_request(record);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
     while (true) {
       const bool got = shm::wait_until(
@@ -323,6 +374,7 @@ class PayloadTransport : public ClientTransport {
   uint32_t last_sequence_ = 0;          // the last call's number
   std::atomic<uint32_t> issued_{0};     // the last number pushed to the executor
   std::atomic<bool> gave_up_{false};    // the watchdog or settle() found the executor silent
+  std::shared_ptr<CapturedCalls> capture_;  // [Captured calls]: what the capture under way recorded
   std::mutex watch_mutex_;
   std::condition_variable watch_cv_;
   bool leaving_ = false;  // guarded by watch_mutex_
@@ -330,6 +382,8 @@ class PayloadTransport : public ClientTransport {
 };
 
 }  // namespace
+
+void ClientTransport::begin_capture() { TORCH_CHECK(false, kCaptureNeeds, "; this client's calls go over tcp"); }
 
 std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket) {
   return std::make_unique<TcpTransport>(socket);

@@ -20,6 +20,7 @@
 
 #include "client_runtime/client.h"
 #include "symbiosis.pb.h"
+#include "transport/call_ring.h"
 
 namespace symbiosis {
 
@@ -52,6 +53,12 @@ struct CallSpec {
   int64_t out_features;  // of the result
 };
 
+// [Captured calls] (transport/call_ring.h): the headers of the calls a captured step made, in
+// order, each with its slot; pushed again, renumbered, at every replay.
+struct CapturedCalls {
+  std::vector<shm::CallRecord> records;
+};
+
 class ClientTransport {
  public:
   virtual ~ClientTransport() = default;
@@ -61,6 +68,15 @@ class ClientTransport {
   // Waits until every call made so far has its result and throws the first error among them
   // (calls ordered on the GPU return before the executor has answered: [Stream-ordered hand-off]).
   virtual void settle() {}
+  // [Captured calls]: from begin_capture() to end_capture(), call() records each call (its header,
+  // and on the current stream the slot's flag operations) instead of sending it; the current
+  // stream is being captured into a CUDA graph. Only a transport that orders its calls on the GPU
+  // through the control segment, with the operands where they lie, can; others throw naming why.
+  virtual void begin_capture();
+  virtual std::shared_ptr<const CapturedCalls> end_capture() { return nullptr; }
+  // Pushes a replay's headers, numbered from first_request_id; call it right after launching the
+  // replay of the graph that recorded them.
+  virtual void replay(const CapturedCalls&, uint64_t /*first_request_id*/) {}
 };
 
 std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket);

@@ -125,7 +125,7 @@ GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& c, bool materialize_b
 at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                         const at::Tensor& position_ids) {
   auto hidden = transformer->forward(input_ids, attention_mask, position_ids, adapter_.get());
-  return at::linear(hidden, transformer->wte->weight).to(at::kFloat);
+  return at::linear(hidden, transformer->wte->weight);  // in the model's dtype (see LlamaForCausalLM)
 }
 
 void GPT2LMHeadModelImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {

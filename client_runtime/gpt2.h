@@ -85,7 +85,7 @@ class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost {
   // load_weights() or virtualize the model before calling forward.
   explicit GPT2LMHeadModelImpl(const GPT2Config& config, bool materialize_base = true);
   // input_ids [B,T] int64; attention_mask [B,T] of 1/0, optional; position_ids [B,T] or [T],
-  // optional (default 0..T-1). Returns logits [B,T,vocab] in fp32 (lm_head tied to wte).
+  // optional (default 0..T-1). Returns logits [B,T,vocab] in the model's dtype (lm_head tied to wte).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                      const at::Tensor& position_ids = {});
   const GPT2Config& config() const { return config_; }

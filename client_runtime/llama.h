@@ -120,7 +120,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost {
   explicit LlamaForCausalLMImpl(const LlamaConfig& config, bool materialize_base = true);
   // input_ids [B,T] int64; attention_mask [B,T] of 1 (token) / 0 (padding), optional;
   // position_ids [B,T] or [T], optional (default 0..T-1, as transformers' forward uses).
-  // Returns logits [B,T,vocab] in fp32.
+  // Returns logits [B,T,vocab] in the model's dtype (causal_lm_loss computes in fp32).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                      const at::Tensor& position_ids = {});
   const LlamaConfig& config() const { return config_; }

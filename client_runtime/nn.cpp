@@ -78,9 +78,12 @@ at::Tensor BaseLayerImpl::base_forward(const at::Tensor& x) {
   TORCH_CHECK(weight.defined(), layer_kind_name(kind_),
               " has no weights: load them from a checkpoint or virtualize the model first");
   if (kind_ == LayerKind::kLinear) return at::linear(x, weight, bias);
-  // Conv1D: x·W + b
-  auto y = at::matmul(x, weight);
-  return bias.defined() ? y + bias : y;
+  if (!bias.defined()) return at::matmul(x, weight);
+  // Conv1D: x·W + b in one addmm, as transformers' Conv1D and the executor compute it (a product
+  // and a separate add round differently).
+  auto shape = x.sizes().vec();
+  shape.back() = out_features_;
+  return at::addmm(bias, x.reshape({-1, in_features_}), weight).view(shape);
 }
 
 at::Tensor BaseLayerImpl::base_forward_no_bias(const at::Tensor& x) {

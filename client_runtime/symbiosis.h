@@ -8,5 +8,6 @@
 #include "client_runtime/lora.h"
 #include "client_runtime/model_io.h"
 #include "client_runtime/nn.h"
+#include "client_runtime/step_graph.h"
 #include "client_runtime/training.h"
 #include "client_runtime/virtualize.h"

@@ -14,7 +14,9 @@
 #include <sstream>
 
 #include "client_runtime/causal_lm.h"
+#include "client_runtime/fused_adamw.h"
 #include "client_runtime/lora.h"
+#include "client_runtime/step_graph.h"
 #include "client_runtime/training.h"
 
 using namespace symbiosis;
@@ -44,6 +46,7 @@ struct Settings {
   double tolerance = 1e-5;
   bool buffer_copies = false;
   bool empty_cache = false;
+  bool cuda_graph = false;
 };
 
 struct Result {
@@ -63,15 +66,30 @@ Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_
   at::manual_seed(s.seed);
   Result result;
   result.adapter = add_lora(*lm.module, lora);
-  torch::optim::AdamW optimizer(result.adapter, torch::optim::AdamWOptions(s.lr));
+  // A captured step keeps the optimizer's step count on the GPU (FusedAdamW): torch::optim::AdamW
+  // computes its bias correction on the host, which a graph would freeze. Both runs of --verify
+  // use the same optimizer.
+  std::unique_ptr<torch::optim::AdamW> adamw;
+  std::unique_ptr<FusedAdamW> fused;
+  if (s.cuda_graph) {
+    fused = std::make_unique<FusedAdamW>(result.adapter, FusedAdamWOptions{.lr = s.lr});
+  } else {
+    adamw = std::make_unique<torch::optim::AdamW>(result.adapter, torch::optim::AdamWOptions(s.lr));
+  }
   const int64_t vocab = static_cast<int64_t>(checkpoint.config_number("vocab_size").value_or(256));
   auto ids = at::randint(0, vocab, {s.batch, s.seq}, at::kLong).to(device);
+  at::Tensor loss;
+  // The step settles between the two parts: a failed base-layer call must not update the adapter.
+  StepGraph training_step(
+      [&] {
+        fused ? fused->zero_grad() : adamw->zero_grad();
+        loss = causal_lm_loss(lm.forward(ids, {}), ids);
+        loss.backward();
+      },
+      [&] { fused ? fused->step() : static_cast<void>(adamw->step()); }, client, device,
+      {.capture = s.cuda_graph && client != nullptr, .warmup = 1});
   for (int step = 0; step < s.steps; ++step) {
-    optimizer.zero_grad();
-    auto loss = causal_lm_loss(lm.forward(ids, {}), ids);
-    loss.backward();
-    lm.settle();  // a failed base-layer call must not update the adapter
-    optimizer.step();
+    training_step.run();
     result.losses.push_back(loss.item<double>());
 #ifdef SYMBIOSIS_WITH_CUDA
     if (s.empty_cache && device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
@@ -122,6 +140,9 @@ int main(int argc, char** argv) {
   app.add_flag("--empty-cache", s.empty_cache,
                "give this process's cached GPU memory back to CUDA after every step (as a tenant short of memory "
                "would)");
+  app.add_flag("--cuda-graph", s.cuda_graph,
+               "on a GPU, capture the split step in CUDA graphs after one eager step and replay it (--verify's "
+               "monolithic run stays eager); the optimizer is then FusedAdamW, in both runs");
   app.add_option("--tolerance", s.tolerance, "--verify: largest relative difference accepted")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(s.threads);

@@ -21,6 +21,8 @@
 #   op-profile     where one 1B client's host time goes ([Op profile] in bench/bench_client.cpp): split
 #                  (CUDA IPC) and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
+#                  (targets-512 and targets-128: one shape each); our clients with captured steps and eager
+#   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
 #   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
 #   capacity-13b   how many Llama-2-13B fine-tuning clients fit, against Hugging Face PEFT jobs, with
@@ -222,12 +224,15 @@ PY
       kill $executor_pid
       mps_off
       ;;
-    targets)
+    targets|targets-512|targets-128)
       make_1b
       mps_on
-      bench 512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 1,8
-      bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
+      [ $stage != targets-128 ] && bench 512 bench/scenarios/gpu_llama1b_512.json --checkpoint $model_1b --counts 1,8
+      [ $stage != targets-512 ] && bench 128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 8
       mps_off
+      ;;
+    gemm-shapes)
+      python3 bench/gemm_shapes.py
       ;;
     nomps-512)
       make_1b

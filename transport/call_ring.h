@@ -30,6 +30,21 @@
 // (Client::settle), and the executor writes results_ready for a refused call too, so the
 // client's stream never waits for a result that will not come.
 //
+// [Captured calls]
+// A client that captures its step in a CUDA graph (client_runtime/step_graph.h) cannot number a
+// call when its GPU reaches it: a graph's stream memory operations write and wait for the values
+// they were captured with, the same at every replay. So a captured call has a slot of its own, the
+// same at every replay: a pair of flags in this segment, each set by its producer and cleared by
+// its consumer, so that a replay finds them as the capture left them:
+//  - the client's graph sets the slot's input_ready once the input is written; the executor takes
+//    the call up when its host sees it set, and clears it;
+//  - the executor's stream sets the slot's result_ready after the result (and writes the call's
+//    sequence into results_ready, as for any numbered call); the client's graph waits until it is
+//    set, then clears it.
+// The headers are recorded at capture; at each replay the client's host pushes them again, each
+// with a new request id and sequence, once the replay is launched. A client's calls still complete
+// in order, so no slot is set twice before its consumer has cleared it.
+//
 // Trust: the executor never trusts what a client wrote. It keeps its own read position (a
 // corrupted head is detected as a ring that claims more than its capacity) and validates every
 // record like a ZeroMQ request.
@@ -59,6 +74,7 @@ struct CallHeader {
   // [Direct operands]: the shared segment each offset refers to; 0 is the payload buffer.
   uint32_t in_segment = 0;
   uint32_t out_segment = 0;
+  uint32_t slot = 0;  // [Captured calls]: the call's slot, 1 to kCallSlots; 0 for a call not captured
 };
 
 struct CallRecord {
@@ -75,7 +91,9 @@ class CallRing {
  public:
   // A client's calls complete in order, but one that orders them on the GPU pushes headers ahead
   // of its GPU ([Stream-ordered hand-off]); the executor empties the ring at every turn of its loop.
-  static constexpr uint64_t kCapacity = 32;
+  // A replay of a captured step pushes all its headers at once ([Captured calls]): a Llama-3.2-1B
+  // training step makes 221 calls.
+  static constexpr uint64_t kCapacity = 256;
 
   // Producer side. False when the ring is full (the consumer is stuck or gone).
   bool push(const CallRecord& record);
@@ -95,6 +113,13 @@ class CallRing {
   alignas(64) CallRecord slots_[kCapacity];
 };
 
+// [Captured calls]: one call position of a captured step.
+struct CallSlot {
+  std::atomic<uint32_t> input_ready{0};   // set (1) by the client's GPU, cleared by the executor's host
+  std::atomic<uint32_t> result_ready{0};  // set (1) by the executor's GPU, cleared by the client's GPU
+};
+constexpr uint32_t kCallSlots = 4096;  // calls a captured step may make
+
 // The per-client control segment. Created (zero-filled) by the executor, mapped by the client.
 struct ControlBlock {
   static constexpr uint64_t kMagic = 0x53594d42494f5331ull;  // "SYMBIOS1"
@@ -104,6 +129,7 @@ struct ControlBlock {
   // [Stream-ordered hand-off]: written by the GPUs, read by the executor's host and the client's GPU.
   alignas(64) std::atomic<uint32_t> inputs_ready{0};
   alignas(64) std::atomic<uint32_t> results_ready{0};
+  alignas(64) CallSlot slots[kCallSlots + 1];  // [Captured calls]: slot 0 is never used
 };
 
 // Whether a word that counts calls modulo 2^32 has reached `sequence`.

@@ -263,15 +263,14 @@ namespace {
 
 // The driver's stream memory operations, found through the runtime (so that nothing links
 // libcuda, which a machine without a GPU lacks).
-using StreamValueOp = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-StreamValueOp driver_entry(const char* symbol) {
+template <typename Function>
+Function driver_entry(const char* symbol) {
   void* function = nullptr;
   cudaDriverEntryPointQueryResult found{};
   SYMBIOSIS_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &function, 12000, cudaEnableDefault, &found));
   TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr, "the CUDA driver has no ", symbol,
               " (stream memory operations need a driver for CUDA 12 or later)");
-  return reinterpret_cast<StreamValueOp>(function);
+  return reinterpret_cast<Function>(function);
 }
 
 void check_driver(CUresult status, const char* call) {
@@ -281,17 +280,34 @@ void check_driver(CUresult status, const char* call) {
 }  // namespace
 
 void write_value_on_stream(void* stream, void* word, uint32_t value) {
-  static const StreamValueOp write = driver_entry("cuStreamWriteValue32");
-  check_driver(write(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
-                     CU_STREAM_WRITE_VALUE_DEFAULT),
-               "cuStreamWriteValue32");
+  memory_ops_on_stream(stream, {{MemoryOp::kWrite, word, value}});
 }
 
 void wait_value_on_stream(void* stream, void* word, uint32_t value) {
-  static const StreamValueOp wait = driver_entry("cuStreamWaitValue32");
-  check_driver(wait(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
-                    CU_STREAM_WAIT_VALUE_GEQ),
-               "cuStreamWaitValue32");
+  memory_ops_on_stream(stream, {{MemoryOp::kWaitReached, word, value}});
+}
+
+void memory_ops_on_stream(void* stream, std::initializer_list<MemoryOp> ops) {
+  using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
+  static const auto batch = driver_entry<BatchMemOp>("cuStreamBatchMemOp");
+  CUstreamBatchMemOpParams params[4] = {};
+  TORCH_CHECK(ops.size() <= 4, "memory_ops_on_stream takes at most 4 operations, got ", ops.size());
+  unsigned int n = 0;
+  for (const auto& op : ops) {
+    auto& p = params[n++];
+    if (op.kind == MemoryOp::kWrite) {
+      p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      p.writeValue.address = reinterpret_cast<CUdeviceptr>(op.word);
+      p.writeValue.value = op.value;
+      p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    } else {
+      p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      p.waitValue.address = reinterpret_cast<CUdeviceptr>(op.word);
+      p.waitValue.value = op.value;
+      p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    }
+  }
+  check_driver(batch(static_cast<CUstream>(stream), n, params, 0), "cuStreamBatchMemOp");
 }
 
 #endif  // SYMBIOSIS_WITH_CUDA

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <string>
 
 namespace symbiosis::cuda {
@@ -136,6 +137,13 @@ void stream_after(void* stream, void* earlier);
 // earlier work; the wait holds the stream until the word reaches `value` (modulo 2^32).
 void write_value_on_stream(void* stream, void* word, uint32_t value);
 void wait_value_on_stream(void* stream, void* word, uint32_t value);
+// Several of those in one driver call (cuStreamBatchMemOp), in order; at most 4.
+struct MemoryOp {
+  enum Kind { kWrite, kWaitReached } kind;
+  void* word;
+  uint32_t value;
+};
+void memory_ops_on_stream(void* stream, std::initializer_list<MemoryOp> ops);
 // cudaMemcpyAsync device to device on `stream`: what a payload copy needs, without ATen's
 // per-operation overhead (a few microseconds per call, on every base-layer call).
 void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream);

@@ -11,6 +11,7 @@
 
 #include "base_executor/executor.h"
 #include "client_runtime/client.h"
+#include "client_runtime/step_graph.h"
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
 #include "transport/call_ring.h"
@@ -311,6 +312,42 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   auto stale = peer.register_buffer(1);
   ASSERT_TRUE(stale.has_error());
   EXPECT_TRUE(contains(stale.error().message(), "RegisterBuffer generation 1, expected 2")) << stale.error().message();
+}
+
+// [Captured steps]: only a client on the executor's GPU, ordered through the control segment, can
+// record its calls for a CUDA graph; a CPU client is told why, and a StepGraph on the CPU runs its
+// step eagerly, as it was written.
+TEST_F(SameHostTest, ACaptureIsRefusedOffTheGpuNamingWhyAndACpuStepRunsEagerly) {
+  for (const std::string transport : {"shm", "tcp"}) {
+    auto client = connect(transport);
+    try {
+      client->begin_capture();
+      ADD_FAILURE() << transport << ": a capture began";
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("a captured step needs a client on the executor's GPU (transport cuda-ipc)"),
+                std::string::npos)
+          << message;
+      EXPECT_NE(message.find(transport == "tcp" ? "go over tcp" : "this shm client's calls are answered by reply"),
+                std::string::npos)
+          << message;
+    }
+    const auto* q = client->find_layer("model.layers.0.self_attn.q_proj");
+    auto x = at::randn({2, 4});
+    at::Tensor y;
+    int computed = 0, applied = 0;
+    StepGraph step(
+        [&] {
+          y = client->forward(*q, x, true);
+          computed++;
+        },
+        [&] { applied++; }, client, at::kCPU);
+    for (int i = 0; i < 3; ++i) step.run();
+    EXPECT_FALSE(step.captured());
+    EXPECT_EQ(computed, 3);
+    EXPECT_EQ(applied, 3);
+    EXPECT_TRUE(at::allclose(y, at::mm(x, q_.t()), 1e-6, 1e-6)) << transport;
+  }
 }
 
 // A call the layer cannot take is refused by the client before it leaves, with the executor's

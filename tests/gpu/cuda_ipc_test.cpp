@@ -11,10 +11,13 @@
 
 #include "bench/process.h"
 #include "client_runtime/causal_lm.h"
+#include "client_runtime/fused_adamw.h"
 #include "client_runtime/lora.h"
+#include "client_runtime/step_graph.h"
 #include "client_runtime/training.h"
 #include "kernels/few_rows_gemm.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "transport/call_ring.h"
 #include "transport/cuda_ipc.h"
 #include "transport/shared_memory.h"
 #include "transport/zmq_wire.h"
@@ -59,6 +62,7 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   const auto lora = testing::lora_adapter(same_gpu_lora());
   auto split = testing::make_training_run(*checkpoint, client, lora, on_gpu, 1e-3, 21);
   auto mono = testing::make_training_run(*checkpoint, nullptr, lora, on_gpu, 1e-3, 21);
+  client.reset();  // the split model holds it: it goes with the model, before the executor stops
   auto ids = at::randint(0, 200, {batch, sequence}, at::kLong).to(at::kCUDA);
   // A few tokens' forward products run through the executor's [Few-row GEMM], whose sums run in
   // another order than the monolithic client's cuBLAS: logits, losses and gradients agree within
@@ -68,8 +72,9 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   const bool few_rows = batch * sequence <= kernels::kFewRowsMax;
   testing::expect_same_training(split, mono, ids, 3, tolerance, {}, {},
                                 few_rows ? std::optional<double>(std::max(tolerance, 1e-4)) : std::nullopt);
-  EXPECT_GT(client->calls(), 3u * client->layers().size() + 3u);  // forward each step, and backward
-  client.reset();
+  const auto& sent = *split.lm.client;
+  EXPECT_GT(sent.calls(), 3u * sent.layers().size() + 3u);  // forward each step, and backward
+  split = {};
   bench::stop(executor.pid);
 }
 
@@ -81,6 +86,126 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndControls, SameGpuExactness,
                                            std::make_tuple("fp32", "auto", 1, 3, true),
                                            std::make_tuple("bf16", "auto", 1, 3, true),
                                            std::make_tuple("bf16", "auto", 1, 3, false)));
+
+// [Captured steps]: a step captured in CUDA graphs and replayed gives, step by step, what the same
+// step gives run eagerly on the same GPU by the monolithic model: a split client, whose calls are
+// recorded at the capture and sent again by each replay through their slots ([Captured calls]),
+// and the monolithic model captured the same way. (dtype, split)
+class CapturedSteps : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
+ protected:
+  // A LoRA model and its step, captured or eager; what the step computed stays readable after it.
+  struct Run {
+    CausalLM lm;
+    std::vector<at::Tensor> adapter;
+    std::unique_ptr<FusedAdamW> optimizer;
+    at::Tensor logits, loss;
+    std::unique_ptr<StepGraph> step;
+  };
+  static std::unique_ptr<Run> make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                                       at::ScalarType dtype, const at::Tensor& ids, bool capture) {
+    auto run = std::make_unique<Run>();
+    run->lm = open_causal_lm(checkpoint, client, {dtype, at::Device(at::kCUDA, 0)});
+    at::manual_seed(21);
+    run->adapter = add_lora(*run->lm.module, same_gpu_lora());
+    run->optimizer = std::make_unique<FusedAdamW>(run->adapter, FusedAdamWOptions{.lr = 1e-3});
+    Run* r = run.get();
+    run->step = std::make_unique<StepGraph>(
+        [r, ids] {
+          r->optimizer->zero_grad();
+          r->logits = r->lm.forward(ids, {});
+          r->loss = causal_lm_loss(r->logits, ids);
+          r->loss.backward();
+        },
+        [r] { r->optimizer->step(); }, client, at::Device(at::kCUDA, 0),
+        StepGraphOptions{.capture = capture, .warmup = 1});
+    return run;
+  }
+};
+
+TEST_P(CapturedSteps, ReplayedStepsEqualEagerMonolithicSteps) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto& [dtype_name, split] = GetParam();
+  const auto dtype = parse_dtype_name(dtype_name);
+  const double tolerance = dtype == at::kFloat ? 1e-5 : 5e-2;
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  std::optional<bench::ExecutorProcess> executor;
+  std::shared_ptr<Client> client;
+  if (split) {
+    executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
+                                      "--dtype", dtype_name, "--log-level", "warn"},
+                                     testing::temp_dir("captured-executor"));
+    client = Client::connect({.endpoint = executor->endpoint, .device = "cuda:0"});
+  }
+  auto ids = at::randint(0, 200, {2, 24}, at::kLong).to(at::kCUDA);
+  auto captured = make_run(*checkpoint, client, dtype, ids, true);
+  auto eager = make_run(*checkpoint, nullptr, dtype, ids, false);
+  uint64_t calls_per_step = 0;
+  constexpr int kSteps = 5;  // one eager, one captured and replayed, three replayed
+  for (int step = 0; step < kSteps; ++step) {
+    captured->step->run();
+    eager->step->run();
+    if (step == 0 && client) calls_per_step = client->calls();
+    EXPECT_EQ(captured->step->captured(), step > 0);
+    EXPECT_LT(testing::relative_error(captured->logits, eager->logits), tolerance) << "step " << step;
+    EXPECT_LT(testing::relative_error(captured->loss, eager->loss), tolerance) << "step " << step;
+    for (size_t i = 0; i < eager->adapter.size(); ++i) {
+      EXPECT_LT(testing::relative_error(captured->adapter[i].grad(), eager->adapter[i].grad()), tolerance)
+          << "step " << step << ", adapter tensor " << i;
+    }
+  }
+  for (size_t i = 0; i < eager->adapter.size(); ++i) {
+    EXPECT_LT(testing::relative_error(captured->adapter[i], eager->adapter[i]), tolerance) << "adapter tensor " << i;
+  }
+  if (client) {  // every replay sent the step's calls
+    EXPECT_GT(calls_per_step, client->layers().size());
+    EXPECT_EQ(client->calls(), kSteps * calls_per_step);
+  }
+  captured.reset();
+  if (executor) {
+    client.reset();
+    bench::stop(executor->pid);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndPlacements, CapturedSteps,
+                         ::testing::Values(std::make_tuple("fp32", true), std::make_tuple("bf16", true),
+                                           std::make_tuple("fp32", false)));
+
+// A split step can be captured only when the executor reads and writes its tensors where they
+// lie: with copies through the payload buffer the capture fails, naming why, and the client goes
+// on eagerly.
+TEST(CapturedStepsRefused, ACaptureWithoutDirectOperandsFailsNamingWhy) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                         "cuda:0", "--log-level", "warn"},
+                                        testing::temp_dir("captured-refused-executor"));
+  auto client = Client::connect({.endpoint = executor.endpoint, .device = "cuda:0", .direct_operands = false});
+  auto lm = open_causal_lm(*checkpoint, client, {at::kFloat, at::Device(at::kCUDA, 0)});
+  auto adapter = add_lora(*lm.module, same_gpu_lora());
+  FusedAdamW optimizer(adapter);
+  auto ids = at::randint(0, 200, {1, 8}, at::kLong).to(at::kCUDA);
+  auto compute = [&] {
+    optimizer.zero_grad();
+    causal_lm_loss(lm.forward(ids, {}), ids).backward();
+  };
+  StepGraph captured(compute, [&] { optimizer.step(); }, client, at::Device(at::kCUDA, 0), {.warmup = 1});
+  captured.run();  // eager
+  try {
+    captured.run();
+    ADD_FAILURE() << "a step whose calls copy through the payload buffer was captured";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("could not be captured"), std::string::npos) << message;
+    EXPECT_NE(message.find("direct operands"), std::string::npos) << message;
+  }
+  StepGraph eager(compute, [&] { optimizer.step(); }, client, at::Device(at::kCUDA, 0), {.capture = false});
+  EXPECT_NO_THROW(eager.run());
+  client.reset();
+  bench::stop(executor.pid);
+}
 
 // The executor in this process on cuda:0; clients as processes.
 class GpuExecutorWithClientProcesses : public ::testing::Test {
@@ -105,6 +230,37 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
   std::vector<std::string> client(const std::string& device, const std::string& transport,
                                   const std::vector<std::string>& extra) {
     return testing::demo_client(executor_->endpoint(), dir_, device, transport, extra);
+  }
+  // A client on this GPU that speaks to the executor by hand (the executor runs in this process, so
+  // no handle of this process's memory can be opened there): connected, welcomed on cuda-ipc.
+  struct RawClient {
+    zmq::context_t context{1};
+    zmq::socket_t socket{context, zmq::socket_type::dealer};
+    proto::Envelope welcome;
+    proto::Envelope exchange(const proto::Envelope& env) {
+      socket.send(wire::serialize(env), zmq::send_flags::none);
+      auto frames = wire::recv_all(socket);
+      proto::Envelope answer;
+      EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
+      return answer;
+    }
+  };
+  std::unique_ptr<RawClient> raw_client() {
+    auto raw = std::make_unique<RawClient>();
+    raw->socket.set(zmq::sockopt::linger, 0);
+    raw->socket.set(zmq::sockopt::rcvtimeo, 10000);
+    raw->socket.connect(executor_->endpoint());
+    proto::Envelope hello;
+    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+    auto* placement = hello.mutable_hello()->mutable_placement();
+    placement->set_host_id(shm::host_id());
+    placement->set_pid(::getpid());
+    placement->set_device("cuda:0");
+    placement->set_gpu_uuid(cuda::gpu_uuid(0));
+    placement->set_mps(cuda::mps_active());
+    raw->welcome = raw->exchange(hello);
+    EXPECT_EQ(raw->welcome.welcome().transport(), "cuda-ipc") << raw->welcome.DebugString();
+    return raw;
   }
   std::filesystem::path dir_;
   std::unique_ptr<Executor> executor_;
@@ -134,6 +290,9 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
                                           "all-linear", "--buffer-copies", "--tenant", "ipc-buffer"})),
       client("cpu", "shm", cross_device({"--rank", "8", "--batch", "3", "--seq", "8", "--seed", "3"})),
       client("cpu", "tcp", cross_device({"--rank", "2", "--batch", "1", "--seq", "5", "--seed", "4"})),
+      client("cuda:0", "cuda-ipc",
+             exact({"--rank", "8", "--batch", "2", "--seq", "24", "--seed", "5", "--cuda-graph", "--tenant",
+                    "ipc-graph"})),
   })) << "a client's split run differed from its monolithic run (see its output above)";
   EXPECT_EQ(executor_->stats().errors, 0u);
   EXPECT_GT(executor_->stats().direct_calls, 0u);  // the first client's; the second copies through its buffer
@@ -223,33 +382,12 @@ TEST_F(GpuExecutorWithClientProcesses, AKilledClientLeaksNoGpuMemoryAndOthersSta
 TEST_F(GpuExecutorWithClientProcesses, AShareSegmentsTheExecutorCannotTakeIsRefusedNamingTheProblem) {
   SKIP_WITHOUT_GPUS(1);
   start();
-  zmq::context_t context{1};
-  zmq::socket_t socket{context, zmq::socket_type::dealer};
-  socket.set(zmq::sockopt::linger, 0);
-  socket.set(zmq::sockopt::rcvtimeo, 10000);
-  socket.connect(executor_->endpoint());
-  auto exchange = [&](const proto::Envelope& env) {
-    socket.send(wire::serialize(env), zmq::send_flags::none);
-    auto frames = wire::recv_all(socket);
-    proto::Envelope answer;
-    EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
-    return answer;
-  };
-  proto::Envelope hello;
-  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
-  auto* placement = hello.mutable_hello()->mutable_placement();
-  placement->set_host_id(shm::host_id());
-  placement->set_pid(::getpid());
-  placement->set_device("cuda:0");
-  placement->set_gpu_uuid(cuda::gpu_uuid(0));
-  placement->set_mps(cuda::mps_active());
-  const auto welcome = exchange(hello);
-  ASSERT_EQ(welcome.welcome().transport(), "cuda-ipc") << welcome.DebugString();
+  auto raw = raw_client();
   // Sends the ShareSegments `fill` makes; its answer must be an error containing `part`.
   auto expect_refused = [&](const std::function<void(proto::ShareSegments*)>& fill, const std::string& part) {
     proto::Envelope env;
     fill(env.mutable_share_segments());
-    const auto answer = exchange(env);
+    const auto answer = raw->exchange(env);
     ASSERT_TRUE(answer.has_error()) << "accepted: " << answer.DebugString();
     EXPECT_NE(answer.error().message().find(part), std::string::npos) << answer.error().message();
   };
@@ -270,7 +408,49 @@ TEST_F(GpuExecutorWithClientProcesses, AShareSegmentsTheExecutorCannotTakeIsRefu
   // Still connected: an empty ShareSegments is answered.
   proto::Envelope empty;
   empty.mutable_share_segments();
-  EXPECT_TRUE(exchange(empty).has_segments_shared());
+  EXPECT_TRUE(raw->exchange(empty).has_segments_shared());
+}
+
+// [Captured calls]: a call that names a slot the control segment does not have, or a slot without
+// a sequence, is refused by a reply naming the problem, and the executor goes on answering.
+TEST_F(GpuExecutorWithClientProcesses, ACapturedCallWithABadSlotIsRefusedNamingTheProblem) {
+  SKIP_WITHOUT_GPUS(1);
+  start();
+  auto raw = raw_client();
+  auto control_memory = shm::SharedMemory::open(raw->welcome.welcome().control_segment(), sizeof(shm::ControlBlock));
+  auto doorbell_memory = shm::SharedMemory::open(raw->welcome.welcome().doorbell_segment(), sizeof(shm::DoorbellBlock));
+  auto* control = shm::map_block<shm::ControlBlock>(control_memory);
+  auto* doorbell = shm::map_block<shm::DoorbellBlock>(doorbell_memory);
+  const auto& layer = raw->welcome.welcome().layers(0);
+  // Pushes a call of layer 0 naming `slot` with `sequence`; its reply must be an error containing `part`.
+  auto expect_refused = [&](uint32_t slot, uint32_t sequence, const std::string& part) {
+    shm::CallRecord record;
+    auto& h = record.header;
+    h.request_id = slot;
+    h.layer_id = layer.id();
+    h.op = proto::FORWARD;
+    h.dtype = layer.dtype();
+    h.tokens = 1;
+    h.features = layer.in_features();
+    h.sequence = sequence;
+    h.slot = slot;
+    ASSERT_TRUE(control->requests.push(record));
+    doorbell->doorbell.notify();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    std::optional<shm::CallRecord> reply;
+    while (!(reply = control->replies.pop()) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(reply.has_value()) << "no answer to a call naming slot " << slot;
+    EXPECT_EQ(reply->error_code, proto::INVALID_ARGUMENT);
+    EXPECT_NE(reply->message_text().find(part), std::string::npos) << reply->message_text();
+  };
+  expect_refused(shm::kCallSlots + 1, 1, "names slot 4097; a captured call has a sequence and a slot from 1 to 4096");
+  expect_refused(3, 0, "names slot 3 without a sequence");
+  EXPECT_EQ(executor_->stats().errors, 2u);
+  proto::Envelope empty;  // still connected
+  empty.mutable_share_segments();
+  EXPECT_TRUE(raw->exchange(empty).has_segments_shared());
 }
 
 }  // namespace
