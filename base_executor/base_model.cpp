@@ -2,13 +2,35 @@
 
 #include <c10/util/Exception.h>
 
+#include <map>
 #include <regex>
+#include <set>
+#include <sstream>
 
 #ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+
 #include "kernels/direct_gemm.h"
 #endif
 
 namespace symbiosis {
+
+std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text) {
+  std::vector<std::vector<std::string>> groups;
+  std::stringstream all(text);
+  for (std::string group; std::getline(all, group, ';');) {
+    if (group.empty()) continue;
+    std::vector<std::string> names;
+    std::stringstream members(group);
+    for (std::string name; std::getline(members, name, ',');) {
+      if (!name.empty()) names.push_back(name);
+    }
+    TORCH_CHECK(names.size() >= 2, "layer group '", group, "' names ", names.size(),
+                " layer(s); a group stacks at least two (e.g. q_proj,k_proj,v_proj)");
+    groups.push_back(std::move(names));
+  }
+  return groups;
+}
 
 std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
                                            at::Device device, std::optional<at::ScalarType> dtype) {
@@ -53,18 +75,86 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   }
   TORCH_CHECK(!model->layers_.empty(), "checkpoint ", checkpoint.dir(), " has no base layers matching '",
               rule.pattern, "'", rule.lm_head ? " or lm_head" : "");
+  model->add_groups(rule.groups);
+#ifdef SYMBIOSIS_WITH_CUDA
+  // The members' weights, copied into their groups', are cached by the allocator: give them back.
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
   return model;
 }
 
+void BaseModel::add_groups(const std::vector<std::vector<std::string>>& names) {
+  std::map<std::string, uint32_t> by_name;
+  std::set<std::string> parents;
+  for (const auto& layer : layers_) {
+    by_name[layer.name] = layer.id;
+    const auto dot = layer.name.rfind('.');
+    parents.insert(dot == std::string::npos ? "" : layer.name.substr(0, dot));  // "": the top level
+  }
+  std::vector<bool> grouped(layers_.size(), false);
+  for (const auto& parent : parents) {
+    for (const auto& group : names) {
+      std::vector<uint32_t> members;
+      for (const auto& name : group) {
+        const auto it = by_name.find(parent.empty() ? name : parent + "." + name);
+        if (it != by_name.end()) members.push_back(it->second);
+      }
+      if (members.size() != group.size()) continue;
+      const auto& first = layers_[members[0]];
+      bool stackable = true;
+      for (const uint32_t id : members) {
+        const auto& layer = layers_[id];
+        stackable = stackable && !grouped[id] && layer.kind == LayerKind::kLinear &&
+                    layer.in_features == first.in_features && layer.dtype == first.dtype && layer.bias == first.bias;
+      }
+      if (!stackable) continue;
+      // The members' weights, stacked, become the group's; theirs become views of it.
+      Weights stacked;
+      std::vector<at::Tensor> weights, biases;
+      for (const uint32_t id : members) {
+        weights.push_back(weights_[id].weight);
+        if (first.bias) biases.push_back(weights_[id].bias);
+      }
+      stacked.weight = at::cat(weights, 0);
+      if (first.bias) stacked.bias = at::cat(biases, 0);
+      LayerInfo info = first;
+      info.id = static_cast<uint32_t>(layer_count());
+      info.name = parent.empty() ? "{" : parent + ".{";
+      info.out_features = 0;
+      for (size_t i = 0; i < members.size(); ++i) {
+        auto& w = weights_[members[i]];
+        const int64_t rows = layers_[members[i]].out_features;
+        w.weight = stacked.weight.narrow(0, info.out_features, rows);
+        if (first.bias) w.bias = stacked.bias.narrow(0, info.out_features, rows);
+        w.forward_matrix = w.weight.t();
+        w.backward_matrix = w.weight;
+        info.out_features += rows;
+        info.name += (i ? "," : "") + group[i];
+        grouped[members[i]] = true;
+      }
+      info.name += "}";
+      info.members = members;
+      stacked.forward_matrix = stacked.weight.t();
+      stacked.backward_matrix = stacked.weight;
+      groups_.push_back(std::move(info));
+      weights_.push_back(std::move(stacked));
+    }
+  }
+}
+
 size_t BaseModel::weight_bytes() const {
+  // A group's weights are its members': counted once, as the members'.
   size_t total = 0;
-  for (const auto& w : weights_) total += w.weight.nbytes() + (w.bias.defined() ? w.bias.nbytes() : 0);
+  for (size_t id = 0; id < layers_.size(); ++id) {
+    const auto& w = weights_[id];
+    total += w.weight.nbytes() + (w.bias.defined() ? w.bias.nbytes() : 0);
+  }
   return total;
 }
 
 // The matrix x is multiplied by, and the bias to add (undefined when none or not wanted).
 std::pair<const at::Tensor&, const at::Tensor&> BaseModel::operands(uint32_t layer_id, LayerOp op) const {
-  TORCH_CHECK(layer_id < layers_.size(), "unknown layer id ", layer_id);
+  TORCH_CHECK(layer_id < weights_.size(), "unknown layer id ", layer_id);
   const auto& w = weights_[layer_id];
   switch (op) {
     case LayerOp::kForward: return {w.forward_matrix, w.bias};

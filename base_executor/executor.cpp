@@ -199,13 +199,13 @@ void Executor::Impl::send_error(zmq::message_t& identity, uint64_t request_id, p
 // Fills h.tokens and h.features from `shape`; returns "" or the problem (and its code).
 std::string Executor::Impl::validate_call(shm::CallHeader& h, const std::vector<int64_t>& shape,
                                           proto::ErrorCode* code) const {
-  const auto& layers = model->layers();
-  if (h.layer_id >= layers.size()) {
+  if (h.layer_id >= model->layer_count()) {
     *code = proto::NOT_FOUND;
     return "unknown layer id " + std::to_string(h.layer_id) + " (this executor serves " +
-           std::to_string(layers.size()) + " layers, ids 0.." + std::to_string(layers.size() - 1) + ")";
+           std::to_string(model->layers().size()) + " layers and " + std::to_string(model->groups().size()) +
+           " groups, ids 0.." + std::to_string(model->layer_count() - 1) + ")";
   }
-  const auto& layer = layers[h.layer_id];
+  const auto& layer = model->layer(h.layer_id);
   // Built only for an error: this runs for every call.
   auto where = [&] {
     return "request " + std::to_string(h.request_id) + " for layer " + std::to_string(layer.id) + " (" + layer.name +
@@ -370,6 +370,7 @@ void Executor::Impl::handle_hello(const proto::Hello& hello, zmq::message_t& ide
     welcome->set_doorbell_segment(doorbell.segment());
   }
   for (const auto& layer : model->layers()) *welcome->add_layers() = wire::to_proto(layer);
+  for (const auto& group : model->groups()) *welcome->add_groups() = wire::to_proto(group);
   wire::send_to(router, identity.to_string_view(), reply);
 }
 
@@ -427,9 +428,9 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
       std::string problem = validate_call(h, {r.shape().begin(), r.shape().end()}, &code);
       if (problem.empty()) {
         const uint64_t bytes = static_cast<uint64_t>(h.tokens) * h.features *
-                               at::elementSize(model->layers()[h.layer_id].dtype);
+                               at::elementSize(model->layer(h.layer_id).dtype);
         const std::string where = "request " + std::to_string(h.request_id) + " for layer " +
-                                  std::to_string(h.layer_id) + " (" + model->layers()[h.layer_id].name + ")";
+                                  std::to_string(h.layer_id) + " (" + model->layer(h.layer_id).name + ")";
         code = proto::MALFORMED;
         if (frames.size() != 3) {
           problem = where + ": expected exactly one payload frame after the header, got " +
@@ -450,7 +451,7 @@ void Executor::Impl::handle(std::vector<zmq::message_t>& frames) {
       queued.tokens = h.tokens;
       queued.latency = to_latency_class(h.latency_class);
       queued.arrival = Clock::now();
-      queued.payload.input = wire::frame_to_tensor(std::move(frames[2]), model->layers()[h.layer_id].dtype,
+      queued.payload.input = wire::frame_to_tensor(std::move(frames[2]), model->layer(h.layer_id).dtype,
                                                    {h.tokens, h.features});
       queued.payload.identity = std::move(identity);
       queued.payload.header = h;
@@ -571,7 +572,7 @@ proto::Stats Executor::Impl::collect_stats() {
     if (c.requests == 0) continue;
     auto* layer = s.add_layers();
     layer->set_layer_id(static_cast<uint32_t>(id));
-    layer->set_name(model->layers()[id].name);
+    layer->set_name(model->layer(static_cast<uint32_t>(id)).name);
     layer->set_requests(c.requests);
     layer->set_tokens(c.tokens);
     layer->set_batches(c.batches);
@@ -650,7 +651,7 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
     h.slot = 0;  // its result flag cannot be set: the sequence answers it
   }
   if (problem.empty()) {
-    const auto& layer = model->layers()[h.layer_id];
+    const auto& layer = model->layer(h.layer_id);
     const int64_t out_features = h.op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features;
     const uint64_t element = at::elementSize(layer.dtype);
     const uint64_t in_bytes = h.tokens * h.features * element, out_bytes = h.tokens * out_features * element;
@@ -725,7 +726,7 @@ void Executor::Impl::finish_setups(zmq::socket_t& replies_out) {
 std::vector<at::Tensor> Executor::Impl::compute_batch(WorkBatcher::Batch& batch) {
   const at::Device device = model->device();
   auto& requests = batch.requests;
-  const auto& layer = model->layers()[batch.layer_id];
+  const auto& layer = model->layer(batch.layer_id);
   const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
   const int64_t features = requests[0].payload.header.features;
   // Undefined where the channel receives the input straight into the batch (NCCL): only its rows
@@ -980,11 +981,11 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
     impl->placement.set_gpu_uuid(cuda::gpu_uuid(device.index()));
     impl->placement.set_mps(cuda::mps_active());
   }
-  spdlog::info("loaded {} base layers ({:.1f} MiB) of model {} from {} on {}{}", impl->model->layers().size(),
-               impl->model->weight_bytes() / 1048576.0, impl->model->model_hash(), options.model_dir.string(),
+  spdlog::info("loaded {} base layers and {} layer groups ({:.1f} MiB) of model {} from {} on {}{}", impl->model->layers().size(),
+               impl->model->groups().size(), impl->model->weight_bytes() / 1048576.0, impl->model->model_hash(), options.model_dir.string(),
                options.device, device.is_cuda() ? (impl->placement.mps() ? " (NVIDIA MPS active)" : " (no NVIDIA MPS)") : "");
   impl->batcher = std::make_unique<WorkBatcher>(options.batching);
-  impl->counters.resize(impl->model->layers().size());
+  impl->counters.resize(impl->model->layer_count());
   impl->router.set(zmq::sockopt::linger, 0);
   impl->router.set(zmq::sockopt::sndhwm, 0);
   try {

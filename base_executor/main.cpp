@@ -25,6 +25,11 @@ int main(int argc, char** argv) {
                  "regex over module names choosing the base layers (2-D .weight tensors)")
       ->capture_default_str();
   app.add_flag("--lm-head", options.layers.lm_head, "serve lm_head as a base layer too");
+  std::string layer_groups = symbiosis::BaseLayerRule::kDefaultGroups;
+  app.add_option("--layer-groups", layer_groups,
+                 "layers that read one input, served together as one stacked layer too (see [Layer groups] in "
+                 "base_executor/base_model.h): ';'-separated groups of ','-separated last name parts; \"\" for none")
+      ->capture_default_str();
   app.add_option("--max-request-bytes", options.max_request_bytes, "refuse request payloads larger than this")
       ->capture_default_str();
   std::string policy = "opportunistic";
@@ -65,6 +70,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<symbiosis::Executor> executor;
   try {
     if (!dtype.empty()) options.dtype = symbiosis::parse_dtype_name(dtype);
+    options.layers.groups = symbiosis::parse_layer_groups(layer_groups);
     options.batching.policy = symbiosis::parse_batching_policy(policy);
     options.batching.max_wait = std::chrono::microseconds(max_wait_us);
     options.batching.companion_window = std::chrono::microseconds(companion_window_us);

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -170,6 +172,9 @@ int main(int argc, char** argv) {
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
   app.add_flag("--cuda-graph", cuda_graph, "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
                "step and replay it (see [Captured steps] in client_runtime/step_graph.h)");
+  std::string trace;
+  app.add_option("--trace", trace, "after warm-up, write a Chrome trace of 3 iterations here (LibTorch's Kineto "
+                 "profiler: host operations and GPU kernels; bench/trace_summary.py sums the kernels)");
   int op_profile = 0;
   app.add_option("--op-profile", op_profile, "after warm-up, profile this many iterations' host time by operation "
                  "(see [Op profile]) into the results");
@@ -220,6 +225,16 @@ int main(int argc, char** argv) {
       if (device.is_cuda()) torch::cuda::synchronize(device.index());
     };
     for (int i = 0; i < warmup; ++i) iteration();
+    if (!trace.empty()) {
+      namespace profiler = torch::autograd::profiler;
+      using torch::profiler::impl::ActivityType;
+      const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+      const std::set<ActivityType> activities = {ActivityType::CPU, ActivityType::CUDA};
+      profiler::prepareProfiler(config, activities);
+      profiler::enableProfiler(config, activities);
+      for (int i = 0; i < 3; ++i) iteration();
+      profiler::disableProfiler()->save(trace);
+    }
     nlohmann::json profile;
     if (op_profile > 0) {
       OpProfile recorder;

@@ -51,6 +51,7 @@ class Client::Impl {
   std::string model_hash;
   std::vector<LayerInfo> layers;
   std::unordered_map<std::string, size_t> by_name;
+  std::vector<LayerInfo> groups;
 
   std::mutex call_mutex;         // serializes calls: one transport, one buffer
   uint64_t next_request_id = 1;  // guarded by call_mutex
@@ -97,6 +98,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
     impl->by_name[layer.name()] = impl->layers.size();
     impl->layers.push_back(wire::from_proto(layer));
   }
+  for (const auto& group : welcome.groups()) impl->groups.push_back(wire::from_proto(group));
   impl->transport_name = welcome.transport().empty() ? "tcp" : welcome.transport();
   impl->transport = impl->transport_name == "tcp" ? make_tcp_transport(impl->socket)
                                                   : make_payload_transport(impl->socket, welcome, options);
@@ -120,6 +122,15 @@ const std::string& Client::model_hash() const { return impl_->model_hash; }
 const std::vector<LayerInfo>& Client::layers() const { return impl_->layers; }
 uint64_t Client::calls() const { return impl_->calls; }
 const std::string& Client::transport() const { return impl_->transport_name; }
+
+const std::vector<LayerInfo>& Client::groups() const { return impl_->groups; }
+
+const LayerInfo* Client::group(const std::vector<uint32_t>& members) const {
+  for (const auto& group : impl_->groups) {
+    if (group.members == members) return &group;
+  }
+  return nullptr;
+}
 
 const LayerInfo* Client::find_layer(const std::string& name) const {
   auto it = impl_->by_name.find(name);

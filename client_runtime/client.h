@@ -59,6 +59,9 @@ class Client : public LayerBackend {
   const std::vector<LayerInfo>& layers() const;
   // The layer named so (checkpoint name without ".weight"), or nullptr.
   const LayerInfo* find_layer(const std::string& name) const;
+  // [Layer groups] (base_executor/base_model.h): the groups the executor serves beside its layers.
+  const std::vector<LayerInfo>& groups() const;
+  const LayerInfo* group(const std::vector<uint32_t>& members) const override;
 
   at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) override;
   at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) override;

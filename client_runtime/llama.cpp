@@ -7,9 +7,14 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "client_runtime/attention.h"
 #include "common/checkpoint.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/rotary.h"
+#include "kernels/swiglu.h"
+#endif
 
 namespace symbiosis {
 
@@ -22,6 +27,24 @@ int64_t required_int(const Checkpoint& ckpt, const std::string& field) {
   return static_cast<int64_t>(*v);
 }
 
+// silu(gate) · up: one kernel on a GPU ([Fused SwiGLU] in kernels/swiglu.h), ATen's elsewhere.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (gate.is_cuda()) return kernels::swiglu_forward(gate, up);
+#endif
+  return at::silu(gate) * up;
+}
+
+// Its gradients for an upstream gradient `grad`, written into grad_gate and grad_up.
+void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, at::Tensor grad_gate,
+                     at::Tensor grad_up) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (gate.is_cuda()) return kernels::swiglu_backward(grad, gate, up, grad_gate, grad_up);
+#endif
+  at::silu_backward_out(grad_gate, grad * up, gate);
+  at::mul_out(grad_up, grad, at::silu(gate));
+}
+
 // silu(gate) · up, keeping only gate and up for backward (autograd alone would also keep silu(gate):
 // a third [tokens, intermediate] tensor per layer, 1.1 GB for a Llama-2-13B step of 1024 tokens).
 // The gradients are the ones autograd computes: silu_backward and a product with silu(gate).
@@ -29,15 +52,44 @@ class SwiGLU : public torch::autograd::Function<SwiGLU> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
-    return at::silu(gate) * up;
+    return swiglu(gate, up);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& gate = saved[0];
-    const auto& up = saved[1];
-    const auto& grad = grads[0];
-    return {at::silu_backward(grad * up, gate), grad * at::silu(gate)};
+    const auto &gate = saved[0], &up = saved[1];
+    auto grad_gate = at::empty_like(gate, at::MemoryFormat::Contiguous);
+    auto grad_up = at::empty_like(up, at::MemoryFormat::Contiguous);
+    swiglu_backward(grads[0], gate, up, grad_gate, grad_up);
+    return {grad_gate, grad_up};
+  }
+};
+
+// [..., 2n] -> its two halves [..., n] (views).
+std::pair<at::Tensor, at::Tensor> halves(const at::Tensor& t) {
+  const int64_t n = t.size(-1) / 2;
+  return {t.narrow(-1, 0, n), t.narrow(-1, n, n)};
+}
+
+// SwiGLU of gate and up side by side in one tensor ([..., 2 x intermediate], what a [Layer groups]
+// call of gate_proj and up_proj gives): its gradient is written side by side too, so the group's
+// backward call reads it as it lies, without the two halves first concatenated (a pass over
+// 2 x [tokens, intermediate] a layer).
+class StackedSwiGLU : public torch::autograd::Function<StackedSwiGLU> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
+    ctx->save_for_backward({gate_up});
+    const auto [gate, up] = halves(gate_up);
+    return swiglu(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto gate_up = ctx->get_saved_variables()[0];
+    const auto [gate, up] = halves(gate_up);
+    auto grad_gate_up = at::empty_like(gate_up, at::MemoryFormat::Contiguous);
+    const auto [grad_gate, grad_up] = halves(grad_gate_up);
+    swiglu_backward(grads[0], gate, up, grad_gate, grad_up);
+    return {grad_gate_up};
   }
 };
 
@@ -46,8 +98,16 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  return x * cos + rotate_half(x) * sin;
+// x·cos + rotate_half(x)·sin, or its transpose g·cos - rotate_half(g·sin) (backward): one kernel on
+// a GPU ([Fused rotary embedding] in kernels/rotary.h), ATen's expression elsewhere.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (x.is_cuda() && x.dim() == 4 && x.stride(3) == 1 && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+      cos.scalar_type() == x.scalar_type()) {
+    return kernels::rotary(x, cos, sin, backward);
+  }
+#endif
+  return backward ? x * cos - rotate_half(x * sin) : x * cos + rotate_half(x) * sin;
 }
 
 // RoPE, x·cos + rotate_half(x)·sin, as one autograd node. Left to autograd it is eight nodes per
@@ -60,13 +120,12 @@ class Rotary : public torch::autograd::Function<Rotary> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
                             const at::Tensor& sin) {
     ctx->save_for_backward({cos, sin});
-    return rope(x, cos, sin);
+    return rotary(x, cos, sin, /*backward=*/false);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& grad = grads[0];
-    return {grad * saved[0] - rotate_half(grad * saved[1]), at::Tensor(), at::Tensor()};
+    return {rotary(grads[0], saved[0], saved[1], /*backward=*/true), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -75,7 +134,7 @@ class Rotary : public torch::autograd::Function<Rotary> {
 namespace detail {
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   if (at::GradMode::is_enabled() && x.requires_grad()) return Rotary::apply(x, cos, sin);
-  return rope(x, cos, sin);
+  return rotary(x, cos, sin, /*backward=*/false);
 }
 }  // namespace detail
 
@@ -185,9 +244,11 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                        const at::Tensor& additive_mask, const PastKeyValue* past) {
   const int64_t batch = x.size(0), length = x.size(1);
-  auto q = q_proj->forward(x).view({batch, length, num_heads_, head_dim_}).transpose(1, 2);
-  auto k = k_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
-  auto v = v_proj->forward(x).view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  // [Layer groups]: q, k and v read x, and are one product where they can be.
+  const auto qkv = nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  auto q = qkv[0].view({batch, length, num_heads_, head_dim_}).transpose(1, 2);
+  auto k = qkv[1].view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  auto v = qkv[2].view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
   auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   q = detail::apply_rotary(q, c, s);
   k = detail::apply_rotary(k, c, s);
@@ -207,9 +268,12 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) {
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
-  auto gate = gate_proj->forward(x), up = up_proj->forward(x);
+  at::Tensor stacked;  // [Layer groups]: gate and up side by side, when nothing changed them apart
+  const auto gate_up = nn::forward_siblings({gate_proj.get(), up_proj.get()}, x, &stacked);
+  const auto &gate = gate_up[0], &up = gate_up[1];
   const bool differentiable = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
-  return down_proj->forward(differentiable ? SwiGLU::apply(gate, up) : at::silu(gate) * up);
+  if (!differentiable) return down_proj->forward(swiglu(gate, up));
+  return down_proj->forward(stacked.defined() ? StackedSwiGLU::apply(stacked) : SwiGLU::apply(gate, up));
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool materialize_base) {

@@ -5,6 +5,13 @@
 
 #include <cmath>
 
+#ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
+#include "virt_layer/virt_layer_function.h"
+
 namespace symbiosis::nn {
 
 BaseLayerImpl::BaseLayerImpl(LayerKind kind, int64_t in_features, int64_t out_features, bool bias,
@@ -103,6 +110,103 @@ at::Tensor BaseLayerImpl::base_bias() {
 at::Tensor BaseLayerImpl::forward(const at::Tensor& x) {
   if (!adapter_) return base_forward(x);
   return adapter_->forward(x, [this](const at::Tensor& in) { return base_forward(in); });
+}
+
+bool BaseLayerImpl::weights_stacked(const std::vector<BaseLayerImpl*>& siblings) const {
+  if (!stacked_weight_.defined() || stacked_weight_.device() != weight.device() ||
+      stacked_weight_.scalar_type() != weight.scalar_type()) {
+    return false;
+  }
+  int64_t row = 0;
+  for (const auto* layer : siblings) {
+    const auto* expected = static_cast<const char*>(stacked_weight_.data_ptr()) +
+                           row * in_features_ * stacked_weight_.element_size();
+    if (layer->weight.data_ptr() != expected) return false;
+    row += layer->out_features_;
+  }
+  return true;
+}
+
+void BaseLayerImpl::stack_weights(const std::vector<BaseLayerImpl*>& siblings) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> weights, biases;
+  for (const auto* layer : siblings) {
+    weights.push_back(layer->weight);
+    if (has_bias_) biases.push_back(layer->bias);
+  }
+  stacked_weight_ = at::cat(weights, 0);
+  stacked_bias_ = has_bias_ ? at::cat(biases, 0) : at::Tensor();
+  int64_t row = 0;
+  for (auto* layer : siblings) {
+    layer->weight.set_(stacked_weight_.narrow(0, row, layer->out_features_));
+    if (has_bias_) layer->bias.set_(stacked_bias_.narrow(0, row, layer->out_features_));
+    row += layer->out_features_;
+  }
+#ifdef SYMBIOSIS_WITH_CUDA
+  // Give the layers' former weights back to CUDA (those that filled their allocator segments): the
+  // stack replaces them, and cached they would double this model's weights, once.
+  if (stacked_weight_.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  }
+#endif
+}
+
+at::Tensor BaseLayerImpl::stacked_base(const std::vector<BaseLayerImpl*>& siblings, const at::Tensor& x) {
+  for (const auto* layer : siblings) {
+    if (layer->kind_ != LayerKind::kLinear || layer->in_features_ != in_features_ || layer->has_bias_ != has_bias_ ||
+        layer->is_virtual() != is_virtual()) {
+      return {};
+    }
+  }
+  if (is_virtual()) {
+    std::vector<uint32_t> members;
+    for (const auto* layer : siblings) {
+      if (layer->virt_->backend() != virt_->backend()) return {};
+      members.push_back(layer->virt_->info().id);
+    }
+    const auto binding = virt_->group_binding(members);
+    return binding ? virt_layer_apply(x, binding, /*with_bias=*/true) : at::Tensor();
+  }
+  for (const auto* layer : siblings) {
+    if (!layer->weight.defined() || layer->weight.device() != weight.device() ||
+        layer->weight.scalar_type() != weight.scalar_type()) {
+      return {};
+    }
+  }
+  if (!weights_stacked(siblings)) stack_weights(siblings);
+  return at::linear(x, stacked_weight_, stacked_bias_);
+}
+
+std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
+                                         at::Tensor* stacked) {
+  TORCH_CHECK(!layers.empty(), "forward_siblings needs layers");
+  std::vector<at::Tensor> out;
+  const auto base = layers.size() > 1 ? layers[0]->stacked_base(layers, x) : at::Tensor();
+  if (stacked != nullptr) *stacked = at::Tensor();
+  if (!base.defined()) {
+    for (auto* layer : layers) out.push_back(layer->forward(x));
+    return out;
+  }
+  std::vector<int64_t> widths;
+  bool adapted = false;
+  for (const auto* layer : layers) {
+    widths.push_back(layer->out_features());
+    adapted = adapted || layer->adapter();
+  }
+  if (stacked != nullptr && !adapted) *stacked = base;
+  const auto parts = at::split_with_sizes(base, widths, -1);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto* layer = layers[i];
+    const auto& part = parts[i];
+    if (!layer->adapter()) {
+      out.push_back(part);
+      continue;
+    }
+    // The adapter asks for the base of x (its part), or of something else (computed alone).
+    out.push_back(layer->adapter()->forward(
+        x, [&](const at::Tensor& in) { return in.is_same(x) ? part : layer->base_forward(in); }));
+  }
+  return out;
 }
 
 }  // namespace symbiosis::nn

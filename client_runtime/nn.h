@@ -74,13 +74,38 @@ class BaseLayerImpl : public torch::nn::Module {
   at::Tensor bias;
 
  private:
+  friend std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
+                                                  at::Tensor* stacked);
+  // forward_siblings' product of x and the siblings' weights stacked (this layer first), biases
+  // added; undefined when they cannot be computed so.
+  at::Tensor stacked_base(const std::vector<BaseLayerImpl*>& siblings, const at::Tensor& x);
+  // Monolithic: whether the siblings' weights are the row blocks of stacked_weight_, as
+  // stack_weights() left them (moving the model to another device or dtype undoes it).
+  bool weights_stacked(const std::vector<BaseLayerImpl*>& siblings) const;
+  void stack_weights(const std::vector<BaseLayerImpl*>& siblings);
+
   LayerKind kind_;
   int64_t in_features_;
   int64_t out_features_;
   bool has_bias_;
   VirtLayer virt_{nullptr};
   std::shared_ptr<LayerAdapterImpl> adapter_;
+  // Held by the first of siblings that forward_siblings computes together, monolithic: their
+  // weights and biases stacked, of which theirs are views.
+  at::Tensor stacked_weight_, stacked_bias_;
 };
+
+// [Layer groups] (base_executor/base_model.h): what each layer's forward(x) gives, for layers that
+// read one input x (a Llama attention's q, k and v projections; its MLP's gate and up), with their
+// base computed as one product of their weights stacked: on the executor, one call of the group it
+// serves for them; monolithic, one GEMM of their weights, stacked once (theirs become views of the
+// stack, so memory stays the same). Each layer's adapter then wraps its own part, as forward(x)
+// would. Layers that cannot be stacked (not all Linear of one input width, dtype and bias, not all
+// on one backend, or no such group on the executor) compute one by one. `stacked`, when given, is
+// set to the outputs side by side ([..., sum of out]), of which they are views, when no adapter
+// changed them; undefined otherwise.
+std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
+                                         at::Tensor* stacked = nullptr);
 
 class LinearImpl : public BaseLayerImpl {
  public:

@@ -44,6 +44,7 @@ struct Settings {
   std::string device = "cpu";
   std::string dtype = "fp32";
   double tolerance = 1e-5;
+  double adapter_tolerance = -1;  // < 0: tolerance
   bool buffer_copies = false;
   bool empty_cache = false;
   bool cuda_graph = false;
@@ -144,6 +145,9 @@ int main(int argc, char** argv) {
                "on a GPU, capture the split step in CUDA graphs after one eager step and replay it (--verify's "
                "monolithic run stays eager); the optimizer is then FusedAdamW, in both runs");
   app.add_option("--tolerance", s.tolerance, "--verify: largest relative difference accepted")->capture_default_str();
+  app.add_option("--adapter-tolerance", s.adapter_tolerance,
+                 "--verify: largest relative difference of the adapters after the last step (default: --tolerance); "
+                 "AdamW's first, sign-like steps enlarge differences in the gradients' last bits");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(s.threads);
   try {
@@ -161,15 +165,20 @@ int main(int argc, char** argv) {
     auto split = train(s, *checkpoint, client);
     if (!s.verify) return 0;
     auto mono = train(Settings(s), *checkpoint, nullptr);
-    double worst = 0;
+    double losses = 0, adapters = 0;
     for (size_t i = 0; i < split.losses.size(); ++i) {
-      worst = std::max(worst, std::abs(split.losses[i] - mono.losses[i]) / std::abs(mono.losses[i]));
+      losses = std::max(losses, std::abs(split.losses[i] - mono.losses[i]) / std::abs(mono.losses[i]));
     }
-    for (size_t i = 0; i < split.adapter.size(); ++i) worst = std::max(worst, relative_error(split.adapter[i], mono.adapter[i]));
-    std::printf("[%s] verify (%s): max relative difference split vs monolithic %.3g over %d steps: %s\n",
-                s.tenant.c_str(), client->transport().c_str(), worst, s.steps,
-                worst <= s.tolerance ? "EXACT" : "MISMATCH");
-    return worst <= s.tolerance ? 0 : 1;
+    for (size_t i = 0; i < split.adapter.size(); ++i) {
+      adapters = std::max(adapters, relative_error(split.adapter[i], mono.adapter[i]));
+    }
+    const bool exact =
+        losses <= s.tolerance && adapters <= (s.adapter_tolerance < 0 ? s.tolerance : s.adapter_tolerance);
+    std::printf("[%s] verify (%s): max relative difference split vs monolithic over %d steps: losses %.3g, "
+                "adapters %.3g: %s\n",
+                s.tenant.c_str(), client->transport().c_str(), s.steps, losses, adapters,
+                exact ? "EXACT" : "MISMATCH");
+    return exact ? 0 : 1;
   } catch (const c10::Error& e) {
     std::cerr << "[" << s.tenant << "] error: " << e.what_without_backtrace() << std::endl;
     return 2;

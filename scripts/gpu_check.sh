@@ -22,6 +22,8 @@
 #                  (CUDA IPC) and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
 #                  (targets-512 and targets-128: one shape each); our clients with captured steps and eager
+#   trace          where one 1B client's GPU time goes (Kineto trace of 3 captured iterations, summed by kernel
+#                  with bench/trace_summary.py): split and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
 #   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
@@ -219,6 +221,29 @@ print(f"== {path.split('/')[-1]}: {p['iteration_ms']:.1f} ms an iteration, {p['t
 for op in p["ops"][:18]:
     print(f"  {op['ms_per_iteration']:8.2f} ms {op['per_iteration']:7.0f}x  {op['name']}")
 PY
+        done
+      done
+      kill $executor_pid
+      mps_off
+      ;;
+    trace)
+      make_1b
+      mps_on
+      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5791 \
+        --log-level warn > $logs/trace-executor.log 2>&1 &
+      executor_pid=$!
+      sleep 8
+      for shape in "2 512" "1 128"; do
+        set -- $shape
+        for system in split monolithic; do
+          flags="--executor tcp://127.0.0.1:5791"
+          [ $system = monolithic ] && flags="--monolithic"
+          "$B/bench/symbiosis-bench-client" --model $model_1b $flags --device cuda:0 --dtype bf16 --batch $1 --seq $2 \
+            --targets q_proj,k_proj,v_proj,o_proj --cuda-graph --warmup 3 --iterations 1 \
+            --trace /tmp/trace-$system-$1x$2.json --out /tmp/trace-$system.json > $logs/trace-$system.log 2>&1 \
+            || tail -5 $logs/trace-$system.log
+          echo "== $system, $1 x $2"
+          python3 bench/trace_summary.py /tmp/trace-$system-$1x$2.json --top 24
         done
       done
       kill $executor_pid

@@ -110,6 +110,12 @@ void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tenso
   }
 }
 
+size_t forward_calls(const Client& client) {
+  size_t calls = client.layers().size();
+  for (const auto& group : client.groups()) calls -= group.members.size() - 1;
+  return calls;
+}
+
 double relative_error(const at::Tensor& a, const at::Tensor& b) {
   auto a64 = a.detach().to(at::kDouble);
   auto b64 = b.detach().to(at::kDouble);

@@ -46,6 +46,9 @@ TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_pt
 void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance,
                           const at::Tensor& attention_mask = {}, const at::Tensor& labels = {},
                           std::optional<double> adapter_tolerance = std::nullopt);
+// The calls one forward of the client's whole model makes: one per layer, one per [Layer groups]
+// group instead of its members.
+size_t forward_calls(const Client& client);
 std::string binary(const std::string& relative);  // a path under the build directory
 // Spawns a program with arguments (stdout and stderr inherited); returns its pid.
 pid_t spawn(const std::vector<std::string>& args);

@@ -34,6 +34,7 @@ proto::LayerInfo to_proto(const LayerInfo& info) {
   p.set_out_features(info.out_features);
   p.set_bias(info.bias);
   p.set_dtype(to_proto(info.dtype));
+  for (const uint32_t member : info.members) p.add_members(member);
   return p;
 }
 
@@ -46,6 +47,7 @@ LayerInfo from_proto(const proto::LayerInfo& p) {
   info.out_features = p.out_features();
   info.bias = p.bias();
   info.dtype = from_proto(p.dtype());
+  info.members.assign(p.members().begin(), p.members().end());
   return info;
 }
 

@@ -15,7 +15,7 @@
 
 namespace symbiosis::wire {
 
-constexpr uint32_t kProtocolVersion = 2;  // 2: captured calls (slots in the control segment)
+constexpr uint32_t kProtocolVersion = 3;  // 2: captured calls (slots in the control segment); 3: layer groups
 
 proto::DType to_proto(at::ScalarType dtype);
 // Throws naming the value when the dtype is not one this project carries.

@@ -3,6 +3,8 @@
 // Implementations are thread-safe: autograd may call backward from another thread.
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "virt_layer/layer_info.h"
 
 namespace symbiosis {
@@ -14,6 +16,9 @@ class LayerBackend {
   virtual at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) = 0;
   // grad_out: [tokens, out_features]; returns grad_in = grad_out·W  ([tokens, in_features]).
   virtual at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) = 0;
+  // [Layer groups] (base_executor/base_model.h): the group that stacks exactly these layers, in
+  // this order, called like a layer by forward and backward_input; nullptr when none is served.
+  virtual const LayerInfo* group(const std::vector<uint32_t>& /*members*/) const { return nullptr; }
 };
 
 }  // namespace symbiosis

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace symbiosis {
 
@@ -22,6 +23,9 @@ struct LayerInfo {
   int64_t out_features = 0;
   bool bias = false;
   c10::ScalarType dtype = c10::ScalarType::Float;  // what the executor computes in and expects
+  // [Layer groups] (base_executor/base_model.h): for a group, the ids of the layers it stacks, in
+  // order (its out_features is theirs summed); empty for a layer.
+  std::vector<uint32_t> members;
 };
 
 const char* layer_kind_name(LayerKind kind);

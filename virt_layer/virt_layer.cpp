@@ -71,6 +71,19 @@ VirtLayerImpl::VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backe
 
 at::Tensor VirtLayerImpl::forward(const at::Tensor& x) { return virt_layer_apply(x, binding_, true); }
 
+c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::group_binding(const std::vector<uint32_t>& members) {
+  if (members != group_members_) {
+    group_members_ = members;
+    group_binding_.reset();
+    if (const auto* group = backend_->group(members)) {
+      group_binding_ = c10::make_intrusive<VirtLayerBinding>();
+      group_binding_->info = *group;
+      group_binding_->backend = backend_;
+    }
+  }
+  return group_binding_;
+}
+
 at::Tensor VirtLayerImpl::forward_no_bias(const at::Tensor& x) { return virt_layer_apply(x, binding_, false); }
 
 }  // namespace symbiosis

@@ -30,11 +30,18 @@ class VirtLayerImpl : public torch::nn::Module {
   // x·W (no bias): used where an effect of the base layer without its bias is wanted.
   at::Tensor forward_no_bias(const at::Tensor& x);
   const LayerInfo& info() const { return info_; }
+  const std::shared_ptr<LayerBackend>& backend() const { return backend_; }
+  // [Layer groups] (base_executor/base_model.h): the binding of the group that stacks `members`
+  // (this layer's id first) on this layer's backend, found once; null when the backend serves none.
+  // A group is called like a layer (virt_layer_apply).
+  c10::intrusive_ptr<VirtLayerBinding> group_binding(const std::vector<uint32_t>& members);
 
  private:
   LayerInfo info_;
   std::shared_ptr<LayerBackend> backend_;
   c10::intrusive_ptr<VirtLayerBinding> binding_;  // made once, shared by every call's autograd node
+  std::vector<uint32_t> group_members_;           // what group_binding_ was looked up for
+  c10::intrusive_ptr<VirtLayerBinding> group_binding_;
 };
 TORCH_MODULE(VirtLayer);
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
 
 #include "base_executor/executor.h"
 #include "client_runtime/client.h"
@@ -141,6 +142,74 @@ TEST_F(ExecutorTest, ComputesForwardBackwardAndNoBiasExactly) {
   EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_b_, x, up_w_.t())), 1e-6);
   EXPECT_LT(relative_error(client->forward(up, x, false), at::mm(x, up_w_.t())), 1e-6);
   EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_w_)), 1e-6);
+}
+
+// [Layer groups]: under each parent module, layers that read one input are also served as one
+// layer whose weight is theirs stacked: its forward is theirs side by side (biases too), its
+// backward the sum of theirs, and the weights take no more memory than the layers alone. Layers of
+// different input widths are not grouped.
+TEST(LayerGroupsTest, SiblingsAreServedStackedAsOneLayerWithoutMoreMemory) {
+  const auto dir = testing::temp_dir("layer-groups");
+  at::manual_seed(2);
+  const std::map<std::string, at::Tensor> w = {{"model.layers.0.self_attn.q_proj.weight", at::randn({8, 4})},
+                                         {"model.layers.0.self_attn.k_proj.weight", at::randn({2, 4})},
+                                         {"model.layers.0.self_attn.v_proj.weight", at::randn({2, 4})},
+                                         {"model.layers.0.mlp.gate_proj.weight", at::randn({6, 4})},
+                                         {"model.layers.0.mlp.gate_proj.bias", at::randn({6})},
+                                         {"model.layers.0.mlp.up_proj.weight", at::randn({6, 4})},
+                                         {"model.layers.0.mlp.up_proj.bias", at::randn({6})},
+                                         {"model.layers.0.mlp.down_proj.weight", at::randn({4, 6})},
+                                         {"model.layers.1.self_attn.q_proj.weight", at::randn({8, 4})},
+                                         {"model.layers.1.self_attn.k_proj.weight", at::randn({2, 3})},
+                                         {"model.layers.1.self_attn.v_proj.weight", at::randn({2, 4})}};
+  write_safetensors(dir / "model.safetensors", {w.begin(), w.end()});
+  std::ofstream(dir / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
+  auto executor = testing::start_executor(dir);
+  ExecutorOptions without;
+  without.layers.groups = {};
+  auto plain = testing::start_executor(dir, without);
+  EXPECT_TRUE(plain->model().groups().empty());
+  EXPECT_EQ(executor->model().weight_bytes(), plain->model().weight_bytes());
+
+  auto client = Client::connect({.endpoint = executor->endpoint()});
+  ASSERT_EQ(client->groups().size(), 2u);  // layer 1's k_proj reads 3 features: no group there
+  auto layer = [&](const std::string& name) { return client->find_layer("model.layers.0." + name); };
+  const struct {
+    std::string name;
+    std::vector<const LayerInfo*> members;
+  } expected[] = {{"model.layers.0.mlp.{gate_proj,up_proj}", {layer("mlp.gate_proj"), layer("mlp.up_proj")}},
+                  {"model.layers.0.self_attn.{q_proj,k_proj,v_proj}",
+                   {layer("self_attn.q_proj"), layer("self_attn.k_proj"), layer("self_attn.v_proj")}}};
+  for (const auto& [name, members] : expected) {
+    std::vector<uint32_t> ids;
+    for (const auto* member : members) ids.push_back(member->id);
+    const auto* group = client->group(ids);
+    ASSERT_NE(group, nullptr) << name;
+    EXPECT_EQ(group->name, name);
+    EXPECT_GE(group->id, client->layers().size());
+    auto x = at::randn({5, 4});
+    std::vector<at::Tensor> forward, no_bias, backward;
+    auto g = at::randn({5, group->out_features});
+    int64_t column = 0;
+    for (const auto* member : members) {
+      forward.push_back(client->forward(*member, x, true));
+      no_bias.push_back(client->forward(*member, x, false));
+      backward.push_back(client->backward_input(*member, g.narrow(1, column, member->out_features).contiguous()));
+      column += member->out_features;
+    }
+    EXPECT_EQ(column, group->out_features);
+    EXPECT_LT(relative_error(client->forward(*group, x, true), at::cat(forward, 1)), 1e-6) << name;
+    EXPECT_LT(relative_error(client->forward(*group, x, false), at::cat(no_bias, 1)), 1e-6) << name;
+    EXPECT_LT(relative_error(client->backward_input(*group, g), at::stack(backward).sum(0)), 1e-5) << name;
+  }
+  EXPECT_EQ(parse_layer_groups("").size(), 0u);
+  try {
+    parse_layer_groups("q_proj;gate_proj,up_proj");
+    ADD_FAILURE() << "a group of one layer was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("layer group 'q_proj' names 1 layer(s)"), std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 TEST_F(ExecutorTest, RefusesAClientBuiltForAnotherModel) {

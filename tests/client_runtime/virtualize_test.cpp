@@ -9,6 +9,7 @@
 
 #include <fstream>
 
+#include "client_runtime/lora.h"
 #include "client_runtime/model_io.h"
 #include "client_runtime/nn.h"
 #include "client_runtime/virtualize.h"
@@ -45,10 +46,10 @@ struct UserNetImpl : torch::nn::Module {
 TORCH_MODULE(UserNet);
 
 // Writes a checkpoint holding the net's weights under their tree names.
-std::filesystem::path save_as_checkpoint(UserNet& net) {
+std::filesystem::path save_as_checkpoint(const torch::nn::Module& net) {
   auto dir = testing::temp_dir("user-net");
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& p : net->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  for (const auto& p : net.named_parameters()) tensors.emplace_back(p.key(), p.value());
   write_safetensors(dir / "model.safetensors", tensors);
   std::ofstream(dir / "config.json") << R"({"model_type": "user-net"})";
   return dir;
@@ -69,7 +70,7 @@ std::shared_ptr<Client> connect(const Executor& executor) {
 TEST(VirtualizeTest, UserModuleTreeComputesTheSameForwardAndBackward) {
   at::manual_seed(3);
   UserNet reference;
-  auto dir = save_as_checkpoint(reference);
+  auto dir = save_as_checkpoint(*reference);
   auto executor = serve_everything(dir);
   auto client = connect(*executor);
   ASSERT_EQ(client->layers().size(), 6u);
@@ -91,7 +92,7 @@ TEST(VirtualizeTest, UserModuleTreeComputesTheSameForwardAndBackward) {
 
 TEST(VirtualizeTest, RefusesALayerWhoseShapeDiffersFromTheExecutors) {
   UserNet wide(12);
-  auto executor = serve_everything(save_as_checkpoint(wide));
+  auto executor = serve_everything(save_as_checkpoint(*wide));
   UserNet narrow(10);
   try {
     virtualize(*narrow, connect(*executor));
@@ -156,9 +157,82 @@ TEST(VirtualizeTest, PlainTorchLinearModelsAreVirtualizedWithoutChangingTheirCod
   EXPECT_EQ(client->calls(), calls_after_training + 6u);
 }
 
+// Three layers that read one input, under the names an executor groups by default.
+struct SiblingsImpl : torch::nn::Module {
+  SiblingsImpl() {
+    q_proj = register_module("q_proj", nn::Linear(6, 8, /*bias=*/false));
+    k_proj = register_module("k_proj", nn::Linear(6, 4, /*bias=*/false));
+    v_proj = register_module("v_proj", nn::Linear(6, 4, /*bias=*/false));
+  }
+  std::vector<at::Tensor> forward(const at::Tensor& x) {
+    return nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  }
+  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
+};
+TORCH_MODULE(Siblings);
+
+// [Layer groups]: siblings computed as one product of their weights stacked (split: one call of
+// the executor's group; monolithic: one GEMM of their weights stacked, of which theirs become
+// views) give what each layer's own forward gives, forward and backward, with an adapter on one of
+// them; without a group on the executor they go one by one.
+TEST(VirtualizeTest, SiblingsComputedAsOneStackedProductEqualEachLayersForward) {
+  at::manual_seed(5);
+  Siblings reference;
+  const auto dir = save_as_checkpoint(*reference);
+  Siblings mono, split;
+  load_weights(*mono, *Checkpoint::open(dir));
+  auto executor = serve_everything(dir);
+  auto client = connect(*executor);
+  ASSERT_EQ(client->groups().size(), 1u);
+  EXPECT_EQ(client->groups()[0].name, "{q_proj,k_proj,v_proj}");
+  EXPECT_EQ(client->groups()[0].out_features, 16);
+  virtualize(*split, client);
+  LoraConfig lora{.r = 2, .target_modules = {"k_proj"}, .init_b_zero = false};
+  for (auto* model : {&reference, &mono, &split}) {
+    at::manual_seed(6);
+    add_lora(**model, lora);
+  }
+  auto x = at::randn({5, 6});
+  auto projection = at::randn({5, 16});
+  std::vector<at::Tensor> inputs, grads;
+  std::vector<std::vector<at::Tensor>> outputs;
+  for (auto* model : {&reference, &mono, &split}) {
+    inputs.push_back(x.clone().requires_grad_(true));
+    outputs.push_back(model == &reference ? std::vector<at::Tensor>{(*model)->q_proj(inputs.back()),
+                                                                    (*model)->k_proj(inputs.back()),
+                                                                    (*model)->v_proj(inputs.back())}
+                                          : (*model)->forward(inputs.back()));
+    (at::cat(outputs.back(), -1) * projection).sum().backward();
+  }
+  for (size_t i : {1, 2}) {
+    for (size_t layer = 0; layer < 3; ++layer) {
+      EXPECT_LT(relative_error(outputs[i][layer], outputs[0][layer]), 1e-6) << "model " << i << ", layer " << layer;
+    }
+    EXPECT_LT(relative_error(inputs[i].grad(), inputs[0].grad()), 1e-6) << "model " << i;
+  }
+  EXPECT_EQ(client->calls(), 2u);  // one call of the group forward, one backward
+  // Monolithic: the layers' weights are views of one stack (memory stays the same).
+  const auto* stack = static_cast<const char*>(mono->q_proj->weight.data_ptr());
+  EXPECT_EQ(mono->k_proj->weight.data_ptr(), stack + 8 * 6 * sizeof(float));
+  EXPECT_EQ(mono->v_proj->weight.data_ptr(), stack + 12 * 6 * sizeof(float));
+
+  // An executor that serves no groups: the same, one layer at a time.
+  ExecutorOptions options;
+  options.layers.pattern = ".*";
+  options.layers.groups = {};
+  auto ungrouped = testing::start_executor(dir, options);
+  auto one_by_one = connect(*ungrouped);
+  EXPECT_TRUE(one_by_one->groups().empty());
+  Siblings alone;
+  virtualize(*alone, one_by_one);
+  const auto parts = alone->forward(x);
+  EXPECT_EQ(one_by_one->calls(), 3u);
+  EXPECT_LT(relative_error(parts[0], outputs[0][0]), 1e-6);
+}
+
 TEST(VirtualizeTest, RequireAllNamesAServedLayerTheModelLacks) {
   UserNet net;
-  auto executor = serve_everything(save_as_checkpoint(net));
+  auto executor = serve_everything(save_as_checkpoint(*net));
   UserMlp lone(10);  // has fc_in/fc_out, but not under blocks.N
   try {
     virtualize(*lone, connect(*executor), {.require_all = true});

@@ -72,8 +72,7 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   const bool few_rows = batch * sequence <= kernels::kFewRowsMax;
   testing::expect_same_training(split, mono, ids, 3, tolerance, {}, {},
                                 few_rows ? std::optional<double>(std::max(tolerance, 1e-4)) : std::nullopt);
-  const auto& sent = *split.lm.client;
-  EXPECT_GT(sent.calls(), 3u * sent.layers().size() + 3u);  // forward each step, and backward
+  EXPECT_GT(split.lm.client->calls(), 3u * testing::forward_calls(*split.lm.client) + 3u);  // and backward
   split = {};
   bench::stop(executor.pid);
 }
@@ -158,7 +157,7 @@ TEST_P(CapturedSteps, ReplayedStepsEqualEagerMonolithicSteps) {
     EXPECT_LT(testing::relative_error(captured->adapter[i], eager->adapter[i]), tolerance) << "adapter tensor " << i;
   }
   if (client) {  // every replay sent the step's calls
-    EXPECT_GT(calls_per_step, client->layers().size());
+    EXPECT_GT(calls_per_step, testing::forward_calls(*client));
     EXPECT_EQ(client->calls(), kSteps * calls_per_step);
   }
   captured.reset();
@@ -271,14 +270,20 @@ class MixedTransports : public GpuExecutorWithClientProcesses, public ::testing:
 TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
   SKIP_WITHOUT_GPUS(1);
   start(GetParam());
-  auto exact = [](std::vector<std::string> extra) {
-    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5"});
+  // Lockstep packs several clients' rows into one GEMM, whose kernel cuBLAS picks by the batch's
+  // size: the rows' last bits may differ from the monolithic run's, and AdamW's first, sign-like
+  // steps enlarge that in the adapters (3.9e-4 seen on an H200 after 4 steps). There the adapters
+  // are held to 1e-3; the losses of every step stay held to 1e-5.
+  const std::string adapters = GetParam() == "lockstep" ? "1e-3" : "1e-5";
+  auto exact = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5", "--adapter-tolerance", adapters});
     return extra;
   };
   // A CPU client's reference runs on the CPU while its base layers run on the GPU: fp32 GEMMs of
   // two devices differ in the last bits, and AdamW's sign-like first steps turn that into adapter
   // differences of ~5e-4 after 4 steps. Such clients are held to 1e-3 here; their logits, losses
-  // and gradients are held to 1e-5 in gpu_executor_test.cpp. Same-GPU clients are bitwise equal.
+  // and gradients are held to 1e-5 in gpu_executor_test.cpp. Same-GPU clients are bitwise equal,
+  // but under lockstep (above).
   auto cross_device = [](std::vector<std::string> extra) {
     extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-3"});
     return extra;

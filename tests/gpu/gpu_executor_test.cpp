@@ -1,11 +1,13 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic; the executor's direct
-// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy. Skipped, with a
-// message saying so, where there is no GPU.
+// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy, rotary embedding and
+// SwiGLU. Skipped, with a message saying so, where there is no GPU.
 #include "client_runtime/training.h"
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
+#include "kernels/rotary.h"
+#include "kernels/swiglu.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace symbiosis {
@@ -193,6 +195,85 @@ TEST(FusedCrossEntropyTest, EqualsAtenInFp32ForEachDtypeVocabularyAndReduction) 
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("labels must be int64"), std::string::npos)
         << e.what_without_backtrace();
+  }
+}
+
+// Within the dtype's rounding of `want` (a float64 computation), relative to the tensor's largest
+// element: fp32 arithmetic rounded once into the dtype.
+void expect_rounded_like(const at::Tensor& got, const at::Tensor& want) {
+  const auto dtype = got.scalar_type();
+  const double rtol = dtype == at::kFloat ? 1e-5 : dtype == at::kBFloat16 ? 8e-3 : 1e-3;
+  EXPECT_LE(testing::relative_error(got, want), rtol) << c10::toString(dtype);
+}
+
+// x·cos + rotate_half(x)·sin, and its transpose, in float64.
+at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  auto x64 = x.to(at::kDouble), c = cos.to(at::kDouble), s = sin.to(at::kDouble);
+  auto rotate_half = [](const at::Tensor& t) {
+    const int64_t half = t.size(-1) / 2;
+    return at::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
+  };
+  return backward ? x64 * c - rotate_half(x64 * s) : x64 * c + rotate_half(x64) * s;
+}
+
+// [Fused rotary embedding] against float64, for q laid out as the model passes it ([batch, heads,
+// tokens, dim], a transpose of [batch, tokens, heads, dim]) and contiguous, cos and sin of one
+// batch or of each, each dtype; inputs it cannot take are refused naming what was expected.
+TEST(FusedRotaryTest, EqualsTheExpressionForwardAndBackwardForEachLayoutAndDtype) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(7);
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    for (int64_t angle_batches : {1, 2}) {
+      const auto angles = at::rand({angle_batches, 1, 9, 64}, options.dtype(at::kFloat)) * 6;
+      const auto cos = angles.cos().to(dtype), sin = angles.sin().to(dtype);
+      const auto transposed = at::randn({2, 9, 5, 64}, options).transpose(1, 2);  // [2, 5, 9, 64]
+      for (const auto& x : {transposed, transposed.contiguous()}) {
+        for (bool backward : {false, true}) {
+          SCOPED_TRACE(std::string(c10::toString(dtype)) + (x.is_contiguous() ? ", contiguous" : ", transposed") +
+                       (backward ? ", backward" : ", forward") + ", " + std::to_string(angle_batches) + " batch(es) of angles");
+          const auto got = kernels::rotary(x, cos, sin, backward);
+          EXPECT_EQ(got.sizes(), x.sizes());
+          expect_rounded_like(got, rotary_reference(x, cos, sin, backward));
+        }
+      }
+    }
+  }
+  const auto x = at::randn({1, 2, 3, 8}, at::TensorOptions().device(at::kCUDA));
+  try {
+    kernels::rotary(x, x.narrow(1, 0, 1), x.narrow(1, 0, 1).to(at::kBFloat16), false);
+    ADD_FAILURE() << "angles of another dtype were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("rotary: cos and sin must be [1 or 1, 1, 3, 8] in Float"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
+// [Fused SwiGLU] against float64, for gate and up apart and as the halves of one tensor (what a
+// [Layer groups] call gives), each dtype, forward and both gradients.
+TEST(FusedSwiGLUTest, EqualsTheExpressionForwardAndBackwardApartAndStacked) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(8);
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    const auto stacked = at::randn({3, 7, 2 * 1000}, options) * 3;
+    const auto grad = at::randn({3, 7, 1000}, options);
+    for (bool halves : {true, false}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (halves ? ", halves of one tensor" : ", apart"));
+      auto gate = stacked.narrow(-1, 0, 1000), up = stacked.narrow(-1, 1000, 1000);
+      if (!halves) {
+        gate = gate.contiguous();
+        up = up.contiguous();
+      }
+      const auto g64 = gate.to(at::kDouble), u64 = up.to(at::kDouble), dy = grad.to(at::kDouble);
+      const auto s = at::sigmoid(g64);
+      expect_rounded_like(kernels::swiglu_forward(gate, up), g64 * s * u64);
+      auto grads = at::empty({3, 7, 2000}, options);
+      kernels::swiglu_backward(grad, gate, up, grads.narrow(-1, 0, 1000), grads.narrow(-1, 1000, 1000));
+      expect_rounded_like(grads.narrow(-1, 0, 1000), dy * u64 * s * (1 + g64 * (1 - s)));
+      expect_rounded_like(grads.narrow(-1, 1000, 1000), dy * g64 * s);
+    }
   }
 }
 
