@@ -11,6 +11,7 @@ import re
 
 def family(name):
     """A kernel's name without template arguments and launch details: one line per kind of kernel."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
     name = re.sub(r"<.*", "", name)
     name = re.sub(r"\(.*", "", name)
     return name.split("::")[-1][:90]
