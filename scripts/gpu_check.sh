@@ -125,6 +125,52 @@ make_1b() {
   [ -f $model_1b/config.json ] || "$B/tools/symbiosis-make-checkpoint" --preset llama-3.2-1b --dtype bf16 --out $model_1b > /dev/null
 }
 
+# One 1B client at a time, split (CUDA IPC, an executor beside it) and monolithic, at 2 x 512 and
+# 1 x 128, under MPS: `$1 SYSTEM BATCH SEQ CLIENT-FLAGS` runs and reports each.
+each_single_client() {
+  local run_one=$1 executor_pid shape system flags
+  make_1b
+  mps_on
+  "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5790 \
+    --log-level warn > $logs/single-client-executor.log 2>&1 &
+  executor_pid=$!
+  sleep 8
+  for shape in "2 512" "1 128"; do
+    for system in split monolithic; do
+      flags="--executor tcp://127.0.0.1:5790"
+      [ $system = monolithic ] && flags="--monolithic"
+      $run_one $system $shape "$flags --model $model_1b --device cuda:0 --dtype bf16 --warmup 3 --iterations 1"
+    done
+  done
+  kill $executor_pid
+  mps_off
+}
+
+# [Op profile] of one client (each_single_client).
+op_profile_client() {
+  local system=$1 batch=$2 seq=$3 flags=$4 json=$out/op-profile-$1-$2x$3.json
+  "$B/bench/symbiosis-bench-client" $flags --batch $batch --seq $seq --op-profile 5 --out $json \
+    > $logs/op-$system.log 2>&1 || tail -5 $logs/op-$system.log
+  python3 - $json <<'PY'
+import json, sys
+path = sys.argv[1]
+p = json.load(open(path))["op_profile"]
+print(f"== {path.split('/')[-1]}: {p['iteration_ms']:.1f} ms an iteration, {p['top_level_ops_per_iteration']:.0f} top-level ops")
+for op in p["ops"][:18]:
+    print(f"  {op['ms_per_iteration']:8.2f} ms {op['per_iteration']:7.0f}x  {op['name']}")
+PY
+}
+
+# Kineto trace of one captured client (each_single_client), summed by kernel.
+trace_client() {
+  local system=$1 batch=$2 seq=$3 flags=$4 trace=/tmp/trace-$1-$2x$3.json
+  "$B/bench/symbiosis-bench-client" $flags --batch $batch --seq $seq --targets q_proj,k_proj,v_proj,o_proj \
+    --cuda-graph --trace $trace --out /tmp/trace-$system.json > $logs/trace-$system.log 2>&1 \
+    || tail -5 $logs/trace-$system.log
+  echo "== $system, $batch x $seq"
+  python3 bench/trace_summary.py $trace --top 24
+}
+
 for stage in "$@"; do
   log "stage $stage"
   case $stage in
@@ -199,55 +245,10 @@ PY
       mps_off
       ;;
     op-profile)
-      make_1b
-      mps_on
-      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5790 \
-        --log-level warn > $logs/op-profile-executor.log 2>&1 &
-      executor_pid=$!
-      sleep 8
-      for shape in "2 512" "1 128"; do
-        set -- $shape
-        for system in split monolithic; do
-          flags="--executor tcp://127.0.0.1:5790"
-          [ $system = monolithic ] && flags="--monolithic"
-          "$B/bench/symbiosis-bench-client" --model $model_1b $flags --device cuda:0 --dtype bf16 --batch $1 --seq $2 \
-            --warmup 3 --iterations 1 --op-profile 5 --out $out/op-profile-$system-$1x$2.json > $logs/op-$system.log 2>&1 \
-            || tail -5 $logs/op-$system.log
-          python3 - $out/op-profile-$system-$1x$2.json <<'PY'
-import json, sys
-path = sys.argv[1]
-p = json.load(open(path))["op_profile"]
-print(f"== {path.split('/')[-1]}: {p['iteration_ms']:.1f} ms an iteration, {p['top_level_ops_per_iteration']:.0f} top-level ops")
-for op in p["ops"][:18]:
-    print(f"  {op['ms_per_iteration']:8.2f} ms {op['per_iteration']:7.0f}x  {op['name']}")
-PY
-        done
-      done
-      kill $executor_pid
-      mps_off
+      each_single_client op_profile_client
       ;;
     trace)
-      make_1b
-      mps_on
-      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5791 \
-        --log-level warn > $logs/trace-executor.log 2>&1 &
-      executor_pid=$!
-      sleep 8
-      for shape in "2 512" "1 128"; do
-        set -- $shape
-        for system in split monolithic; do
-          flags="--executor tcp://127.0.0.1:5791"
-          [ $system = monolithic ] && flags="--monolithic"
-          "$B/bench/symbiosis-bench-client" --model $model_1b $flags --device cuda:0 --dtype bf16 --batch $1 --seq $2 \
-            --targets q_proj,k_proj,v_proj,o_proj --cuda-graph --warmup 3 --iterations 1 \
-            --trace /tmp/trace-$system-$1x$2.json --out /tmp/trace-$system.json > $logs/trace-$system.log 2>&1 \
-            || tail -5 $logs/trace-$system.log
-          echo "== $system, $1 x $2"
-          python3 bench/trace_summary.py /tmp/trace-$system-$1x$2.json --top 24
-        done
-      done
-      kill $executor_pid
-      mps_off
+      each_single_client trace_client
       ;;
     targets|targets-512|targets-128)
       make_1b

@@ -11,6 +11,8 @@
 #include <map>
 #include <mutex>
 
+#include "transport/zmq_wire.h"
+
 extern char** environ;
 
 namespace symbiosis::testing {
@@ -108,6 +110,14 @@ void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tenso
     EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), adapter_tolerance.value_or(tolerance))
         << "adapter tensor " << i;
   }
+}
+
+proto::Envelope exchange(zmq::socket_t& socket, const proto::Envelope& envelope) {
+  socket.send(wire::serialize(envelope), zmq::send_flags::none);
+  auto frames = wire::recv_all(socket);
+  proto::Envelope answer;
+  EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
+  return answer;
 }
 
 size_t forward_calls(const Client& client) {

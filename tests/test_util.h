@@ -12,11 +12,13 @@
 #include <vector>
 
 #include <torch/optim/adamw.h>
+#include <zmq.hpp>
 
 #include "base_executor/executor.h"
 #include "client_runtime/causal_lm.h"
 #include "client_runtime/lora.h"
 #include "client_runtime/training.h"
+#include "symbiosis.pb.h"
 
 namespace symbiosis::testing {
 
@@ -46,6 +48,9 @@ TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_pt
 void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tensor& ids, int steps, double tolerance,
                           const at::Tensor& attention_mask = {}, const at::Tensor& labels = {},
                           std::optional<double> adapter_tolerance = std::nullopt);
+// Sends `envelope` on a connected DEALER and returns the answer; one that does not parse fails the
+// calling test. (Tests that speak the protocol by hand.)
+proto::Envelope exchange(zmq::socket_t& socket, const proto::Envelope& envelope);
 // The calls one forward of the client's whole model makes: one per layer, one per [Layer groups]
 // group instead of its members.
 size_t forward_calls(const Client& client);

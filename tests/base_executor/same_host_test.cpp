@@ -104,13 +104,7 @@ struct RawShmPeer {
     EXPECT_TRUE(registered.has_buffer_registered()) << registered.DebugString();
   }
 
-  proto::Envelope exchange(const proto::Envelope& env) {
-    socket.send(wire::serialize(env), zmq::send_flags::none);
-    auto frames = wire::recv_all(socket);
-    proto::Envelope answer;
-    EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
-    return answer;
-  }
+  proto::Envelope exchange(const proto::Envelope& env) { return testing::exchange(socket, env); }
 
   proto::Envelope register_buffer(uint64_t generation) {
     proto::Envelope env;

@@ -236,13 +236,7 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
     zmq::context_t context{1};
     zmq::socket_t socket{context, zmq::socket_type::dealer};
     proto::Envelope welcome;
-    proto::Envelope exchange(const proto::Envelope& env) {
-      socket.send(wire::serialize(env), zmq::send_flags::none);
-      auto frames = wire::recv_all(socket);
-      proto::Envelope answer;
-      EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
-      return answer;
-    }
+    proto::Envelope exchange(const proto::Envelope& env) { return testing::exchange(socket, env); }
   };
   std::unique_ptr<RawClient> raw_client() {
     auto raw = std::make_unique<RawClient>();
