@@ -33,6 +33,8 @@ struct StepGraph::Impl {
   std::optional<c10::cuda::CUDAStream> stream;
   std::unique_ptr<at::cuda::CUDAGraph> compute_graph, apply_graph;  // apply_graph shares compute_graph's memory
   std::shared_ptr<const CapturedCalls> calls;                       // what compute_graph's replays send
+  // Order each run after the caller's stream and the caller's later work after it; made once.
+  c10::cuda::CUDAEvent caller_ready, step_done;
 
   ~Impl() {
     // The graphs' memory goes back to the allocator with them: the GPU must be done with it.
@@ -117,9 +119,8 @@ void StepGraph::run() {
   if (s.stream) {
     c10::cuda::CUDAGuard device_guard(s.stream->device_index());
     const auto caller = c10::cuda::getCurrentCUDAStream(s.stream->device_index());
-    c10::cuda::CUDAEvent caller_ready;
-    caller_ready.record(caller);
-    caller_ready.block(*s.stream);
+    s.caller_ready.record(caller);
+    s.caller_ready.block(*s.stream);
     {
       c10::cuda::CUDAStreamGuard on_side_stream(*s.stream);
       if (s.runs < s.options.warmup) {
@@ -130,9 +131,8 @@ void StepGraph::run() {
         s.replay();
       }
     }
-    c10::cuda::CUDAEvent step_done;
-    step_done.record(*s.stream);
-    step_done.block(caller);
+    s.step_done.record(*s.stream);
+    s.step_done.block(caller);
     return;
   }
 #endif
