@@ -8,9 +8,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <typeinfo>
 
 #include "client_runtime/peft_dora.h"
 #include "common/checkpoint.h"
+
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/lora.h"
+#endif
 
 namespace symbiosis {
 namespace {
@@ -130,11 +135,129 @@ class LoraUpdate : public torch::autograd::Function<LoraUpdate> {
   }
 };
 
+#ifdef SYMBIOSIS_WITH_CUDA
+// [Grouped LoRA] (kernels/lora.h): the LoRA updates of adapters whose layers read one input x and
+// whose base outputs lie side by side in `base` ([..., C]), as one autograd node. Forward: one
+// product h = x·[A_1; A_2; ...]ᵀ and one kernel adding each member's h_m·B_mᵀ·s_m to its columns.
+// Backward: per member, grad h_m = s_m·g_m·B_m (written into grad_h's columns) and grad B_m =
+// s_m·g_mᵀ·h_m (laid out as B, so autograd keeps it without a copy); one product for the A's
+// gradients side by side (each member's is a row block of it) and one for grad x. The scalings
+// ride in cuBLAS's alpha. A single adapter is a group of one. Per step, LoraUpdate costs each
+// adapter some 11 kernels; this costs a group of three (q, k, v of a Llama layer) 11, and an
+// adapter alone 6.
+class LoraGroupUpdate : public torch::autograd::Function<LoraGroupUpdate> {
+ public:
+  // layout: each member's column, width, rank column and scaling (their b unset; bs gives them).
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& base, const at::Tensor& x,
+                            at::TensorList as, at::TensorList bs, const std::vector<kernels::LoraMember>& layout) {
+    const int64_t columns = base.size(-1), rows = base.numel() / columns;
+    const auto x2 = x.reshape({rows, x.size(-1)});
+    const auto a = as.size() == 1 ? as[0] : at::cat(as, 0);
+    const auto h = at::mm(x2, a.t());
+    auto members = layout;
+    for (size_t i = 0; i < members.size(); ++i) members[i].b = bs[i];
+    auto out = kernels::lora_expand(base.reshape({rows, columns}), h, members).view(base.sizes());
+    std::vector<at::Tensor> saved = {x2, h, a};
+    saved.insert(saved.end(), bs.begin(), bs.end());
+    ctx->save_for_backward(saved);
+    std::vector<int64_t> places;
+    std::vector<double> scalings;
+    for (const auto& m : layout) {
+      places.insert(places.end(), {m.column, m.width, m.h_column});
+      scalings.push_back(m.scaling);
+    }
+    ctx->saved_data["places"] = places;
+    ctx->saved_data["scalings"] = scalings;
+    ctx->saved_data["x_shape"] = x.sizes();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &h = saved[1], &a = saved[2];
+    const auto places = ctx->saved_data["places"].toIntVector();
+    const auto scalings = ctx->saved_data["scalings"].toDoubleVector();
+    const size_t n = scalings.size();
+    std::vector<kernels::LoraMember> members(n);
+    for (size_t i = 0; i < n; ++i) {
+      members[i] = {places[3 * i], places[3 * i + 1], saved[3 + i], places[3 * i + 2], scalings[i]};
+    }
+    const auto& g = grads[0];
+    auto g2 = g.reshape({x2.size(0), g.size(-1)});
+    if (g2.stride(1) != 1) g2 = g2.contiguous();
+    torch::autograd::variable_list out(2 + 2 * n + 1);
+    if (ctx->needs_input_grad(0)) out[0] = g;
+    // grad_h side by side: member m's rank columns s_m·g_m·B_m, written in place by cuBLAS (its
+    // output's leading dimension is grad_h's width); the addend is read with beta 0: never.
+    const auto unused = at::empty({}, g2.options());
+    auto grad_h = at::empty_like(h);
+    for (const auto& m : members) {
+      auto columns = grad_h.narrow(1, m.h_column, m.b.size(1));
+      at::addmm_out(columns, unused, g2.narrow(1, m.column, m.width), m.b, /*beta=*/0, /*alpha=*/m.scaling);
+    }
+    if (ctx->needs_input_grad(1)) out[1] = at::mm(grad_h, a).view(ctx->saved_data["x_shape"].toIntVector());
+    const auto any_a = [&] {
+      for (size_t i = 0; i < n; ++i) {
+        if (ctx->needs_input_grad(2 + i)) return true;
+      }
+      return false;
+    }();
+    const auto grad_a = any_a ? at::mm(grad_h.t(), x2) : at::Tensor();
+    for (size_t i = 0; i < n; ++i) {
+      const auto& m = members[i];
+      const int64_t rank = m.b.size(1);
+      if (ctx->needs_input_grad(2 + i)) out[2 + i] = grad_a.narrow(0, m.h_column, rank);
+      if (ctx->needs_input_grad(2 + n + i)) {
+        out[2 + n + i] = at::addmm(unused, g2.narrow(1, m.column, m.width).t(), h.narrow(1, m.h_column, rank),
+                                   /*beta=*/0, /*alpha=*/m.scaling);
+      }
+    }
+    return out;
+  }
+};
+#endif
+
 }  // namespace
+
+at::Tensor LoraAdapterImpl::forward_group(const at::Tensor& x, const at::Tensor& stacked_base,
+                                          const std::vector<LayerAdapterImpl*>& adapters,
+                                          const std::vector<int64_t>& widths) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (!x.is_cuda() || !stacked_base.is_cuda() || x.scalar_type() != stacked_base.scalar_type() ||
+      adapters.size() != widths.size()) {
+    return {};
+  }
+  std::vector<at::Tensor> as, bs;
+  std::vector<kernels::LoraMember> layout;
+  int64_t column = 0, h_column = 0;
+  for (size_t i = 0; i < adapters.size(); column += widths[i], ++i) {
+    if (adapters[i] == nullptr) continue;
+    // LoRA exactly (not DoRA, which derives from it), without dropout, in the model's dtype.
+    if (typeid(*adapters[i]) != typeid(LoraAdapterImpl)) return {};
+    const auto& lora = static_cast<const LoraAdapterImpl&>(*adapters[i]);
+    if ((lora.dropout > 0 && lora.is_training()) || lora.lora_A.scalar_type() != x.scalar_type() ||
+        lora.lora_B.scalar_type() != x.scalar_type() || !lora.lora_B.is_contiguous() ||
+        layout.size() == kernels::kLoraMaxMembers) {
+      return {};
+    }
+    as.push_back(lora.lora_A);
+    bs.push_back(lora.lora_B);
+    layout.push_back({column, widths[i], at::Tensor(), h_column, lora.scaling});
+    h_column += lora.lora_A.size(0);
+  }
+  if (layout.empty() || column != stacked_base.size(-1) || h_column > kernels::kLoraMaxRankTotal) return {};
+  return LoraGroupUpdate::apply(stacked_base, x, at::TensorList(as), at::TensorList(bs), layout);
+#else
+  (void)x, (void)stacked_base, (void)adapters, (void)widths;
+  return {};
+#endif
+}
 
 at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
   auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
   auto y = base(x);
+  if (auto grouped = forward_group(x, y, {this}, {y.size(-1)}); grouped.defined()) return grouped;
   const bool differentiable = at::GradMode::is_enabled() &&
                               (y.requires_grad() || h.requires_grad() || lora_A.requires_grad() || lora_B.requires_grad());
   if (differentiable) return LoraUpdate::apply(y, h, lora_A, lora_B, scaling);

@@ -42,6 +42,10 @@ class LoraAdapterImpl : public LayerAdapterImpl {
  public:
   LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config);
   at::Tensor forward(const at::Tensor& x, const BaseFn& base) override;
+  // [Grouped LoRA] (lora.cpp): on a GPU, plain LoRA adapters without dropout, in the model's dtype,
+  // apply themselves together (LayerAdapterImpl::forward_group).
+  at::Tensor forward_group(const at::Tensor& x, const at::Tensor& stacked_base,
+                           const std::vector<LayerAdapterImpl*>& adapters, const std::vector<int64_t>& widths) override;
 
   at::Tensor lora_A;  // [r, in]
   at::Tensor lora_B;  // [out, r]

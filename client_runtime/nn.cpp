@@ -194,6 +194,18 @@ std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& laye
     adapted = adapted || layer->adapter();
   }
   if (stacked != nullptr && !adapted) *stacked = base;
+  if (adapted) {
+    std::vector<LayerAdapterImpl*> adapters;
+    LayerAdapterImpl* first = nullptr;
+    for (const auto* layer : layers) {
+      adapters.push_back(layer->adapter().get());
+      if (first == nullptr) first = adapters.back();
+    }
+    if (auto together = first->forward_group(x, base, adapters, widths); together.defined()) {
+      if (stacked != nullptr) *stacked = together;
+      return at::split_with_sizes(together, widths, -1);
+    }
+  }
   const auto parts = at::split_with_sizes(base, widths, -1);
   for (size_t i = 0; i < layers.size(); ++i) {
     auto* layer = layers[i];

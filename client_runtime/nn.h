@@ -33,6 +33,15 @@ class LayerAdapterImpl : public torch::nn::Module {
   // adapters need only BaseFn; one that needs more of the base (DoRA: its output without bias, its
   // bias, its weight norms) keeps the pointer, valid for as long as that layer holds the adapter.
   virtual void attach(nn::BaseLayerImpl* /*layer*/) {}
+  // For layers that nn::forward_siblings computes together: their outputs side by side, as
+  // stacked_base is their bases side by side (widths[i] columns each), with each one's adapter
+  // (adapters[i], or null) applied, all at once; undefined when this kind of adapter cannot do that
+  // for these, and each adapter then wraps its own part (the default).
+  virtual at::Tensor forward_group(const at::Tensor& /*x*/, const at::Tensor& /*stacked_base*/,
+                                   const std::vector<LayerAdapterImpl*>& /*adapters*/,
+                                   const std::vector<int64_t>& /*widths*/) {
+    return {};
+  }
 };
 
 namespace nn {
@@ -100,10 +109,11 @@ class BaseLayerImpl : public torch::nn::Module {
 // base computed as one product of their weights stacked: on the executor, one call of the group it
 // serves for them; monolithic, one GEMM of their weights, stacked once (theirs become views of the
 // stack, so memory stays the same). Each layer's adapter then wraps its own part, as forward(x)
-// would. Layers that cannot be stacked (not all Linear of one input width, dtype and bias, not all
-// on one backend, or no such group on the executor) compute one by one. `stacked`, when given, is
-// set to the outputs side by side ([..., sum of out]), of which they are views, when no adapter
-// changed them; undefined otherwise.
+// would, unless their adapters apply themselves together (LayerAdapterImpl::forward_group). Layers
+// that cannot be stacked (not all Linear of one input width, dtype and bias, not all on one
+// backend, or no such group on the executor) compute one by one. `stacked`, when given, is set to
+// the outputs side by side ([..., sum of out]), of which they are views, when no adapter changed
+// them or their adapters went together; undefined otherwise.
 std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
                                          at::Tensor* stacked = nullptr);
 

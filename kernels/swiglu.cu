@@ -30,28 +30,71 @@ Matrix<T> matrix(const at::Tensor& t, const char* what) {
 
 __device__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
 
-template <typename T>
+// kVec elements of a row, loaded and stored as one (16 bytes, or one element).
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+template <typename T, int kVec>
+__device__ Pack<T, kVec> load(const Matrix<const T>& m, int64_t row, int64_t column) {
+  return *reinterpret_cast<const Pack<T, kVec>*>(&m.at(row, column));
+}
+
+template <typename T, int kVec>
+__device__ void store(const Matrix<T>& m, int64_t row, int64_t column, const Pack<T, kVec>& pack) {
+  *reinterpret_cast<Pack<T, kVec>*>(&m.at(row, column)) = pack;
+}
+
+// Each thread kVec consecutive elements of a row at a time (`packs` of them in all).
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    forward_kernel(Matrix<const T> gate, Matrix<const T> up, Matrix<T> out, int64_t n, int64_t elements) {
-  for (int64_t e = blockIdx.x * int64_t{kThreads} + threadIdx.x; e < elements; e += int64_t{gridDim.x} * kThreads) {
-    const int64_t r = e / n, c = e % n;
-    const float g = static_cast<float>(gate.at(r, c));
-    out.at(r, c) = static_cast<T>(g * sigmoid(g) * static_cast<float>(up.at(r, c)));
+    forward_kernel(Matrix<const T> gate, Matrix<const T> up, Matrix<T> out, int64_t n, int64_t packs) {
+  const int64_t per_row = n / kVec;
+  for (int64_t p = blockIdx.x * int64_t{kThreads} + threadIdx.x; p < packs; p += int64_t{gridDim.x} * kThreads) {
+    const int64_t r = p / per_row, c = (p % per_row) * kVec;
+    const auto g = load<T, kVec>(gate, r, c), u = load<T, kVec>(up, r, c);
+    Pack<T, kVec> o;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float gi = static_cast<float>(g.v[i]);
+      o.v[i] = static_cast<T>(gi * sigmoid(gi) * static_cast<float>(u.v[i]));
+    }
+    store<T, kVec>(out, r, c, o);
   }
 }
 
 // silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), as ATen's silu_backward computes it.
-template <typename T>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     backward_kernel(Matrix<const T> grad, Matrix<const T> gate, Matrix<const T> up, Matrix<T> grad_gate,
-                    Matrix<T> grad_up, int64_t n, int64_t elements) {
-  for (int64_t e = blockIdx.x * int64_t{kThreads} + threadIdx.x; e < elements; e += int64_t{gridDim.x} * kThreads) {
-    const int64_t r = e / n, c = e % n;
-    const float dy = static_cast<float>(grad.at(r, c)), g = static_cast<float>(gate.at(r, c));
-    const float u = static_cast<float>(up.at(r, c)), s = sigmoid(g);
-    grad_gate.at(r, c) = static_cast<T>(dy * u * s * (1.f + g * (1.f - s)));
-    grad_up.at(r, c) = static_cast<T>(dy * g * s);
+                    Matrix<T> grad_up, int64_t n, int64_t packs) {
+  const int64_t per_row = n / kVec;
+  for (int64_t p = blockIdx.x * int64_t{kThreads} + threadIdx.x; p < packs; p += int64_t{gridDim.x} * kThreads) {
+    const int64_t r = p / per_row, c = (p % per_row) * kVec;
+    const auto dy = load<T, kVec>(grad, r, c), g = load<T, kVec>(gate, r, c), u = load<T, kVec>(up, r, c);
+    Pack<T, kVec> dg, du;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float dyi = static_cast<float>(dy.v[i]), gi = static_cast<float>(g.v[i]);
+      const float ui = static_cast<float>(u.v[i]), si = sigmoid(gi);
+      dg.v[i] = static_cast<T>(dyi * ui * si * (1.f + gi * (1.f - si)));
+      du.v[i] = static_cast<T>(dyi * gi * si);
+    }
+    store<T, kVec>(grad_gate, r, c, dg);
+    store<T, kVec>(grad_up, r, c, du);
   }
+}
+
+// Whether rows of n elements of T, at these (address, row stride) pairs, can go 16 bytes at a time.
+template <typename T>
+bool vectorizable(int64_t n, std::initializer_list<std::pair<const void*, int64_t>> matrices) {
+  constexpr int64_t kVec = 16 / sizeof(T);
+  if (n % kVec != 0) return false;
+  for (const auto& [data, stride] : matrices) {
+    if (reinterpret_cast<uintptr_t>(data) % 16 != 0 || stride % kVec != 0) return false;
+  }
+  return true;
 }
 
 void check(const at::Tensor& t, const at::Tensor& like, const char* what) {
@@ -75,9 +118,15 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   const int64_t n = gate.size(-1), elements = gate.numel();
   if (elements == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "swiglu_forward", [&] {
-    forward_kernel<scalar_t><<<blocks_for(elements), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        matrix<const scalar_t>(gate, "gate"), matrix<const scalar_t>(up, "up"), matrix<scalar_t>(out, "out"), n,
-        elements);
+    const auto g = matrix<const scalar_t>(gate, "gate"), u = matrix<const scalar_t>(up, "up");
+    const auto o = matrix<scalar_t>(out, "out");
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (vectorizable<scalar_t>(n, {{g.data, g.stride}, {u.data, u.stride}, {o.data, o.stride}})) {
+      forward_kernel<scalar_t, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(g, u, o, n, elements / kVec);
+    } else {
+      forward_kernel<scalar_t, 1><<<blocks_for(elements), kThreads, 0, stream>>>(g, u, o, n, elements);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -94,9 +143,18 @@ void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::T
   if (elements == 0) return;
   const auto dy = grad.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "swiglu_backward", [&] {
-    backward_kernel<scalar_t><<<blocks_for(elements), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        matrix<const scalar_t>(dy, "grad"), matrix<const scalar_t>(gate, "gate"), matrix<const scalar_t>(up, "up"),
-        matrix<scalar_t>(grad_gate, "grad_gate"), matrix<scalar_t>(grad_up, "grad_up"), n, elements);
+    const auto d = matrix<const scalar_t>(dy, "grad"), g = matrix<const scalar_t>(gate, "gate");
+    const auto u = matrix<const scalar_t>(up, "up");
+    const auto dg = matrix<scalar_t>(grad_gate, "grad_gate"), du = matrix<scalar_t>(grad_up, "grad_up");
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (vectorizable<scalar_t>(
+            n, {{d.data, d.stride}, {g.data, g.stride}, {u.data, u.stride}, {dg.data, dg.stride}, {du.data, du.stride}})) {
+      backward_kernel<scalar_t, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(d, g, u, dg, du, n,
+                                                                                           elements / kVec);
+    } else {
+      backward_kernel<scalar_t, 1><<<blocks_for(elements), kThreads, 0, stream>>>(d, g, u, dg, du, n, elements);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

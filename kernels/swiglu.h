@@ -4,8 +4,9 @@
 // grad · silu(gate) for up), each in one kernel that reads gate and up once and computes in fp32,
 // rounding once. LibTorch runs two kernels forward and four backward, each a pass over a
 // [tokens, intermediate] tensor; after a [Layer groups] call gate and up are the halves of one
-// tensor, views that are not contiguous, which its strided path runs slower still. So results
-// match the expression within the dtype's rounding, not bit for bit. Built only with CUDA;
+// tensor, views that are not contiguous, which its strided path runs slower still. Rows whose
+// addresses and strides allow it (Llama's do) go 16 bytes a thread at a time. Results match the
+// expression within the dtype's rounding, not bit for bit. Built only with CUDA;
 // client_runtime/llama.cpp calls it on a GPU.
 #include <ATen/ATen.h>
 

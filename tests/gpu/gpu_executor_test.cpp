@@ -1,7 +1,9 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic; the executor's direct
-// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy, rotary embedding and
-// SwiGLU. Skipped, with a message saying so, where there is no GPU.
+// cuBLAS GEMM; the batch packing kernel; and the clients' fused cross-entropy, rotary embedding,
+// SwiGLU and grouped LoRA. Skipped, with a message saying so, where there is no GPU.
+#include "client_runtime/lora.h"
+#include "client_runtime/peft_dora.h"
 #include "client_runtime/training.h"
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
@@ -257,24 +259,98 @@ TEST(FusedSwiGLUTest, EqualsTheExpressionForwardAndBackwardApartAndStacked) {
   at::manual_seed(8);
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-    const auto stacked = at::randn({3, 7, 2 * 1000}, options) * 3;
-    const auto grad = at::randn({3, 7, 1000}, options);
-    for (bool halves : {true, false}) {
-      SCOPED_TRACE(std::string(c10::toString(dtype)) + (halves ? ", halves of one tensor" : ", apart"));
-      auto gate = stacked.narrow(-1, 0, 1000), up = stacked.narrow(-1, 1000, 1000);
-      if (!halves) {
-        gate = gate.contiguous();
-        up = up.contiguous();
+    for (int64_t n : {1000, 1003}) {  // rows that go 16 bytes at a time, and rows that cannot
+      const auto stacked = at::randn({3, 7, 2 * n}, options) * 3;
+      const auto grad = at::randn({3, 7, n}, options);
+      for (bool halves : {true, false}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + (halves ? ", halves of one tensor" : ", apart") + ", " +
+                     std::to_string(n) + " columns");
+        auto gate = stacked.narrow(-1, 0, n), up = stacked.narrow(-1, n, n);
+        if (!halves) {
+          gate = gate.contiguous();
+          up = up.contiguous();
+        }
+        const auto g64 = gate.to(at::kDouble), u64 = up.to(at::kDouble), dy = grad.to(at::kDouble);
+        const auto s = at::sigmoid(g64);
+        expect_rounded_like(kernels::swiglu_forward(gate, up), g64 * s * u64);
+        auto grads = at::empty({3, 7, 2 * n}, options);
+        kernels::swiglu_backward(grad, gate, up, grads.narrow(-1, 0, n), grads.narrow(-1, n, n));
+        expect_rounded_like(grads.narrow(-1, 0, n), dy * u64 * s * (1 + g64 * (1 - s)));
+        expect_rounded_like(grads.narrow(-1, n, n), dy * g64 * s);
       }
-      const auto g64 = gate.to(at::kDouble), u64 = up.to(at::kDouble), dy = grad.to(at::kDouble);
-      const auto s = at::sigmoid(g64);
-      expect_rounded_like(kernels::swiglu_forward(gate, up), g64 * s * u64);
-      auto grads = at::empty({3, 7, 2000}, options);
-      kernels::swiglu_backward(grad, gate, up, grads.narrow(-1, 0, 1000), grads.narrow(-1, 1000, 1000));
-      expect_rounded_like(grads.narrow(-1, 0, 1000), dy * u64 * s * (1 + g64 * (1 - s)));
-      expect_rounded_like(grads.narrow(-1, 1000, 1000), dy * g64 * s);
     }
   }
+}
+
+// [Grouped LoRA] against float64: three layers' bases side by side (the first and last adapted, of
+// ranks 8 and 4, the middle one not; then all three), each dtype, the output and every gradient
+// (base, x, each A and B); a single adapter's forward goes the same way; adapters that cannot go
+// together (DoRA, another dtype than the model's) are left to wrap their own parts.
+TEST(GroupedLoraTest, EqualsTheExpressionAndEveryGradientForEachDtype) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(9);
+  const int64_t in = 96;
+  const std::vector<int64_t> widths = {64, 32, 48};
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    for (bool all : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (all ? ", all three adapted" : ", the middle one not"));
+      std::vector<std::shared_ptr<LoraAdapterImpl>> loras;
+      std::vector<LayerAdapterImpl*> adapters;
+      for (size_t i = 0; i < widths.size(); ++i) {
+        LoraConfig config;
+        config.r = i == 2 ? 4 : 8;
+        config.alpha = 4.0 * static_cast<double>(i + 1);
+        config.init_b_zero = false;
+        loras.push_back(std::make_shared<LoraAdapterImpl>(in, widths[i], config));
+        loras.back()->to(at::kCUDA, dtype);
+        adapters.push_back(all || i != 1 ? loras.back().get() : nullptr);
+      }
+      const auto x = at::randn({2, 5, in}, options).requires_grad_();
+      const auto base = at::randn({2, 5, 144}, options).requires_grad_();
+      const auto got = loras[0]->forward_group(x, base, adapters, widths);
+      ASSERT_TRUE(got.defined());
+      const auto w = at::randn(got.sizes(), options);
+      got.backward(w);
+
+      const auto x64 = x.detach().to(at::kDouble), w64 = w.to(at::kDouble);
+      auto want = base.detach().to(at::kDouble).clone();
+      auto want_dx = at::zeros_like(x64);
+      int64_t column = 0;
+      for (size_t i = 0; i < widths.size(); column += widths[i], ++i) {
+        if (adapters[i] == nullptr) continue;
+        const auto& lora = *loras[i];
+        const auto a = lora.lora_A.detach().to(at::kDouble), b = lora.lora_B.detach().to(at::kDouble);
+        const auto wm = w64.narrow(-1, column, widths[i]);
+        want.narrow(-1, column, widths[i]).add_(at::matmul(at::matmul(x64, a.t()), b.t()) * lora.scaling);
+        const auto grad_h = at::matmul(wm, b) * lora.scaling;  // [2, 5, r]
+        want_dx += at::matmul(grad_h, a);
+        expect_rounded_like(lora.lora_A.grad(), at::matmul(grad_h.reshape({10, -1}).t(), x64.reshape({10, in})));
+        expect_rounded_like(lora.lora_B.grad(),
+                            at::matmul(wm.reshape({10, -1}).t(), at::matmul(x64, a.t()).reshape({10, -1})) *
+                                lora.scaling);
+      }
+      expect_rounded_like(got, want);
+      expect_rounded_like(x.grad(), want_dx);
+      EXPECT_TRUE(at::equal(base.grad(), w));
+      if (!all) EXPECT_FALSE(loras[1]->lora_A.grad().defined());
+
+      // One adapter alone, through its forward: the group of one.
+      const auto y = base.detach().narrow(-1, 0, 64).contiguous();
+      const auto alone = loras[0]->forward(x.detach(), [&](const at::Tensor&) { return y; });
+      expect_rounded_like(alone, want.narrow(-1, 0, 64));
+    }
+  }
+  const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto x = at::randn({1, 3, in}, options), base = at::randn({1, 3, 64}, options);
+  LoraConfig config;
+  auto other_dtype = std::make_shared<LoraAdapterImpl>(in, 64, config);
+  other_dtype->to(at::kCUDA, at::kFloat);
+  EXPECT_FALSE(other_dtype->forward_group(x, base, {other_dtype.get()}, {64}).defined());
+  config.use_dora = true;
+  auto dora = std::make_shared<DoraAdapterImpl>(in, 64, config);
+  dora->to(at::kCUDA, at::kBFloat16);
+  EXPECT_FALSE(dora->forward_group(x, base, {dora.get()}, {64}).defined());
 }
 
 TEST(BatchedCopyKernelTest, PacksAndUnpacksLikeCatAndSplitForAnySizes) {
