@@ -255,9 +255,9 @@ at::Tensor LoraAdapterImpl::forward_group(const at::Tensor& x, const at::Tensor&
 }
 
 at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
-  auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
   auto y = base(x);
   if (auto grouped = forward_group(x, y, {this}, {y.size(-1)}); grouped.defined()) return grouped;
+  auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
   const bool differentiable = at::GradMode::is_enabled() &&
                               (y.requires_grad() || h.requires_grad() || lora_A.requires_grad() || lora_B.requires_grad());
   if (differentiable) return LoraUpdate::apply(y, h, lora_A, lora_B, scaling);

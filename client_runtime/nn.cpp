@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -196,11 +197,8 @@ std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& laye
   if (stacked != nullptr && !adapted) *stacked = base;
   if (adapted) {
     std::vector<LayerAdapterImpl*> adapters;
-    LayerAdapterImpl* first = nullptr;
-    for (const auto* layer : layers) {
-      adapters.push_back(layer->adapter().get());
-      if (first == nullptr) first = adapters.back();
-    }
+    for (const auto* layer : layers) adapters.push_back(layer->adapter().get());
+    auto* first = *std::find_if(adapters.begin(), adapters.end(), [](auto* a) { return a != nullptr; });
     if (auto together = first->forward_group(x, base, adapters, widths); together.defined()) {
       if (stacked != nullptr) *stacked = together;
       return at::split_with_sizes(together, widths, -1);

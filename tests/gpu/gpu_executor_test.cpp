@@ -8,6 +8,7 @@
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
+#include "kernels/lora.h"
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -351,6 +352,17 @@ TEST(GroupedLoraTest, EqualsTheExpressionAndEveryGradientForEachDtype) {
   auto dora = std::make_shared<DoraAdapterImpl>(in, 64, config);
   dora->to(at::kCUDA, at::kBFloat16);
   EXPECT_FALSE(dora->forward_group(x, base, {dora.get()}, {64}).defined());
+  // The kernel itself refuses a B it cannot read, naming what it expected.
+  try {
+    kernels::lora_expand(base.view({3, 64}), at::zeros({3, 8}, options), {{0, 64, other_dtype->lora_B, 0, 2.0}});
+    ADD_FAILURE() << "a B of another dtype was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("lora_expand: a member's B must be [64, rank] contiguous in BFloat16 on cuda:0, got [64, 8] in "
+                        "Float"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 TEST(BatchedCopyKernelTest, PacksAndUnpacksLikeCatAndSplitForAnySizes) {
