@@ -9,6 +9,9 @@
 //    A client that leaves is removed; when the oldest request has waited lockstep_timeout, the
 //    clients still missing are dropped from the set (re-added at their next request), so a
 //    stalled or dead client never deadlocks the others.
+//  - Any policy but lockstep: a request marked `alone` bypasses the queues and runs by itself as
+//    soon as it is the oldest ready work (see [Compute streams] in transport/cuda_ipc.h: the
+//    executor marks large same-GPU requests, whose GEMMs run best side by side, unpacked).
 //  - kOpportunistic (default): each request may wait for companions until its own deadline,
 //    arrival + min(max_wait, class_wait + per_token_wait * tokens). A queue runs when its earliest
 //    deadline passes (so a small decode request is never held behind a large fine-tuning one: it
@@ -72,6 +75,7 @@ class Batcher {
     int64_t tokens = 0;
     LatencyClass latency = LatencyClass::kFineTuning;
     TimePoint arrival{};
+    bool alone = false;  // run by itself, never waited for nor packed (not under lockstep)
     Payload payload{};
   };
 
@@ -100,12 +104,17 @@ class Batcher {
     if (dropped_.erase(request.client_id)) clients_.insert(request.client_id);  // back in lockstep
     total_requests_++;
     const Key key{request.layer_id, static_cast<int>(request.op)};
-    auto& queue = queues_[key];
-    queue.key = key;
     auto& track = tracks_[request.client_id];
     if (track.last_queue) track.next_after[*track.last_queue] = key;
     track.last_queue = key;
     track.last_arrival = request.arrival;
+    track.alone = request.alone && options_.policy != BatchingPolicy::kLockstep;
+    if (track.alone) {
+      alone_.push_back(std::move(request));
+      return;
+    }
+    auto& queue = queues_[key];
+    queue.key = key;
     if (queue.requests.empty()) active_.push_back(&queue);
     queue.requests.push_back(std::move(request));
   }
@@ -119,6 +128,13 @@ class Batcher {
       if (!ready(*queue, now)) continue;
       if (best == nullptr || queue->requests.front().arrival < best->requests.front().arrival) best = queue;
     }
+    if (!alone_.empty() && (best == nullptr || alone_.front().arrival <= best->requests.front().arrival)) {
+      Batch batch{alone_.front().layer_id, alone_.front().op, alone_.front().tokens, {}};
+      batch.requests.push_back(std::move(alone_.front()));
+      alone_.pop_front();
+      total_requests_--;
+      return batch;
+    }
     if (best == nullptr) return std::nullopt;
     return take(*best);
   }
@@ -126,6 +142,7 @@ class Batcher {
   // When pop() may next return a batch without another push: the earliest deadline of any
   // queue (TimePoint::max() when nothing waits).
   TimePoint next_deadline(TimePoint now) const {
+    if (!alone_.empty()) return now;
     TimePoint next = TimePoint::max();
     for (const Queue* queue : active_) next = std::min(next, deadline(*queue, now));
     return next;
@@ -142,6 +159,7 @@ class Batcher {
     std::optional<Key> last_queue;  // where its latest request went
     TimePoint last_arrival{};
     std::map<Key, Key> next_after;  // the queue that followed each queue last time
+    bool alone = false;             // its latest request ran alone: no companion of anyone's
     std::optional<Key> predicted_next() const {
       if (!last_queue) return std::nullopt;
       auto it = next_after.find(*last_queue);
@@ -170,7 +188,9 @@ class Batcher {
   bool companion_expected(const Queue& queue, TimePoint now) const {
     const auto ids = present(queue);
     for (const auto& [id, track] : tracks_) {
-      if (ids.count(id) || !clients_.count(id) || now - track.last_arrival > options_.companion_window) continue;
+      if (ids.count(id) || !clients_.count(id) || track.alone || now - track.last_arrival > options_.companion_window) {
+        continue;
+      }
       if (track.predicted_next() == queue.key) return true;
     }
     return false;
@@ -245,6 +265,7 @@ class Batcher {
   BatchingOptions options_;
   std::map<Key, Queue> queues_;  // every queue ever used (node addresses are stable)
   std::vector<Queue*> active_;                        // the queues holding requests: what pop() looks at
+  std::deque<Request> alone_;                         // requests that run by themselves, oldest first
   std::set<uint64_t> clients_;
   std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
   std::map<uint64_t, ClientTrack> tracks_;  // opportunistic: each client's learnt path

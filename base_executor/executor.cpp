@@ -104,6 +104,8 @@ void ExecutorOptions::validate() const {
   batching.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
   TORCH_CHECK(spin_us >= -1, "executor option --spin-us must be >= 0 (or -1: by device), got ", spin_us);
+  TORCH_CHECK(streams >= 1 && streams <= 32, "executor option --streams must be 1 to 32, got ", streams);
+  TORCH_CHECK(concurrent_tokens >= 0, "executor option --concurrent-tokens must be >= 0, got ", concurrent_tokens);
 }
 
 class Executor::Impl {
@@ -149,7 +151,8 @@ class Executor::Impl {
   };
   std::vector<PendingSetup> pending_setups;  // NCCL communicators still joining
 
-  std::atomic<uint64_t> clients_now{0}, same_host_clients_now{0}, requests{0}, errors{0}, tokens{0}, direct_calls{0};
+  std::atomic<uint64_t> clients_now{0}, same_host_clients_now{0}, requests{0}, errors{0}, tokens{0}, direct_calls{0},
+      concurrent_calls{0};
   std::atomic<uint64_t> compute_nanos{0};
   std::atomic<uint64_t> deliver_nanos{0};  // the part of compute_nanos spent in deliver()
 
@@ -159,6 +162,9 @@ class Executor::Impl {
 
   void io_loop();
   void compute_loop();
+#ifdef SYMBIOSIS_WITH_CUDA
+  void warm_up(cuda::ComputeStreams& streams);
+#endif
   void handle(std::vector<zmq::message_t>& frames);
   void handle_hello(const proto::Hello& hello, zmq::message_t& identity, const std::string& key);
   void send_error(zmq::message_t& identity, uint64_t request_id, proto::ErrorCode code, const std::string& message,
@@ -556,6 +562,7 @@ proto::Stats Executor::Impl::collect_stats() {
   s.set_compute_seconds(compute_nanos * 1e-9);
   s.set_deliver_seconds(deliver_nanos * 1e-9);
   s.set_direct_calls(direct_calls);
+  s.set_concurrent_calls(concurrent_calls);
   s.set_policy(batching_policy_name(options.batching.policy));
   s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started).count());
   {
@@ -674,6 +681,10 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
   queued.tokens = h.tokens;
   queued.latency = to_latency_class(h.latency_class);
   queued.arrival = Clock::now();
+  queued.alone = options.streams > 1 && options.concurrent_tokens > 0 && h.tokens >= options.concurrent_tokens &&
+                 channel->orders_by_flags() && model->device().is_cuda() &&
+                 options.batching.policy != BatchingPolicy::kLockstep;
+  if (queued.alone) concurrent_calls++;
   queued.payload.header = h;
   queued.payload.channel = channel;
   queue(std::move(queued));
@@ -919,11 +930,33 @@ void Executor::Impl::run_batch(WorkBatcher::Batch& batch, zmq::socket_t& replies
   max_batch_requests = std::max<uint64_t>(max_batch_requests, batch.requests.size());
 }
 
+#ifdef SYMBIOSIS_WITH_CUDA
+// One GEMM of the first layer on each compute stream, before any client's: the GEMM library's
+// handle and workspace of each stream, and its first allocations, are made now, so the executor's
+// memory does not grow with the number of clients whose batches use the streams.
+void Executor::Impl::warm_up(cuda::ComputeStreams& streams) {
+  if (model->layer_count() == 0) return;
+  const auto& layer = model->layer(0);
+  // More rows than the few-row kernel takes (kernels/few_rows_gemm.h), so the GEMM library runs.
+  const auto x = at::zeros({16, layer.in_features}, at::TensorOptions().dtype(layer.dtype).device(model->device()));
+  for (int i = 0; i < options.streams; ++i) {
+    streams.use(i);
+    model->compute(0, LayerOp::kForward, x);
+    cuda::synchronize_stream(cuda::current_stream(model->device().index()));
+  }
+  streams.use(0);
+}
+#endif
+
 void Executor::Impl::compute_loop() {
   // OpenMP's thread count and the current CUDA device are per thread: set them where we compute.
   if (options.threads > 0) at::set_num_threads(options.threads);
 #ifdef SYMBIOSIS_WITH_CUDA
-  if (model->device().is_cuda()) cuda::use_device(model->device().index());
+  std::optional<cuda::ComputeStreams> streams;
+  if (model->device().is_cuda()) {
+    streams.emplace(model->device().index(), options.streams);
+    warm_up(*streams);
+  }
 #endif
   // Nothing here is differentiated: skip autograd's bookkeeping on every operation.
   c10::InferenceMode inference_mode;
@@ -953,6 +986,9 @@ void Executor::Impl::compute_loop() {
       if (!batch) deadline = batcher->next_deadline(now);
     }
     if (batch) {
+#ifdef SYMBIOSIS_WITH_CUDA
+      if (streams) streams->use(batch->requests[0].client_id);
+#endif
       run_batch(*batch, replies_out);
       continue;
     }
@@ -1010,7 +1046,8 @@ const BaseModel& Executor::model() const { return *impl_->model; }
 
 ExecutorStats Executor::stats() const {
   return {impl_->clients_now, impl_->same_host_clients_now, impl_->requests,     impl_->errors,
-          impl_->tokens,      impl_->compute_nanos * 1e-9,     impl_->direct_calls};
+          impl_->tokens,      impl_->compute_nanos * 1e-9,     impl_->direct_calls,
+          impl_->concurrent_calls};
 }
 
 void Executor::shutdown() {

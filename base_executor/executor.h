@@ -34,6 +34,13 @@ struct ExecutorOptions {
   // Same-host clients: how long the compute thread spins for new work before sleeping on its
   // doorbell (see [Spin, then sleep] in transport/shared_memory.h); -1: 1000 on a GPU, 50 on CPU.
   int spin_us = -1;
+  // A GPU executor computes on this many CUDA streams, a client's batches on one of them (see
+  // [Compute streams] in transport/cuda_ipc.h); 1: every batch on one stream.
+  int streams = 8;
+  // With more than one stream, a same-GPU (CUDA IPC) request of at least this many tokens runs
+  // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is
+  // faster than packing them (measured in docs/benchmarks.md). 0: such requests batch as others.
+  int64_t concurrent_tokens = 128;
 
   // Throws naming the field when an option is out of range.
   void validate() const;
@@ -47,6 +54,7 @@ struct ExecutorStats {
   uint64_t tokens = 0;
   double compute_seconds = 0;
   uint64_t direct_calls = 0;  // calls whose input or result lay in a client's shared segment ([Direct operands])
+  uint64_t concurrent_calls = 0;  // calls run alone on their client's compute stream ([Compute streams])
 };
 
 class Executor {

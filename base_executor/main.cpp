@@ -51,6 +51,13 @@ int main(int argc, char** argv) {
                  "same-host clients: how long the compute thread spins for new work before sleeping (us; "
                  "-1: 1000 on a GPU, 50 on CPU)")
       ->capture_default_str();
+  app.add_option("--streams", options.streams,
+                 "a GPU executor computes on this many CUDA streams, each client's batches on one (1: all on one)")
+      ->capture_default_str();
+  app.add_option("--concurrent-tokens", options.concurrent_tokens,
+                 "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "
+                 "on its client's stream (0: such requests batch as others)")
+      ->capture_default_str();
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();

@@ -3,8 +3,10 @@
 #include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <new>
 #include <unordered_map>
+#include <vector>
 
 #include "transport/cuda_ipc.h"
 #include "transport/zmq_wire.h"
@@ -239,7 +241,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   ~CudaIpcChannel() override {
     // Work enqueued on our buffer or flags must finish before they go, whichever thread drops
     // the last reference.
-    if (stream_ != nullptr) cuda::synchronize_stream(stream_);
+    synchronize_streams();
   }
 
   bool orders_by_flags() const override { return true; }
@@ -259,7 +261,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   void finish_writes(const shm::CallHeader& h) override {
-    stream_ = cuda::current_stream(device_);
+    // [Compute streams]: a batch of another client's may have put this call on another stream
+    // than the last; results_ready must still count up in order.
+    void* now = cuda::current_stream(device_);
+    if (stream_ != nullptr && stream_ != now) cuda::stream_after(now, stream_);
+    stream_ = now;
+    if (std::find(streams_.begin(), streams_.end(), now) == streams_.end()) streams_.push_back(now);
     if (auto* slot = captured_slot(h)) {
       cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, control_pin_.device_pointer(&slot->result_ready), 1},
                                            {cuda::MemoryOp::kWrite, results_ready_, h.sequence}});
@@ -275,8 +282,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     TORCH_CHECK(!r.cuda_ipc_handle().empty(), "RegisterBuffer for a cuda-ipc client needs cuda_ipc_handle");
     if (!client_event_.valid()) client_event_ = cuda::InterprocessEvent::open(device_, r.client_event());
     auto mapped = cuda::MappedDeviceBuffer::open(device_, r.cuda_ipc_handle(), r.bytes());
-    stream_ = cuda::current_stream(device_);  // the compute thread's: all work on the buffer goes there
-    if (buffer_.data() != nullptr) cuda::synchronize_stream(stream_);
+    if (buffer_.data() != nullptr) synchronize_streams();  // work still on the old buffer
     buffer_ = std::move(mapped);
     answer->set_executor_event(executor_event_.ipc_handle());
   }
@@ -313,8 +319,13 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     return &control_block()->slots[h.slot];
   }
 
+  void synchronize_streams() {
+    for (void* stream : streams_) cuda::synchronize_stream(stream);
+  }
+
   int device_;
-  void* stream_ = nullptr;  // cudaStream_t of the compute thread, once it has used it
+  void* stream_ = nullptr;       // cudaStream_t of this client's last call
+  std::vector<void*> streams_;   // every compute stream this client's calls went on (a few at most)
   cuda::InterprocessEvent executor_event_, client_event_;
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready

@@ -234,10 +234,20 @@ PinnedRange& PinnedRange::operator=(PinnedRange&& other) noexcept {
   return *this;
 }
 
-void use_device(int device) {
+ComputeStreams::ComputeStreams(int device, int count) {
+  TORCH_CHECK(count >= 1 && count <= 32, "compute stream count must be 1 to 32 (LibTorch's pool), got ", count);
   const auto index = static_cast<c10::DeviceIndex>(device);
   c10::cuda::set_device(index);
-  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index));
+  // The pool hands its 32 streams of a priority out in turn: consecutive ones are distinct.
+  for (int i = 0; i < count; ++i) streams_.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index));
+  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[0]));
+}
+
+void ComputeStreams::use(uint64_t key) {
+  const size_t next = key % streams_.size();
+  if (next == current_) return;
+  current_ = next;
+  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[next]));
 }
 
 void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace symbiosis::cuda {
 
@@ -124,9 +125,21 @@ class PinnedRange {
   void* data_ = nullptr;
 };
 
-// Makes `device` the calling thread's current device, with a high-priority stream of its own as
-// the current stream (the executor's compute thread: no implicit syncs with the legacy stream).
-void use_device(int device);
+// [Compute streams]
+// Makes `device` the calling thread's current device and gives the thread `count` high-priority
+// streams of its own (LibTorch's pool; no implicit syncs with the legacy stream). use(key) makes
+// stream key % count current. The executor's compute thread puts each batch on the stream of its
+// first client, so that one client's calls stay on one stream while the small GEMMs of different
+// clients run side by side instead of one after another.
+class ComputeStreams {
+ public:
+  ComputeStreams(int device, int count);
+  void use(uint64_t key);
+
+ private:
+  std::vector<c10::Stream> streams_;
+  size_t current_ = 0;
+};
 // The current CUDA stream of `device` (LibTorch's), as a cudaStream_t.
 void* current_stream(int device);
 void synchronize_stream(void* stream);

@@ -1,6 +1,7 @@
 // The batching policies' decisions, driven by a fake clock (explicit time points): budgets and
 // --max-wait are respected, a small request is not held behind a large one, lockstep survives a
-// client that leaves or stalls, the token cap splits batches, and no queue starves.
+// client that leaves or stalls, the token cap splits batches, no queue starves, and a request
+// marked alone neither waits nor is packed (but under lockstep).
 #include <gtest/gtest.h>
 
 #include "base_executor/batching.h"
@@ -210,6 +211,46 @@ TEST(BatchingTest, NoneRunsEveryRequestAloneOldestFirst) {
   EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
 }
 
+TestBatcher::Request alone(uint64_t client, uint32_t layer, int64_t tokens, TimePoint arrival) {
+  auto r = request(client, layer, tokens, arrival);
+  r.alone = true;
+  return r;
+}
+
+TEST(BatchingTest, AnAloneRequestRunsAtOnceByItselfWhileOthersStillWaitAndBatch) {
+  TestBatcher b(opportunistic());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  recently_used(b, {1, 2, 3});
+  b.push(request(1, 0, 100, t0));
+  b.push(alone(2, 0, 128, t0 + 10us));
+  EXPECT_EQ(b.next_deadline(t0 + 10us), t0 + 10us);
+  auto first = b.pop(t0 + 10us);  // client 1 waits for client 3; client 2's request does not
+  ASSERT_TRUE(first);
+  EXPECT_EQ(payloads(*first), (std::vector<int>{2}));
+  EXPECT_EQ(first->tokens, 128);
+  EXPECT_EQ(first->layer_id, 0u);
+  EXPECT_FALSE(b.pop(t0 + 20us));
+  b.push(request(3, 0, 100, t0 + 30us));
+  auto second = b.pop(t0 + 30us);
+  ASSERT_TRUE(second);
+  EXPECT_EQ(payloads(*second), (std::vector<int>{1, 3}));
+  EXPECT_EQ(b.pending(), 0u);
+}
+
+TEST(BatchingTest, AloneRequestsRunOldestFirstAmongReadyQueues) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.push(request(1, 3, 10, t0));
+  b.push(alone(2, 3, 256, t0 + 5us));
+  b.push(alone(3, 4, 256, t0 + 6us));
+  std::vector<int> order;
+  while (auto batch = b.pop(t0 + 1ms)) {
+    ASSERT_EQ(batch->requests.size(), 1u);
+    order.push_back(batch->requests[0].payload);
+  }
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+}
+
 BatchingOptions lockstep() {
   BatchingOptions o;
   o.policy = BatchingPolicy::kLockstep;
@@ -257,6 +298,17 @@ TEST(BatchingTest, LockstepDropsAStalledClientAfterTheTimeoutAndTakesItBackLater
   auto batch = b.pop(t0 + 201ms);
   ASSERT_TRUE(batch);
   EXPECT_EQ(batch->requests.size(), 2u);
+}
+
+TEST(BatchingTest, LockstepPacksEvenRequestsMarkedAlone) {
+  TestBatcher b(lockstep());
+  for (uint64_t c : {1, 2}) b.add_client(c);
+  b.push(alone(1, 0, 128, t0));
+  EXPECT_FALSE(b.pop(t0));
+  b.push(alone(2, 0, 128, t0));
+  auto batch = b.pop(t0);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1, 2}));
 }
 
 TEST(BatchingTest, OptionsAreValidatedWithTheFieldNamed) {

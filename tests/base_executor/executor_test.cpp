@@ -111,6 +111,21 @@ class ExecutorTest : public ::testing::Test {
 std::filesystem::path* ExecutorTest::dir_;
 at::Tensor ExecutorTest::q_, ExecutorTest::up_w_, ExecutorTest::up_b_;
 
+TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag) {
+  auto refused = [](ExecutorOptions options, const std::string& flag) {
+    try {
+      options.validate();
+      ADD_FAILURE() << "options with a bad " << flag << " were accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(flag), std::string::npos) << e.what_without_backtrace();
+    }
+  };
+  refused({.model_dir = "model", .streams = 0}, "--streams");
+  refused({.model_dir = "model", .streams = 33}, "--streams");
+  refused({.model_dir = "model", .concurrent_tokens = -1}, "--concurrent-tokens");
+  EXPECT_NO_THROW(ExecutorOptions({.model_dir = "model", .streams = 1, .concurrent_tokens = 0}).validate());
+}
+
 TEST_F(ExecutorTest, HandshakeReturnsOnlyTheBaseLayers) {
   auto client = connect();
   const auto& layers = client->layers();

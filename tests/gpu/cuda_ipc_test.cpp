@@ -209,11 +209,14 @@ TEST(CapturedStepsRefused, ACaptureWithoutDirectOperandsFailsNamingWhy) {
 // The executor in this process on cuda:0; clients as processes.
 class GpuExecutorWithClientProcesses : public ::testing::Test {
  protected:
-  void start(const std::string& policy = "opportunistic", uint64_t max_request_bytes = 0) {
+  void start(const std::string& policy = "opportunistic", uint64_t max_request_bytes = 0,
+             int streams = ExecutorOptions().streams, int64_t concurrent_tokens = ExecutorOptions().concurrent_tokens) {
     dir_ = testing::make_checkpoint("tiny-llama");
     ExecutorOptions options;
     options.device = "cuda:0";
     if (max_request_bytes > 0) options.max_request_bytes = max_request_bytes;
+    options.streams = streams;
+    options.concurrent_tokens = concurrent_tokens;
     options.batching.policy = parse_batching_policy(policy);
     options.batching.lockstep_timeout = std::chrono::milliseconds(300);
     executor_ = testing::start_executor(dir_, options);
@@ -259,16 +262,23 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
   std::unique_ptr<Executor> executor_;
 };
 
-class MixedTransports : public GpuExecutorWithClientProcesses, public ::testing::WithParamInterface<std::string> {};
+// (policy, compute streams, concurrent tokens): one stream; the default streams (8, requests of
+// 128 tokens or more alone: these clients' are smaller, so batches pack onto their first client's
+// stream); and 8 streams where the same-GPU clients' requests (32 to 48 tokens) each run alone on
+// their client's stream ([Compute streams]).
+class MixedTransports : public GpuExecutorWithClientProcesses,
+                        public ::testing::WithParamInterface<std::tuple<std::string, int, int64_t>> {};
 
 TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
   SKIP_WITHOUT_GPUS(1);
-  start(GetParam());
-  // Lockstep packs several clients' rows into one GEMM, whose kernel cuBLAS picks by the batch's
-  // size: the rows' last bits may differ from the monolithic run's, and AdamW's first, sign-like
-  // steps enlarge that in the adapters (3.9e-4 seen on an H200 after 4 steps). There the adapters
-  // are held to 1e-3; the losses of every step stay held to 1e-5.
-  const std::string adapters = GetParam() == "lockstep" ? "1e-3" : "1e-5";
+  const auto& [policy, streams, concurrent_tokens] = GetParam();
+  start(policy, 0, streams, concurrent_tokens);
+  // Lockstep and opportunistic batches pack several clients' rows into one GEMM, whose kernel
+  // cuBLAS picks by the batch's size: the rows' last bits may differ from the monolithic run's,
+  // and AdamW's first, sign-like steps enlarge that in the adapters (3.9e-4 seen on an H200 after
+  // 4 steps under lockstep; 1.16e-5 under opportunistic). There the adapters are held to 1e-3;
+  // the losses of every step stay held to 1e-5, and without packing (none) the adapters too.
+  const std::string adapters = policy == "none" ? "1e-5" : "1e-3";
   auto exact = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5", "--adapter-tolerance", adapters});
     return extra;
@@ -295,6 +305,12 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
   })) << "a client's split run differed from its monolithic run (see its output above)";
   EXPECT_EQ(executor_->stats().errors, 0u);
   EXPECT_GT(executor_->stats().direct_calls, 0u);  // the first client's; the second copies through its buffer
+  // The same-GPU clients' calls ran alone where their tokens reached concurrent_tokens (not under lockstep).
+  if (concurrent_tokens <= 32 && streams > 1 && policy != "lockstep") {
+    EXPECT_GT(executor_->stats().concurrent_calls, 0u);
+  } else {
+    EXPECT_EQ(executor_->stats().concurrent_calls, 0u);
+  }
 }
 
 // [Direct operands]: a client that gives its cached memory back to CUDA after every step frees
@@ -314,7 +330,11 @@ TEST_F(GpuExecutorWithClientProcesses, SegmentsGivenBackToCudaAreReleasedFirstAn
       << "GPU memory in use grew from " << used_before << " to " << used_after << " bytes";
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, MixedTransports, ::testing::Values("none", "lockstep", "opportunistic"));
+INSTANTIATE_TEST_SUITE_P(Policies, MixedTransports,
+                         ::testing::Values(std::make_tuple("none", 1, 0), std::make_tuple("none", 8, 32),
+                                           std::make_tuple("lockstep", 8, 128), std::make_tuple("opportunistic", 1, 0),
+                                           std::make_tuple("opportunistic", 8, 128),
+                                           std::make_tuple("opportunistic", 8, 32)));
 
 TEST_F(GpuExecutorWithClientProcesses, ExecutorGpuMemoryStaysFlatFromOneToEightClients) {
   SKIP_WITHOUT_GPUS(1);
