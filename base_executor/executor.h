@@ -55,6 +55,7 @@ struct ExecutorStats {
   double compute_seconds = 0;
   uint64_t direct_calls = 0;  // calls whose input or result lay in a client's shared segment ([Direct operands])
   uint64_t concurrent_calls = 0;  // calls run alone on their client's compute stream ([Compute streams])
+  uint64_t replayed_calls = 0;    // captured calls whose GEMM was launched as a graph ([Replayed calls])
 };
 
 class Executor {

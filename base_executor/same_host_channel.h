@@ -16,6 +16,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -87,6 +88,14 @@ class SameHostChannel {
   virtual at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
   // Hands over a result that has no destination (NCCL sends it).
   virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
+  // [Replayed calls] (transport/cuda_ipc.h): enqueues `compute` (the call's GEMM from `input` into
+  // `destination`) on the current stream, for a captured call from a graph made at its first run
+  // and made again when its operands or stream change; true then. False for any other call: the
+  // caller runs `compute` itself.
+  virtual bool compute_replayed(const shm::CallHeader&, const at::Tensor& /*input*/, const at::Tensor& /*destination*/,
+                                const std::function<void()>& /*compute*/) {
+    return false;
+  }
   // After the call's result is enqueued: orders it before the client's read.
   virtual void finish_writes(const shm::CallHeader&) {}
   // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only

@@ -20,8 +20,9 @@ void print_table(const symbiosis::proto::Stats& s) {
               static_cast<unsigned long>(s.errors()), static_cast<unsigned long>(s.tokens()), s.tokens() / uptime);
   std::printf("computing %.3f s (delivering results and replying %.3f s of it), mean wait per request %.1f us\n",
               s.compute_seconds(), s.deliver_seconds(), s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0);
-  std::printf("calls on clients' own memory %lu, calls run alone on their client's stream %lu\n\n",
-              static_cast<unsigned long>(s.direct_calls()), static_cast<unsigned long>(s.concurrent_calls()));
+  std::printf("calls on clients' own memory %lu, run alone on their client's stream %lu, replayed as graphs %lu\n\n",
+              static_cast<unsigned long>(s.direct_calls()), static_cast<unsigned long>(s.concurrent_calls()),
+              static_cast<unsigned long>(s.replayed_calls()));
   std::printf("%-5s %-48s %10s %10s %9s %12s %12s\n", "id", "layer", "requests", "tokens", "batches", "compute ms",
               "mean wait us");
   for (const auto& l : s.layers()) {

@@ -250,6 +250,45 @@ void ComputeStreams::use(uint64_t key) {
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[next]));
 }
 
+CapturedWork CapturedWork::capture(void* stream, const std::function<void()>& work) {
+  auto s = static_cast<cudaStream_t>(stream);
+  SYMBIOSIS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t graph = nullptr;
+  try {
+    work();
+  } catch (...) {
+    cudaStreamEndCapture(s, &graph);  // the stream leaves capture mode whatever went wrong
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw;
+  }
+  SYMBIOSIS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const auto instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  SYMBIOSIS_CUDA_CHECK(instantiated);
+  CapturedWork captured;
+  captured.exec_ = exec;
+  return captured;
+}
+
+void CapturedWork::launch(void* stream) const {
+  SYMBIOSIS_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(stream)));
+}
+
+CapturedWork::~CapturedWork() {
+  if (exec_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+}
+
+CapturedWork::CapturedWork(CapturedWork&& other) noexcept { *this = std::move(other); }
+
+CapturedWork& CapturedWork::operator=(CapturedWork&& other) noexcept {
+  if (this != &other) {
+    if (exec_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+    exec_ = std::exchange(other.exec_, nullptr);
+  }
+  return *this;
+}
+
 void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }
 
 void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream) {
