@@ -108,7 +108,7 @@ class Batcher {
     if (track.last_queue) track.next_after[*track.last_queue] = key;
     track.last_queue = key;
     track.last_arrival = request.arrival;
-    track.alone = request.alone && options_.policy != BatchingPolicy::kLockstep;
+    track.alone = runs_alone(request);
     if (track.alone) {
       alone_.push_back(std::move(request));
       return;
@@ -120,6 +120,10 @@ class Batcher {
   }
 
   size_t pending() const { return total_requests_; }
+  // Whether push() will run `request` by itself: marked alone, and not under lockstep.
+  bool runs_alone(const Request& request) const {
+    return request.alone && options_.policy != BatchingPolicy::kLockstep;
+  }
 
   // The batch to run now, if any queue is ready at `now`.
   std::optional<Batch> pop(TimePoint now) {

@@ -683,9 +683,8 @@ void Executor::Impl::accept_channel_call(const std::shared_ptr<SameHostChannel>&
   queued.latency = to_latency_class(h.latency_class);
   queued.arrival = Clock::now();
   queued.alone = options.streams > 1 && options.concurrent_tokens > 0 && h.tokens >= options.concurrent_tokens &&
-                 channel->orders_by_flags() && model->device().is_cuda() &&
-                 options.batching.policy != BatchingPolicy::kLockstep;
-  if (queued.alone) concurrent_calls++;
+                 channel->orders_by_flags() && model->device().is_cuda();
+  if (batcher->runs_alone(queued)) concurrent_calls++;  // its options are fixed: no lock needed
   queued.payload.header = h;
   queued.payload.channel = channel;
   queue(std::move(queued));

@@ -285,10 +285,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   void finish_writes(const shm::CallHeader& h) override {
     // [Compute streams]: a batch of another client's may have put this call on another stream
     // than the last; results_ready must still count up in order.
-    void* now = cuda::current_stream(device_);
-    if (stream_ != nullptr && stream_ != now) cuda::stream_after(now, stream_);
-    stream_ = now;
-    if (std::find(streams_.begin(), streams_.end(), now) == streams_.end()) streams_.push_back(now);
+    if (void* now = cuda::current_stream(device_); now != stream_) {
+      if (stream_ != nullptr) cuda::stream_after(now, stream_);
+      if (std::find(streams_.begin(), streams_.end(), now) == streams_.end()) streams_.push_back(now);
+      stream_ = now;
+    }
     if (auto* slot = captured_slot(h)) {
       cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, control_pin_.device_pointer(&slot->result_ready), 1},
                                            {cuda::MemoryOp::kWrite, results_ready_, h.sequence}});
