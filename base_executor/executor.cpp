@@ -993,7 +993,12 @@ void Executor::Impl::compute_loop() {
     }
     if (batch) {
 #ifdef SYMBIOSIS_WITH_CUDA
-      if (streams) streams->use(batch->requests[0].client_id);
+      if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
+        const auto& first = batch->requests[0];
+        const bool in_place =
+            batch->requests.size() == 1 && first.payload.channel && first.payload.channel->orders_by_flags();
+        streams->use(in_place ? first.client_id : 0);
+      }
 #endif
       run_batch(*batch, replies_out);
       continue;

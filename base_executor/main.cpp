@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
                  "-1: 1000 on a GPU, 50 on CPU)")
       ->capture_default_str();
   app.add_option("--streams", options.streams,
-                 "a GPU executor computes on this many CUDA streams, each client's batches on one (1: all on one)")
+                 "a GPU executor computes on this many CUDA streams: a same-GPU request alone on its client's, other "
+                 "batches on the first (1: all on one)")
       ->capture_default_str();
   app.add_option("--concurrent-tokens", options.concurrent_tokens,
                  "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "

@@ -129,9 +129,11 @@ class PinnedRange {
 // [Compute streams]
 // Makes `device` the calling thread's current device and gives the thread `count` high-priority
 // streams of its own (LibTorch's pool; no implicit syncs with the legacy stream). use(key) makes
-// stream key % count current. The executor's compute thread puts each batch on the stream of its
-// first client, so that one client's calls stay on one stream while the small GEMMs of different
-// clients run side by side instead of one after another.
+// stream key % count current. The executor's compute thread puts a batch of one same-GPU request,
+// computed in place in the client's memory, on the client's stream, so that the small GEMMs of
+// different clients run side by side instead of one after another; every other batch (packed rows,
+// host rows, NCCL receives), whose buffers come from the allocator, goes on the first stream, so
+// that the executor keeps one set of such buffers, as with one stream.
 class ComputeStreams {
  public:
   ComputeStreams(int device, int count);
