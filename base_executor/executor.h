@@ -1,9 +1,10 @@
 #pragma once
-// The base executor: serves one checkpoint's base layers to many clients. Clients handshake over
-// ZeroMQ; a client on another host sends its calls there too (tcp), a client on this host sends
-// them through a shared-memory control channel with payloads in host shared memory (shm), a CUDA
-// IPC buffer on the executor's GPU (cuda-ipc) or over NCCL from another GPU (nccl).
-// start() loads the layers and begins serving on background threads; shutdown() stops them.
+// The base executor: serves one checkpoint's base layers to many clients. start() loads the layers
+// and begins serving; shutdown() stops. Inside ([Executor threads] in executor.cpp), a FrontDoor
+// thread owns the ZeroMQ socket, the handshake and the client registry, and a Scheduler thread owns
+// the Batcher and every client's Channel ([Transports] in transport/transport.h) and computes;
+// every call passes one check (call_check.h) and runs through one batch data path
+// (batch_runner.h), whichever transport brought it.
 // The executor keeps no per-request state beyond bounded queues: a client that disappears
 // leaves nothing behind. Thread safety: all public methods may be called from any thread.
 #include <ATen/ATen.h>
@@ -31,12 +32,12 @@ struct ExecutorOptions {
   // share the host, fewer avoids OpenMP threads spinning against them (measured in bench/).
   int threads = 0;
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
-  // Same-host clients: how long the compute thread spins for new work before sleeping on its
+  // Same-host clients: how long the scheduler thread spins for new work before sleeping on its
   // doorbell (see [Spin, then sleep] in transport/shared_memory.h); -1: 1000 on a GPU, 50 on CPU.
   int spin_us = -1;
   // A GPU executor computes on this many CUDA streams: a same-GPU request computed alone, in
   // place, on its client's; every other batch on the first (see [Compute streams] in
-  // transport/cuda_ipc.h). 1: every batch on one stream.
+  // transport/cuda_ipc/cuda_ipc.h). 1: every batch on one stream.
   int streams = 8;
   // With more than one stream, a same-GPU (CUDA IPC) request of at least this many tokens runs
   // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is

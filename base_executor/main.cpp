@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: all cores)")
       ->capture_default_str();
   app.add_option("--spin-us", options.spin_us,
-                 "same-host clients: how long the compute thread spins for new work before sleeping (us; "
+                 "same-host clients: how long the scheduler thread spins for new work before sleeping (us; "
                  "-1: 1000 on a GPU, 50 on CPU)")
       ->capture_default_str();
   app.add_option("--streams", options.streams,

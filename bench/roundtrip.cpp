@@ -32,7 +32,7 @@
 
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
-#include "transport/cuda_ipc.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 #endif
 
 using namespace symbiosis;

@@ -7,7 +7,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "client_runtime/client_transport.h"
+#include "transport/client_transport.h"
+#include "transport/transport.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -20,15 +21,13 @@ proto::LatencyClass to_proto(LatencyClass c) {
     default: return proto::FINE_TUNING;
   }
 }
-
-const char* const kTransports[] = {"auto", "tcp", "shm", "cuda-ipc", "nccl"};
 }  // namespace
 
 void ClientOptions::validate() const {
   TORCH_CHECK(timeout_ms > 0, "client option timeout_ms must be positive, got ", timeout_ms);
   TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
-  TORCH_CHECK(std::find(std::begin(kTransports), std::end(kTransports), transport) != std::end(kTransports),
-              "client option transport '", transport, "' is not one of auto, tcp, shm, cuda-ipc, nccl");
+  TORCH_CHECK(transport == "auto" || parse_transport(transport), "client option transport '", transport,
+              "' is not one of auto, ", transport_names());
   TORCH_CHECK(control == "auto" || control == "zmq", "client option control '", control,
               "' is not one of auto, zmq");
   try {
@@ -99,9 +98,12 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
     impl->layers.push_back(wire::from_proto(layer));
   }
   for (const auto& group : welcome.groups()) impl->groups.push_back(wire::from_proto(group));
-  impl->transport_name = welcome.transport().empty() ? "tcp" : welcome.transport();
-  impl->transport = impl->transport_name == "tcp" ? make_tcp_transport(impl->socket)
-                                                  : make_payload_transport(impl->socket, welcome, options);
+  const auto kind = parse_transport(welcome.transport().empty() ? "tcp" : welcome.transport());
+  TORCH_CHECK(kind, "executor chose transport '", welcome.transport(), "', which this client does not know (it knows ",
+              transport_names(), ")");
+  impl->transport_name = transport_name(*kind);
+  const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
+  impl->transport = plugin(*kind).make_client(impl->socket, welcome, end_options);
   impl->latency = to_proto(options.latency_class);
   return std::shared_ptr<Client>(new Client(std::move(impl)));
 }

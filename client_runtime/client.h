@@ -39,7 +39,7 @@ struct ClientOptions {
   std::string control = "auto";
   // cuda-ipc with headers through the control segment: a call's input and result stay in this
   // client's own tensors, which the executor reads and writes where they lie ([Direct operands]
-  // in client_runtime/client_payload.cpp). false: they are copied through the payload buffer.
+  // in transport/cuda_ipc/cuda_ipc_client.cpp). false: they are copied through the payload buffer.
   bool direct_operands = true;
 
   void validate() const;  // throws naming the field

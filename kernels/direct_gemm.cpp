@@ -7,25 +7,22 @@
 #include <memory>
 #include <unordered_map>
 
+#include "common/cuda_check.h"
 #include "kernels/few_rows_gemm.h"
 #include "kernels/gemm_operands.h"
 
 namespace symbiosis::cuda {
 namespace {
 
-void check(cublasStatus_t status, const char* what) {
-  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "cuBLAS ", what, " failed: ", cublasGetStatusString(status));
-}
-
 // One handle per thread and stream, made on first use: a cuBLAS handle is not shared between
 // threads, and GEMMs of one handle running at once on two streams would share its workspace.
 struct Handle {
   cublasHandle_t handle = nullptr;
   explicit Handle(cudaStream_t stream) {
-    check(cublasCreate(&handle), "cublasCreate");
-    check(cublasSetStream(handle, stream), "cublasSetStream");
+    SYMBIOSIS_CUBLAS_CHECK(cublasCreate(&handle));
+    SYMBIOSIS_CUBLAS_CHECK(cublasSetStream(handle, stream));
   }
-  ~Handle() { cublasDestroy(handle); }
+  ~Handle() { SYMBIOSIS_CUBLAS_WARN(cublasDestroy(handle)); }
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 };
@@ -79,13 +76,13 @@ bool cublas_gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor&
       (type == at::kHalf && context.allowFP16ReductionCuBLAS() != allowed)) {
     math = CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
   }
-  check(cublasSetMathMode(handle, math), "cublasSetMathMode");
+  SYMBIOSIS_CUBLAS_CHECK(cublasSetMathMode(handle, math));
   const float alpha = 1.0f, beta = 0.0f;
   const auto dt = data_type(type);
-  check(cublasGemmEx(handle, op, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha,
-                     matrix.data_ptr(), dt, static_cast<int>(ld), x.data_ptr(), dt, static_cast<int>(k), &beta,
-                     out.data_ptr(), dt, static_cast<int>(n), compute, CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx");
+  SYMBIOSIS_CUBLAS_CHECK(cublasGemmEx(handle, op, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                                      static_cast<int>(k), &alpha, matrix.data_ptr(), dt, static_cast<int>(ld),
+                                      x.data_ptr(), dt, static_cast<int>(k), &beta, out.data_ptr(), dt,
+                                      static_cast<int>(n), compute, CUBLAS_GEMM_DEFAULT));
   return true;
 }
 

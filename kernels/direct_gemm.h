@@ -1,7 +1,7 @@
 #pragma once
 // [Direct cuBLAS]
 // The executor's GEMM without ATen's dispatch. Enqueueing a 1-token product is most of a layer
-// call's host time on the executor, whose one compute thread serves every client, so that time
+// call's host time on the executor, whose one scheduler thread serves every client, so that time
 // bounds how many calls a second it takes. Measured on an H200 (symbiosis-bench-roundtrip
 // --primitives): at::mm_out 9.5–14.2 µs, cublasGemmEx called directly 8.0–11.6 µs. gemm_into
 // enqueues the same cublasGemmEx that ATen reaches (fp32 accumulation; TF32 and reduced-precision

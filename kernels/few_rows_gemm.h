@@ -4,7 +4,7 @@
 // 1-token call): out [M, N] = x [M, K] · Wᵀ for a row-major weight W [N, K] and M ≤ kFewRowsMax,
 // in one kernel launch. Such a product reads the whole weight to produce a few values a row, so it
 // is bound by the weight's bytes whichever kernel does it; what differs is the host's time to
-// enqueue it, which on the executor's one compute thread is a 1-token call's largest part:
+// enqueue it, which on the executor's one scheduler thread is a 1-token call's largest part:
 // cublasGemmEx 7.1–10.2 µs on an H200 under MPS, this kernel 3.4–4.8 µs
 // (symbiosis-bench-roundtrip --primitives times both, and their GPU time). Each warp reads one row
 // of W in 16-byte vectors, once for all M rows of x, and accumulates in fp32 like cuBLAS; the sum

@@ -6,7 +6,7 @@
 # .gpu-build when they load here, and builds from source into build-gpu otherwise.
 # Stages:
 #   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
-#   kernels        gpu_executor_test alone (the executor's GEMMs, the packing kernel, the fused loss)
+#   kernels        gpu_executor_test and kernels_test (the executor's GEMMs, the packing kernel, the fused loss, ...)
 #   loss           the client's loss, fused against the fp32 copy and ATen's (symbiosis-bench-loss),
 #                  at 2 x 512 and 1 x 128 tokens of Llama 3's vocabulary, bf16
 #   mixed          cuda_ipc_test's clients of every transport on one executor, three times (1 GPU, MPS)
@@ -61,7 +61,7 @@ else
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
-    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test cuda_ipc_test nccl_test \
+    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
   export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
@@ -90,9 +90,18 @@ mps_off() {
 # At most 8 files come back from the GPU machine: logs stay in /tmp unless something failed.
 logs=/tmp/gpu-check-logs
 mkdir -p $logs
+# Where each GPU suite lies in the build tree (tests mirror the source tree).
+gtest_path() {
+  case $1 in
+    gpu_executor_test) echo "$B/tests/base_executor/$1" ;;
+    kernels_test) echo "$B/tests/kernels/$1" ;;
+    cuda_ipc_test) echo "$B/tests/transport/cuda_ipc/$1" ;;
+    nccl_test) echo "$B/tests/transport/nccl/$1" ;;
+  esac
+}
 run_gtest() {  # name, then filter
   local name=$1 log_file=$logs/$1.log
-  timeout "${GTEST_TIMEOUT:-300}" "$B/tests/gpu/$name" --gtest_filter="${2:-*}" > "$log_file" 2>&1
+  timeout "${GTEST_TIMEOUT:-300}" "$(gtest_path "$name")" --gtest_filter="${2:-*}" > "$log_file" 2>&1
   local failed=$(grep -cE '^\[ +FAILED +\] [A-Z]' "$log_file")
   log "$name: $(grep -cE '^\[ +OK' "$log_file") ok, $failed failed, $(grep -cE '^\[ +SKIPPED' "$log_file") skipped"
   if [ "$failed" != 0 ] || ! grep -q "PASSED" "$log_file"; then
@@ -177,6 +186,7 @@ for stage in "$@"; do
     tests)
       mps_on
       run_gtest gpu_executor_test
+      run_gtest kernels_test
       run_gtest cuda_ipc_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
@@ -184,6 +194,7 @@ for stage in "$@"; do
     kernels)
       mps_on
       run_gtest gpu_executor_test
+      run_gtest kernels_test
       mps_off
       ;;
     loss)
@@ -199,7 +210,9 @@ for stage in "$@"; do
       for run in 1 2 3; do
         "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:0 --dtype bf16 \
           --transports cuda-ipc,cuda-ipc-buffer --primitives > "$logs/roundtrip-ipc-$run.txt" 2>&1
+        rc=$?
         cat "$logs/roundtrip-ipc-$run.txt"
+        [ $rc = 0 ] || log "roundtrip-ipc run $run FAILED: exit status $rc"
       done
       mps_off
       ;;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "transport/zmq_wire.h"
 
@@ -133,6 +134,15 @@ double relative_error(const at::Tensor& a, const at::Tensor& b) {
   const double scale = b64.abs().max().item<double>();
   const double diff = (a64 - b64).abs().max().item<double>();
   return scale == 0 ? diff : diff / scale;
+}
+
+bool wait_until(const std::function<bool()>& ready, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!ready()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
 }
 
 }  // namespace symbiosis::testing

@@ -3,6 +3,7 @@
 // tool, an in-process executor on a free loopback port, and relative comparisons.
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -59,5 +60,8 @@ std::string binary(const std::string& relative);  // a path under the build dire
 pid_t spawn(const std::vector<std::string>& args);
 // Waits for a spawned program; true when it exited 0.
 bool exited_ok(pid_t pid);
+// Polls `ready` every few milliseconds until it holds (true) or `limit` has passed (false): every
+// test that waits on another process or thread has a deadline.
+bool wait_until(const std::function<bool()>& ready, std::chrono::milliseconds limit);
 
 }  // namespace symbiosis::testing

@@ -9,7 +9,7 @@
 // record names, or move over NCCL.
 //
 // Waking: a client pushes a request and notifies the executor's doorbell (one WaitWord in a
-// segment every same-host client maps), on which the executor's compute thread sleeps when idle;
+// segment every same-host client maps), on which the executor's scheduler thread sleeps when idle;
 // the executor pushes a reply and notifies the ring's own WaitWord, on which the client sleeps.
 // Both spin briefly first ([Spin, then sleep]).
 //
@@ -23,7 +23,7 @@
 //    stream writes the sequence into results_ready after the result;
 //  - the client's stream waits until results_ready reaches the sequence before it reads the result
 //    (in its buffer, or in a tensor of its own: [Direct operands] in
-//    client_runtime/client_payload.cpp).
+//    transport/cuda_ipc/cuda_ipc_client.cpp).
 // Both words live in this segment, which each process pins and maps for its GPU. A client's calls
 // complete in order, so the words only grow (compared modulo 2^32; sequence 0 is never used).
 // Only errors come back as replies; the client reports them at its next call or when it settles

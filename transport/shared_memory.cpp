@@ -34,6 +34,9 @@ void* map(int fd, size_t bytes, const std::string& name) {
 
 }  // namespace
 
+void SharedMemory::Unmap::operator()(void* data) const { ::munmap(data, size); }
+void SharedMemory::Unlink::operator()(const std::string& name) const { ::shm_unlink(name.c_str()); }
+
 SharedMemory SharedMemory::create(const std::string& prefix, size_t bytes) {
   TORCH_CHECK(bytes > 0, "shared memory segment needs a positive size");
   SharedMemory shm;
@@ -41,22 +44,19 @@ SharedMemory SharedMemory::create(const std::string& prefix, size_t bytes) {
   const int fd = ::shm_open(shm.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   TORCH_CHECK(fd >= 0, "cannot create shared memory ", shm.name_, ": ", error_text(),
               " (is /dev/shm mounted and writable?)");
-  shm.linked_ = true;
+  shm.link_ = UniqueHandle<std::string, Unlink>(shm.name_);  // unlinked again if what follows fails
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     const std::string why = error_text();
     ::close(fd);
-    ::shm_unlink(shm.name_.c_str());
     TORCH_CHECK(false, "cannot size shared memory ", shm.name_, " to ", bytes, " bytes: ", why);
   }
   try {
-    shm.data_ = map(fd, bytes, shm.name_);
+    shm.mapping_ = UniqueHandle<void*, Unmap>(map(fd, bytes, shm.name_), Unmap{bytes});
   } catch (...) {
     ::close(fd);
-    ::shm_unlink(shm.name_.c_str());
     throw;
   }
   ::close(fd);
-  shm.size_ = bytes;
   return shm;
 }
 
@@ -72,41 +72,13 @@ SharedMemory SharedMemory::open(const std::string& name, size_t bytes) {
   SharedMemory shm;
   shm.name_ = name;
   try {
-    shm.data_ = map(fd, bytes, name);
+    shm.mapping_ = UniqueHandle<void*, Unmap>(map(fd, bytes, name), Unmap{bytes});
   } catch (...) {
     ::close(fd);
     throw;
   }
   ::close(fd);
-  shm.size_ = bytes;
   return shm;
-}
-
-SharedMemory::~SharedMemory() { release(); }
-
-SharedMemory::SharedMemory(SharedMemory&& other) noexcept { *this = std::move(other); }
-
-SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
-  if (this != &other) {
-    release();
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    name_ = std::move(other.name_);
-    linked_ = std::exchange(other.linked_, false);
-  }
-  return *this;
-}
-
-void SharedMemory::unlink() {
-  if (linked_) ::shm_unlink(name_.c_str());
-  linked_ = false;
-}
-
-void SharedMemory::release() {
-  unlink();
-  if (data_ != nullptr) ::munmap(data_, size_);
-  data_ = nullptr;
-  size_ = 0;
 }
 
 void WaitWord::notify() {

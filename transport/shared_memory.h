@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/unique_handle.h"
+
 namespace symbiosis::shm {
 
 class SharedMemory {
@@ -22,25 +24,26 @@ class SharedMemory {
   static SharedMemory open(const std::string& name, size_t bytes);
 
   SharedMemory() = default;
-  ~SharedMemory();
-  SharedMemory(SharedMemory&& other) noexcept;
-  SharedMemory& operator=(SharedMemory&& other) noexcept;
-  SharedMemory(const SharedMemory&) = delete;
-  SharedMemory& operator=(const SharedMemory&) = delete;
 
-  void* data() const { return data_; }
-  size_t size() const { return size_; }
+  void* data() const { return mapping_.get(); }
+  size_t size() const { return mapping_.releaser().size; }
   const std::string& name() const { return name_; }
-  bool mapped() const { return data_ != nullptr; }
+  bool mapped() const { return static_cast<bool>(mapping_); }
   // Removes the name (the mapping stays valid). Idempotent.
-  void unlink();
+  void unlink() { link_.reset(); }
 
  private:
-  void release();
-  void* data_ = nullptr;
-  size_t size_ = 0;
+  struct Unmap {
+    size_t size = 0;
+    void operator()(void* data) const;
+  };
+  struct Unlink {
+    void operator()(const std::string& name) const;
+  };
+  // [Owned handles]: declared so that the name goes before the mapping.
+  UniqueHandle<void*, Unmap> mapping_;
+  UniqueHandle<std::string, Unlink> link_;  // the name while it is linked
   std::string name_;
-  bool linked_ = false;
 };
 
 // [Spin, then sleep]

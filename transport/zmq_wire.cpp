@@ -59,18 +59,40 @@ zmq::message_t serialize(const proto::Envelope& envelope) {
   return frame;
 }
 
-proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const std::string& message, bool as_reply) {
+proto::ErrorCode to_proto(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return proto::OK;
+    case StatusCode::kInvalidArgument: return proto::INVALID_ARGUMENT;
+    case StatusCode::kNotFound: return proto::NOT_FOUND;
+    case StatusCode::kResourceExhausted: return proto::RESOURCE_EXHAUSTED;
+    case StatusCode::kMalformed: return proto::MALFORMED;
+    case StatusCode::kFailedPrecondition: return proto::FAILED_PRECONDITION;
+    case StatusCode::kInternal: return proto::INTERNAL;
+  }
+  return proto::INTERNAL;
+}
+
+proto::Envelope error_envelope(uint64_t request_id, const Status& status, bool as_reply) {
   proto::Envelope env;
   proto::Error* err = as_reply ? env.mutable_reply()->mutable_error() : env.mutable_error();
   if (as_reply) env.mutable_reply()->set_request_id(request_id);
-  err->set_code(code);
-  err->set_message(message);
+  err->set_code(to_proto(status.code()));
+  err->set_message(status.message());
   return env;
 }
 
-void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope) {
+void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope,
+             std::vector<zmq::message_t>& payload) {
   socket.send(zmq::message_t(identity.data(), identity.size()), zmq::send_flags::sndmore);
-  socket.send(serialize(envelope), zmq::send_flags::none);
+  socket.send(serialize(envelope), payload.empty() ? zmq::send_flags::none : zmq::send_flags::sndmore);
+  for (size_t i = 0; i < payload.size(); ++i) {
+    socket.send(payload[i], i + 1 < payload.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+}
+
+void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope) {
+  std::vector<zmq::message_t> none;
+  send_to(socket, identity, envelope, none);
 }
 
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope) {

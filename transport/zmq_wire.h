@@ -10,6 +10,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/status.h"
 #include "symbiosis.pb.h"
 #include "virt_layer/layer_info.h"
 
@@ -25,10 +26,15 @@ LayerInfo from_proto(const proto::LayerInfo& info);
 std::string op_name(proto::Op op);
 
 zmq::message_t serialize(const proto::Envelope& envelope);
+// [Error model] (common/status.h): the one place a Status code becomes the wire's.
+proto::ErrorCode to_proto(StatusCode code);
 // An error for a ZeroMQ client: as the reply to one request, or on its own (handshake, set-up).
-proto::Envelope error_envelope(uint64_t request_id, proto::ErrorCode code, const std::string& message, bool as_reply);
-// Sends `envelope` to the peer `identity` names: through a ROUTER, or a socket that forwards to one.
+proto::Envelope error_envelope(uint64_t request_id, const Status& status, bool as_reply);
+// Sends `envelope` to the peer `identity` names: through a ROUTER, or a socket that forwards to one;
+// then the payload frames, if any.
 void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope);
+void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope,
+             std::vector<zmq::message_t>& payload);
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope);
 
 // A frame that borrows t's memory (t is kept alive until ZeroMQ is done). t must be contiguous, CPU.

@@ -3,12 +3,12 @@
 // control channel. Used when the client runs on another GPU than the executor's.
 #include <c10/util/Exception.h>
 
-#include "client_runtime/client_payload.h"
-#include "client_runtime/client_transport.h"
-#include "transport/cuda_ipc.h"
-#include "transport/nccl_comm.h"
+#include "transport/client_payload.h"
+#include "transport/client_transport.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
+#include "transport/nccl/nccl_comm.h"
 
-namespace symbiosis {
+namespace symbiosis::nccl {
 
 #ifdef SYMBIOSIS_WITH_NCCL
 namespace {
@@ -17,8 +17,8 @@ constexpr int kExecutorRank = 1;
 
 class NcclPayload : public ClientPayload {
  public:
-  NcclPayload(const ClientOptions& options, ControlSocket& socket) {
-    const at::Device device(options.device);
+  NcclPayload(const ClientEndOptions& options, ControlSocket& socket) {
+    const at::Device device = options.device;
     TORCH_CHECK(device.is_cuda(), "transport nccl needs a client on a GPU; this client's device is ", options.device);
     device_ = device.has_index() ? device.index() : 0;
     const std::string id = nccl::new_unique_id();
@@ -64,14 +64,16 @@ class NcclPayload : public ClientPayload {
 }  // namespace
 #endif
 
-std::unique_ptr<ClientPayload> make_nccl_payload(const ClientOptions& options, ControlSocket& socket) {
+std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto::Welcome& welcome,
+                                             const ClientEndOptions& options) {
 #ifdef SYMBIOSIS_WITH_NCCL
-  return std::make_unique<NcclPayload>(options, socket);
+  return make_payload_transport(socket, welcome, options, [&] { return std::make_unique<NcclPayload>(options, socket); });
 #else
-  (void)options;
   (void)socket;
+  (void)welcome;
+  (void)options;
   TORCH_CHECK(false, "transport nccl: this build of symbiosis has no NCCL");
 #endif
 }
 
-}  // namespace symbiosis
+}  // namespace symbiosis::nccl

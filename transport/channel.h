@@ -1,16 +1,17 @@
 #pragma once
-// Internal to the executor: its end of one client whose payload does not travel in ZeroMQ frames.
-// A channel owns the executor's mapping of the client's payload: a host shared-memory segment
-// ("shm"), a CUDA IPC device buffer with the control segment's flags or two interprocess events
-// ("cuda-ipc"), or a 2-rank NCCL communicator ("nccl"); and the client's control: its control
-// segment ([Shared-memory control channel] in transport/call_ring.h) on this host, or, for a
-// client on another host (nccl) or one that asked for it, ZeroMQ (control_over_zmq): headers come
-// as Requests without a payload frame and replies go back as Replies.
+// The executor's end of one client's transport ([Transports] in transport/transport.h). A channel
+// owns the executor's side of the client's payload: its ZeroMQ frames (tcp), a host shared-memory
+// segment (shm), a CUDA IPC mapping of the client's GPU memory with the control segment's flags or
+// two interprocess events (cuda-ipc), or a 2-rank NCCL communicator (nccl); and the client's
+// control: its control segment ([Shared-memory control channel] in transport/call_ring.h) on this
+// host, or ZeroMQ (control_over_zmq) for tcp, for a client on another host (nccl) or one that
+// asked for it: headers come as Requests and replies go back as Replies.
 //
-// Threads: the IO thread creates a channel at the handshake; from then on only the compute thread
-// touches it (it polls the request ring, registers buffers, reads inputs, writes results,
-// replies). A channel is kept alive by the work that refers to it, so a client that leaves while
-// its requests are queued leaves nothing half-released: the mapping closes after the last use.
+// Threads: the executor's front door creates a channel at the handshake; from then on only the
+// scheduler's thread touches it (it polls the request ring, registers buffers, reads inputs,
+// writes results, replies). A channel is kept alive by the work that refers to it, so a client
+// that leaves while its requests are queued leaves nothing half-released: the mapping closes after
+// the last use.
 #include <ATen/ATen.h>
 
 #include <atomic>
@@ -19,44 +20,49 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <zmq.hpp>
 
+#include "common/status.h"
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
+#include "transport/transport.h"
 
 namespace symbiosis {
 
-// How many live nccl channels serve clients on one GPU (the executor keeps one count per GPU
-// UUID): a channel counts itself while it lives. Any thread.
-using GpuClientCount = std::shared_ptr<std::atomic<int>>;
-
-class SameHostChannel {
+class Channel {
  public:
-  // kind: "shm", "cuda-ipc" or "nccl"; device: the executor's; gpu_clients (nccl): the count of
-  // the client's GPU.
-  static std::shared_ptr<SameHostChannel> create(const std::string& kind, uint64_t client_id, at::Device device,
-                                                 GpuClientCount gpu_clients = nullptr);
-  virtual ~SameHostChannel();
-  SameHostChannel(const SameHostChannel&) = delete;
-  SameHostChannel& operator=(const SameHostChannel&) = delete;
+  // Made by a transport's plugin (plugin(kind).make_channel).
+  virtual ~Channel();
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
 
-  const std::string& kind() const { return kind_; }
+  TransportKind kind() const { return kind_; }
+  const char* kind_name() const { return transport_name(kind_); }
   uint64_t client_id() const { return client_id_; }
+  // The control segment's name; "" for a channel without one (tcp).
   const std::string& control_segment() const { return control_.name(); }
   // The client has mapped the control segment: its name can go.
   void attached() { control_.unlink(); }
-  // IO thread, at the handshake: headers come over ZeroMQ (the IO thread hands them to the compute
+  // Front door, at the handshake: headers come over ZeroMQ (the front door hands them to the scheduler
   // thread), and replies go to the client `identity` names through a socket of the channel's own
-  // connected to the IO thread's `replies_endpoint`. The control segment is not used.
+  // connected to the front door's `replies_endpoint`. The control segment is not used.
   void control_over_zmq(zmq::context_t& context, std::string replies_endpoint, std::string identity);
   bool zmq_control() const { return zmq_context_ != nullptr; }
+  // Whether a call's payload comes in ZeroMQ frames after its header (tcp): the front door then
+  // hands them to receive_frames.
+  virtual bool payload_in_frames() const { return false; }
 
-  // Compute thread from here on.
+  // The scheduler's thread from here on.
+
+  // tcp: keeps the payload frames that came with call `h`'s header, for check_payload and input
+  // (and may note in `h` where it keeps them).
+  virtual void receive_frames(shm::CallHeader& h, std::vector<zmq::message_t> frames);
 
   // Maps the buffer a RegisterBuffer names (releasing the previous one). Throws naming the problem.
   virtual proto::BufferRegistered register_buffer(const proto::RegisterBuffer& registration) = 0;
-  // [Direct operands] (client_runtime/client_payload.cpp): maps the client's allocations a
+  // [Direct operands] (transport/cuda_ipc/cuda_ipc_client.cpp): maps the client's allocations a
   // ShareSegments adds, and lets go of those it releases (no call in flight names them). Throws
   // naming the problem; only cuda-ipc clients share segments.
   virtual void share_segments(const proto::ShareSegments& segments);
@@ -67,7 +73,7 @@ class SameHostChannel {
   // The oldest request header the client pushed whose input is ready to read, or nullopt. A call
   // numbered for the [Stream-ordered hand-off] (transport/call_ring.h) waits here until the
   // client's GPU has written its input, and the calls after it wait behind it. After a corrupt
-  // ring, broken() is true (any thread may ask; the IO thread then forgets the client).
+  // ring, broken() is true (any thread may ask; the front door then forgets the client).
   std::optional<shm::CallHeader> next_request();
   // Calls pushed but not yet handed out: their inputs are about to be written.
   bool waiting() const { return !waiting_.empty(); }
@@ -76,8 +82,8 @@ class SameHostChannel {
   virtual bool orders_by_flags() const { return false; }
   // Any thread: the payload's connection reports the client gone (NCCL to a peer that died).
   virtual bool failed() const { return false; }
-  // Checks the call's payload against what the client registered; "" when fine.
-  virtual std::string check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const = 0;
+  // Checks the call's payload against what the client registered or sent.
+  virtual Status check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const = 0;
   // The call's input, ready to read on the current stream (host memory, or the executor's GPU), or
   // an undefined tensor when it must be received into rows the executor gives instead (NCCL
   // receives it straight into the batch): receive_into writes it there, ready to read on the
@@ -88,7 +94,7 @@ class SameHostChannel {
   virtual at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
   // Hands over a result that has no destination (NCCL sends it).
   virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
-  // [Replayed calls] (transport/cuda_ipc.h): enqueues `compute` (the call's GEMM from `input` into
+  // [Replayed calls] (transport/cuda_ipc/cuda_ipc.h): enqueues `compute` (the call's GEMM from `input` into
   // `destination`) on the current stream, for a captured call from a graph made at its first run
   // and made again when its operands or stream change; true then. False for any other call: the
   // caller runs `compute` itself.
@@ -102,20 +108,22 @@ class SameHostChannel {
   // once the result is computed (NCCL, [NCCL readiness]) holds it until release_replies().
   void reply(const shm::CallHeader& h) {
     if (h.sequence != 0 && orders_by_flags()) return;  // its flag answers it
-    if (!hold_reply(h)) push_reply(h, proto::OK, "");
+    if (!hold_reply(h)) push_reply(h, Status::ok());
   }
   // Pushes the held replies whose results are ready; true while one is still held.
   virtual bool release_replies() { return false; }
   // Answers the call with an error naming the problem. A transport whose payload cannot be left
   // half-exchanged (NCCL: the client's send or receive can never be matched now) is shut down.
-  void refuse(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
+  void refuse(const shm::CallHeader& h, const Status& status);
 
   // Any thread: the client is gone; release what could block on it (NCCL kernels waiting on a
-  // dead peer). The compute thread drops the channel afterwards.
+  // dead peer). The scheduler drops the channel afterwards.
   virtual void abort() {}
 
  protected:
-  SameHostChannel(std::string kind, uint64_t client_id);
+  // with_control_segment: whether the client may use the shared-memory control channel (every
+  // transport but tcp); a channel whose headers come over ZeroMQ lets the segment go.
+  Channel(TransportKind kind, uint64_t client_id, bool with_control_segment = true);
   // refuse() has answered: what the transport must do about the call's payload.
   virtual void after_refusal(const shm::CallHeader&) {}
   // Whether the client's GPU has written the input of call `h`.
@@ -126,10 +134,14 @@ class SameHostChannel {
   shm::ControlBlock* control_block() const { return block_; }
   // reply() is about to answer: true when the transport keeps the reply for release_replies().
   virtual bool hold_reply(const shm::CallHeader&) { return false; }
-  void push_reply(const shm::CallHeader& h, proto::ErrorCode code, const std::string& message);
+  // Sends the answer to call `h`: through the reply ring, or over ZeroMQ (ok_reply fills in what
+  // an OK Reply carries).
+  void push_reply(const shm::CallHeader& h, const Status& status);
+  // ZeroMQ control: adds to an OK reply's envelope and payload frames (tcp: the result).
+  virtual void ok_reply(const shm::CallHeader&, proto::Reply&, std::vector<zmq::message_t>&) {}
 
  private:
-  std::string kind_;
+  TransportKind kind_;
   uint64_t client_id_;
   shm::SharedMemory control_;
   shm::ControlBlock* block_ = nullptr;
@@ -138,14 +150,45 @@ class SameHostChannel {
   std::deque<shm::CallHeader> waiting_;  // calls taken from the ring, not yet handed out; oldest first
   zmq::context_t* zmq_context_ = nullptr;  // set by control_over_zmq
   std::string replies_endpoint_, identity_;
-  std::unique_ptr<zmq::socket_t> replies_;  // made on the compute thread at the first reply
+  std::unique_ptr<zmq::socket_t> replies_;  // made on the scheduler's thread at the first reply
 };
 
-// The "nccl" channel (nccl_channel.cpp), made by SameHostChannel::create.
-std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device, GpuClientCount gpu_clients);
+// [Registered buffers] A channel whose payload lives in a buffer the client registered (shm,
+// cuda-ipc): a call names offsets into it (or, [Direct operands], into a segment the client
+// shared), inputs are read and results written there in place. Subclasses map the buffer.
+class RegisteredBufferChannel : public Channel {
+ public:
+  using Channel::Channel;
+  // The memory a call's offset refers to: the payload buffer (segment 0) or a shared segment.
+  struct Region {
+    const char* base = nullptr;  // nullptr: nothing is registered under that id
+    uint64_t size = 0;
+  };
 
-// The executor's doorbell ([Shared-memory control channel]): clients and the IO thread notify it,
-// the compute thread sleeps on it.
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) final;
+  Status check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const final;
+  at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final;
+  at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final;
+
+ protected:
+  // Maps the buffer `r` names in place of the previous one (which then goes); may add to `answer`.
+  virtual void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) = 0;
+  virtual void* base() const = 0;
+  virtual size_t size() const = 0;
+  // [Direct operands]: a segment the client shared (id > 0), or an empty Region.
+  virtual Region shared_segment(uint32_t) const { return {}; }
+  virtual at::TensorOptions view_options() const = 0;
+  // Before an input is read: order the compute stream after the client's writes, if needed.
+  virtual void before_read(const shm::CallHeader&) {}
+
+ private:
+  Region region(uint32_t segment) const;
+  at::Tensor view(Region region, uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const;
+  uint64_t generation_ = 0;  // of the buffer mapped now
+};
+
+// The executor's doorbell ([Shared-memory control channel]): clients and the front door notify it,
+// the scheduler sleeps on it.
 class Doorbell {
  public:
   Doorbell();

@@ -16,9 +16,9 @@
 #include "client_runtime/step_graph.h"
 #include "client_runtime/training.h"
 #include "kernels/few_rows_gemm.h"
-#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu_test_util.h"
 #include "transport/call_ring.h"
-#include "transport/cuda_ipc.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/shared_memory.h"
 #include "transport/zmq_wire.h"
 
@@ -386,7 +386,7 @@ TEST_F(GpuExecutorWithClientProcesses, AKilledClientLeaksNoGpuMemoryAndOthersSta
   const pid_t victim = testing::spawn(client("cuda:0", "cuda-ipc", {"--steps", "100000", "--seq", "64"}));
   ASSERT_TRUE(testing::same_host_clients_become(*executor_, 1));
   const auto requests = executor_->stats().requests;
-  while (executor_->stats().requests < requests + 200) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE(testing::requests_reach(*executor_, requests, 200)) << "the victim stopped calling before it was killed";
   kill(victim, SIGKILL);
   waitpid(victim, nullptr, 0);
   EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0)) << "the executor still holds the dead client";

@@ -9,8 +9,8 @@
 #include <signal.h>
 #include <sys/wait.h>
 
-#include "tests/gpu/gpu_test_util.h"
-#include "transport/nccl_comm.h"
+#include "tests/gpu_test_util.h"
+#include "transport/nccl/nccl_comm.h"
 
 namespace symbiosis {
 namespace {
@@ -108,7 +108,7 @@ TEST_F(RemoteGpuClients, ARemoteClientKilledMidIterationLeavesTheOthersServedAnd
         testing::spawn(client("cpu", "shm", {"--verify", "--steps", "12", "--seed", "9", "--tolerance", "1e-3"}));
     ASSERT_TRUE(testing::same_host_clients_become(*executor_, 2));
     const auto requests = executor_->stats().requests;
-    while (executor_->stats().requests < requests + 150) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    ASSERT_TRUE(testing::requests_reach(*executor_, requests, 150)) << "the victim stopped calling before it was killed";
     kill(victim, SIGKILL);
     waitpid(victim, nullptr, 0);
     EXPECT_TRUE(testing::exited_ok(bystander)) << "a client beside the killed one failed or differed";

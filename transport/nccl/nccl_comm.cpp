@@ -1,4 +1,4 @@
-#include "transport/nccl_comm.h"
+#include "transport/nccl/nccl_comm.h"
 
 #include <c10/util/Exception.h>
 
@@ -9,13 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-// One checking macro for NCCL: file, line, the call, and NCCL's own error string.
-#define SYMBIOSIS_NCCL_CHECK(call)                                                                        \
-  do {                                                                                                    \
-    const ncclResult_t symbiosis_nccl_status = (call);                                                    \
-    TORCH_CHECK(symbiosis_nccl_status == ncclSuccess, __FILE__,                                            \
-                ":", __LINE__, ": ", #call, " failed: ", ncclGetErrorString(symbiosis_nccl_status));      \
-  } while (0)
+#include "common/cuda_check.h"
 #endif
 
 namespace symbiosis::nccl {
@@ -70,7 +64,7 @@ std::string connect_peers(ncclComm_t& comm, int peer, std::chrono::milliseconds 
   cudaStream_t stream = nullptr;
   if (cudaMalloc(&buffer, 2 * sizeof(float)) != cudaSuccess ||
       cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
-    cudaFree(buffer);
+    SYMBIOSIS_CUDA_WARN(cudaFree(buffer));
     return std::string("cannot allocate the connection buffer: ") + cudaGetErrorString(cudaGetLastError());
   }
   std::string error;
@@ -85,16 +79,16 @@ std::string connect_peers(ncclComm_t& comm, int peer, std::chrono::milliseconds 
     while (cudaStreamQuery(stream) == cudaErrorNotReady) {
       if (std::chrono::steady_clock::now() > deadline) {
         error = "the peer did not connect within " + std::to_string(timeout.count()) + " ms";
-        ncclCommAbort(comm);  // ends the kernels, so the stream can go
+        SYMBIOSIS_NCCL_WARN(ncclCommAbort(comm));  // ends the kernels, so the stream can go
         comm = nullptr;
         break;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
-  cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
-  cudaFree(buffer);
+  SYMBIOSIS_CUDA_WARN(cudaStreamSynchronize(stream));
+  SYMBIOSIS_CUDA_WARN(cudaStreamDestroy(stream));
+  SYMBIOSIS_CUDA_WARN(cudaFree(buffer));
   return error;
 }
 
@@ -120,7 +114,7 @@ void join_and_connect(const std::shared_ptr<Communicator::Joining>& joining, con
   }
   std::lock_guard<std::mutex> lock(joining->mutex);
   if (comm != nullptr && (!error.empty() || joining->abandoned)) {
-    ncclCommAbort(comm);
+    SYMBIOSIS_NCCL_WARN(ncclCommAbort(comm));
     comm = nullptr;
   }
   joining->comm = comm;
@@ -187,7 +181,7 @@ void Communicator::abort() {
   if (aborted_) return;
   aborted_ = true;
   if (comm_ != nullptr) {
-    ncclCommAbort(as_comm(comm_));
+    SYMBIOSIS_NCCL_WARN(ncclCommAbort(as_comm(comm_)));
     comm_ = nullptr;
     return;
   }
@@ -195,7 +189,7 @@ void Communicator::abort() {
   if (!joining_->done) {
     joining_->abandoned = true;
   } else if (joining_->comm != nullptr) {
-    ncclCommAbort(joining_->comm);
+    SYMBIOSIS_NCCL_WARN(ncclCommAbort(joining_->comm));
     joining_->comm = nullptr;
   }
 }

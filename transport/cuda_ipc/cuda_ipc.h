@@ -6,8 +6,8 @@
 //  - MappedDeviceBuffer: the executor's mapping of a client's DeviceBuffer (cudaIpcOpenMemHandle);
 //  - InterprocessEvent: an event one process records and the other waits on in its stream, so the
 //    two processes' GPU work is ordered without a host synchronization per layer.
-// Every CUDA runtime call goes through SYMBIOSIS_CUDA_CHECK, which names file, line, call and
-// CUDA's own error string.
+// Every CUDA runtime call goes through SYMBIOSIS_CUDA_CHECK (common/cuda_check.h), which names
+// file, line, call and CUDA's own error string; every handle is a UniqueHandle ([Owned handles]).
 //
 // Built only with CUDA (SYMBIOSIS_WITH_CUDA); cuda_available() says whether this build has it.
 #include <ATen/ATen.h>
@@ -17,6 +17,8 @@
 #include <initializer_list>
 #include <string>
 #include <vector>
+
+#include "common/unique_handle.h"
 
 namespace symbiosis::cuda {
 
@@ -38,26 +40,24 @@ class DeviceMemory {
  public:
   using Release = void (*)(void* data);
   DeviceMemory() = default;
-  ~DeviceMemory();
-  DeviceMemory(DeviceMemory&& other) noexcept;
-  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
 
-  void* data() const { return data_; }
+  void* data() const { return memory_.get(); }
   size_t size() const { return size_; }
-  int device() const { return device_; }
+  int device() const { return memory_.releaser().device; }
 
  protected:
   DeviceMemory(void* data, size_t size, int device, Release release)
-      : data_(data), size_(size), device_(device), release_(release) {}
+      : memory_(data, OnDevice{device, release}), size_(size) {}
 
  private:
-  void reset();
-  void* data_ = nullptr;
+  // Gives the memory back on its own device.
+  struct OnDevice {
+    int device = 0;
+    Release release = nullptr;
+    void operator()(void* data) const;
+  };
+  UniqueHandle<void*, OnDevice> memory_;  // [Owned handles]
   size_t size_ = 0;
-  int device_ = 0;
-  Release release_ = nullptr;
 };
 
 // The client's payload buffer: cudaMalloc'd, so its IPC handle names exactly this allocation.
@@ -91,21 +91,18 @@ class InterprocessEvent {
   static InterprocessEvent create(int device);
   static InterprocessEvent open(int device, const std::string& ipc_handle);
   InterprocessEvent() = default;
-  ~InterprocessEvent();
-  InterprocessEvent(InterprocessEvent&& other) noexcept;
-  InterprocessEvent& operator=(InterprocessEvent&& other) noexcept;
-  InterprocessEvent(const InterprocessEvent&) = delete;
-  InterprocessEvent& operator=(const InterprocessEvent&) = delete;
 
   std::string ipc_handle() const;
   // stream: a cudaStream_t.
   void record(void* stream) const;
   void make_stream_wait(void* stream) const;
-  bool valid() const { return event_ != nullptr; }
+  bool valid() const { return static_cast<bool>(event_); }
 
  private:
-  void* event_ = nullptr;  // cudaEvent_t
-  int device_ = 0;
+  struct Destroy {
+    void operator()(void* event) const;
+  };
+  UniqueHandle<void*, Destroy> event_;  // cudaEvent_t; [Owned handles]
 };
 
 // Pins (cudaHostRegister) a host range for asynchronous copies; unregisters on destruction.
@@ -116,20 +113,18 @@ class PinnedRange {
   PinnedRange(void* data, size_t bytes, bool mapped = false);  // throws when CUDA refuses
   // The GPU's address of `host`, a byte of a mapped range.
   void* device_pointer(void* host) const;
-  ~PinnedRange();
-  PinnedRange(PinnedRange&& other) noexcept;
-  PinnedRange& operator=(PinnedRange&& other) noexcept;
-  PinnedRange(const PinnedRange&) = delete;
-  PinnedRange& operator=(const PinnedRange&) = delete;
 
  private:
-  void* data_ = nullptr;
+  struct Unregister {
+    void operator()(void* data) const;
+  };
+  UniqueHandle<void*, Unregister> range_;  // [Owned handles]
 };
 
 // [Compute streams]
 // Makes `device` the calling thread's current device and gives the thread `count` high-priority
 // streams of its own (LibTorch's pool; no implicit syncs with the legacy stream). use(key) makes
-// stream key % count current. The executor's compute thread puts a batch of one same-GPU request,
+// stream key % count current. The executor's scheduler thread puts a batch of one same-GPU request,
 // computed in place in the client's memory, on the client's stream, so that the small GEMMs of
 // different clients run side by side instead of one after another; every other batch (packed rows,
 // host rows, NCCL receives), whose buffers come from the allocator, goes on the first stream, so
@@ -154,15 +149,13 @@ class CapturedWork {
   // Captures what `work` enqueues on `stream` (it runs nothing); throws, capture ended, when it fails.
   static CapturedWork capture(void* stream, const std::function<void()>& work);
   void launch(void* stream) const;
-  bool valid() const { return exec_ != nullptr; }
-  ~CapturedWork();
-  CapturedWork(CapturedWork&& other) noexcept;
-  CapturedWork& operator=(CapturedWork&& other) noexcept;
-  CapturedWork(const CapturedWork&) = delete;
-  CapturedWork& operator=(const CapturedWork&) = delete;
+  bool valid() const { return static_cast<bool>(exec_); }
 
  private:
-  void* exec_ = nullptr;  // cudaGraphExec_t
+  struct Destroy {
+    void operator()(void* exec) const;
+  };
+  UniqueHandle<void*, Destroy> exec_;  // cudaGraphExec_t; [Owned handles]
 };
 
 // The current CUDA stream of `device` (LibTorch's), as a cudaStream_t.

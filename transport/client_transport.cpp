@@ -1,4 +1,4 @@
-#include "client_runtime/client_transport.h"
+#include "transport/client_transport.h"
 
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -10,9 +10,9 @@
 #include <thread>
 #include <utility>
 
-#include "client_runtime/client_payload.h"
 #include "transport/call_ring.h"
-#include "transport/cuda_ipc.h"
+#include "transport/client_payload.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -57,12 +57,6 @@ proto::Envelope ControlSocket::exchange(const proto::Envelope& envelope, const c
   return parse_or_throw(receive(waiting_for));
 }
 
-namespace {
-
-constexpr const char* kCaptureNeeds =
-    "a captured step needs a client on the executor's GPU (transport cuda-ipc) with the shared-memory "
-    "control channel (control \"auto\" on the executor's host) and direct operands";
-
 [[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message) {
   TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(code), ") on layer '", layer.name, "': ", message);
 }
@@ -92,29 +86,11 @@ proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vecto
   }
 }
 
-// Header and payload in ZeroMQ frames.
-class TcpTransport : public ClientTransport {
- public:
-  explicit TcpTransport(ControlSocket& socket) : socket_(socket) {}
+namespace {
 
-  at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
-    const auto payload = x.to(at::kCPU);  // contiguous (Client)
-    socket_.send(request_envelope(spec, x), &payload);
-    std::vector<zmq::message_t> frames;
-    const auto reply = await_reply(socket_, spec, frames);
-    if (reply.has_error() && reply.error().code() != proto::OK) {
-      throw_executor_error(*spec.layer, reply.error().code(), reply.error().message());
-    }
-    TORCH_CHECK(frames.size() == 2 && reply.shape_size() == 2, "executor reply to request ", spec.request_id,
-                " lacks its payload");
-    auto out = wire::frame_to_tensor(std::move(frames[1]), wire::from_proto(reply.dtype()),
-                                     {reply.shape(0), reply.shape(1)});
-    return x.device().is_cpu() ? out : out.to(x.device());
-  }
-
- private:
-  ControlSocket& socket_;
-};
+constexpr const char* kCaptureNeeds =
+    "a captured step needs a client on the executor's GPU (transport cuda-ipc) with the shared-memory "
+    "control channel (control \"auto\" on the executor's host) and direct operands";
 
 constexpr uint64_t kAlignment = 256;
 uint64_t align_up(uint64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
@@ -123,17 +99,21 @@ uint64_t align_up(uint64_t bytes) { return (bytes + kAlignment - 1) / kAlignment
 // ZeroMQ when the Welcome names no control segment (a client on another host, or control "zmq").
 class PayloadTransport : public ClientTransport {
  public:
-  PayloadTransport(ControlSocket& socket, const proto::Welcome& welcome, const ClientOptions& options)
-      : socket_(socket), options_(options), kind_(welcome.transport()), zmq_control_(welcome.control_segment().empty()) {
+  PayloadTransport(ControlSocket& socket, const proto::Welcome& welcome, const ClientEndOptions& options,
+                   const std::function<std::unique_ptr<ClientPayload>()>& make_payload)
+      : socket_(socket),
+        options_(options),
+        kind_(welcome.transport()),
+        zmq_control_(welcome.control_segment().empty()) {
     if (!zmq_control_) {
       control_memory_ = shm::SharedMemory::open(welcome.control_segment(), sizeof(shm::ControlBlock));
       doorbell_memory_ = shm::SharedMemory::open(welcome.doorbell_segment(), sizeof(shm::DoorbellBlock));
       control_ = shm::map_block<shm::ControlBlock>(control_memory_);
       doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
     }
-    payload_ = make_client_payload(kind_, options_, socket_);
+    payload_ = make_payload();
     spin_ = std::chrono::microseconds(options_.spin_us >= 0 ? options_.spin_us
-                                                            : shm::default_spin_us(at::Device(options_.device).is_cuda()));
+                                                            : shm::default_spin_us(options_.device.is_cuda()));
     ordered_ = !zmq_control_ && payload_->order_through(control_memory_);
     if (ordered_) watchdog_ = std::thread([this] { watch(); });
   }
@@ -360,7 +340,7 @@ class PayloadTransport : public ClientTransport {
   }
 
   ControlSocket& socket_;
-  ClientOptions options_;
+  ClientEndOptions options_;
   std::string kind_;
   bool zmq_control_;
   shm::SharedMemory control_memory_, doorbell_memory_;
@@ -385,13 +365,10 @@ class PayloadTransport : public ClientTransport {
 
 void ClientTransport::begin_capture() { TORCH_CHECK(false, kCaptureNeeds, "; this client's calls go over tcp"); }
 
-std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket) {
-  return std::make_unique<TcpTransport>(socket);
-}
-
-std::unique_ptr<ClientTransport> make_payload_transport(ControlSocket& socket, const proto::Welcome& welcome,
-                                                        const ClientOptions& options) {
-  return std::make_unique<PayloadTransport>(socket, welcome, options);
+std::unique_ptr<ClientTransport> make_payload_transport(
+    ControlSocket& socket, const proto::Welcome& welcome, const ClientEndOptions& options,
+    const std::function<std::unique_ptr<ClientPayload>()>& make_payload) {
+  return std::make_unique<PayloadTransport>(socket, welcome, options, make_payload);
 }
 
 proto::Placement local_placement(const std::string& device) {

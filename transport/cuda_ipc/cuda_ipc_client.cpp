@@ -1,107 +1,27 @@
-#include "client_runtime/client_payload.h"
-
+// The client's end of the "cuda-ipc" transport: a cudaMalloc'd payload buffer on the client's GPU
+// (which is the executor's), shared through CUDA IPC, and [Direct operands].
 #include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cstring>
-#include <mutex>
-#include <optional>
-#include <thread>
 #include <map>
+#include <mutex>
 #include <vector>
 
-#include "client_runtime/client_transport.h"
 #include "transport/call_ring.h"
-#include "transport/cuda_ipc.h"
+#include "transport/client_payload.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/shared_memory.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
-namespace symbiosis {
-namespace {
-
-constexpr uint64_t kInitialBufferBytes = uint64_t{4} << 20;
-
-// A payload buffer registered with the executor: grows by registering a new, larger buffer (the
-// old one is released only after the executor has let go of it).
-class RegisteredBuffer : public ClientPayload {
- public:
-  explicit RegisteredBuffer(ControlSocket& socket) : socket_(socket) {}
-
-  void reserve(uint64_t bytes) override {
-    if (bytes <= capacity_) return;
-    uint64_t size = std::max<uint64_t>(kInitialBufferBytes, capacity_ * 2);
-    while (size < bytes) size *= 2;
-    allocate(size);
-    proto::Envelope env;
-    auto* r = env.mutable_register_buffer();
-    r->set_generation(generation_ + 1);
-    r->set_bytes(size);
-    describe(r);
-    std::unique_lock<std::mutex> lock(socket_mutex_);
-    auto answer = socket_.exchange(env, "the payload buffer registration");
-    lock.unlock();
-    TORCH_CHECK(answer.has_buffer_registered() && answer.buffer_registered().generation() == generation_ + 1,
-                "executor answered a buffer registration with something else");
-    registered(answer.buffer_registered());
-    capacity_ = size;
-    generation_++;
-  }
-
-  uint64_t generation() const override { return generation_; }
-  bool fits(uint64_t bytes) const override { return bytes <= capacity_; }
-
- protected:
-  // Makes a new buffer of `bytes` the current one (the previous stays alive until registered()).
-  virtual void allocate(uint64_t bytes) = 0;
-  virtual void describe(proto::RegisterBuffer* registration) = 0;
-  // The executor has mapped the new buffer and released the old one.
-  virtual void registered(const proto::BufferRegistered& answer) = 0;
-
-  ControlSocket& socket_;
-  // Held around every exchange on socket_ but for the handshake's: a segment's release
-  // ([Direct operands]) may come from any thread that frees memory.
-  std::mutex socket_mutex_;
-
- private:
-  uint64_t capacity_ = 0;
-  uint64_t generation_ = 0;
-};
-
-// "shm": a host shared-memory segment the client creates and the executor maps.
-class HostPayload : public RegisteredBuffer {
- public:
-  using RegisteredBuffer::RegisteredBuffer;
-
-  void send_input(const at::Tensor& x, uint64_t offset) override {
-    const auto host = x.device().is_cpu() ? x : x.to(at::kCPU);
-    std::memcpy(static_cast<char*>(memory_.data()) + offset, host.data_ptr(), host.nbytes());
-  }
-
-  at::Tensor receive_output(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
-    auto out = at::empty(shape, at::TensorOptions().dtype(dtype));
-    std::memcpy(out.data_ptr(), static_cast<const char*>(memory_.data()) + offset, out.nbytes());
-    return device.is_cpu() ? out : out.to(device);
-  }
-
- protected:
-  void allocate(uint64_t bytes) override { next_ = shm::SharedMemory::create("symbiosis-payload", bytes); }
-  void describe(proto::RegisterBuffer* r) override { r->set_shm_name(next_.name()); }
-  void registered(const proto::BufferRegistered&) override {
-    next_.unlink();  // both sides have it mapped: the memory goes with the last mapping
-    memory_ = std::move(next_);
-  }
-
- private:
-  shm::SharedMemory memory_, next_;
-};
+namespace symbiosis::cuda_ipc {
 
 #ifdef SYMBIOSIS_WITH_CUDA
+namespace {
+
 // [Direct operands]
 // A cuda-ipc client whose calls are ordered through the flags hands the executor its own tensors:
 // the input where the model left it, and a result tensor allocated for the call. Copying both
@@ -366,25 +286,21 @@ SegmentFrees::SegmentFrees() {
     for (auto* payload : payloads_) payload->segment_freed(reinterpret_cast<const char*>(e.addr_));
   });
 }
-#endif
 
 }  // namespace
-
-std::unique_ptr<ClientPayload> make_client_payload(const std::string& kind, const ClientOptions& options,
-                                                   ControlSocket& socket) {
-  if (kind == "shm") return std::make_unique<HostPayload>(socket);
-  const at::Device device(options.device);
-  if (kind == "cuda-ipc") {
-    TORCH_CHECK(device.is_cuda(), "transport cuda-ipc needs a client on the executor's GPU; this client's device is ",
-                options.device);
-#ifdef SYMBIOSIS_WITH_CUDA
-    return std::make_unique<CudaIpcPayload>(socket, device.has_index() ? device.index() : 0, options.direct_operands);
-#else
-    TORCH_CHECK(false, "transport cuda-ipc: this build of symbiosis has no CUDA");
 #endif
-  }
-  if (kind == "nccl") return make_nccl_payload(options, socket);
-  TORCH_CHECK(false, "unknown same-host transport '", kind, "' (expected shm, cuda-ipc or nccl)");
+
+std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto::Welcome& welcome,
+                                             const ClientEndOptions& options) {
+  TORCH_CHECK(options.device.is_cuda(), "transport cuda-ipc needs a client on the executor's GPU; this client's device is ",
+              options.device);
+#ifdef SYMBIOSIS_WITH_CUDA
+  const int device = options.device.has_index() ? options.device.index() : 0;
+  return make_payload_transport(socket, welcome, options,
+                                [&] { return std::make_unique<CudaIpcPayload>(socket, device, options.direct_operands); });
+#else
+  TORCH_CHECK(false, "transport cuda-ipc: this build of symbiosis has no CUDA");
+#endif
 }
 
-}  // namespace symbiosis
+}  // namespace symbiosis::cuda_ipc

@@ -1,4 +1,4 @@
-#include "transport/cuda_ipc.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 
 #include <c10/util/Exception.h>
 #include <dirent.h>
@@ -16,13 +16,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
-// One checking macro for the CUDA runtime: file, line, the call, and CUDA's own error string.
-#define SYMBIOSIS_CUDA_CHECK(call)                                                                     \
-  do {                                                                                                 \
-    const cudaError_t symbiosis_cuda_status = (call);                                                  \
-    TORCH_CHECK(symbiosis_cuda_status == cudaSuccess, __FILE__, ":", __LINE__, ": ", #call, " failed: ", \
-                cudaGetErrorString(symbiosis_cuda_status));                                            \
-  } while (0)
+#include "common/cuda_check.h"
 #endif
 
 namespace symbiosis::cuda {
@@ -93,7 +87,7 @@ class DeviceScope {
     SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&previous_));
     if (previous_ != device) SYMBIOSIS_CUDA_CHECK(cudaSetDevice(device));
   }
-  ~DeviceScope() { cudaSetDevice(previous_); }
+  ~DeviceScope() { SYMBIOSIS_CUDA_WARN(cudaSetDevice(previous_)); }
 
  private:
   int previous_ = 0;
@@ -101,26 +95,12 @@ class DeviceScope {
 
 }  // namespace
 
-DeviceMemory::~DeviceMemory() { reset(); }
-
-DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept { *this = std::move(other); }
-
-DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
-  if (this != &other) {
-    reset();
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    device_ = other.device_;
-    release_ = other.release_;
-  }
-  return *this;
-}
-
-void DeviceMemory::reset() {
-  if (data_ == nullptr) return;
-  DeviceScope scope(device_);
-  release_(data_);
-  data_ = nullptr;
+void DeviceMemory::OnDevice::operator()(void* data) const {
+  int previous = 0;
+  SYMBIOSIS_CUDA_WARN(cudaGetDevice(&previous));
+  if (previous != device) SYMBIOSIS_CUDA_WARN(cudaSetDevice(device));
+  release(data);
+  if (previous != device) SYMBIOSIS_CUDA_WARN(cudaSetDevice(previous));
 }
 
 DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
@@ -129,7 +109,7 @@ DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
   const cudaError_t status = cudaMalloc(&data, bytes);
   TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC payload buffer on cuda:", device,
               ": ", cudaGetErrorString(status));
-  return DeviceBuffer(data, bytes, device, [](void* p) { cudaFree(p); });
+  return DeviceBuffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaFree(p)); });
 }
 
 std::string memory_ipc_handle(void* base) {
@@ -150,7 +130,7 @@ MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_h
   const cudaError_t status = cudaIpcOpenMemHandle(&data, handle, cudaIpcMemLazyEnablePeerAccess);
   TORCH_CHECK(status == cudaSuccess, "cannot open the client's CUDA IPC memory on cuda:", device, ": ",
               cudaGetErrorString(status), " (is the client on this executor's GPU, in another process?)");
-  return MappedDeviceBuffer(data, bytes, device, [](void* p) { cudaIpcCloseMemHandle(p); });
+  return MappedDeviceBuffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaIpcCloseMemHandle(p)); });
 }
 
 InterprocessEvent InterprocessEvent::create(int device) {
@@ -158,8 +138,7 @@ InterprocessEvent InterprocessEvent::create(int device) {
   InterprocessEvent event;
   cudaEvent_t e;
   SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess));
-  event.event_ = e;
-  event.device_ = device;
+  event.event_ = UniqueHandle<void*, Destroy>(e);
   return event;
 }
 
@@ -174,44 +153,32 @@ InterprocessEvent InterprocessEvent::open(int device, const std::string& ipc_han
   const cudaError_t status = cudaIpcOpenEventHandle(&e, handle);
   TORCH_CHECK(status == cudaSuccess, "cannot open the peer's CUDA IPC event on cuda:", device, ": ",
               cudaGetErrorString(status));
-  event.event_ = e;
-  event.device_ = device;
+  event.event_ = UniqueHandle<void*, Destroy>(e);
   return event;
 }
 
-InterprocessEvent::~InterprocessEvent() {
-  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
-}
-
-InterprocessEvent::InterprocessEvent(InterprocessEvent&& other) noexcept { *this = std::move(other); }
-
-InterprocessEvent& InterprocessEvent::operator=(InterprocessEvent&& other) noexcept {
-  if (this != &other) {
-    if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
-    event_ = std::exchange(other.event_, nullptr);
-    device_ = other.device_;
-  }
-  return *this;
+void InterprocessEvent::Destroy::operator()(void* event) const {
+  SYMBIOSIS_CUDA_WARN(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
 }
 
 std::string InterprocessEvent::ipc_handle() const {
   cudaIpcEventHandle_t handle;
-  SYMBIOSIS_CUDA_CHECK(cudaIpcGetEventHandle(&handle, static_cast<cudaEvent_t>(event_)));
+  SYMBIOSIS_CUDA_CHECK(cudaIpcGetEventHandle(&handle, static_cast<cudaEvent_t>(event_.get())));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
 void InterprocessEvent::record(void* stream) const {
-  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)));
+  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_.get()), static_cast<cudaStream_t>(stream)));
 }
 
 void InterprocessEvent::make_stream_wait(void* stream) const {
-  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0));
+  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_.get()), 0));
 }
 
 PinnedRange::PinnedRange(void* data, size_t bytes, bool mapped) {
   const unsigned flags = mapped ? cudaHostRegisterMapped | cudaHostRegisterPortable : cudaHostRegisterDefault;
   SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, flags));
-  data_ = data;
+  range_ = UniqueHandle<void*, Unregister>(data);
 }
 
 void* PinnedRange::device_pointer(void* host) const {
@@ -220,19 +187,7 @@ void* PinnedRange::device_pointer(void* host) const {
   return device;
 }
 
-PinnedRange::~PinnedRange() {
-  if (data_ != nullptr) cudaHostUnregister(data_);
-}
-
-PinnedRange::PinnedRange(PinnedRange&& other) noexcept { *this = std::move(other); }
-
-PinnedRange& PinnedRange::operator=(PinnedRange&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) cudaHostUnregister(data_);
-    data_ = std::exchange(other.data_, nullptr);
-  }
-  return *this;
-}
+void PinnedRange::Unregister::operator()(void* data) const { SYMBIOSIS_CUDA_WARN(cudaHostUnregister(data)); }
 
 ComputeStreams::ComputeStreams(int device, int count) {
   TORCH_CHECK(count >= 1 && count <= 32, "compute stream count must be 1 to 32 (LibTorch's pool), got ", count);
@@ -257,36 +212,26 @@ CapturedWork CapturedWork::capture(void* stream, const std::function<void()>& wo
   try {
     work();
   } catch (...) {
-    cudaStreamEndCapture(s, &graph);  // the stream leaves capture mode whatever went wrong
-    if (graph != nullptr) cudaGraphDestroy(graph);
+    SYMBIOSIS_CUDA_WARN(cudaStreamEndCapture(s, &graph));  // the stream leaves capture mode whatever went wrong
+    if (graph != nullptr) SYMBIOSIS_CUDA_WARN(cudaGraphDestroy(graph));
     throw;
   }
   SYMBIOSIS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec = nullptr;
   const auto instantiated = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
+  SYMBIOSIS_CUDA_WARN(cudaGraphDestroy(graph));
   SYMBIOSIS_CUDA_CHECK(instantiated);
   CapturedWork captured;
-  captured.exec_ = exec;
+  captured.exec_ = UniqueHandle<void*, Destroy>(exec);
   return captured;
 }
 
 void CapturedWork::launch(void* stream) const {
-  SYMBIOSIS_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(stream)));
+  SYMBIOSIS_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_.get()), static_cast<cudaStream_t>(stream)));
 }
 
-CapturedWork::~CapturedWork() {
-  if (exec_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
-}
-
-CapturedWork::CapturedWork(CapturedWork&& other) noexcept { *this = std::move(other); }
-
-CapturedWork& CapturedWork::operator=(CapturedWork&& other) noexcept {
-  if (this != &other) {
-    if (exec_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
-    exec_ = std::exchange(other.exec_, nullptr);
-  }
-  return *this;
+void CapturedWork::Destroy::operator()(void* exec) const {
+  SYMBIOSIS_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
 }
 
 void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }

@@ -1,4 +1,4 @@
-// The executor's end of the "nccl" transport (see same_host_channel.h): the client, on another
+// The executor's end of the "nccl" transport (see transport/channel.h): the client, on another
 // GPU, sends each input and receives each result over a 2-rank NCCL communicator, the client rank
 // 0 and the executor rank 1. Headers arrive through the shared-memory control channel.
 //
@@ -12,17 +12,18 @@
 #include <mutex>
 #include <optional>
 
-#include "base_executor/same_host_channel.h"
+#include "transport/channel.h"
+#include "transport/transport.h"
 
 #ifdef SYMBIOSIS_WITH_NCCL
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "transport/nccl_comm.h"
+#include "transport/nccl/nccl_comm.h"
 #endif
 
-namespace symbiosis {
+namespace symbiosis::nccl {
 
 #ifdef SYMBIOSIS_WITH_NCCL
 namespace {
@@ -32,10 +33,10 @@ constexpr int kClientRank = 0;
 // while clients start many at once.
 constexpr std::chrono::milliseconds kConnectTimeout{30000};
 
-class NcclChannel : public SameHostChannel {
+class NcclChannel : public Channel {
  public:
-  NcclChannel(uint64_t client_id, at::Device device, GpuClientCount gpu_clients)
-      : SameHostChannel("nccl", client_id),
+  NcclChannel(uint64_t client_id, at::Device device, std::shared_ptr<std::atomic<int>> gpu_clients)
+      : Channel(TransportKind::kNccl, client_id),
         device_(device.has_index() ? device.index() : 0),
         side_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
         gpu_clients_(gpu_clients ? std::move(gpu_clients) : std::make_shared<std::atomic<int>>(0)) {
@@ -57,10 +58,10 @@ class NcclChannel : public SameHostChannel {
   // Joined and connected, on the communicator's own thread ([NCCL blocking mode]): never blocks.
   bool setup_done() override { return comm_ != nullptr && comm_->ready(); }
 
-  std::string check_payload(const shm::CallHeader&, uint64_t, uint64_t) const override {
-    if (comm_ == nullptr) return "NCCL is not set up (send NcclSetup first)";
-    if (comm_->aborted()) return "this client's NCCL communicator was aborted";
-    return "";
+  Status check_payload(const shm::CallHeader&, uint64_t, uint64_t) const override {
+    if (comm_ == nullptr) return {StatusCode::kInvalidArgument, "NCCL is not set up (send NcclSetup first)"};
+    if (comm_->aborted()) return {StatusCode::kInvalidArgument, "this client's NCCL communicator was aborted"};
+    return Status::ok();
   }
 
   at::Tensor input(const shm::CallHeader&, at::ScalarType, at::IntArrayRef) override { return {}; }
@@ -88,7 +89,7 @@ class NcclChannel : public SameHostChannel {
 
   bool release_replies() override {
     if (!held_reply_ || !compute_done_.query()) return held_reply_.has_value();
-    push_reply(*held_reply_, proto::OK, "");
+    push_reply(*held_reply_, Status::ok());
     held_reply_.reset();
     return false;
   }
@@ -125,25 +126,30 @@ class NcclChannel : public SameHostChannel {
   c10::cuda::CUDAStream side_stream_;
   // Reused for every call (a wait takes the event as last recorded): no event is made per call.
   at::cuda::CUDAEvent compute_done_, received_;
-  GpuClientCount gpu_clients_;
+  std::shared_ptr<std::atomic<int>> gpu_clients_;
   std::optional<shm::CallHeader> held_reply_;
-  mutable std::mutex comm_mutex_;  // guards comm_ being set (compute thread) against abort() (IO thread)
-  std::shared_ptr<nccl::Communicator> comm_;  // set once; the compute thread reads it without the lock
+  mutable std::mutex comm_mutex_;  // guards comm_ being set (scheduler thread) against abort() (front door)
+  std::shared_ptr<nccl::Communicator> comm_;  // set once; the scheduler thread reads it without the lock
 };
 
 }  // namespace
 #endif
 
-std::shared_ptr<SameHostChannel> make_nccl_channel(uint64_t client_id, at::Device device, GpuClientCount gpu_clients) {
+std::shared_ptr<Channel> make_channel(const ChannelContext& context) {
 #ifdef SYMBIOSIS_WITH_NCCL
-  TORCH_CHECK(device.is_cuda(), "transport nccl needs an executor on a GPU; this one runs on ", device);
-  return std::make_shared<NcclChannel>(client_id, device, std::move(gpu_clients));
+  TORCH_CHECK(context.device.is_cuda(), "transport nccl needs an executor on a GPU; this one runs on ", context.device);
+  return std::make_shared<NcclChannel>(context.client_id, context.device, context.gpu_clients);
 #else
-  (void)client_id;
-  (void)device;
-  (void)gpu_clients;
+  (void)context;
   TORCH_CHECK(false, "transport nccl: this build of symbiosis has no NCCL");
 #endif
 }
 
-}  // namespace symbiosis
+// The client's end (nccl_client.cpp).
+std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto::Welcome& welcome,
+                                             const ClientEndOptions& options);
+
+// [Transports]: this transport's row in transport.cpp's table.
+extern const TransportPlugin kPlugin{TransportKind::kNccl, &make_channel, &make_client};
+
+}  // namespace symbiosis::nccl

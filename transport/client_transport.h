@@ -1,16 +1,14 @@
 #pragma once
-// Internal to the client runtime: how a Client moves one call's tensors. The Client handshakes
-// over its ControlSocket, and the executor's Welcome names the transport; the Client then makes
-// one ClientTransport and sends every base-layer call through it.
-//  - tcp: header and payload in ZeroMQ frames on the control socket (any host, CPU or GPU tensors
-//    staged through host memory).
+// The client's end of a transport ([Transports] in transport/transport.h): how a Client moves
+// one call's tensors. The Client handshakes over its ControlSocket, and the executor's Welcome
+// names the transport; the Client then makes that transport's ClientTransport
+// (plugin(kind).make_client) and sends every base-layer call through it.
+//  - tcp (transport/tcp/): header and payload in ZeroMQ frames on the control socket (any host,
+//    CPU or GPU tensors staged through host memory).
 //  - shm, cuda-ipc, nccl: headers through the shared-memory control channel on the executor's
 //    host ([Shared-memory control channel] in transport/call_ring.h), or as ZeroMQ Requests without
-//    a payload frame (from another host, or with ClientOptions::control "zmq"); payloads in a
-//    host shared-memory buffer (shm), in a cudaMalloc'd device buffer shared through CUDA IPC
-//    with the two processes' streams ordered on the GPU ([Stream-ordered hand-off] in
-//    transport/call_ring.h; interprocess events when headers go over ZeroMQ) (cuda-ipc), or sent and
-//    received over a 2-rank NCCL communicator (nccl).
+//    a payload frame (from another host, or with ClientOptions::control "zmq"); payloads through
+//    the transport's ClientPayload (transport/client_payload.h).
 #include <ATen/ATen.h>
 
 #include <memory>
@@ -18,9 +16,10 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "client_runtime/client.h"
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
+#include "transport/transport.h"
+#include "virt_layer/layer_info.h"
 
 namespace symbiosis {
 
@@ -79,11 +78,12 @@ class ClientTransport {
   virtual void replay(const CapturedCalls&, uint64_t /*first_request_id*/) {}
 };
 
-std::unique_ptr<ClientTransport> make_tcp_transport(ControlSocket& socket);
-// shm, cuda-ipc or nccl, as welcome.transport() says; headers through the control segment the
-// Welcome names, or over ZeroMQ when it names none.
-std::unique_ptr<ClientTransport> make_payload_transport(ControlSocket& socket, const proto::Welcome& welcome,
-                                                        const ClientOptions& options);
+// A call's Request header (its payload, if any, follows in a frame of its own).
+proto::Envelope request_envelope(const CallSpec& spec, const at::Tensor& x);
+// The executor's Reply to this call over ZeroMQ, its frames in `frames`; skips late answers to
+// calls that timed out.
+proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vector<zmq::message_t>& frames);
+[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message);
 
 // Where this process runs, for the Hello.
 proto::Placement local_placement(const std::string& device);

@@ -1,4 +1,4 @@
-#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu_test_util.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -52,12 +52,11 @@ bool run_all(const std::vector<std::vector<std::string>>& clients) {
 }
 
 bool same_host_clients_become(const Executor& executor, uint64_t n) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (executor.stats().same_host_clients == n) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
+  return wait_until([&] { return executor.stats().same_host_clients == n; }, std::chrono::seconds(10));
+}
+
+bool requests_reach(const Executor& executor, uint64_t since, uint64_t more, std::chrono::milliseconds limit) {
+  return wait_until([&] { return executor.stats().requests >= since + more; }, limit);
 }
 
 }  // namespace symbiosis::testing

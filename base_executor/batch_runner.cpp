@@ -1,0 +1,200 @@
+#include "base_executor/batch_runner.h"
+
+#include <spdlog/spdlog.h>
+
+#include <optional>
+
+#include "transport/cuda_ipc/cuda_ipc.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/batched_copy.h"
+#endif
+
+namespace symbiosis {
+namespace {
+
+// From this many tokens a request's GEMM keeps an H100 busy alone: see [Batch data path].
+constexpr int64_t kInPlaceTokens = 512;
+
+// targets[i] = sources[i] (equal sizes): one kernel for all of them on a GPU, copies on a CPU.
+void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& targets) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (sources[0].is_cuda()) return kernels::copy_tensors(sources, targets);
+#endif
+  for (size_t i = 0; i < sources.size(); ++i) targets[i].copy_(sources[i]);
+}
+
+}  // namespace
+
+// [Batch data path]
+// Inputs: tcp payloads (ZeroMQ frames) and shm buffers are host memory; cuda-ipc buffers and NCCL receives are
+// on the executor's GPU. On a GPU, host inputs are concatenated into one pinned buffer and copied
+// up once, NCCL receives land straight in their rows of the batch, and one kernel packs every
+// other part into it; the results go back the same way (one
+// kernel writes each cuda-ipc client's rows into its buffer; host destinations are filled from the
+// GPU by DMA). A batch of one request whose input and destination are both on the executor's
+// device is computed straight from the client's buffer into the client's buffer, with no copy; so
+// is a batch of such requests that are each large (kInPlaceTokens), one GEMM after another.
+// Returns each request's result rows (views into the batch result, or its destination).
+std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
+  const at::Device device = model_.device();
+  auto& requests = batch.requests;
+  const auto& layer = model_.layer(batch.layer_id);
+  const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+  const int64_t features = requests[0].payload.header.features;
+  // Undefined where the channel receives the input straight into the batch (NCCL): only its rows
+  // are known until the batch is allocated.
+  std::vector<at::Tensor> inputs;
+  for (auto& r : requests) {
+    auto& w = r.payload;
+    inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
+    w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
+  }
+  auto on_device = [&](size_t i) { return !inputs[i].defined() || inputs[i].device() == device; };
+  // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
+  // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
+  // them would add two copies of every row and gain nothing.
+  bool in_place = true;
+  for (size_t i = 0; i < requests.size() && in_place; ++i) {
+    const auto& w = requests[i].payload;
+    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() &&
+               inputs[i].device() == device && (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
+  }
+  if (in_place) {
+    std::vector<at::Tensor> rows;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      auto& w = requests[i].payload;
+      const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
+      if (w.channel->compute_replayed(w.header, inputs[i], w.destination, compute)) {
+        statistics_.replayed_calls++;
+      } else {
+        compute();
+      }
+      rows.push_back(w.destination);
+    }
+    return rows;
+  }
+  // Each request's first row in the batch: on a GPU, host inputs come first (one upload), device
+  // inputs after them; the order of rows inside a batch is free.
+  std::vector<int64_t> first_row(inputs.size());
+  std::vector<at::Tensor> host_inputs;
+  int64_t host_tokens = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (on_device(i)) continue;
+    host_inputs.push_back(inputs[i]);
+    host_tokens += inputs[i].size(0);
+  }
+  int64_t host_row = 0, device_row = host_tokens;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    int64_t& next = on_device(i) ? device_row : host_row;
+    first_row[i] = next;
+    next += requests[i].payload.header.tokens;
+  }
+  const auto options = at::TensorOptions().dtype(layer.dtype).device(device);
+  at::Tensor x;
+  if (host_inputs.size() == 1 && host_inputs[0].is_pinned()) {
+    x = host_inputs[0].to(device, /*non_blocking=*/true);  // a pinned shm buffer: DMA straight from it
+  } else if (!host_inputs.empty()) {
+    // ZeroMQ payloads sit in pageable frames: staged through one pinned buffer.
+    auto pinned = at::empty({host_tokens, features}, options.device(at::kCPU).pinned_memory(true));
+    at::cat_out(pinned, host_inputs, 0);
+    x = pinned.to(device, /*non_blocking=*/true);
+  }
+  if (inputs.size() == 1 && inputs[0].defined() && on_device(0)) {
+    x = inputs[0];  // a single device input is used as it is
+  } else if (host_inputs.size() < inputs.size()) {
+    // Device inputs: received straight into the batch, or packed into it by one kernel (with the
+    // uploaded host block).
+    auto packed = at::empty({batch.tokens, features}, options);
+    std::vector<at::Tensor> sources, targets;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!on_device(i)) continue;
+      auto rows = packed.narrow(0, first_row[i], requests[i].payload.header.tokens);
+      if (inputs[i].defined()) {
+        sources.push_back(inputs[i]);
+        targets.push_back(rows);
+      } else {
+        requests[i].payload.channel->receive_into(requests[i].payload.header, rows);
+      }
+    }
+    if (!host_inputs.empty()) {
+      sources.push_back(x);
+      targets.push_back(packed.narrow(0, 0, host_tokens));
+    }
+    if (!sources.empty()) copy_rows(sources, targets);
+    x = packed;
+  }
+  auto y = model_.compute(batch.layer_id, batch.op, x);
+  std::vector<at::Tensor> rows;
+  for (size_t i = 0; i < inputs.size(); ++i) rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
+  return rows;
+}
+
+void BatchRunner::refuse(CallBatcher::Batch& batch, const Status& status) {
+  for (auto& r : batch.requests) {
+    statistics_.errors++;
+    r.payload.channel->refuse(r.payload.header, status);
+  }
+}
+
+void BatchRunner::deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& results) {
+  auto& requests = batch.requests;
+  const bool gpu = model_.device().is_cuda();
+  // 1. Results that go to a destination: one kernel for those on the GPU, copies for host ones.
+  std::vector<at::Tensor> sources, targets;
+  bool host_copies = false;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& w = requests[i].payload;
+    const auto& destination = w.destination;
+    if (!destination.defined()) {
+      w.channel->deliver(w.header, results[i]);  // NCCL
+    } else if (destination.data_ptr() != results[i].data_ptr()) {
+      if (destination.is_cuda()) {
+        sources.push_back(results[i]);
+        targets.push_back(destination);
+      } else {
+        destination.copy_(results[i], /*non_blocking=*/true);
+        host_copies = host_copies || gpu;
+      }
+    }
+  }
+  if (!sources.empty()) copy_rows(sources, targets);
+  // 3. Make the writes visible: GPU clients order on events or flags; host memory needs the GPU done.
+  for (auto& r : requests) r.payload.channel->finish_writes(r.payload.header);
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (host_copies) cuda::synchronize_stream(cuda::current_stream(model_.device().index()));
+#endif
+  // 4. Replies.
+  for (auto& r : requests) {
+    statistics_.requests++;
+    statistics_.tokens += r.tokens;
+    r.payload.channel->reply(r.payload.header);
+  }
+}
+
+void BatchRunner::run(CallBatcher::Batch& batch) {
+  const auto started = Statistics::Clock::now();
+  std::vector<at::Tensor> results;
+  std::optional<Status> failure;
+  try {
+    results = compute(batch);
+  } catch (const std::exception& e) {
+    failure = status_of_exception(e, StatusCode::kInternal);
+  }
+  const auto computed = Statistics::Clock::now();
+  try {
+    if (failure) {
+      refuse(batch, *failure);
+    } else {
+      deliver(batch, results);
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("failed delivering a batch of layer {}: {}", batch.layer_id, e.what());
+  }
+  const auto finished = Statistics::Clock::now();
+  double wait_seconds = 0;
+  for (const auto& r : batch.requests) wait_seconds += std::chrono::duration<double>(started - r.arrival).count();
+  statistics_.record_batch(batch.layer_id, batch.op == LayerOp::kBackwardInput, batch.requests.size(), batch.tokens,
+                           started, computed, finished, wait_seconds);
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,42 @@
+#pragma once
+// The executor's batch data path ([Batch data path]): gathers a batch's inputs from the channels
+// of its calls, runs the layer's GEMM, scatters the results to where each client reads them, and
+// answers every call (an error for each, if the batch failed). Runs on the scheduler's thread.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+#include "base_executor/base_model.h"
+#include "base_executor/batching.h"
+#include "base_executor/statistics.h"
+#include "transport/call_ring.h"
+#include "transport/channel.h"
+
+namespace symbiosis {
+
+// One call the executor took, whichever transport brought it: its checked header and its client's
+// channel, which reads its input and takes its result.
+struct Call {
+  shm::CallHeader header;
+  std::shared_ptr<Channel> channel;
+  at::Tensor destination;  // where its result goes, if the channel gave a place (set while running)
+};
+using CallBatcher = Batcher<Call>;
+
+class BatchRunner {
+ public:
+  BatchRunner(const BaseModel& model, Statistics& statistics) : model_(model), statistics_(statistics) {}
+  void run(CallBatcher::Batch& batch);
+
+ private:
+  // Each call's result rows: views into the batch's result, or its destination.
+  std::vector<at::Tensor> compute(CallBatcher::Batch& batch);
+  void deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& results);
+  void refuse(CallBatcher::Batch& batch, const Status& status);
+
+  const BaseModel& model_;
+  Statistics& statistics_;
+};
+
+}  // namespace symbiosis

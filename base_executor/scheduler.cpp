@@ -1,0 +1,230 @@
+#include "base_executor/scheduler.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <optional>
+
+#include "base_executor/call_check.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
+#include "transport/zmq_wire.h"
+
+namespace symbiosis {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+LatencyClass to_latency_class(int32_t c) {
+  switch (c) {
+    case proto::INFERENCE_DECODE: return LatencyClass::kInferenceDecode;
+    case proto::INFERENCE_PREFILL: return LatencyClass::kInferencePrefill;
+    default: return LatencyClass::kFineTuning;
+  }
+}
+
+LayerOp to_layer_op(int32_t op) {
+  switch (op) {
+    case proto::BACKWARD_INPUT: return LayerOp::kBackwardInput;
+    case proto::FORWARD_NO_BIAS: return LayerOp::kForwardNoBias;
+    default: return LayerOp::kForward;
+  }
+}
+
+#ifdef SYMBIOSIS_WITH_CUDA
+// One GEMM of the first layer on each compute stream, before any client's: the GEMM library's
+// handle and workspace of each stream, and its first allocations, are made now, so the executor's
+// memory does not grow with the number of clients whose batches use the streams.
+void warm_up(const BaseModel& model, cuda::ComputeStreams& streams, int count) {
+  if (model.layer_count() == 0) return;
+  const auto& layer = model.layer(0);
+  // More rows than the few-row kernel takes (kernels/few_rows_gemm.h), so the GEMM library runs.
+  const auto x = at::zeros({16, layer.in_features}, at::TensorOptions().dtype(layer.dtype).device(model.device()));
+  for (int i = 0; i < count; ++i) {
+    streams.use(i);
+    model.compute(0, LayerOp::kForward, x);
+    cuda::synchronize_stream(cuda::current_stream(model.device().index()));
+  }
+  streams.use(0);
+}
+#endif
+
+}  // namespace
+
+Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics,
+                     zmq::context_t& context, std::string replies_endpoint)
+    : options_(options),
+      model_(model),
+      statistics_(statistics),
+      context_(context),
+      replies_endpoint_(std::move(replies_endpoint)),
+      batcher_(options.batching),
+      runner_(model, statistics) {}
+
+Scheduler::~Scheduler() {
+  // Nothing may wait on a client that is gone (NCCL kernels).
+  for (auto& [id, channel] : channels_) channel->abort();
+}
+
+void Scheduler::post(InboxMessage message) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);
+    inbox_.push_back(std::move(message));
+  }
+  doorbell_.word().notify();
+}
+
+void Scheduler::stop() {
+  stopping_ = true;
+  doorbell_.word().notify();
+}
+
+void Scheduler::handle(ClientJoined& message) {
+  const uint64_t id = message.channel->client_id();
+  channels_[id] = std::move(message.channel);
+  batcher_.add_client(id);
+}
+
+void Scheduler::handle(ClientLeft& message) {
+  const uint64_t id = message.client_id;
+  batcher_.remove_client(id);  // lockstep queues may be ready now
+  channels_.erase(id);
+  std::erase_if(pending_setups_, [id](const PendingSetup& p) { return p.channel->client_id() == id; });
+}
+
+void Scheduler::handle(CallArrived& message) {
+  if (message.channel->payload_in_frames()) message.channel->receive_frames(message.header, std::move(message.frames));
+  accept(message.channel, message.header, message.shape);
+}
+
+void Scheduler::handle(SetupArrived& message) {
+  auto& channel = *message.channel;
+  const auto& env = message.envelope;
+  try {
+    proto::Envelope answer;
+    if (env.has_register_buffer()) {
+      *answer.mutable_buffer_registered() = channel.register_buffer(env.register_buffer());
+    } else if (env.has_share_segments()) {
+      channel.share_segments(env.share_segments());
+      answer.mutable_segments_shared();
+    } else {
+      channel.setup_nccl(env.nccl_setup());
+      pending_setups_.push_back({message.channel, message.identity});
+      return;  // answered once the communicator is up (finish_setups)
+    }
+    wire::send_to(*replies_, message.identity, answer);
+  } catch (const std::exception& e) {
+    answer_error(message.identity, status_of_exception(e, StatusCode::kFailedPrecondition));
+  }
+}
+
+void Scheduler::answer_error(const std::string& identity, const Status& status) {
+  statistics_.errors++;
+  wire::send_to(*replies_, identity, wire::error_envelope(0, status, /*as_reply=*/false));
+}
+
+void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape) {
+  if (auto status = check_call(model_, options_.max_request_bytes, *channel, h, shape); !status.is_ok()) {
+    statistics_.errors++;
+    channel->refuse(h, status);
+    return;
+  }
+  if (h.in_segment != 0 || h.out_segment != 0) statistics_.direct_calls++;
+  CallBatcher::Request queued;
+  queued.client_id = channel->client_id();
+  queued.layer_id = h.layer_id;
+  queued.op = to_layer_op(h.op);
+  queued.tokens = h.tokens;
+  queued.latency = to_latency_class(h.latency_class);
+  queued.arrival = Clock::now();
+  queued.alone = options_.streams > 1 && options_.concurrent_tokens > 0 && h.tokens >= options_.concurrent_tokens &&
+                 channel->orders_by_flags() && model_.device().is_cuda();
+  if (batcher_.runs_alone(queued)) statistics_.concurrent_calls++;
+  queued.payload.header = h;
+  queued.payload.channel = channel;
+  batcher_.push(std::move(queued));
+}
+
+bool Scheduler::poll_channels() {
+  bool holding = false;
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    const auto& channel = it->second;
+    holding = channel->release_replies() || holding;
+    // A call is checked once its input is ready, so that a refusal, which releases the client's
+    // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it.
+    while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+    holding = channel->waiting() || holding;
+    it = channel->broken() ? channels_.erase(it) : std::next(it);
+  }
+  return holding;
+}
+
+void Scheduler::finish_setups() {
+  for (auto it = pending_setups_.begin(); it != pending_setups_.end();) {
+    try {
+      if (!it->channel->setup_done()) {
+        ++it;
+        continue;
+      }
+      proto::Envelope ready;
+      ready.mutable_nccl_ready();
+      wire::send_to(*replies_, it->identity, ready);
+    } catch (const std::exception& e) {
+      answer_error(it->identity, status_of_exception(e, StatusCode::kFailedPrecondition));
+    }
+    it = pending_setups_.erase(it);
+  }
+}
+
+void Scheduler::run() {
+  // OpenMP's thread count and the current CUDA device are per thread: set them where we compute.
+  if (options_.threads > 0) at::set_num_threads(options_.threads);
+#ifdef SYMBIOSIS_WITH_CUDA
+  std::optional<cuda::ComputeStreams> streams;
+  if (model_.device().is_cuda()) {
+    streams.emplace(model_.device().index(), options_.streams);
+    warm_up(model_, *streams, options_.streams);
+  }
+#endif
+  // Nothing here is differentiated: skip autograd's bookkeeping on every operation.
+  c10::InferenceMode inference_mode;
+  replies_ = std::make_unique<zmq::socket_t>(context_, zmq::socket_type::push);
+  replies_->set(zmq::sockopt::linger, 0);
+  replies_->connect(replies_endpoint_);
+  const auto spin = std::chrono::microseconds(
+      options_.spin_us >= 0 ? options_.spin_us : shm::default_spin_us(model_.device().is_cuda()));
+  auto& bell = doorbell_.word();
+  while (!stopping_) {
+    // Anything that happens after this read rings the doorbell, so the wait below cannot miss it.
+    const uint32_t seen = bell.current();
+    std::vector<InboxMessage> messages;
+    {
+      std::lock_guard<std::mutex> lock(inbox_mutex_);
+      messages.swap(inbox_);
+    }
+    for (auto& message : messages) std::visit([this](auto& m) { handle(m); }, message);
+    finish_setups();
+    const bool watching = poll_channels();
+    const auto now = Clock::now();
+    auto batch = batcher_.pop(now);
+    statistics_.queue_depth = batcher_.pending();
+    if (batch) {
+#ifdef SYMBIOSIS_WITH_CUDA
+      if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
+        const auto& first = batch->requests[0];
+        const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
+        streams->use(in_place ? first.client_id : 0);
+      }
+#endif
+      runner_.run(*batch);
+      continue;
+    }
+    auto deadline = batcher_.next_deadline(now);
+    if (!pending_setups_.empty()) deadline = std::min(deadline, now + std::chrono::milliseconds(1));
+    if (watching) continue;  // a result or an input about to be ready: look again at once
+    shm::wait_until(bell, [&] { return bell.current() != seen; }, spin, deadline);
+  }
+}
+
+}  // namespace symbiosis

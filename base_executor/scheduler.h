@@ -1,0 +1,103 @@
+#pragma once
+// The executor's scheduler: the one thread that computes. It alone owns the Batcher and the
+// clients' channels, and everything reaches it through one inbox (post), which the front door
+// feeds: clients joining and leaving, calls that came over ZeroMQ, payload set-up. Calls of
+// clients on this host come straight through their channels' rings, which it polls
+// ([Shared-memory control channel] in transport/call_ring.h). Each turn of its loop it empties
+// the inbox, polls the channels, finishes NCCL set-ups, and runs the next batch the Batcher gives
+// ([Opportunistic batching]) through the BatchRunner; with nothing to do it spins, then sleeps on
+// its doorbell ([Spin, then sleep] in transport/shared_memory.h), which clients and post() ring.
+// Thread safety: post(), doorbell() and stop() from any thread; run() on the scheduler's thread.
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "base_executor/base_model.h"
+#include "base_executor/batch_runner.h"
+#include "base_executor/executor.h"
+#include "base_executor/statistics.h"
+#include "symbiosis.pb.h"
+#include "transport/channel.h"
+
+namespace symbiosis {
+
+// What the front door posts to the scheduler.
+struct ClientJoined {
+  std::shared_ptr<Channel> channel;
+};
+struct ClientLeft {
+  uint64_t client_id;
+};
+// A call whose header came over ZeroMQ (tcp, or a client whose control is ZeroMQ), with the
+// payload frames that followed it (tcp).
+struct CallArrived {
+  std::shared_ptr<Channel> channel;
+  shm::CallHeader header;
+  std::vector<int64_t> shape;
+  std::vector<zmq::message_t> frames;
+};
+// RegisterBuffer, ShareSegments or NcclSetup from the client `identity` routes to.
+struct SetupArrived {
+  std::shared_ptr<Channel> channel;
+  proto::Envelope envelope;
+  std::string identity;
+};
+using InboxMessage = std::variant<ClientJoined, ClientLeft, CallArrived, SetupArrived>;
+
+class Scheduler {
+ public:
+  // replies_endpoint: where answers to set-up messages go (the front door forwards them).
+  Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics, zmq::context_t& context,
+            std::string replies_endpoint);
+  ~Scheduler();
+
+  void post(InboxMessage message);
+  // The doorbell's segment, for the Welcome of a client of this host.
+  const std::string& doorbell_segment() const { return doorbell_.segment(); }
+  // The loop; returns once stop() was called.
+  void run();
+  void stop();
+
+ private:
+  void handle(ClientJoined& message);
+  void handle(ClientLeft& message);
+  void handle(CallArrived& message);
+  void handle(SetupArrived& message);
+  // Checks a call and queues it, or refuses it through its channel.
+  void accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape);
+  // Takes the channels' new calls and pushes the replies they held; true while a reply is still
+  // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
+  bool poll_channels();
+  void finish_setups();
+  void answer_error(const std::string& identity, const Status& status);
+
+  const ExecutorOptions& options_;
+  const BaseModel& model_;
+  Statistics& statistics_;
+  zmq::context_t& context_;
+  const std::string replies_endpoint_;
+  std::atomic<bool> stopping_{false};
+  Doorbell doorbell_;
+
+  std::mutex inbox_mutex_;
+  std::vector<InboxMessage> inbox_;  // guarded by inbox_mutex_
+
+  // Owned by the scheduler's thread.
+  CallBatcher batcher_;
+  BatchRunner runner_;
+  std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
+  struct PendingSetup {
+    std::shared_ptr<Channel> channel;
+    std::string identity;  // the client's ZeroMQ routing id
+  };
+  std::vector<PendingSetup> pending_setups_;  // NCCL communicators still joining
+  std::unique_ptr<zmq::socket_t> replies_;    // answers to set-up messages, to the front door
+};
+
+}  // namespace symbiosis

@@ -1,0 +1,81 @@
+#include "base_executor/statistics.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+namespace symbiosis {
+
+Statistics::Statistics(const BaseModel& model, std::string policy)
+    : model_(model), policy_(std::move(policy)), layers_(model.layer_count()) {}
+
+void Statistics::record_batch(uint32_t layer_id, bool backward, size_t batch_requests, int64_t batch_tokens,
+                              Clock::time_point started, Clock::time_point computed, Clock::time_point finished,
+                              double wait_seconds) {
+  using std::chrono::duration_cast;
+  using std::chrono::nanoseconds;
+  compute_nanos += duration_cast<nanoseconds>(finished - started).count();
+  deliver_nanos += duration_cast<nanoseconds>(finished - computed).count();
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& c = layers_[layer_id];
+  c.batches++;
+  (backward ? c.backward_batches : c.forward_batches)++;
+  c.requests += batch_requests;
+  c.tokens += batch_tokens;
+  c.compute_seconds += std::chrono::duration<double>(finished - started).count();
+  c.wait_seconds += wait_seconds;
+  max_batch_requests_ = std::max<uint64_t>(max_batch_requests_, batch_requests);
+}
+
+proto::Stats Statistics::snapshot() const {
+  proto::Stats s;
+  s.set_clients(clients);
+  s.set_requests(requests);
+  s.set_errors(errors);
+  s.set_tokens(tokens);
+  s.set_compute_seconds(compute_nanos * 1e-9);
+  s.set_deliver_seconds(deliver_nanos * 1e-9);
+  s.set_direct_calls(direct_calls);
+  s.set_concurrent_calls(concurrent_calls);
+  s.set_replayed_calls(replayed_calls);
+  s.set_policy(policy_);
+  s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
+  s.set_queue_depth(queue_depth);
+  std::lock_guard<std::mutex> lock(mutex_);
+  uint64_t batches = 0;
+  double wait = 0;
+  for (size_t id = 0; id < layers_.size(); ++id) {
+    const auto& c = layers_[id];
+    batches += c.batches;
+    wait += c.wait_seconds;
+    if (c.requests == 0) continue;
+    auto* layer = s.add_layers();
+    layer->set_layer_id(static_cast<uint32_t>(id));
+    layer->set_name(model_.layer(static_cast<uint32_t>(id)).name);
+    layer->set_requests(c.requests);
+    layer->set_tokens(c.tokens);
+    layer->set_batches(c.batches);
+    layer->set_compute_seconds(c.compute_seconds);
+    layer->set_wait_seconds(c.wait_seconds);
+    layer->set_op_forward(c.forward_batches);
+    layer->set_op_backward(c.backward_batches);
+  }
+  s.set_batches(batches);
+  s.set_wait_seconds(wait);
+  s.set_max_batch_requests(max_batch_requests_);
+  return s;
+}
+
+void Statistics::log() const {
+  const auto s = snapshot();
+  const double uptime = std::max(s.uptime_seconds(), 1e-9);
+  spdlog::info(
+      "stats ({}): {} clients, {} requests in {} batches ({:.2f} requests/batch, max {}), {} errors, {} tokens "
+      "({:.0f} tokens/s), {:.3f} s computing, mean wait {:.1f} us, queue depth {}",
+      s.policy(), s.clients(), s.requests(), s.batches(),
+      s.batches() ? double(s.requests()) / s.batches() : 0.0, s.max_batch_requests(), s.errors(), s.tokens(),
+      s.tokens() / uptime, s.compute_seconds(), s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0,
+      s.queue_depth());
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,54 @@
+#pragma once
+// The executor's statistics: counters the front door and the scheduler bump, per-layer batch
+// figures the batch runner records, and their snapshot as the wire's Stats (symbiosis-ctl stats)
+// or a log line. Thread safety: every method may be called from any thread.
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "base_executor/base_model.h"
+#include "symbiosis.pb.h"
+
+namespace symbiosis {
+
+class Statistics {
+ public:
+  using Clock = std::chrono::steady_clock;
+  Statistics(const BaseModel& model, std::string policy);
+
+  std::atomic<uint64_t> clients{0};            // connected now
+  std::atomic<uint64_t> same_host_clients{0};  // of which with a payload channel (shm, cuda-ipc, nccl)
+  std::atomic<uint64_t> requests{0};           // answered with a result
+  std::atomic<uint64_t> errors{0};             // answered with an error
+  std::atomic<uint64_t> tokens{0};
+  std::atomic<uint64_t> direct_calls{0};      // calls whose operands lay in a client's shared segment ([Direct operands])
+  std::atomic<uint64_t> concurrent_calls{0};  // calls run alone on their client's compute stream ([Compute streams])
+  std::atomic<uint64_t> replayed_calls{0};    // captured calls whose GEMM was launched as a graph ([Replayed calls])
+  std::atomic<uint64_t> compute_nanos{0};     // running batches, delivery included
+  std::atomic<uint64_t> deliver_nanos{0};     // the part of compute_nanos spent delivering results
+  std::atomic<uint64_t> queue_depth{0};       // calls queued, as the scheduler last saw them
+
+  // One batch of `requests` calls and `tokens` tokens of one layer and op ran from `started` to
+  // `finished`, its results delivered from `computed`; its calls waited `wait_seconds` in all.
+  void record_batch(uint32_t layer_id, bool backward, size_t requests, int64_t tokens, Clock::time_point started,
+                    Clock::time_point computed, Clock::time_point finished, double wait_seconds);
+  proto::Stats snapshot() const;
+  void log() const;
+
+ private:
+  struct LayerCounters {
+    uint64_t requests = 0, tokens = 0, batches = 0, forward_batches = 0, backward_batches = 0;
+    double compute_seconds = 0, wait_seconds = 0;
+  };
+  const BaseModel& model_;
+  const std::string policy_;
+  const Clock::time_point started_ = Clock::now();
+  mutable std::mutex mutex_;             // guards the two below
+  std::vector<LayerCounters> layers_;    // by layer id
+  uint64_t max_batch_requests_ = 0;
+};
+
+}  // namespace symbiosis
