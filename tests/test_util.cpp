@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "bench/process.h"
 #include "transport/zmq_wire.h"
 
 extern char** environ;
@@ -41,12 +42,10 @@ std::filesystem::path temp_dir(const std::string& prefix) {
   return pattern;
 }
 
-// Tests live in <build>/tests/<part>/; the build directory is found from the running test, so a
-// build carried to another machine (the GPU machine) finds its programs.
-std::string binary(const std::string& relative) {
-  const auto build = std::filesystem::read_symlink("/proc/self/exe").parent_path().parent_path().parent_path();
-  return (build / relative).string();
-}
+// Tests live in <build>/tests/<part>/..., mirroring the source tree; the build directory is found
+// from the running test (bench::build_dir), so a build carried to another machine (the GPU
+// machine) finds its programs.
+std::string binary(const std::string& relative) { return (bench::build_dir() / relative).string(); }
 
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args) {
   static std::mutex mutex;
