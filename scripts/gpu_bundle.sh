@@ -12,7 +12,7 @@ out=.gpu-build
 rm -rf "$out"
 for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/symbiosis-make-checkpoint \
          tools/symbiosis-ctl bench/symbiosis-bench bench/symbiosis-bench-client bench/symbiosis-bench-roundtrip bench/symbiosis-bench-loss \
-         tests/base_executor/gpu_executor_test tests/kernels/kernels_test tests/transport/cuda_ipc/cuda_ipc_test tests/transport/nccl/nccl_test \
+         tests/base_executor/gpu_executor_test tests/kernels/kernels_test tests/transport/cuda_ipc/cuda_ipc_test tests/transport/nccl/nccl_test tests/common/runtime_binding_test \
          client_runtime/libsymbiosis_client.so; do
   mkdir -p "$out/$(dirname "$f")"
   strip --strip-debug -o "$out/$f" "$BUILD_DIR/$f"

@@ -5,7 +5,8 @@
 # with carry: [".gpu", ".gpu-build"]. It uses the binaries that scripts/gpu_bundle.sh carried in
 # .gpu-build when they load here, and builds from source into build-gpu otherwise.
 # Stages:
-#   tests          the GPU test suites (1 GPU: executor, CUDA IPC; 2 GPUs: NCCL too), under MPS
+#   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC; 2 GPUs: NCCL too), under MPS,
+#                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   kernels        gpu_executor_test and kernels_test (the executor's GEMMs, the packing kernel, the fused loss, ...)
 #   loss           the client's loss, fused against the fp32 copy and ATen's (symbiosis-bench-loss),
 #                  at 2 x 512 and 1 x 128 tokens of Llama 3's vocabulary, bf16
@@ -61,7 +62,7 @@ else
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
-    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test \
+    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
   export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
@@ -95,6 +96,7 @@ gtest_path() {
   case $1 in
     gpu_executor_test) echo "$B/tests/base_executor/$1" ;;
     kernels_test) echo "$B/tests/kernels/$1" ;;
+    runtime_binding_test) echo "$B/tests/common/$1" ;;
     cuda_ipc_test) echo "$B/tests/transport/cuda_ipc/$1" ;;
     nccl_test) echo "$B/tests/transport/nccl/$1" ;;
   esac
@@ -184,6 +186,7 @@ for stage in "$@"; do
   log "stage $stage"
   case $stage in
     tests)
+      run_gtest runtime_binding_test  # [libstdc++ first] with this machine's toolchain
       mps_on
       run_gtest gpu_executor_test
       run_gtest kernels_test
