@@ -40,12 +40,17 @@ std::filesystem::path temp_dir(const std::string& prefix) {
   return pattern;
 }
 
-// Tests live in <build>/tests/<part>/; the build directory is found from the running test, so a
-// build carried to another machine (the GPU machine) finds its programs.
+// Tests live in <build>/tests/<part>/ or deeper (tests/client_runtime/peft/); the build directory
+// is the nearest one above the running test that holds `relative`, so a build carried to another
+// machine (the GPU machine) finds its programs.
 std::string binary(const std::string& relative) {
-  const auto build = std::filesystem::read_symlink("/proc/self/exe").parent_path().parent_path().parent_path();
-  return (build / relative).string();
+  const auto test = std::filesystem::read_symlink("/proc/self/exe");
+  for (auto dir = test.parent_path(); dir != dir.root_path(); dir = dir.parent_path()) {
+    if (std::filesystem::exists(dir / relative)) return (dir / relative).string();
+  }
+  return (test.parent_path().parent_path().parent_path() / relative).string();  // not built: named for the error
 }
+
 
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args) {
   static std::mutex mutex;

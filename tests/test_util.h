@@ -15,9 +15,9 @@
 #include <zmq.hpp>
 
 #include "base_executor/executor.h"
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/training.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
 #include "symbiosis.pb.h"
 
 namespace symbiosis::testing {

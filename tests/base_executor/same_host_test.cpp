@@ -11,7 +11,7 @@
 
 #include "base_executor/executor.h"
 #include "client_runtime/client.h"
-#include "client_runtime/step_graph.h"
+#include "client_runtime/training/step_graph.h"
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
 #include "transport/call_ring.h"

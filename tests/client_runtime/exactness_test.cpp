@@ -11,9 +11,9 @@
 #include <sys/wait.h>
 #include <torch/optim/adamw.h>
 
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/training.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
 #include "tests/test_util.h"
 
 extern char** environ;

@@ -9,9 +9,9 @@
 
 #include <fstream>
 
-#include "client_runtime/lora.h"
-#include "client_runtime/model_io.h"
+#include "client_runtime/models/model_io.h"
 #include "client_runtime/nn.h"
+#include "client_runtime/peft/lora.h"
 #include "client_runtime/virtualize.h"
 #include "tests/test_util.h"
 
