@@ -2,34 +2,25 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
+#include <utility>
 
 #include "client_runtime/models/attention.h"
+#include "client_runtime/models/config_fields.h"
 #include "common/checkpoint.h"
 
 namespace symbiosis {
 
-namespace {
-int64_t required_int(const Checkpoint& ckpt, const std::string& field) {
-  auto v = ckpt.config_number(field);
-  TORCH_CHECK(v.has_value(), ckpt.dir() / "config.json", ": missing field '", field, "'");
-  TORCH_CHECK(*v == std::floor(*v), ckpt.dir() / "config.json", ": field '", field, "' should be an integer, got ", *v);
-  return static_cast<int64_t>(*v);
-}
-}  // namespace
-
 GPT2Config GPT2Config::from_checkpoint(const Checkpoint& ckpt) {
+  using detail::required_int;
   const auto where = ckpt.dir() / "config.json";
-  if (auto type = ckpt.config_string("model_type")) {
-    TORCH_CHECK(*type == "gpt2", where, ": model_type is '", *type, "', expected 'gpt2'");
-  }
+  detail::check_model_type(ckpt, "gpt2");
   GPT2Config c;
   c.vocab_size = required_int(ckpt, "vocab_size");
   c.n_positions = required_int(ckpt, "n_positions");
   c.n_embd = required_int(ckpt, "n_embd");
   c.n_layer = required_int(ckpt, "n_layer");
   c.n_head = required_int(ckpt, "n_head");
-  if (ckpt.config_has("n_inner")) c.n_inner = required_int(ckpt, "n_inner");  // null reads as absent
+  c.n_inner = detail::optional_int(ckpt, "n_inner", c.n_inner);  // null reads as absent
   c.layer_norm_epsilon = ckpt.config_number("layer_norm_epsilon").value_or(1e-5);
   auto act = ckpt.config_string("activation_function").value_or("gelu_new");
   TORCH_CHECK(act == "gelu_new", where, ": activation_function '", act, "' is not supported (expected 'gelu_new')");

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "client_runtime/models/attention.h"
+#include "client_runtime/models/config_fields.h"
 #include "common/checkpoint.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/rotary.h"
@@ -19,13 +20,6 @@
 namespace symbiosis {
 
 namespace {
-
-int64_t required_int(const Checkpoint& ckpt, const std::string& field) {
-  auto v = ckpt.config_number(field);
-  TORCH_CHECK(v.has_value(), ckpt.dir() / "config.json", ": missing field '", field, "'");
-  TORCH_CHECK(*v == std::floor(*v), ckpt.dir() / "config.json", ": field '", field, "' should be an integer, got ", *v);
-  return static_cast<int64_t>(*v);
-}
 
 // silu(gate) · up: one kernel on a GPU ([Fused SwiGLU] in kernels/swiglu.h), ATen's elsewhere.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
@@ -139,20 +133,19 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }  // namespace detail
 
 LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
+  using detail::optional_int;
+  using detail::required_int;
   const auto where = ckpt.dir() / "config.json";
-  if (auto type = ckpt.config_string("model_type")) {
-    TORCH_CHECK(*type == "llama", where, ": model_type is '", *type, "', expected 'llama'");
-  }
+  detail::check_model_type(ckpt, "llama");
   LlamaConfig c;
   c.vocab_size = required_int(ckpt, "vocab_size");
   c.hidden_size = required_int(ckpt, "hidden_size");
   c.intermediate_size = required_int(ckpt, "intermediate_size");
   c.num_hidden_layers = required_int(ckpt, "num_hidden_layers");
   c.num_attention_heads = required_int(ckpt, "num_attention_heads");
-  c.num_key_value_heads =
-      ckpt.config_has("num_key_value_heads") ? required_int(ckpt, "num_key_value_heads") : c.num_attention_heads;
-  if (ckpt.config_has("head_dim")) c.head_dim = required_int(ckpt, "head_dim");
-  if (ckpt.config_has("max_position_embeddings")) c.max_position_embeddings = required_int(ckpt, "max_position_embeddings");
+  c.num_key_value_heads = optional_int(ckpt, "num_key_value_heads", c.num_attention_heads);
+  c.head_dim = optional_int(ckpt, "head_dim", c.head_dim);
+  c.max_position_embeddings = optional_int(ckpt, "max_position_embeddings", c.max_position_embeddings);
   c.rms_norm_eps = ckpt.config_number("rms_norm_eps").value_or(1e-6);
   c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(false);
   c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);

@@ -134,22 +134,28 @@ void load_weights(torch::nn::Module& model, const Checkpoint& ckpt) {
   }
 }
 
-LlamaForCausalLM load_llama(const std::filesystem::path& dir, bool materialize_base, at::ScalarType dtype,
-                            at::Device device) {
+namespace {
+
+// Opens the checkpoint, builds a Model from its config.json (Config::from_checkpoint), loads it.
+template <typename Model, typename Config>
+Model load_model(const std::filesystem::path& dir, bool materialize_base, at::ScalarType dtype, at::Device device) {
   auto ckpt = Checkpoint::open(dir);
-  LlamaForCausalLM model(LlamaConfig::from_checkpoint(*ckpt), materialize_base);
+  Model model(Config::from_checkpoint(*ckpt), materialize_base);
   model->to(device, dtype);
   load_weights(*model, *ckpt);
   return model;
 }
 
+}  // namespace
+
+LlamaForCausalLM load_llama(const std::filesystem::path& dir, bool materialize_base, at::ScalarType dtype,
+                            at::Device device) {
+  return load_model<LlamaForCausalLM, LlamaConfig>(dir, materialize_base, dtype, device);
+}
+
 GPT2LMHeadModel load_gpt2(const std::filesystem::path& dir, bool materialize_base, at::ScalarType dtype,
                           at::Device device) {
-  auto ckpt = Checkpoint::open(dir);
-  GPT2LMHeadModel model(GPT2Config::from_checkpoint(*ckpt), materialize_base);
-  model->to(device, dtype);
-  load_weights(*model, *ckpt);
-  return model;
+  return load_model<GPT2LMHeadModel, GPT2Config>(dir, materialize_base, dtype, device);
 }
 
 }  // namespace symbiosis

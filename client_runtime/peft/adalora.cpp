@@ -21,13 +21,7 @@ std::vector<std::string> resolved_targets(torch::nn::Module& model, const AdaLor
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<AdaLoraAdapterImpl>>> adalora_layers(torch::nn::Module& model) {
-  std::vector<std::pair<std::string, std::shared_ptr<AdaLoraAdapterImpl>>> layers;
-  for (const auto& item : model.named_modules("", false)) {
-    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
-    auto adapter = base ? std::dynamic_pointer_cast<AdaLoraAdapterImpl>(base->adapter()) : nullptr;
-    if (adapter) layers.emplace_back(item.key(), adapter);
-  }
-  return layers;
+  return peft::layer_adapters<AdaLoraAdapterImpl>(model);
 }
 
 at::Tensor kept_index(const std::vector<bool>& keep) {
@@ -317,19 +311,8 @@ AdaLoraConfig load_adalora(torch::nn::Module& model, const std::filesystem::path
       if (it != config.rank_pattern.end()) adapter->keep_triplets(it->second);
     }
   }
-  auto saved = peft::read_tensors(dir);
-  const auto file = dir / "adapter_model.safetensors";
-  auto state = adalora_state(model, AdaLoraConfig{});  // as the adapters are now, unsliced
-  TORCH_CHECK(saved.size() == state.size(), file, " holds ", saved.size(),
-              " tensors, but the model's AdaLoRA adapters have ", state.size());
-  at::NoGradGuard no_grad;
-  for (auto& [name, param] : state) {
-    auto it = saved.find(name);
-    TORCH_CHECK(it != saved.end(), file, " lacks tensor '", name, "'");
-    TORCH_CHECK(it->second.sizes() == param.sizes(), file, ": tensor '", name, "' has shape ", it->second.sizes(),
-                ", expected ", param.sizes());
-    param.copy_(it->second);
-  }
+  // The adapters as they are now, unsliced by the config's rank_pattern.
+  peft::load_state(dir, adalora_state(model, AdaLoraConfig{}), "AdaLoRA");
   return config;
 }
 

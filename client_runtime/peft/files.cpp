@@ -61,6 +61,24 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
   return tensors;
 }
 
+void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                const std::string& method) {
+  const auto saved = read_tensors(dir);
+  const auto file = dir / "adapter_model.safetensors";
+  TORCH_CHECK(saved.size() == state.size(), file, " holds ", saved.size(), " tensors, but the model's ", method,
+              " adapters have ", state.size());
+  std::vector<const at::Tensor*> sources;
+  for (const auto& [name, param] : state) {
+    auto it = saved.find(name);
+    TORCH_CHECK(it != saved.end(), file, " lacks tensor '", name, "'");
+    TORCH_CHECK(it->second.sizes() == param.sizes(), file, ": tensor '", name, "' has shape ", it->second.sizes(),
+                ", expected ", param.sizes());
+    sources.push_back(&it->second);
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < state.size(); ++i) state[i].second.copy_(*sources[i]);
+}
+
 void write_adapter(const std::filesystem::path& dir, const nlohmann::json& config,
                    const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   std::filesystem::create_directories(dir);

@@ -82,11 +82,8 @@ std::vector<at::Tensor> add_ia3(torch::nn::Module& model, const IA3Config& reque
 
 std::vector<std::pair<std::string, at::Tensor>> ia3_state(torch::nn::Module& model) {
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const auto& item : model.named_modules("", false)) {
-    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
-    if (base == nullptr) continue;
-    auto ia3 = std::dynamic_pointer_cast<IA3AdapterImpl>(base->adapter());
-    if (ia3) state.emplace_back(peft::kKeyPrefix + item.key() + ".ia3_l", ia3->ia3_l);
+  for (const auto& [path, ia3] : peft::layer_adapters<IA3AdapterImpl>(model)) {
+    state.emplace_back(peft::kKeyPrefix + path + ".ia3_l", ia3->ia3_l);
   }
   return state;
 }
@@ -137,19 +134,7 @@ IA3Config read_ia3_config(const std::filesystem::path& dir) {
 IA3Config load_ia3(torch::nn::Module& model, const std::filesystem::path& dir) {
   auto config = read_ia3_config(dir);
   if (ia3_state(model).empty()) add_ia3(model, config);
-  auto saved = peft::read_tensors(dir);
-  auto state = ia3_state(model);
-  const auto file = dir / "adapter_model.safetensors";
-  TORCH_CHECK(saved.size() == state.size(), file, " holds ", saved.size(), " tensors, but the model's IA3 adapters have ",
-              state.size());
-  at::NoGradGuard no_grad;
-  for (auto& [name, param] : state) {
-    auto it = saved.find(name);
-    TORCH_CHECK(it != saved.end(), file, " lacks tensor '", name, "'");
-    TORCH_CHECK(it->second.sizes() == param.sizes(), file, ": tensor '", name, "' has shape ", it->second.sizes(),
-                ", expected ", param.sizes());
-    param.copy_(it->second);
-  }
+  peft::load_state(dir, ia3_state(model), "IA3");
   return config;
 }
 

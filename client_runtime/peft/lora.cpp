@@ -4,14 +4,14 @@
 #include <torch/autograd.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <typeinfo>
 
 #include "client_runtime/peft/dora.h"
-#include "common/checkpoint.h"
+#include "client_runtime/peft/files.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/lora.h"
@@ -20,22 +20,12 @@
 namespace symbiosis {
 namespace {
 
-bool targeted(const std::string& name, const LoraConfig& config) {
-  for (const auto& target : config.target_modules) {
-    if (target == "all-linear") {
-      if (name != "lm_head") return true;
-      continue;
-    }
-    if (name == target) return true;
-    if (name.size() > target.size() && name.compare(name.size() - target.size(), target.size(), target) == 0 &&
-        name[name.size() - target.size() - 1] == '.') {
-      return true;
-    }
-  }
-  return false;
+// PEFT's matching (peft::matches_module), where "all-linear" names every base layer but lm_head.
+bool targeted(const std::string& path, const LoraConfig& config) {
+  const auto& targets = config.target_modules;
+  if (path != "lm_head" && std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) return true;
+  return peft::matches_module(path, targets);
 }
-
-const std::string kPeftPrefix = "base_model.model.";
 
 // PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", path).
 template <typename Map>
@@ -300,25 +290,20 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
 
 std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& model) {
   std::vector<std::pair<std::string, at::Tensor>> state;
-  for (const auto& item : model.named_modules("", false)) {
-    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
-    if (base == nullptr) continue;
-    auto lora = std::dynamic_pointer_cast<LoraAdapterImpl>(base->adapter());
-    if (!lora) continue;
-    state.emplace_back(kPeftPrefix + item.key() + ".lora_A.weight", lora->lora_A);
-    state.emplace_back(kPeftPrefix + item.key() + ".lora_B.weight", lora->lora_B);
+  for (const auto& [path, lora] : peft::layer_adapters<LoraAdapterImpl>(model)) {  // DoRA's too
+    const auto key = peft::kKeyPrefix + path;
+    state.emplace_back(key + ".lora_A.weight", lora->lora_A);
+    state.emplace_back(key + ".lora_B.weight", lora->lora_B);
     if (auto dora = std::dynamic_pointer_cast<DoraAdapterImpl>(lora)) {
-      state.emplace_back(kPeftPrefix + item.key() + ".lora_magnitude_vector", dora->lora_magnitude_vector);
+      state.emplace_back(key + ".lora_magnitude_vector", dora->lora_magnitude_vector);
     }
   }
   return state;
 }
 
 void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
   auto state = lora_state(model);
   TORCH_CHECK(!state.empty(), "the model has no LoRA adapters to save");
-  write_safetensors(dir / "adapter_model.safetensors", state, {{"format", "pt"}});
   nlohmann::json j = {{"peft_type", "LORA"},
                       {"task_type", "CAUSAL_LM"},
                       {"r", config.r},
@@ -335,21 +320,12 @@ void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::fi
                       {"base_model_name_or_path", nullptr}};
   // PEFT reads "all-linear" as a string only (in a list it would be a module name).
   if (config.target_modules == std::vector<std::string>{"all-linear"}) j["target_modules"] = "all-linear";
-  std::ofstream(dir / "adapter_config.json") << j.dump(2) << "\n";
+  peft::write_adapter(dir, j, state);
 }
 
 LoraConfig read_lora_config(const std::filesystem::path& dir) {
   const auto path = dir / "adapter_config.json";
-  std::ifstream in(path);
-  TORCH_CHECK(in.good(), "missing file ", path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "bad JSON in ", path, ": ", e.what());
-  }
-  TORCH_CHECK(j.value("peft_type", "") == "LORA", path, ": field 'peft_type' is '", j.value("peft_type", ""),
-              "', expected 'LORA'");
+  const auto j = peft::read_config(dir, "LORA");
   LoraConfig config;
   config.r = j.value("r", config.r);
   config.alpha = j.value("lora_alpha", config.alpha);
@@ -392,27 +368,8 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
 LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir) {
   auto config = read_lora_config(dir);
   if (lora_state(model).empty()) add_lora(model, config);
-  const auto file = dir / "adapter_model.safetensors";
-  TORCH_CHECK(std::filesystem::exists(file), "missing file ", file);
-  // Reuse the checkpoint reader's safetensors parsing through a one-file view.
-  auto state = lora_state(model);
-  auto tmp = std::filesystem::temp_directory_path() / ("symbiosis-lora-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(tmp);
-  std::filesystem::copy_file(file, tmp / "model.safetensors", std::filesystem::copy_options::overwrite_existing);
-  std::ofstream(tmp / "config.json") << "{}";
-  {
-    auto saved = Checkpoint::open(tmp);
-    at::NoGradGuard no_grad;
-    for (auto& [name, param] : state) param.copy_(saved->tensor(name, param.sizes()));
-    for (const auto& item : model.named_modules("", false)) {
-      auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
-      auto dora = base ? std::dynamic_pointer_cast<DoraAdapterImpl>(base->adapter()) : nullptr;
-      if (dora) dora->set_magnitude_loaded();
-    }
-    TORCH_CHECK(saved->names().size() == state.size(), file, " holds ", saved->names().size(),
-                " tensors, but the model's adapters have ", state.size());
-  }
-  std::filesystem::remove_all(tmp);
+  peft::load_state(dir, lora_state(model), "LoRA");
+  for (const auto& [path, dora] : peft::layer_adapters<DoraAdapterImpl>(model)) dora->set_magnitude_loaded();
   return config;
 }
 
