@@ -8,8 +8,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 
 #include "transport/zmq_wire.h"
 
@@ -51,7 +53,6 @@ std::string binary(const std::string& relative) {
   return (test.parent_path().parent_path().parent_path() / relative).string();  // not built: named for the error
 }
 
-
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args) {
   static std::mutex mutex;
   static std::map<std::string, std::filesystem::path> made;
@@ -70,6 +71,25 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
   options.model_dir = model;
   options.listen = "tcp://127.0.0.1:*";
   return Executor::start(options);
+}
+
+std::shared_ptr<Client> connect(const Executor& executor, ClientOptions options) {
+  options.endpoint = executor.endpoint();
+  return Client::connect(options);
+}
+
+std::shared_ptr<Client> connect(const Executor& executor, const Checkpoint& checkpoint, ClientOptions options) {
+  options.expected_model_hash = checkpoint.model_hash();
+  return connect(executor, std::move(options));
+}
+
+ServedModel serve_model(const std::string& preset, const ClientOptions& client_options) {
+  ServedModel served;
+  served.dir = make_checkpoint(preset);
+  served.checkpoint = Checkpoint::open(served.dir);
+  served.executor = start_executor(served.dir);
+  served.client = connect(*served.executor, *served.checkpoint, client_options);
+  return served;
 }
 
 AddAdapter lora_adapter(const LoraConfig& lora) {
@@ -129,6 +149,36 @@ size_t forward_calls(const Client& client) {
   size_t calls = client.layers().size();
   for (const auto& group : client.groups()) calls -= group.members.size() - 1;
   return calls;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+int shell(const std::string& command) {
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+at::Tensor read_safetensors_f32(const std::filesystem::path& file, const std::string& name) {
+  std::ifstream in(file, std::ios::binary);
+  EXPECT_TRUE(in.good()) << "cannot read " << file;
+  uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  const auto entry = nlohmann::json::parse(header).at(name);
+  EXPECT_EQ(entry.at("dtype").get<std::string>(), "F32");
+  const auto offsets = entry.at("data_offsets").get<std::vector<size_t>>();
+  auto out = at::empty(entry.at("shape").get<std::vector<int64_t>>(), at::kFloat);
+  in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
+  in.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(offsets[1] - offsets[0]));
+  return out;
 }
 
 double relative_error(const at::Tensor& a, const at::Tensor& b) {

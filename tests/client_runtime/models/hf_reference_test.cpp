@@ -6,11 +6,8 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "client_runtime/models/gpt2.h"
@@ -18,6 +15,7 @@
 #include "client_runtime/models/model_io.h"
 #include "client_runtime/training/loss.h"
 #include "common/checkpoint.h"
+#include "tests/test_util.h"
 
 namespace symbiosis {
 namespace {
@@ -27,29 +25,6 @@ namespace fs = std::filesystem;
 const std::string kPython = SYMBIOSIS_PYTHON;
 const fs::path kTool = fs::path(SYMBIOSIS_BINARY_DIR) / "tools" / "symbiosis-make-checkpoint";
 const fs::path kReferenceScript = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "hf_logits.py";
-
-int run(const std::string& command) {
-  int status = std::system(command.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-// Reads one fp32 tensor from a safetensors file (the reference's output, which has no config.json).
-at::Tensor read_safetensors_f32(const fs::path& file, const std::string& name) {
-  std::ifstream in(file, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << file;
-  uint64_t header_len = 0;
-  in.read(reinterpret_cast<char*>(&header_len), 8);
-  std::string header(header_len, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_len));
-  auto j = nlohmann::json::parse(header);
-  const auto& entry = j.at(name);
-  EXPECT_EQ(entry.at("dtype").get<std::string>(), "F32");
-  auto offsets = entry.at("data_offsets").get<std::vector<size_t>>();
-  auto out = at::empty(entry.at("shape").get<std::vector<int64_t>>(), at::kFloat);
-  in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
-  in.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(offsets[1] - offsets[0]));
-  return out;
-}
 
 struct Batch {
   at::Tensor input_ids;       // [B,T] int64
@@ -74,7 +49,7 @@ class HfReferenceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new fs::path(fs::temp_directory_path() / ("symbiosis_hf_reference_" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
-    have_transformers_ = run("'" + kPython + "' -c 'import transformers, safetensors, torch' > /dev/null 2>&1") == 0;
+    have_transformers_ = testing::shell("'" + kPython + "' -c 'import transformers, safetensors, torch' > /dev/null 2>&1") == 0;
   }
   static void TearDownTestSuite() {
     std::error_code ec;
@@ -89,7 +64,7 @@ class HfReferenceTest : public ::testing::Test {
     if (!fs::exists(out / "config.json")) {
       const std::string cmd = "'" + kTool.string() + "' --preset " + preset + " --out '" + out.string() + "' " + flags +
                               " > '" + (*dir_ / (name + ".log")).string() + "' 2>&1";
-      EXPECT_EQ(run(cmd), 0) << cmd;
+      EXPECT_EQ(testing::shell(cmd), 0) << cmd;
     }
     return out;
   }
@@ -103,8 +78,8 @@ class HfReferenceTest : public ::testing::Test {
                                {"labels", batch.labels.to(at::kFloat)}});
     const std::string cmd = "'" + kPython + "' '" + kReferenceScript.string() + "' --checkpoint '" + ckpt.string() +
                             "' --inputs '" + inputs.string() + "' --output '" + output.string() + "'";
-    EXPECT_EQ(run(cmd), 0) << cmd;
-    return {read_safetensors_f32(output, "logits"), read_safetensors_f32(output, "loss")};
+    EXPECT_EQ(testing::shell(cmd), 0) << cmd;
+    return {testing::read_safetensors_f32(output, "logits"), testing::read_safetensors_f32(output, "loss")};
   }
 
   void require_transformers() {
@@ -294,7 +269,7 @@ TEST_F(HfReferenceTest, WrongShapeIsNamed) {
 
 TEST_F(HfReferenceTest, ToolRefusesUnknownPreset) {
   const fs::path out = *dir_ / "unknown";
-  EXPECT_NE(run("'" + kTool.string() + "' --preset llama-9000 --out '" + out.string() + "' > /dev/null 2>&1"), 0);
+  EXPECT_NE(testing::shell("'" + kTool.string() + "' --preset llama-9000 --out '" + out.string() + "' > /dev/null 2>&1"), 0);
   EXPECT_FALSE(fs::exists(out / "config.json"));
 }
 

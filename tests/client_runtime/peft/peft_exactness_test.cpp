@@ -32,65 +32,37 @@ struct Method {
   AddMethod add;
 };
 
+// The method that `add` (add_lora, add_ia3, ...) attaches with `config`.
+template <typename Config>
+Method method(std::string name, std::vector<at::Tensor> (*add)(torch::nn::Module&, const Config&), Config config) {
+  return {std::move(name), [add, config](torch::nn::Module& m) { return add(m, config); }};
+}
+
 std::vector<Method> methods() {
   return {
-      {"ia3",
-       [](torch::nn::Module& m) {
-         IA3Config c;
-         c.init_ia3_weights = false;  // random vectors: every gradient non-trivial
-         return add_ia3(m, c);
-       }},
-      {"prompt_tuning",
-       [](torch::nn::Module& m) {
-         PromptTuningConfig c;
-         c.num_virtual_tokens = 5;
-         return add_prompt_tuning(m, c);
-       }},
-      {"p_tuning",
-       [](torch::nn::Module& m) {
-         PTuningConfig c;
-         c.num_virtual_tokens = 4;
-         c.encoder_hidden_size = 32;
-         return add_p_tuning(m, c);
-       }},
-      {"prefix_tuning",
-       [](torch::nn::Module& m) {
-         PrefixTuningConfig c;
-         c.num_virtual_tokens = 6;
-         return add_prefix_tuning(m, c);
-       }},
-      {"prefix_tuning_projection",
-       [](torch::nn::Module& m) {
-         PrefixTuningConfig c;
-         c.num_virtual_tokens = 3;
-         c.prefix_projection = true;
-         c.encoder_hidden_size = 24;
-         return add_prefix_tuning(m, c);
-       }},
-      {"lora_rslora_patterns",
-       [](torch::nn::Module& m) {
-         LoraConfig c;
-         c.r = 4;
-         c.alpha = 8;
-         c.use_rslora = true;
-         c.target_modules = {"all-linear"};
-         c.rank_pattern = {{"v_proj", 2}, {"c_fc", 6}};
-         c.alpha_pattern = {{"layers\\.1\\.mlp\\.down_proj", 3}, {"h\\.0\\.attn\\.c_attn", 5}};
-         c.init_b_zero = false;
-         return add_lora(m, c);
-       }},
+      // Random vectors: every gradient non-trivial.
+      method("ia3", add_ia3, IA3Config{.init_ia3_weights = false}),
+      method("prompt_tuning", add_prompt_tuning, PromptTuningConfig{.num_virtual_tokens = 5}),
+      method("p_tuning", add_p_tuning, PTuningConfig{.num_virtual_tokens = 4, .encoder_hidden_size = 32}),
+      method("prefix_tuning", add_prefix_tuning, PrefixTuningConfig{.num_virtual_tokens = 6}),
+      method("prefix_tuning_projection", add_prefix_tuning,
+             PrefixTuningConfig{.num_virtual_tokens = 3, .prefix_projection = true, .encoder_hidden_size = 24}),
+      method("lora_rslora_patterns", add_lora,
+             LoraConfig{.r = 4,
+                        .alpha = 8,
+                        .target_modules = {"all-linear"},
+                        .init_b_zero = false,
+                        .use_rslora = true,
+                        .rank_pattern = {{"v_proj", 2}, {"c_fc", 6}},
+                        .alpha_pattern = {{"layers\\.1\\.mlp\\.down_proj", 3}, {"h\\.0\\.attn\\.c_attn", 5}}}),
       // DoRA on Linear (no bias) and Conv1D (with bias) layers: the split side finds the weight
       // norms through FORWARD_NO_BIAS ([DoRA norms on the executor]), the monolithic side from W.
-      {"lora_dora",
-       [](torch::nn::Module& m) {
-         LoraConfig c;
-         c.r = 4;
-         c.alpha = 8;
-         c.use_dora = true;
-         c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
-         c.init_b_zero = false;
-         return add_lora(m, c);
-       }},
+      method("lora_dora", add_lora,
+             LoraConfig{.r = 4,
+                        .alpha = 8,
+                        .target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"},
+                        .init_b_zero = false,
+                        .use_dora = true}),
   };
 }
 
@@ -108,13 +80,8 @@ class PeftExactnessTest : public ::testing::TestWithParam<Param> {};
 TEST_P(PeftExactnessTest, SplitEqualsMonolithicInLossLogitsAndAdapterGradients) {
   const auto& [preset, index] = GetParam();
   const Method method = methods()[index];
-  const auto dir = testing::make_checkpoint(preset);
-  auto checkpoint = Checkpoint::open(dir);
-  auto executor = testing::start_executor(dir);
-  ClientOptions options;
-  options.endpoint = executor->endpoint();
-  options.expected_model_hash = checkpoint->model_hash();
-  auto client = Client::connect(options);
+  auto served = testing::serve_model(preset);
+  const auto& [dir, checkpoint, executor, client] = served;
 
   MethodRun split = make_run(*checkpoint, client, method);
   MethodRun mono = make_run(*checkpoint, nullptr, method);
@@ -195,13 +162,8 @@ TEST(LoraNode, MatchesAutogradOfTheExpression) {
 // ‖W + s·B·A‖ computed directly from the checkpoint's weights, and its dropout path (the rescaled
 // base term on the dropped input, through FORWARD_NO_BIAS) is exact in loss and gradients.
 TEST(PeftDora, NormsThroughTheExecutorAndDropoutPathMatchMonolithic) {
-  const auto dir = testing::make_checkpoint("tiny-gpt2");  // Conv1D with biases
-  auto checkpoint = Checkpoint::open(dir);
-  auto executor = testing::start_executor(dir);
-  ClientOptions options;
-  options.endpoint = executor->endpoint();
-  options.expected_model_hash = checkpoint->model_hash();
-  auto client = Client::connect(options);
+  auto served = testing::serve_model("tiny-gpt2");  // Conv1D with biases
+  const auto& [dir, checkpoint, executor, client] = served;
   LoraConfig c;
   c.r = 4;
   c.alpha = 8;
@@ -250,13 +212,8 @@ TEST(PeftDora, NormsThroughTheExecutorAndDropoutPathMatchMonolithic) {
 TEST(PeftAdaLora, SplitEqualsMonolithicThroughRankAllocation) {
   for (const std::string preset : {"tiny-llama", "tiny-gpt2"}) {
     SCOPED_TRACE(preset);
-    const auto dir = testing::make_checkpoint(preset);
-    auto checkpoint = Checkpoint::open(dir);
-    auto executor = testing::start_executor(dir);
-    ClientOptions options;
-    options.endpoint = executor->endpoint();
-    options.expected_model_hash = checkpoint->model_hash();
-    auto client = Client::connect(options);
+    auto served = testing::serve_model(preset);
+    const auto& [dir, checkpoint, executor, client] = served;
     AdaLoraConfig c;
     c.init_r = 6;
     c.target_r = 2;
@@ -358,18 +315,14 @@ TEST(PeftConfigs, RefusalsNameTheField) {
 // Four clients with four different methods share one executor, their steps interleaved; each
 // equals its own monolithic run.
 TEST(PeftMixedClients, FourMethodsOnOneExecutorEachExact) {
-  const auto dir = testing::make_checkpoint("tiny-llama");
-  auto checkpoint = Checkpoint::open(dir);
-  auto executor = testing::start_executor(dir);
-  ClientOptions options;
-  options.endpoint = executor->endpoint();
-  options.expected_model_hash = checkpoint->model_hash();
+  auto served = testing::serve_model("tiny-llama");
+  const auto& [dir, checkpoint, executor, first_client] = served;
   const auto all = methods();
   const std::vector<int> picks = {5, 0, 3, 2};  // LoRA, IA3, prefix tuning, P-tuning
   std::vector<MethodRun> split, mono;
   std::vector<std::shared_ptr<Client>> clients;
   for (int pick : picks) {
-    clients.push_back(Client::connect(options));
+    clients.push_back(clients.empty() ? first_client : testing::connect(*executor, *checkpoint));
     split.push_back(make_run(*checkpoint, clients.back(), all[pick]));
     mono.push_back(make_run(*checkpoint, nullptr, all[pick]));
   }

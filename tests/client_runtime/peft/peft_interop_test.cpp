@@ -6,11 +6,8 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <nlohmann/json.hpp>
 
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/peft/adapter.h"
@@ -26,26 +23,6 @@ constexpr double kTolerance = 1e-4;
 
 const std::string kPython = SYMBIOSIS_PYTHON;
 const fs::path kScript = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "peft_interop.py";
-
-int run(const std::string& command) {
-  int status = std::system(command.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-at::Tensor read_f32(const fs::path& file, const std::string& name) {
-  std::ifstream in(file, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << file;
-  uint64_t header_len = 0;
-  in.read(reinterpret_cast<char*>(&header_len), 8);
-  std::string header(header_len, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_len));
-  const auto entry = nlohmann::json::parse(header).at(name);
-  auto offsets = entry.at("data_offsets").get<std::vector<size_t>>();
-  auto out = at::empty(entry.at("shape").get<std::vector<int64_t>>(), at::kFloat);
-  in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
-  in.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(offsets[1] - offsets[0]));
-  return out;
-}
 
 struct Method {
   std::string name;
@@ -183,7 +160,7 @@ class PeftInteropTest : public ::testing::TestWithParam<Param> {
   at::Tensor real(const at::Tensor& logits) { return logits.masked_select(mask_.to(at::kBool).unsqueeze(-1)); }
 
   int python(const std::string& args) {
-    return run("'" + kPython + "' '" + kScript.string() + "' " + args + " --checkpoint '" + checkpoint_dir_.string() +
+    return testing::shell("'" + kPython + "' '" + kScript.string() + "' " + args + " --checkpoint '" + checkpoint_dir_.string() +
                "' --inputs '" + (dir_ / "inputs.safetensors").string() + "' --output '" +
                (dir_ / "peft_logits.safetensors").string() + "' > '" + (dir_ / "python.log").string() + "' 2>&1");
   }
@@ -209,7 +186,7 @@ TEST_P(PeftInteropTest, SavedHereLoadsInPeftWithTheSameLogits) {
   const int status = python("run --adapter '" + adapter.string() + "'");
   if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << kPython;
   ASSERT_EQ(status, 0) << "see " << dir_ / "python.log";
-  auto theirs = read_f32(dir_ / "peft_logits.safetensors", "logits");
+  auto theirs = testing::read_safetensors_f32(dir_ / "peft_logits.safetensors", "logits");
   ASSERT_EQ(theirs.sizes(), ours.sizes());
   EXPECT_LT(relative_error(real(ours), real(theirs)), kTolerance);
 }
@@ -219,7 +196,7 @@ TEST_P(PeftInteropTest, SavedByPeftLoadsHereWithTheSameLogits) {
   const int status = python("make --method " + method_.name + " --adapter '" + adapter.string() + "'");
   if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << kPython;
   ASSERT_EQ(status, 0) << "see " << dir_ / "python.log";
-  auto theirs = read_f32(dir_ / "peft_logits.safetensors", "logits");
+  auto theirs = testing::read_safetensors_f32(dir_ / "peft_logits.safetensors", "logits");
   auto lm = open_causal_lm(*checkpoint_);
   auto loaded = load_peft_adapter(*lm.module, adapter);
   EXPECT_FALSE(loaded.parameters.empty());

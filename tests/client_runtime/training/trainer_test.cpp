@@ -18,21 +18,13 @@ namespace symbiosis {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::error_of;
 using testing::relative_error;
 
 fs::path write_file(const fs::path& dir, const std::string& name, const std::string& text) {
   auto path = dir / name;
   std::ofstream(path) << text;
   return path;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 // Random examples of varying lengths, some with a prompt part masked out of the labels.
@@ -180,13 +172,6 @@ Tenant make_tenant(const Checkpoint& checkpoint, const std::shared_ptr<Client>& 
   return t;
 }
 
-std::shared_ptr<Client> connect(const Executor& executor, const Checkpoint& checkpoint) {
-  ClientOptions options;
-  options.endpoint = executor.endpoint();
-  options.expected_model_hash = checkpoint.model_hash();
-  return Client::connect(options);
-}
-
 TrainerOptions quiet_options() {
   TrainerOptions o;
   o.progress = false;
@@ -248,9 +233,8 @@ TEST(TrainerTest, StepLossIsTheMeanOverTrainedPositions) {
 // new model and a new connection; with LoRA dropout (random state), warm-up, clipping, shuffling
 // over several epochs and a resume in the middle of one.
 TEST(TrainerTest, ResumeFromACheckpointIsExactAgainstAnExecutor) {
-  const auto dir = testing::make_checkpoint("tiny-llama");
-  auto checkpoint = Checkpoint::open(dir);
-  auto executor = testing::start_executor(dir);
+  auto served = testing::serve_model("tiny-llama");
+  const auto& [dir, checkpoint, executor, client] = served;
   auto data = TokenDataset::from_examples(random_examples(7, 3));
   auto options = quiet_options();
   options.max_steps = 10;
@@ -260,7 +244,7 @@ TEST(TrainerTest, ResumeFromACheckpointIsExactAgainstAnExecutor) {
   options.seed = 42;
   const auto lora = test_lora(/*dropout=*/0.1);
 
-  auto full_tenant = make_tenant(*checkpoint, connect(*executor, *checkpoint), lora);
+  auto full_tenant = make_tenant(*checkpoint, client, lora);
   Trainer full(full_tenant.lm, full_tenant.adapter, data, options);
   at::manual_seed(99);  // the dropout stream
   full.train();
@@ -268,7 +252,7 @@ TEST(TrainerTest, ResumeFromACheckpointIsExactAgainstAnExecutor) {
 
   const auto saved = testing::temp_dir("trainer-resume") / "checkpoint-5";
   {
-    auto first_tenant = make_tenant(*checkpoint, connect(*executor, *checkpoint), lora);
+    auto first_tenant = make_tenant(*checkpoint, testing::connect(*executor, *checkpoint), lora);
     Trainer first(first_tenant.lm, first_tenant.adapter, data, options, [&](const fs::path& d) {
       save_lora(*first_tenant.lm.module, lora, d);
     });
@@ -278,7 +262,7 @@ TEST(TrainerTest, ResumeFromACheckpointIsExactAgainstAnExecutor) {
     at::manual_seed(12345);  // whatever happens to the random state after saving does not matter
   }
   EXPECT_TRUE(fs::exists(saved / "adapter" / "adapter_model.safetensors"));
-  auto second_tenant = make_tenant(*checkpoint, connect(*executor, *checkpoint), lora, /*init_seed=*/777);
+  auto second_tenant = make_tenant(*checkpoint, testing::connect(*executor, *checkpoint), lora, /*init_seed=*/777);
   Trainer second(second_tenant.lm, second_tenant.adapter, data, options);
   second.load_checkpoint(saved);
   EXPECT_EQ(second.steps_done(), 5);
@@ -394,9 +378,8 @@ class SplitTrainerTest : public ::testing::TestWithParam<std::tuple<std::string,
 
 TEST_P(SplitTrainerTest, LossesAndAdapterEqualMonolithic) {
   const auto& [preset, mode] = GetParam();
-  const auto dir = testing::make_checkpoint(preset);
-  auto checkpoint = Checkpoint::open(dir);
-  auto executor = testing::start_executor(dir);
+  auto served = testing::serve_model(preset);
+  const auto& checkpoint = served.checkpoint;
   auto data = TokenDataset::from_examples(random_examples(8, 21));
   auto eval = TokenDataset::from_examples(random_examples(3, 22));
   auto options = quiet_options();
@@ -406,7 +389,7 @@ TEST_P(SplitTrainerTest, LossesAndAdapterEqualMonolithic) {
   options.grad_accum = 2;
   options.max_steps = 3;
   options.warmup_steps = 1;
-  auto split = make_tenant(*checkpoint, connect(*executor, *checkpoint), test_lora());
+  auto split = make_tenant(*checkpoint, served.client, test_lora());
   auto mono = make_tenant(*checkpoint, nullptr, test_lora());
   Trainer split_trainer(split.lm, split.adapter, data, options);
   Trainer mono_trainer(mono.lm, mono.adapter, data, options);
