@@ -31,12 +31,12 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <symbiosis/client.h>
+#include <symbiosis/models.h>
+#include <symbiosis/peft.h>
+#include <symbiosis/training.h>
+
 #include "bench/transport_name.h"
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/fused_adamw.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/step_graph.h"
-#include "client_runtime/training.h"
 
 using namespace symbiosis;
 
@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "write the results here (JSON)")->required();
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
   app.add_flag("--cuda-graph", cuda_graph, "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
-               "step and replay it (see [Captured steps] in client_runtime/step_graph.h)");
+               "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h)");
   std::string trace;
   app.add_option("--trace", trace, "after warm-up, write a Chrome trace of 3 iterations here (LibTorch's Kineto "
                  "profiler: host operations and GPU kernels; bench/trace_summary.py sums the kernels)");

@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <functional>
 
-#include "client_runtime/training.h"
+#include <symbiosis/training.h>
 
 namespace {
 

@@ -20,9 +20,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include <symbiosis/client.h>
+
 #include "bench/process.h"
 #include "bench/transport_name.h"
-#include "client_runtime/client.h"
 #include "common/checkpoint.h"
 #include "transport/zmq_wire.h"
 #ifdef SYMBIOSIS_WITH_CUDA

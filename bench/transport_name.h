@@ -4,7 +4,7 @@
 // handing the executor the client's own tensors ([Direct operands]).
 #include <string>
 
-#include "client_runtime/client.h"
+#include <symbiosis/client.h>
 
 namespace symbiosis::bench {
 

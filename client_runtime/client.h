@@ -72,7 +72,7 @@ class Client : public LayerBackend {
   // here: settle before an optimizer step, so that a failed call never updates the adapters.
   void settle();
 
-  // [Captured steps] (client_runtime/step_graph.h; StepGraph calls these). While the current CUDA
+  // [Captured steps] (client_runtime/training/step_graph.h; StepGraph calls these). While the current CUDA
   // stream is captured into a graph, begin_capture() makes this client record its calls instead of
   // sending them, and end_capture() returns them; replay() sends one replay's calls, right after
   // that replay of the graph is launched. Only a client on the executor's GPU whose calls go

@@ -13,11 +13,10 @@
 #include <iostream>
 #include <sstream>
 
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/fused_adamw.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/step_graph.h"
-#include "client_runtime/training.h"
+#include <symbiosis/client.h>
+#include <symbiosis/models.h>
+#include <symbiosis/peft.h>
+#include <symbiosis/training.h>
 
 using namespace symbiosis;
 

@@ -1,7 +1,7 @@
 // symbiosis-finetune: fine-tune a PEFT adapter (LoRA or IA3) on a JSON Lines dataset of token
 // ids, against a running executor (split) or with the base layers in-process (--monolithic).
-// Flags map one to one onto TrainerOptions, MicroBatchOptions and LoraConfig (trainer.h,
-// dataset.h, lora.h). Progress goes to stderr; a summary line per evaluation and at the end to
+// Flags map one to one onto TrainerOptions, MicroBatchOptions and LoraConfig (training/trainer.h,
+// training/dataset.h, peft/lora.h). Progress goes to stderr; a summary line per evaluation and at the end to
 // stdout. Checkpoints land in --save-dir as checkpoint-<step>/ (adapter/ inside is the PEFT adapter
 // to serve); --resume continues one exactly, with the adapter as it was saved (the method flags
 // are then ignored).
@@ -12,11 +12,10 @@
 #include <iostream>
 #include <sstream>
 
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/peft_adapter.h"
-#include "client_runtime/peft_ia3.h"
-#include "client_runtime/trainer.h"
+#include <symbiosis/client.h>
+#include <symbiosis/models.h>
+#include <symbiosis/peft.h>
+#include <symbiosis/training.h>
 
 using namespace symbiosis;
 namespace fs = std::filesystem;
@@ -146,7 +145,7 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", t.epochs, "passes over the data when --steps is 0")->capture_default_str();
   app.add_option("--micro-batch", t.batching.micro_batch_size, "rows per micro-batch")->capture_default_str();
   app.add_option("--grad-accum", t.grad_accum, "micro-batches per optimizer step")->capture_default_str();
-  app.add_flag("--packing", s.packing, "pack examples into rows of --pack-length tokens (see dataset.h)");
+  app.add_flag("--packing", s.packing, "pack examples into rows of --pack-length tokens (see training/dataset.h)");
   app.add_option("--pack-length", t.batching.pack_length, "tokens per packed row")->capture_default_str();
   app.add_option("--max-length", t.batching.max_length, "cut examples to this many tokens (0: no limit)")
       ->capture_default_str();

@@ -10,7 +10,7 @@
 // bytes a row; backward reads them once more and writes the gradient in the logits' dtype. The
 // sums run in another order than ATen's, so losses and gradients match its expression within fp32
 // rounding (then the dtype's), not bit for bit. Its backward is not differentiable again.
-// Built only with CUDA; client_runtime/training.h is what clients call.
+// Built only with CUDA; client_runtime/training/loss.h is what clients call.
 #include <ATen/ATen.h>
 
 #include <cstdint>

@@ -8,7 +8,7 @@
 // client's own GPU time at 2 x 512 tokens (bench/trace_summary.py, docs/benchmarks.md). Here each
 // thread reads one pair (x_i, x_{i+half}) and the matching cos and sin, computes in fp32 and
 // rounds once, so results match the expression within the dtype's rounding, not bit for bit.
-// Built only with CUDA; client_runtime/llama.cpp calls it on a GPU.
+// Built only with CUDA; client_runtime/models/llama.cpp calls it on a GPU.
 #include <ATen/ATen.h>
 
 namespace symbiosis::kernels {

@@ -7,7 +7,7 @@
 // tensor, views that are not contiguous, which its strided path runs slower still. Rows whose
 // addresses and strides allow it (Llama's do) go 16 bytes a thread at a time. Results match the
 // expression within the dtype's rounding, not bit for bit. Built only with CUDA;
-// client_runtime/llama.cpp calls it on a GPU.
+// client_runtime/models/llama.cpp calls it on a GPU.
 #include <ATen/ATen.h>
 
 namespace symbiosis::kernels {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On your own machine, after `make build`: copies what the GPU machine runs (the executor, the
-# demo and benchmark clients, the benchmark programs, the GPU tests and the client library),
+# demo and benchmark clients, the benchmark programs, the GPU tests and our two shared libraries),
 # stripped, into .gpu-build/ in the build tree's layout, so that the GPU machine needs no
 # compiler time. They link against the same torch 2.11.0+cu130 wheel there; scripts/gpu_check.sh
 # points the loader at that machine's copies and falls back to building from source when the
@@ -13,7 +13,7 @@ rm -rf "$out"
 for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/symbiosis-make-checkpoint \
          tools/symbiosis-ctl bench/symbiosis-bench bench/symbiosis-bench-client bench/symbiosis-bench-roundtrip bench/symbiosis-bench-loss \
          tests/base_executor/gpu_executor_test tests/kernels/kernels_test tests/transport/cuda_ipc/cuda_ipc_test tests/transport/nccl/nccl_test tests/common/runtime_binding_test \
-         client_runtime/libsymbiosis_client.so; do
+         client_runtime/libsymbiosis_client.so virt_layer/libsymbiosis_virt_layer.so; do
   mkdir -p "$out/$(dirname "$f")"
   strip --strip-debug -o "$out/$f" "$BUILD_DIR/$f"
 done

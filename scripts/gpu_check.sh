@@ -52,12 +52,12 @@ for d in "$site"/nvidia/*/lib; do nv="$nv:$d"; done
 export LD_LIBRARY_PATH="$site/torch/lib$nv:${LD_LIBRARY_PATH:-}"
 B=$root/.gpu-build
 if [ -x "$B/base_executor/symbiosis-executor" ] && \
-   LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH" "$B/base_executor/symbiosis-executor" --help > /dev/null 2>&1; then
-  export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
+   LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH" "$B/base_executor/symbiosis-executor" --help > /dev/null 2>&1; then
+  export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
   log "using the carried build ($(cat "$B/COMMIT" 2>/dev/null))"
 else
   log "carried build does not load here; building from source"
-  LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH" ldd "$B/base_executor/symbiosis-executor" 2>&1 | grep "not found" | head
+  LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH" ldd "$B/base_executor/symbiosis-executor" 2>&1 | grep "not found" | head
   B=$root/build-gpu
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
@@ -65,7 +65,7 @@ else
     symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
-  export LD_LIBRARY_PATH="$B/client_runtime:$LD_LIBRARY_PATH"
+  export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
   log "built"
 fi
 gpus=$(nvidia-smi -L | wc -l)

@@ -51,10 +51,6 @@ bool run_all(const std::vector<std::vector<std::string>>& clients) {
   return ok;
 }
 
-bool same_host_clients_become(const Executor& executor, uint64_t n) {
-  return wait_until([&] { return executor.stats().same_host_clients == n; }, std::chrono::seconds(10));
-}
-
 bool requests_reach(const Executor& executor, uint64_t since, uint64_t more, std::chrono::milliseconds limit) {
   return wait_until([&] { return executor.stats().requests >= since + more; }, limit);
 }

@@ -40,8 +40,6 @@ std::vector<std::string> demo_client(const std::string& endpoint, const std::fil
 // Runs the clients at once; true when every one exited 0.
 bool run_all(const std::vector<std::vector<std::string>>& clients);
 
-// Waits (up to 10 s) until the executor counts `n` same-host clients.
-bool same_host_clients_become(const Executor& executor, uint64_t n);
 // Waits until the executor has answered `more` requests after `since` (its stats().requests),
 // at most `limit`: false if it did not (a client it waits on died early, say).
 bool requests_reach(const Executor& executor, uint64_t since, uint64_t more,

@@ -8,11 +8,14 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "bench/process.h"
+#include "common/checkpoint.h"
 #include "transport/zmq_wire.h"
 
 extern char** environ;
@@ -65,6 +68,25 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
   options.model_dir = model;
   options.listen = "tcp://127.0.0.1:*";
   return Executor::start(options);
+}
+
+std::shared_ptr<Client> connect(const Executor& executor, ClientOptions options) {
+  options.endpoint = executor.endpoint();
+  return Client::connect(options);
+}
+
+std::shared_ptr<Client> connect(const Executor& executor, const Checkpoint& checkpoint, ClientOptions options) {
+  options.expected_model_hash = checkpoint.model_hash();
+  return connect(executor, std::move(options));
+}
+
+ServedModel serve_model(const std::string& preset, const ClientOptions& client_options) {
+  ServedModel served;
+  served.dir = make_checkpoint(preset);
+  served.checkpoint = Checkpoint::open(served.dir);
+  served.executor = start_executor(served.dir);
+  served.client = connect(*served.executor, *served.checkpoint, client_options);
+  return served;
 }
 
 AddAdapter lora_adapter(const LoraConfig& lora) {
@@ -126,6 +148,36 @@ size_t forward_calls(const Client& client) {
   return calls;
 }
 
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+int shell(const std::string& command) {
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+at::Tensor read_safetensors_f32(const std::filesystem::path& file, const std::string& name) {
+  std::ifstream in(file, std::ios::binary);
+  EXPECT_TRUE(in.good()) << "cannot read " << file;
+  uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  const auto entry = nlohmann::json::parse(header).at(name);
+  EXPECT_EQ(entry.at("dtype").get<std::string>(), "F32");
+  const auto offsets = entry.at("data_offsets").get<std::vector<size_t>>();
+  auto out = at::empty(entry.at("shape").get<std::vector<int64_t>>(), at::kFloat);
+  in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
+  in.read(static_cast<char*>(out.data_ptr()), static_cast<std::streamsize>(offsets[1] - offsets[0]));
+  return out;
+}
+
 double relative_error(const at::Tensor& a, const at::Tensor& b) {
   auto a64 = a.detach().to(at::kDouble);
   auto b64 = b.detach().to(at::kDouble);
@@ -142,6 +194,30 @@ bool wait_until(const std::function<bool()>& ready, std::chrono::milliseconds li
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return true;
+}
+
+TwoLayerCheckpoint write_two_layer_checkpoint(const std::string& prefix, uint64_t seed, bool with_norms_and_head) {
+  TwoLayerCheckpoint c{temp_dir(prefix), {}, {}, {}};
+  at::manual_seed(seed);
+  c.q = at::randn({8, 4});
+  c.up_weight = at::randn({6, 4});
+  c.up_bias = at::randn({6});
+  std::vector<std::pair<std::string, at::Tensor>> tensors = {{"model.embed_tokens.weight", at::randn({10, 4})},
+                                                             {"model.layers.0.self_attn.q_proj.weight", c.q},
+                                                             {"model.layers.0.mlp.up_proj.weight", c.up_weight},
+                                                             {"model.layers.0.mlp.up_proj.bias", c.up_bias}};
+  if (with_norms_and_head) {
+    tensors.push_back({"model.layers.0.input_layernorm.weight", at::ones({4})});
+    tensors.push_back({"model.norm.weight", at::ones({4})});
+    tensors.push_back({"lm_head.weight", at::randn({10, 4})});
+  }
+  write_safetensors(c.dir / "model.safetensors", tensors);
+  std::ofstream(c.dir / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
+  return c;
+}
+
+bool same_host_clients_become(const Executor& executor, uint64_t n) {
+  return wait_until([&] { return executor.stats().same_host_clients == n; }, std::chrono::seconds(10));
 }
 
 }  // namespace symbiosis::testing

@@ -16,9 +16,9 @@
 #include <zmq.hpp>
 
 #include "base_executor/executor.h"
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/training.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
 #include "symbiosis.pb.h"
 
 namespace symbiosis::testing {
@@ -27,8 +27,24 @@ std::filesystem::path temp_dir(const std::string& prefix);
 // Runs symbiosis-make-checkpoint --preset PRESET (cached per process).
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args = "");
 std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, ExecutorOptions options = {});
+// A client of `executor`: `options` with the executor's endpoint and, when `checkpoint` is given,
+// its model hash as the expected one.
+std::shared_ptr<Client> connect(const Executor& executor, ClientOptions options = {});
+std::shared_ptr<Client> connect(const Executor& executor, const Checkpoint& checkpoint, ClientOptions options = {});
+// What a split run needs: a preset's checkpoint (make_checkpoint), an executor serving it in this
+// process and a client connected to it (connect, with `client_options`). Members are destroyed
+// client first.
+struct ServedModel {
+  std::filesystem::path dir;
+  std::shared_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<Executor> executor;
+  std::shared_ptr<Client> client;
+};
+ServedModel serve_model(const std::string& preset, const ClientOptions& client_options = {});
 // max|a - b| / max|b|
 double relative_error(const at::Tensor& a, const at::Tensor& b);
+// The message (without backtrace) of the c10::Error that f throws, or "(no error)".
+std::string error_of(const std::function<void()>& f);
 
 // A causal LM with an adapter and its optimizer, split (client) or monolithic (nullptr).
 struct TrainingRun {
@@ -56,10 +72,26 @@ proto::Envelope exchange(zmq::socket_t& socket, const proto::Envelope& envelope)
 // group instead of its members.
 size_t forward_calls(const Client& client);
 std::string binary(const std::string& relative);  // a path under the build directory
+// Runs a shell command line; returns its exit status (-1 when it did not exit).
+int shell(const std::string& command);
+// One fp32 tensor of a safetensors file (a Python reference's output, which has no config.json).
+at::Tensor read_safetensors_f32(const std::filesystem::path& file, const std::string& name);
 // Spawns a program with arguments (stdout and stderr inherited); returns its pid.
 pid_t spawn(const std::vector<std::string>& args);
 // Waits for a spawned program; true when it exited 0.
 bool exited_ok(pid_t pid);
+// A small Llama-named checkpoint written by hand in a new temporary directory: the base layers
+// model.layers.0.self_attn.q_proj ([8, 4], no bias) and model.layers.0.mlp.up_proj ([6, 4], with a
+// bias), beside tensors that are not base layers (the embeddings; with `with_norms_and_head` the
+// norms and the LM head too, which the executor then also serves). Drawn from `seed`.
+struct TwoLayerCheckpoint {
+  std::filesystem::path dir;
+  at::Tensor q, up_weight, up_bias;
+};
+TwoLayerCheckpoint write_two_layer_checkpoint(const std::string& prefix, uint64_t seed, bool with_norms_and_head);
+// Waits (up to 10 s) until the executor counts `n` same-host clients (it notices dead ones within
+// ~200 ms).
+bool same_host_clients_become(const Executor& executor, uint64_t n);
 // Polls `ready` every few milliseconds until it holds (true) or `limit` has passed (false): every
 // test that waits on another process or thread has a deadline.
 bool wait_until(const std::function<bool()>& ready, std::chrono::milliseconds limit);

@@ -31,7 +31,7 @@
 // client's stream never waits for a result that will not come.
 //
 // [Captured calls]
-// A client that captures its step in a CUDA graph (client_runtime/step_graph.h) cannot number a
+// A client that captures its step in a CUDA graph (client_runtime/training/step_graph.h) cannot number a
 // call when its GPU reaches it: a graph's stream memory operations write and wait for the values
 // they were captured with, the same at every replay. So a captured call has a slot of its own, the
 // same at every replay: a pair of flags in this segment, each set by its producer and cleared by

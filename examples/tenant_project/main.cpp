@@ -1,6 +1,9 @@
 // A tenant's fine-tuning program: virtualize the model, train a LoRA adapter, save it.
 // Usage: tenant_finetune EXECUTOR_ENDPOINT CHECKPOINT_DIR ADAPTER_OUT_DIR
-#include <client_runtime/symbiosis.h>
+#include <symbiosis/client.h>
+#include <symbiosis/models.h>
+#include <symbiosis/peft.h>
+#include <symbiosis/training.h>
 #include <torch/optim/adamw.h>
 
 #include <iostream>

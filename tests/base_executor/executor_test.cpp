@@ -23,20 +23,11 @@ using testing::relative_error;
 class ExecutorTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::filesystem::path(testing::temp_dir("executor-test"));
-    at::manual_seed(1);
-    q_ = at::randn({8, 4});
-    up_w_ = at::randn({6, 4});
-    up_b_ = at::randn({6});
-    write_safetensors(*dir_ / "model.safetensors",
-                      {{"model.embed_tokens.weight", at::randn({10, 4})},
-                       {"model.layers.0.self_attn.q_proj.weight", q_},
-                       {"model.layers.0.mlp.up_proj.weight", up_w_},
-                       {"model.layers.0.mlp.up_proj.bias", up_b_},
-                       {"model.layers.0.input_layernorm.weight", at::ones({4})},
-                       {"model.norm.weight", at::ones({4})},
-                       {"lm_head.weight", at::randn({10, 4})}});
-    std::ofstream(*dir_ / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
+    auto checkpoint = testing::write_two_layer_checkpoint("executor-test", 1, /*with_norms_and_head=*/true);
+    dir_ = new std::filesystem::path(checkpoint.dir);
+    q_ = checkpoint.q;
+    up_w_ = checkpoint.up_weight;
+    up_b_ = checkpoint.up_bias;
   }
 
   void SetUp() override {

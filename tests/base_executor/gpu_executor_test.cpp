@@ -1,8 +1,8 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic. Skipped, with a message
 // saying so, where there is no GPU. The executor's kernels are tested in tests/kernels/.
-#include "client_runtime/lora.h"
-#include "client_runtime/training.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
 #include "tests/gpu_test_util.h"
 
 namespace symbiosis {

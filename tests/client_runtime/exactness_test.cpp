@@ -11,9 +11,9 @@
 #include <sys/wait.h>
 #include <torch/optim/adamw.h>
 
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/training.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
 #include "tests/test_util.h"
 
 extern char** environ;
@@ -30,15 +30,12 @@ class ExactnessTest : public ::testing::TestWithParam<std::tuple<std::string, st
 
 TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveSteps) {
   const auto& [preset, transport] = GetParam();
-  const auto dir = testing::make_checkpoint(preset);
-  auto checkpoint = Checkpoint::open(dir);
-  auto executor = testing::start_executor(dir);
   ClientOptions options;
-  options.endpoint = executor->endpoint();
-  options.expected_model_hash = checkpoint->model_hash();
   options.transport = transport.substr(0, transport.find(kZmqControl));
   if (options.transport != transport) options.control = "zmq";
-  auto client = Client::connect(options);
+  auto served = testing::serve_model(preset, options);
+  const auto& checkpoint = served.checkpoint;
+  const auto& client = served.client;
   ASSERT_EQ(client->transport(), options.transport);
 
   LoraConfig lora;

@@ -9,9 +9,9 @@
 
 #include <fstream>
 
-#include "client_runtime/lora.h"
-#include "client_runtime/model_io.h"
+#include "client_runtime/models/model_io.h"
 #include "client_runtime/nn.h"
+#include "client_runtime/peft/lora.h"
 #include "client_runtime/virtualize.h"
 #include "tests/test_util.h"
 
@@ -46,40 +46,19 @@ struct UserNetImpl : torch::nn::Module {
 TORCH_MODULE(UserNet);
 
 // Writes a checkpoint holding the net's weights under their tree names.
-std::filesystem::path save_as_checkpoint(const torch::nn::Module& net) {
-  auto dir = testing::temp_dir("user-net");
+std::filesystem::path save_as_checkpoint(const torch::nn::Module& net, const std::string& model_type = "user-net") {
+  auto dir = testing::temp_dir(model_type);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& p : net.named_parameters()) tensors.emplace_back(p.key(), p.value());
+  for (const auto& p : net.named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
   write_safetensors(dir / "model.safetensors", tensors);
-  std::ofstream(dir / "config.json") << R"({"model_type": "user-net"})";
+  std::ofstream(dir / "config.json") << R"({"model_type": ")" << model_type << R"("})";
   return dir;
 }
 
-std::unique_ptr<Executor> serve_everything(const std::filesystem::path& dir) {
-  ExecutorOptions options;
-  options.layers.pattern = ".*";  // every 2-D weight of this model is a base layer
-  return testing::start_executor(dir, options);
-}
-
-std::shared_ptr<Client> connect(const Executor& executor) {
-  ClientOptions options;
-  options.endpoint = executor.endpoint();
-  return Client::connect(options);
-}
-
-TEST(VirtualizeTest, UserModuleTreeComputesTheSameForwardAndBackward) {
-  at::manual_seed(3);
-  UserNet reference;
-  auto dir = save_as_checkpoint(*reference);
-  auto executor = serve_everything(dir);
-  auto client = connect(*executor);
-  ASSERT_EQ(client->layers().size(), 6u);
-
-  UserNet split;
-  EXPECT_EQ(virtualize(*split, client, {.require_all = true}), 6u);
-  for (const auto& p : split->named_parameters()) EXPECT_EQ(p.value().numel(), 0) << p.key() << " kept its weights";
-
-  auto x = at::randn({3, 5, 6});
+// The virtualized net computes what the reference computes on x: its output, and the gradient
+// that a loss of the output sends back to x.
+template <typename Net>
+void expect_same_forward_and_backward(Net& split, Net& reference, const at::Tensor& x) {
   auto x_split = x.clone().requires_grad_(true);
   auto x_ref = x.clone().requires_grad_(true);
   auto y_split = split->forward(x_split);
@@ -90,12 +69,33 @@ TEST(VirtualizeTest, UserModuleTreeComputesTheSameForwardAndBackward) {
   EXPECT_LT(relative_error(x_split.grad(), x_ref.grad()), 1e-5);
 }
 
+std::unique_ptr<Executor> serve_everything(const std::filesystem::path& dir) {
+  ExecutorOptions options;
+  options.layers.pattern = ".*";  // every 2-D weight of this model is a base layer
+  return testing::start_executor(dir, options);
+}
+
+TEST(VirtualizeTest, UserModuleTreeComputesTheSameForwardAndBackward) {
+  at::manual_seed(3);
+  UserNet reference;
+  auto dir = save_as_checkpoint(*reference);
+  auto executor = serve_everything(dir);
+  auto client = testing::connect(*executor);
+  ASSERT_EQ(client->layers().size(), 6u);
+
+  UserNet split;
+  EXPECT_EQ(virtualize(*split, client, {.require_all = true}), 6u);
+  for (const auto& p : split->named_parameters()) EXPECT_EQ(p.value().numel(), 0) << p.key() << " kept its weights";
+
+  expect_same_forward_and_backward(split, reference, at::randn({3, 5, 6}));
+}
+
 TEST(VirtualizeTest, RefusesALayerWhoseShapeDiffersFromTheExecutors) {
   UserNet wide(12);
   auto executor = serve_everything(save_as_checkpoint(*wide));
   UserNet narrow(10);
   try {
-    virtualize(*narrow, connect(*executor));
+    virtualize(*narrow, testing::connect(*executor));
     FAIL() << "virtualize should have thrown";
   } catch (const c10::Error& e) {
     const std::string message = e.what();
@@ -121,13 +121,8 @@ TORCH_MODULE(TorchNet);
 TEST(VirtualizeTest, PlainTorchLinearModelsAreVirtualizedWithoutChangingTheirCode) {
   at::manual_seed(5);
   TorchNet reference;
-  auto dir = testing::temp_dir("torch-net");
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& p : reference->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
-  write_safetensors(dir / "model.safetensors", tensors);
-  std::ofstream(dir / "config.json") << R"({"model_type": "torch-net"})";
-  auto executor = serve_everything(dir);
-  auto client = connect(*executor);
+  auto executor = serve_everything(save_as_checkpoint(*reference, "torch-net"));
+  auto client = testing::connect(*executor);
 
   TorchNet split;
   EXPECT_EQ(virtualize(*split, client, {.require_all = true}), 3u);
@@ -135,14 +130,7 @@ TEST(VirtualizeTest, PlainTorchLinearModelsAreVirtualizedWithoutChangingTheirCod
   split->to(at::kCPU);                       // Module::to keeps working on virtual weights
 
   auto x = at::randn({2, 7, 6});
-  auto x_split = x.clone().requires_grad_(true);
-  auto x_ref = x.clone().requires_grad_(true);
-  auto y_split = split->forward(x_split);
-  auto y_ref = reference->forward(x_ref);
-  EXPECT_LT(relative_error(y_split, y_ref), 1e-5);
-  y_split.pow(2).sum().backward();
-  y_ref.pow(2).sum().backward();
-  EXPECT_LT(relative_error(x_split.grad(), x_ref.grad()), 1e-5);
+  expect_same_forward_and_backward(split, reference, x);
   const auto calls_after_training = client->calls();
   EXPECT_EQ(calls_after_training, 6u);  // three layers, forward and backward
 
@@ -182,7 +170,7 @@ TEST(VirtualizeTest, SiblingsComputedAsOneStackedProductEqualEachLayersForward) 
   Siblings mono, split;
   load_weights(*mono, *Checkpoint::open(dir));
   auto executor = serve_everything(dir);
-  auto client = connect(*executor);
+  auto client = testing::connect(*executor);
   ASSERT_EQ(client->groups().size(), 1u);
   EXPECT_EQ(client->groups()[0].name, "{q_proj,k_proj,v_proj}");
   EXPECT_EQ(client->groups()[0].out_features, 16);
@@ -221,7 +209,7 @@ TEST(VirtualizeTest, SiblingsComputedAsOneStackedProductEqualEachLayersForward) 
   options.layers.pattern = ".*";
   options.layers.groups = {};
   auto ungrouped = testing::start_executor(dir, options);
-  auto one_by_one = connect(*ungrouped);
+  auto one_by_one = testing::connect(*ungrouped);
   EXPECT_TRUE(one_by_one->groups().empty());
   Siblings alone;
   virtualize(*alone, one_by_one);
@@ -235,7 +223,7 @@ TEST(VirtualizeTest, RequireAllNamesAServedLayerTheModelLacks) {
   auto executor = serve_everything(save_as_checkpoint(*net));
   UserMlp lone(10);  // has fc_in/fc_out, but not under blocks.N
   try {
-    virtualize(*lone, connect(*executor), {.require_all = true});
+    virtualize(*lone, testing::connect(*executor), {.require_all = true});
     FAIL() << "virtualize should have thrown";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("but the model has no base layer of that name"), std::string::npos) << e.what();

@@ -11,18 +11,10 @@ namespace symbiosis {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::error_of;
 
 void write_config(const fs::path& dir, const std::string& text = R"({"model_type": "llama", "rope_scaling": {"factor": 8.0}})") {
   std::ofstream(dir / "config.json") << text;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 TEST(CheckpointTest, ReadsEveryDtypeAndTheConfig) {

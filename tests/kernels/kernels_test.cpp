@@ -2,9 +2,9 @@
 // packing kernel, and the clients' fused cross-entropy, rotary embedding, SwiGLU and grouped LoRA,
 // each held to ATen's or the plain expression's result. Skipped, with a message saying so, where
 // there is no GPU.
-#include "client_runtime/lora.h"
-#include "client_runtime/peft_dora.h"
-#include "client_runtime/training.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/peft/dora.h"
+#include "client_runtime/training/loss.h"
 #include "kernels/batched_copy.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"

@@ -10,11 +10,11 @@
 #include <torch/optim/adamw.h>
 
 #include "bench/process.h"
-#include "client_runtime/causal_lm.h"
-#include "client_runtime/fused_adamw.h"
-#include "client_runtime/lora.h"
-#include "client_runtime/step_graph.h"
-#include "client_runtime/training.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/fused_adamw.h"
+#include "client_runtime/training/loss.h"
+#include "client_runtime/training/step_graph.h"
 #include "kernels/few_rows_gemm.h"
 #include "tests/gpu_test_util.h"
 #include "transport/call_ring.h"

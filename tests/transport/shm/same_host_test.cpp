@@ -11,7 +11,7 @@
 
 #include "base_executor/executor.h"
 #include "client_runtime/client.h"
-#include "client_runtime/step_graph.h"
+#include "client_runtime/training/step_graph.h"
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
 #include "transport/call_ring.h"
@@ -25,16 +25,11 @@ using Clock = std::chrono::steady_clock;
 class SameHostTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::filesystem::path(testing::temp_dir("same-host-test"));
-    at::manual_seed(3);
-    q_ = at::randn({8, 4});
-    up_w_ = at::randn({6, 4});
-    up_b_ = at::randn({6});
-    write_safetensors(*dir_ / "model.safetensors", {{"model.embed_tokens.weight", at::randn({10, 4})},
-                                                    {"model.layers.0.self_attn.q_proj.weight", q_},
-                                                    {"model.layers.0.mlp.up_proj.weight", up_w_},
-                                                    {"model.layers.0.mlp.up_proj.bias", up_b_}});
-    std::ofstream(*dir_ / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
+    auto checkpoint = testing::write_two_layer_checkpoint("same-host-test", 3, /*with_norms_and_head=*/false);
+    dir_ = new std::filesystem::path(checkpoint.dir);
+    q_ = checkpoint.q;
+    up_w_ = checkpoint.up_weight;
+    up_b_ = checkpoint.up_bias;
   }
 
   void SetUp() override {
@@ -50,16 +45,6 @@ class SameHostTest : public ::testing::Test {
     options.transport = transport;
     options.control = control;
     return Client::connect(options);
-  }
-
-  // Waits until the executor counts `n` same-host clients (it notices dead ones within ~200 ms).
-  bool same_host_clients_become(uint64_t n) {
-    const auto deadline = Clock::now() + std::chrono::seconds(10);
-    while (Clock::now() < deadline) {
-      if (executor_->stats().same_host_clients == n) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return false;
   }
 
   static std::filesystem::path* dir_;
@@ -422,7 +407,7 @@ TEST_F(SameHostTest, ACorruptRingDropsOnlyThatClient) {
     RawShmPeer peer(executor_->endpoint());
     reinterpret_cast<std::atomic<uint64_t>*>(&peer.block->requests)->store(1000);  // head far past capacity
     peer.bell->doorbell.notify();
-    EXPECT_TRUE(same_host_clients_become(1)) << "the executor kept the client that corrupted its ring";
+    EXPECT_TRUE(testing::same_host_clients_become(*executor_, 1)) << "the executor kept the client that corrupted its ring";
   }
   const auto* q = good->find_layer("model.layers.0.self_attn.q_proj");
   auto x = at::randn({3, 4});
@@ -451,7 +436,7 @@ TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
     ASSERT_EQ(waitpid(child, &status, 0), child);
     EXPECT_TRUE(WIFSIGNALED(status));
   }
-  EXPECT_TRUE(same_host_clients_become(0)) << "the executor still holds a dead client's channel";
+  EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0)) << "the executor still holds a dead client's channel";
   EXPECT_EQ(executor_->stats().clients, 0u);
   EXPECT_EQ(executor_->stats().errors, 0u);
   auto survivor = connect("shm");

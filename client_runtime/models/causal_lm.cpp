@@ -1,0 +1,47 @@
+#include "client_runtime/models/causal_lm.h"
+
+#include "client_runtime/models/gpt2.h"
+#include "client_runtime/models/llama.h"
+#include "client_runtime/models/model_io.h"
+#include "client_runtime/virtualize.h"
+
+namespace symbiosis {
+namespace {
+
+template <typename Model>
+CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                const CausalLMOptions& options) {
+  CausalLM lm;
+  model->to(options.device, options.dtype);
+  if (client) lm.virtual_layers = virtualize(*model, client);
+  lm.client = client;
+  // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.
+  load_weights(*model, checkpoint);
+  // The whole checkpoint is the frozen base, as PEFT freezes it: autograd computes no gradient
+  // for embeddings, norms or a local lm_head, and none flows below the first adapter.
+  for (auto& p : model->parameters()) p.set_requires_grad(false);
+  lm.module = model.ptr();
+  lm.forward = [model](const at::Tensor& ids, const at::Tensor& mask) mutable { return model->forward(ids, mask); };
+  return lm;
+}
+
+}  // namespace
+
+CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                        const CausalLMOptions& options) {
+  if (client) {
+    TORCH_CHECK(client->model_hash() == checkpoint.model_hash(), "the executor serves model ", client->model_hash(),
+                ", but checkpoint ", checkpoint.dir(), " is model ", checkpoint.model_hash());
+  }
+  // Base layers are never materialized here: split, they are virtual; monolithic, load_weights
+  // fills them from the checkpoint straight in the model's dtype and on its device.
+  const bool materialize = false;
+  const auto type = checkpoint.config_string("model_type").value_or("");
+  if (type == "llama") return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
+  if (type == "gpt2") {
+    return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
+  }
+  TORCH_CHECK(false, checkpoint.dir() / "config.json", ": model_type '", type, "' is not supported (expected llama or gpt2)");
+}
+
+}  // namespace symbiosis

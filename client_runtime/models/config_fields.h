@@ -1,0 +1,22 @@
+#pragma once
+// Internal to the models (not installed): the fields of a checkpoint's config.json that a model's
+// config (LlamaConfig, GPT2Config) is read from, with errors that name config.json and the field.
+#include <cstdint>
+#include <string>
+
+namespace symbiosis {
+
+class Checkpoint;
+
+namespace detail {
+
+// Throws unless config.json's model_type, where it has one, is `expected`.
+void check_model_type(const Checkpoint& ckpt, const std::string& expected);
+// The whole number at `path` (dotted, as Checkpoint::config_number takes it); throws naming the
+// field when it is missing (or null) or not a whole number.
+int64_t required_int(const Checkpoint& ckpt, const std::string& path);
+// The same, or `fallback` when the field is missing or null.
+int64_t optional_int(const Checkpoint& ckpt, const std::string& path, int64_t fallback);
+
+}  // namespace detail
+}  // namespace symbiosis

@@ -1,0 +1,131 @@
+#include "client_runtime/models/gpt2.h"
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "client_runtime/models/attention.h"
+#include "client_runtime/models/config_fields.h"
+#include "common/checkpoint.h"
+
+namespace symbiosis {
+
+GPT2Config GPT2Config::from_checkpoint(const Checkpoint& ckpt) {
+  using detail::required_int;
+  const auto where = ckpt.dir() / "config.json";
+  detail::check_model_type(ckpt, "gpt2");
+  GPT2Config c;
+  c.vocab_size = required_int(ckpt, "vocab_size");
+  c.n_positions = required_int(ckpt, "n_positions");
+  c.n_embd = required_int(ckpt, "n_embd");
+  c.n_layer = required_int(ckpt, "n_layer");
+  c.n_head = required_int(ckpt, "n_head");
+  c.n_inner = detail::optional_int(ckpt, "n_inner", c.n_inner);  // null reads as absent
+  c.layer_norm_epsilon = ckpt.config_number("layer_norm_epsilon").value_or(1e-5);
+  auto act = ckpt.config_string("activation_function").value_or("gelu_new");
+  TORCH_CHECK(act == "gelu_new", where, ": activation_function '", act, "' is not supported (expected 'gelu_new')");
+  TORCH_CHECK(ckpt.config_bool("scale_attn_weights").value_or(true), where,
+              ": scale_attn_weights=false is not supported");
+  TORCH_CHECK(!ckpt.config_bool("scale_attn_by_inverse_layer_idx").value_or(false), where,
+              ": scale_attn_by_inverse_layer_idx=true is not supported");
+  TORCH_CHECK(!ckpt.config_bool("reorder_and_upcast_attn").value_or(false), where,
+              ": reorder_and_upcast_attn=true is not supported");
+  TORCH_CHECK(ckpt.config_bool("tie_word_embeddings").value_or(true), where,
+              ": tie_word_embeddings=false is not supported for GPT-2");
+  c.validate();
+  return c;
+}
+
+void GPT2Config::validate() const {
+  TORCH_CHECK(vocab_size > 0 && n_positions > 0 && n_embd > 0 && n_layer >= 0 && n_head > 0,
+              "GPT-2 config: vocab_size, n_positions, n_embd, n_head must be positive");
+  TORCH_CHECK(n_embd % n_head == 0, "GPT-2 config: n_embd (", n_embd, ") is not divisible by n_head (", n_head, ")");
+}
+
+GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& c, bool materialize_base) : n_embd_(c.n_embd), n_head_(c.n_head) {
+  c_attn = register_module("c_attn", nn::Conv1D(c.n_embd, 3 * c.n_embd, /*bias=*/true, materialize_base));
+  c_proj = register_module("c_proj", nn::Conv1D(c.n_embd, c.n_embd, /*bias=*/true, materialize_base));
+}
+
+at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past) {
+  const int64_t batch = x.size(0), length = x.size(1), head_dim = n_embd_ / n_head_;
+  auto qkv = c_attn->forward(x).split(n_embd_, 2);
+  auto heads = [&](const at::Tensor& t) { return t.view({batch, length, n_head_, head_dim}).transpose(1, 2); };
+  auto q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  if (past != nullptr) {
+    k = at::cat({past->key, k}, 2);
+    v = at::cat({past->value, v}, 2);
+  }
+  auto out = detail::attention(q, k, v, additive_mask).transpose(1, 2).reshape({batch, length, n_embd_});
+  return c_proj->forward(out);
+}
+
+GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& c, bool materialize_base) {
+  c_fc = register_module("c_fc", nn::Conv1D(c.n_embd, c.inner(), /*bias=*/true, materialize_base));
+  c_proj = register_module("c_proj", nn::Conv1D(c.inner(), c.n_embd, /*bias=*/true, materialize_base));
+}
+
+at::Tensor GPT2MLPImpl::forward(const at::Tensor& x) {
+  // gelu_new is GELU's tanh approximation.
+  return c_proj->forward(at::gelu(c_fc->forward(x), "tanh"));
+}
+
+GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& c, bool materialize_base) {
+  auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.layer_norm_epsilon)); };
+  ln_1 = register_module("ln_1", ln());
+  attn = register_module("attn", GPT2Attention(c, materialize_base));
+  ln_2 = register_module("ln_2", ln());
+  mlp = register_module("mlp", GPT2MLP(c, materialize_base));
+}
+
+at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past) {
+  auto h = x + attn->forward(ln_1->forward(x), additive_mask, past);
+  return h + mlp->forward(ln_2->forward(h));
+}
+
+GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, bool materialize_base) : config_(c) {
+  config_.validate();
+  wte = register_module("wte", nn::unfilled_embedding(c.vocab_size, c.n_embd));
+  wpe = register_module("wpe", nn::unfilled_embedding(c.n_positions, c.n_embd));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(GPT2Block(c, materialize_base));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.layer_norm_epsilon)));
+}
+
+at::Tensor GPT2ModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                  const at::Tensor& position_ids, ModelAdapterImpl* adapter) {
+  TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
+  const int64_t length = input_ids.size(1);
+  auto in = detail::adapt_inputs(adapter, wte->forward(input_ids), attention_mask, position_ids, config_.n_layer);
+  const int64_t last_position = in.position_ids.numel() > 0 ? in.position_ids.max().item<int64_t>() : 0;
+  TORCH_CHECK(last_position < config_.n_positions, "GPT-2 input reaches position ", last_position,
+              " (virtual tokens included), beyond n_positions (", config_.n_positions, ")");
+  auto x = in.embeddings + wpe->forward(in.position_ids);
+  for (size_t i = 0; i < h->size(); ++i) {
+    const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
+    x = h[i]->as<GPT2BlockImpl>()->forward(x, in.additive_mask, past);
+  }
+  x = ln_f->forward(x);
+  return in.prompt_length > 0 ? x.narrow(1, in.prompt_length, length) : x;
+}
+
+GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& c, bool materialize_base) : config_(c) {
+  transformer = register_module("transformer", GPT2Model(c, materialize_base));
+}
+
+at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                        const at::Tensor& position_ids) {
+  auto hidden = transformer->forward(input_ids, attention_mask, position_ids, adapter_.get());
+  return at::linear(hidden, transformer->wte->weight);  // in the model's dtype (see LlamaForCausalLM)
+}
+
+void GPT2LMHeadModelImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {
+  TORCH_CHECK(!adapter_, "the model already has a model-level adapter");
+  adapter_ = register_module("adapter", std::move(adapter));
+}
+
+ModelShape GPT2LMHeadModelImpl::model_shape() const {
+  return {"gpt2", config_.n_layer, config_.n_embd, config_.n_head, config_.n_head, config_.n_embd / config_.n_head};
+}
+
+}  // namespace symbiosis

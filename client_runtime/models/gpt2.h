@@ -1,0 +1,106 @@
+#pragma once
+// GPT-2 (GPT2LMHeadModel) with Hugging Face parameter names (transformer.h.3.attn.c_attn, ...).
+// The four Conv1D layers of each block are symbiosis::nn::Conv1D base layers (weight [in, out]);
+// embeddings, layer norms and attention are the client's. The LM head is tied to wte.
+// Computes what transformers' eager GPT2LMHeadModel computes ("gelu_new" activation).
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include "client_runtime/nn.h"
+#include "client_runtime/peft/model_adapter.h"
+
+namespace symbiosis {
+
+class Checkpoint;
+
+struct GPT2Config {
+  int64_t vocab_size = 50257;
+  int64_t n_positions = 1024;
+  int64_t n_embd = 768;
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  int64_t n_inner = 0;  // 0 (null in config.json): 4 * n_embd
+  double layer_norm_epsilon = 1e-5;
+
+  // Reads config.json; throws naming the field for a missing or unsupported value (only
+  // activation_function "gelu_new", scale_attn_weights true, no inverse-layer-idx scaling).
+  static GPT2Config from_checkpoint(const Checkpoint& ckpt);
+  int64_t inner() const { return n_inner > 0 ? n_inner : 4 * n_embd; }
+  void validate() const;
+};
+
+class GPT2AttentionImpl : public torch::nn::Module {
+ public:
+  GPT2AttentionImpl(const GPT2Config& config, bool materialize_base);
+  // x [B,T,E]; additive_mask [B,1,T,P+T]; past: keys and values [B,heads,P,head_dim] prepended to
+  // this layer's (prefix tuning), or null.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+  nn::Conv1D c_attn{nullptr}, c_proj{nullptr};
+
+ private:
+  int64_t n_embd_, n_head_;
+};
+TORCH_MODULE(GPT2Attention);
+
+class GPT2MLPImpl : public torch::nn::Module {
+ public:
+  GPT2MLPImpl(const GPT2Config& config, bool materialize_base);
+  at::Tensor forward(const at::Tensor& x);  // c_proj(gelu_new(c_fc(x)))
+  nn::Conv1D c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(GPT2MLP);
+
+class GPT2BlockImpl : public torch::nn::Module {
+ public:
+  GPT2BlockImpl(const GPT2Config& config, bool materialize_base);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  GPT2Attention attn{nullptr};
+  GPT2MLP mlp{nullptr};
+};
+TORCH_MODULE(GPT2Block);
+
+// "transformer": embeddings, blocks, final layer norm. Returns the final hidden states [B,T,E].
+class GPT2ModelImpl : public torch::nn::Module {
+ public:
+  GPT2ModelImpl(const GPT2Config& config, bool materialize_base);
+  // adapter: a model-level PEFT adapter applied as [Model adapter conventions] say, or null.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                     const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  GPT2Config config_;
+};
+TORCH_MODULE(GPT2Model);
+
+class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost {
+ public:
+  // materialize_base=false allocates no base-layer (Conv1D) weights: load them with
+  // load_weights() or virtualize the model before calling forward.
+  explicit GPT2LMHeadModelImpl(const GPT2Config& config, bool materialize_base = true);
+  // input_ids [B,T] int64; attention_mask [B,T] of 1/0, optional; position_ids [B,T] or [T],
+  // optional (default 0..T-1). Returns logits [B,T,vocab] in the model's dtype (lm_head tied to wte).
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                     const at::Tensor& position_ids = {});
+  const GPT2Config& config() const { return config_; }
+
+  // ModelAdapterHost: prompt tuning, P-tuning, prefix tuning (peft/model_adapter.h).
+  void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
+  std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
+  ModelShape model_shape() const override;
+
+  GPT2Model transformer{nullptr};
+
+ private:
+  GPT2Config config_;
+  std::shared_ptr<ModelAdapterImpl> adapter_;
+};
+TORCH_MODULE(GPT2LMHeadModel);
+
+}  // namespace symbiosis

@@ -1,0 +1,347 @@
+#include "client_runtime/models/llama.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "client_runtime/models/attention.h"
+#include "client_runtime/models/config_fields.h"
+#include "common/checkpoint.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/rotary.h"
+#include "kernels/swiglu.h"
+#endif
+
+namespace symbiosis {
+
+namespace {
+
+// silu(gate) · up: one kernel on a GPU ([Fused SwiGLU] in kernels/swiglu.h), ATen's elsewhere.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (gate.is_cuda()) return kernels::swiglu_forward(gate, up);
+#endif
+  return at::silu(gate) * up;
+}
+
+// Its gradients for an upstream gradient `grad`, written into grad_gate and grad_up.
+void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, at::Tensor grad_gate,
+                     at::Tensor grad_up) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (gate.is_cuda()) return kernels::swiglu_backward(grad, gate, up, grad_gate, grad_up);
+#endif
+  at::silu_backward_out(grad_gate, grad * up, gate);
+  at::mul_out(grad_up, grad, at::silu(gate));
+}
+
+// silu(gate) · up, keeping only gate and up for backward (autograd alone would also keep silu(gate):
+// a third [tokens, intermediate] tensor per layer, 1.1 GB for a Llama-2-13B step of 1024 tokens).
+// The gradients are the ones autograd computes: silu_backward and a product with silu(gate).
+class SwiGLU : public torch::autograd::Function<SwiGLU> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return swiglu(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &gate = saved[0], &up = saved[1];
+    auto grad_gate = at::empty_like(gate, at::MemoryFormat::Contiguous);
+    auto grad_up = at::empty_like(up, at::MemoryFormat::Contiguous);
+    swiglu_backward(grads[0], gate, up, grad_gate, grad_up);
+    return {grad_gate, grad_up};
+  }
+};
+
+// [..., 2n] -> its two halves [..., n] (views).
+std::pair<at::Tensor, at::Tensor> halves(const at::Tensor& t) {
+  const int64_t n = t.size(-1) / 2;
+  return {t.narrow(-1, 0, n), t.narrow(-1, n, n)};
+}
+
+// SwiGLU of gate and up side by side in one tensor ([..., 2 x intermediate], what a [Layer groups]
+// call of gate_proj and up_proj gives): its gradient is written side by side too, so the group's
+// backward call reads it as it lies, without the two halves first concatenated (a pass over
+// 2 x [tokens, intermediate] a layer).
+class StackedSwiGLU : public torch::autograd::Function<StackedSwiGLU> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
+    ctx->save_for_backward({gate_up});
+    const auto [gate, up] = halves(gate_up);
+    return swiglu(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto gate_up = ctx->get_saved_variables()[0];
+    const auto [gate, up] = halves(gate_up);
+    auto grad_gate_up = at::empty_like(gate_up, at::MemoryFormat::Contiguous);
+    const auto [grad_gate, grad_up] = halves(grad_gate_up);
+    swiglu_backward(grads[0], gate, up, grad_gate, grad_up);
+    return {grad_gate_up};
+  }
+};
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// x·cos + rotate_half(x)·sin, or its transpose g·cos - rotate_half(g·sin) (backward): one kernel on
+// a GPU ([Fused rotary embedding] in kernels/rotary.h), ATen's expression elsewhere.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (x.is_cuda() && x.dim() == 4 && x.stride(3) == 1 && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+      cos.scalar_type() == x.scalar_type()) {
+    return kernels::rotary(x, cos, sin, backward);
+  }
+#endif
+  return backward ? x * cos - rotate_half(x * sin) : x * cos + rotate_half(x) * sin;
+}
+
+// RoPE, x·cos + rotate_half(x)·sin, as one autograd node. Left to autograd it is eight nodes per
+// tensor, two of them slice backwards that each fill a zero tensor of x's size: the largest share
+// of a client's host time after the base-layer calls (docs/benchmarks.md, [Op profile]). The
+// gradient is the one autograd computes: rotate_half's transpose is -rotate_half, so
+// dx = g·cos - rotate_half(g·sin). cos and sin take no gradient.
+class Rotary : public torch::autograd::Function<Rotary> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotary(x, cos, sin, /*backward=*/false);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {rotary(grads[0], saved[0], saved[1], /*backward=*/true), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+namespace detail {
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (at::GradMode::is_enabled() && x.requires_grad()) return Rotary::apply(x, cos, sin);
+  return rotary(x, cos, sin, /*backward=*/false);
+}
+}  // namespace detail
+
+LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
+  using detail::optional_int;
+  using detail::required_int;
+  const auto where = ckpt.dir() / "config.json";
+  detail::check_model_type(ckpt, "llama");
+  LlamaConfig c;
+  c.vocab_size = required_int(ckpt, "vocab_size");
+  c.hidden_size = required_int(ckpt, "hidden_size");
+  c.intermediate_size = required_int(ckpt, "intermediate_size");
+  c.num_hidden_layers = required_int(ckpt, "num_hidden_layers");
+  c.num_attention_heads = required_int(ckpt, "num_attention_heads");
+  c.num_key_value_heads = optional_int(ckpt, "num_key_value_heads", c.num_attention_heads);
+  c.head_dim = optional_int(ckpt, "head_dim", c.head_dim);
+  c.max_position_embeddings = optional_int(ckpt, "max_position_embeddings", c.max_position_embeddings);
+  c.rms_norm_eps = ckpt.config_number("rms_norm_eps").value_or(1e-6);
+  c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(false);
+  c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);
+  c.mlp_bias = ckpt.config_bool("mlp_bias").value_or(false);
+  if (auto act = ckpt.config_string("hidden_act")) {
+    TORCH_CHECK(*act == "silu", where, ": hidden_act '", *act, "' is not supported (expected 'silu')");
+  }
+  // transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; transformers 4 writes
+  // rope_theta next to an optional rope_scaling {rope_type (or "type"), factor, ...}.
+  const std::string rope = ckpt.config_has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  c.rope_theta = ckpt.config_number(rope + ".rope_theta").value_or(ckpt.config_number("rope_theta").value_or(10000.0));
+  if (ckpt.config_has(rope)) {
+    c.rope_type = ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
+    if (c.rope_type == "llama3") {
+      auto field = [&](const std::string& name) {
+        auto v = ckpt.config_number(rope + "." + name);
+        TORCH_CHECK(v.has_value(), where, ": rope type llama3 needs field '", rope, ".", name, "'");
+        return *v;
+      };
+      c.rope_factor = field("factor");
+      c.rope_low_freq_factor = field("low_freq_factor");
+      c.rope_high_freq_factor = field("high_freq_factor");
+      c.rope_original_max_position_embeddings = static_cast<int64_t>(
+          ckpt.config_number(rope + ".original_max_position_embeddings").value_or(c.max_position_embeddings));
+    }
+  }
+  c.validate();
+  return c;
+}
+
+void LlamaConfig::validate() const {
+  TORCH_CHECK(vocab_size > 0 && hidden_size > 0 && intermediate_size > 0 && num_hidden_layers >= 0,
+              "Llama config: vocab_size, hidden_size, intermediate_size must be positive");
+  TORCH_CHECK(num_attention_heads > 0 && num_key_value_heads > 0 && num_attention_heads % num_key_value_heads == 0,
+              "Llama config: num_attention_heads (", num_attention_heads,
+              ") must be a positive multiple of num_key_value_heads (", num_key_value_heads, ")");
+  TORCH_CHECK(head_dim > 0 || hidden_size % num_attention_heads == 0, "Llama config: hidden_size (", hidden_size,
+              ") is not divisible by num_attention_heads (", num_attention_heads, ") and no head_dim is given");
+  TORCH_CHECK(resolved_head_dim() % 2 == 0, "Llama config: head_dim ", resolved_head_dim(), " must be even for RoPE");
+  TORCH_CHECK(rope_type == "default" || rope_type == "llama3", "Llama config: rope type '", rope_type,
+              "' is not supported (expected 'default' or 'llama3')");
+  TORCH_CHECK(rope_type != "llama3" || rope_high_freq_factor != rope_low_freq_factor,
+              "Llama config: llama3 rope needs high_freq_factor != low_freq_factor");
+}
+
+namespace detail {
+
+at::Tensor llama_inv_freq(const LlamaConfig& config) {
+  const int64_t dim = config.resolved_head_dim();
+  // Same operations, in fp32, as transformers' _compute_default_rope_parameters.
+  auto exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+  auto inv_freq = at::pow(config.rope_theta, exponent).reciprocal();
+  if (config.rope_type != "llama3") return inv_freq;
+  // _compute_llama3_parameters.
+  const double factor = config.rope_factor;
+  const double low = config.rope_low_freq_factor;
+  const double high = config.rope_high_freq_factor;
+  const double old_context_len = static_cast<double>(config.rope_original_max_position_embeddings);
+  const double low_freq_wavelen = old_context_len / low;
+  const double high_freq_wavelen = old_context_len / high;
+  auto wavelen = inv_freq.reciprocal() * (2 * M_PI);
+  auto scaled = at::where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq);
+  auto smooth = (wavelen.reciprocal() * old_context_len - low) / (high - low);
+  auto smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+  auto medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
+}  // namespace detail
+
+LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({hidden_size}));
+}
+
+// LibTorch's rms_norm (one fused kernel on a GPU, fp32 statistics for reduced-precision inputs):
+// transformers' LlamaRMSNorm, but for where bf16/fp16 results round once instead of twice.
+at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) { return at::rms_norm(x, {x.size(-1)}, weight, eps_); }
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_base)
+    : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.resolved_head_dim()) {
+  const int64_t q_out = num_heads_ * head_dim_;
+  const int64_t kv_out = num_kv_heads_ * head_dim_;
+  q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, c.attention_bias, materialize_base));
+  k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, c.attention_bias, materialize_base));
+  v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, c.attention_bias, materialize_base));
+  o_proj = register_module("o_proj", nn::Linear(q_out, c.hidden_size, c.attention_bias, materialize_base));
+}
+
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& additive_mask, const PastKeyValue* past) {
+  const int64_t batch = x.size(0), length = x.size(1);
+  // [Layer groups]: q, k and v read x, and are one product where they can be.
+  const auto qkv = nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  auto q = qkv[0].view({batch, length, num_heads_, head_dim_}).transpose(1, 2);
+  auto k = qkv[1].view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  // Where qkv are column slices of the group's one result, attention would keep that result whole
+  // for its backward through v (q and k are rotated into tensors of their own): while training, v
+  // becomes its own copy, so only its columns stay (Llama-2-13B: 20 MiB a layer at 1 024 tokens).
+  auto v_rows = qkv[2];
+  if (at::GradMode::is_enabled() && !v_rows.is_contiguous()) v_rows = v_rows.contiguous();
+  auto v = v_rows.view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  q = detail::apply_rotary(q, c, s);
+  k = detail::apply_rotary(k, c, s);
+  if (past != nullptr) {  // a cache's keys are stored rotated already: prefix keys are used as they are
+    k = at::cat({past->key, k}, 2);
+    v = at::cat({past->value, v}, 2);
+  }
+  // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
+  auto out = detail::attention(q, k, v, additive_mask).transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
+  return o_proj->forward(out);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) {
+  gate_proj = register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+  up_proj = register_module("up_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+  down_proj = register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
+}
+
+at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  at::Tensor stacked;  // [Layer groups]: gate and up side by side, when nothing changed them apart
+  const auto gate_up = nn::forward_siblings({gate_proj.get(), up_proj.get()}, x, &stacked);
+  const auto &gate = gate_up[0], &up = gate_up[1];
+  const bool differentiable = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
+  if (!differentiable) return down_proj->forward(swiglu(gate, up));
+  return down_proj->forward(stacked.defined() ? StackedSwiGLU::apply(stacked) : SwiGLU::apply(gate, up));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool materialize_base) {
+  self_attn = register_module("self_attn", LlamaAttention(c, materialize_base));
+  mlp = register_module("mlp", LlamaMLP(c, materialize_base));
+  input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm = register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                          const at::Tensor& additive_mask, const PastKeyValue* past) {
+  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past);
+  return h + mlp->forward(post_attention_layernorm->forward(h));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
+  config_.validate();
+  embed_tokens = register_module("embed_tokens", nn::unfilled_embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, materialize_base));
+  norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  inv_freq_ = detail::llama_inv_freq(c);
+}
+
+at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                   const at::Tensor& position_ids, ModelAdapterImpl* adapter) {
+  TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
+  const int64_t length = input_ids.size(1);
+  auto in = detail::adapt_inputs(adapter, embed_tokens->forward(input_ids), attention_mask, position_ids,
+                                 config_.num_hidden_layers);
+  auto h = in.embeddings;
+  const auto device = h.device();
+  // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
+  if (inv_freq_.device() != device) inv_freq_ = inv_freq_.to(device);
+  auto freqs = in.position_ids.unsqueeze(-1).to(at::kFloat) * inv_freq_;
+  auto emb = at::cat({freqs, freqs}, -1);
+  auto cos = emb.cos().to(h.scalar_type());
+  auto sin = emb.sin().to(h.scalar_type());
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
+    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, in.additive_mask, past);
+  }
+  h = norm->forward(h);
+  return in.prompt_length > 0 ? h.narrow(1, in.prompt_length, length) : h;
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
+  model = register_module("model", LlamaModel(c, materialize_base));
+  if (!c.tie_word_embeddings) {
+    lm_head = register_module("lm_head", nn::Linear(c.hidden_size, c.vocab_size, /*bias=*/false, materialize_base));
+  }
+}
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                         const at::Tensor& position_ids) {
+  auto h = model->forward(input_ids, attention_mask, position_ids, adapter_.get());
+  // In the model's dtype, as transformers returns them: the loss reads them in fp32 without a copy
+  // ([Fused cross-entropy] in kernels/cross_entropy.h), which at 1 024 tokens of Llama 3's vocabulary
+  // would be 0.5 GB written forward and again backward.
+  return lm_head ? lm_head->forward(h) : at::linear(h, model->embed_tokens->weight);
+}
+
+void LlamaForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {
+  TORCH_CHECK(!adapter_, "the model already has a model-level adapter");
+  adapter_ = register_module("adapter", std::move(adapter));
+}
+
+ModelShape LlamaForCausalLMImpl::model_shape() const {
+  return {"llama", config_.num_hidden_layers, config_.hidden_size, config_.num_attention_heads,
+          config_.num_key_value_heads, config_.resolved_head_dim()};
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,149 @@
+#pragma once
+// Llama (LlamaForCausalLM) with Hugging Face parameter names, so a checkpoint's tensors load by
+// name and the executor's layer table (model.layers.3.self_attn.q_proj, ...) matches the client's
+// module paths. The seven projections of each decoder layer and the untied lm_head are
+// symbiosis::nn::Linear base layers; embeddings, norms, attention and RoPE are the client's.
+// Computes what transformers' eager LlamaForCausalLM computes: grouped-query attention, RoPE
+// (default or "llama3" scaling), SwiGLU, causal mask plus optional padding mask; norms and softmax
+// in fp32, everything else in the model's dtype.
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <string>
+
+#include "client_runtime/nn.h"
+#include "client_runtime/peft/model_adapter.h"
+
+namespace symbiosis {
+
+class Checkpoint;
+
+// The fields of a Llama config.json that the forward pass depends on.
+struct LlamaConfig {
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 32;
+  int64_t head_dim = 0;  // 0: hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 4096;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  // RoPE scaling: "default" (none) or "llama3" with the four fields below.
+  std::string rope_type = "default";
+  double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_position_embeddings = 8192;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  bool mlp_bias = false;
+
+  // Reads config.json (both the transformers 4 keys rope_theta/rope_scaling and the transformers 5
+  // rope_parameters); throws naming the field for a missing or unsupported value.
+  static LlamaConfig from_checkpoint(const Checkpoint& ckpt);
+  int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  // Checks the sizes agree with each other (heads divide, and so on); throws naming the field.
+  void validate() const;
+};
+
+// RMSNorm: x / sqrt(mean(x²) + eps) · weight, statistics in fp32 (see forward).
+class LlamaRMSNormImpl : public torch::nn::Module {
+ public:
+  LlamaRMSNormImpl(int64_t hidden_size, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(LlamaRMSNorm);
+
+class LlamaAttentionImpl : public torch::nn::Module {
+ public:
+  LlamaAttentionImpl(const LlamaConfig& config, bool materialize_base);
+  // x [B,T,H]; cos/sin [B,T,head_dim]; additive_mask [B,1,T,P+T] (0 or the dtype's lowest);
+  // past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix tuning), or null.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMLPImpl : public torch::nn::Module {
+ public:
+  LlamaMLPImpl(const LlamaConfig& config, bool materialize_base);
+  at::Tensor forward(const at::Tensor& x);  // down(silu(gate(x)) * up(x))
+  nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(LlamaMLP);
+
+class LlamaDecoderLayerImpl : public torch::nn::Module {
+ public:
+  LlamaDecoderLayerImpl(const LlamaConfig& config, bool materialize_base);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+  LlamaAttention self_attn{nullptr};
+  LlamaMLP mlp{nullptr};
+  LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+// "model": embeddings, decoder layers, final norm. Returns the final hidden states [B,T,H].
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  LlamaModelImpl(const LlamaConfig& config, bool materialize_base);
+  // adapter: a model-level PEFT adapter applied as [Model adapter conventions] say, or null.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                     const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  LlamaRMSNorm norm{nullptr};
+
+ private:
+  LlamaConfig config_;
+  at::Tensor inv_freq_;  // [head_dim/2] fp32, not a parameter and not in checkpoints
+};
+TORCH_MODULE(LlamaModel);
+
+class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost {
+ public:
+  // materialize_base=false allocates no base-layer weights (the projections and lm_head): load
+  // them with load_weights() or virtualize the model before calling forward.
+  explicit LlamaForCausalLMImpl(const LlamaConfig& config, bool materialize_base = true);
+  // input_ids [B,T] int64; attention_mask [B,T] of 1 (token) / 0 (padding), optional;
+  // position_ids [B,T] or [T], optional (default 0..T-1, as transformers' forward uses).
+  // Returns logits [B,T,vocab] in the model's dtype (causal_lm_loss computes in fp32).
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                     const at::Tensor& position_ids = {});
+  const LlamaConfig& config() const { return config_; }
+
+  // ModelAdapterHost: prompt tuning, P-tuning, prefix tuning (peft/model_adapter.h).
+  void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
+  std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
+  ModelShape model_shape() const override;
+
+  LlamaModel model{nullptr};
+  nn::Linear lm_head{nullptr};  // null when tie_word_embeddings: the logits use embed_tokens' weight
+
+ private:
+  LlamaConfig config_;
+  std::shared_ptr<ModelAdapterImpl> adapter_;
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+namespace detail {
+// RoPE inverse frequencies as transformers computes them ("default" or "llama3"). fp32 [head_dim/2].
+at::Tensor llama_inv_freq(const LlamaConfig& config);
+// RoPE on x [..., head_dim]: x·cos + rotate_half(x)·sin, one autograd node when x takes a gradient.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+}  // namespace detail
+
+}  // namespace symbiosis

@@ -1,0 +1,129 @@
+#include "client_runtime/peft/files.h"
+
+#include <fstream>
+#include <regex>
+
+#include "common/checkpoint.h"
+
+namespace symbiosis::peft {
+
+nlohmann::json read_config(const std::filesystem::path& dir, const std::string& expected_type) {
+  const auto path = dir / "adapter_config.json";
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "missing file ", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "bad JSON in ", path, ": ", e.what());
+  }
+  TORCH_CHECK(j.is_object(), path, " is not a JSON object");
+  const auto type = j.contains("peft_type") && j["peft_type"].is_string() ? j["peft_type"].get<std::string>() : "";
+  TORCH_CHECK(expected_type.empty() || type == expected_type, path, ": field 'peft_type' is '", type, "', expected '",
+              expected_type, "'");
+  if (j.contains("task_type") && !j["task_type"].is_null()) {
+    TORCH_CHECK(j["task_type"] == "CAUSAL_LM", path, ": field 'task_type' is ", j["task_type"].dump(),
+                ", expected \"CAUSAL_LM\"");
+  }
+  return j;
+}
+
+std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir) {
+  const auto file = dir / "adapter_model.safetensors";
+  std::ifstream in(file, std::ios::binary);
+  TORCH_CHECK(in.good(), "missing file ", file);
+  const auto size = std::filesystem::file_size(file);
+  uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  TORCH_CHECK(in.good() && header_len + 8 <= size, file, ": bad safetensors header length ", header_len);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  nlohmann::json table;
+  try {
+    table = nlohmann::json::parse(header);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, file, ": bad safetensors header: ", e.what());
+  }
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& [name, entry] : table.items()) {
+    if (name == "__metadata__") continue;
+    const auto dtype = dtype_from_safetensors(entry.at("dtype").get<std::string>(), file.string() + ": " + name);
+    const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+    const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+    auto t = at::empty(shape, at::TensorOptions().dtype(dtype));
+    TORCH_CHECK(offsets.size() == 2 && offsets[1] - offsets[0] == t.nbytes() && 8 + header_len + offsets[1] <= size,
+                file, ": tensor '", name, "' has bad data_offsets");
+    in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    TORCH_CHECK(in.good(), file, ": short read of tensor '", name, "'");
+    tensors.emplace(name, t);
+  }
+  return tensors;
+}
+
+void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                const std::string& method) {
+  const auto saved = read_tensors(dir);
+  const auto file = dir / "adapter_model.safetensors";
+  TORCH_CHECK(saved.size() == state.size(), file, " holds ", saved.size(), " tensors, but the model's ", method,
+              " adapters have ", state.size());
+  std::vector<const at::Tensor*> sources;
+  for (const auto& [name, param] : state) {
+    auto it = saved.find(name);
+    TORCH_CHECK(it != saved.end(), file, " lacks tensor '", name, "'");
+    TORCH_CHECK(it->second.sizes() == param.sizes(), file, ": tensor '", name, "' has shape ", it->second.sizes(),
+                ", expected ", param.sizes());
+    sources.push_back(&it->second);
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < state.size(); ++i) state[i].second.copy_(*sources[i]);
+}
+
+void write_adapter(const std::filesystem::path& dir, const nlohmann::json& config,
+                   const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::filesystem::create_directories(dir);
+  std::vector<std::pair<std::string, at::Tensor>> cpu;
+  for (const auto& [name, t] : tensors) cpu.emplace_back(name, t.detach().to(at::kCPU).contiguous());
+  write_safetensors(dir / "adapter_model.safetensors", cpu, {{"format", "pt"}});
+  std::ofstream(dir / "adapter_config.json") << config.dump(2) << "\n";
+}
+
+std::vector<std::string> string_list(const nlohmann::json& config, const std::string& field,
+                                     const std::vector<std::string>& fallback) {
+  if (!config.contains(field) || config[field].is_null()) return fallback;
+  const auto& v = config[field];
+  if (v.is_string()) return {v.get<std::string>()};
+  TORCH_CHECK(v.is_array(), "adapter config field '", field, "' should be a string or a list of strings, got ", v.dump());
+  std::vector<std::string> out;
+  for (const auto& item : v) {
+    TORCH_CHECK(item.is_string(), "adapter config field '", field, "' holds a non-string: ", item.dump());
+    out.push_back(item.get<std::string>());
+  }
+  return out;
+}
+
+void require_default(const nlohmann::json& config, const std::string& field, const nlohmann::json& allowed,
+                     const std::string& why) {
+  if (!config.contains(field)) return;
+  const auto& v = config[field];
+  if (v.is_null() || v == allowed) return;
+  if (allowed.is_null() && (v.is_array() || v.is_object()) && v.empty()) return;
+  TORCH_CHECK(false, "adapter config field '", field, "' is ", v.dump(), ": ", why);
+}
+
+bool matches_module(const std::string& path, const std::vector<std::string>& targets, bool is_regex) {
+  for (const auto& target : targets) {
+    if (is_regex) {
+      if (std::regex_match(path, std::regex(target))) return true;
+      continue;
+    }
+    if (path == target) return true;
+    if (path.size() > target.size() && path.compare(path.size() - target.size(), target.size(), target) == 0 &&
+        path[path.size() - target.size() - 1] == '.') {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace symbiosis::peft

@@ -1,0 +1,63 @@
+#pragma once
+// Internal to the PEFT methods (not installed): what every method shares about Hugging Face PEFT's
+// adapter files (adapter_config.json + adapter_model.safetensors), finding its adapters in a
+// model, and module matching.
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "client_runtime/nn.h"
+
+namespace symbiosis::peft {
+
+// PEFT's prefix of a layer's key in adapter_model.safetensors: base_model.model.<module path>.
+inline const std::string kKeyPrefix = "base_model.model.";
+
+// adapter_config.json, parsed; throws naming the file for a missing file or bad JSON, and when
+// its peft_type is not `expected_type` (empty: any).
+nlohmann::json read_config(const std::filesystem::path& dir, const std::string& expected_type = "");
+// Every tensor of adapter_model.safetensors, copied into memory (fp32/bf16/fp16, as stored).
+std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir);
+// Fills a model's adapter tensors, `state` (their PEFT keys and the tensors themselves, as
+// lora_state, ia3_state and adalora_state give them), from adapter_model.safetensors, each cast to
+// its tensor's dtype. The file must hold exactly these keys in these shapes: otherwise throws,
+// naming the file, the tensor and `method`'s adapters ("LoRA", "IA3", ...), having changed nothing.
+void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                const std::string& method);
+// Writes both files (tensors contiguous, on the CPU, in their own dtype).
+void write_adapter(const std::filesystem::path& dir, const nlohmann::json& config,
+                   const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+
+// A string or list-of-strings field; `fallback` when absent or null.
+std::vector<std::string> string_list(const nlohmann::json& config, const std::string& field,
+                                     const std::vector<std::string>& fallback);
+// Throws naming the field when `field` is present, not null, and not equal to `allowed`
+// (a null `allowed` also accepts an empty list or empty object).
+void require_default(const nlohmann::json& config, const std::string& field, const nlohmann::json& allowed,
+                     const std::string& why);
+
+// The adapters of type Adapter (LoraAdapterImpl, IA3AdapterImpl, ...; a derived type counts) that
+// the model's base layers hold, with the layers' module paths, in module order.
+template <typename Adapter>
+std::vector<std::pair<std::string, std::shared_ptr<Adapter>>> layer_adapters(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::shared_ptr<Adapter>>> found;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
+    auto adapter = base ? std::dynamic_pointer_cast<Adapter>(base->adapter()) : nullptr;
+    if (adapter) found.emplace_back(item.key(), std::move(adapter));
+  }
+  return found;
+}
+
+// PEFT's target matching for a list of names: the module's path equals a name or ends with
+// ".<name>". A single string in PEFT's config is a regular expression that must match the whole
+// path; `is_regex` selects that.
+bool matches_module(const std::string& path, const std::vector<std::string>& targets, bool is_regex = false);
+
+}  // namespace symbiosis::peft

@@ -1,0 +1,70 @@
+#pragma once
+// LoRA on base layers (virtual or local): y = base(x) + dropout(x)·Aᵀ·Bᵀ·(alpha/r).
+// Adapters are saved and loaded in Hugging Face PEFT's format (adapter_config.json +
+// adapter_model.safetensors with keys base_model.model.<layer>.lora_A.weight).
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "client_runtime/nn.h"
+
+namespace symbiosis {
+
+struct LoraConfig {
+  int64_t r = 8;
+  double alpha = 16;
+  double dropout = 0.0;
+  // A base layer is targeted when its name ends with ".<target>" (or equals it); "all-linear"
+  // targets every base layer except lm_head.
+  std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  // PEFT initializes B to zero (the adapter starts as a no-op); false draws B like A, which
+  // makes every gradient non-zero from the first step (useful in tests).
+  bool init_b_zero = true;
+  // rsLoRA: scaling alpha/sqrt(r) instead of alpha/r.
+  bool use_rslora = false;
+  // Per-layer rank and alpha, PEFT's rank_pattern/alpha_pattern: a key applies to a layer whose path
+  // matches the regular expression "(.*\.)?(key)" whole; the first matching key (in key order) wins.
+  std::map<std::string, int64_t> rank_pattern;
+  std::map<std::string, double> alpha_pattern;
+  // Only "none" (no trainable biases) is supported.
+  std::string bias = "none";
+  // DoRA (dora.h): a learned per-row magnitude over the normalized adapted weight.
+  bool use_dora = false;
+
+  void validate() const;  // throws naming the bad field
+  // The rank and alpha of the layer at this path, after the patterns.
+  int64_t rank_for(const std::string& path) const;
+  double alpha_for(const std::string& path) const;
+};
+
+class LoraAdapterImpl : public LayerAdapterImpl {
+ public:
+  LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config);
+  at::Tensor forward(const at::Tensor& x, const BaseFn& base) override;
+  // [Grouped LoRA] (lora.cpp): on a GPU, plain LoRA adapters without dropout, in the model's dtype,
+  // apply themselves together (LayerAdapterImpl::forward_group).
+  at::Tensor forward_group(const at::Tensor& x, const at::Tensor& stacked_base,
+                           const std::vector<LayerAdapterImpl*>& adapters, const std::vector<int64_t>& widths) override;
+
+  at::Tensor lora_A;  // [r, in]
+  at::Tensor lora_B;  // [out, r]
+  double scaling;
+  double dropout;
+};
+
+// Attaches a LoRA adapter (a DoraAdapterImpl when config.use_dora) to each targeted base layer of
+// the model; returns the adapter parameters (the only trainable ones) in a stable order: per layer
+// lora_A, lora_B and, with DoRA, lora_magnitude_vector. Throws if no layer matches.
+std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config);
+
+// The LoRA parameters of a model, by their PEFT key names (with DoRA also
+// base_model.model.<layer>.lora_magnitude_vector).
+std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& model);
+
+void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir);
+LoraConfig read_lora_config(const std::filesystem::path& dir);
+// Attaches adapters as the saved config says (when the model has none yet) and loads their weights.
+LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir);
+
+}  // namespace symbiosis

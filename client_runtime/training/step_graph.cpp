@@ -1,0 +1,142 @@
+#include "client_runtime/training/step_graph.h"
+
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+#ifdef SYMBIOSIS_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace symbiosis {
+
+struct StepGraph::Impl {
+  std::function<void()> compute, apply;
+  std::shared_ptr<Client> client;
+  StepGraphOptions options;
+  int runs = 0;
+
+  void eager() const {
+    compute();
+    if (client) client->settle();
+    apply();
+  }
+
+#ifdef SYMBIOSIS_WITH_CUDA
+  // Warm-up, capture and replays all run on this stream: a graph is captured on a stream of its
+  // own, and a client's calls order after the stream of its previous call.
+  std::optional<c10::cuda::CUDAStream> stream;
+  std::unique_ptr<at::cuda::CUDAGraph> compute_graph, apply_graph;  // apply_graph shares compute_graph's memory
+  std::shared_ptr<const CapturedCalls> calls;                       // what compute_graph's replays send
+  // Order each run after the caller's stream and the caller's later work after it; made once.
+  c10::cuda::CUDAEvent caller_ready, step_done;
+
+  ~Impl() {
+    // The graphs' memory goes back to the allocator with them: the GPU must be done with it.
+    if (stream) stream->synchronize();
+  }
+
+  // Captures `part` into `graph` on the current stream (the side stream). Relaxed: the client
+  // shares the new segments of the graph's memory with the executor while capturing.
+  static void capture(at::cuda::CUDAGraph& graph, const std::function<void()>& part, c10::MempoolId_t pool) {
+    graph.capture_begin(pool, cudaStreamCaptureModeRelaxed);
+    try {
+      part();
+    } catch (...) {
+      try {
+        graph.capture_end();  // ends the stream's capture and the allocator's use of the graph's pool
+      } catch (const c10::Error&) {
+      }
+      throw;
+    }
+    graph.capture_end();
+  }
+
+  void capture_step() {
+    compute_graph = std::make_unique<at::cuda::CUDAGraph>();
+    apply_graph = std::make_unique<at::cuda::CUDAGraph>();
+    if (client) client->begin_capture();
+    try {
+      capture(*compute_graph, compute, {0, 0});
+    } catch (const c10::Error& e) {
+      if (client) client->end_capture();
+      compute_graph.reset();
+      TORCH_CHECK(false, "StepGraph: the step could not be captured in a CUDA graph (", e.what_without_backtrace(),
+                  "); run it with StepGraphOptions::capture = false");
+    }
+    if (client) calls = client->end_capture();
+    // Shares the compute graph's pool: the two are always replayed in the order they were captured.
+    capture(*apply_graph, apply, compute_graph->pool());
+    // The eager runs' blocks stay in the allocator's cache, and the graphs never use them.
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  }
+
+  void replay() const {
+    compute_graph->replay();
+    if (client) {
+      client->replay(*calls);
+      client->settle();
+    }
+    apply_graph->replay();
+  }
+#endif
+};
+
+StepGraph::StepGraph(std::function<void()> compute, std::function<void()> apply, std::shared_ptr<Client> client,
+                     at::Device device, StepGraphOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK(options.warmup >= 1, "StepGraphOptions::warmup must be at least 1, got ", options.warmup);
+  TORCH_CHECK(compute && apply, "StepGraph needs a compute and an apply function");
+  impl_->compute = std::move(compute);
+  impl_->apply = std::move(apply);
+  impl_->client = std::move(client);
+  impl_->options = options;
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (device.is_cuda() && options.capture) {
+    impl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.has_index() ? device.index() : 0);
+  }
+#endif
+}
+
+StepGraph::~StepGraph() = default;
+
+bool StepGraph::captured() const {
+#ifdef SYMBIOSIS_WITH_CUDA
+  return impl_->compute_graph != nullptr;
+#else
+  return false;
+#endif
+}
+
+void StepGraph::run() {
+  auto& s = *impl_;
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (s.stream) {
+    c10::cuda::CUDAGuard device_guard(s.stream->device_index());
+    const auto caller = c10::cuda::getCurrentCUDAStream(s.stream->device_index());
+    s.caller_ready.record(caller);
+    s.caller_ready.block(*s.stream);
+    {
+      c10::cuda::CUDAStreamGuard on_side_stream(*s.stream);
+      if (s.runs < s.options.warmup) {
+        s.runs++;
+        s.eager();
+      } else {
+        if (!s.compute_graph) s.capture_step();
+        s.replay();
+      }
+    }
+    s.step_done.record(*s.stream);
+    s.step_done.block(caller);
+    return;
+  }
+#endif
+  s.eager();
+}
+
+}  // namespace symbiosis

@@ -1,0 +1,16 @@
+#pragma once
+// Symbiosis client runtime, the models: what a tenant's model is built from, and the models
+// it offers ready-made.
+//  - symbiosis::nn::Linear and nn::Conv1D: base layers, computed locally or, once virtualized,
+//    on the executor; LayerAdapterImpl is where a PEFT method wraps one.
+//  - LlamaForCausalLM and GPT2LMHeadModel with Hugging Face parameter names (their module paths
+//    are the executor's layer names), computing what transformers computes.
+//  - load_weights, load_llama, load_gpt2: a model's weights from a Hugging Face checkpoint
+//    (symbiosis::Checkpoint), by parameter name.
+//  - open_causal_lm: the checkpoint's model, split (base layers on the executor) or monolithic.
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/models/gpt2.h"
+#include "client_runtime/models/llama.h"
+#include "client_runtime/models/model_io.h"
+#include "client_runtime/nn.h"
+#include "common/checkpoint.h"

@@ -1,0 +1,359 @@
+// The client runtime's model definitions against transformers: tiny random checkpoints written by
+// symbiosis-make-checkpoint give the same logits (and loss) in our monolithic C++ models as in
+// transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
+// the loader's errors name the tensor at fault.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <string>
+
+#include "client_runtime/models/gpt2.h"
+#include "client_runtime/models/llama.h"
+#include "client_runtime/models/model_io.h"
+#include "client_runtime/training/loss.h"
+#include "common/checkpoint.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kPython = SYMBIOSIS_PYTHON;
+const fs::path kTool = fs::path(SYMBIOSIS_BINARY_DIR) / "tools" / "symbiosis-make-checkpoint";
+const fs::path kReferenceScript = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "hf_logits.py";
+
+struct Batch {
+  at::Tensor input_ids;       // [B,T] int64
+  at::Tensor attention_mask;  // [B,T] int64, row 1 right-padded
+  at::Tensor labels;          // input_ids, -100 where padded
+};
+
+Batch make_batch(int64_t vocab) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+  Batch b;
+  b.input_ids = at::randint(vocab, {2, 12}, gen, at::kLong);
+  b.attention_mask = at::ones({2, 12}, at::kLong);
+  b.attention_mask.index_put_({1, at::indexing::Slice(9, at::indexing::None)}, 0);
+  b.labels = b.input_ids.masked_fill(b.attention_mask == 0, kIgnoreIndex);
+  return b;
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+class HfReferenceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(fs::temp_directory_path() / ("symbiosis_hf_reference_" + std::to_string(::getpid())));
+    fs::create_directories(*dir_);
+    have_transformers_ = testing::shell("'" + kPython + "' -c 'import transformers, safetensors, torch' > /dev/null 2>&1") == 0;
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    fs::remove_all(*dir_, ec);
+    delete dir_;
+    dir_ = nullptr;
+  }
+
+  // A checkpoint directory made by the tool, once per (name, flags).
+  static fs::path checkpoint(const std::string& name, const std::string& preset, const std::string& flags = "") {
+    const fs::path out = *dir_ / name;
+    if (!fs::exists(out / "config.json")) {
+      const std::string cmd = "'" + kTool.string() + "' --preset " + preset + " --out '" + out.string() + "' " + flags +
+                              " > '" + (*dir_ / (name + ".log")).string() + "' 2>&1";
+      EXPECT_EQ(testing::shell(cmd), 0) << cmd;
+    }
+    return out;
+  }
+
+  // transformers' logits (and loss, given labels) for the batch.
+  static std::pair<at::Tensor, at::Tensor> reference(const fs::path& ckpt, const Batch& batch) {
+    const fs::path inputs = *dir_ / (ckpt.filename().string() + "_inputs.safetensors");
+    const fs::path output = *dir_ / (ckpt.filename().string() + "_reference.safetensors");
+    write_safetensors(inputs, {{"input_ids", batch.input_ids.to(at::kFloat)},
+                               {"attention_mask", batch.attention_mask.to(at::kFloat)},
+                               {"labels", batch.labels.to(at::kFloat)}});
+    const std::string cmd = "'" + kPython + "' '" + kReferenceScript.string() + "' --checkpoint '" + ckpt.string() +
+                            "' --inputs '" + inputs.string() + "' --output '" + output.string() + "'";
+    EXPECT_EQ(testing::shell(cmd), 0) << cmd;
+    return {testing::read_safetensors_f32(output, "logits"), testing::read_safetensors_f32(output, "loss")};
+  }
+
+  void require_transformers() {
+    if (!have_transformers_) GTEST_SKIP() << "the Python at " << kPython << " lacks transformers (or safetensors)";
+  }
+
+  // Our logits agree with transformers' within 1e-4 of the logits' scale; so does the loss.
+  template <typename Model>
+  void expect_matches_reference(Model model, const fs::path& ckpt) {
+    const Batch batch = make_batch(256);
+    auto [ref_logits, ref_loss] = reference(ckpt, batch);
+    at::Tensor logits;
+    {
+      at::NoGradGuard no_grad;
+      logits = model->forward(batch.input_ids, batch.attention_mask);
+    }
+    ASSERT_EQ(logits.sizes(), ref_logits.sizes());
+    EXPECT_EQ(logits.scalar_type(), at::kFloat);
+    const double scale = ref_logits.abs().max().item<double>();
+    EXPECT_GT(scale, 0.1) << "reference logits are nearly zero: the test would prove little";
+    const double diff = max_abs_diff(logits, ref_logits);
+    std::cout << "  max |ours - transformers| = " << diff << " (logits' scale " << scale << ")\n";
+    EXPECT_LE(diff, 1e-4 * scale) << ckpt;
+    const double loss = causal_lm_loss(logits, batch.labels).item<double>();
+    EXPECT_NEAR(loss, ref_loss.item<double>(), 1e-5 * std::abs(ref_loss.item<double>()));
+  }
+
+  static fs::path* dir_;
+  static bool have_transformers_;
+};
+
+fs::path* HfReferenceTest::dir_ = nullptr;
+bool HfReferenceTest::have_transformers_ = false;
+
+TEST_F(HfReferenceTest, TinyLlamaMatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-llama", "tiny-llama");
+  auto model = load_llama(ckpt);
+  EXPECT_EQ(model->config().rope_type, "llama3");
+  EXPECT_FALSE(model->config().tie_word_embeddings);
+  ASSERT_TRUE(model->lm_head);
+  expect_matches_reference(model, ckpt);
+}
+
+TEST_F(HfReferenceTest, TinyLlamaTiedMatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-llama-tied", "tiny-llama-tied");
+  auto model = load_llama(ckpt);
+  EXPECT_TRUE(model->config().tie_word_embeddings);
+  EXPECT_FALSE(model->lm_head);
+  EXPECT_FALSE(model->named_parameters().contains("lm_head.weight"));
+  expect_matches_reference(model, ckpt);
+}
+
+TEST_F(HfReferenceTest, TinyGPT2MatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-gpt2", "tiny-gpt2");
+  auto model = load_gpt2(ckpt);
+  expect_matches_reference(model, ckpt);
+}
+
+// A model built without base weights gets them from load_weights and computes the same logits.
+TEST_F(HfReferenceTest, UnmaterializedBaseLayersLoadTheSameWeights) {
+  const auto ckpt_dir = checkpoint("tiny-llama", "tiny-llama");
+  auto ckpt = Checkpoint::open(ckpt_dir);
+  LlamaForCausalLM lazy(LlamaConfig::from_checkpoint(*ckpt), /*materialize_base=*/false);
+  auto* q_proj = lazy->model->layers->ptr<LlamaDecoderLayerImpl>(0)->self_attn->q_proj.get();
+  EXPECT_FALSE(q_proj->weight.defined());
+  EXPECT_FALSE(lazy->lm_head->weight.defined());
+  load_weights(*lazy, *ckpt);
+  ASSERT_TRUE(q_proj->weight.defined());
+  EXPECT_TRUE(at::equal(q_proj->weight, ckpt->tensor("model.layers.0.self_attn.q_proj.weight")));
+  auto eager = load_llama(ckpt_dir);
+  const Batch batch = make_batch(256);
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(lazy->forward(batch.input_ids), eager->forward(batch.input_ids)));
+}
+
+TEST_F(HfReferenceTest, ShardedCheckpointLoadsTheSameValues) {
+  const auto single = checkpoint("tiny-llama", "tiny-llama");
+  const auto sharded = checkpoint("tiny-llama-sharded", "tiny-llama", "--shard-size 100000");
+  ASSERT_TRUE(fs::exists(sharded / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(sharded / "model.safetensors"));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(sharded)) shards += e.path().extension() == ".safetensors";
+  EXPECT_GE(shards, 3);
+  EXPECT_TRUE(fs::exists(sharded / ("model-00001-of-0000" + std::to_string(shards) + ".safetensors")));
+  auto a = Checkpoint::open(single), b = Checkpoint::open(sharded);
+  EXPECT_EQ(a->names(), b->names());
+  const Batch batch = make_batch(256);
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(load_llama(single)->forward(batch.input_ids, batch.attention_mask),
+                        load_llama(sharded)->forward(batch.input_ids, batch.attention_mask)));
+}
+
+TEST_F(HfReferenceTest, ShardedGPT2MatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-gpt2-sharded", "tiny-gpt2", "--shard-size 60000");
+  ASSERT_TRUE(fs::exists(ckpt / "model.safetensors.index.json"));
+  expect_matches_reference(load_gpt2(ckpt), ckpt);
+}
+
+// bf16 weights are the fp32 ones rounded: loaded into an fp32 model they give exactly the logits
+// of the fp32 model with rounded weights; run in bf16 they stay close to fp32.
+TEST_F(HfReferenceTest, Bf16CheckpointHoldsRoundedFp32Weights) {
+  const auto fp32_dir = checkpoint("tiny-llama", "tiny-llama");
+  const auto bf16_dir = checkpoint("tiny-llama-bf16", "tiny-llama", "--dtype bf16");
+  auto bf16_ckpt = Checkpoint::open(bf16_dir);
+  EXPECT_EQ(bf16_ckpt->record("model.embed_tokens.weight").dtype, at::kBFloat16);
+  EXPECT_EQ(bf16_ckpt->config_string("torch_dtype"), "bfloat16");
+
+  auto rounded = load_llama(fp32_dir);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : rounded->parameters()) p.copy_(p.to(at::kBFloat16).to(at::kFloat));
+  }
+  auto from_bf16 = load_llama(bf16_dir);  // fp32 model
+  auto exact = load_llama(fp32_dir);
+  auto in_bf16 = load_llama(bf16_dir, true, at::kBFloat16);
+  EXPECT_EQ(in_bf16->model->embed_tokens->weight.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(in_bf16->model->layers->ptr<LlamaDecoderLayerImpl>(1)->mlp->down_proj->weight.scalar_type(), at::kBFloat16);
+
+  const Batch batch = make_batch(256);
+  at::NoGradGuard no_grad;
+  auto reference = exact->forward(batch.input_ids, batch.attention_mask);
+  auto from_bf16_logits = from_bf16->forward(batch.input_ids, batch.attention_mask);
+  EXPECT_TRUE(at::equal(from_bf16_logits, rounded->forward(batch.input_ids, batch.attention_mask)));
+  const double scale = reference.abs().max().item<double>();
+  EXPECT_GT(max_abs_diff(from_bf16_logits, reference), 0.0) << "bf16 weights should differ from fp32 ones";
+  EXPECT_LE(max_abs_diff(from_bf16_logits, reference), 2e-2 * scale);
+  EXPECT_LE(max_abs_diff(in_bf16->forward(batch.input_ids, batch.attention_mask), reference), 5e-2 * scale);
+}
+
+TEST_F(HfReferenceTest, MissingTensorIsNamed) {
+  auto ckpt = Checkpoint::open(checkpoint("tiny-llama", "tiny-llama"));
+  auto config = LlamaConfig::from_checkpoint(*ckpt);
+  config.num_hidden_layers = 3;
+  LlamaForCausalLM model(config, false);
+  try {
+    load_weights(*model, *ckpt);
+    FAIL() << "loading a 3-layer model from a 2-layer checkpoint should fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.2."), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(HfReferenceTest, ExtraTensorIsNamed) {
+  auto ckpt = Checkpoint::open(checkpoint("tiny-llama", "tiny-llama"));
+  auto config = LlamaConfig::from_checkpoint(*ckpt);
+  config.num_hidden_layers = 1;
+  LlamaForCausalLM model(config, false);
+  try {
+    load_weights(*model, *ckpt);
+    FAIL() << "loading a 1-layer model from a 2-layer checkpoint should fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has tensor 'model.layers.1."), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("does not use"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(HfReferenceTest, UntiedHeadIntoTiedModelIsRefused) {
+  auto ckpt = Checkpoint::open(checkpoint("tiny-llama", "tiny-llama"));
+  auto config = LlamaConfig::from_checkpoint(*ckpt);
+  config.tie_word_embeddings = true;
+  LlamaForCausalLM model(config, false);
+  try {
+    load_weights(*model, *ckpt);
+    FAIL() << "an untied lm_head should not be dropped silently";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'lm_head.weight'"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(HfReferenceTest, WrongShapeIsNamed) {
+  auto ckpt = Checkpoint::open(checkpoint("tiny-gpt2", "tiny-gpt2"));
+  auto config = GPT2Config::from_checkpoint(*ckpt);
+  config.n_inner = 3 * config.n_embd;
+  GPT2LMHeadModel model(config, true);
+  try {
+    load_weights(*model, *ckpt);
+    FAIL() << "a wrong n_inner should fail";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'transformer.h.0.mlp.c_fc.weight' has shape"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(HfReferenceTest, ToolRefusesUnknownPreset) {
+  const fs::path out = *dir_ / "unknown";
+  EXPECT_NE(testing::shell("'" + kTool.string() + "' --preset llama-9000 --out '" + out.string() + "' > /dev/null 2>&1"), 0);
+  EXPECT_FALSE(fs::exists(out / "config.json"));
+}
+
+// The real presets' shapes, cut to one layer: the configs parse and the tensor table matches the
+// model that reads it (no missing or extra tensor), without writing gigabytes.
+TEST_F(HfReferenceTest, RealPresetsMatchTheirModels) {
+  for (const std::string preset : {"gpt2-xl", "llama-3.2-1b"}) {
+    SCOPED_TRACE(preset);
+    const auto dir = checkpoint(preset + "-1layer", preset, "--layers 1 --dtype bf16");
+    auto ckpt = Checkpoint::open(dir);
+    if (preset == "gpt2-xl") {
+      GPT2LMHeadModel model(GPT2Config::from_checkpoint(*ckpt), /*materialize_base=*/false);
+      EXPECT_EQ(model->config().n_embd, 1600);
+      EXPECT_NO_THROW(load_weights(*model, *ckpt));
+    } else {
+      LlamaForCausalLM model(LlamaConfig::from_checkpoint(*ckpt), /*materialize_base=*/false);
+      EXPECT_NO_THROW(load_weights(*model, *ckpt));
+      if (preset == "llama-3.2-1b") {
+        EXPECT_EQ(model->config().num_key_value_heads, 8);
+        EXPECT_EQ(model->config().rope_type, "llama3");
+        EXPECT_TRUE(model->config().tie_word_embeddings);
+      }
+    }
+  }
+}
+
+// tiny-llama's RoPE (head_dim 16, theta 1e4, llama3 factor 8, bands at wavelengths 8 and 32) has
+// frequencies in all three bands, so the transformers comparison above covers each of them.
+TEST(LlamaRopeTest, Llama3ScalingFollowsTheThreeBands) {
+  LlamaConfig config;
+  config.hidden_size = 64;
+  config.num_attention_heads = 4;
+  config.num_key_value_heads = 2;
+  config.rope_theta = 10000.0;
+  const auto base = detail::llama_inv_freq(config);
+  config.rope_type = "llama3";
+  config.rope_factor = 8.0;
+  config.rope_low_freq_factor = 1.0;
+  config.rope_high_freq_factor = 4.0;
+  config.rope_original_max_position_embeddings = 32;
+  const auto scaled = detail::llama_inv_freq(config);
+  ASSERT_EQ(scaled.numel(), 8);
+  // Wavelength 2*pi*1e4^(i/8): i=0 (6.3) is short, kept; i=1 (19.9) is between, smoothed;
+  // i>=2 (>= 62.8) is long, divided by the factor.
+  EXPECT_FLOAT_EQ(scaled[0].item<float>(), base[0].item<float>());
+  const double f1 = base[1].item<double>();
+  const double smooth = (32.0 * f1 / (2 * M_PI) - 1.0) / 3.0;
+  EXPECT_NEAR(scaled[1].item<double>(), (1 - smooth) * f1 / 8.0 + smooth * f1, 1e-6 * f1);
+  EXPECT_NE(scaled[1].item<float>(), base[1].item<float>());
+  for (int64_t i = 2; i < 8; ++i) EXPECT_FLOAT_EQ(scaled[i].item<float>(), base[i].item<float>() / 8.0f) << i;
+}
+
+// The fused RoPE node gives what autograd gives for the same expression left to it, in value and
+// in gradient, for a non-contiguous x (q and k are transposed views) and cos/sin broadcast over heads.
+TEST(LlamaRopeTest, FusedRotaryMatchesAutogradOfTheExpression) {
+  at::manual_seed(3);
+  const auto opts = at::TensorOptions().dtype(at::kDouble);
+  const auto x0 = at::randn({2, 5, 3, 8}, opts).transpose(1, 2);  // [batch, heads, tokens, head_dim]
+  const auto cos = at::randn({2, 1, 5, 8}, opts), sin = at::randn({2, 1, 5, 8}, opts);
+  const auto upstream = at::randn({2, 3, 5, 8}, opts);
+  auto fused_x = x0.detach().requires_grad_(true);
+  auto fused = detail::apply_rotary(fused_x, cos, sin);
+  fused.backward(upstream);
+  auto plain_x = x0.detach().requires_grad_(true);
+  auto rotated = at::cat({-plain_x.narrow(-1, 4, 4), plain_x.narrow(-1, 0, 4)}, -1);
+  auto plain = plain_x * cos + rotated * sin;
+  plain.backward(upstream);
+  EXPECT_TRUE(at::allclose(fused, plain, 1e-12, 1e-12));
+  EXPECT_TRUE(at::allclose(fused_x.grad(), plain_x.grad(), 1e-12, 1e-12));
+  EXPECT_GT(fused_x.grad().abs().sum().item<double>(), 0.0);
+  {
+    at::NoGradGuard no_grad;  // without a gradient, the plain expression
+    EXPECT_TRUE(at::allclose(detail::apply_rotary(x0, cos, sin), plain, 1e-12, 1e-12));
+  }
+}
+
+TEST(CausalLmLossTest, ShiftsAndIgnores) {
+  // Two positions predict; the second label is ignored, so the loss is the first prediction's.
+  auto logits = at::zeros({1, 3, 4});
+  logits.index_put_({0, 0, 2}, 5.0);
+  auto labels = at::tensor({int64_t{7}, int64_t{2}, kIgnoreIndex}, at::kLong).view({1, 3});
+  const double expected = -at::log_softmax(logits[0][0], 0)[2].item<double>();
+  EXPECT_NEAR(causal_lm_loss(logits, labels).item<double>(), expected, 1e-6);
+}
+
+}  // namespace
+}  // namespace symbiosis

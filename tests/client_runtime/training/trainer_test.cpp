@@ -1,0 +1,423 @@
+// The tenant trainer (client_runtime/training/trainer.h, dataset.h): dataset parsing and its refusals,
+// batching layouts, the learning-rate schedule, gradient accumulation equal to one large batch,
+// exact resume from a checkpoint against an executor, split training equal to monolithic, and the
+// symbiosis-finetune program end to end.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
+#include "client_runtime/training/trainer.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+using testing::relative_error;
+
+fs::path write_file(const fs::path& dir, const std::string& name, const std::string& text) {
+  auto path = dir / name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// Random examples of varying lengths, some with a prompt part masked out of the labels.
+std::vector<TokenExample> random_examples(int64_t count, uint64_t seed, int64_t min_len = 3, int64_t max_len = 12) {
+  at::manual_seed(seed);
+  std::vector<TokenExample> examples;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = at::randint(min_len, max_len + 1, {1}).item<int64_t>();
+    auto ids = at::randint(0, 256, {n}, at::kLong);
+    TokenExample e;
+    e.input_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + n);
+    if (i % 2 == 1) {
+      e.labels = e.input_ids;
+      e.labels[0] = e.labels[1] = kIgnoreIndex;  // a "prompt" not trained on
+    }
+    examples.push_back(std::move(e));
+  }
+  return examples;
+}
+
+// ---- dataset -------------------------------------------------------------------------------
+
+TEST(TokenDatasetTest, ReadsJsonLinesWithDefaultLabelsAndSkipsBlankLines) {
+  auto dir = testing::temp_dir("trainer-data");
+  auto file = write_file(dir, "train.jsonl",
+                         "{\"input_ids\": [5, 6, 7], \"text\": \"ignored\"}\n"
+                         "\n"
+                         "{\"input_ids\": [1, 2, 3, 4], \"labels\": [-100, -100, 3, 4]}\n");
+  auto data = TokenDataset::from_jsonl(file);
+  ASSERT_EQ(data.size(), 2u);
+  EXPECT_EQ(data[0].labels, (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_EQ(data[1].labels, (std::vector<int64_t>{-100, -100, 3, 4}));
+  EXPECT_EQ(data[1].line, 3);
+  EXPECT_EQ(data.where(1), file.string() + ":3");
+  EXPECT_EQ(data.num_tokens(), 7);
+  EXPECT_EQ(data.max_token_id(), 7);
+}
+
+TEST(TokenDatasetTest, RefusalsNameTheFileLineAndField) {
+  auto dir = testing::temp_dir("trainer-bad");
+  struct Case {
+    std::string line, expected;
+  };
+  const std::vector<Case> cases = {
+      {"{\"input_ids\": [1, 2", ":2: not valid JSON"},
+      {"[1, 2, 3]", ":2: expected a JSON object"},
+      {"{\"labels\": [1, 2]}", ":2: input_ids: missing"},
+      {"{\"input_ids\": \"1 2 3\"}", ":2: input_ids: expected an array of token ids, got string"},
+      {"{\"input_ids\": [1, 2, 3.5]}", ":2: input_ids[2]: expected a token id (a non-negative integer), got 3.5"},
+      {"{\"input_ids\": [1, -100, 3]}", ":2: input_ids[1]: expected a token id"},
+      {"{\"input_ids\": [1, 2, 3], \"labels\": [1, 2]}", ":2: labels: has 2 entries, but input_ids has 3"},
+      {"{\"input_ids\": [1, 2, 3], \"labels\": [1, -5, 3]}", ":2: labels[1]: expected a token id or -100, got -5"},
+      {"{\"input_ids\": [7]}", ":2: labels: nothing to train on"},
+      {"{\"input_ids\": [1, 2], \"labels\": [1, -100]}", ":2: labels: nothing to train on"},
+      {"{\"input_ids\": []}", ":2: input_ids: is empty"},
+  };
+  for (const auto& c : cases) {
+    auto file = write_file(dir, "bad.jsonl", "{\"input_ids\": [1, 2]}\n" + c.line + "\n");
+    const auto message = error_of([&] { TokenDataset::from_jsonl(file); });
+    EXPECT_NE(message.find(file.string() + c.expected), std::string::npos) << c.line << " -> " << message;
+  }
+  EXPECT_NE(error_of([&] { TokenDataset::from_jsonl(dir / "absent.jsonl"); }).find("absent.jsonl: cannot open"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { TokenDataset::from_jsonl(write_file(dir, "empty.jsonl", "\n")); }).find("holds no examples"),
+            std::string::npos);
+}
+
+TEST(BatchingTest, EpochOrderIsASeededPermutationThatChangesPerEpoch) {
+  auto a = epoch_order(50, 7, 0);
+  EXPECT_EQ(a, epoch_order(50, 7, 0));
+  EXPECT_NE(a, epoch_order(50, 7, 1));
+  EXPECT_NE(a, epoch_order(50, 8, 0));
+  auto sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, epoch_order(50, 7, 0, /*shuffle=*/false));
+}
+
+TEST(BatchingTest, PaddingRightPadsWithMaskAndIgnoredLabels) {
+  auto data = TokenDataset::from_examples({{{1, 2, 3}, {}, 0}, {{4, 5, 6, 7, 8}, {-100, -100, 6, 7, 8}, 0}});
+  MicroBatchOptions options;
+  options.micro_batch_size = 2;
+  auto plans = plan_micro_batches(data, {0, 1}, options);
+  ASSERT_EQ(plans.size(), 1u);
+  auto mb = collate(data, plans[0], options);
+  EXPECT_TRUE(at::equal(mb.input_ids, at::tensor({1, 2, 3, 0, 0, 4, 5, 6, 7, 8}, at::kLong).view({2, 5})));
+  EXPECT_TRUE(at::equal(mb.attention_mask, at::tensor({1, 1, 1, 0, 0, 1, 1, 1, 1, 1}, at::kLong).view({2, 5})));
+  EXPECT_TRUE(at::equal(mb.labels, at::tensor({-100, 2, 3, -100, -100, -100, -100, 6, 7, 8}, at::kLong).view({2, 5})));
+  EXPECT_EQ(mb.num_tokens, 8);
+  EXPECT_EQ(mb.num_targets, 5);
+}
+
+TEST(BatchingTest, PackingConcatenatesWithinTheBudgetRestartingPositions) {
+  auto data = TokenDataset::from_examples({{{1, 2, 3}, {}, 0}, {{4, 5}, {}, 0}, {{6, 7, 8, 9}, {}, 0}});
+  MicroBatchOptions options;
+  options.mode = BatchingMode::kPacking;
+  options.pack_length = 6;
+  options.micro_batch_size = 2;
+  auto plans = plan_micro_batches(data, {0, 1, 2}, options);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0], (MicroBatchPlan{{0, 1}, {2}}));
+  auto mb = collate(data, plans[0], options);
+  EXPECT_TRUE(at::equal(mb.input_ids, at::tensor({1, 2, 3, 4, 5, 6, 7, 8, 9, 0}, at::kLong).view({2, 5})));
+  EXPECT_TRUE(at::equal(mb.position_ids.narrow(1, 0, 4), at::tensor({0, 1, 2, 0, 0, 1, 2, 3}, at::kLong).view({2, 4})));
+  // No target across a boundary: the first token of every example is ignored.
+  EXPECT_TRUE(at::equal(mb.labels, at::tensor({-100, 2, 3, -100, 5, -100, 7, 8, 9, -100}, at::kLong).view({2, 5})));
+  EXPECT_EQ(mb.num_targets, 6);
+}
+
+// ---- schedule ------------------------------------------------------------------------------
+
+TEST(ScheduleTest, LinearWarmupThenCosineToTheMinimum) {
+  const double peak = 1e-3;
+  EXPECT_DOUBLE_EQ(warmup_cosine_learning_rate(0, 110, 10, peak), 0.0);
+  EXPECT_DOUBLE_EQ(warmup_cosine_learning_rate(5, 110, 10, peak), 0.5 * peak);
+  EXPECT_DOUBLE_EQ(warmup_cosine_learning_rate(10, 110, 10, peak), peak);
+  EXPECT_NEAR(warmup_cosine_learning_rate(60, 110, 10, peak), 0.5 * peak, 1e-15);
+  EXPECT_NEAR(warmup_cosine_learning_rate(35, 110, 10, peak), peak * 0.5 * (1 + std::cos(M_PI * 0.25)), 1e-15);
+  EXPECT_NEAR(warmup_cosine_learning_rate(110, 110, 10, peak), 0.0, 1e-18);
+  EXPECT_NEAR(warmup_cosine_learning_rate(60, 110, 10, peak, 1e-4), 1e-4 + 0.5 * (peak - 1e-4), 1e-15);
+  EXPECT_DOUBLE_EQ(warmup_cosine_learning_rate(0, 10, 0, peak), peak);  // no warm-up: starts at the peak
+}
+
+// ---- training ------------------------------------------------------------------------------
+
+LoraConfig test_lora(double dropout = 0.0) {
+  LoraConfig lora;
+  lora.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+  lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
+  lora.dropout = dropout;
+  return lora;
+}
+
+struct Tenant {
+  CausalLM lm;
+  std::vector<at::Tensor> adapter;
+};
+
+Tenant make_tenant(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, const LoraConfig& lora,
+                   uint64_t init_seed = 1234) {
+  Tenant t;
+  t.lm = open_causal_lm(checkpoint, client);
+  at::manual_seed(init_seed);
+  t.adapter = add_lora(*t.lm.module, lora);
+  return t;
+}
+
+TrainerOptions quiet_options() {
+  TrainerOptions o;
+  o.progress = false;
+  o.learning_rate = 1e-2;
+  return o;
+}
+
+TEST(TrainerTest, TwoMicroBatchesAccumulatedEqualOneBatchOfBoth) {
+  auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto data = TokenDataset::from_examples(random_examples(4, 11));
+  auto accumulated = make_tenant(*checkpoint, nullptr, test_lora());
+  auto whole = make_tenant(*checkpoint, nullptr, test_lora());
+  auto options = quiet_options();
+  options.max_steps = 1;
+  options.batching.micro_batch_size = 2;
+  options.grad_accum = 2;
+  Trainer a(accumulated.lm, accumulated.adapter, data, options);
+  options.batching.micro_batch_size = 4;
+  options.grad_accum = 1;
+  Trainer b(whole.lm, whole.adapter, data, options);
+  auto sa = a.step();
+  auto sb = b.step();
+  EXPECT_EQ(sa.targets, sb.targets);
+  EXPECT_LT(std::abs(sa.loss - sb.loss) / std::abs(sb.loss), 1e-5) << sa.loss << " vs " << sb.loss;
+  EXPECT_LT(std::abs(sa.grad_norm - sb.grad_norm) / sb.grad_norm, 1e-5);
+  for (size_t i = 0; i < accumulated.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(accumulated.adapter[i].grad(), whole.adapter[i].grad()), 1e-5) << "tensor " << i;
+    EXPECT_LT(relative_error(accumulated.adapter[i], whole.adapter[i]), 1e-5) << "tensor " << i;
+  }
+}
+
+TEST(TrainerTest, StepLossIsTheMeanOverTrainedPositions) {
+  auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto data = TokenDataset::from_examples(random_examples(3, 5));
+  auto tenant = make_tenant(*checkpoint, nullptr, test_lora());
+  double sum = 0;
+  int64_t targets = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    auto ids = at::tensor(data[i].input_ids, at::kLong).unsqueeze(0);
+    auto labels = at::tensor(data[i].labels, at::kLong).unsqueeze(0);
+    at::NoGradGuard no_grad;
+    const int64_t n = labels.narrow(1, 1, labels.size(1) - 1).ne(kIgnoreIndex).sum().item<int64_t>();
+    sum += causal_lm_loss(tenant.lm.forward(ids, {}), labels).item<double>() * n;
+    targets += n;
+  }
+  auto options = quiet_options();
+  options.batching.micro_batch_size = 2;
+  options.grad_accum = 2;
+  Trainer trainer(tenant.lm, tenant.adapter, data, options);
+  const double eval = trainer.evaluate(data);  // before any step: the same numbers
+  EXPECT_LT(std::abs(eval - sum / targets) / (sum / targets), 1e-6);
+  auto s = trainer.step();
+  EXPECT_EQ(s.targets, targets);
+  EXPECT_LT(std::abs(s.loss - sum / targets) / (sum / targets), 1e-5);
+  EXPECT_TRUE(trainer.done());  // 3 examples, 2 a micro-batch, 2 micro-batches a step: one step
+}
+
+// Training 10 steps equals training 5, checkpointing, and training 5 more in a new trainer with a
+// new model and a new connection; with LoRA dropout (random state), warm-up, clipping, shuffling
+// over several epochs and a resume in the middle of one.
+TEST(TrainerTest, ResumeFromACheckpointIsExactAgainstAnExecutor) {
+  auto served = testing::serve_model("tiny-llama");
+  const auto& [dir, checkpoint, executor, client] = served;
+  auto data = TokenDataset::from_examples(random_examples(7, 3));
+  auto options = quiet_options();
+  options.max_steps = 10;
+  options.warmup_steps = 3;
+  options.max_grad_norm = 0.5;
+  options.batching.micro_batch_size = 2;  // 4 micro-batches an epoch: step 5 is inside epoch 1
+  options.seed = 42;
+  const auto lora = test_lora(/*dropout=*/0.1);
+
+  auto full_tenant = make_tenant(*checkpoint, client, lora);
+  Trainer full(full_tenant.lm, full_tenant.adapter, data, options);
+  at::manual_seed(99);  // the dropout stream
+  full.train();
+  ASSERT_EQ(full.history().size(), 10u);
+
+  const auto saved = testing::temp_dir("trainer-resume") / "checkpoint-5";
+  {
+    auto first_tenant = make_tenant(*checkpoint, testing::connect(*executor, *checkpoint), lora);
+    Trainer first(first_tenant.lm, first_tenant.adapter, data, options, [&](const fs::path& d) {
+      save_lora(*first_tenant.lm.module, lora, d);
+    });
+    at::manual_seed(99);
+    first.train(5);
+    first.save_checkpoint(saved);
+    at::manual_seed(12345);  // whatever happens to the random state after saving does not matter
+  }
+  EXPECT_TRUE(fs::exists(saved / "adapter" / "adapter_model.safetensors"));
+  auto second_tenant = make_tenant(*checkpoint, testing::connect(*executor, *checkpoint), lora, /*init_seed=*/777);
+  Trainer second(second_tenant.lm, second_tenant.adapter, data, options);
+  second.load_checkpoint(saved);
+  EXPECT_EQ(second.steps_done(), 5);
+  second.train();
+  ASSERT_EQ(second.history().size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(second.history()[i].loss, full.history()[i].loss) << "step " << i + 1;
+    EXPECT_EQ(second.history()[i].learning_rate, full.history()[i].learning_rate) << "step " << i + 1;
+    EXPECT_EQ(second.history()[i].epoch, full.history()[i].epoch) << "step " << i + 1;
+  }
+  EXPECT_EQ(full.history().back().epoch, 2);
+  for (size_t i = 0; i < full_tenant.adapter.size(); ++i) {
+    EXPECT_TRUE(at::equal(second_tenant.adapter[i], full_tenant.adapter[i])) << "tensor " << i;
+  }
+}
+
+TEST(TrainerTest, ResumeRefusesOtherSettingsNamingTheField) {
+  auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto data = TokenDataset::from_examples(random_examples(4, 3));
+  auto options = quiet_options();
+  auto tenant = make_tenant(*checkpoint, nullptr, test_lora());
+  Trainer trainer(tenant.lm, tenant.adapter, data, options);
+  trainer.step();
+  const auto saved = testing::temp_dir("trainer-refuse") / "ckpt";
+  trainer.save_checkpoint(saved);
+  options.grad_accum = 2;
+  auto other = make_tenant(*checkpoint, nullptr, test_lora());
+  Trainer changed(other.lm, other.adapter, data, options);
+  auto message = error_of([&] { changed.load_checkpoint(saved); });
+  EXPECT_NE(message.find("grad_accum is 1 in the checkpoint but 2 now"), std::string::npos) << message;
+  EXPECT_EQ(changed.steps_done(), 0);
+  EXPECT_EQ(latest_checkpoint(saved), saved);
+  LoraConfig bigger = test_lora();
+  bigger.r = 8;
+  auto wrong = make_tenant(*checkpoint, nullptr, bigger);
+  Trainer wrong_shape(wrong.lm, wrong.adapter, data, quiet_options());
+  message = error_of([&] { wrong_shape.load_checkpoint(saved); });
+  EXPECT_NE(message.find("has shape"), std::string::npos) << message;
+}
+
+TEST(TrainerTest, RefusesTokenIdsOutsideTheVocabularyNamingTheLine) {
+  auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto file = write_file(testing::temp_dir("trainer-vocab"), "t.jsonl", "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 300]}\n");
+  auto tenant = make_tenant(*checkpoint, nullptr, test_lora());
+  auto message = error_of([&] { Trainer(tenant.lm, tenant.adapter, TokenDataset::from_jsonl(file), quiet_options()); });
+  EXPECT_NE(message.find("t.jsonl:2: input_ids[1] = 300 is not below the model's vocab_size 256"), std::string::npos)
+      << message;
+}
+
+// symbiosis-finetune end to end against an in-process executor: trains with evaluation and
+// checkpoints, resumes from its save directory, and the adapter it wrote loads into a model.
+// The resumed run's final loss equals an uninterrupted monolithic run's.
+TEST(FinetuneProgramTest, TrainsResumesAndWritesALoadableAdapter) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(model);
+  auto executor = testing::start_executor(model);
+  const auto dir = testing::temp_dir("finetune");
+  std::string train, eval;
+  for (const auto& e : random_examples(6, 31)) {
+    std::string ids;
+    for (auto id : e.input_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    train += "{\"input_ids\": [" + ids + "]}\n";
+  }
+  for (const auto& e : random_examples(2, 32)) {
+    std::string ids;
+    for (auto id : e.input_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    eval += "{\"input_ids\": [" + ids + "]}\n";
+  }
+  const auto train_file = write_file(dir, "train.jsonl", train);
+  const auto eval_file = write_file(dir, "eval.jsonl", eval);
+  const std::string common = testing::binary("examples/symbiosis-finetune") + " --model " + model.string() +
+                             " --train " + train_file.string() + " --eval " + eval_file.string() +
+                             " --lora-r 4 --lora-dropout 0.1 --lr 1e-2 --steps 6 --warmup 2 --micro-batch 2"
+                             " --grad-accum 1 --save-every 3 --seed 5 --no-progress";
+  auto run = [&](const std::string& args, const fs::path& out) {
+    const std::string command = common + " " + args + " > " + out.string() + " 2> " + out.string() + ".err";
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+    std::ifstream in(out);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    return text;
+  };
+  auto last_line = [](const std::string& text) {
+    auto end = text.find_last_not_of('\n');
+    return text.substr(text.rfind('\n', end) + 1, end - text.rfind('\n', end));
+  };
+  // A full split run of 6 steps saves checkpoint-3 and checkpoint-6. Removing checkpoint-6 and
+  // resuming the save directory continues from checkpoint-3, as after an interruption at step 3.
+  const auto split_dir = dir / "split";
+  const auto full_text = run("--executor " + executor->endpoint() + " --save-dir " + split_dir.string(), dir / "full.out");
+  EXPECT_NE(full_text.find("step 6 eval_loss"), std::string::npos) << full_text;
+  ASSERT_TRUE(fs::exists(split_dir / "checkpoint-3" / "trainer_state.json"));
+  ASSERT_TRUE(fs::exists(split_dir / "checkpoint-6" / "adapter" / "adapter_config.json"));
+  fs::remove_all(split_dir / "checkpoint-6");
+  const auto resumed_text =
+      run("--executor " + executor->endpoint() + " --save-dir " + split_dir.string() + " --resume " + split_dir.string(),
+          dir / "resumed.out");
+  const auto mono_text = run("--monolithic --save-dir " + (dir / "mono").string(), dir / "mono.out");
+  const auto full_last = last_line(full_text);
+  const auto resumed_last = last_line(resumed_text);
+  EXPECT_EQ(full_last, resumed_last);  // printed with 6 decimals: the same run
+  auto loss_of = [](const std::string& line) { return std::stod(line.substr(line.find("loss ") + 5)); };
+  const double mono_loss = loss_of(last_line(mono_text));
+  EXPECT_LT(std::abs(loss_of(full_last) - mono_loss) / mono_loss, 1e-5) << full_last << " vs " << mono_text;
+
+  auto lm = open_causal_lm(*checkpoint, nullptr);
+  auto config = load_lora(*lm.module, split_dir / "checkpoint-6" / "adapter");
+  EXPECT_EQ(config.r, 4);
+  EXPECT_FALSE(lora_state(*lm.module).empty());
+}
+
+// Split training equals monolithic training over a few trainer steps, for both batching modes.
+class SplitTrainerTest : public ::testing::TestWithParam<std::tuple<std::string, BatchingMode>> {};
+
+TEST_P(SplitTrainerTest, LossesAndAdapterEqualMonolithic) {
+  const auto& [preset, mode] = GetParam();
+  auto served = testing::serve_model(preset);
+  const auto& checkpoint = served.checkpoint;
+  auto data = TokenDataset::from_examples(random_examples(8, 21));
+  auto eval = TokenDataset::from_examples(random_examples(3, 22));
+  auto options = quiet_options();
+  options.batching.mode = mode;
+  options.batching.micro_batch_size = 2;
+  options.batching.pack_length = 16;
+  options.grad_accum = 2;
+  options.max_steps = 3;
+  options.warmup_steps = 1;
+  auto split = make_tenant(*checkpoint, served.client, test_lora());
+  auto mono = make_tenant(*checkpoint, nullptr, test_lora());
+  Trainer split_trainer(split.lm, split.adapter, data, options);
+  Trainer mono_trainer(mono.lm, mono.adapter, data, options);
+  split_trainer.set_eval_data(eval);
+  mono_trainer.set_eval_data(eval);
+  auto split_stats = split_trainer.train();
+  auto mono_stats = mono_trainer.train();
+  ASSERT_EQ(split_stats.size(), 3u);
+  for (size_t i = 0; i < split_stats.size(); ++i) {
+    EXPECT_LT(std::abs(split_stats[i].loss - mono_stats[i].loss) / mono_stats[i].loss, 1e-5) << "step " << i + 1;
+    EXPECT_TRUE(std::isfinite(split_stats[i].loss));
+  }
+  ASSERT_TRUE(split_stats.back().eval_loss && mono_stats.back().eval_loss);
+  EXPECT_LT(std::abs(*split_stats.back().eval_loss - *mono_stats.back().eval_loss) / *mono_stats.back().eval_loss, 1e-5);
+  for (size_t i = 0; i < split.adapter.size(); ++i) {
+    EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), 1e-5) << "tensor " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, SplitTrainerTest,
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"),
+                                            ::testing::Values(BatchingMode::kPadding, BatchingMode::kPacking)),
+                         [](const auto& info) {
+                           std::string name = std::get<0>(info.param) +
+                                              (std::get<1>(info.param) == BatchingMode::kPacking ? "_packing" : "_padding");
+                           for (auto& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace symbiosis
