@@ -23,17 +23,13 @@ using testing::relative_error;
 class ExecutorTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto checkpoint = testing::write_two_layer_checkpoint("executor-test", 1, /*with_norms_and_head=*/true);
-    dir_ = new std::filesystem::path(checkpoint.dir);
-    q_ = checkpoint.q;
-    up_w_ = checkpoint.up_weight;
-    up_b_ = checkpoint.up_bias;
+    checkpoint_ = new testing::TwoLayerCheckpoint(testing::write_two_layer_checkpoint("executor-test", 1, true));
   }
 
   void SetUp() override {
     ExecutorOptions options;
     options.max_request_bytes = 4096;
-    executor_ = testing::start_executor(*dir_, options);
+    executor_ = testing::start_executor(checkpoint_->dir, options);
   }
 
   std::shared_ptr<Client> connect() {
@@ -91,16 +87,17 @@ class ExecutorTest : public ::testing::Test {
     auto client = connect();
     auto x = at::randn({3, 4});
     auto y = client->forward(*client->find_layer("model.layers.0.mlp.up_proj"), x, true);
-    EXPECT_LT(relative_error(y, at::addmm(up_b_, x, up_w_.t())), 1e-6);
+    EXPECT_LT(relative_error(y, at::addmm(up_bias(), x, up_weight().t())), 1e-6);
   }
 
-  static std::filesystem::path* dir_;
-  static at::Tensor q_, up_w_, up_b_;
+  static const at::Tensor& q_weight() { return checkpoint_->q; }
+  static const at::Tensor& up_weight() { return checkpoint_->up_weight; }
+  static const at::Tensor& up_bias() { return checkpoint_->up_bias; }
+  static testing::TwoLayerCheckpoint* checkpoint_;
   std::unique_ptr<Executor> executor_;
 };
 
-std::filesystem::path* ExecutorTest::dir_;
-at::Tensor ExecutorTest::q_, ExecutorTest::up_w_, ExecutorTest::up_b_;
+testing::TwoLayerCheckpoint* ExecutorTest::checkpoint_ = nullptr;
 
 TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag) {
   auto refused = [](ExecutorOptions options, const std::string& flag) {
@@ -130,13 +127,13 @@ TEST_F(ExecutorTest, HandshakeReturnsOnlyTheBaseLayers) {
   const auto* q = client->find_layer("model.layers.0.self_attn.q_proj");
   ASSERT_NE(q, nullptr);
   EXPECT_FALSE(q->bias);
-  EXPECT_EQ(client->model_hash(), Checkpoint::open(*dir_)->model_hash());
+  EXPECT_EQ(client->model_hash(), Checkpoint::open(checkpoint_->dir)->model_hash());
 }
 
 TEST_F(ExecutorTest, LmHeadIsABaseLayerOnlyWhenAsked) {
   ExecutorOptions options;
   options.layers.lm_head = true;
-  auto executor = testing::start_executor(*dir_, options);
+  auto executor = testing::start_executor(checkpoint_->dir, options);
   ASSERT_EQ(executor->model().layers().size(), 3u);
 }
 
@@ -145,9 +142,9 @@ TEST_F(ExecutorTest, ComputesForwardBackwardAndNoBiasExactly) {
   const auto& up = *client->find_layer("model.layers.0.mlp.up_proj");
   auto x = at::randn({5, 4});
   auto g = at::randn({5, 6});
-  EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_b_, x, up_w_.t())), 1e-6);
-  EXPECT_LT(relative_error(client->forward(up, x, false), at::mm(x, up_w_.t())), 1e-6);
-  EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_w_)), 1e-6);
+  EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_bias(), x, up_weight().t())), 1e-6);
+  EXPECT_LT(relative_error(client->forward(up, x, false), at::mm(x, up_weight().t())), 1e-6);
+  EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_weight())), 1e-6);
 }
 
 // [Layer groups]: under each parent module, layers that read one input are also served as one

@@ -25,17 +25,13 @@ using Clock = std::chrono::steady_clock;
 class SameHostTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto checkpoint = testing::write_two_layer_checkpoint("same-host-test", 3, /*with_norms_and_head=*/false);
-    dir_ = new std::filesystem::path(checkpoint.dir);
-    q_ = checkpoint.q;
-    up_w_ = checkpoint.up_weight;
-    up_b_ = checkpoint.up_bias;
+    checkpoint_ = new testing::TwoLayerCheckpoint(testing::write_two_layer_checkpoint("same-host-test", 3, false));
   }
 
   void SetUp() override {
     ExecutorOptions options;
     options.max_request_bytes = size_t{64} << 20;
-    executor_ = testing::start_executor(*dir_, options);
+    executor_ = testing::start_executor(checkpoint_->dir, options);
   }
 
   std::shared_ptr<Client> connect(const std::string& transport, const std::string& control = "auto") {
@@ -47,12 +43,13 @@ class SameHostTest : public ::testing::Test {
     return Client::connect(options);
   }
 
-  static std::filesystem::path* dir_;
-  static at::Tensor q_, up_w_, up_b_;
+  static const at::Tensor& q_weight() { return checkpoint_->q; }
+  static const at::Tensor& up_weight() { return checkpoint_->up_weight; }
+  static const at::Tensor& up_bias() { return checkpoint_->up_bias; }
+  static testing::TwoLayerCheckpoint* checkpoint_;
   std::unique_ptr<Executor> executor_;
 };
-std::filesystem::path* SameHostTest::dir_ = nullptr;
-at::Tensor SameHostTest::q_, SameHostTest::up_w_, SameHostTest::up_b_;
+testing::TwoLayerCheckpoint* SameHostTest::checkpoint_ = nullptr;
 
 // What a real client never does: speaks the control channel by hand.
 struct RawShmPeer {
@@ -167,11 +164,11 @@ TEST_F(SameHostTest, AutoPicksSharedMemoryOnThisHostAndEveryTransportComputesExa
     ASSERT_TRUE(q && up);
     for (int64_t tokens : {1, 5, 300}) {
       auto x = at::randn({tokens, 4});
-      EXPECT_TRUE(at::allclose(client->forward(*q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
-      EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_b_, x, up_w_.t()), 1e-6, 1e-6));
-      EXPECT_TRUE(at::allclose(client->forward(*up, x, false), at::mm(x, up_w_.t()), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(client->forward(*q, x, true), at::mm(x, q_weight().t()), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_bias(), x, up_weight().t()), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(client->forward(*up, x, false), at::mm(x, up_weight().t()), 1e-6, 1e-6));
       auto g = at::randn({tokens, 6});
-      EXPECT_TRUE(at::allclose(client->backward_input(*up, g), at::mm(g, up_w_), 1e-6, 1e-6));
+      EXPECT_TRUE(at::allclose(client->backward_input(*up, g), at::mm(g, up_weight()), 1e-6, 1e-6));
     }
   }
 }
@@ -182,7 +179,7 @@ TEST_F(SameHostTest, PayloadBufferGrowsForLargerCalls) {
   // 2^20 tokens x 4 features x 4 bytes = 16 MiB in, 24 MiB out: past the first 4 MiB buffer.
   for (int64_t tokens : {int64_t{3}, int64_t{1} << 20, int64_t{7}}) {
     auto x = at::randn({tokens, 4});
-    EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_b_, x, up_w_.t()), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_bias(), x, up_weight().t()), 1e-5, 1e-5));
   }
 }
 
@@ -250,7 +247,7 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   std::memcpy(peer.payload.data(), x.data_ptr(), 16);
   ASSERT_EQ(peer.error_of([](shm::CallHeader&) {}), "");
   auto y = at::from_blob(static_cast<char*>(peer.payload.data()) + 256, {1, 8});
-  EXPECT_TRUE(at::allclose(y, at::mm(x, q_.t()), 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(y, at::mm(x, q_weight().t()), 1e-6, 1e-6));
 
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.layer_id = 9; }), "unknown layer id 9"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.op = 42; }), "op 42 is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS"));
@@ -286,7 +283,7 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   auto other = connect("shm");
   auto x2 = at::randn({2, 4});
   EXPECT_TRUE(at::allclose(other->forward(*other->find_layer("model.layers.0.self_attn.q_proj"), x2, true),
-                           at::mm(x2, q_.t()), 1e-6, 1e-6));
+                           at::mm(x2, q_weight().t()), 1e-6, 1e-6));
   // Registrations must come in order.
   auto stale = peer.register_buffer(1);
   ASSERT_TRUE(stale.has_error());
@@ -325,7 +322,7 @@ TEST_F(SameHostTest, ACaptureIsRefusedOffTheGpuNamingWhyAndACpuStepRunsEagerly) 
     EXPECT_FALSE(step.captured());
     EXPECT_EQ(computed, 3);
     EXPECT_EQ(applied, 3);
-    EXPECT_TRUE(at::allclose(y, at::mm(x, q_.t()), 1e-6, 1e-6)) << transport;
+    EXPECT_TRUE(at::allclose(y, at::mm(x, q_weight().t()), 1e-6, 1e-6)) << transport;
   }
 }
 
@@ -360,11 +357,11 @@ TEST_F(SameHostTest, ACallOfTheWrongShapeOrDtypeIsRefusedByTheClientNamingTheLay
               std::string::npos);
     EXPECT_EQ(client->calls(), calls) << "a refused call reached the executor";
     const auto x = at::randn({2, 4});
-    EXPECT_TRUE(at::allclose(client->forward(q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(client->forward(q, x, true), at::mm(x, q_weight().t()), 1e-6, 1e-6));
     // An input whose rows do not lie one after another (a transposed view) is taken as it reads.
     const auto strided = at::randn({4, 3}).t();
     ASSERT_FALSE(strided.is_contiguous());
-    EXPECT_TRUE(at::allclose(client->forward(q, strided, true), at::mm(strided, q_.t()), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(client->forward(q, strided, true), at::mm(strided, q_weight().t()), 1e-6, 1e-6));
   }
 }
 
@@ -376,7 +373,7 @@ TEST_F(SameHostTest, HeadersOverZeroMQAreCheckedAndAnsweredLikeTheRings) {
   const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
   for (int64_t tokens : {int64_t{1}, int64_t{300}, int64_t{1} << 20}) {  // the last one grows the buffer
     auto x = at::randn({tokens, 4});
-    EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_b_, x, up_w_.t()), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(client->forward(*up, x, true), at::addmm(up_bias(), x, up_weight().t()), 1e-5, 1e-5));
   }
 
   RawShmPeer peer(executor_->endpoint(), "zmq");
@@ -384,7 +381,7 @@ TEST_F(SameHostTest, HeadersOverZeroMQAreCheckedAndAnsweredLikeTheRings) {
   std::memcpy(peer.payload.data(), x.data_ptr(), 16);
   ASSERT_EQ(peer.zmq_error_of([](proto::Request&) {}), "");
   auto y = at::from_blob(static_cast<char*>(peer.payload.data()) + 256, {1, 8});
-  EXPECT_TRUE(at::allclose(y, at::mm(x, q_.t()), 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(y, at::mm(x, q_weight().t()), 1e-6, 1e-6));
   auto contains = [](const std::string& text, const std::string& part) {
     return text.find(part) != std::string::npos;
   };
@@ -411,7 +408,7 @@ TEST_F(SameHostTest, ACorruptRingDropsOnlyThatClient) {
   }
   const auto* q = good->find_layer("model.layers.0.self_attn.q_proj");
   auto x = at::randn({3, 4});
-  EXPECT_TRUE(at::allclose(good->forward(*q, x, true), at::mm(x, q_.t()), 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(good->forward(*q, x, true), at::mm(x, q_weight().t()), 1e-6, 1e-6));
 }
 
 TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
@@ -442,7 +439,7 @@ TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
   auto survivor = connect("shm");
   auto x = at::randn({2, 4});
   EXPECT_TRUE(at::allclose(survivor->forward(*survivor->find_layer("model.layers.0.self_attn.q_proj"), x, true),
-                           at::mm(x, q_.t()), 1e-6, 1e-6));
+                           at::mm(x, q_weight().t()), 1e-6, 1e-6));
 }
 
 }  // namespace
