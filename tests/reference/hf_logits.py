@@ -14,6 +14,8 @@ Exit status 3 when transformers is not installed (the C++ test then skips).
 import argparse
 import sys
 
+from reference import missing, reference_model
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -23,16 +25,13 @@ def main() -> int:
     args = parser.parse_args()
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401 (reference_model loads with it)
         from safetensors.torch import load_file, save_file
     except ImportError as e:
-        print(f"missing Python package: {e}", file=sys.stderr)
-        return 3
+        return missing(e)
 
     inputs = load_file(args.inputs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.checkpoint, dtype=torch.float32, attn_implementation="eager"
-    )
+    model = reference_model(args.checkpoint)
     model.eval()
     kwargs = {k: inputs[k].long() for k in ("input_ids", "attention_mask", "labels") if k in inputs}
     with torch.no_grad():

@@ -16,6 +16,8 @@ Exit status 3 when a Python package is missing (the C++ test then skips).
 import argparse
 import sys
 
+from reference import missing, reference_model
+
 
 def make_config(peft, method, model_type):
     attention = ["q_proj", "v_proj"] if model_type == "llama" else ["c_attn"]
@@ -59,17 +61,14 @@ def main() -> int:
     args = parser.parse_args()
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401 (reference_model loads with it)
         import peft
         from safetensors.torch import load_file, save_file
     except ImportError as e:
-        print(f"missing Python package: {e}", file=sys.stderr)
-        return 3
+        return missing(e)
 
     inputs = load_file(args.inputs)
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        args.checkpoint, dtype=torch.float32, attn_implementation="eager"
-    )
+    base = reference_model(args.checkpoint)
     if args.mode == "run":
         model = peft.PeftModel.from_pretrained(base, args.adapter)
     else:
