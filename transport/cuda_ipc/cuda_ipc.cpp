@@ -96,11 +96,12 @@ class DeviceScope {
 }  // namespace
 
 void DeviceMemory::OnDevice::operator()(void* data) const {
-  int previous = 0;
-  SYMBIOSIS_CUDA_WARN(cudaGetDevice(&previous));
-  if (previous != device) SYMBIOSIS_CUDA_WARN(cudaSetDevice(device));
-  release(data);
-  if (previous != device) SYMBIOSIS_CUDA_WARN(cudaSetDevice(previous));
+  try {  // [Owned handles]: a release must not throw
+    DeviceScope scope(device);
+    release(data);
+  } catch (const c10::Error& e) {
+    LOG(WARNING) << "releasing device memory on cuda:" << device << ": " << e.what_without_backtrace();
+  }
 }
 
 DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
