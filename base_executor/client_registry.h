@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/unique_fd.h"
 #include "transport/channel.h"
 #include "transport/transport.h"
 
@@ -27,6 +28,8 @@ struct ClientRecord {
   int pid = 0;  // > 0: a process of this host, watched for its end
   std::shared_ptr<Channel> channel;
   std::chrono::steady_clock::time_point last_seen;
+  UniqueFd link;           // [Proven placement] (transport/local_socket.h): a same-host client's local link
+  std::string public_key;  // [Admission] (base_executor/admission.h): its key; "" without keys
 };
 
 class ClientRegistry {

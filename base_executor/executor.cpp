@@ -1,6 +1,7 @@
 #include "base_executor/executor.h"
 
 #include <c10/util/Exception.h>
+#include <google/protobuf/stubs/logging.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -13,15 +14,49 @@
 #include "base_executor/scheduler.h"
 #include "base_executor/statistics.h"
 #include "common/checkpoint.h"
+#include "common/untrusted.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/shared_memory.h"
 
 namespace symbiosis {
 
+namespace {
+
+// Whether an endpoint is reachable from this host only.
+bool loopback(const std::string& endpoint) {
+  if (endpoint.rfind("ipc://", 0) == 0 || endpoint.rfind("inproc://", 0) == 0) return true;
+  for (const char* host : {"tcp://127.", "tcp://localhost:", "tcp://[::1]:", "tcp://lo:"}) {
+    if (endpoint.rfind(host, 0) == 0) return true;
+  }
+  return false;
+}
+
+// [Untrusted input]: Protobuf logs a line for each string field of invalid UTF-8 it parses; from
+// peers' messages, within a budget.
+void log_protobuf(google::protobuf::LogLevel level, const char*, int, const std::string& message) {
+  static std::mutex mutex;
+  static LogBudget budget(20);
+  std::lock_guard<std::mutex> lock(mutex);
+  uint64_t held_back = 0;
+  const bool write = budget.take(&held_back);
+  if (held_back > 0) spdlog::warn("{} more Protobuf lines were held back", held_back);
+  if (!write) return;
+  if (level >= google::protobuf::LOGLEVEL_ERROR) {
+    spdlog::warn("protobuf: {}", bounded(message, 200));
+  } else {
+    spdlog::debug("protobuf: {}", bounded(message, 200));
+  }
+}
+
+}  // namespace
+
 void ExecutorOptions::validate() const {
   TORCH_CHECK(!model_dir.empty(), "executor option --model is required (a Hugging Face checkpoint directory)");
   TORCH_CHECK(listen.rfind("tcp://", 0) == 0 || listen.rfind("ipc://", 0) == 0 || listen.rfind("inproc://", 0) == 0,
               "executor option --listen '", listen, "' should be a ZeroMQ endpoint like tcp://127.0.0.1:5555");
+  TORCH_CHECK(!keys_dir.empty() || insecure || loopback(listen), "executor option --listen ", listen,
+              " is reachable from other hosts, and without keys anyone there could use this executor and read its "
+              "traffic: give --keys DIR (docs/operating.md), listen on tcp://127.0.0.1, or pass --insecure");
   TORCH_CHECK(max_request_bytes > 0, "executor option --max-request-bytes must be positive");
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
@@ -55,6 +90,7 @@ Executor::Executor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
   options.validate();
+  google::protobuf::SetLogHandler(&log_protobuf);
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   at::Device device(options.device);

@@ -43,6 +43,11 @@ struct ExecutorOptions {
   // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is
   // faster than packing them (measured in docs/benchmarks.md). 0: such requests batch as others.
   int64_t concurrent_tokens = 128;
+  // [Admission] (base_executor/admission.h, docs/operating.md): the keys folder. With it, traffic is
+  // encrypted and only the tenants listed there are served. Without it the executor listens on
+  // loopback only, unless `insecure` says to listen elsewhere anyway.
+  std::filesystem::path keys_dir;
+  bool insecure = false;
 
   // Throws naming the field when an option is out of range.
   void validate() const;

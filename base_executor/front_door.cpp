@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <random>
 
 #include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/nccl/nccl_comm.h"
@@ -12,8 +13,21 @@
 namespace symbiosis {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr auto kLivenessInterval = std::chrono::milliseconds(200);
+constexpr auto kKeysInterval = std::chrono::seconds(1);
+// How long a same-host client has to prove its placement after its Hello.
+constexpr auto kProofWindow = std::chrono::seconds(10);
+// The longest tenant name the executor keeps ([Untrusted input]).
+constexpr size_t kMaxTenantBytes = 128;
+
+std::string random_token() {
+  std::random_device random;
+  std::string token(16, '\0');
+  for (auto& c : token) c = static_cast<char>(random());
+  return token;
+}
+
+Status denied(std::string message) { return {StatusCode::kPermissionDenied, std::move(message)}; }
 
 }  // namespace
 
@@ -31,6 +45,13 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
       replies_in_(context, zmq::socket_type::pull) {
   router_.set(zmq::sockopt::linger, 0);
   router_.set(zmq::sockopt::sndhwm, 0);
+  // A message larger than any call may carry drops its sender's connection before it is read.
+  router_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options.max_request_bytes + (size_t{1} << 20)));
+  if (!options.keys_dir.empty()) {
+    keys_ = std::make_unique<Keys>(options.keys_dir);
+    zap_ = std::make_unique<ZapHandler>(context);
+    serve_with_keys(router_, *keys_);
+  }
   try {
     router_.bind(options.listen);
   } catch (const zmq::error_t& e) {
@@ -38,15 +59,28 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
   }
   endpoint_ = router_.get(zmq::sockopt::last_endpoint);
   replies_in_.bind(replies_endpoint_);
+  if (keys_) {
+    spdlog::info("admitting tenants by key from {}; traffic is encrypted (CURVE)", options.keys_dir.string());
+  } else {
+    spdlog::warn("no keys: any process that can reach {} may use this executor, and traffic is not encrypted{}",
+                 endpoint_, options.insecure ? " (--insecure)" : " (loopback only)");
+  }
 }
 
 void FrontDoor::refuse(const std::string& key, uint64_t request_id, const Status& status, bool as_reply) {
   statistics_.errors++;
-  spdlog::debug("error to client: {}", status.message());
+  spdlog::debug("error to client: {}", bounded(status.message(), 200));
   wire::send_to(router_, key, wire::error_envelope(request_id, status, as_reply));
 }
 
-void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key) {
+void FrontDoor::note_bad_input(const std::string& line) {
+  uint64_t held_back = 0;
+  const bool write = log_budget_.take(&held_back);
+  if (held_back > 0) spdlog::warn("{} more lines about bad input were held back", held_back);
+  if (write) spdlog::warn("{}", line);
+}
+
+void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, const std::string& public_key) {
   auto precondition = [](std::string message) { return Status(StatusCode::kFailedPrecondition, std::move(message)); };
   if (hello.protocol_version() != wire::kProtocolVersion) {
     return refuse(key, 0,
@@ -54,11 +88,17 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key) 
                                ", executor speaks " + std::to_string(wire::kProtocolVersion)),
                   false);
   }
+  if (hello.tenant().size() > kMaxTenantBytes) {
+    return refuse(key, 0,
+                  {StatusCode::kInvalidArgument, "tenant name of " + std::to_string(hello.tenant().size()) +
+                                                     " bytes (at most " + std::to_string(kMaxTenantBytes) + ")"},
+                  false);
+  }
   if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model_.model_hash()) {
     return refuse(key, 0,
-                  precondition("model mismatch: the client was built for model " + hello.expected_model_hash() +
-                               ", but this executor serves model " + model_.model_hash() + " (" +
-                               options_.model_dir.string() + ")"),
+                  precondition("model mismatch: the client was built for model " +
+                               bounded(hello.expected_model_hash()) + ", but this executor serves model " +
+                               model_.model_hash()),
                   false);
   }
   const auto chosen =
@@ -67,9 +107,26 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key) 
   const TransportKind kind = chosen.value();
   if (kind != TransportKind::kTcp && !hello.control().empty() && hello.control() != "auto" &&
       hello.control() != "zmq") {
-    return refuse(key, 0, precondition("unknown control '" + hello.control() + "' (expected auto or zmq)"), false);
+    return refuse(key, 0, precondition("unknown control '" + bounded(hello.control()) + "' (expected auto or zmq)"),
+                  false);
   }
   if (registry_.seen(key)) forget(key);  // a second Hello starts the client afresh
+  std::erase_if(pending_, [&](const auto& entry) { return entry.second.key == key; });
+  // [Proven placement]: a transport that shares memory on this host is given only to the process
+  // that proves it runs here; NCCL between two hosts shares none.
+  const bool shares_memory = kind == TransportKind::kShm || kind == TransportKind::kCudaIpc ||
+                             (kind == TransportKind::kNccl && same_host(hello.placement(), placement_));
+  if (!shares_memory) return admit(key, hello, kind, UniqueFd(), public_key);
+  auto token = random_token();
+  proto::Envelope challenge;
+  challenge.mutable_prove_host()->set_local_socket(listener_.name());
+  challenge.mutable_prove_host()->set_token(token);
+  pending_[std::move(token)] = {key, hello, kind, public_key, Clock::now() + kProofWindow};
+  wire::send_to(router_, key, challenge);
+}
+
+void FrontDoor::admit(const std::string& key, const proto::Hello& hello, TransportKind kind, UniqueFd link,
+                      const std::string& public_key) {
   std::shared_ptr<Channel> channel;
   ChannelContext context;
   context.client_id = registry_.next_id();
@@ -83,9 +140,8 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key) 
     return refuse(key, 0, status_of_exception(e, StatusCode::kFailedPrecondition), false);
   }
   // Headers come over ZeroMQ for tcp, from another host, and when the client asks; otherwise
-  // through the control segment, and the client's process is watched for its end.
-  const bool zmq_control = kind == TransportKind::kTcp || !same_host(hello.placement(), placement_) ||
-                           hello.control() == "zmq";
+  // through the control segment, and the client's process (proven) is watched for its end.
+  const bool zmq_control = !link || hello.control() == "zmq";
   if (zmq_control) channel->control_over_zmq(context_, replies_endpoint_, key);
   const int pid = zmq_control ? 0 : hello.placement().pid();
   if (kind == TransportKind::kCudaIpc && !(hello.placement().mps() && placement_.mps())) {
@@ -95,12 +151,27 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key) 
         context.client_id, hello.tenant(), placement_.device(), placement_.mps() ? "the client" : "the executor",
         cuda::mps_hint());
   }
+  if (link) {
+    proto::Envelope proven;
+    std::vector<int> descriptors;
+    if (!zmq_control) descriptors = {channel->control_descriptor(), scheduler_.doorbell_descriptor()};
+    proven.mutable_proven()->set_descriptors(static_cast<uint32_t>(descriptors.size()));
+    try {
+      local::send(link.get(), proven, descriptors);
+    } catch (const std::exception& e) {
+      return note_bad_input(std::string("a client left during its placement proof: ") + e.what());
+    }
+    links_[link.get()] = key;
+  }
   auto& client = registry_.add(key, hello.tenant(), kind, pid, channel);
+  client.link = std::move(link);
+  client.public_key = public_key;
   statistics_.clients = registry_.size();
   if (kind != TransportKind::kTcp) statistics_.same_host_clients++;
   scheduler_.post(ClientJoined{channel});
-  spdlog::info("client {} (tenant '{}', {} on {}) connected", client.id, hello.tenant(), transport_name(kind),
-               hello.placement().device().empty() ? "?" : hello.placement().device());
+  spdlog::info("client {} (tenant '{}'{}, {} on {}) connected", client.id, hello.tenant(),
+               keys_ ? " with key " + keys_->lookup(public_key).name : "", transport_name(kind),
+               hello.placement().device().empty() ? "?" : bounded(hello.placement().device(), 16));
   proto::Envelope reply;
   auto* welcome = reply.mutable_welcome();
   welcome->set_client_id(client.id);
@@ -108,14 +179,76 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key) 
   welcome->set_max_request_bytes(options_.max_request_bytes);
   welcome->set_executor_version("symbiosis 0.2.0");
   welcome->set_transport(transport_name(kind));
-  *welcome->mutable_placement() = placement_;
-  if (!channel->zmq_control()) {
-    welcome->set_control_segment(channel->control_segment());
-    welcome->set_doorbell_segment(scheduler_.doorbell_segment());
-  }
+  welcome->set_control_channel(!zmq_control);
   for (const auto& layer : model_.layers()) *welcome->add_layers() = wire::to_proto(layer);
   for (const auto& group : model_.groups()) *welcome->add_groups() = wire::to_proto(group);
   wire::send_to(router_, key, reply);
+}
+
+void FrontDoor::accept_local() {
+  while (auto connection = listener_.accept()) unproven_.push_back({std::move(connection), Clock::now() + kProofWindow});
+}
+
+void FrontDoor::handle_proof(UniqueFd connection) {
+  auto refuse_proof = [&](const std::string& why) {
+    proto::Envelope error;
+    error.mutable_error()->set_code(proto::PERMISSION_DENIED);
+    error.mutable_error()->set_message(why);
+    try {
+      local::send(connection.get(), error);
+    } catch (const std::exception&) {
+      // It has gone already.
+    }
+    note_bad_input("placement proof refused: " + why);
+  };
+  auto message = local::receive(connection.get());
+  if (!message.is_ok()) return refuse_proof(message.status().message());
+  if (!message.value()) return;  // closed before proving
+  const auto& env = message.value()->envelope;
+  if (!env.has_prove()) return refuse_proof("the first message on the local socket must be Prove");
+  const auto it = pending_.find(env.prove().token());
+  if (it == pending_.end()) return refuse_proof("unknown or expired proof token");
+  auto pending = std::move(it->second);
+  pending_.erase(it);
+  const auto peer = local::peer_credentials(connection.get());
+  if (peer.pid != pending.hello.placement().pid()) {
+    const std::string why = "the Hello named process " + std::to_string(pending.hello.placement().pid()) +
+                            ", but process " + std::to_string(peer.pid) + " came to prove it";
+    refuse_proof(why);
+    return refuse(pending.key, 0, denied("same-host placement not proven: " + why), false);
+  }
+  admit(pending.key, pending.hello, pending.kind, std::move(connection), pending.public_key);
+}
+
+void FrontDoor::handle_link(int fd) {
+  const std::string key = links_.at(fd);
+  ClientRecord* client = registry_.seen(key);
+  if (client == nullptr) {
+    links_.erase(fd);
+    return;
+  }
+  auto message = local::receive(fd);
+  if (!message.is_ok() || !message.value()) {
+    if (!message.is_ok()) note_bad_input("client's local link failed: " + message.status().message());
+    if (client != nullptr) spdlog::info("client {} (tenant '{}') closed its local link", client->id, client->tenant);
+    return forget(key);
+  }
+  auto& [env, descriptors] = *message.value();
+  const bool set_up = env.has_register_buffer() || env.has_share_segments() || env.has_nccl_setup();
+  if (!set_up) {
+    return refuse(key, 0,
+                  {StatusCode::kMalformed, "the local link takes RegisterBuffer, ShareSegments and NcclSetup"}, false);
+  }
+  const size_t expected = env.has_register_buffer() && client->transport == TransportKind::kShm ? 1 : 0;
+  if (descriptors.size() != expected) {
+    return refuse(key, 0,
+                  {StatusCode::kMalformed, "a set-up message with " + std::to_string(descriptors.size()) +
+                                               " descriptors (expected " + std::to_string(expected) + ")"},
+                  false);
+  }
+  SetupArrived setup{client->channel, std::move(env), key, {}};
+  if (expected == 1) setup.segment = std::move(descriptors[0]);
+  scheduler_.post(std::move(setup));
 }
 
 void FrontDoor::handle_request(const proto::Request& r, ClientRecord* client, std::vector<zmq::message_t>& frames,
@@ -156,8 +289,24 @@ void FrontDoor::handle_request(const proto::Request& r, ClientRecord* client, st
 void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
   const std::string key(static_cast<const char*>(frames[0].data()), frames[0].size());
   if (frames.size() < 2) return refuse(key, 0, {StatusCode::kMalformed, "message has no header frame"}, false);
+  // [Admission]: without keys, whoever can connect may do anything (loopback only, or --insecure).
+  Role role = Role::kOperator;
+  const std::string public_key = keys_ ? peer_key(frames[1]) : "";
+  if (keys_) {
+    role = keys_->lookup(public_key).role;
+    if (role == Role::kUnknown || role == Role::kRevoked) {
+      if (registry_.find(key) != nullptr) forget(key);
+      note_bad_input("refused a peer whose key " + public_key.substr(0, 8) + "... is " +
+                     (role == Role::kRevoked ? "revoked" : "not admitted"));
+      return refuse(key, 0,
+                    denied(role == Role::kRevoked ? "refused: this client's key was revoked"
+                                                  : "refused: this client's key is not admitted here"),
+                    false);
+    }
+  }
   proto::Envelope env;
   if (!wire::parse(frames[1], &env)) {
+    note_bad_input("a header frame of " + std::to_string(frames[1].size()) + " bytes that does not parse");
     return refuse(key, 0,
                   {StatusCode::kMalformed,
                    "header frame of " + std::to_string(frames[1].size()) + " bytes is not a symbiosis Envelope"},
@@ -166,20 +315,22 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
   ClientRecord* client = registry_.seen(key);
   switch (env.body_case()) {
     case proto::Envelope::kHello:
-      return handle_hello(env.hello(), key);
+      return handle_hello(env.hello(), key, public_key);
     case proto::Envelope::kRequest:
       return handle_request(env.request(), client, frames, key);
     case proto::Envelope::kRegisterBuffer:
     case proto::Envelope::kShareSegments:
     case proto::Envelope::kNcclSetup:
-      if (client == nullptr || client->transport == TransportKind::kTcp) {
+      // [Proven placement]: a same-host client's set-up comes on its local link; over ZeroMQ only
+      // an nccl client's from another host, which shares no memory.
+      if (client == nullptr || client->link || !env.has_nccl_setup() || client->transport != TransportKind::kNccl) {
         return refuse(key, 0,
                       {StatusCode::kFailedPrecondition,
-                       "payload set-up from a client without a same-host transport (shm, cuda-ipc or nccl)"},
+                       "payload set-up over ZeroMQ: a same-host client sends it on its proven local link, and only an "
+                       "nccl client from another host sends NcclSetup here"},
                       false);
       }
-      client->channel->attached();  // it has mapped its control segment
-      return scheduler_.post(SetupArrived{client->channel, std::move(env), key});
+      return scheduler_.post(SetupArrived{client->channel, std::move(env), key, {}});
     case proto::Envelope::kGoodbye:
       if (client != nullptr) {
         spdlog::info("client {} (tenant '{}') left", client->id, client->tenant);
@@ -187,6 +338,10 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
       }
       return;
     case proto::Envelope::kStatsRequest: {
+      if (role != Role::kOperator) {
+        return refuse(key, 0, denied("refused: statistics are for operators, and this client's key is a tenant's"),
+                      false);
+      }
       proto::Envelope reply;
       *reply.mutable_stats() = statistics_.snapshot();
       return wire::send_to(router_, key, reply);
@@ -204,6 +359,7 @@ void FrontDoor::forget(const std::string& key) {
   auto record = registry_.remove(key);
   if (!record) return;
   record->channel->abort();  // nothing may wait on a client that is gone (NCCL kernels)
+  if (record->link) links_.erase(record->link.get());
   if (record->transport != TransportKind::kTcp) statistics_.same_host_clients--;
   statistics_.clients = registry_.size();
   scheduler_.post(ClientLeft{record->id});
@@ -215,33 +371,80 @@ void FrontDoor::check_liveness() {
     spdlog::info("client {} (tenant '{}') is gone; releasing what it held", client->id, client->tenant);
     forget(key);
   }
+  const auto now = Clock::now();
+  std::erase_if(pending_, [&](const auto& entry) { return entry.second.deadline < now; });
+  std::erase_if(unproven_, [&](const Unproven& u) { return u.deadline < now; });
+}
+
+void FrontDoor::reload_keys() {
+  if (!keys_ || !keys_->reload()) return;
+  std::vector<std::string> dropped;
+  for (const auto& [key, record] : registry_.all()) {
+    const Role role = keys_->lookup(record.public_key).role;
+    if (role != Role::kTenant && role != Role::kOperator) dropped.push_back(key);
+  }
+  for (const auto& key : dropped) {
+    const auto* client = registry_.find(key);
+    spdlog::info("client {} (tenant '{}'): its key is no longer admitted; dropping it", client->id, client->tenant);
+    forget(key);
+  }
 }
 
 void FrontDoor::run() {
-  zmq::pollitem_t items[] = {{router_.handle(), 0, ZMQ_POLLIN, 0}, {replies_in_.handle(), 0, ZMQ_POLLIN, 0}};
   auto last_stats = Clock::now();
   auto last_liveness = Clock::now();
-  while (!stopping_) {
-    zmq::poll(items, 2, kLivenessInterval);
-    if (items[0].revents & ZMQ_POLLIN) {
-      auto frames = wire::recv_all(router_);
-      try {
-        handle(frames);
-      } catch (const std::exception& e) {
-        // A message that slipped past the checks must not take the executor down.
-        spdlog::error("failed handling a message: {}", e.what());
-        if (!frames.empty()) {
-          refuse(std::string(static_cast<const char*>(frames[0].data()), frames[0].size()), 0,
-                 status_of_exception(e, StatusCode::kInternal), false);
-        }
-      }
+  auto last_keys = Clock::now();
+  // A message that slipped past the checks must not take the executor down.
+  auto guarded = [&](const char* what, const std::string& key, auto&& work) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      note_bad_input(std::string("failed handling ") + what + ": " + bounded(e.what(), 200));
+      if (!key.empty()) refuse(key, 0, status_of_exception(e, StatusCode::kInternal), false);
     }
-    if (items[1].revents & ZMQ_POLLIN) {
+  };
+  while (!stopping_) {
+    // The sockets, then the local connections that have not proved yet, then the proven links.
+    std::vector<zmq::pollitem_t> items = {{router_.handle(), 0, ZMQ_POLLIN, 0},
+                                          {replies_in_.handle(), 0, ZMQ_POLLIN, 0},
+                                          {nullptr, listener_.fd(), ZMQ_POLLIN, 0}};
+    if (zap_) items.push_back({zap_->socket().handle(), 0, ZMQ_POLLIN, 0});
+    const size_t first_unproven = items.size();
+    for (const auto& u : unproven_) items.push_back({nullptr, u.connection.get(), ZMQ_POLLIN, 0});
+    const size_t first_link = items.size();
+    std::vector<int> links;
+    for (const auto& [fd, key] : links_) {
+      items.push_back({nullptr, fd, ZMQ_POLLIN, 0});
+      links.push_back(fd);
+    }
+    zmq::poll(items.data(), items.size(), kLivenessInterval);
+    auto ready = [&](size_t i) { return (items[i].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) != 0; };
+    if (ready(0)) {
+      auto frames = wire::recv_all(router_);
+      const std::string key =
+          frames.empty() ? "" : std::string(static_cast<const char*>(frames[0].data()), frames[0].size());
+      guarded("a message", key, [&] { handle(frames); });
+    }
+    if (ready(1)) {
       auto frames = wire::recv_all(replies_in_);
       for (size_t i = 0; i < frames.size(); ++i) {
         router_.send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
       }
     }
+    if (zap_ && ready(3)) zap_->answer();
+    // Proofs and links, before new connections change the lists the items were made from.
+    std::vector<UniqueFd> proving;
+    for (size_t i = 0; i < first_link - first_unproven; ++i) {
+      if (ready(first_unproven + i)) proving.push_back(std::move(unproven_[i].connection));
+    }
+    std::erase_if(unproven_, [](const Unproven& u) { return !u.connection; });
+    for (auto& connection : proving) guarded("a placement proof", "", [&] { handle_proof(std::move(connection)); });
+    for (size_t i = 0; i < links.size(); ++i) {
+      if (!ready(first_link + i) || !links_.count(links[i])) continue;
+      const std::string key = links_.at(links[i]);
+      guarded("a set-up message", key, [&] { handle_link(links[i]); });
+    }
+    if (ready(2)) accept_local();
     const auto now = Clock::now();
     if (options_.stats_interval_seconds > 0 && now - last_stats > std::chrono::seconds(options_.stats_interval_seconds)) {
       statistics_.log();
@@ -250,6 +453,10 @@ void FrontDoor::run() {
     if (now - last_liveness > kLivenessInterval) {
       check_liveness();
       last_liveness = now;
+    }
+    if (now - last_keys > kKeysInterval) {
+      reload_keys();
+      last_keys = now;
     }
   }
 }

@@ -1,12 +1,16 @@
 #pragma once
-// The executor's front door: its ROUTER socket and the thread that owns it. It frames and parses
-// every ZeroMQ message, runs the handshake (Hello: protocol, model hash, [Transport choice], the
-// client's channel from its transport's plugin; Welcome: the layer table), keeps the
-// ClientRegistry and its liveness checks, answers statistics requests, and posts everything else
-// to the scheduler's inbox. It also forwards to the clients what the scheduler and the channels
-// answer over ZeroMQ (their PUSH sockets to its replies endpoint).
+// The executor's front door: its ROUTER socket, its local socket, and the thread that owns them. It
+// admits peers by key ([Admission] in admission.h), frames and parses every ZeroMQ message, runs
+// the handshake (Hello: protocol, model hash, [Transport choice], the proof of a same-host
+// placement ([Proven placement] in transport/local_socket.h), the client's channel from its
+// transport's plugin; Welcome: the layer table), keeps the ClientRegistry and its liveness checks,
+// answers operators' statistics requests, and posts everything else to the scheduler's inbox. It
+// also forwards to the clients what the scheduler and the channels answer over ZeroMQ (their PUSH
+// sockets to its replies endpoint). What peers send is untrusted ([Untrusted input] in
+// common/untrusted.h).
 // Thread safety: construct, then run() on one thread; stop() from any thread.
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
@@ -14,12 +18,15 @@
 
 #include <zmq.hpp>
 
+#include "base_executor/admission.h"
 #include "base_executor/base_model.h"
 #include "base_executor/client_registry.h"
 #include "base_executor/executor.h"
 #include "base_executor/scheduler.h"
 #include "base_executor/statistics.h"
+#include "common/untrusted.h"
 #include "symbiosis.pb.h"
+#include "transport/local_socket.h"
 
 namespace symbiosis {
 
@@ -36,14 +43,28 @@ class FrontDoor {
   void abort_clients();
 
  private:
+  using Clock = std::chrono::steady_clock;
   void handle(std::vector<zmq::message_t>& frames);
-  void handle_hello(const proto::Hello& hello, const std::string& key);
+  void handle_hello(const proto::Hello& hello, const std::string& key, const std::string& public_key);
+  // The handshake's end: the client's channel, its record and its Welcome. `link`: its proven
+  // local link, for a same-host transport.
+  void admit(const std::string& key, const proto::Hello& hello, TransportKind kind, UniqueFd link,
+             const std::string& public_key);
+  // [Proven placement]: a connection to the local socket, and what comes on it.
+  void accept_local();
+  void handle_proof(UniqueFd connection);
+  void handle_link(int fd);
   void handle_request(const proto::Request& request, ClientRecord* client, std::vector<zmq::message_t>& frames,
                       const std::string& key);
   // Answers the peer `key` with an error, as the reply to request `request_id` or on its own.
   void refuse(const std::string& key, uint64_t request_id, const Status& status, bool as_reply);
+  // A line about bad input, within the log budget.
+  void note_bad_input(const std::string& line);
   void forget(const std::string& key);
   void check_liveness();
+  // [Admission]: reads the keys folder again if it changed, and drops the clients whose key is no
+  // longer admitted.
+  void reload_keys();
 
   const ExecutorOptions& options_;
   const BaseModel& model_;
@@ -52,6 +73,8 @@ class FrontDoor {
   Statistics& statistics_;
   zmq::context_t& context_;
   const std::string replies_endpoint_;
+  std::unique_ptr<Keys> keys_;      // [Admission]; none without keys
+  std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t router_;
   zmq::socket_t replies_in_;
   std::string endpoint_;
@@ -59,6 +82,22 @@ class FrontDoor {
 
   // Owned by the front door's thread.
   ClientRegistry registry_;
+  local::Listener listener_;
+  struct PendingProof {
+    std::string key;  // the ZeroMQ peer that said Hello
+    proto::Hello hello;
+    TransportKind kind;
+    std::string public_key;
+    Clock::time_point deadline;
+  };
+  std::map<std::string, PendingProof> pending_;  // by token
+  struct Unproven {
+    UniqueFd connection;
+    Clock::time_point deadline;
+  };
+  std::vector<Unproven> unproven_;               // local connections that have not proved yet
+  std::map<int, std::string> links_;             // proven local links: descriptor to ZeroMQ key
+  LogBudget log_budget_{20};
   // [NCCL readiness] (transport/nccl/nccl_channel.cpp): how many nccl channels serve each GPU, by UUID.
   std::map<std::string, std::shared_ptr<std::atomic<int>>> gpu_clients_;
 };

@@ -12,7 +12,7 @@
 
 int main(int argc, char** argv) {
   symbiosis::ExecutorOptions options;
-  std::string model_dir, dtype, log_level = "info";
+  std::string model_dir, keys_dir, dtype, log_level = "info";
   CLI::App app{"symbiosis-executor: serves the frozen base layers of one model to many clients"};
   app.add_option("--model", model_dir, "Hugging Face checkpoint directory (config.json + safetensors)")->required();
   app.add_option("--listen", options.listen, "ZeroMQ endpoint to bind; tcp://HOST:* picks a free port")
@@ -59,6 +59,10 @@ int main(int argc, char** argv) {
                  "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "
                  "on its client's stream (0: such requests batch as others)")
       ->capture_default_str();
+  app.add_option("--keys", keys_dir,
+                 "keys folder (executor.key, tenants/, operators/, revoked/): encrypt, and admit only listed tenants "
+                 "(docs/operating.md)");
+  app.add_flag("--insecure", options.insecure, "without --keys, listen beyond loopback anyway (anyone may connect)");
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
@@ -67,6 +71,7 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("executor"));
   spdlog::set_level(spdlog::level::from_str(log_level));
   options.model_dir = model_dir;
+  options.keys_dir = keys_dir;
 
   // Block the stop signals in every thread; main waits for them below.
   sigset_t stop_signals;

@@ -104,7 +104,7 @@ void Scheduler::handle(SetupArrived& message) {
   try {
     proto::Envelope answer;
     if (env.has_register_buffer()) {
-      *answer.mutable_buffer_registered() = channel.register_buffer(env.register_buffer());
+      *answer.mutable_buffer_registered() = channel.register_buffer(env.register_buffer(), std::move(message.segment));
     } else if (env.has_share_segments()) {
       channel.share_segments(env.share_segments());
       answer.mutable_segments_shared();

@@ -47,6 +47,7 @@ struct SetupArrived {
   std::shared_ptr<Channel> channel;
   proto::Envelope envelope;
   std::string identity;
+  UniqueFd segment;  // "shm": the RegisterBuffer's segment, from the client's local link
 };
 using InboxMessage = std::variant<ClientJoined, ClientLeft, CallArrived, SetupArrived>;
 
@@ -59,7 +60,7 @@ class Scheduler {
 
   void post(InboxMessage message);
   // The doorbell's segment, for the Welcome of a client of this host.
-  const std::string& doorbell_segment() const { return doorbell_.segment(); }
+  int doorbell_descriptor() const { return doorbell_.descriptor(); }
   // The loop; returns once stop() was called.
   void run();
   void stop();

@@ -26,7 +26,7 @@
 #include <thread>
 
 #include "bench/process.h"
-#include "transport/zmq_wire.h"
+#include "transport/client_transport.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -229,12 +229,13 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
     waitpid(executor.pid, nullptr, 0);
     throw;
   }
-  if (auto stats = symbiosis::wire::request_stats(executor.endpoint, 10000)) {
+  {
+    const auto stats = symbiosis::request_stats(executor.endpoint, 10000);
     std::string text;
-    (void)google::protobuf::util::MessageToJsonString(*stats, &text);
+    (void)google::protobuf::util::MessageToJsonString(stats, &text);
     result["executor"] = json::parse(text);
-    result["mean_batch_requests"] = stats->batches() ? double(stats->requests()) / stats->batches() : 0.0;
-    result["mean_batch_tokens"] = stats->batches() ? double(stats->tokens()) / stats->batches() : 0.0;
+    result["mean_batch_requests"] = stats.batches() ? double(stats.requests()) / stats.batches() : 0.0;
+    result["mean_batch_tokens"] = stats.batches() ? double(stats.tokens()) / stats.batches() : 0.0;
   }
   result["executor_peak_rss_bytes"] = peak_rss_bytes(executor.pid);
   result["policy"] = policy;

@@ -25,7 +25,7 @@
 #include "bench/process.h"
 #include "bench/transport_name.h"
 #include "common/checkpoint.h"
-#include "transport/zmq_wire.h"
+#include "transport/client_transport.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 
@@ -61,9 +61,7 @@ struct ExecutorShare {
 };
 
 proto::Stats stats_of(const std::string& endpoint) {
-  auto stats = wire::request_stats(endpoint, 10000);
-  if (!stats) throw std::runtime_error("the executor did not answer a stats request");
-  return *stats;
+  return request_stats(endpoint, 10000);
 }
 
 ExecutorShare share_between(const proto::Stats& before, const proto::Stats& after) {

@@ -30,6 +30,8 @@ void ClientOptions::validate() const {
               "' is not one of auto, ", transport_names());
   TORCH_CHECK(control == "auto" || control == "zmq", "client option control '", control,
               "' is not one of auto, zmq");
+  TORCH_CHECK(executor_key.empty() == key_file.empty(), "client options executor_key and key_file go together: ",
+              executor_key.empty() ? "key_file" : "executor_key", " is given without the other");
   try {
     const at::Device d(device);
     TORCH_CHECK(d.is_cpu() || d.is_cuda(), "");
@@ -40,7 +42,12 @@ void ClientOptions::validate() const {
 
 class Client::Impl {
  public:
-  explicit Impl(const ClientOptions& o) : options(o), socket(o.endpoint, o.timeout_ms) {}
+  explicit Impl(const ClientOptions& o) : options(o), socket(o.endpoint, o.timeout_ms, keys_of(o)) {}
+
+  static ClientKeys keys_of(const ClientOptions& o) {
+    if (o.executor_key.empty()) return {};
+    return {keys::public_key(o.executor_key), keys::read(o.key_file, /*need_secret=*/true)};
+  }
 
   ClientOptions options;
   ControlSocket socket;
@@ -88,9 +95,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   hello.mutable_hello()->set_transport(options.transport);
   hello.mutable_hello()->set_control(options.control);
   *hello.mutable_hello()->mutable_placement() = local_placement(options.device);
-  auto env = impl->socket.exchange(hello, "the handshake");
-  TORCH_CHECK(env.has_welcome(), "executor answered the handshake with something other than Welcome");
-  const auto& welcome = env.welcome();
+  const auto welcome = impl->socket.handshake(std::move(hello));
   impl->client_id = welcome.client_id();
   impl->model_hash = welcome.model_hash();
   for (const auto& layer : welcome.layers()) {

@@ -41,6 +41,11 @@ struct ClientOptions {
   // client's own tensors, which the executor reads and writes where they lie ([Direct operands]
   // in transport/cuda_ipc/cuda_ipc_client.cpp). false: they are copied through the payload buffer.
   bool direct_operands = true;
+  // [Admission keys] (docs/operating.md), for an executor started with --keys: its public key (the
+  // executor.pub file, or the key's 40 Z85 characters) and this tenant's key pair (the NAME.key
+  // file `symbiosis-ctl keygen NAME` wrote). Both empty: no keys (the traffic is not encrypted).
+  std::string executor_key;
+  std::string key_file;
 
   void validate() const;  // throws naming the field
 };

@@ -20,6 +20,7 @@ enum class StatusCode {
   kMalformed = 4,          // a header or frames that do not parse
   kFailedPrecondition = 5, // e.g. a request before the handshake, a model hash mismatch
   kInternal = 6,
+  kPermissionDenied = 7,   // a key not admitted or revoked; an operator request without an operator key
 };
 
 class [[nodiscard]] Status {

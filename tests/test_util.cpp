@@ -16,6 +16,7 @@
 
 #include "bench/process.h"
 #include "common/checkpoint.h"
+#include "transport/local_socket.h"
 #include "transport/zmq_wire.h"
 
 extern char** environ;
@@ -136,6 +137,28 @@ void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tenso
 
 proto::Envelope exchange(zmq::socket_t& socket, const proto::Envelope& envelope) {
   socket.send(wire::serialize(envelope), zmq::send_flags::none);
+  auto frames = wire::recv_all(socket);
+  proto::Envelope answer;
+  EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));
+  return answer;
+}
+
+ProvenPeer hello_and_prove(zmq::socket_t& socket, const proto::Envelope& hello) {
+  ProvenPeer peer;
+  peer.answer = exchange(socket, hello);
+  if (!peer.answer.has_prove_host()) return peer;
+  auto link = local::prove(peer.answer.prove_host(), 10000);
+  EXPECT_TRUE(link.is_ok()) << link.status().message();
+  if (!link.is_ok()) return peer;
+  peer.link = std::move(link.value().connection);
+  peer.descriptors = std::move(link.value().descriptors);
+  auto frames = wire::recv_all(socket);
+  EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &peer.answer));
+  return peer;
+}
+
+proto::Envelope setup_exchange(zmq::socket_t& socket, int link, const proto::Envelope& envelope, int descriptor) {
+  local::send(link, envelope, descriptor >= 0 ? std::vector<int>{descriptor} : std::vector<int>{});
   auto frames = wire::recv_all(socket);
   proto::Envelope answer;
   EXPECT_TRUE(!frames.empty() && wire::parse(frames[0], &answer));

@@ -19,6 +19,7 @@
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/training/loss.h"
+#include "common/unique_fd.h"
 #include "symbiosis.pb.h"
 
 namespace symbiosis::testing {
@@ -68,6 +69,18 @@ void expect_same_training(TrainingRun& split, TrainingRun& mono, const at::Tenso
 // Sends `envelope` on a connected DEALER and returns the answer; one that does not parse fails the
 // calling test. (Tests that speak the protocol by hand.)
 proto::Envelope exchange(zmq::socket_t& socket, const proto::Envelope& envelope);
+
+// A same-host handshake by hand, as the client runtime makes it ([Proven placement] in
+// transport/local_socket.h): the Hello; the proof on the executor's local socket, when the executor
+// asks for one; the answer that follows (a Welcome, or an error). `link` then takes set-up messages.
+struct ProvenPeer {
+  proto::Envelope answer;
+  UniqueFd link;
+  std::vector<UniqueFd> descriptors;  // the control segment and the doorbell, when the Welcome names a control channel
+};
+ProvenPeer hello_and_prove(zmq::socket_t& socket, const proto::Envelope& hello);
+// Sends a set-up message on the link (with `descriptor` when >= 0); returns the answer over ZeroMQ.
+proto::Envelope setup_exchange(zmq::socket_t& socket, int link, const proto::Envelope& envelope, int descriptor = -1);
 // The calls one forward of the client's whole model makes: one per layer, one per [Layer groups]
 // group instead of its members.
 size_t forward_calls(const Client& client);

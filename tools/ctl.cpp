@@ -1,12 +1,17 @@
-// symbiosis-ctl: asks a running executor about itself.
-//   symbiosis-ctl stats --executor tcp://HOST:PORT [--json]
+// symbiosis-ctl: asks a running executor about itself, and makes keys for it.
+//   symbiosis-ctl stats --executor tcp://HOST:PORT [--json] [--executor-key FILE --key FILE]
+//   symbiosis-ctl keygen NAME      writes NAME.key (the pair; keep it secret) and NAME.pub
+// ([Admission keys] in transport/keys.h; docs/operating.md.)
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <iostream>
 #include <google/protobuf/util/json_util.h>
 
-#include "transport/zmq_wire.h"
+#include <c10/util/Exception.h>
+
+#include "transport/client_transport.h"
+#include "transport/keys.h"
 
 namespace {
 
@@ -41,14 +46,34 @@ int main(int argc, char** argv) {
   std::string endpoint = "tcp://127.0.0.1:5555";
   bool json = false;
   int timeout_ms = 5000;
+  std::string executor_key, key_file, name;
   auto* stats = app.add_subcommand("stats", "batching and compute statistics, overall and per layer");
   stats->add_option("--executor", endpoint, "the executor's endpoint")->capture_default_str();
   stats->add_option("--timeout", timeout_ms, "milliseconds to wait for the answer")->capture_default_str();
   stats->add_flag("--json", json, "print JSON instead of a table");
+  stats->add_option("--executor-key", executor_key, "an executor with keys: its public key (executor.pub)");
+  stats->add_option("--key", key_file, "an executor with keys: an operator's key pair (NAME.key)");
+  auto* keygen = app.add_subcommand("keygen", "write a CURVE key pair: NAME.key (keep it secret) and NAME.pub");
+  keygen->add_option("name", name, "path and name of the pair, e.g. keys/executor or alice")->required();
   CLI11_PARSE(app, argc, argv);
-  auto s = symbiosis::wire::request_stats(endpoint, timeout_ms);
-  if (!s) {
-    std::cerr << "symbiosis-ctl: executor at " << endpoint << " did not answer within " << timeout_ms << " ms\n";
+  std::optional<symbiosis::proto::Stats> s;
+  try {
+    if (keygen->parsed()) {
+      symbiosis::keys::write(name, symbiosis::keys::generate());
+      std::cout << "wrote " << name << ".key (secret: keep it to its owner) and " << name << ".pub\n";
+      return 0;
+    }
+    if (executor_key.empty() != key_file.empty()) throw std::runtime_error("--executor-key and --key go together");
+    symbiosis::ClientKeys keys;
+    if (!executor_key.empty()) {
+      keys = {symbiosis::keys::public_key(executor_key), symbiosis::keys::read(key_file, /*need_secret=*/true)};
+    }
+    s = symbiosis::request_stats(endpoint, timeout_ms, keys);
+  } catch (const c10::Error& e) {
+    std::cerr << "symbiosis-ctl: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "symbiosis-ctl: " << e.what() << "\n";
     return 1;
   }
   if (json) {

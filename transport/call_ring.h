@@ -147,7 +147,7 @@ template <typename Block>
 Block* map_block(SharedMemory& memory) {
   auto* block = static_cast<Block*>(memory.data());
   if (block->magic != Block::kMagic) {
-    throw std::runtime_error("shared memory " + memory.name() + " is not a symbiosis control segment");
+    throw std::runtime_error("the segment the executor handed over is not a symbiosis control segment");
   }
   return block;
 }

@@ -13,7 +13,7 @@ namespace symbiosis {
 Channel::Channel(TransportKind kind, uint64_t client_id, bool with_control_segment)
     : kind_(kind), client_id_(client_id) {
   if (!with_control_segment) return;
-  control_ = shm::SharedMemory::create("symbiosis-control", sizeof(shm::ControlBlock));
+  control_ = shm::SharedMemory::create("control", sizeof(shm::ControlBlock));
   block_ = new (control_.data()) shm::ControlBlock();
   block_->magic = shm::ControlBlock::kMagic;
 }
@@ -70,7 +70,6 @@ void Channel::control_over_zmq(zmq::context_t& context, std::string replies_endp
   zmq_context_ = &context;
   replies_endpoint_ = std::move(replies_endpoint);
   identity_ = std::move(identity);
-  control_.unlink();
 }
 
 void Channel::push_reply(const shm::CallHeader& h, const Status& status) {
@@ -140,11 +139,11 @@ std::string region_problem(const shm::CallHeader& h, uint64_t in_bytes, uint64_t
 
 }  // namespace
 
-proto::BufferRegistered RegisteredBufferChannel::register_buffer(const proto::RegisterBuffer& r) {
+proto::BufferRegistered RegisteredBufferChannel::register_buffer(const proto::RegisterBuffer& r, UniqueFd segment) {
   TORCH_CHECK(r.generation() == generation_ + 1, "RegisterBuffer generation ", r.generation(), ", expected ",
               generation_ + 1);
   proto::BufferRegistered answer;
-  map(r, &answer);
+  map(r, std::move(segment), &answer);
   generation_ = r.generation();
   answer.set_generation(generation_);
   return answer;
@@ -177,7 +176,7 @@ at::Tensor RegisteredBufferChannel::view(Region region, uint64_t offset, at::Sca
 }
 
 Doorbell::Doorbell() {
-  memory_ = shm::SharedMemory::create("symbiosis-doorbell", sizeof(shm::DoorbellBlock));
+  memory_ = shm::SharedMemory::create("doorbell", sizeof(shm::DoorbellBlock));
   block_ = new (memory_.data()) shm::DoorbellBlock();
   block_->magic = shm::DoorbellBlock::kMagic;
 }

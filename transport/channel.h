@@ -25,6 +25,7 @@
 #include <zmq.hpp>
 
 #include "common/status.h"
+#include "common/unique_fd.h"
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
 #include "transport/transport.h"
@@ -40,10 +41,9 @@ class Channel {
 
   const char* kind_name() const { return transport_name(kind_); }
   uint64_t client_id() const { return client_id_; }
-  // The control segment's name; "" for a channel without one (tcp).
-  const std::string& control_segment() const { return control_.name(); }
-  // The client has mapped the control segment: its name can go.
-  void attached() { control_.unlink(); }
+  // The control segment's descriptor, to hand to the proven client ([Proven placement] in
+  // transport/local_socket.h); -1 for a channel without one (tcp).
+  int control_descriptor() const { return control_.mapped() ? control_.descriptor() : -1; }
   // Front door, at the handshake: headers come over ZeroMQ (the front door hands them to the scheduler
   // thread), and replies go to the client `identity` names through a socket of the channel's own
   // connected to the front door's `replies_endpoint`. The control segment is not used.
@@ -59,8 +59,9 @@ class Channel {
   // (and may note in `h` where it keeps them).
   virtual void receive_frames(shm::CallHeader& h, std::vector<zmq::message_t> frames);
 
-  // Maps the buffer a RegisterBuffer names (releasing the previous one). Throws naming the problem.
-  virtual proto::BufferRegistered register_buffer(const proto::RegisterBuffer& registration) = 0;
+  // Maps the buffer a RegisterBuffer names (releasing the previous one); `segment`: the descriptor
+  // that came with it on the local socket ("shm"), if any. Throws naming the problem.
+  virtual proto::BufferRegistered register_buffer(const proto::RegisterBuffer& registration, UniqueFd segment) = 0;
   // [Direct operands] (transport/cuda_ipc/cuda_ipc_client.cpp): maps the client's allocations a
   // ShareSegments adds, and lets go of those it releases (no call in flight names them). Throws
   // naming the problem; only cuda-ipc clients share segments.
@@ -164,14 +165,14 @@ class RegisteredBufferChannel : public Channel {
     uint64_t size = 0;
   };
 
-  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r) final;
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer& r, UniqueFd segment) final;
   Status check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const final;
   at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final;
   at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) final;
 
  protected:
   // Maps the buffer `r` names in place of the previous one (which then goes); may add to `answer`.
-  virtual void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) = 0;
+  virtual void map(const proto::RegisterBuffer& r, UniqueFd segment, proto::BufferRegistered* answer) = 0;
   virtual void* base() const = 0;
   virtual size_t size() const = 0;
   // [Direct operands]: a segment the client shared (id > 0), or an empty Region.
@@ -191,7 +192,7 @@ class RegisteredBufferChannel : public Channel {
 class Doorbell {
  public:
   Doorbell();
-  const std::string& segment() const { return memory_.name(); }
+  int descriptor() const { return memory_.descriptor(); }
   shm::WaitWord& word() { return block_->doorbell; }
 
  private:

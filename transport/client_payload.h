@@ -88,9 +88,9 @@ class RegisteredBuffer : public ClientPayload {
     auto* r = env.mutable_register_buffer();
     r->set_generation(generation_ + 1);
     r->set_bytes(size);
-    describe(r);
+    const int segment = describe(r);
     std::unique_lock<std::mutex> lock(socket_mutex_);
-    auto answer = socket_.exchange(env, "the payload buffer registration");
+    auto answer = socket_.exchange_setup(env, "the payload buffer registration", segment);
     lock.unlock();
     TORCH_CHECK(answer.has_buffer_registered() && answer.buffer_registered().generation() == generation_ + 1,
                 "executor answered a buffer registration with something else");
@@ -105,7 +105,8 @@ class RegisteredBuffer : public ClientPayload {
  protected:
   // Makes a new buffer of `bytes` the current one (the previous stays alive until registered()).
   virtual void allocate(uint64_t bytes) = 0;
-  virtual void describe(proto::RegisterBuffer* registration) = 0;
+  // Fills in what the executor needs to map it; returns the descriptor to hand over with it, or -1.
+  virtual int describe(proto::RegisterBuffer* registration) = 0;
   // The executor has mapped the new buffer and released the old one.
   virtual void registered(const proto::BufferRegistered& answer) = 0;
 

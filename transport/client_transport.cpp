@@ -1,8 +1,11 @@
 #include "transport/client_transport.h"
 
 #include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -13,12 +16,27 @@
 #include "transport/call_ring.h"
 #include "transport/client_payload.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
+#include "transport/local_socket.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
 
-ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms) : endpoint_(endpoint), timeout_ms_(timeout_ms) {
+ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys)
+    : endpoint_(endpoint), timeout_ms_(timeout_ms), with_keys_(!keys.executor_key.empty()) {
   socket_.set(zmq::sockopt::linger, 0);
+  if (with_keys_) {
+    socket_.set(zmq::sockopt::curve_serverkey, keys.executor_key);
+    socket_.set(zmq::sockopt::curve_publickey, keys.own.public_key);
+    socket_.set(zmq::sockopt::curve_secretkey, keys.own.secret_key);
+  }
+  // The monitor tells a refused handshake from an executor that is not there.
+  const std::string monitor_endpoint = "inproc://handshake-monitor";
+  TORCH_CHECK(zmq_socket_monitor(socket_.handle(), monitor_endpoint.c_str(),
+                                 ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) == 0,
+              "cannot monitor the executor socket: ", zmq_strerror(zmq_errno()));
+  monitor_.set(zmq::sockopt::linger, 0);
+  monitor_.connect(monitor_endpoint);
   try {
     socket_.connect(endpoint);
   } catch (const zmq::error_t& e) {
@@ -36,11 +54,76 @@ void ControlSocket::send(const proto::Envelope& envelope, const at::Tensor* payl
 }
 
 std::vector<zmq::message_t> ControlSocket::receive(const char* waiting_for) {
-  zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
-  zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms_));
-  TORCH_CHECK(item.revents & ZMQ_POLLIN, "executor at ", endpoint_, " did not answer ", waiting_for, " within ",
-              timeout_ms_, " ms (is it running and reachable?)");
-  return wire::recv_all(socket_);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+  while (true) {
+    zmq::pollitem_t items[] = {{socket_.handle(), 0, ZMQ_POLLIN, 0}, {monitor_.handle(), 0, ZMQ_POLLIN, 0}};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    zmq::poll(items, 2, std::max(left, std::chrono::milliseconds(0)));
+    if (items[1].revents & ZMQ_POLLIN) {
+      auto event = wire::recv_all(monitor_);
+      check_handshake(event.at(0));
+    }
+    if (items[0].revents & ZMQ_POLLIN) return wire::recv_all(socket_);
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "executor at ", endpoint_, " did not answer ", waiting_for,
+                " within ", timeout_ms_, " ms (is it running and reachable?)");
+  }
+}
+
+void ControlSocket::check_handshake(const zmq::message_t& event) {
+  uint16_t kind = 0;
+  uint32_t value = 0;
+  if (event.size() < 6) return;
+  std::memcpy(&kind, event.data(), 2);
+  std::memcpy(&value, static_cast<const char*>(event.data()) + 2, 4);
+  if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+    TORCH_CHECK(!with_keys_, "executor at ", endpoint_,
+                " takes no keys (it was started without --keys), but this client was given some");
+    TORCH_CHECK(false, "executor at ", endpoint_,
+                " admits only tenants with keys: give the client the executor's public key and this tenant's key "
+                "pair (ClientOptions::executor_key and key_file; docs/operating.md)");
+  }
+  if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+    TORCH_CHECK(false, "executor at ", endpoint_, " refused this client's key (status ", value, ")");
+  }
+  TORCH_CHECK(!with_keys_, "executor at ", endpoint_,
+              " broke off the encrypted handshake: the executor key this client was given is not that executor's");
+  TORCH_CHECK(false, "executor at ", endpoint_, " broke off the handshake (", zmq_strerror(static_cast<int>(value)),
+              ")");
+}
+
+proto::Welcome ControlSocket::handshake(proto::Envelope hello) {
+  auto answer = exchange(hello, "the handshake");
+  if (answer.has_prove_host()) {
+    auto link = local::prove(answer.prove_host(), timeout_ms_);
+    if (link.is_ok()) {
+      link_ = std::move(link.value().connection);
+      descriptors_ = std::move(link.value().descriptors);
+      answer = parse_or_throw(receive("the handshake"));
+    } else {
+      const std::string& asked = hello.hello().transport();
+      TORCH_CHECK(asked.empty() || asked == "auto", "executor at ", endpoint_, " offered transport ", asked,
+                  ", but this client could not prove it shares the executor's host: ", link.status().message());
+      spdlog::warn("executor at {}: no same-host transport, using tcp: {}", endpoint_, link.status().message());
+      hello.mutable_hello()->set_transport("tcp");
+      answer = exchange(hello, "the handshake");
+    }
+  }
+  TORCH_CHECK(answer.has_welcome(), "executor answered the handshake with something other than Welcome");
+  return std::move(*answer.mutable_welcome());
+}
+
+void ControlSocket::send_setup(const proto::Envelope& envelope, int descriptor) {
+  if (!link_) {
+    TORCH_CHECK(descriptor < 0, "internal: a descriptor to hand over without a local link");
+    return send(envelope);
+  }
+  local::send(link_.get(), envelope, descriptor >= 0 ? std::vector<int>{descriptor} : std::vector<int>{});
+}
+
+proto::Envelope ControlSocket::exchange_setup(const proto::Envelope& envelope, const char* waiting_for,
+                                              int descriptor) {
+  send_setup(envelope, descriptor);
+  return parse_or_throw(receive(waiting_for));
 }
 
 proto::Envelope ControlSocket::parse_or_throw(const std::vector<zmq::message_t>& frames) {
@@ -50,6 +133,15 @@ proto::Envelope ControlSocket::parse_or_throw(const std::vector<zmq::message_t>&
     TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(env.error().code()), "): ", env.error().message());
   }
   return env;
+}
+
+proto::Stats request_stats(const std::string& endpoint, int timeout_ms, const ClientKeys& keys) {
+  ControlSocket socket(endpoint, timeout_ms, keys);
+  proto::Envelope request;
+  request.mutable_stats_request();
+  auto answer = socket.exchange(request, "a statistics request");
+  TORCH_CHECK(answer.has_stats(), "executor answered a statistics request with something else");
+  return answer.stats();
 }
 
 proto::Envelope ControlSocket::exchange(const proto::Envelope& envelope, const char* waiting_for) {
@@ -104,10 +196,13 @@ class PayloadTransport : public ClientTransport {
       : socket_(socket),
         options_(options),
         kind_(welcome.transport()),
-        zmq_control_(welcome.control_segment().empty()) {
+        zmq_control_(!welcome.control_channel()) {
     if (!zmq_control_) {
-      control_memory_ = shm::SharedMemory::open(welcome.control_segment(), sizeof(shm::ControlBlock));
-      doorbell_memory_ = shm::SharedMemory::open(welcome.doorbell_segment(), sizeof(shm::DoorbellBlock));
+      auto descriptors = socket.take_descriptors();
+      TORCH_CHECK(descriptors.size() == 2, "executor named a control channel but handed over ", descriptors.size(),
+                  " descriptors (expected the control segment and the doorbell)");
+      control_memory_ = shm::SharedMemory::map_descriptor(std::move(descriptors[0]), sizeof(shm::ControlBlock), "control");
+      doorbell_memory_ = shm::SharedMemory::map_descriptor(std::move(descriptors[1]), sizeof(shm::DoorbellBlock), "doorbell");
       control_ = shm::map_block<shm::ControlBlock>(control_memory_);
       doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
     }

@@ -16,20 +16,41 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/unique_fd.h"
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
+#include "transport/keys.h"
 #include "transport/transport.h"
 #include "virt_layer/layer_info.h"
 
 namespace symbiosis {
 
-// The client's DEALER socket to the executor: handshake, set-up messages, and TCP calls.
+// [Admission keys] (transport/keys.h): what a client needs for an executor started with keys.
+struct ClientKeys {
+  std::string executor_key;  // the executor's public key (Z85); empty: no keys
+  keys::KeyPair own;         // this tenant's pair
+};
+
+// The client's DEALER socket to the executor: handshake, set-up messages, and TCP calls; and, for
+// a same-host transport, the client's local link ([Proven placement] in transport/local_socket.h).
 class ControlSocket {
  public:
-  ControlSocket(const std::string& endpoint, int timeout_ms);
+  ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys = {});
+  // Sends the Hello and returns the Welcome. A same-host transport is proved first on the
+  // executor's local socket; a client that asked for "auto" and cannot prove it (it is on another
+  // host, or in another PID namespace) falls back to tcp, saying why in the log.
+  proto::Welcome handshake(proto::Envelope hello);
+  // A set-up message (RegisterBuffer, ShareSegments, NcclSetup): on the local link with
+  // `descriptor` (if >= 0) once proven; otherwise over ZeroMQ (an nccl client on another host).
+  void send_setup(const proto::Envelope& envelope, int descriptor = -1);
+  // The same, returning the answer (which comes over ZeroMQ).
+  proto::Envelope exchange_setup(const proto::Envelope& envelope, const char* waiting_for, int descriptor = -1);
+  // The descriptors the proof brought: the control segment, then the doorbell. Taken once.
+  std::vector<UniqueFd> take_descriptors() { return std::move(descriptors_); }
   // Sends a header frame, then the tensor's bytes as a second frame when given (CPU, contiguous).
   void send(const proto::Envelope& envelope, const at::Tensor* payload = nullptr);
-  // The next message, or a c10::Error naming the executor when none comes within the timeout.
+  // The next message, or a c10::Error naming the executor when none comes within the timeout, or
+  // naming why the encrypted handshake failed.
   std::vector<zmq::message_t> receive(const char* waiting_for);
   // Sends and returns the answer; an executor error becomes a c10::Error carrying its message.
   proto::Envelope exchange(const proto::Envelope& envelope, const char* waiting_for);
@@ -38,10 +59,17 @@ class ControlSocket {
   int timeout_ms() const { return timeout_ms_; }
 
  private:
+  // Throws naming why, if the monitor reports a failed handshake.
+  void check_handshake(const zmq::message_t& event);
+
   std::string endpoint_;
   int timeout_ms_;
+  bool with_keys_;
   zmq::context_t context_{1};
   zmq::socket_t socket_{context_, zmq::socket_type::dealer};
+  zmq::socket_t monitor_{context_, zmq::socket_type::pair};
+  UniqueFd link_;
+  std::vector<UniqueFd> descriptors_;
 };
 
 struct CallSpec {
@@ -84,6 +112,10 @@ proto::Envelope request_envelope(const CallSpec& spec, const at::Tensor& x);
 // calls that timed out.
 proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vector<zmq::message_t>& frames);
 [[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message);
+
+// Asks the executor at `endpoint` for its statistics, an operator request (with keys, `keys` must
+// be an operator's). Throws the executor's refusal, or a timeout naming it.
+proto::Stats request_stats(const std::string& endpoint, int timeout_ms, const ClientKeys& keys = {});
 
 // Where this process runs, for the Hello.
 proto::Placement local_placement(const std::string& device);

@@ -12,72 +12,41 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
-#include <random>
 
 namespace symbiosis::shm {
 namespace {
 
 std::string error_text() { return std::strerror(errno); }
 
-std::string fresh_name(const std::string& prefix) {
-  static std::atomic<uint64_t> counter{0};
-  std::random_device random;
-  return "/" + prefix + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + "-" +
-         std::to_string(random());
-}
-
-void* map(int fd, size_t bytes, const std::string& name) {
+void* map(int fd, size_t bytes, const std::string& purpose) {
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  TORCH_CHECK(data != MAP_FAILED, "cannot map shared memory ", name, " (", bytes, " bytes): ", error_text());
+  TORCH_CHECK(data != MAP_FAILED, "cannot map the ", purpose, " segment (", bytes, " bytes): ", error_text());
   return data;
 }
 
 }  // namespace
 
 void SharedMemory::Unmap::operator()(void* data) const { ::munmap(data, size); }
-void SharedMemory::Unlink::operator()(const std::string& name) const { ::shm_unlink(name.c_str()); }
 
-SharedMemory SharedMemory::create(const std::string& prefix, size_t bytes) {
-  TORCH_CHECK(bytes > 0, "shared memory segment needs a positive size");
-  SharedMemory shm;
-  shm.name_ = fresh_name(prefix);
-  const int fd = ::shm_open(shm.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "cannot create shared memory ", shm.name_, ": ", error_text(),
-              " (is /dev/shm mounted and writable?)");
-  shm.link_ = UniqueHandle<std::string, Unlink>(shm.name_);  // unlinked again if what follows fails
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const std::string why = error_text();
-    ::close(fd);
-    TORCH_CHECK(false, "cannot size shared memory ", shm.name_, " to ", bytes, " bytes: ", why);
-  }
-  try {
-    shm.mapping_ = UniqueHandle<void*, Unmap>(map(fd, bytes, shm.name_), Unmap{bytes});
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-  return shm;
+SharedMemory SharedMemory::create(const std::string& purpose, size_t bytes) {
+  TORCH_CHECK(bytes > 0, "a shared memory segment needs a positive size");
+  UniqueFd fd(::memfd_create(("symbiosis-" + purpose).c_str(), MFD_CLOEXEC));
+  TORCH_CHECK(fd, "cannot create the ", purpose, " segment: ", error_text());
+  TORCH_CHECK(::ftruncate(fd.get(), static_cast<off_t>(bytes)) == 0, "cannot size the ", purpose, " segment to ",
+              bytes, " bytes: ", error_text());
+  return map_descriptor(std::move(fd), bytes, purpose);
 }
 
-SharedMemory SharedMemory::open(const std::string& name, size_t bytes) {
-  const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "cannot open shared memory ", name, ": ", error_text(),
-              " (client and executor must share a host and /dev/shm)");
+SharedMemory SharedMemory::map_descriptor(UniqueFd descriptor, size_t bytes, const std::string& purpose) {
+  TORCH_CHECK(descriptor, "no descriptor came for the ", purpose, " segment");
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
-    ::close(fd);
-    TORCH_CHECK(false, "shared memory ", name, " has ", st.st_size, " bytes, expected at least ", bytes);
-  }
+  TORCH_CHECK(::fstat(descriptor.get(), &st) == 0, "cannot inspect the ", purpose, " segment: ", error_text());
+  TORCH_CHECK(S_ISREG(st.st_mode), "the descriptor handed over for the ", purpose, " segment is not shared memory");
+  TORCH_CHECK(static_cast<size_t>(st.st_size) >= bytes, "the ", purpose, " segment has ", st.st_size,
+              " bytes, expected at least ", bytes);
   SharedMemory shm;
-  shm.name_ = name;
-  try {
-    shm.mapping_ = UniqueHandle<void*, Unmap>(map(fd, bytes, name), Unmap{bytes});
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
+  shm.mapping_ = UniqueHandle<void*, Unmap>(map(descriptor.get(), bytes, purpose), Unmap{bytes});
+  shm.descriptor_ = std::move(descriptor);
   return shm;
 }
 

@@ -2,48 +2,45 @@
 // POSIX shared memory between a client and the executor on one host, and the futex-based wait
 // both sides use on it.
 //
-// SharedMemory owns one mapping (shm_open + mmap), RAII, copying deleted. The side that creates a
-// segment gives its name to the other side over the ZeroMQ control socket; once the other side has
-// mapped it, the name is unlinked (unlink()), so the memory goes away with the last mapping even if
-// both processes are killed.
+// SharedMemory owns one mapping of an anonymous segment (memfd_create + mmap), RAII, copying
+// deleted. A segment has no name that another process could open: the side that creates it hands
+// its file descriptor to the other side on the executor's local socket, which only the process the
+// client proved to be can use ([Proven placement] in transport/local_socket.h). The memory goes
+// away with the last mapping and descriptor, even if both processes are killed.
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
+#include "common/unique_fd.h"
 #include "common/unique_handle.h"
 
 namespace symbiosis::shm {
 
 class SharedMemory {
  public:
-  // A new segment of `bytes` (zero-filled) under a fresh name starting with `prefix`.
-  static SharedMemory create(const std::string& prefix, size_t bytes);
-  // Maps an existing segment; throws naming the segment when it is missing or smaller than `bytes`.
-  static SharedMemory open(const std::string& name, size_t bytes);
+  // A new segment of `bytes` (zero-filled); `purpose` names it in /proc and in errors.
+  static SharedMemory create(const std::string& purpose, size_t bytes);
+  // Maps the segment a peer handed over; throws when it is smaller than `bytes`. The mapping keeps
+  // the descriptor, so it can be handed on.
+  static SharedMemory map_descriptor(UniqueFd descriptor, size_t bytes, const std::string& purpose);
 
   SharedMemory() = default;
 
   void* data() const { return mapping_.get(); }
   size_t size() const { return mapping_.releaser().size; }
-  const std::string& name() const { return name_; }
+  // The segment's descriptor, to hand to a peer (SCM_RIGHTS copies it).
+  int descriptor() const { return descriptor_.get(); }
   bool mapped() const { return static_cast<bool>(mapping_); }
-  // Removes the name (the mapping stays valid). Idempotent.
-  void unlink() { link_.reset(); }
 
  private:
   struct Unmap {
     size_t size = 0;
     void operator()(void* data) const;
   };
-  struct Unlink {
-    void operator()(const std::string& name) const;
-  };
-  // [Owned handles]: declared so that the name goes before the mapping.
-  UniqueHandle<void*, Unmap> mapping_;
-  UniqueHandle<std::string, Unlink> link_;  // the name while it is linked
-  std::string name_;
+  UniqueHandle<void*, Unmap> mapping_;  // [Owned handles]
+  UniqueFd descriptor_;
 };
 
 // [Spin, then sleep]

@@ -4,6 +4,8 @@
 
 #include <array>
 
+#include "common/untrusted.h"
+
 namespace symbiosis {
 
 // Each transport's folder defines its plugin (transport/KIND/KIND_plugin.cpp).
@@ -59,25 +61,24 @@ StatusOr<TransportKind> choose_transport(const proto::Placement& client, const p
   }
   const auto kind = parse_transport(asked);
   if (!kind) {
-    return Status(StatusCode::kFailedPrecondition, "unknown transport '" + std::string(asked) +
+    return Status(StatusCode::kFailedPrecondition, "unknown transport '" + bounded(asked) +
                                                        "' (expected auto, " + transport_names() + ")");
   }
   auto refuse = [&](const std::string& why) {
     return Status(StatusCode::kFailedPrecondition,
-                  "transport " + std::string(asked) + " is not possible here: " + why);
+                  std::string("transport ") + transport_name(*kind) + " is not possible here: " + why);
   };
   if (*kind == TransportKind::kTcp) return *kind;
   if (!one_host && *kind != TransportKind::kNccl) {
-    return refuse("the client is on another host (" + client.host_id() + ", the executor on " +
-                  executor.host_id() + "); use tcp, or nccl from a GPU");
+    return refuse("the client is on another host (" + bounded(client.host_id()) + "); use tcp, or nccl from a GPU");
   }
   if (*kind == TransportKind::kCudaIpc && !same_gpu) {
     return refuse("it needs the client on the executor's GPU (" + executor.device() + " " + executor.gpu_uuid() +
-                  "), but the client is on " + client.device() + " " + client.gpu_uuid());
+                  "), but the client is on " + bounded(client.device()) + " " + bounded(client.gpu_uuid()));
   }
   if (*kind == TransportKind::kNccl) {
     if (!executor_gpu || !client_gpu || same_gpu) {
-      return refuse("it needs the client and the executor on two different GPUs (client " + client.device() +
+      return refuse("it needs the client and the executor on two different GPUs (client " + bounded(client.device()) +
                     ", executor " + executor.device() + ")");
     }
     if (!nccl_available) return refuse("this executor was built without NCCL");

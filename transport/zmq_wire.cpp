@@ -68,6 +68,7 @@ proto::ErrorCode to_proto(StatusCode code) {
     case StatusCode::kMalformed: return proto::MALFORMED;
     case StatusCode::kFailedPrecondition: return proto::FAILED_PRECONDITION;
     case StatusCode::kInternal: return proto::INTERNAL;
+    case StatusCode::kPermissionDenied: return proto::PERMISSION_DENIED;
   }
   return proto::INTERNAL;
 }
@@ -126,23 +127,6 @@ std::vector<zmq::message_t> recv_all(zmq::socket_t& socket) {
     frames.push_back(std::move(frame));
   } while (frames.back().more());
   return frames;
-}
-
-std::optional<proto::Stats> request_stats(const std::string& endpoint, int timeout_ms) {
-  zmq::context_t context(1);
-  zmq::socket_t socket(context, zmq::socket_type::dealer);
-  socket.set(zmq::sockopt::linger, 0);
-  socket.connect(endpoint);
-  proto::Envelope request;
-  request.mutable_stats_request();
-  socket.send(serialize(request), zmq::send_flags::none);
-  zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
-  zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms));
-  if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
-  auto frames = recv_all(socket);
-  proto::Envelope reply;
-  if (frames.empty() || !parse(frames[0], &reply) || !reply.has_stats()) return std::nullopt;
-  return reply.stats();
 }
 
 }  // namespace symbiosis::wire

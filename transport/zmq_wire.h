@@ -45,7 +45,4 @@ at::Tensor frame_to_tensor(zmq::message_t&& frame, at::ScalarType dtype, at::Int
 // Receives every frame of one multipart message (non-blocking caller must have polled first).
 std::vector<zmq::message_t> recv_all(zmq::socket_t& socket);
 
-// Asks the executor at `endpoint` for its statistics; nullopt when it does not answer in time.
-std::optional<proto::Stats> request_stats(const std::string& endpoint, int timeout_ms);
-
 }  // namespace symbiosis::wire

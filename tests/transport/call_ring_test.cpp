@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <new>
 #include <thread>
 
@@ -26,31 +27,30 @@ CallRecord record(uint64_t id) {
 }
 
 struct RingInSharedMemory {
-  SharedMemory memory = SharedMemory::create("symbiosis-test", sizeof(ControlBlock));
+  SharedMemory memory = SharedMemory::create("test", sizeof(ControlBlock));
   ControlBlock* block = new (memory.data()) ControlBlock();
 };
 
-TEST(SharedMemoryTest, OpenSeesWhatCreateWroteAndErrorsNameTheSegment) {
-  auto created = SharedMemory::create("symbiosis-test", 4096);
+TEST(SharedMemoryTest, AHandedOverDescriptorSeesWhatCreateWroteAndNothingHasAName) {
+  auto created = SharedMemory::create("test", 4096);
   static_cast<char*>(created.data())[100] = 42;
-  auto opened = SharedMemory::open(created.name(), 4096);
-  EXPECT_EQ(static_cast<char*>(opened.data())[100], 42);
+  // What a peer does with a descriptor it received: maps it.
+  auto mapped = SharedMemory::map_descriptor(UniqueFd(::dup(created.descriptor())), 4096, "test");
+  EXPECT_EQ(static_cast<char*>(mapped.data())[100], 42);
+  static_cast<char*>(mapped.data())[200] = 7;
+  EXPECT_EQ(static_cast<char*>(created.data())[200], 7);
   try {
-    SharedMemory::open(created.name(), 1 << 20);
-    FAIL() << "a segment smaller than asked was opened";
+    SharedMemory::map_descriptor(UniqueFd(::dup(created.descriptor())), 1 << 20, "test");
+    FAIL() << "a segment smaller than asked was mapped";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(created.name()), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("expected at least 1048576"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the test segment has 4096 bytes, expected at least 1048576"),
+              std::string::npos)
+        << e.what();
   }
-  created.unlink();
-  try {
-    SharedMemory::open(created.name(), 4096);
-    FAIL() << "an unlinked segment was opened";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot open shared memory " + created.name()), std::string::npos);
-  }
-  // Both mappings stay valid after the name is gone.
-  EXPECT_EQ(static_cast<char*>(opened.data())[100], 42);
+  // [Proven placement]: the segment is anonymous memory, not a file in /dev/shm that another
+  // process could open by name.
+  const auto target = std::filesystem::read_symlink("/proc/self/fd/" + std::to_string(created.descriptor()));
+  EXPECT_EQ(target.string().rfind("/memfd:symbiosis-test", 0), 0u) << target;
 }
 
 TEST(CallRingTest, DeliversInOrderAndRefusesWhenFull) {

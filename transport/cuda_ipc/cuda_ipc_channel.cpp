@@ -95,7 +95,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
  protected:
-  void map(const proto::RegisterBuffer& r, proto::BufferRegistered* answer) override {
+  void map(const proto::RegisterBuffer& r, UniqueFd, proto::BufferRegistered* answer) override {
     TORCH_CHECK(!r.cuda_ipc_handle().empty(), "RegisterBuffer for a cuda-ipc client needs cuda_ipc_handle");
     if (!client_event_.valid()) client_event_ = cuda::InterprocessEvent::open(device_, r.client_event());
     auto mapped = cuda::MappedDeviceBuffer::open(device_, r.cuda_ipc_handle(), r.bytes());

@@ -92,7 +92,7 @@ class CudaIpcPayload : public RegisteredBuffer {
     proto::Envelope env;
     for (const auto& [base, segment] : segments_) env.mutable_share_segments()->add_release(segment.id);
     try {
-      socket_.exchange(env, "the release of the shared segments");
+      socket_.exchange_setup(env, "the release of the shared segments");
     } catch (const c10::Error& e) {
       spdlog::warn("cuda-ipc client: the executor did not release its shared segments: {}", e.what_without_backtrace());
     }
@@ -123,7 +123,7 @@ class CudaIpcPayload : public RegisteredBuffer {
     segments_.erase(it);
     try {
       wait_for_calls();
-      socket_.exchange(env, "a segment's release");
+      socket_.exchange_setup(env, "a segment's release");
     } catch (const c10::Error& e) {
       spdlog::warn("cuda-ipc client: the executor did not release a segment before it was freed: {}",
                    e.what_without_backtrace());
@@ -173,9 +173,10 @@ class CudaIpcPayload : public RegisteredBuffer {
 
  protected:
   void allocate(uint64_t bytes) override { next_ = cuda::DeviceBuffer::allocate(device_, bytes); }
-  void describe(proto::RegisterBuffer* r) override {
+  int describe(proto::RegisterBuffer* r) override {
     r->set_cuda_ipc_handle(next_.ipc_handle());
     r->set_client_event(client_event_.ipc_handle());
+    return -1;
   }
   void registered(const proto::BufferRegistered& answer) override {
     if (!executor_event_.valid()) executor_event_ = cuda::InterprocessEvent::open(device_, answer.executor_event());
@@ -226,7 +227,7 @@ class CudaIpcPayload : public RegisteredBuffer {
       add->set_cuda_ipc_handle(cuda::memory_ipc_handle(const_cast<char*>(base)));
       std::lock_guard<std::mutex> lock(socket_mutex_);
       add->set_id(next_segment_);
-      socket_.exchange(env, "the sharing of a segment");
+      socket_.exchange_setup(env, "the sharing of a segment");
       segments_.emplace(base, Segment{next_segment_++, bytes});
       return known_place(data);
     } catch (const c10::Error& e) {

@@ -44,7 +44,7 @@ class NcclChannel : public Channel {
   }
   ~NcclChannel() override { --*gpu_clients_; }
 
-  proto::BufferRegistered register_buffer(const proto::RegisterBuffer&) override {
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer&, UniqueFd) override {
     TORCH_CHECK(false, "an nccl client registers no payload buffer (send NcclSetup)");
   }
 

@@ -24,7 +24,7 @@ class NcclPayload : public ClientPayload {
     const std::string id = nccl::new_unique_id();
     proto::Envelope setup;
     setup.mutable_nccl_setup()->set_unique_id(id);
-    socket.send(setup);
+    socket.send_setup(setup);
     const std::chrono::milliseconds timeout(socket.timeout_ms());
     comm_ = std::make_unique<nccl::Communicator>(id, 0, device_, kExecutorRank, timeout);
     comm_->wait_ready(timeout);

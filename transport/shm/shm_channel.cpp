@@ -18,9 +18,9 @@ class HostShmChannel : public RegisteredBufferChannel {
   HostShmChannel(uint64_t client_id, at::Device device) : RegisteredBufferChannel(TransportKind::kShm, client_id), device_(device) {}
 
  protected:
-  void map(const proto::RegisterBuffer& r, proto::BufferRegistered*) override {
-    TORCH_CHECK(!r.shm_name().empty(), "RegisterBuffer for an shm client needs shm_name");
-    auto memory = shm::SharedMemory::open(r.shm_name(), r.bytes());
+  void map(const proto::RegisterBuffer& r, UniqueFd segment, proto::BufferRegistered*) override {
+    TORCH_CHECK(segment, "RegisterBuffer for an shm client comes with its segment's descriptor on the local socket");
+    auto memory = shm::SharedMemory::map_descriptor(std::move(segment), r.bytes(), "payload");
 #ifdef SYMBIOSIS_WITH_CUDA
     pinned_ = cuda::PinnedRange();
     if (device_.is_cuda()) {

@@ -25,12 +25,9 @@ class HostPayload : public RegisteredBuffer {
   }
 
  protected:
-  void allocate(uint64_t bytes) override { next_ = shm::SharedMemory::create("symbiosis-payload", bytes); }
-  void describe(proto::RegisterBuffer* r) override { r->set_shm_name(next_.name()); }
-  void registered(const proto::BufferRegistered&) override {
-    next_.unlink();  // both sides have it mapped: the memory goes with the last mapping
-    memory_ = std::move(next_);
-  }
+  void allocate(uint64_t bytes) override { next_ = shm::SharedMemory::create("payload", bytes); }
+  int describe(proto::RegisterBuffer*) override { return next_.descriptor(); }
+  void registered(const proto::BufferRegistered&) override { memory_ = std::move(next_); }
 
  private:
   shm::SharedMemory memory_, next_;

@@ -26,7 +26,7 @@ class TcpChannel : public Channel {
     frames_[h.in_offset] = std::move(frames);
   }
 
-  proto::BufferRegistered register_buffer(const proto::RegisterBuffer&) override {
+  proto::BufferRegistered register_buffer(const proto::RegisterBuffer&, UniqueFd) override {
     TORCH_CHECK(false, "a tcp client registers no payload buffer: its payload travels in its requests' frames");
   }
 

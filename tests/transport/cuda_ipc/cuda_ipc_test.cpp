@@ -239,7 +239,11 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
     zmq::context_t context{1};
     zmq::socket_t socket{context, zmq::socket_type::dealer};
     proto::Envelope welcome;
-    proto::Envelope exchange(const proto::Envelope& env) { return testing::exchange(socket, env); }
+    testing::ProvenPeer peer;
+    // Set-up messages go on the proven link ([Proven placement]).
+    proto::Envelope exchange(const proto::Envelope& env) {
+      return testing::setup_exchange(socket, peer.link.get(), env);
+    }
   };
   std::unique_ptr<RawClient> raw_client() {
     auto raw = std::make_unique<RawClient>();
@@ -254,7 +258,8 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
     placement->set_device("cuda:0");
     placement->set_gpu_uuid(cuda::gpu_uuid(0));
     placement->set_mps(cuda::mps_active());
-    raw->welcome = raw->exchange(hello);
+    raw->peer = testing::hello_and_prove(raw->socket, hello);
+    raw->welcome = raw->peer.answer;
     EXPECT_EQ(raw->welcome.welcome().transport(), "cuda-ipc") << raw->welcome.DebugString();
     return raw;
   }
@@ -438,8 +443,10 @@ TEST_F(GpuExecutorWithClientProcesses, ACapturedCallWithABadSlotIsRefusedNamingT
   SKIP_WITHOUT_GPUS(1);
   start();
   auto raw = raw_client();
-  auto control_memory = shm::SharedMemory::open(raw->welcome.welcome().control_segment(), sizeof(shm::ControlBlock));
-  auto doorbell_memory = shm::SharedMemory::open(raw->welcome.welcome().doorbell_segment(), sizeof(shm::DoorbellBlock));
+  auto control_memory =
+      shm::SharedMemory::map_descriptor(std::move(raw->peer.descriptors.at(0)), sizeof(shm::ControlBlock), "control");
+  auto doorbell_memory =
+      shm::SharedMemory::map_descriptor(std::move(raw->peer.descriptors.at(1)), sizeof(shm::DoorbellBlock), "doorbell");
   auto* control = shm::map_block<shm::ControlBlock>(control_memory);
   auto* doorbell = shm::map_block<shm::DoorbellBlock>(doorbell_memory);
   const auto& layer = raw->welcome.welcome().layers(0);

@@ -56,6 +56,7 @@ struct RawShmPeer {
   zmq::context_t context{1};
   zmq::socket_t socket{context, zmq::socket_type::dealer};
   shm::SharedMemory control, doorbell, payload;
+  UniqueFd link;
   shm::ControlBlock* block = nullptr;
   shm::DoorbellBlock* bell = nullptr;
 
@@ -71,29 +72,31 @@ struct RawShmPeer {
     hello.mutable_hello()->mutable_placement()->set_pid(::getpid());
     hello.mutable_hello()->mutable_placement()->set_device("cpu");
     hello.mutable_hello()->set_control(control);
-    auto welcome = exchange(hello);
-    EXPECT_TRUE(welcome.has_welcome());
+    auto peer = testing::hello_and_prove(socket, hello);
+    const auto& welcome = peer.answer;
+    EXPECT_TRUE(welcome.has_welcome()) << welcome.DebugString();
     EXPECT_EQ(welcome.welcome().transport(), "shm");
-    EXPECT_EQ(welcome.welcome().control_segment().empty(), control == "zmq");
+    EXPECT_EQ(welcome.welcome().control_channel(), control != "zmq");
+    link = std::move(peer.link);
     if (control != "zmq") {
-      this->control = shm::SharedMemory::open(welcome.welcome().control_segment(), sizeof(shm::ControlBlock));
-      doorbell = shm::SharedMemory::open(welcome.welcome().doorbell_segment(), sizeof(shm::DoorbellBlock));
+      this->control = shm::SharedMemory::map_descriptor(std::move(peer.descriptors.at(0)), sizeof(shm::ControlBlock), "control");
+      doorbell = shm::SharedMemory::map_descriptor(std::move(peer.descriptors.at(1)), sizeof(shm::DoorbellBlock), "doorbell");
       block = shm::map_block<shm::ControlBlock>(this->control);
       bell = shm::map_block<shm::DoorbellBlock>(doorbell);
     }
-    payload = shm::SharedMemory::create("symbiosis-test-payload", 4096);
+    payload = shm::SharedMemory::create("test-payload", 4096);
     auto registered = register_buffer(1);
     EXPECT_TRUE(registered.has_buffer_registered()) << registered.DebugString();
   }
 
-  proto::Envelope exchange(const proto::Envelope& env) { return testing::exchange(socket, env); }
+  // A set-up message, on the proven link.
+  proto::Envelope exchange(const proto::Envelope& env) { return testing::setup_exchange(socket, link.get(), env); }
 
   proto::Envelope register_buffer(uint64_t generation) {
     proto::Envelope env;
     env.mutable_register_buffer()->set_generation(generation);
     env.mutable_register_buffer()->set_bytes(payload.size());
-    env.mutable_register_buffer()->set_shm_name(payload.name());
-    return exchange(env);
+    return testing::setup_exchange(socket, link.get(), env, payload.descriptor());
   }
 
   // A FORWARD of layer 1 (q_proj, in 4, out 8; ids follow sorted names) in fp32 with one token,
