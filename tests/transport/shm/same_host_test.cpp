@@ -6,7 +6,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "base_executor/executor.h"
@@ -15,6 +17,7 @@
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
 #include "transport/call_ring.h"
+#include "transport/local_socket.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -443,6 +446,110 @@ TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
   auto x = at::randn({2, 4});
   EXPECT_TRUE(at::allclose(survivor->forward(*survivor->find_layer("model.layers.0.self_attn.q_proj"), x, true),
                            at::mm(x, q_weight().t()), 1e-6, 1e-6));
+}
+
+// The probe's first finding: a peer that copied the executor's host into its Hello was given shared
+// memory. Now a same-host transport waits for a proof only a process of this host, the one the
+// Hello names, can give ([Proven placement] in transport/local_socket.h).
+TEST_F(SameHostTest, APeerThatClaimsTheExecutorsHostWithoutProvingItGetsNoSharedMemory) {
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::dealer};
+  socket.set(zmq::sockopt::linger, 0);
+  socket.set(zmq::sockopt::rcvtimeo, 10000);
+  socket.connect(executor_->endpoint());
+  auto hello_as = [](pid_t pid) {
+    proto::Envelope hello;
+    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+    hello.mutable_hello()->set_transport("shm");
+    hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
+    hello.mutable_hello()->mutable_placement()->set_pid(pid);
+    hello.mutable_hello()->mutable_placement()->set_device("cpu");
+    return hello;
+  };
+  // The claim alone gets a challenge, not a Welcome.
+  auto answer = testing::exchange(socket, hello_as(::getpid()));
+  ASSERT_TRUE(answer.has_prove_host()) << answer.DebugString();
+  // A peer elsewhere cannot reach the local socket; set-up over ZeroMQ is refused, and so are calls.
+  proto::Envelope registration;
+  registration.mutable_register_buffer()->set_generation(1);
+  registration.mutable_register_buffer()->set_bytes(4096);
+  answer = testing::exchange(socket, registration);
+  ASSERT_TRUE(answer.has_error());
+  EXPECT_NE(answer.error().message().find("payload set-up over ZeroMQ"), std::string::npos) << answer.error().message();
+  proto::Envelope request;
+  request.mutable_request()->set_request_id(1);
+  answer = testing::exchange(socket, request);
+  ASSERT_TRUE(answer.has_reply());
+  EXPECT_NE(answer.reply().error().message().find("before the handshake"), std::string::npos);
+  // A process of this host that names another process in its Hello is refused, and told why.
+  const pid_t other = ::getppid();
+  answer = testing::exchange(socket, hello_as(other));
+  ASSERT_TRUE(answer.has_prove_host());
+  auto proof = local::prove(answer.prove_host(), 10000);
+  ASSERT_FALSE(proof.is_ok());
+  const std::string why = "the Hello named process " + std::to_string(other) + ", but process " +
+                          std::to_string(::getpid()) + " came to prove it";
+  EXPECT_NE(proof.status().message().find(why), std::string::npos) << proof.status().message();
+  auto frames = wire::recv_all(socket);
+  ASSERT_TRUE(wire::parse(frames.at(0), &answer));
+  ASSERT_TRUE(answer.has_error());
+  EXPECT_EQ(answer.error().code(), proto::PERMISSION_DENIED);
+  EXPECT_NE(answer.error().message().find("same-host placement not proven: " + why), std::string::npos);
+  // A token is good once.
+  answer = testing::exchange(socket, hello_as(::getpid()));
+  ASSERT_TRUE(answer.has_prove_host());
+  const auto challenge = answer.prove_host();
+  ASSERT_TRUE(local::prove(challenge, 10000).is_ok());
+  frames = wire::recv_all(socket);
+  ASSERT_TRUE(wire::parse(frames.at(0), &answer));
+  EXPECT_TRUE(answer.has_welcome());
+  auto again = local::prove(challenge, 10000);
+  ASSERT_FALSE(again.is_ok());
+  EXPECT_NE(again.status().message().find("unknown or expired proof token"), std::string::npos)
+      << again.status().message();
+}
+
+// The probe's second finding: a process watching /dev/shm registered an honest client's payload
+// segment before the client did, and the client's training diverged. Now no segment has a name,
+// and whatever another process sends about a client it is not is refused: the honest client
+// (another process, fine-tuning over shm with --verify) stays exact.
+TEST_F(SameHostTest, AProcessRacingForAnHonestClientsSegmentsGetsNothingAndTheClientStaysExact) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  auto executor = testing::start_executor(model);
+  auto shm_names = [] {
+    std::set<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) names.insert(entry.path());
+    return names;
+  };
+  const auto before = shm_names();
+  const pid_t honest = testing::spawn({testing::binary("examples/symbiosis-demo-client"), "--executor",
+                                       executor->endpoint(), "--model", model.string(), "--transport", "shm",
+                                       "--steps", "4", "--verify", "--quiet"});
+  std::set<std::string> named;  // what appeared in /dev/shm while the client ran
+  int attempts = 0, status = 0;
+  while (::waitpid(honest, &status, WNOHANG) == 0) {
+    for (const auto& name : shm_names()) {
+      if (!before.count(name)) named.insert(name);
+    }
+    // Claims the honest client's process, and proves from this one.
+    zmq::context_t context{1};
+    zmq::socket_t socket{context, zmq::socket_type::dealer};
+    socket.set(zmq::sockopt::linger, 0);
+    socket.set(zmq::sockopt::rcvtimeo, 10000);
+    socket.connect(executor->endpoint());
+    proto::Envelope hello;
+    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+    hello.mutable_hello()->set_transport("shm");
+    hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
+    hello.mutable_hello()->mutable_placement()->set_pid(honest);
+    const auto challenge = testing::exchange(socket, hello);
+    ASSERT_TRUE(challenge.has_prove_host());
+    EXPECT_FALSE(local::prove(challenge.prove_host(), 10000).is_ok());
+    attempts++;
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the honest client's split run left its monolithic run";
+  EXPECT_GT(attempts, 0);
+  EXPECT_TRUE(named.empty()) << "a segment had a name in /dev/shm: " << *named.begin();
 }
 
 }  // namespace
