@@ -26,6 +26,7 @@ struct Settings {
   std::string executor = "tcp://127.0.0.1:5555";
   std::string model;
   std::string tenant = "demo";
+  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
   int64_t rank = 8;
   double alpha = 16;
   std::string targets = "q_proj,v_proj";
@@ -115,6 +116,8 @@ int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"symbiosis-demo-client: fine-tune a LoRA adapter against a shared base executor"};
   app.add_option("--executor", s.executor, "executor endpoint")->capture_default_str();
+  app.add_option("--executor-key", s.executor_key, "an executor started with --keys: its public key (executor.pub)");
+  app.add_option("--key", s.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
   app.add_option("--model", s.model, "the checkpoint directory the executor serves")->required();
   app.add_option("--tenant", s.tenant, "name shown in the executor's log and in output")->capture_default_str();
   app.add_option("--rank", s.rank, "LoRA rank")->capture_default_str();
@@ -154,6 +157,8 @@ int main(int argc, char** argv) {
     ClientOptions options;
     options.endpoint = s.executor;
     options.tenant = s.tenant;
+    options.executor_key = s.executor_key;
+    options.key_file = s.key_file;
     options.expected_model_hash = checkpoint->model_hash();
     options.transport = s.transport;
     options.control = s.control;

@@ -27,6 +27,7 @@ struct Settings {
   std::string executor = "tcp://127.0.0.1:5555";
   bool monolithic = false;
   std::string tenant = "finetune";
+  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
   std::string train_file, eval_file;
   std::string method = "lora";
   LoraConfig lora;
@@ -55,6 +56,8 @@ int run(Settings& s) {
     ClientOptions options;
     options.endpoint = s.executor;
     options.tenant = s.tenant;
+    options.executor_key = s.executor_key;
+    options.key_file = s.key_file;
     options.expected_model_hash = checkpoint->model_hash();
     client = Client::connect(options);
   }
@@ -125,6 +128,8 @@ int main(int argc, char** argv) {
   CLI::App app{"symbiosis-finetune: fine-tune a PEFT adapter on token ids, against a shared executor"};
   app.add_option("--model", s.model, "the checkpoint directory (the executor serves the same)")->required();
   app.add_option("--executor", s.executor, "executor endpoint")->capture_default_str();
+  app.add_option("--executor-key", s.executor_key, "an executor started with --keys: its public key (executor.pub)");
+  app.add_option("--key", s.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
   app.add_flag("--monolithic", s.monolithic, "compute the base layers in this process instead");
   app.add_option("--tenant", s.tenant, "name shown in the executor's log")->capture_default_str();
   app.add_option("--train", s.train_file, "training data: JSON Lines of {\"input_ids\": [...], \"labels\": [...]?}")
