@@ -75,20 +75,21 @@ void ControlSocket::check_handshake(const zmq::message_t& event) {
   if (event.size() < 6) return;
   std::memcpy(&kind, event.data(), 2);
   std::memcpy(&value, static_cast<const char*>(event.data()) + 2, 4);
-  if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
-    TORCH_CHECK(!with_keys_, "executor at ", endpoint_,
-                " takes no keys (it was started without --keys), but this client was given some");
-    TORCH_CHECK(false, "executor at ", endpoint_,
-                " admits only tenants with keys: give the client the executor's public key and this tenant's key "
-                "pair (ClientOptions::executor_key and key_file; docs/operating.md)");
-  }
   if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
     TORCH_CHECK(false, "executor at ", endpoint_, " refused this client's key (status ", value, ")");
   }
-  TORCH_CHECK(!with_keys_, "executor at ", endpoint_,
-              " broke off the encrypted handshake: the executor key this client was given is not that executor's");
-  TORCH_CHECK(false, "executor at ", endpoint_, " broke off the handshake (", zmq_strerror(static_cast<int>(value)),
-              ")");
+  // A mechanism mismatch is reported as such, or, when the executor closed first, as a handshake
+  // broken off; a keyless client meets either only at an executor that wants keys.
+  const bool mismatch =
+      kind == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH;
+  TORCH_CHECK(with_keys_, "executor at ", endpoint_,
+              " admits only tenants with keys: give the client the executor's public key and this tenant's key "
+              "pair (ClientOptions::executor_key and key_file; docs/operating.md)");
+  TORCH_CHECK(!mismatch, "executor at ", endpoint_,
+              " takes no keys (it was started without --keys), but this client was given some");
+  TORCH_CHECK(false, "executor at ", endpoint_,
+              " broke off the encrypted handshake: the executor key this client was given is not that executor's (or "
+              "the executor takes no keys)");
 }
 
 proto::Welcome ControlSocket::handshake(proto::Envelope hello) {
