@@ -192,7 +192,11 @@ void BatchRunner::run(CallBatcher::Batch& batch) {
   }
   const auto finished = Statistics::Clock::now();
   double wait_seconds = 0;
-  for (const auto& r : batch.requests) wait_seconds += std::chrono::duration<double>(started - r.arrival).count();
+  for (const auto& r : batch.requests) {
+    const double waited = std::chrono::duration<double>(started - r.arrival).count();
+    wait_seconds += waited;
+    statistics_.record_call(r.latency, r.tokens, waited);
+  }
   statistics_.record_batch(batch.layer_id, batch.op == LayerOp::kBackwardInput, batch.requests.size(), batch.tokens,
                            started, computed, finished, wait_seconds);
 }

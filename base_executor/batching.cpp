@@ -28,6 +28,7 @@ void BatchingOptions::validate() const {
   TORCH_CHECK(decode_wait.count() >= 0 && prefill_wait.count() >= 0 && fine_tuning_wait.count() >= 0 &&
                   per_token_wait.count() >= 0,
               "batching wait budgets must be >= 0");
+  TORCH_CHECK(decode_first_streak >= 0, "executor option --decode-first-streak must be >= 0, got ", decode_first_streak);
 }
 
 std::chrono::nanoseconds BatchingOptions::budget(LatencyClass latency, int64_t tokens) const {

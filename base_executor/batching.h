@@ -24,6 +24,10 @@
 //    each other at all, while clients moving through the layers together batch.
 // Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
 // among ready queues the one whose oldest request is oldest runs first, so no queue starves.
+// [Inference first]: except that when ready work holds an inference decode request and other ready
+// work is older, the decode work goes first (the oldest such), at most decode_first_streak batches
+// in a row; then the oldest work runs, so fine-tuning keeps a bounded share (at least one batch in
+// decode_first_streak + 1) however much decoding comes.
 // The Batcher is a plain data structure with an explicit clock: thread safety is the caller's
 // (the executor guards it with one mutex), and tests drive it with a fake clock.
 #include <algorithm>
@@ -57,6 +61,7 @@ struct BatchingOptions {
   std::chrono::nanoseconds per_token_wait{1000};            // budget added per token
   std::chrono::milliseconds lockstep_timeout{1000};         // lockstep: drop clients missing this long
   std::chrono::microseconds companion_window{20000};        // opportunistic: companions must have been active this recently
+  int decode_first_streak = 4;                              // [Inference first]; 0: strictly oldest first
 
   void validate() const;  // throws naming the field
   std::chrono::nanoseconds budget(LatencyClass latency, int64_t tokens) const;
@@ -127,20 +132,37 @@ class Batcher {
 
   // The batch to run now, if any queue is ready at `now`.
   std::optional<Batch> pop(TimePoint now) {
-    Queue* best = nullptr;
+    // The oldest ready work, and the oldest ready work that holds a decode request.
+    Queue* oldest = nullptr;
+    Queue* oldest_decode = nullptr;
     for (Queue* queue : active_) {
       if (!ready(*queue, now)) continue;
-      if (best == nullptr || queue->requests.front().arrival < best->requests.front().arrival) best = queue;
+      if (oldest == nullptr || queue->requests.front().arrival < oldest->requests.front().arrival) oldest = queue;
+      if (holds_decode(*queue) &&
+          (oldest_decode == nullptr || queue->requests.front().arrival < oldest_decode->requests.front().arrival)) {
+        oldest_decode = queue;
+      }
     }
-    if (!alone_.empty() && (best == nullptr || alone_.front().arrival <= best->requests.front().arrival)) {
+    const bool alone_first = !alone_.empty() && (oldest == nullptr ||
+                                                 alone_.front().arrival <= oldest->requests.front().arrival);
+    // [Inference first]: decode work overtakes older work, within the streak.
+    if (oldest_decode != nullptr && (alone_first || oldest_decode != oldest)) {
+      const bool alone_is_decode = alone_first && alone_.front().latency == LatencyClass::kInferenceDecode;
+      if (!alone_is_decode && decode_streak_ < options_.decode_first_streak) {
+        decode_streak_++;
+        return take(*oldest_decode);
+      }
+    }
+    decode_streak_ = 0;
+    if (alone_first) {
       Batch batch{alone_.front().layer_id, alone_.front().op, alone_.front().tokens, {}};
       batch.requests.push_back(std::move(alone_.front()));
       alone_.pop_front();
       total_requests_--;
       return batch;
     }
-    if (best == nullptr) return std::nullopt;
-    return take(*best);
+    if (oldest == nullptr) return std::nullopt;
+    return take(*oldest);
   }
 
   // When pop() may next return a batch without another push: the earliest deadline of any
@@ -170,6 +192,11 @@ class Batcher {
       return it == next_after.end() ? std::nullopt : std::optional<Key>(it->second);
     }
   };
+
+  static bool holds_decode(const Queue& queue) {
+    return std::any_of(queue.requests.begin(), queue.requests.end(),
+                       [](const Request& r) { return r.latency == LatencyClass::kInferenceDecode; });
+  }
 
   int64_t queued_tokens(const Queue& queue) const {
     int64_t tokens = 0;
@@ -274,6 +301,7 @@ class Batcher {
   std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
   std::map<uint64_t, ClientTrack> tracks_;  // opportunistic: each client's learnt path
   size_t total_requests_ = 0;
+  int decode_streak_ = 0;  // [Inference first]: batches in a row that overtook older work
 };
 
 }  // namespace symbiosis

@@ -45,6 +45,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lockstep-timeout", lockstep_timeout_ms,
                  "lockstep: stop waiting for a client missing this long (ms)")->capture_default_str();
+  app.add_option("--decode-first-streak", options.batching.decode_first_streak,
+                 "decode work overtakes older ready work at most this many batches in a row (0: oldest first)")
+      ->capture_default_str();
   app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: all cores)")
       ->capture_default_str();
   app.add_option("--spin-us", options.spin_us,

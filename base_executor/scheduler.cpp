@@ -16,14 +16,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-LatencyClass to_latency_class(int32_t c) {
-  switch (c) {
-    case proto::INFERENCE_DECODE: return LatencyClass::kInferenceDecode;
-    case proto::INFERENCE_PREFILL: return LatencyClass::kInferencePrefill;
-    default: return LatencyClass::kFineTuning;
-  }
-}
-
 LayerOp to_layer_op(int32_t op) {
   switch (op) {
     case proto::BACKWARD_INPUT: return LayerOp::kBackwardInput;
@@ -136,7 +128,7 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
   queued.layer_id = h.layer_id;
   queued.op = to_layer_op(h.op);
   queued.tokens = h.tokens;
-  queued.latency = to_latency_class(h.latency_class);
+  queued.latency = wire::latency_from_proto(h.latency_class);
   queued.arrival = Clock::now();
   queued.alone = options_.streams > 1 && options_.concurrent_tokens > 0 && h.tokens >= options_.concurrent_tokens &&
                  channel->orders_by_flags() && model_.device().is_cuda();

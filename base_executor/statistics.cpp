@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "transport/zmq_wire.h"
+
 namespace symbiosis {
 
 Statistics::Statistics(const BaseModel& model, std::string policy)
@@ -25,6 +27,25 @@ void Statistics::record_batch(uint32_t layer_id, bool backward, size_t batch_req
   c.compute_seconds += std::chrono::duration<double>(finished - started).count();
   c.wait_seconds += wait_seconds;
   max_batch_requests_ = std::max<uint64_t>(max_batch_requests_, batch_requests);
+}
+
+namespace {
+
+constexpr LatencyClass kClasses[] = {LatencyClass::kInferenceDecode, LatencyClass::kInferencePrefill,
+                                     LatencyClass::kFineTuning};
+
+size_t class_index(LatencyClass latency) {
+  return latency == LatencyClass::kInferenceDecode ? 0 : latency == LatencyClass::kInferencePrefill ? 1 : 2;
+}
+
+}  // namespace
+
+void Statistics::record_call(LatencyClass latency, int64_t call_tokens, double wait_seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& c = classes_[class_index(latency)];
+  c.requests++;
+  c.tokens += static_cast<uint64_t>(call_tokens);
+  c.wait_seconds += wait_seconds;
 }
 
 proto::Stats Statistics::snapshot() const {
@@ -63,6 +84,15 @@ proto::Stats Statistics::snapshot() const {
   s.set_batches(batches);
   s.set_wait_seconds(wait);
   s.set_max_batch_requests(max_batch_requests_);
+  for (const auto latency : kClasses) {
+    const auto& c = classes_[class_index(latency)];
+    if (c.requests == 0) continue;
+    auto* stats = s.add_classes();
+    stats->set_latency_class(wire::to_proto(latency));
+    stats->set_requests(c.requests);
+    stats->set_tokens(c.tokens);
+    stats->set_wait_seconds(c.wait_seconds);
+  }
   return s;
 }
 

@@ -2,6 +2,7 @@
 // The executor's statistics: counters the front door and the scheduler bump, per-layer batch
 // figures the batch runner records, and their snapshot as the wire's Stats (symbiosis-ctl stats)
 // or a log line. Thread safety: every method may be called from any thread.
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -35,6 +36,8 @@ class Statistics {
   // `finished`, its results delivered from `computed`; its calls waited `wait_seconds` in all.
   void record_batch(uint32_t layer_id, bool backward, size_t requests, int64_t tokens, Clock::time_point started,
                     Clock::time_point computed, Clock::time_point finished, double wait_seconds);
+  // One call of `latency` with `tokens` tokens ran, after waiting `wait_seconds`.
+  void record_call(LatencyClass latency, int64_t tokens, double wait_seconds);
   proto::Stats snapshot() const;
   void log() const;
 
@@ -48,6 +51,11 @@ class Statistics {
   const Clock::time_point started_ = Clock::now();
   mutable std::mutex mutex_;             // guards the two below
   std::vector<LayerCounters> layers_;    // by layer id
+  struct ClassCounters {
+    uint64_t requests = 0, tokens = 0;
+    double wait_seconds = 0;
+  };
+  std::array<ClassCounters, 3> classes_;  // decode, prefill, fine-tuning
   uint64_t max_batch_requests_ = 0;
 };
 

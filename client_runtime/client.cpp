@@ -13,16 +13,6 @@
 
 namespace symbiosis {
 
-namespace {
-proto::LatencyClass to_proto(LatencyClass c) {
-  switch (c) {
-    case LatencyClass::kInferenceDecode: return proto::INFERENCE_DECODE;
-    case LatencyClass::kInferencePrefill: return proto::INFERENCE_PREFILL;
-    default: return proto::FINE_TUNING;
-  }
-}
-}  // namespace
-
 void ClientOptions::validate() const {
   TORCH_CHECK(timeout_ms > 0, "client option timeout_ms must be positive, got ", timeout_ms);
   TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
@@ -109,7 +99,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   impl->transport_name = transport_name(*kind);
   const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
   impl->transport = plugin(*kind).make_client(impl->socket, welcome, end_options);
-  impl->latency = to_proto(options.latency_class);
+  impl->latency = wire::to_proto(options.latency_class);
   return std::shared_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -144,7 +134,7 @@ const LayerInfo* Client::find_layer(const std::string& name) const {
   return it == impl_->by_name.end() ? nullptr : &impl_->layers[it->second];
 }
 
-void Client::set_latency_class(LatencyClass c) { impl_->latency = to_proto(c); }
+void Client::set_latency_class(LatencyClass c) { impl_->latency = wire::to_proto(c); }
 
 void Client::begin_capture() {
   std::lock_guard<std::mutex> lock(impl_->call_mutex);

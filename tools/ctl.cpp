@@ -28,6 +28,12 @@ void print_table(const symbiosis::proto::Stats& s) {
   std::printf("calls on clients' own memory %lu, run alone on their client's stream %lu, replayed as graphs %lu\n\n",
               static_cast<unsigned long>(s.direct_calls()), static_cast<unsigned long>(s.concurrent_calls()),
               static_cast<unsigned long>(s.replayed_calls()));
+  for (const auto& c : s.classes()) {
+    std::printf("%-18s %10lu requests %12lu tokens   mean wait %10.1f us\n",
+                symbiosis::proto::LatencyClass_Name(c.latency_class()).c_str(), static_cast<unsigned long>(c.requests()),
+                static_cast<unsigned long>(c.tokens()), c.requests() ? 1e6 * c.wait_seconds() / c.requests() : 0.0);
+  }
+  if (s.classes_size() > 0) std::printf("\n");
   std::printf("%-5s %-48s %10s %10s %9s %12s %12s\n", "id", "layer", "requests", "tokens", "batches", "compute ms",
               "mean wait us");
   for (const auto& l : s.layers()) {

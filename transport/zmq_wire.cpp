@@ -73,6 +73,22 @@ proto::ErrorCode to_proto(StatusCode code) {
   return proto::INTERNAL;
 }
 
+proto::LatencyClass to_proto(LatencyClass latency) {
+  switch (latency) {
+    case LatencyClass::kInferenceDecode: return proto::INFERENCE_DECODE;
+    case LatencyClass::kInferencePrefill: return proto::INFERENCE_PREFILL;
+    default: return proto::FINE_TUNING;
+  }
+}
+
+LatencyClass latency_from_proto(int32_t latency) {
+  switch (latency) {
+    case proto::INFERENCE_DECODE: return LatencyClass::kInferenceDecode;
+    case proto::INFERENCE_PREFILL: return LatencyClass::kInferencePrefill;
+    default: return LatencyClass::kFineTuning;
+  }
+}
+
 proto::Envelope error_envelope(uint64_t request_id, const Status& status, bool as_reply) {
   proto::Envelope env;
   proto::Error* err = as_reply ? env.mutable_reply()->mutable_error() : env.mutable_error();

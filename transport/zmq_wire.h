@@ -28,6 +28,9 @@ std::string op_name(proto::Op op);
 zmq::message_t serialize(const proto::Envelope& envelope);
 // [Error model] (common/status.h): the one place a Status code becomes the wire's.
 proto::ErrorCode to_proto(StatusCode code);
+proto::LatencyClass to_proto(LatencyClass latency);
+// A header's latency class; any value but decode and prefill (a peer's too) reads as fine-tuning.
+LatencyClass latency_from_proto(int32_t latency);
 // An error for a ZeroMQ client: as the reply to one request, or on its own (handshake, set-up).
 proto::Envelope error_envelope(uint64_t request_id, const Status& status, bool as_reply);
 // Sends `envelope` to the peer `identity` names: through a ROUTER, or a socket that forwards to one;

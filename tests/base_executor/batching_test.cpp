@@ -196,6 +196,37 @@ TEST(BatchingTest, ReadyQueuesRunOldestFirstSoNoneStarves) {
   EXPECT_EQ(order, (std::vector<uint32_t>{3, 9, 5}));
 }
 
+// [Inference first]: ready decode work overtakes older fine-tuning work, under every policy but
+// within a streak, so fine-tuning still runs at least one batch in decode_first_streak + 1.
+TEST(BatchingTest, DecodeWorkGoesFirstWithinABoundedStreakSoFineTuningIsNeverStarved) {
+  for (const auto policy : {BatchingPolicy::kNone, BatchingPolicy::kOpportunistic, BatchingPolicy::kLockstep}) {
+    auto o = opportunistic();
+    o.policy = policy;
+    o.decode_first_streak = 2;
+    TestBatcher b(o);
+    b.add_client(1);
+    b.add_client(2);
+    // Client 1 fine-tunes (older requests, layers 0 to 2); client 2 decodes (layers 10 to 14).
+    for (uint32_t i = 0; i < 3; ++i) b.push(request(1, i, 512, t0 + std::chrono::microseconds(i)));
+    for (uint32_t i = 0; i < 5; ++i) {
+      b.push(request(2, 10 + i, 1, t0 + 100us + std::chrono::microseconds(i), LatencyClass::kInferenceDecode));
+    }
+    std::vector<uint32_t> order;
+    // Lockstep packs nothing here (each queue holds one client's request): its timeout makes them ready.
+    while (auto batch = b.pop(t0 + 10s)) order.push_back(batch->layer_id);
+    EXPECT_EQ(order, (std::vector<uint32_t>{10, 11, 0, 12, 13, 1, 14, 2})) << batching_policy_name(policy);
+  }
+  // 0: strictly oldest first.
+  auto o = opportunistic();
+  o.decode_first_streak = 0;
+  TestBatcher b(o);
+  b.push(request(1, 0, 512, t0));
+  b.push(request(2, 10, 1, t0 + 1us, LatencyClass::kInferenceDecode));
+  std::vector<uint32_t> order;
+  while (auto batch = b.pop(t0 + 10s)) order.push_back(batch->layer_id);
+  EXPECT_EQ(order, (std::vector<uint32_t>{0, 10}));
+}
+
 TEST(BatchingTest, NoneRunsEveryRequestAloneOldestFirst) {
   BatchingOptions o;
   o.policy = BatchingPolicy::kNone;
@@ -321,6 +352,14 @@ TEST(BatchingTest, OptionsAreValidatedWithTheFieldNamed) {
     EXPECT_NE(std::string(e.what()).find("max_batch_tokens must be positive"), std::string::npos);
   }
   EXPECT_THROW(parse_batching_policy("fastest"), c10::Error);
+  BatchingOptions streak;
+  streak.decode_first_streak = -1;
+  try {
+    TestBatcher b(streak);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--decode-first-streak must be >= 0, got -1"), std::string::npos);
+  }
 }
 
 }  // namespace

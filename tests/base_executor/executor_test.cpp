@@ -12,6 +12,7 @@
 #include "client_runtime/client.h"
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
+#include "transport/client_transport.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -112,6 +113,31 @@ TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag)
   refused({.model_dir = "model", .streams = 33}, "--streams");
   refused({.model_dir = "model", .concurrent_tokens = -1}, "--concurrent-tokens");
   EXPECT_NO_THROW(ExecutorOptions({.model_dir = "model", .streams = 1, .concurrent_tokens = 0}).validate());
+}
+
+// [Inference first]: statistics show the latency classes apart, as each client set its own.
+TEST_F(ExecutorTest, StatisticsShowTheLatencyClassesApart) {
+  auto decoder = connect();
+  decoder->set_latency_class(LatencyClass::kInferenceDecode);
+  auto trainer = connect();
+  const auto* q = decoder->find_layer("model.layers.0.self_attn.q_proj");
+  for (int i = 0; i < 3; ++i) decoder->forward(*q, at::randn({1, 4}), true);
+  trainer->forward(*trainer->find_layer("model.layers.0.self_attn.q_proj"), at::randn({5, 4}), true);
+  std::map<proto::LatencyClass, std::pair<uint64_t, uint64_t>> seen;  // requests, tokens
+  // A batch is counted just after its replies went out.
+  testing::wait_until(
+      [&] {
+        seen.clear();
+        const auto stats = request_stats(executor_->endpoint(), 10000);
+        for (const auto& c : stats.classes()) {
+          seen[c.latency_class()] = {c.requests(), c.tokens()};
+        }
+        return seen[proto::FINE_TUNING].first == 1;
+      },
+      std::chrono::seconds(5));
+  EXPECT_EQ(seen[proto::INFERENCE_DECODE], std::make_pair(uint64_t{3}, uint64_t{3}));
+  EXPECT_EQ(seen[proto::FINE_TUNING], std::make_pair(uint64_t{1}, uint64_t{5}));
+  EXPECT_EQ(seen.count(proto::INFERENCE_PREFILL), 0u);
 }
 
 TEST_F(ExecutorTest, HandshakeReturnsOnlyTheBaseLayers) {
