@@ -19,6 +19,9 @@ constexpr auto kKeysInterval = std::chrono::seconds(1);
 constexpr auto kProofWindow = std::chrono::seconds(10);
 // The longest tenant name the executor keeps ([Untrusted input]).
 constexpr size_t kMaxTenantBytes = 128;
+// At most this many handshakes wait for their proof, and local connections for their first
+// message, so that nobody can make the executor hold state without end.
+constexpr size_t kMaxPendingProofs = 256;
 
 std::string random_token() {
   std::random_device random;
@@ -117,6 +120,9 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, 
   const bool shares_memory = kind == TransportKind::kShm || kind == TransportKind::kCudaIpc ||
                              (kind == TransportKind::kNccl && same_host(hello.placement(), placement_));
   if (!shares_memory) return admit(key, hello, kind, UniqueFd(), public_key);
+  if (pending_.size() >= kMaxPendingProofs) {
+    return refuse(key, 0, {StatusCode::kResourceExhausted, "too many placement proofs pending; try again"}, false);
+  }
   auto token = random_token();
   proto::Envelope challenge;
   challenge.mutable_prove_host()->set_local_socket(listener_.name());
@@ -186,7 +192,10 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
 }
 
 void FrontDoor::accept_local() {
-  while (auto connection = listener_.accept()) unproven_.push_back({std::move(connection), Clock::now() + kProofWindow});
+  while (auto connection = listener_.accept()) {
+    if (unproven_.size() >= kMaxPendingProofs) continue;  // closed at once: it may connect again later
+    unproven_.push_back({std::move(connection), Clock::now() + kProofWindow});
+  }
 }
 
 void FrontDoor::handle_proof(UniqueFd connection) {

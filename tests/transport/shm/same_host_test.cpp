@@ -574,5 +574,34 @@ TEST_F(SameHostTest, AClientThatCannotProveItsPlacementFallsBackToTcpAndStaysExa
   EXPECT_NE(output.find("verify (tcp)"), std::string::npos) << output;
 }
 
+// Handshakes that never prove are held for a while, and only so many: a flood of them is refused
+// without the executor holding state without end, and an honest client still connects.
+TEST_F(SameHostTest, UnprovenHandshakesAreBoundedAndAnHonestClientStillConnects) {
+  zmq::context_t context{1};
+  std::vector<std::unique_ptr<zmq::socket_t>> peers;
+  proto::Envelope hello;
+  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+  hello.mutable_hello()->set_transport("shm");
+  hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
+  hello.mutable_hello()->mutable_placement()->set_pid(::getpid());
+  int challenged = 0;
+  std::string refusal;
+  for (int i = 0; i < 300 && refusal.empty(); ++i) {
+    auto& socket = *peers.emplace_back(std::make_unique<zmq::socket_t>(context, zmq::socket_type::dealer));
+    socket.set(zmq::sockopt::linger, 0);
+    socket.set(zmq::sockopt::rcvtimeo, 10000);
+    socket.connect(executor_->endpoint());
+    const auto answer = testing::exchange(socket, hello);
+    if (answer.has_prove_host()) challenged++;
+    if (answer.has_error()) refusal = answer.error().message();
+  }
+  EXPECT_EQ(challenged, 256);
+  EXPECT_NE(refusal.find("too many placement proofs pending"), std::string::npos) << refusal;
+  auto client = connect("tcp");
+  auto x = at::randn({2, 4});
+  EXPECT_TRUE(at::allclose(client->forward(*client->find_layer("model.layers.0.self_attn.q_proj"), x, true),
+                           at::mm(x, q_weight().t()), 1e-6, 1e-6));
+}
+
 }  // namespace
 }  // namespace symbiosis
