@@ -395,8 +395,16 @@ void FrontDoor::reload_keys() {
   }
   for (const auto& key : dropped) {
     const auto* client = registry_.find(key);
-    spdlog::info("client {} (tenant '{}'): its key is no longer admitted; dropping it", client->id, client->tenant);
-    forget(key);
+    const bool revoked = keys_->lookup(client->public_key).role == Role::kRevoked;
+    spdlog::info("client {} (tenant '{}'): its key is {}; refusing its calls", client->id, client->tenant,
+                 revoked ? "revoked" : "no longer admitted");
+    if (!client->link || client->channel->zmq_control()) {
+      forget(key);  // its calls come through here, and are refused here
+      continue;
+    }
+    // Its calls come through its control segment: the scheduler refuses them until it leaves.
+    scheduler_.post(ClientRefused{client->id, denied(revoked ? "refused: this client's key was revoked"
+                                                             : "refused: this client's key is not admitted here")});
   }
 }
 

@@ -82,7 +82,13 @@ void Scheduler::handle(ClientLeft& message) {
   const uint64_t id = message.client_id;
   batcher_.remove_client(id);  // lockstep queues may be ready now
   channels_.erase(id);
+  refused_.erase(id);
   std::erase_if(pending_setups_, [id](const PendingSetup& p) { return p.channel->client_id() == id; });
+}
+
+void Scheduler::handle(ClientRefused& message) {
+  batcher_.remove_client(message.client_id);
+  refused_[message.client_id] = std::move(message.why);
 }
 
 void Scheduler::handle(CallArrived& message) {
@@ -117,7 +123,9 @@ void Scheduler::answer_error(const std::string& identity, const Status& status) 
 }
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape) {
-  if (auto status = check_call(model_, options_.max_request_bytes, *channel, h, shape); !status.is_ok()) {
+  auto status = check_call(model_, options_.max_request_bytes, *channel, h, shape);
+  if (const auto refused = refused_.find(channel->client_id()); refused != refused_.end()) status = refused->second;
+  if (!status.is_ok()) {
     statistics_.errors++;
     channel->refuse(h, status);
     return;

@@ -34,6 +34,13 @@ struct ClientJoined {
 struct ClientLeft {
   uint64_t client_id;
 };
+// [Admission]: a same-host client whose key is no longer admitted. Its calls, which come through
+// its control segment where the front door cannot refuse them, are refused with `why` until it
+// leaves.
+struct ClientRefused {
+  uint64_t client_id;
+  Status why;
+};
 // A call whose header came over ZeroMQ (tcp, or a client whose control is ZeroMQ), with the
 // payload frames that followed it (tcp).
 struct CallArrived {
@@ -49,7 +56,7 @@ struct SetupArrived {
   std::string identity;
   UniqueFd segment;  // "shm": the RegisterBuffer's segment, from the client's local link
 };
-using InboxMessage = std::variant<ClientJoined, ClientLeft, CallArrived, SetupArrived>;
+using InboxMessage = std::variant<ClientJoined, ClientLeft, ClientRefused, CallArrived, SetupArrived>;
 
 class Scheduler {
  public:
@@ -68,6 +75,7 @@ class Scheduler {
  private:
   void handle(ClientJoined& message);
   void handle(ClientLeft& message);
+  void handle(ClientRefused& message);
   void handle(CallArrived& message);
   void handle(SetupArrived& message);
   // Checks a call and queues it, or refuses it through its channel.
@@ -93,6 +101,7 @@ class Scheduler {
   CallBatcher batcher_;
   BatchRunner runner_;
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
+  std::map<uint64_t, Status> refused_;                      // ClientRefused: why, by client id
   struct PendingSetup {
     std::shared_ptr<Channel> channel;
     std::string identity;  // the client's ZeroMQ routing id

@@ -155,6 +155,26 @@ TEST_F(AdmissionTest, TheKeysFolderIsReadAgainWithoutARestartRevocationIncluded)
   expect_exact(*mallory);
 }
 
+// A same-host tenant's calls come through its control segment, not through the front door: once
+// its key is revoked, the executor refuses them there, saying why (not a silence until a timeout).
+TEST_F(AdmissionTest, ARevokedSameHostTenantsCallsAreRefusedSayingWhy) {
+  start();
+  auto options = as("alice");
+  options.transport = "shm";
+  auto alice = Client::connect(options);
+  ASSERT_EQ(alice->transport(), "shm");
+  expect_exact(*alice);
+  list("alice", "revoked");
+  std::string error;
+  ASSERT_TRUE(testing::wait_until(
+      [&] {
+        error = testing::error_of([&] { expect_exact(*alice); });
+        return error != "(no error)";
+      },
+      std::chrono::seconds(10)));
+  EXPECT_TRUE(contains(error, "refused: this client's key was revoked")) << error;
+}
+
 TEST_F(AdmissionTest, WithoutKeysTheExecutorListensOnLoopbackOnlyUnlessToldInsecure) {
   ExecutorOptions options;
   options.model_dir = checkpoint_->dir;
