@@ -67,9 +67,10 @@ bool Keys::reload() {
   return true;
 }
 
-Keys::Entry Keys::lookup(const std::string& public_key) const {
+const Keys::Entry& Keys::lookup(const std::string& public_key) const {
+  static const Entry unknown;
   const auto it = entries_.find(public_key);
-  return it == entries_.end() ? Entry{} : it->second;
+  return it == entries_.end() ? unknown : it->second;
 }
 
 void serve_with_keys(zmq::socket_t& socket, const Keys& keys) {

@@ -36,7 +36,8 @@ class Keys {
     Role role = Role::kUnknown;
     std::string name;  // the key file's stem
   };
-  Entry lookup(const std::string& public_key) const;
+  // The key's entry; an unknown key's role is kUnknown.
+  const Entry& lookup(const std::string& public_key) const;
   // Reads the folder again if anything in it changed since; true when it did. A folder that no
   // longer reads keeps the keys it had (the error goes to the log).
   bool reload();

@@ -191,14 +191,14 @@ void BatchRunner::run(CallBatcher::Batch& batch) {
     spdlog::error("failed delivering a batch of layer {}: {}", batch.layer_id, e.what());
   }
   const auto finished = Statistics::Clock::now();
-  double wait_seconds = 0;
+  Statistics::ClassTotals classes;
   for (const auto& r : batch.requests) {
-    const double waited = std::chrono::duration<double>(started - r.arrival).count();
-    wait_seconds += waited;
-    statistics_.record_call(r.latency, r.tokens, waited);
+    auto& c = classes[Statistics::class_index(r.latency)];
+    c.requests++;
+    c.tokens += static_cast<uint64_t>(r.tokens);
+    c.wait_seconds += std::chrono::duration<double>(started - r.arrival).count();
   }
-  statistics_.record_batch(batch.layer_id, batch.op == LayerOp::kBackwardInput, batch.requests.size(), batch.tokens,
-                           started, computed, finished, wait_seconds);
+  statistics_.record_batch(batch.layer_id, batch.op == LayerOp::kBackwardInput, classes, started, computed, finished);
 }
 
 }  // namespace symbiosis

@@ -32,6 +32,12 @@ std::string random_token() {
 
 Status denied(std::string message) { return {StatusCode::kPermissionDenied, std::move(message)}; }
 
+// What a peer whose key is not (or no longer) admitted is told.
+Status refusal_of(Role role) {
+  return denied(role == Role::kRevoked ? "refused: this client's key was revoked"
+                                       : "refused: this client's key is not admitted here");
+}
+
 }  // namespace
 
 FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, proto::Placement placement,
@@ -200,11 +206,8 @@ void FrontDoor::accept_local() {
 
 void FrontDoor::handle_proof(UniqueFd connection) {
   auto refuse_proof = [&](const std::string& why) {
-    proto::Envelope error;
-    error.mutable_error()->set_code(proto::PERMISSION_DENIED);
-    error.mutable_error()->set_message(why);
     try {
-      local::send(connection.get(), error);
+      local::send(connection.get(), wire::error_envelope(0, denied(why), /*as_reply=*/false));
     } catch (const std::exception&) {
       // It has gone already.
     }
@@ -240,7 +243,7 @@ void FrontDoor::handle_link(int fd) {
   auto message = local::receive(fd);
   if (!message.is_ok() || !message.value()) {
     if (!message.is_ok()) note_bad_input("client's local link failed: " + message.status().message());
-    if (client != nullptr) spdlog::info("client {} (tenant '{}') closed its local link", client->id, client->tenant);
+    spdlog::info("client {} (tenant '{}') closed its local link", client->id, client->tenant);
     return forget(key);
   }
   auto& [env, descriptors] = *message.value();
@@ -308,10 +311,7 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
       if (registry_.find(key) != nullptr) forget(key);
       note_bad_input("refused a peer whose key " + public_key.substr(0, 8) + "... is " +
                      (role == Role::kRevoked ? "revoked" : "not admitted"));
-      return refuse(key, 0,
-                    denied(role == Role::kRevoked ? "refused: this client's key was revoked"
-                                                  : "refused: this client's key is not admitted here"),
-                    false);
+      return refuse(key, 0, refusal_of(role), false);
     }
   }
   proto::Envelope env;
@@ -388,23 +388,21 @@ void FrontDoor::check_liveness() {
 
 void FrontDoor::reload_keys() {
   if (!keys_ || !keys_->reload()) return;
-  std::vector<std::string> dropped;
+  std::vector<std::pair<std::string, Role>> dropped;
   for (const auto& [key, record] : registry_.all()) {
     const Role role = keys_->lookup(record.public_key).role;
-    if (role != Role::kTenant && role != Role::kOperator) dropped.push_back(key);
+    if (role != Role::kTenant && role != Role::kOperator) dropped.emplace_back(key, role);
   }
-  for (const auto& key : dropped) {
+  for (const auto& [key, role] : dropped) {
     const auto* client = registry_.find(key);
-    const bool revoked = keys_->lookup(client->public_key).role == Role::kRevoked;
     spdlog::info("client {} (tenant '{}'): its key is {}; refusing its calls", client->id, client->tenant,
-                 revoked ? "revoked" : "no longer admitted");
+                 role == Role::kRevoked ? "revoked" : "no longer admitted");
     if (!client->link || client->channel->zmq_control()) {
       forget(key);  // its calls come through here, and are refused here
       continue;
     }
     // Its calls come through its control segment: the scheduler refuses them until it leaves.
-    scheduler_.post(ClientRefused{client->id, denied(revoked ? "refused: this client's key was revoked"
-                                                             : "refused: this client's key is not admitted here")});
+    scheduler_.post(ClientRefused{client->id, refusal_of(role)});
   }
 }
 
@@ -421,16 +419,19 @@ void FrontDoor::run() {
       if (!key.empty()) refuse(key, 0, status_of_exception(e, StatusCode::kInternal), false);
     }
   };
+  std::vector<zmq::pollitem_t> items;
+  std::vector<int> links;
   while (!stopping_) {
     // The sockets, then the local connections that have not proved yet, then the proven links.
-    std::vector<zmq::pollitem_t> items = {{router_.handle(), 0, ZMQ_POLLIN, 0},
-                                          {replies_in_.handle(), 0, ZMQ_POLLIN, 0},
-                                          {nullptr, listener_.fd(), ZMQ_POLLIN, 0}};
+    // Kept between turns, so that a turn (one per TCP call) allocates nothing.
+    items.assign({{router_.handle(), 0, ZMQ_POLLIN, 0},
+                  {replies_in_.handle(), 0, ZMQ_POLLIN, 0},
+                  {nullptr, listener_.fd(), ZMQ_POLLIN, 0}});
     if (zap_) items.push_back({zap_->socket().handle(), 0, ZMQ_POLLIN, 0});
     const size_t first_unproven = items.size();
     for (const auto& u : unproven_) items.push_back({nullptr, u.connection.get(), ZMQ_POLLIN, 0});
     const size_t first_link = items.size();
-    std::vector<int> links;
+    links.clear();
     for (const auto& [fd, key] : links_) {
       items.push_back({nullptr, fd, ZMQ_POLLIN, 0});
       links.push_back(fd);

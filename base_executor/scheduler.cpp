@@ -123,8 +123,9 @@ void Scheduler::answer_error(const std::string& identity, const Status& status) 
 }
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape) {
-  auto status = check_call(model_, options_.max_request_bytes, *channel, h, shape);
-  if (const auto refused = refused_.find(channel->client_id()); refused != refused_.end()) status = refused->second;
+  const auto refused = refused_.find(channel->client_id());
+  const Status status =
+      refused != refused_.end() ? refused->second : check_call(model_, options_.max_request_bytes, *channel, h, shape);
   if (!status.is_ok()) {
     statistics_.errors++;
     channel->refuse(h, status);

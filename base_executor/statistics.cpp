@@ -11,9 +11,19 @@ namespace symbiosis {
 Statistics::Statistics(const BaseModel& model, std::string policy)
     : model_(model), policy_(std::move(policy)), layers_(model.layer_count()) {}
 
-void Statistics::record_batch(uint32_t layer_id, bool backward, size_t batch_requests, int64_t batch_tokens,
-                              Clock::time_point started, Clock::time_point computed, Clock::time_point finished,
-                              double wait_seconds) {
+namespace {
+
+constexpr LatencyClass kClasses[] = {LatencyClass::kInferenceDecode, LatencyClass::kInferencePrefill,
+                                     LatencyClass::kFineTuning};
+
+}  // namespace
+
+size_t Statistics::class_index(LatencyClass latency) {
+  return latency == LatencyClass::kInferenceDecode ? 0 : latency == LatencyClass::kInferencePrefill ? 1 : 2;
+}
+
+void Statistics::record_batch(uint32_t layer_id, bool backward, const ClassTotals& classes, Clock::time_point started,
+                              Clock::time_point computed, Clock::time_point finished) {
   using std::chrono::duration_cast;
   using std::chrono::nanoseconds;
   compute_nanos += duration_cast<nanoseconds>(finished - started).count();
@@ -22,30 +32,18 @@ void Statistics::record_batch(uint32_t layer_id, bool backward, size_t batch_req
   auto& c = layers_[layer_id];
   c.batches++;
   (backward ? c.backward_batches : c.forward_batches)++;
-  c.requests += batch_requests;
-  c.tokens += batch_tokens;
+  uint64_t batch_requests = 0;
+  for (size_t i = 0; i < classes.size(); ++i) {
+    c.requests += classes[i].requests;
+    c.tokens += classes[i].tokens;
+    c.wait_seconds += classes[i].wait_seconds;
+    classes_[i].requests += classes[i].requests;
+    classes_[i].tokens += classes[i].tokens;
+    classes_[i].wait_seconds += classes[i].wait_seconds;
+    batch_requests += classes[i].requests;
+  }
   c.compute_seconds += std::chrono::duration<double>(finished - started).count();
-  c.wait_seconds += wait_seconds;
   max_batch_requests_ = std::max<uint64_t>(max_batch_requests_, batch_requests);
-}
-
-namespace {
-
-constexpr LatencyClass kClasses[] = {LatencyClass::kInferenceDecode, LatencyClass::kInferencePrefill,
-                                     LatencyClass::kFineTuning};
-
-size_t class_index(LatencyClass latency) {
-  return latency == LatencyClass::kInferenceDecode ? 0 : latency == LatencyClass::kInferencePrefill ? 1 : 2;
-}
-
-}  // namespace
-
-void Statistics::record_call(LatencyClass latency, int64_t call_tokens, double wait_seconds) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto& c = classes_[class_index(latency)];
-  c.requests++;
-  c.tokens += static_cast<uint64_t>(call_tokens);
-  c.wait_seconds += wait_seconds;
 }
 
 proto::Stats Statistics::snapshot() const {

@@ -32,12 +32,18 @@ class Statistics {
   std::atomic<uint64_t> deliver_nanos{0};     // the part of compute_nanos spent delivering results
   std::atomic<uint64_t> queue_depth{0};       // calls queued, as the scheduler last saw them
 
-  // One batch of `requests` calls and `tokens` tokens of one layer and op ran from `started` to
-  // `finished`, its results delivered from `computed`; its calls waited `wait_seconds` in all.
-  void record_batch(uint32_t layer_id, bool backward, size_t requests, int64_t tokens, Clock::time_point started,
-                    Clock::time_point computed, Clock::time_point finished, double wait_seconds);
-  // One call of `latency` with `tokens` tokens ran, after waiting `wait_seconds`.
-  void record_call(LatencyClass latency, int64_t tokens, double wait_seconds);
+  // A batch's calls of each latency class: how many, their tokens, and how long they waited.
+  struct ClassCounters {
+    uint64_t requests = 0, tokens = 0;
+    double wait_seconds = 0;
+  };
+  using ClassTotals = std::array<ClassCounters, 3>;  // decode, prefill, fine-tuning
+  static size_t class_index(LatencyClass latency);
+
+  // One batch of one layer and op ran from `started` to `finished`, its results delivered from
+  // `computed`; `classes` counts its calls.
+  void record_batch(uint32_t layer_id, bool backward, const ClassTotals& classes, Clock::time_point started,
+                    Clock::time_point computed, Clock::time_point finished);
   proto::Stats snapshot() const;
   void log() const;
 
@@ -51,11 +57,7 @@ class Statistics {
   const Clock::time_point started_ = Clock::now();
   mutable std::mutex mutex_;             // guards the two below
   std::vector<LayerCounters> layers_;    // by layer id
-  struct ClassCounters {
-    uint64_t requests = 0, tokens = 0;
-    double wait_seconds = 0;
-  };
-  std::array<ClassCounters, 3> classes_;  // decode, prefill, fine-tuning
+  ClassTotals classes_;
   uint64_t max_batch_requests_ = 0;
 };
 

@@ -16,7 +16,8 @@
 
 namespace symbiosis::wire {
 
-constexpr uint32_t kProtocolVersion = 3;  // 2: captured calls (slots in the control segment); 3: layer groups
+constexpr uint32_t kProtocolVersion = 4;  // 2: captured calls (slots in the control segment); 3: layer groups;
+                                          // 4: proven placement (ProveHost, the local link)
 
 proto::DType to_proto(at::ScalarType dtype);
 // Throws naming the value when the dtype is not one this project carries.

@@ -54,6 +54,18 @@ class SameHostTest : public ::testing::Test {
 };
 testing::TwoLayerCheckpoint* SameHostTest::checkpoint_ = nullptr;
 
+// A Hello asking for shm from process `pid` of this host, as a CPU client.
+proto::Envelope shm_hello(pid_t pid, const std::string& control = "auto") {
+  proto::Envelope hello;
+  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
+  hello.mutable_hello()->set_transport("shm");
+  hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
+  hello.mutable_hello()->mutable_placement()->set_pid(pid);
+  hello.mutable_hello()->mutable_placement()->set_device("cpu");
+  hello.mutable_hello()->set_control(control);
+  return hello;
+}
+
 // What a real client never does: speaks the control channel by hand.
 struct RawShmPeer {
   zmq::context_t context{1};
@@ -68,14 +80,7 @@ struct RawShmPeer {
     socket.set(zmq::sockopt::linger, 0);
     socket.set(zmq::sockopt::rcvtimeo, 10000);
     socket.connect(endpoint);
-    proto::Envelope hello;
-    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
-    hello.mutable_hello()->set_transport("shm");
-    hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
-    hello.mutable_hello()->mutable_placement()->set_pid(::getpid());
-    hello.mutable_hello()->mutable_placement()->set_device("cpu");
-    hello.mutable_hello()->set_control(control);
-    auto peer = testing::hello_and_prove(socket, hello);
+    auto peer = testing::hello_and_prove(socket, shm_hello(::getpid(), control));
     const auto& welcome = peer.answer;
     EXPECT_TRUE(welcome.has_welcome()) << welcome.DebugString();
     EXPECT_EQ(welcome.welcome().transport(), "shm");
@@ -457,17 +462,8 @@ TEST_F(SameHostTest, APeerThatClaimsTheExecutorsHostWithoutProvingItGetsNoShared
   socket.set(zmq::sockopt::linger, 0);
   socket.set(zmq::sockopt::rcvtimeo, 10000);
   socket.connect(executor_->endpoint());
-  auto hello_as = [](pid_t pid) {
-    proto::Envelope hello;
-    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
-    hello.mutable_hello()->set_transport("shm");
-    hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
-    hello.mutable_hello()->mutable_placement()->set_pid(pid);
-    hello.mutable_hello()->mutable_placement()->set_device("cpu");
-    return hello;
-  };
   // The claim alone gets a challenge, not a Welcome.
-  auto answer = testing::exchange(socket, hello_as(::getpid()));
+  auto answer = testing::exchange(socket, shm_hello(::getpid()));
   ASSERT_TRUE(answer.has_prove_host()) << answer.DebugString();
   // A peer elsewhere cannot reach the local socket; set-up over ZeroMQ is refused, and so are calls.
   proto::Envelope registration;
@@ -483,7 +479,7 @@ TEST_F(SameHostTest, APeerThatClaimsTheExecutorsHostWithoutProvingItGetsNoShared
   EXPECT_NE(answer.reply().error().message().find("before the handshake"), std::string::npos);
   // A process of this host that names another process in its Hello is refused, and told why.
   const pid_t other = ::getppid();
-  answer = testing::exchange(socket, hello_as(other));
+  answer = testing::exchange(socket, shm_hello(other));
   ASSERT_TRUE(answer.has_prove_host());
   auto proof = local::prove(answer.prove_host(), 10000);
   ASSERT_FALSE(proof.is_ok());
@@ -497,7 +493,7 @@ TEST_F(SameHostTest, APeerThatClaimsTheExecutorsHostWithoutProvingItGetsNoShared
   ASSERT_TRUE(answer.has_reply());
   EXPECT_NE(answer.reply().error().message().find("before the handshake"), std::string::npos);
   // A token is good once.
-  answer = testing::exchange(socket, hello_as(::getpid()));
+  answer = testing::exchange(socket, shm_hello(::getpid()));
   ASSERT_TRUE(answer.has_prove_host());
   const auto challenge = answer.prove_host();
   ASSERT_TRUE(local::prove(challenge, 10000).is_ok());
@@ -538,12 +534,7 @@ TEST_F(SameHostTest, AProcessRacingForAnHonestClientsSegmentsGetsNothingAndTheCl
     socket.set(zmq::sockopt::linger, 0);
     socket.set(zmq::sockopt::rcvtimeo, 10000);
     socket.connect(executor->endpoint());
-    proto::Envelope hello;
-    hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
-    hello.mutable_hello()->set_transport("shm");
-    hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
-    hello.mutable_hello()->mutable_placement()->set_pid(honest);
-    const auto challenge = testing::exchange(socket, hello);
+    const auto challenge = testing::exchange(socket, shm_hello(honest));
     ASSERT_TRUE(challenge.has_prove_host());
     EXPECT_FALSE(local::prove(challenge.prove_host(), 10000).is_ok());
     attempts++;
@@ -579,11 +570,7 @@ TEST_F(SameHostTest, AClientThatCannotProveItsPlacementFallsBackToTcpAndStaysExa
 TEST_F(SameHostTest, UnprovenHandshakesAreBoundedAndAnHonestClientStillConnects) {
   zmq::context_t context{1};
   std::vector<std::unique_ptr<zmq::socket_t>> peers;
-  proto::Envelope hello;
-  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
-  hello.mutable_hello()->set_transport("shm");
-  hello.mutable_hello()->mutable_placement()->set_host_id(shm::host_id());
-  hello.mutable_hello()->mutable_placement()->set_pid(::getpid());
+  const auto hello = shm_hello(::getpid());
   int challenged = 0;
   std::string refusal;
   for (int i = 0; i < 300 && refusal.empty(); ++i) {
