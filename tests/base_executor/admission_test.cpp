@@ -175,6 +175,29 @@ TEST_F(AdmissionTest, ARevokedSameHostTenantsCallsAreRefusedSayingWhy) {
   EXPECT_TRUE(contains(error, "refused: this client's key was revoked")) << error;
 }
 
+// A keys folder or key file that does not read, and client options that do not go together, are
+// refused naming the file or the field.
+TEST_F(AdmissionTest, BadKeysAndKeyOptionsAreRefusedNamingWhatIsWrong) {
+  std::filesystem::remove(keys_ / "executor.key");
+  auto error = testing::error_of([&] { start(); });
+  EXPECT_TRUE(contains(error, "has no executor.key: make one with `symbiosis-ctl keygen")) << error;
+  std::filesystem::remove(keys_ / "executor.pub");
+  keys::write(keys_ / "executor", keys::generate());
+  std::ofstream(keys_ / "tenants" / "broken.pub") << "curve\n    public-key = \"not a key\"\n";
+  error = testing::error_of([&] { start(); });
+  EXPECT_TRUE(contains(error, "broken.pub has no well-formed public-key")) << error;
+  error = testing::error_of([&] { keys::read(keys_ / "people" / "alice.pub", /*need_secret=*/true); });
+  EXPECT_TRUE(contains(error, "has no well-formed secret-key: give the NAME.key file of the pair")) << error;
+  error = testing::error_of([&] { keys::write(keys_ / "people" / "alice", keys::generate()); });
+  EXPECT_TRUE(contains(error, "exists already")) << error;
+  ClientOptions options;
+  options.executor_key = (keys_ / "executor.pub").string();
+  error = testing::error_of([&] { options.validate(); });
+  EXPECT_TRUE(contains(error, "client options executor_key and key_file go together: executor_key is given without "
+                              "the other"))
+      << error;
+}
+
 TEST_F(AdmissionTest, WithoutKeysTheExecutorListensOnLoopbackOnlyUnlessToldInsecure) {
   ExecutorOptions options;
   options.model_dir = checkpoint_->dir;

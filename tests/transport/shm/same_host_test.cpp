@@ -248,6 +248,39 @@ TEST_F(SameHostTest, TransportsThePlacementCannotCarryAreRefusedWithTheReason) {
       << answer.error().message();
 }
 
+// What comes on the local socket is checked like what comes over ZeroMQ: each wrong message is
+// refused naming what was expected, and the client goes on.
+TEST_F(SameHostTest, EveryBadLocalSocketMessageIsRefusedNamingWhatWasExpected) {
+  RawShmPeer peer(executor_->endpoint());
+  // A RegisterBuffer of an shm client without its segment.
+  proto::Envelope registration;
+  registration.mutable_register_buffer()->set_generation(2);
+  registration.mutable_register_buffer()->set_bytes(4096);
+  auto answer = peer.exchange(registration);
+  ASSERT_TRUE(answer.has_error());
+  EXPECT_NE(answer.error().message().find("a set-up message with 0 descriptors (expected 1)"), std::string::npos)
+      << answer.error().message();
+  // Anything but set-up.
+  proto::Envelope goodbye;
+  goodbye.mutable_goodbye();
+  answer = peer.exchange(goodbye);
+  ASSERT_TRUE(answer.has_error());
+  EXPECT_NE(answer.error().message().find("the local link takes RegisterBuffer, ShareSegments and NcclSetup"),
+            std::string::npos)
+      << answer.error().message();
+  // A connection whose first message is not a proof.
+  const auto challenge = testing::exchange(peer.socket, shm_hello(::getpid()));
+  ASSERT_TRUE(challenge.has_prove_host());
+  auto connection = local::connect(challenge.prove_host().local_socket());
+  ASSERT_TRUE(connection.is_ok());
+  local::send(connection.value().get(), shm_hello(::getpid()));
+  ASSERT_TRUE(local::readable(connection.value().get(), 10000));
+  auto refusal = local::receive(connection.value().get());
+  ASSERT_TRUE(refusal.is_ok() && refusal.value());
+  EXPECT_NE(refusal.value()->envelope.error().message().find("the first message on the local socket must be Prove"),
+            std::string::npos);
+}
+
 TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   RawShmPeer peer(executor_->endpoint());
   auto contains = [](const std::string& text, const std::string& part) {
