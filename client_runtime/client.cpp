@@ -135,6 +135,7 @@ const LayerInfo* Client::find_layer(const std::string& name) const {
 }
 
 void Client::set_latency_class(LatencyClass c) { impl_->latency = wire::to_proto(c); }
+LatencyClass Client::latency_class() const { return wire::latency_from_proto(impl_->latency.load()); }
 
 void Client::begin_capture() {
   std::lock_guard<std::mutex> lock(impl_->call_mutex);

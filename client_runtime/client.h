@@ -88,6 +88,7 @@ class Client : public LayerBackend {
   void replay(const CapturedCalls& calls);
 
   void set_latency_class(LatencyClass latency_class);
+  LatencyClass latency_class() const;  // the class this client's calls carry now
   uint64_t calls() const;  // base-layer calls sent so far (a capture's calls count as its replays send them)
   const std::string& transport() const;  // the transport in use: tcp, shm, cuda-ipc or nccl
 

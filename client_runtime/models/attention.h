@@ -12,4 +12,11 @@ namespace symbiosis::detail {
 // (Tq == Tk). Returns [B, H, Tq, D].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& additive_mask);
 
+// The same with no causal structure of its own: every query sees every key the mask allows, or
+// every key when the mask is undefined.
+at::Tensor attention_over(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& additive_mask);
+
+// 0 where `allowed` (bool) is true, the dtype's lowest value where it is false.
+at::Tensor additive_mask(const at::Tensor& allowed, at::ScalarType dtype);
+
 }  // namespace symbiosis::detail

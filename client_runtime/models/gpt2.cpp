@@ -47,7 +47,8 @@ GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& c, bool materialize_base)
   c_proj = register_module("c_proj", nn::Conv1D(c.n_embd, c.n_embd, /*bias=*/true, materialize_base));
 }
 
-at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past) {
+at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past,
+                                      const CachedLayer* cache) {
   const int64_t batch = x.size(0), length = x.size(1), head_dim = n_embd_ / n_head_;
   auto qkv = c_attn->forward(x).split(n_embd_, 2);
   auto heads = [&](const at::Tensor& t) { return t.view({batch, length, n_head_, head_dim}).transpose(1, 2); };
@@ -56,7 +57,8 @@ at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x, const at::Tensor& add
     k = at::cat({past->key, k}, 2);
     v = at::cat({past->value, v}, 2);
   }
-  auto out = detail::attention(q, k, v, additive_mask).transpose(1, 2).reshape({batch, length, n_embd_});
+  auto heads_out = cache ? cache->attend(q, k, v) : detail::attention(q, k, v, additive_mask);
+  auto out = heads_out.transpose(1, 2).reshape({batch, length, n_embd_});
   return c_proj->forward(out);
 }
 
@@ -78,8 +80,9 @@ GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& c, bool materialize_base) {
   mlp = register_module("mlp", GPT2MLP(c, materialize_base));
 }
 
-at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past) {
-  auto h = x + attn->forward(ln_1->forward(x), additive_mask, past);
+at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past,
+                                  const CachedLayer* cache) {
+  auto h = x + attn->forward(ln_1->forward(x), additive_mask, past, cache);
   return h + mlp->forward(ln_2->forward(h));
 }
 
@@ -109,14 +112,23 @@ at::Tensor GPT2ModelImpl::forward(const at::Tensor& input_ids, const at::Tensor&
   return in.prompt_length > 0 ? x.narrow(1, in.prompt_length, length) : x;
 }
 
+at::Tensor GPT2ModelImpl::forward_cached(const at::Tensor& embeddings, const CachedStep& step) {
+  auto x = embeddings + wpe->forward(step.positions()).unsqueeze(0);
+  for (size_t i = 0; i < h->size(); ++i) {
+    const CachedLayer cache{&step, static_cast<int64_t>(i)};
+    x = h[i]->as<GPT2BlockImpl>()->forward(x, {}, nullptr, &cache);
+  }
+  return ln_f->forward(x);
+}
+
 GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& c, bool materialize_base) : config_(c) {
   transformer = register_module("transformer", GPT2Model(c, materialize_base));
 }
 
 at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                         const at::Tensor& position_ids) {
-  auto hidden = transformer->forward(input_ids, attention_mask, position_ids, adapter_.get());
-  return at::linear(hidden, transformer->wte->weight);  // in the model's dtype (see LlamaForCausalLM)
+  // In the model's dtype (see LlamaForCausalLM::logits).
+  return logits(transformer->forward(input_ids, attention_mask, position_ids, adapter_.get()));
 }
 
 void GPT2LMHeadModelImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {

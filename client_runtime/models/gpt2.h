@@ -9,6 +9,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "client_runtime/models/kv_cache.h"
 #include "client_runtime/nn.h"
 #include "client_runtime/peft/model_adapter.h"
 
@@ -36,8 +37,10 @@ class GPT2AttentionImpl : public torch::nn::Module {
  public:
   GPT2AttentionImpl(const GPT2Config& config, bool materialize_base);
   // x [B,T,E]; additive_mask [B,1,T,P+T]; past: keys and values [B,heads,P,head_dim] prepended to
-  // this layer's (prefix tuning), or null.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+  // this layer's (prefix tuning), or null. cache: a [Cached step]'s packed tokens (B = 1) attend
+  // through the cache instead; mask and past are then unused.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
+                     const CachedLayer* cache = nullptr);
   nn::Conv1D c_attn{nullptr}, c_proj{nullptr};
 
  private:
@@ -56,7 +59,8 @@ TORCH_MODULE(GPT2MLP);
 class GPT2BlockImpl : public torch::nn::Module {
  public:
   GPT2BlockImpl(const GPT2Config& config, bool materialize_base);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
+                     const CachedLayer* cache = nullptr);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   GPT2Attention attn{nullptr};
   GPT2MLP mlp{nullptr};
@@ -70,6 +74,9 @@ class GPT2ModelImpl : public torch::nn::Module {
   // adapter: a model-level PEFT adapter applied as [Model adapter conventions] say, or null.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                      const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
+  // [Cached step]: token embeddings [1, N, n_embd] of a step's packed tokens (positions not yet
+  // added) -> final hidden states.
+  at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step);
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -79,7 +86,7 @@ class GPT2ModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT2Model);
 
-class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost {
+class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost, public CachedModel {
  public:
   // materialize_base=false allocates no base-layer (Conv1D) weights: load them with
   // load_weights() or virtualize the model before calling forward.
@@ -94,6 +101,15 @@ class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost {
   void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
   std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
   ModelShape model_shape() const override;
+
+  // CachedModel: generation with a KvCache (models/kv_cache.h), up to n_positions.
+  const at::Tensor& token_embeddings() const override { return transformer->wte->weight; }
+  at::Tensor embed(const at::Tensor& ids) override { return transformer->wte->forward(ids); }
+  at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step) override {
+    return transformer->forward_cached(embeddings, step);
+  }
+  at::Tensor logits(const at::Tensor& hidden) override { return at::linear(hidden, transformer->wte->weight); }
+  std::optional<int64_t> max_positions() const override { return config_.n_positions; }
 
   GPT2Model transformer{nullptr};
 

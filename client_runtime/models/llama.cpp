@@ -235,7 +235,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                       const at::Tensor& additive_mask, const PastKeyValue* past) {
+                                       const at::Tensor& additive_mask, const PastKeyValue* past,
+                                       const CachedLayer* cache) {
   const int64_t batch = x.size(0), length = x.size(1);
   // [Layer groups]: q, k and v read x, and are one product where they can be.
   const auto qkv = nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
@@ -255,7 +256,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
     v = at::cat({past->value, v}, 2);
   }
   // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
-  auto out = detail::attention(q, k, v, additive_mask).transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
+  auto heads = cache ? cache->attend(q, k, v) : detail::attention(q, k, v, additive_mask);
+  auto out = heads.transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
   return o_proj->forward(out);
 }
 
@@ -282,8 +284,9 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool material
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                          const at::Tensor& additive_mask, const PastKeyValue* past) {
-  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past);
+                                          const at::Tensor& additive_mask, const PastKeyValue* past,
+                                          const CachedLayer* cache) {
+  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past, cache);
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 
@@ -303,19 +306,31 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   auto in = detail::adapt_inputs(adapter, embed_tokens->forward(input_ids), attention_mask, position_ids,
                                  config_.num_hidden_layers);
   auto h = in.embeddings;
-  const auto device = h.device();
-  // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
-  if (inv_freq_.device() != device) inv_freq_ = inv_freq_.to(device);
-  auto freqs = in.position_ids.unsqueeze(-1).to(at::kFloat) * inv_freq_;
-  auto emb = at::cat({freqs, freqs}, -1);
-  auto cos = emb.cos().to(h.scalar_type());
-  auto sin = emb.sin().to(h.scalar_type());
+  const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type());
   for (size_t i = 0; i < layers->size(); ++i) {
     const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
     h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, in.additive_mask, past);
   }
   h = norm->forward(h);
   return in.prompt_length > 0 ? h.narrow(1, in.prompt_length, length) : h;
+}
+
+at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const CachedStep& step) {
+  const auto [cos, sin] = rotary_angles(step.positions().unsqueeze(0), embeddings.scalar_type());
+  auto h = embeddings;
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const CachedLayer cache{&step, static_cast<int64_t>(i)};
+    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, {}, nullptr, &cache);
+  }
+  return norm->forward(h);
+}
+
+std::pair<at::Tensor, at::Tensor> LlamaModelImpl::rotary_angles(const at::Tensor& positions, at::ScalarType dtype) {
+  // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
+  if (inv_freq_.device() != positions.device()) inv_freq_ = inv_freq_.to(positions.device());
+  auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq_;
+  auto emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {
@@ -327,11 +342,14 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materializ
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                          const at::Tensor& position_ids) {
-  auto h = model->forward(input_ids, attention_mask, position_ids, adapter_.get());
-  // In the model's dtype, as transformers returns them: the loss reads them in fp32 without a copy
-  // ([Fused cross-entropy] in kernels/cross_entropy.h), which at 1 024 tokens of Llama 3's vocabulary
-  // would be 0.5 GB written forward and again backward.
-  return lm_head ? lm_head->forward(h) : at::linear(h, model->embed_tokens->weight);
+  return logits(model->forward(input_ids, attention_mask, position_ids, adapter_.get()));
+}
+
+// In the model's dtype, as transformers returns them: the loss reads them in fp32 without a copy
+// ([Fused cross-entropy] in kernels/cross_entropy.h), which at 1 024 tokens of Llama 3's vocabulary
+// would be 0.5 GB written forward and again backward.
+at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
+  return lm_head ? lm_head->forward(hidden) : at::linear(hidden, model->embed_tokens->weight);
 }
 
 void LlamaForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {

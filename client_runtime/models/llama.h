@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "client_runtime/models/kv_cache.h"
 #include "client_runtime/nn.h"
 #include "client_runtime/peft/model_adapter.h"
 
@@ -68,8 +69,11 @@ class LlamaAttentionImpl : public torch::nn::Module {
   LlamaAttentionImpl(const LlamaConfig& config, bool materialize_base);
   // x [B,T,H]; cos/sin [B,T,head_dim]; additive_mask [B,1,T,P+T] (0 or the dtype's lowest);
   // past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix tuning), or null.
+  // cache: a [Cached step]'s packed tokens (B = 1) attend through the cache instead; mask and past
+  // are then unused.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
+                     const CachedLayer* cache = nullptr);
   nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
@@ -89,7 +93,8 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, bool materialize_base);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr);
+                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
+                     const CachedLayer* cache = nullptr);
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -103,17 +108,22 @@ class LlamaModelImpl : public torch::nn::Module {
   // adapter: a model-level PEFT adapter applied as [Model adapter conventions] say, or null.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                      const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
+  // [Cached step]: embeddings [1, N, hidden] of a step's packed tokens -> final hidden states.
+  at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step);
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
 
  private:
+  // RoPE's cos and sin [..., head_dim] in `dtype` for int64 positions [...].
+  std::pair<at::Tensor, at::Tensor> rotary_angles(const at::Tensor& positions, at::ScalarType dtype);
+
   LlamaConfig config_;
   at::Tensor inv_freq_;  // [head_dim/2] fp32, not a parameter and not in checkpoints
 };
 TORCH_MODULE(LlamaModel);
 
-class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost {
+class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost, public CachedModel {
  public:
   // materialize_base=false allocates no base-layer weights (the projections and lm_head): load
   // them with load_weights() or virtualize the model before calling forward.
@@ -129,6 +139,16 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost {
   void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
   std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
   ModelShape model_shape() const override;
+
+  // CachedModel: generation with a KvCache (models/kv_cache.h). No position limit: like
+  // transformers, Llama goes on past max_position_embeddings.
+  const at::Tensor& token_embeddings() const override { return model->embed_tokens->weight; }
+  at::Tensor embed(const at::Tensor& ids) override { return model->embed_tokens->forward(ids); }
+  at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step) override {
+    return model->forward_cached(embeddings, step);
+  }
+  at::Tensor logits(const at::Tensor& hidden) override;
+  std::optional<int64_t> max_positions() const override { return std::nullopt; }
 
   LlamaModel model{nullptr};
   nn::Linear lm_head{nullptr};  // null when tie_word_embeddings: the logits use embed_tokens' weight

@@ -1,9 +1,6 @@
 #include "client_runtime/peft/model_adapter.h"
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <limits>
+#include "client_runtime/models/attention.h"
 
 namespace symbiosis {
 
@@ -15,19 +12,6 @@ ModelAdapterHost& model_adapter_host(torch::nn::Module& model) {
 }
 
 namespace detail {
-namespace {
-
-double lowest(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return std::numeric_limits<float>::lowest();
-    case at::kDouble: return std::numeric_limits<double>::lowest();
-    case at::kBFloat16: return static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest());
-    case at::kHalf: return static_cast<float>(std::numeric_limits<c10::Half>::lowest());
-    default: TORCH_CHECK(false, "attention in unsupported dtype ", dtype);
-  }
-}
-
-}  // namespace
 
 AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddings, const at::Tensor& attention_mask,
                            const at::Tensor& position_ids, int64_t num_layers) {
@@ -90,8 +74,7 @@ AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddin
     auto full = at::cat({at::ones({batch, keys - length}, long_options), attention_mask.to(device).to(at::kLong)}, 1);
     allowed = allowed.logical_and(full.to(at::kBool).view({batch, 1, 1, keys}));
   }
-  out.additive_mask = at::zeros({batch, 1, queries, keys}, at::TensorOptions().dtype(dtype).device(device))
-                          .masked_fill(allowed.logical_not(), lowest(dtype));
+  out.additive_mask = additive_mask(allowed, dtype);
   return out;
 }
 

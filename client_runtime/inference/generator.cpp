@@ -1,0 +1,313 @@
+#include "client_runtime/inference/generator.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+
+#include "client_runtime/peft/prompt.h"
+
+namespace symbiosis {
+
+const char* to_string(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "unknown";
+}
+
+void GeneratorOptions::validate() const {
+  TORCH_CHECK(max_sequences >= 1, "max_sequences is ", max_sequences, ", expected at least 1");
+  TORCH_CHECK(max_tokens >= 2, "max_tokens is ", max_tokens, ", expected at least 2 (a prompt token and a new one)");
+  TORCH_CHECK(max_waiting >= 1, "max_waiting is ", max_waiting, ", expected at least 1");
+  TORCH_CHECK(max_prefill_tokens >= 1, "max_prefill_tokens is ", max_prefill_tokens, ", expected at least 1");
+}
+
+struct Generator::Submitted {
+  uint64_t id;
+  GenerationRequest request;
+  TokenCallback on_token;
+};
+
+struct Generator::Sequence {
+  explicit Sequence(Submitted submitted)
+      : id(submitted.id),
+        callback(std::move(submitted.on_token)),
+        params(submitted.request.sampling),
+        sampler(params) {
+    result.prompt_ids = std::move(submitted.request.prompt_ids);
+  }
+  uint64_t id;
+  TokenCallback callback;
+  SamplingParams params;
+  TokenSampler sampler;
+  GenerationResult result;
+  int64_t slot = -1;
+  int64_t cached = 0;      // positions the slot holds
+  int64_t next_token = -1; // produced, not yet fed back
+  bool done = false;
+};
+
+namespace {
+
+// Sets the client's latency class for one step and puts back the one it had.
+class LatencyScope {
+ public:
+  LatencyScope(const std::shared_ptr<Client>& client, LatencyClass latency) : client_(client.get()) {
+    if (client_ == nullptr) return;
+    previous_ = client_->latency_class();
+    client_->set_latency_class(latency);
+  }
+  ~LatencyScope() {
+    if (client_ != nullptr) client_->set_latency_class(previous_);
+  }
+  LatencyScope(const LatencyScope&) = delete;
+  LatencyScope& operator=(const LatencyScope&) = delete;
+
+ private:
+  Client* client_;
+  LatencyClass previous_ = LatencyClass::kFineTuning;
+};
+
+std::shared_ptr<ModelAdapterImpl> model_adapter_of(torch::nn::Module& module) {
+  auto* host = dynamic_cast<ModelAdapterHost*>(&module);
+  return host ? host->model_adapter() : nullptr;
+}
+
+}  // namespace
+
+Generator::Generator(CausalLM lm, GeneratorOptions options)
+    : lm_(std::move(lm)), model_(cached_model(*lm_.module)), options_(std::move(options)) {
+  options_.validate();
+  const auto& table = model_.token_embeddings();
+  vocab_size_ = table.size(0);
+  cache_ = std::make_unique<KvCache>(model_adapter_host(*lm_.module).model_shape(), options_.max_sequences,
+                                     options_.max_tokens, table.scalar_type(), table.device());
+}
+
+Generator::~Generator() = default;
+
+int64_t Generator::virtual_tokens() const {
+  const auto adapter = prompt_learning_adapter(*lm_.module);
+  return adapter ? adapter->num_virtual_tokens() : 0;
+}
+
+uint64_t Generator::submit(GenerationRequest request, TokenCallback on_token) {
+  const auto& ids = request.prompt_ids;
+  TORCH_CHECK(!ids.empty(), "prompt_ids is empty, expected at least one token id");
+  for (size_t i = 0; i < ids.size(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab_size_, "prompt_ids[", i, "] is ", ids[i], ", expected a token id in [0, ",
+                vocab_size_, ")");
+  }
+  request.sampling.validate(vocab_size_);
+  const int64_t prompt = static_cast<int64_t>(ids.size()), virtual_length = virtual_tokens();
+  const int64_t positions = virtual_length + prompt + request.sampling.max_new_tokens;
+  TORCH_CHECK(positions <= options_.max_tokens, "prompt_ids (", prompt, " tokens) + max_new_tokens (",
+              request.sampling.max_new_tokens, ")", virtual_length ? " + the adapter's virtual tokens (" : "",
+              virtual_length ? std::to_string(virtual_length) + ")" : "", " need ", positions,
+              " cache positions, more than the generator holds per request (max_tokens = ", options_.max_tokens, ")");
+  if (const auto limit = model_.max_positions()) {
+    TORCH_CHECK(positions <= *limit, "prompt_ids (", prompt, " tokens) + max_new_tokens (",
+                request.sampling.max_new_tokens, ") + virtual tokens (", virtual_length, ") reach position ",
+                positions - 1, ", beyond the model's n_positions (", *limit, ")");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(queued_ < options_.max_waiting, "the generator is full: ", queued_,
+              " requests wait for a cache slot (max_waiting = ", options_.max_waiting,
+              "); submit again when some have finished");
+  ++queued_;
+  const uint64_t id = next_id_++;
+  incoming_.push_back(std::make_unique<Submitted>(Submitted{id, std::move(request), std::move(on_token)}));
+  return id;
+}
+
+void Generator::cancel(uint64_t request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cancelled_.insert(request);
+}
+
+int64_t Generator::running() const { return static_cast<int64_t>(running_.size()); }
+const KvCache& Generator::cache() const { return *cache_; }
+
+void Generator::finish(Sequence& sequence, FinishReason reason, const std::string& error) {
+  sequence.done = true;
+  sequence.result.finish_reason = reason;
+  sequence.result.error = error;
+  if (sequence.slot >= 0) cache_->release(sequence.slot);
+  sequence.slot = -1;
+  if (sequence.callback && (reason == FinishReason::kCancelled || reason == FinishReason::kError)) {
+    TokenEvent event;
+    event.request = sequence.id;
+    event.finished = reason;
+    event.error = error;
+    sequence.callback(event);
+  }
+}
+
+void Generator::take_incoming() {
+  std::unordered_set<uint64_t> cancelled;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (!incoming_.empty()) {
+      waiting_.push_back(std::make_unique<Sequence>(std::move(*incoming_.front())));
+      incoming_.pop_front();
+    }
+    cancelled.swap(cancelled_);
+  }
+  if (!cancelled.empty()) {
+    for (auto& s : running_) {
+      if (cancelled.count(s->id)) finish(*s, FinishReason::kCancelled);
+    }
+    for (auto& s : waiting_) {
+      if (cancelled.count(s->id)) finish(*s, FinishReason::kCancelled);
+    }
+    std::erase_if(running_, [](const auto& s) { return s->done; });
+    const auto left = std::erase_if(waiting_, [](const auto& s) { return s->done; });
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued_ -= static_cast<int64_t>(left);
+  }
+}
+
+bool Generator::step() {
+  take_incoming();
+  at::NoGradGuard no_grad;
+  std::vector<Sequence*> joining;
+  int64_t prefill_tokens = 0;
+  while (!waiting_.empty() && cache_->free_slots() > 0) {
+    const auto length = static_cast<int64_t>(waiting_.front()->result.prompt_ids.size());
+    if (!joining.empty() && prefill_tokens + length > options_.max_prefill_tokens) break;
+    auto sequence = std::move(waiting_.front());
+    waiting_.pop_front();
+    sequence->slot = *cache_->acquire();
+    prefill_tokens += length;
+    joining.push_back(sequence.get());
+    running_.push_back(std::move(sequence));
+  }
+  if (!joining.empty()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queued_ -= static_cast<int64_t>(joining.size());
+  }
+  const bool decoding = std::any_of(running_.begin(), running_.end(), [&](const auto& s) {
+    return std::find(joining.begin(), joining.end(), s.get()) == joining.end();
+  });
+  if (!joining.empty()) prefill(joining);
+  if (decoding || !joining.empty()) decode();
+  std::erase_if(running_, [](const auto& s) { return s->done; });
+  return decoding || !joining.empty();
+}
+
+void Generator::run() {
+  while (true) {
+    if (step()) continue;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (incoming_.empty() && cancelled_.empty() && waiting_.empty() && running_.empty()) return;
+  }
+}
+
+std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRequest>& requests) {
+  std::vector<GenerationResult> results(requests.size());
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& result = results[i];
+    result.prompt_ids = requests[i].prompt_ids;
+    ids.push_back(submit(requests[i], [&result](const TokenEvent& event) {
+      if (event.token >= 0) {
+        result.output_ids.push_back(event.token);
+        result.logprobs.push_back(event.logprob);
+      }
+      if (event.finished) {
+        result.finish_reason = *event.finished;
+        result.error = event.error;
+      }
+    }));
+  }
+  run();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (!requests[i].sampling.logprobs) results[i].logprobs.clear();
+  }
+  return results;
+}
+
+void Generator::prefill(const std::vector<Sequence*>& sequences) {
+  // The adapter as it is now (a tenant may have trained it since the last step).
+  const auto adapter = model_adapter_of(*lm_.module);
+  const at::Tensor prompts = adapter ? adapter->prompt_embeddings() : at::Tensor();
+  const std::vector<PastKeyValue> past = adapter ? adapter->past_key_values() : std::vector<PastKeyValue>();
+  const int64_t past_length = past.empty() ? 0 : past[0].key.size(-2);
+  std::vector<StepSequence> layout;
+  std::vector<at::Tensor> embeddings;
+  const auto device = cache_->keys(0).device();
+  for (auto* s : sequences) {
+    if (!past.empty()) cache_->write_prefix(s->slot, past);
+    auto tokens = model_.embed(at::tensor(s->result.prompt_ids, at::kLong).to(device));
+    if (prompts.defined()) tokens = at::cat({prompts.to(tokens.device(), tokens.scalar_type()), tokens}, 0);
+    s->cached = past_length;
+    layout.push_back({s->slot, past_length, tokens.size(0)});
+    embeddings.push_back(tokens);
+  }
+  forward_and_choose(sequences, layout, at::cat(embeddings, 0).unsqueeze(0), LatencyClass::kInferencePrefill);
+}
+
+void Generator::decode() {
+  std::vector<Sequence*> sequences;
+  std::vector<StepSequence> layout;
+  std::vector<int64_t> tokens;
+  for (auto& s : running_) {
+    if (s->done || s->next_token < 0) continue;
+    sequences.push_back(s.get());
+    layout.push_back({s->slot, s->cached, 1});
+    tokens.push_back(s->next_token);
+  }
+  if (sequences.empty()) return;
+  const auto ids = at::tensor(tokens, at::kLong).to(cache_->keys(0).device());
+  forward_and_choose(sequences, layout, model_.embed(ids).unsqueeze(0), LatencyClass::kInferenceDecode);
+}
+
+void Generator::forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,
+                                   const at::Tensor& embeddings, LatencyClass latency) {
+  at::Tensor logits;
+  try {
+    LatencyScope scope(lm_.client, latency);
+    const CachedStep step(*cache_, layout);
+    const auto hidden = model_.forward_cached(embeddings, step);
+    // Logits only where a token is chosen: each sequence's last position (the lm_head, on the
+    // executor when split, sees one row a sequence).
+    logits = model_.logits(hidden.index_select(1, step.last_tokens()))[0];
+    lm_.settle();
+  } catch (const c10::Error& e) {
+    // The step's requests end with the error; the generator goes on with the others.
+    for (auto* s : sequences) finish(*s, FinishReason::kError, e.what_without_backtrace());
+    return;
+  }
+  const bool any_logprobs = std::any_of(sequences.begin(), sequences.end(), [](auto* s) { return s->params.logprobs; });
+  const bool all_greedy = std::all_of(sequences.begin(), sequences.end(), [](auto* s) { return s->params.greedy(); });
+  const auto fp32 = logits.to(at::kFloat);
+  // Greedy rows: one argmax for all and one copy of the ids.
+  const auto greedy = all_greedy ? fp32.argmax(-1).cpu() : at::Tensor();
+  const auto log_probs = any_logprobs ? fp32.log_softmax(-1) : at::Tensor();
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    auto& s = *sequences[i];
+    const auto row = logits[static_cast<int64_t>(i)];
+    if (options_.logits_observer) options_.logits_observer(s.id, row);
+    const int64_t token = all_greedy ? greedy[static_cast<int64_t>(i)].item<int64_t>() : s.sampler.sample(fp32[i]);
+    TokenEvent event;
+    event.request = s.id;
+    event.token = token;
+    if (s.params.logprobs) event.logprob = log_probs[static_cast<int64_t>(i)][token].item<float>();
+    s.result.output_ids.push_back(token);
+    s.cached += layout[i].length;
+    s.next_token = token;
+    const auto& stops = s.params.stop_tokens;
+    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      event.finished = FinishReason::kStop;
+    } else if (static_cast<int64_t>(s.result.output_ids.size()) >= s.params.max_new_tokens) {
+      event.finished = FinishReason::kLength;
+    }
+    if (event.finished) finish(s, *event.finished);
+    if (s.callback) s.callback(event);
+  }
+}
+
+}  // namespace symbiosis

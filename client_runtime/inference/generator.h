@@ -1,0 +1,134 @@
+#pragma once
+// A tenant's generation engine: requests of prompt token ids in, tokens out as they are produced,
+// with continuous batching over one KV cache (models/kv_cache.h). The model is a CausalLM, split
+// (base layers on the executor) or monolithic, with whatever adapter it carries; the adapter is
+// read as it is at each step, so a tenant may train it between steps (the loop of
+// reinforcement-learning tenants) with no copy of weights anywhere.
+//
+// [Continuous batching] Each step() is a step boundary: requests submitted since the last one
+// join (as many as the cache has free slots), cancelled ones leave, and then
+//  1. the new requests' prompts (and their adapter's virtual tokens) are prefilled together as one
+//     packed forward, which also gives each its first token;
+//  2. every running request decodes one token, all in one forward.
+// A request leaves as soon as it is done (a stop token, max_new_tokens, cancelled) and its slot
+// takes the next waiting request at the next boundary, so a tenant serving many users keeps its
+// batch full. Prefill calls carry the latency class kInferencePrefill and decode calls
+// kInferenceDecode (the executor serves decode first: [Inference first] in
+// base_executor/batching.h); the client's class is restored after the step.
+//
+// Threads: submit() and cancel() may be called from any thread; step(), run() and generate() from
+// one thread at a time (the loop that owns the cache). Callbacks run on the stepping thread.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "client_runtime/inference/sampling.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/models/kv_cache.h"
+
+namespace symbiosis {
+
+struct GenerationRequest {
+  std::vector<int64_t> prompt_ids;
+  SamplingParams sampling;
+};
+
+enum class FinishReason { kStop, kLength, kCancelled, kError };
+const char* to_string(FinishReason reason);  // "stop", "length", "cancelled", "error"
+
+// One event of a request: a produced token, its last one (finished set), or only its end
+// (cancelled, or an error of the step it was in: token -1).
+struct TokenEvent {
+  uint64_t request = 0;
+  int64_t token = -1;
+  float logprob = 0.0f;  // when the request asked for logprobs
+  std::optional<FinishReason> finished;
+  std::string error;  // kError: what went wrong
+};
+using TokenCallback = std::function<void(const TokenEvent&)>;
+
+struct GenerationResult {
+  std::vector<int64_t> prompt_ids;
+  std::vector<int64_t> output_ids;
+  std::vector<float> logprobs;  // one per output token, when asked
+  FinishReason finish_reason = FinishReason::kLength;
+  std::string error;
+};
+
+struct GeneratorOptions {
+  int64_t max_sequences = 8;    // cache slots: requests decoded at once
+  int64_t max_tokens = 1024;    // cache positions per request: virtual tokens + prompt + new tokens
+  int64_t max_waiting = 4096;   // requests waiting for a slot; submit() refuses beyond
+  int64_t max_prefill_tokens = 8192;  // prompt tokens one step prefills (a longer single prompt goes alone)
+  // Called with each produced token's logits [vocab] (the model's dtype, on its device) before the
+  // choice: for inspection, tests and constrained decoding. Optional.
+  std::function<void(uint64_t request, const at::Tensor& logits)> logits_observer;
+  void validate() const;  // throws naming the field
+};
+
+class Generator {
+ public:
+  // Allocates the cache (max_sequences x max_tokens) in the model's dtype on its device.
+  explicit Generator(CausalLM lm, GeneratorOptions options = {});
+  ~Generator();
+  Generator(const Generator&) = delete;
+  Generator& operator=(const Generator&) = delete;
+
+  // Queues a request; it joins at the next step boundary. Returns its id. Throws c10::Error naming
+  // the field and the allowed range when the request is refused (empty or out-of-vocabulary
+  // prompt, bad sampling parameters, more positions than the cache holds per request, the waiting
+  // queue full); the generator's other requests are not affected.
+  uint64_t submit(GenerationRequest request, TokenCallback on_token = {});
+  // Ends the request at the next step boundary (its callback gets kCancelled); unknown or finished
+  // ids are ignored.
+  void cancel(uint64_t request);
+
+  // One step (see [Continuous batching]); false when there was nothing to do.
+  bool step();
+  // Steps until no request is running or waiting.
+  void run();
+  // Submits every request, runs, and returns their results in order (what a batch job wants).
+  std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
+
+  int64_t running() const;  // requests holding a cache slot
+  const KvCache& cache() const;
+
+ private:
+  struct Sequence;
+  struct Submitted;
+  void take_incoming();  // submitted requests join the waiting queue; cancelled ones leave
+  void prefill(const std::vector<Sequence*>& sequences);
+  void decode();
+  // Runs one forward over the sequences' step and hands each its next token.
+  void forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,
+                          const at::Tensor& embeddings, LatencyClass latency);
+  void finish(Sequence& sequence, FinishReason reason, const std::string& error = {});
+  int64_t virtual_tokens() const;  // the adapter's prompt or prefix length
+
+  CausalLM lm_;
+  CachedModel& model_;
+  GeneratorOptions options_;
+  int64_t vocab_size_ = 0;
+  std::unique_ptr<KvCache> cache_;
+
+  // Guards next_id_, queued_, incoming_ and cancelled_: what other threads hand to the stepping thread.
+  mutable std::mutex mutex_;
+  uint64_t next_id_ = 1;
+  int64_t queued_ = 0;  // submitted requests without a cache slot yet (incoming_ and waiting_)
+  std::deque<std::unique_ptr<Submitted>> incoming_;
+  std::unordered_set<uint64_t> cancelled_;
+
+  // Owned by the stepping thread.
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+};
+
+}  // namespace symbiosis

@@ -1,0 +1,144 @@
+#include "client_runtime/models/kv_cache.h"
+
+#include <ATen/TensorIndexing.h>
+
+#include <algorithm>
+
+#include "client_runtime/models/attention.h"
+
+namespace symbiosis {
+
+using at::indexing::Slice;
+
+KvCache::KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device)
+    : sequences_(sequences), tokens_(tokens), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false) {
+  TORCH_CHECK(sequences > 0, "KV cache: sequences is ", sequences, ", expected at least 1");
+  TORCH_CHECK(tokens > 0, "KV cache: tokens is ", tokens, ", expected at least 1");
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  for (int64_t i = 0; i < shape.num_layers; ++i) {
+    keys_.push_back(at::zeros({sequences, shape.num_key_value_heads, tokens, shape.head_dim}, options));
+    values_.push_back(at::zeros({sequences, shape.num_key_value_heads, tokens, shape.head_dim}, options));
+  }
+}
+
+std::optional<int64_t> KvCache::acquire() {
+  for (size_t i = 0; i < taken_.size(); ++i) {
+    if (!taken_[i]) {
+      taken_[i] = true;
+      return static_cast<int64_t>(i);
+    }
+  }
+  return std::nullopt;
+}
+
+void KvCache::release(int64_t slot) {
+  TORCH_CHECK(slot >= 0 && slot < sequences_ && taken_[slot], "KV cache: slot ", slot, " is not taken");
+  taken_[slot] = false;
+}
+
+int64_t KvCache::free_slots() const { return std::count(taken_.begin(), taken_.end(), false); }
+
+void KvCache::write_prefix(int64_t slot, const std::vector<PastKeyValue>& past) {
+  TORCH_CHECK(static_cast<int64_t>(past.size()) == layers(), "past keys and values for ", past.size(),
+              " layers, but the cache has ", layers());
+  for (int64_t i = 0; i < layers(); ++i) {
+    const auto length = past[i].key.size(-2);
+    TORCH_CHECK(length <= tokens_, "past keys of ", length, " tokens do not fit a cache of ", tokens_, " per sequence");
+    auto unbatched = [](const at::Tensor& t) { return t.dim() == 4 ? t[0] : t; };  // [kv_heads, P, head_dim]
+    keys_[i].select(0, slot).narrow(1, 0, length).copy_(unbatched(past[i].key));
+    values_[i].select(0, slot).narrow(1, 0, length).copy_(unbatched(past[i].value));
+  }
+}
+
+int64_t KvCache::bytes() const {
+  int64_t total = 0;
+  for (size_t i = 0; i < keys_.size(); ++i) total += keys_[i].nbytes() + values_[i].nbytes();
+  return total;
+}
+
+namespace {
+
+// An additive mask [1, 1, queries, keys] in `dtype`: query i (at position start + i) sees key j
+// when j <= start + i.
+at::Tensor offset_causal_mask(int64_t start, int64_t queries, at::ScalarType dtype, at::Device device) {
+  const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
+  const int64_t keys = start + queries;
+  auto allowed = at::arange(keys, long_options).view({1, keys}) <= (at::arange(queries, long_options) + start).view({queries, 1});
+  return detail::additive_mask(allowed.view({1, 1, queries, keys}), dtype);
+}
+
+}  // namespace
+
+CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
+    : cache_(cache), sequences_(std::move(sequences)) {
+  TORCH_CHECK(!sequences_.empty(), "a cached step needs at least one sequence");
+  std::vector<int64_t> positions, last, slots, starts;
+  for (const auto& s : sequences_) {
+    TORCH_CHECK(s.slot >= 0 && s.slot < cache.sequences(), "cache slot ", s.slot, " is outside [0, ", cache.sequences(), ")");
+    TORCH_CHECK(s.length >= 1 && s.start >= 0 && s.start + s.length <= cache.tokens(), "a sequence of ", s.start,
+                " cached tokens plus ", s.length, " new ones does not fit a cache of ", cache.tokens(), " per sequence");
+    for (int64_t i = 0; i < s.length; ++i) positions.push_back(s.start + i);
+    tokens_ += s.length;
+    last.push_back(tokens_ - 1);
+    slots.push_back(s.slot);
+    starts.push_back(s.start);
+    decode_ = decode_ && s.length == 1;
+  }
+  const auto device = cache.keys(0).device();
+  auto to_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
+  positions_ = to_device(positions);
+  last_tokens_ = to_device(last);
+  if (!decode_) return;
+  slots_ = to_device(slots);
+  starts_ = to_device(starts);
+  contiguous_slots_ = true;
+  for (size_t i = 1; i < slots.size(); ++i) contiguous_slots_ = contiguous_slots_ && slots[i] == slots[0] + int64_t(i);
+  const auto [lowest, highest] = std::minmax_element(starts.begin(), starts.end());
+  decode_keys_ = *highest + 1;
+  if (*lowest != *highest) {
+    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
+    auto allowed = at::arange(decode_keys_, long_options).view({1, decode_keys_}) <= starts_.view({-1, 1});
+    decode_mask_ = detail::additive_mask(allowed.view({-1, 1, 1, decode_keys_}), cache.keys(0).scalar_type());
+  }
+}
+
+at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+  auto& keys = cache_.keys(layer);
+  auto& values = cache_.values(layer);
+  TORCH_CHECK(q.size(0) == 1 && q.size(2) == tokens_ && k.size(2) == tokens_, "a cached step of ", tokens_,
+              " packed tokens got queries ", q.sizes(), " and keys ", k.sizes());
+  if (decode_) {
+    // One token a sequence: written at each one's start, then one attention call for all of them.
+    keys.index_put_({slots_, Slice(), starts_}, k[0].transpose(0, 1));
+    values.index_put_({slots_, Slice(), starts_}, v[0].transpose(0, 1));
+    const int64_t count = static_cast<int64_t>(sequences_.size());
+    auto span = [&](const at::Tensor& t) {
+      auto prefix = t.narrow(2, 0, decode_keys_);
+      return contiguous_slots_ ? prefix.narrow(0, sequences_[0].slot, count) : prefix.index_select(0, slots_);
+    };
+    auto queries = q[0].transpose(0, 1).unsqueeze(2);  // [sequences, heads, 1, head_dim]
+    auto out = detail::attention_over(queries, span(keys), span(values), decode_mask_);
+    return out.squeeze(2).transpose(0, 1).unsqueeze(0);
+  }
+  std::vector<at::Tensor> outs;
+  int64_t offset = 0;
+  for (const auto& s : sequences_) {
+    keys.select(0, s.slot).narrow(1, s.start, s.length).copy_(k[0].narrow(1, offset, s.length));
+    values.select(0, s.slot).narrow(1, s.start, s.length).copy_(v[0].narrow(1, offset, s.length));
+    auto own = [&](const at::Tensor& t) { return t.narrow(0, s.slot, 1).narrow(2, 0, s.start + s.length); };
+    auto queries = q.narrow(2, offset, s.length);
+    outs.push_back(s.start == 0 ? detail::attention(queries, own(keys), own(values), {})
+                                : detail::attention_over(queries, own(keys), own(values),
+                                                         offset_causal_mask(s.start, s.length, q.scalar_type(), q.device())));
+    offset += s.length;
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 2);
+}
+
+CachedModel& cached_model(torch::nn::Module& model) {
+  auto* cached = dynamic_cast<CachedModel*>(&model);
+  TORCH_CHECK(cached != nullptr, "model ", model.name(), " cannot generate with a KV cache: it is not a CachedModel");
+  return *cached;
+}
+
+}  // namespace symbiosis

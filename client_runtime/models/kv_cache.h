@@ -1,0 +1,116 @@
+#pragma once
+// The key/value cache of a tenant's generation, and one step's view of it.
+//
+// [Cached step] A generation step runs the model once over the new tokens of several sequences,
+// packed one after another into a single row [1, N, hidden] (no padding: the base layers, the
+// executor's work, see exactly the N tokens). Only attention needs to know where each sequence's
+// tokens lie: CachedStep says which cache slot each sequence has, how many tokens it already holds
+// there (`start`) and how many it adds (`length`). Each layer writes its new keys and values into
+// the slots, then every query attends to its own sequence's keys up to its own position:
+//  - a decode step (every sequence adds one token) is one attention call for all sequences over
+//    the slots they occupy, masked to each one's length;
+//  - a step with longer pieces (prefill) attends sequence by sequence, causally.
+// Positions are each sequence's own, start .. start+length-1 (RoPE offsets, GPT-2's learned
+// positions). Keys are stored rotated, as transformers' cache stores them, so prefix tuning's past
+// keys and values ([Model adapter conventions]) are written in front of a sequence as they are.
+//
+// The cache is allocated once, for a stated capacity (sequences x tokens), in the model's dtype on
+// its device, and reused: a sequence takes a slot and gives it back when done.
+// Not thread-safe: one generation loop owns a cache.
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "client_runtime/peft/model_adapter.h"
+
+namespace symbiosis {
+
+class KvCache {
+ public:
+  // Keys and values of `layers` layers, [sequences, kv_heads, tokens, head_dim] each.
+  KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device);
+  int64_t sequences() const { return sequences_; }
+  int64_t tokens() const { return tokens_; }  // per sequence
+  int64_t layers() const { return static_cast<int64_t>(keys_.size()); }
+  // The lowest free slot, or none when every slot is taken.
+  std::optional<int64_t> acquire();
+  void release(int64_t slot);
+  int64_t free_slots() const;
+  // Writes per-layer past keys and values ([kv_heads, P, head_dim]) at the front of `slot`.
+  void write_prefix(int64_t slot, const std::vector<PastKeyValue>& past);
+  at::Tensor& keys(int64_t layer) { return keys_[layer]; }
+  at::Tensor& values(int64_t layer) { return values_[layer]; }
+  // Bytes held by keys and values together.
+  int64_t bytes() const;
+
+ private:
+  int64_t sequences_, tokens_;
+  std::vector<at::Tensor> keys_, values_;
+  std::vector<bool> taken_;
+};
+
+// One sequence's part of a step; see [Cached step].
+struct StepSequence {
+  int64_t slot = 0;
+  int64_t start = 0;   // tokens the slot holds before this step
+  int64_t length = 1;  // tokens this step adds
+};
+
+class CachedStep {
+ public:
+  // The sequences in the order their tokens are packed. Checks each fits its slot.
+  CachedStep(KvCache& cache, std::vector<StepSequence> sequences);
+  const std::vector<StepSequence>& sequences() const { return sequences_; }
+  int64_t tokens() const { return tokens_; }  // N, the packed tokens
+  // [N] int64 on the cache's device: each token's position in its sequence.
+  const at::Tensor& positions() const { return positions_; }
+  // [sequences] int64 on the cache's device: where each sequence's last token lies among the N.
+  const at::Tensor& last_tokens() const { return last_tokens_; }
+  // Layer `layer`'s attention for the packed tokens: q [1, heads, N, head_dim], k and v
+  // [1, kv_heads, N, head_dim] (k rotated where the model rotates) -> [1, heads, N, head_dim].
+  // Writes k and v into the cache first.
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
+
+ private:
+  KvCache& cache_;
+  std::vector<StepSequence> sequences_;
+  int64_t tokens_ = 0;
+  bool decode_ = true;  // every sequence adds one token
+  at::Tensor positions_, last_tokens_;
+  // Decode steps: the slots and the starts as tensors, the slots' span when they lie side by side,
+  // and the additive mask [sequences, 1, 1, keys] (undefined when every sequence sees every key).
+  at::Tensor slots_, starts_, decode_mask_;
+  bool contiguous_slots_ = false;
+  int64_t decode_keys_ = 0;
+};
+
+// The layer's view of a step, which a model's attention takes in place of a mask.
+struct CachedLayer {
+  const CachedStep* step;
+  int64_t layer;
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+    return step->attend(layer, q, k, v);
+  }
+};
+
+// A model that generates with a KvCache (LlamaForCausalLM, GPT2LMHeadModel).
+class CachedModel {
+ public:
+  virtual ~CachedModel() = default;
+  // The token embedding table [vocab, hidden]: the vocabulary, and the dtype and device the model computes in.
+  virtual const at::Tensor& token_embeddings() const = 0;
+  // Token embeddings of ids [N] -> [N, hidden].
+  virtual at::Tensor embed(const at::Tensor& ids) = 0;
+  // The decoder stack over a step's packed inputs [1, N, hidden] -> final hidden states [1, N, hidden].
+  virtual at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step) = 0;
+  // Hidden states -> logits in the model's dtype.
+  virtual at::Tensor logits(const at::Tensor& hidden) = 0;
+  // Positions a sequence may reach (GPT-2's n_positions); none for models without such a limit.
+  virtual std::optional<int64_t> max_positions() const = 0;
+};
+
+// The model's CachedModel; throws naming the module's type when it is not one.
+CachedModel& cached_model(torch::nn::Module& model);
+
+}  // namespace symbiosis

@@ -1,0 +1,367 @@
+// Generation (inference/generator.h over models/kv_cache.h): greedy generation with the cache equals
+// generation by full recomputation; split generation equals monolithic generation (tokens, sampled
+// with seeds, and the logits of every step) under each batching policy while a fine-tuning client
+// trains on the same executor; the sample-score-train-sample loop of reinforcement-learning tenants
+// equals its monolithic run; greedy generation equals Hugging Face transformers + PEFT `generate`
+// for each adapter kind; bad requests are refused naming the field and the others go on.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cctype>
+#include <map>
+#include <thread>
+
+#include "client_runtime/inference/generator.h"
+#include "client_runtime/peft/adapter.h"
+#include "transport/client_transport.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::relative_error;
+constexpr double kTolerance = 1e-5;
+
+// Each request's logits, step by step (fp32, CPU).
+using LogitsLog = std::map<uint64_t, std::vector<at::Tensor>>;
+
+struct Generated {
+  std::vector<GenerationResult> results;
+  std::vector<std::vector<at::Tensor>> logits;  // per request, per produced token
+};
+
+Generated generate(const CausalLM& lm, const std::vector<GenerationRequest>& requests, GeneratorOptions options = {}) {
+  auto log = std::make_shared<LogitsLog>();
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  Generator generator(lm, options);
+  Generated out;
+  out.results = generator.generate(requests);
+  for (const auto& [id, rows] : *log) out.logits.push_back(rows);  // ids are 1, 2, ... in submission order
+  return out;
+}
+
+// Greedy decoding by running the whole sequence through the model's ordinary forward each step.
+std::vector<int64_t> greedy_by_recomputation(const CausalLM& lm, std::vector<int64_t> ids, int64_t new_tokens,
+                                             std::vector<at::Tensor>* logits) {
+  at::NoGradGuard no_grad;
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < new_tokens; ++i) {
+    const auto row = lm.forward(at::tensor(ids, at::kLong).unsqueeze(0), {})[0][-1].to(at::kFloat);
+    logits->push_back(row);
+    out.push_back(row.argmax().item<int64_t>());
+    ids.push_back(out.back());
+  }
+  return out;
+}
+
+GenerationRequest request(std::vector<int64_t> prompt, int64_t new_tokens, double temperature = 0.0, int64_t top_k = 0,
+                          double top_p = 1.0, uint64_t seed = 0) {
+  GenerationRequest r;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_new_tokens = new_tokens;
+  r.sampling.temperature = temperature;
+  r.sampling.top_k = top_k;
+  r.sampling.top_p = top_p;
+  r.sampling.seed = seed;
+  r.sampling.logprobs = true;
+  return r;
+}
+
+// Prompts of different lengths, greedy and sampled: more requests than cache slots, so they join
+// and leave the running batch at step boundaries.
+std::vector<GenerationRequest> mixed_requests() {
+  return {request({5, 9, 33, 2, 7}, 7), request({100, 4, 18}, 9, 0.8, 20, 1.0, 1),
+          request({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, 5, 1.0, 0, 0.9, 2), request({42}, 8, 0.7, 10, 0.8, 3),
+          request({17, 3}, 6)};
+}
+
+// A LoRA for either model whose B is drawn (not zero), so it changes what the model computes.
+LoraConfig test_lora() {
+  LoraConfig lora;
+  lora.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "c_attn", "down_proj", "c_fc"};
+  lora.init_b_zero = false;
+  return lora;
+}
+
+void add_test_lora(CausalLM& lm) {
+  at::manual_seed(7);
+  add_lora(*lm.module, test_lora());
+}
+
+void expect_same(const Generated& a, const Generated& b, const std::string& what) {
+  ASSERT_EQ(a.results.size(), b.results.size());
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.results.size(); ++i) {
+    EXPECT_EQ(a.results[i].output_ids, b.results[i].output_ids) << what << ", request " << i;
+    EXPECT_EQ(a.results[i].finish_reason, b.results[i].finish_reason) << what << ", request " << i;
+    ASSERT_EQ(a.logits[i].size(), b.logits[i].size()) << what << ", request " << i;
+    for (size_t t = 0; t < a.logits[i].size(); ++t) {
+      EXPECT_LT(relative_error(a.logits[i][t], b.logits[i][t]), kTolerance) << what << ", request " << i << " token " << t;
+    }
+    for (size_t t = 0; t < a.results[i].logprobs.size(); ++t) {
+      EXPECT_NEAR(a.results[i].logprobs[t], b.results[i].logprobs[t], 1e-4) << what << ", request " << i;
+    }
+  }
+}
+
+class GeneratorTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { checkpoint_ = Checkpoint::open(testing::make_checkpoint(GetParam())); }
+  std::shared_ptr<Checkpoint> checkpoint_;
+};
+
+TEST_P(GeneratorTest, CachedGreedyEqualsRecomputation) {
+  auto lm = open_causal_lm(*checkpoint_);
+  add_test_lora(lm);
+  std::vector<GenerationRequest> requests = {request({5, 9, 33, 2, 7}, 6), request({100, 4, 18}, 9),
+                                             request({1, 2, 3, 4, 5, 6, 7, 8}, 4), request({42}, 7)};
+  GeneratorOptions options;
+  options.max_sequences = 2;  // the third and fourth join as the first two leave
+  options.max_tokens = 32;
+  const auto ours = generate(lm, requests, options);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    std::vector<at::Tensor> logits;
+    const auto expected =
+        greedy_by_recomputation(lm, requests[i].prompt_ids, requests[i].sampling.max_new_tokens, &logits);
+    EXPECT_EQ(ours.results[i].output_ids, expected) << "request " << i;
+    EXPECT_EQ(ours.results[i].finish_reason, FinishReason::kLength);
+    ASSERT_EQ(ours.logits[i].size(), logits.size());
+    for (size_t t = 0; t < logits.size(); ++t) {
+      EXPECT_LT(relative_error(ours.logits[i][t], logits[t]), kTolerance) << "request " << i << " token " << t;
+      EXPECT_NEAR(ours.results[i].logprobs[t], logits[t].log_softmax(0)[expected[t]].item<float>(), 1e-5);
+    }
+  }
+}
+
+TEST_P(GeneratorTest, SampledGenerationRepeatsWithItsSeedAndDiffersWithAnother) {
+  auto lm = open_causal_lm(*checkpoint_);
+  const std::vector<GenerationRequest> same = {request({5, 9, 33}, 12, 1.5, 0, 1.0, 11)};
+  auto other = same;
+  other[0].sampling.seed = 12;
+  const auto first = generate(lm, same), again = generate(lm, same), differently = generate(lm, other);
+  EXPECT_EQ(first.results[0].output_ids, again.results[0].output_ids);
+  EXPECT_NE(first.results[0].output_ids, differently.results[0].output_ids);
+}
+
+TEST_P(GeneratorTest, StopTokensEndARequestAndCancelEndsAnother) {
+  auto lm = open_causal_lm(*checkpoint_);
+  const auto plain = generate(lm, {request({5, 9, 33, 2, 7}, 8)}).results[0].output_ids;
+  auto stopping = request({5, 9, 33, 2, 7}, 8);
+  stopping.sampling.stop_tokens = {plain[2]};
+  Generator generator(lm);
+  std::vector<int64_t> stopped, cancelled;
+  std::optional<FinishReason> stop_reason, cancel_reason;
+  generator.submit(stopping, [&](const TokenEvent& e) {
+    if (e.token >= 0) stopped.push_back(e.token);
+    if (e.finished) stop_reason = e.finished;
+  });
+  uint64_t victim = 0;
+  victim = generator.submit(request({7, 7, 7}, 50), [&](const TokenEvent& e) {
+    if (e.token >= 0) cancelled.push_back(e.token);
+    if (e.token >= 0 && cancelled.size() == 3) generator.cancel(victim);
+    if (e.finished) cancel_reason = e.finished;
+  });
+  generator.run();
+  const auto first_stop = std::find(plain.begin(), plain.end(), plain[2]) - plain.begin();
+  EXPECT_EQ(stopped, std::vector<int64_t>(plain.begin(), plain.begin() + first_stop + 1));
+  EXPECT_EQ(stop_reason, FinishReason::kStop);
+  EXPECT_EQ(cancel_reason, FinishReason::kCancelled);
+  EXPECT_GE(cancelled.size(), 3u);
+  EXPECT_LT(cancelled.size(), 50u);
+  EXPECT_EQ(generator.running(), 0);
+  EXPECT_EQ(generator.cache().free_slots(), generator.cache().sequences());  // every slot given back
+}
+
+TEST_P(GeneratorTest, BadRequestsAreRefusedNamingTheFieldAndTheOthersGoOn) {
+  auto lm = open_causal_lm(*checkpoint_);
+  GeneratorOptions options;
+  options.max_tokens = 16;
+  options.max_waiting = 3;
+  Generator generator(lm, options);
+  const int64_t vocab = cached_model(*lm.module).token_embeddings().size(0);
+  std::vector<GenerationResult> good(1);
+  generator.submit(request({1, 2, 3}, 4), [&](const TokenEvent& e) {
+    if (e.token >= 0) good[0].output_ids.push_back(e.token);
+  });
+  auto refusal = [&](GenerationRequest r) { return testing::error_of([&] { generator.submit(r); }); };
+  EXPECT_NE(refusal(request({}, 4)).find("prompt_ids is empty"), std::string::npos);
+  EXPECT_NE(refusal(request({1, vocab}, 4)).find("prompt_ids[1] is " + std::to_string(vocab) + ", expected a token id in [0, " +
+                                                 std::to_string(vocab) + ")"),
+            std::string::npos);
+  EXPECT_NE(refusal(request(std::vector<int64_t>(14, 1), 4)).find("more than the generator holds per request (max_tokens = 16)"),
+            std::string::npos);
+  EXPECT_NE(refusal(request({1}, 4, 1.0, 0, 0.0)).find("top_p is 0, expected a value in (0, 1]"), std::string::npos);
+  EXPECT_NE(refusal(request({1}, 4, 1.0, 0, 1.5)).find("top_p is 1.5"), std::string::npos);
+  EXPECT_NE(refusal(request({1}, 4, -1.0)).find("temperature is -1"), std::string::npos);
+  EXPECT_NE(refusal(request({1}, 4, 1.0, -2)).find("top_k is -2, expected >= 0"), std::string::npos);
+  EXPECT_NE(refusal(request({1}, 0)).find("max_new_tokens is 0, expected at least 1"), std::string::npos);
+  auto bad_stop = request({1}, 4);
+  bad_stop.sampling.stop_tokens = {-1};
+  EXPECT_NE(refusal(bad_stop).find("stop_tokens[0] is -1, expected a token id in [0, "), std::string::npos);
+  generator.submit(request({4}, 2));
+  generator.submit(request({5}, 2));
+  EXPECT_NE(refusal(request({6}, 2)).find("the generator is full: 3 requests wait for a cache slot (max_waiting = 3)"),
+            std::string::npos);
+  generator.run();
+  EXPECT_EQ(good[0].output_ids, generate(lm, {request({1, 2, 3}, 4)}).results[0].output_ids);
+  EXPECT_NO_THROW(generator.submit(request({6}, 2)));  // room again
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest, ::testing::Values("tiny-llama", "tiny-gpt2"),
+                         [](const auto& info) { return std::string(info.param == "tiny-llama" ? "llama" : "gpt2"); });
+
+// Split equals monolithic under each batching policy, with a fine-tuning client training on the
+// same executor all along: the same tokens (sampled with seeds too) and the same logits at every step.
+class SplitGenerationTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(SplitGenerationTest, SplitEqualsMonolithicWhileAnotherTenantTrains) {
+  const auto& [preset, policy] = GetParam();
+  const auto dir = testing::make_checkpoint(preset);
+  const auto checkpoint = Checkpoint::open(dir);
+  ExecutorOptions executor_options;
+  executor_options.batching.policy = parse_batching_policy(policy);
+  executor_options.batching.lockstep_timeout = std::chrono::milliseconds(20);
+  auto executor = testing::start_executor(dir, executor_options);
+
+  // The fine-tuning tenant draws its adapter and data here: the thread draws nothing, so the
+  // adapters below are drawn alike.
+  auto run = testing::make_training_run(*checkpoint, testing::connect(*executor, *checkpoint),
+                                        testing::lora_adapter(test_lora()), {}, 1e-3, 5);
+  const auto ids = at::randint(200, {2, 12}, at::kLong);
+  std::atomic<bool> stop{false};
+  std::atomic<int> trained{0};
+  std::thread fine_tuning([&] {
+    while (!stop || trained == 0) {
+      run.optimizer->zero_grad();
+      causal_lm_loss(run.lm.forward(ids, {}), ids).backward();
+      run.lm.settle();
+      run.optimizer->step();
+      ++trained;
+    }
+  });
+  auto split_lm = open_causal_lm(*checkpoint, testing::connect(*executor, *checkpoint));
+  auto mono_lm = open_causal_lm(*checkpoint);
+  add_test_lora(split_lm);
+  add_test_lora(mono_lm);
+  GeneratorOptions options;
+  options.max_sequences = 3;
+  options.max_tokens = 24;
+  const auto split = generate(split_lm, mixed_requests(), options);
+  const auto mono = generate(mono_lm, mixed_requests(), options);
+  stop = true;
+  fine_tuning.join();
+  expect_same(split, mono, policy);
+  EXPECT_GT(trained.load(), 0);
+  EXPECT_EQ(executor->stats().errors, 0u);
+  // The runtime set the classes: prefill and decode calls were counted apart from training (a
+  // batch is counted just after its replies went out).
+  std::map<proto::LatencyClass, uint64_t> requests;
+  testing::wait_until(
+      [&] {
+        const auto stats = request_stats(executor->endpoint(), 10000);
+        for (const auto& c : stats.classes()) requests[c.latency_class()] = c.requests();
+        return requests[proto::INFERENCE_PREFILL] > 0 && requests[proto::INFERENCE_DECODE] > 0 &&
+               requests[proto::FINE_TUNING] > 0;
+      },
+      std::chrono::seconds(5));
+  EXPECT_GT(requests[proto::INFERENCE_PREFILL], 0u);
+  EXPECT_GT(requests[proto::INFERENCE_DECODE], 0u);
+  EXPECT_GT(requests[proto::FINE_TUNING], 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, SplitGenerationTest,
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"),
+                                            ::testing::Values("none", "lockstep", "opportunistic")),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == "tiny-llama" ? "llama" : "gpt2") + "_" +
+                                  std::get<1>(info.param);
+                         });
+
+// The loop reinforcement-learning tenants run, in one process: sample from the adapter, score the
+// samples, train on the best one, sample again. Split and monolithic give the same second round.
+TEST(ReinforcementLoop, SampleScoreTrainSampleEqualsMonolithic) {
+  auto served = testing::serve_model("tiny-llama");
+  std::vector<Generated> second_rounds;
+  for (const auto& client : {served.client, std::shared_ptr<Client>()}) {
+    auto run = testing::make_training_run(*served.checkpoint, client, testing::lora_adapter(test_lora()), {}, 5e-2, 21);
+    const std::vector<GenerationRequest> prompts = {request({3, 14, 15}, 8, 1.0, 0, 1.0, 1),
+                                                    request({3, 14, 15}, 8, 1.0, 0, 1.0, 2)};
+    GeneratorOptions options;
+    options.max_tokens = 16;
+    const auto first = generate(run.lm, prompts, options);
+    // Score: the sample with more even tokens wins; one training step on it.
+    auto score = [](const GenerationResult& r) { return std::count_if(r.output_ids.begin(), r.output_ids.end(), [](int64_t t) { return t % 2 == 0; }); };
+    const auto& best = score(first.results[0]) >= score(first.results[1]) ? first.results[0] : first.results[1];
+    std::vector<int64_t> ids = best.prompt_ids;
+    ids.insert(ids.end(), best.output_ids.begin(), best.output_ids.end());
+    const auto batch = at::tensor(ids, at::kLong).unsqueeze(0);
+    run.optimizer->zero_grad();
+    causal_lm_loss(run.lm.forward(batch, {}), batch).backward();
+    run.lm.settle();
+    run.optimizer->step();
+    second_rounds.push_back(generate(run.lm, prompts, options));
+    // The step changed what the adapter generates from.
+    EXPECT_GT(relative_error(second_rounds.back().logits[0][0], first.logits[0][0]), 1e-4);
+  }
+  expect_same(second_rounds[0], second_rounds[1], "second round");
+}
+
+// Greedy generation equals Hugging Face transformers + PEFT, token for token, with an adapter PEFT
+// made (loaded here from its files), split and monolithic: always greedy decoding by PEFT's forward
+// (what its training computes), and `generate` where PEFT's `generate` agrees with that forward
+// (tests/reference/peft_generate.py says where, in these versions, it does not).
+class HfGenerateTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(HfGenerateTest, GreedyEqualsTransformersPeftGenerate) {
+  const auto& [preset, method] = GetParam();
+  const auto work = testing::temp_dir("symbiosis-hf-generate-" + preset + "-" + method);
+  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 33, 2, 7}, {100, 4, 18}, {61}};
+  std::vector<std::pair<std::string, at::Tensor>> inputs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    inputs.emplace_back("prompt_" + std::to_string(i), at::tensor(prompts[i], at::kLong).to(at::kFloat));
+  }
+  write_safetensors(work / "inputs.safetensors", inputs);
+  constexpr int64_t kNewTokens = 8;
+  auto served = testing::serve_model(preset);
+  const auto script = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "peft_generate.py";
+  const int status = testing::shell("'" + std::string(SYMBIOSIS_PYTHON) + "' '" + script.string() + "' --checkpoint '" +
+                                    served.dir.string() + "' --inputs '" + (work / "inputs.safetensors").string() +
+                                    "' --output '" + (work / "hf.safetensors").string() + "' --new-tokens " +
+                                    std::to_string(kNewTokens) + " --method " + method + " --adapter '" +
+                                    (work / "adapter").string() + "' > '" + (work / "python.log").string() + "' 2>&1");
+  if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << SYMBIOSIS_PYTHON;
+  ASSERT_EQ(status, 0) << "see " << work / "python.log";
+  std::vector<GenerationRequest> requests;
+  for (const auto& p : prompts) requests.push_back(request(p, kNewTokens));
+  for (const auto& client : {served.client, std::shared_ptr<Client>()}) {
+    auto lm = open_causal_lm(*served.checkpoint, client);
+    load_peft_adapter(*lm.module, work / "adapter");
+    const auto ours = generate(lm, requests);
+    // PEFT's generate paths that agree with its forward for this method.
+    std::vector<std::string> references = {"forward"};
+    if (method == "lora" || method == "ia3") references.push_back("generate");
+    if (method != "prefix_tuning") references.push_back("generate_nocache");
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      for (const auto& reference : references) {
+        const auto theirs =
+            testing::read_safetensors_f32(work / "hf.safetensors", reference + "_" + std::to_string(i)).to(at::kLong);
+        EXPECT_EQ(ours.results[i].output_ids,
+                  std::vector<int64_t>(theirs.data_ptr<int64_t>(), theirs.data_ptr<int64_t>() + theirs.numel()))
+            << (client ? "split" : "monolithic") << ", prompt " << i << ", PEFT's " << reference;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"),
+                                            ::testing::Values("lora", "ia3", "prompt_tuning", "prefix_tuning")),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == "tiny-llama" ? "llama" : "gpt2") + "_" +
+                                  std::get<1>(info.param);
+                         });
+
+}  // namespace
+}  // namespace symbiosis
