@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <cctype>
 #include <map>
 #include <thread>
@@ -362,6 +364,44 @@ INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
                            return std::string(std::get<0>(info.param) == "tiny-llama" ? "llama" : "gpt2") + "_" +
                                   std::get<1>(info.param);
                          });
+
+// symbiosis-generate, split and monolithic, on JSON Lines with a request that is refused: the same
+// lines, the refusal naming the line's field, the other requests answered.
+TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
+  auto served = testing::serve_model("tiny-gpt2");
+  const auto work = testing::temp_dir("symbiosis-generate-cli");
+  {
+    std::ofstream input(work / "requests.jsonl");
+    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})" << "\n"
+          << R"({"prompt_ids": [7, 7], "top_p": 2.0})" << "\n"
+          << R"({"prompt_ids": "seven"})" << "\n"
+          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n";
+  }
+  std::map<std::string, std::map<int64_t, nlohmann::json>> lines;  // by run, by index
+  for (const std::string run : {"split", "monolithic"}) {
+    const auto out = work / (run + ".jsonl");
+    const int status = testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
+                                      "' --executor " + served.executor->endpoint() +
+                                      (run == "monolithic" ? " --monolithic" : "") + " --max-new-tokens 6 --input '" +
+                                      (work / "requests.jsonl").string() + "' > '" + out.string() + "' 2> '" +
+                                      (work / (run + ".log")).string() + "'");
+    EXPECT_EQ(status, 1) << run << ": a refused line makes the exit status 1; see " << work;
+    std::ifstream in(out);
+    for (std::string text; std::getline(in, text);) {
+      const auto line = nlohmann::json::parse(text);
+      lines[run][line.at("index").get<int64_t>()] = line;
+    }
+  }
+  ASSERT_EQ(lines["split"].size(), 4u);
+  EXPECT_EQ(lines["split"], lines["monolithic"]);
+  EXPECT_EQ(lines["split"][1]["output_ids"].size(), 4u);
+  EXPECT_EQ(lines["split"][1]["logprobs"].size(), 4u);
+  EXPECT_EQ(lines["split"][1]["finish_reason"], "length");
+  EXPECT_NE(lines["split"][2]["error"].get<std::string>().find("top_p is 2, expected a value in (0, 1]"), std::string::npos);
+  EXPECT_NE(lines["split"][3]["error"].get<std::string>().find("field 'prompt_ids' is \"seven\", expected a list of integer token ids"),
+            std::string::npos);
+  EXPECT_EQ(lines["split"][4]["output_ids"].size(), 6u);
+}
 
 }  // namespace
 }  // namespace symbiosis

@@ -1,0 +1,191 @@
+// symbiosis-generate: generate from a model and its PEFT adapter, against a running executor
+// (split) or with the base layers in-process (--monolithic), over the Generator of
+// client_runtime/inference/generator.h (continuous batching over one KV cache).
+//
+// Input (--input, "-" for stdin): JSON Lines, one request a line: {"prompt_ids": [...]} and,
+// optionally, the request's own "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+// "stop_tokens" and "logprobs" in place of the flags'. Output (stdout): one JSON line per request,
+// as each finishes: {"index": line number from 1, "prompt_ids", "output_ids", "finish_reason"
+// ("stop", "length", "error"), "logprobs" when asked}. A line that is refused (not JSON, a field
+// of the wrong type, a value outside its range) gets {"index", "error"} naming the field, and the
+// other requests go on; the exit status is then 1.
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <sstream>
+
+#include <symbiosis/client.h>
+#include <symbiosis/inference.h>
+#include <symbiosis/models.h>
+#include <symbiosis/peft.h>
+
+using namespace symbiosis;
+using nlohmann::json;
+
+namespace {
+
+struct Settings {
+  std::string model;
+  std::string executor = "tcp://127.0.0.1:5555";
+  bool monolithic = false;
+  std::string tenant = "generate";
+  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
+  std::string adapter;
+  std::string device = "cpu";
+  std::string dtype = "fp32";
+  std::string input = "-";
+  std::string stop_tokens;
+  SamplingParams sampling;
+  GeneratorOptions generator;
+  int threads = 1;
+};
+
+// A field of a request line, checked for its type; the error names the field and what it expected.
+template <typename T>
+T field(const json& line, const char* name, const T& fallback, const char* expected) {
+  if (!line.contains(name)) return fallback;
+  try {
+    return line.at(name).get<T>();
+  } catch (const json::exception&) {
+    TORCH_CHECK(false, "field '", name, "' is ", line.at(name).dump(), ", expected ", expected);
+  }
+}
+
+GenerationRequest parse_request(const std::string& text, const SamplingParams& defaults) {
+  json line;
+  try {
+    line = json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, "not a JSON object: ", e.what());
+  }
+  TORCH_CHECK(line.is_object(), "not a JSON object, expected {\"prompt_ids\": [...]}");
+  TORCH_CHECK(line.contains("prompt_ids"), "field 'prompt_ids' is missing, expected a list of token ids");
+  GenerationRequest request;
+  request.prompt_ids = field<std::vector<int64_t>>(line, "prompt_ids", {}, "a list of integer token ids");
+  auto& s = request.sampling;
+  s = defaults;
+  s.max_new_tokens = field<int64_t>(line, "max_new_tokens", s.max_new_tokens, "an integer");
+  s.temperature = field<double>(line, "temperature", s.temperature, "a number");
+  s.top_k = field<int64_t>(line, "top_k", s.top_k, "an integer");
+  s.top_p = field<double>(line, "top_p", s.top_p, "a number");
+  s.seed = field<uint64_t>(line, "seed", s.seed, "a non-negative integer");
+  s.stop_tokens = field<std::vector<int64_t>>(line, "stop_tokens", s.stop_tokens, "a list of integer token ids");
+  s.logprobs = field<bool>(line, "logprobs", s.logprobs, "true or false");
+  return request;
+}
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (item.empty()) continue;
+    size_t used = 0;
+    try {
+      out.push_back(std::stoll(item, &used));
+    } catch (const std::exception&) {
+    }
+    TORCH_CHECK(used == item.size() && used > 0, "--stop: '", item, "' is not a token id, expected integers separated by commas");
+  }
+  return out;
+}
+
+int run(Settings& s) {
+  auto checkpoint = Checkpoint::open(s.model);
+  std::shared_ptr<Client> client;
+  if (!s.monolithic) {
+    ClientOptions options;
+    options.endpoint = s.executor;
+    options.tenant = s.tenant;
+    options.device = s.device;
+    options.executor_key = s.executor_key;
+    options.key_file = s.key_file;
+    options.expected_model_hash = checkpoint->model_hash();
+    client = Client::connect(options);
+  }
+  auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(s.dtype), at::Device(s.device)});
+  if (!s.adapter.empty()) load_peft_adapter(*lm.module, s.adapter);
+  s.sampling.stop_tokens = parse_ids(s.stop_tokens);
+  s.generator.max_waiting = std::numeric_limits<int64_t>::max();  // the whole file is queued at once
+  Generator generator(lm, s.generator);
+
+  std::ifstream file;
+  if (s.input != "-") {
+    file.open(s.input);
+    TORCH_CHECK(file.good(), "--input: cannot read ", s.input);
+  }
+  std::istream& in = s.input == "-" ? std::cin : file;
+  bool refused = false;
+  auto emit = [](const json& line) { std::cout << line.dump() << std::endl; };
+  int64_t index = 0;
+  for (std::string text; std::getline(in, text);) {
+    ++index;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      auto request = parse_request(text, s.sampling);
+      auto reply = std::make_shared<json>(json{{"index", index}, {"prompt_ids", request.prompt_ids}});
+      (*reply)["output_ids"] = json::array();
+      const bool logprobs = request.sampling.logprobs;
+      if (logprobs) (*reply)["logprobs"] = json::array();
+      generator.submit(std::move(request), [reply, logprobs, emit](const TokenEvent& event) {
+        if (event.token >= 0) {
+          (*reply)["output_ids"].push_back(event.token);
+          if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
+        }
+        if (!event.finished) return;
+        (*reply)["finish_reason"] = to_string(*event.finished);
+        if (!event.error.empty()) (*reply)["error"] = event.error;
+        emit(*reply);
+      });
+    } catch (const c10::Error& e) {
+      refused = true;
+      emit({{"index", index}, {"error", e.what_without_backtrace()}});
+    }
+  }
+  generator.run();
+  return refused ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  auto& p = s.sampling;
+  auto& g = s.generator;
+  CLI::App app{"symbiosis-generate: generate from a model and its adapter, against a shared executor"};
+  app.add_option("--model", s.model, "the checkpoint directory (the executor serves the same)")->required();
+  app.add_option("--executor", s.executor, "executor endpoint")->capture_default_str();
+  app.add_option("--executor-key", s.executor_key, "an executor started with --keys: its public key (executor.pub)");
+  app.add_option("--key", s.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
+  app.add_flag("--monolithic", s.monolithic, "compute the base layers in this process instead");
+  app.add_option("--tenant", s.tenant, "name shown in the executor's log")->capture_default_str();
+  app.add_option("--adapter", s.adapter, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)");
+  app.add_option("--device", s.device, "where this client's model and cache live: cpu or cuda:N")->capture_default_str();
+  app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--input", s.input, "JSON Lines of {\"prompt_ids\": [...]}; - for stdin")->capture_default_str();
+  app.add_option("--max-new-tokens", p.max_new_tokens, "tokens to produce at most per request")->capture_default_str();
+  app.add_option("--temperature", p.temperature, "0: greedy; > 0: sample at this temperature")->capture_default_str();
+  app.add_option("--top-k", p.top_k, "sample among the k most likely tokens (0: all)")->capture_default_str();
+  app.add_option("--top-p", p.top_p, "sample among the most likely tokens whose probability reaches p, in (0, 1]")
+      ->capture_default_str();
+  app.add_option("--seed", p.seed, "each request's random stream (a request's own \"seed\" overrides)")->capture_default_str();
+  app.add_option("--stop", s.stop_tokens, "comma-separated token ids that end a request");
+  app.add_flag("--logprobs", p.logprobs, "report each produced token's log-probability");
+  app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")->capture_default_str();
+  app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();
+  app.add_option("--threads", s.threads, "CPU threads of this process")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  at::set_num_threads(s.threads);
+  try {
+    return run(s);
+  } catch (const c10::Error& e) {
+    std::cerr << "[" << s.tenant << "] error: " << e.what_without_backtrace() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "[" << s.tenant << "] error: " << e.what() << std::endl;
+    return 2;
+  }
+}
