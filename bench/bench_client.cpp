@@ -1,7 +1,10 @@
 // symbiosis-bench-client: one benchmark client process, started by symbiosis-bench. Fine-tunes a
-// LoRA adapter (forward, backward, AdamW step per iteration) or runs a synthetic inference loop
-// (forward only), split against an executor or monolithic (--monolithic, the baseline), on CPU or
-// a GPU, and writes its per-iteration latencies and its measured window as JSON.
+// LoRA adapter (forward, backward, AdamW step per iteration), runs a synthetic inference loop
+// (forward only), or generates (--mode generate: each iteration is --batch requests of --seq prompt
+// tokens and --new-tokens greedy new tokens through the Generator, its tokens counted as output
+// tokens, with each request's time to first token and time per output token), split against an
+// executor or monolithic (--monolithic, the baseline), on CPU or a GPU, and writes its
+// per-iteration latencies and its measured window as JSON.
 //
 // [Measurement window] With --ready-file and --go-file, the client warms up, creates the ready
 // file and waits for the go file, which holds the window's start and end (epoch seconds) that
@@ -32,6 +35,7 @@
 #endif
 
 #include <symbiosis/client.h>
+#include <symbiosis/inference.h>
 #include <symbiosis/models.h>
 #include <symbiosis/peft.h>
 #include <symbiosis/training.h>
@@ -143,7 +147,7 @@ class OpProfile {
 int main(int argc, char** argv) {
   std::string executor = "tcp://127.0.0.1:5555", model_dir, mode = "finetune", targets = "q_proj,v_proj", out;
   std::string device_name = "cpu", dtype = "fp32", transport = "auto", ready_file, go_file, stop_file;
-  int64_t batch = 1, seq = 64, rank = 8;
+  int64_t batch = 1, seq = 64, rank = 8, new_tokens = 128;
   double alpha = 16;
   int iterations = 10, warmup = 2, threads = 1;
   uint64_t seed = 0;
@@ -151,7 +155,9 @@ int main(int argc, char** argv) {
   CLI::App app{"symbiosis-bench-client: one benchmark client"};
   app.add_option("--executor", executor, "executor endpoint");
   app.add_option("--model", model_dir, "checkpoint directory")->required();
-  app.add_option("--mode", mode, "finetune or inference")->check(CLI::IsMember({"finetune", "inference"}));
+  app.add_option("--mode", mode, "finetune, inference (one forward) or generate")
+      ->check(CLI::IsMember({"finetune", "inference", "generate"}));
+  app.add_option("--new-tokens", new_tokens, "generate: new tokens per request");
   app.add_option("--batch", batch, "sequences per iteration");
   app.add_option("--seq", seq, "tokens per sequence");
   app.add_option("--rank", rank, "LoRA rank");
@@ -191,6 +197,7 @@ int main(int argc, char** argv) {
       options.expected_model_hash = checkpoint->model_hash();
       options.device = device_name;
       bench::set_transport(options, transport);
+      // (generate: the Generator sets prefill and decode itself)
       options.latency_class = mode == "finetune" ? LatencyClass::kFineTuning
                               : seq > 1          ? LatencyClass::kInferencePrefill
                                                  : LatencyClass::kInferenceDecode;
@@ -215,9 +222,34 @@ int main(int argc, char** argv) {
           causal_lm_loss(lm.forward(ids, {}), ids).backward();
         },
         [&] { optimizer.step(); }, client, device, {.capture = cuda_graph, .warmup = 1});
+    std::unique_ptr<Generator> generator;
+    if (mode == "generate") {
+      generator = std::make_unique<Generator>(lm, GeneratorOptions{.max_sequences = batch, .max_tokens = seq + new_tokens});
+    }
+    std::vector<double> first_token_s, per_token_s;  // generate: each request's, over the timed iterations
+    bool timing = false;
+    auto generate = [&] {
+      std::vector<std::vector<double>> times(batch);
+      const double submitted = epoch_seconds();
+      for (int64_t r = 0; r < batch; ++r) {
+        GenerationRequest request;
+        const auto prompt = ids[r].cpu();
+        request.prompt_ids.assign(prompt.data_ptr<int64_t>(), prompt.data_ptr<int64_t>() + seq);
+        request.sampling.max_new_tokens = new_tokens;
+        generator->submit(std::move(request), [&times, r](const TokenEvent&) { times[r].push_back(epoch_seconds()); });
+      }
+      generator->run();
+      if (!timing) return;
+      for (const auto& t : times) {
+        first_token_s.push_back(t.front() - submitted);
+        if (t.size() > 1) per_token_s.push_back((t.back() - t.front()) / static_cast<double>(t.size() - 1));
+      }
+    };
     auto iteration = [&] {
       if (mode == "finetune") {
         step.run();
+      } else if (mode == "generate") {
+        generate();
       } else {
         at::InferenceMode inference;
         lm.forward(ids, {});
@@ -245,6 +277,7 @@ int main(int argc, char** argv) {
 
     std::vector<double> latencies;
     double start = 0, end = 0;
+    timing = true;
     if (!ready_file.empty()) std::ofstream(ready_file) << "warm\n";
     if (!stop_file.empty()) {
       start = epoch_seconds();
@@ -284,7 +317,7 @@ int main(int argc, char** argv) {
                         {"seq", seq},
                         {"rank", rank},
                         {"iterations", completed},
-                        {"tokens_per_iteration", batch * seq},
+                        {"tokens_per_iteration", mode == "generate" ? batch * new_tokens : batch * seq},
                         {"latencies_s", latencies},
                         {"start_epoch_s", start},
                         {"end_epoch_s", end},
@@ -292,6 +325,15 @@ int main(int argc, char** argv) {
                         {"peak_rss_bytes", peak_rss_bytes()},
                         {"gpu_peak_reserved_bytes", gpu_peak_reserved_bytes(device)}};
     if (!profile.is_null()) j["op_profile"] = profile;
+    if (mode == "generate") {
+      j["new_tokens"] = new_tokens;
+      for (auto& [name, values] : {std::pair{"time_to_first_token", &first_token_s}, {"time_per_output_token", &per_token_s}}) {
+        std::sort(values->begin(), values->end());
+        auto at = [&](double q) { return values->empty() ? 0.0 : (*values)[std::min(values->size() - 1, size_t(q * values->size()))]; };
+        j[std::string(name) + "_p50_s"] = at(0.5);
+        j[std::string(name) + "_p99_s"] = at(0.99);
+      }
+    }
     std::ofstream(out) << j.dump(2) << "\n";
     return 0;
   } catch (const c10::Error& e) {

@@ -79,6 +79,9 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
                                      "--dtype", get("dtype").get<std::string>(),
                                      "--seed", std::to_string(index + 1)};
   args.insert(args.end(), common.begin(), common.end());
+  if (c.contains("new_tokens") || defaults.contains("new_tokens")) {
+    args.insert(args.end(), {"--new-tokens", std::to_string(get("new_tokens").get<int64_t>())});
+  }
   return args;
 }
 
@@ -195,6 +198,13 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
   result["clients_peak_rss_bytes_total"] = rss;
   result["clients_gpu_peak_reserved_bytes_total"] = gpu_reserved;
   result["gpu_memory_used_peak_mib"] = sampler.peak_mib();
+  // Generation: the slowest tenant's latencies (each client reports its own).
+  for (const char* key : {"time_to_first_token_p50_s", "time_to_first_token_p99_s", "time_per_output_token_p50_s",
+                          "time_per_output_token_p99_s"}) {
+    double worst = -1;
+    for (const auto& c : result["clients"]) worst = std::max(worst, c.value(key, -1.0));
+    if (worst >= 0) result[std::string("worst_tenant_") + key] = worst;
+  }
   result["gpu_memory_idle_mib"] = idle_mib;
   return result;
 }
