@@ -14,6 +14,10 @@
 #   roundtrip      per-layer round trip of each transport, with and without MPS
 #   roundtrip-ipc  the CUDA IPC round trip alone under MPS (direct operands, then through the buffer),
 #                  three runs, with the host time of its parts
+#   generate       gpu_generator_test, then decode with N = 1, 2, 4, 8 (or COUNTS) inference tenants of 8
+#                  sequences (512 + 128 tokens, Llama-3.2-1B, bf16) against N monolithic processes, one
+#                  monolithic process of all 8 x N_MAX sequences, and HF PEFT generate with N_MAX adapters
+#                  in one mixed batch (N_MAX: the largest count), under MPS
 #   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8 (or COUNTS), against both baselines, under MPS
 #   bench-128      the same at batch 1 x 128
 #   bench-128-ends the same at N = 1 and 8 only
@@ -63,6 +67,7 @@ else
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
     symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
+    gpu_generator_test \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
   export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
@@ -99,6 +104,7 @@ gtest_path() {
     runtime_binding_test) echo "$B/tests/common/$1" ;;
     cuda_ipc_test) echo "$B/tests/transport/cuda_ipc/$1" ;;
     nccl_test) echo "$B/tests/transport/nccl/$1" ;;
+    gpu_generator_test) echo "$B/tests/client_runtime/inference/$1" ;;
   esac
 }
 run_gtest() {  # name, then filter
@@ -234,6 +240,31 @@ for stage in "$@"; do
           --transports nccl,tcp > "$logs/roundtrip-nccl.txt" 2>&1
         cat "$logs/roundtrip-nccl.txt"
       fi
+      ;;
+    generate)
+      mps_on
+      run_gtest gpu_generator_test
+      make_1b
+      counts=${COUNTS:-1,2,4,8}
+      bench generate bench/scenarios/gpu_generate_llama1b.json --checkpoint $model_1b --counts "$counts"
+      n=${counts##*,}
+      shape="--mode generate --model $model_1b --batch $((8 * n)) --seq 512 --new-tokens 128 --rank 8 \
+        --targets q_proj,k_proj,v_proj,o_proj --device cuda:0 --dtype bf16 --warmup 1 --iterations 2"
+      "$B/bench/symbiosis-bench-client" --monolithic $shape --out $out/generate-one-process.json \
+        > $logs/generate-one-process.log 2>&1 || tail -5 $logs/generate-one-process.log
+      python3 bench/hf_peft_client.py $shape --adapters $n --out $out/generate-hf-peft.json \
+        > $logs/generate-hf-peft.log 2>&1 || tail -5 $logs/generate-hf-peft.log
+      python3 - $out/generate-one-process.json $out/generate-hf-peft.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        r = json.load(open(path))
+    except OSError:
+        continue
+    extra = {k: round(v * 1e3, 2) for k, v in r.items() if k.endswith("_s") and "token" in k}
+    print(f"{path.split('/')[-1]}: {r['tokens_per_s']:.0f} output tokens/s, batch {r['batch']}, ms: {extra}")
+PY
+      mps_off
       ;;
     bench-512|bench-128)
       make_1b

@@ -1,0 +1,86 @@
+#pragma once
+// What the generation tests share (CPU and GPU): requests, a generation that logs each request's
+// logits step by step, a LoRA for either model, and the comparison of two generations.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client_runtime/inference/generator.h"
+#include "client_runtime/peft/lora.h"
+#include "tests/test_util.h"
+
+namespace symbiosis::testing {
+
+// Each request's logits, step by step (fp32, CPU).
+using LogitsLog = std::map<uint64_t, std::vector<at::Tensor>>;
+
+struct Generated {
+  std::vector<GenerationResult> results;
+  std::vector<std::vector<at::Tensor>> logits;  // per request, per produced token
+};
+
+inline Generated generate(const CausalLM& lm, const std::vector<GenerationRequest>& requests, GeneratorOptions options = {}) {
+  auto log = std::make_shared<LogitsLog>();
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  Generator generator(lm, options);
+  Generated out;
+  out.results = generator.generate(requests);
+  for (const auto& [id, rows] : *log) out.logits.push_back(rows);  // ids are 1, 2, ... in submission order
+  return out;
+}
+
+inline GenerationRequest request(std::vector<int64_t> prompt, int64_t new_tokens, double temperature = 0.0, int64_t top_k = 0,
+                          double top_p = 1.0, uint64_t seed = 0) {
+  GenerationRequest r;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_new_tokens = new_tokens;
+  r.sampling.temperature = temperature;
+  r.sampling.top_k = top_k;
+  r.sampling.top_p = top_p;
+  r.sampling.seed = seed;
+  r.sampling.logprobs = true;
+  return r;
+}
+
+// Prompts of different lengths, greedy and sampled: more requests than cache slots, so they join
+// and leave the running batch at step boundaries.
+inline std::vector<GenerationRequest> mixed_requests() {
+  return {request({5, 9, 33, 2, 7}, 7), request({100, 4, 18}, 9, 0.8, 20, 1.0, 1),
+          request({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, 5, 1.0, 0, 0.9, 2), request({42}, 8, 0.7, 10, 0.8, 3),
+          request({17, 3}, 6)};
+}
+
+// A LoRA for either model whose B is drawn (not zero), so it changes what the model computes.
+inline LoraConfig test_lora() {
+  LoraConfig lora;
+  lora.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "c_attn", "down_proj", "c_fc"};
+  lora.init_b_zero = false;
+  return lora;
+}
+
+inline void add_test_lora(CausalLM& lm) {
+  at::manual_seed(7);
+  add_lora(*lm.module, test_lora());
+}
+
+inline void expect_same(const Generated& a, const Generated& b, const std::string& what, double tolerance = 1e-5) {
+  ASSERT_EQ(a.results.size(), b.results.size());
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  for (size_t i = 0; i < a.results.size(); ++i) {
+    EXPECT_EQ(a.results[i].output_ids, b.results[i].output_ids) << what << ", request " << i;
+    EXPECT_EQ(a.results[i].finish_reason, b.results[i].finish_reason) << what << ", request " << i;
+    ASSERT_EQ(a.logits[i].size(), b.logits[i].size()) << what << ", request " << i;
+    for (size_t t = 0; t < a.logits[i].size(); ++t) {
+      EXPECT_LT(relative_error(a.logits[i][t], b.logits[i][t]), tolerance) << what << ", request " << i << " token " << t;
+    }
+    for (size_t t = 0; t < a.results[i].logprobs.size(); ++t) {
+      EXPECT_NEAR(a.results[i].logprobs[t], b.results[i].logprobs[t], 1e-4) << what << ", request " << i;
+    }
+  }
+}
+
+}  // namespace symbiosis::testing

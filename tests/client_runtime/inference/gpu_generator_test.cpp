@@ -1,0 +1,47 @@
+// Generation on a GPU: a tenant on the executor's GPU (CUDA IPC, its calls stream-ordered) generates
+// what the same model generates monolithic on that GPU, tokens and every step's logits, with
+// requests joining and leaving the batch; and in bf16, the split run's tokens equal the monolithic
+// run's. Skipped without a GPU; runs on the GPU machine (scripts/gpu_check.sh generate).
+#include "tests/client_runtime/inference/generation_util.h"
+#include "tests/gpu_test_util.h"
+
+namespace symbiosis {
+namespace {
+
+void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  ExecutorOptions executor_options;
+  executor_options.device = "cuda:0";
+  executor_options.dtype = dtype;
+  auto executor = testing::start_executor(dir, executor_options);
+  ClientOptions client_options;
+  client_options.device = "cuda:0";
+  const auto client = testing::connect(*executor, *checkpoint, client_options);
+  EXPECT_EQ(client->transport(), "cuda-ipc");
+  const CausalLMOptions on_gpu{dtype, at::Device("cuda:0")};
+  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
+  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
+  testing::add_test_lora(split_lm);
+  testing::add_test_lora(mono_lm);
+  GeneratorOptions options;
+  options.max_sequences = 3;
+  options.max_tokens = 24;
+  const auto split = testing::generate(split_lm, testing::mixed_requests(), options);
+  const auto mono = testing::generate(mono_lm, testing::mixed_requests(), options);
+  testing::expect_same(split, mono, std::string("cuda ") + c10::toString(dtype), tolerance);
+  EXPECT_EQ(executor->stats().errors, 0u);
+}
+
+TEST(GpuGeneration, SplitOverCudaIpcEqualsMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  expect_split_equals_monolithic(at::kFloat, 1e-5);
+}
+
+TEST(GpuGeneration, SplitOverCudaIpcGivesTheMonolithicTokensInBf16) {
+  SKIP_WITHOUT_GPUS(1);
+  expect_split_equals_monolithic(at::kBFloat16, 2e-2);
+}
+
+}  // namespace
+}  // namespace symbiosis
