@@ -25,6 +25,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -177,7 +178,8 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "write the results here (JSON)")->required();
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
   app.add_flag("--cuda-graph", cuda_graph, "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
-               "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h)");
+               "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h); generate: the "
+               "decode steps ([Captured decode] in client_runtime/inference/generator.h)");
   std::string trace;
   app.add_option("--trace", trace, "after warm-up, write a Chrome trace of 3 iterations here (LibTorch's Kineto "
                  "profiler: host operations and GPU kernels; bench/trace_summary.py sums the kernels)");
@@ -224,7 +226,9 @@ int main(int argc, char** argv) {
         [&] { optimizer.step(); }, client, device, {.capture = cuda_graph, .warmup = 1});
     std::unique_ptr<Generator> generator;
     if (mode == "generate") {
-      generator = std::make_unique<Generator>(lm, GeneratorOptions{.max_sequences = batch, .max_tokens = seq + new_tokens});
+      // --cuda-graph: decode steps in CUDA graphs ([Captured decode] in inference/generator.h).
+      generator = std::make_unique<Generator>(
+          lm, GeneratorOptions{.max_sequences = batch, .max_tokens = seq + new_tokens, .capture_decode = cuda_graph});
     }
     std::vector<double> first_token_s, per_token_s;  // generate: each request's, over the timed iterations
     bool timing = false;
@@ -307,21 +311,22 @@ int main(int argc, char** argv) {
       end = epoch_seconds();
     }
     const auto completed = static_cast<int64_t>(latencies.size());
+    const int64_t tokens_per_iteration = mode == "generate" ? batch * new_tokens : batch * seq;
     nlohmann::json j = {{"system", monolithic ? "monolithic" : "symbiosis"},
                         {"mode", mode},
                         {"monolithic", monolithic},
                         {"transport", client ? client->transport() : "none"},
-                        {"cuda_graph", step.captured()},
+                        {"cuda_graph", generator ? generator->captured_batch_sizes() > 0 : step.captured()},
                         {"device", device_name},
                         {"batch", batch},
                         {"seq", seq},
                         {"rank", rank},
                         {"iterations", completed},
-                        {"tokens_per_iteration", mode == "generate" ? batch * new_tokens : batch * seq},
+                        {"tokens_per_iteration", tokens_per_iteration},
                         {"latencies_s", latencies},
                         {"start_epoch_s", start},
                         {"end_epoch_s", end},
-                        {"tokens_per_s", batch * seq * completed / std::max(end - start, 1e-9)},
+                        {"tokens_per_s", tokens_per_iteration * completed / std::max(end - start, 1e-9)},
                         {"peak_rss_bytes", peak_rss_bytes()},
                         {"gpu_peak_reserved_bytes", gpu_peak_reserved_bytes(device)}};
     if (!profile.is_null()) j["op_profile"] = profile;
@@ -332,6 +337,8 @@ int main(int argc, char** argv) {
         auto at = [&](double q) { return values->empty() ? 0.0 : (*values)[std::min(values->size() - 1, size_t(q * values->size()))]; };
         j[std::string(name) + "_p50_s"] = at(0.5);
         j[std::string(name) + "_p99_s"] = at(0.99);
+        j[std::string(name) + "_mean_s"] =
+            values->empty() ? 0.0 : std::accumulate(values->begin(), values->end(), 0.0) / values->size();
       }
     }
     std::ofstream(out) << j.dump(2) << "\n";

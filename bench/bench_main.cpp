@@ -43,14 +43,62 @@ double epoch_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// Each client entry may stand for several identical clients ("count").
+// Each client entry may stand for several identical clients ("count"), and names their group
+// ("group"; by default "group0", "group1", ... in the scenario's order), which the results report
+// apart (e.g. the inference and the fine-tuning tenants of a mixed workload).
 std::vector<json> expand_clients(const json& scenario, int count_override) {
   std::vector<json> out;
-  for (const auto& c : scenario.at("clients")) {
+  const json& entries = scenario.at("clients");
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const json& c = entries[e];
     const int count = count_override > 0 ? count_override : c.value("count", 1);
-    for (int i = 0; i < count; ++i) out.push_back(c);
+    json client = c;
+    client["group"] = c.value("group", "group" + std::to_string(e));
+    for (int i = 0; i < count; ++i) out.push_back(client);
   }
   return out;
+}
+
+std::vector<std::string> group_names(const std::vector<json>& clients) {
+  std::vector<std::string> names;
+  for (const auto& c : clients) {
+    if (std::find(names.begin(), names.end(), c["group"]) == names.end()) names.push_back(c["group"]);
+  }
+  return names;
+}
+
+// The aggregate figures of some clients' results (each with its latencies_s): tokens/s over their
+// common window, iteration latencies, and for generation the slowest tenant's time to first token
+// and per output token and the tenants' mean time per output token.
+json summarize(const std::vector<json>& clients) {
+  double start = 1e300, end = 0, tokens = 0, latency_sum = 0, tpot_sum = 0;
+  int tpot_count = 0;
+  std::vector<double> latencies;
+  for (const auto& c : clients) {
+    start = std::min(start, c["start_epoch_s"].get<double>());
+    end = std::max(end, c["end_epoch_s"].get<double>());
+    tokens += c["tokens_per_iteration"].get<double>() * c["iterations"].get<double>();
+    for (double l : c["latencies_s"]) {
+      latency_sum += l;
+      latencies.push_back(l);
+    }
+    if (c.contains("time_per_output_token_mean_s")) {
+      tpot_sum += c["time_per_output_token_mean_s"].get<double>();
+      ++tpot_count;
+    }
+  }
+  std::sort(latencies.begin(), latencies.end());
+  json summary = {{"aggregate_tokens_per_s", tokens / std::max(end - start, 1e-9)},
+                  {"mean_iteration_s", latencies.empty() ? 0.0 : latency_sum / latencies.size()},
+                  {"p50_iteration_s", latencies.empty() ? 0.0 : latencies[latencies.size() / 2]}};
+  if (tpot_count) summary["mean_tenant_time_per_output_token_s"] = tpot_sum / tpot_count;
+  for (const char* key : {"time_to_first_token_p50_s", "time_to_first_token_p99_s", "time_per_output_token_p50_s",
+                          "time_per_output_token_p99_s"}) {
+    double worst = -1;
+    for (const auto& c : clients) worst = std::max(worst, c.value(key, -1.0));
+    if (worst >= 0) summary[std::string("worst_tenant_") + key] = worst;
+  }
+  return summary;
 }
 
 // The command line of one client of `system` ("symbiosis", "monolithic" or "hf_peft").
@@ -172,39 +220,31 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
   bool ok = true;
   for (pid_t pid : pids) ok = wait_ok(pid) && ok;
   if (!ok) fail("a client failed");
-  json result = {{"system", system}, {"count", clients.size()}, {"clients", json::array()}};
-  double start = 1e300, end = 0, tokens = 0, latency_sum = 0;
-  size_t latency_count = 0, rss = 0, gpu_reserved = 0;
-  std::vector<double> latencies;
+  json result = {{"system", system}, {"count", clients.size()}, {"clients", json::array()}, {"groups", json::object()}};
+  std::vector<json> reported;
+  size_t rss = 0, gpu_reserved = 0;
   for (size_t i = 0; i < pids.size(); ++i) {
     json c = json::parse(read_file(dir / ("client" + std::to_string(i) + ".json")));
-    start = std::min(start, c["start_epoch_s"].get<double>());
-    end = std::max(end, c["end_epoch_s"].get<double>());
-    tokens += c["tokens_per_iteration"].get<double>() * c["iterations"].get<double>();
-    for (double l : c["latencies_s"]) {
-      latency_sum += l;
-      latency_count++;
-      latencies.push_back(l);
-    }
+    c["group"] = clients[i]["group"];
     rss += c["peak_rss_bytes"].get<size_t>();
     gpu_reserved += c.value("gpu_peak_reserved_bytes", size_t{0});
+    reported.push_back(c);
+  }
+  result.update(summarize(reported));
+  const auto groups = group_names(clients);
+  for (const auto& group : groups) {
+    if (groups.size() < 2) break;
+    std::vector<json> members;
+    std::copy_if(reported.begin(), reported.end(), std::back_inserter(members), [&](const json& c) { return c["group"] == group; });
+    result["groups"][group] = summarize(members);
+  }
+  for (auto& c : reported) {
     c.erase("latencies_s");
     result["clients"].push_back(c);
   }
-  std::sort(latencies.begin(), latencies.end());
-  result["aggregate_tokens_per_s"] = tokens / std::max(end - start, 1e-9);
-  result["mean_iteration_s"] = latency_count ? latency_sum / latency_count : 0.0;
-  result["p50_iteration_s"] = latencies.empty() ? 0.0 : latencies[latencies.size() / 2];
   result["clients_peak_rss_bytes_total"] = rss;
   result["clients_gpu_peak_reserved_bytes_total"] = gpu_reserved;
   result["gpu_memory_used_peak_mib"] = sampler.peak_mib();
-  // Generation: the slowest tenant's latencies (each client reports its own).
-  for (const char* key : {"time_to_first_token_p50_s", "time_to_first_token_p99_s", "time_per_output_token_p50_s",
-                          "time_per_output_token_p99_s"}) {
-    double worst = -1;
-    for (const auto& c : result["clients"]) worst = std::max(worst, c.value(key, -1.0));
-    if (worst >= 0) result[std::string("worst_tenant_") + key] = worst;
-  }
   result["gpu_memory_idle_mib"] = idle_mib;
   return result;
 }
@@ -307,13 +347,51 @@ json run_capacity(const std::string& system, const json& scenario, const json& c
           {"gpu_memory_used_peak_mib", sampler.peak_mib()}};
 }
 
+// Generation: the tenants' mean time per output token, the slowest tenant's p50 and p99 (ms).
+std::string token_latencies(const json& figures) {
+  if (!figures.contains("worst_tenant_time_per_output_token_p50_s")) return "";
+  char text[160];
+  std::snprintf(text, sizeof text, "  per output token: mean %.2f ms, worst tenant p50 %.2f p99 %.2f ms; first token p50 %.1f ms",
+                1e3 * figures.value("mean_tenant_time_per_output_token_s", 0.0),
+                1e3 * figures["worst_tenant_time_per_output_token_p50_s"].get<double>(),
+                1e3 * figures["worst_tenant_time_per_output_token_p99_s"].get<double>(),
+                1e3 * figures["worst_tenant_time_to_first_token_p50_s"].get<double>());
+  return text;
+}
+
 void print_row(const json& run, double best_baseline) {
   const std::string name = run["system"].get<std::string>() + (run.contains("policy") ? "/" + run["policy"].get<std::string>() : "");
   const double tps = run["aggregate_tokens_per_s"].get<double>();
-  std::printf("%-26s %5d %12.1f %14.2f %14.2f %12.0f %16s\n", name.c_str(), run["count"].get<int>(), tps,
+  std::printf("%-26s %5d %12.1f %14.2f %14.2f %12.0f %16s%s\n", name.c_str(), run["count"].get<int>(), tps,
               1e3 * run["mean_iteration_s"].get<double>(), 1e3 * run["p50_iteration_s"].get<double>(),
               run["gpu_memory_used_peak_mib"].get<double>(),
-              best_baseline > 0 ? (std::to_string(tps / best_baseline).substr(0, 5) + "x").c_str() : "-");
+              best_baseline > 0 ? (std::to_string(tps / best_baseline).substr(0, 5) + "x").c_str() : "-",
+              token_latencies(run).c_str());
+  if (run.contains("mean_batch_requests")) {
+    std::printf("%-26s mean batch %.2f requests, %.1f tokens\n", "", run["mean_batch_requests"].get<double>(),
+                run["mean_batch_tokens"].get<double>());
+  }
+  const json groups = run.value("groups", json::object());
+  for (const auto& [group, figures] : groups.items()) {
+    std::printf("%-26s group %s: %.1f tokens/s%s\n", "", group.c_str(), figures["aggregate_tokens_per_s"].get<double>(),
+                token_latencies(figures).c_str());
+  }
+}
+
+// [Mixed workload] A scenario with "alone": true also runs each group of its clients alone on an
+// executor of its own (the first policy), and reports each group's figures together against alone:
+// tokens/s, and for generation the time per output token.
+void compare_alone(const json& together, const std::vector<json>& alone) {
+  for (const auto& run : alone) {
+    const auto& group = run["alone_group"].get<std::string>();
+    const auto& mixed = together["groups"][group];
+    std::printf("group %-12s together/alone: tokens/s %.3f", group.c_str(),
+                mixed["aggregate_tokens_per_s"].get<double>() / run["aggregate_tokens_per_s"].get<double>());
+    for (const char* key : {"worst_tenant_time_per_output_token_p50_s", "worst_tenant_time_per_output_token_p99_s"}) {
+      if (run.contains(key)) std::printf(", %s %.3f", key, mixed[key].get<double>() / run[key].get<double>());
+    }
+    std::printf("\n");
+  }
 }
 
 }  // namespace
@@ -412,6 +490,19 @@ int main(int argc, char** argv) {
           best_baseline_iteration = runs.back()["mean_iteration_s"].get<double>();
         }
       }
+      std::vector<json> alone;
+      if (scenario.value("alone", false)) {
+        for (const auto& group : group_names(clients)) {
+          std::vector<json> members;
+          std::copy_if(clients.begin(), clients.end(), std::back_inserter(members), [&](const json& c) { return c["group"] == group; });
+          std::cerr << "symbiosis-bench: group " << group << " alone, " << members.size() << " clients" << std::endl;
+          alone.push_back(run_symbiosis(scenario, members, model, defaults, policies.front(), out / tag / ("alone-" + group),
+                                        window_s, gpu));
+          alone.back()["system"] = "symbiosis/alone-" + group;
+          alone.back()["alone_group"] = group;
+        }
+        runs.insert(runs.end(), alone.begin(), alone.end());
+      }
       for (auto& run : runs) {
         if (best_baseline > 0) {
           run["throughput_vs_best_baseline"] = run["aggregate_tokens_per_s"].get<double>() / best_baseline;
@@ -420,6 +511,7 @@ int main(int argc, char** argv) {
         print_row(run, best_baseline);
         results["runs"].push_back(run);
       }
+      if (!alone.empty()) compare_alone(runs.front(), alone);
       std::fflush(stdout);
       std::ofstream(out / "results.json") << results.dump(2) << "\n";  // partial results survive a later failure
     }

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <set>
 #include <sstream>
 
 #include <symbiosis/client.h>
@@ -64,6 +65,12 @@ GenerationRequest parse_request(const std::string& text, const SamplingParams& d
   }
   TORCH_CHECK(line.is_object(), "not a JSON object, expected {\"prompt_ids\": [...]}");
   TORCH_CHECK(line.contains("prompt_ids"), "field 'prompt_ids' is missing, expected a list of token ids");
+  static const std::set<std::string> known = {"prompt_ids", "max_new_tokens", "temperature", "top_k",
+                                              "top_p",      "seed",           "stop_tokens", "logprobs"};
+  for (const auto& [key, value] : line.items()) {
+    TORCH_CHECK(known.count(key), "field '", key.substr(0, 64), "' is unknown, expected only prompt_ids, max_new_tokens, "
+                "temperature, top_k, top_p, seed, stop_tokens and logprobs");
+  }
   GenerationRequest request;
   request.prompt_ids = field<std::vector<int64_t>>(line, "prompt_ids", {}, "a list of integer token ids");
   auto& s = request.sampling;
@@ -176,8 +183,11 @@ int main(int argc, char** argv) {
   app.add_flag("--logprobs", p.logprobs, "report each produced token's log-probability");
   app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")->capture_default_str();
   app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();
+  bool eager = false;
+  app.add_flag("--eager", eager, "on a GPU, decode without CUDA graphs (they are captured per batch size by default)");
   app.add_option("--threads", s.threads, "CPU threads of this process")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  g.capture_decode = !eager;
   at::set_num_threads(s.threads);
   try {
     return run(s);

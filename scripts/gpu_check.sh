@@ -18,6 +18,10 @@
 #                  sequences (512 + 128 tokens, Llama-3.2-1B, bf16) against N monolithic processes, one
 #                  monolithic process of all 8 x N_MAX sequences, and HF PEFT generate with N_MAX adapters
 #                  in one mixed batch (N_MAX: the largest count), under MPS
+#   mixed-generate 6 inference tenants (8 x (512 + 128) tokens each) and 2 fine-tuning tenants (2 x 512) on one
+#                  executor, against each group alone (Llama-3.2-1B, bf16, MPS; the paper's 4.4)
+#   table5         8 inference tenants of batches 2 to 256, two LoRA shapes, under none, lockstep and
+#                  opportunistic (Llama-2-7B shape, bf16, MPS; the paper's Table 5)
 #   bench-512      Llama-3.2-1B, batch 2 x 512, N = 1, 2, 4, 8 (or COUNTS), against both baselines, under MPS
 #   bench-128      the same at batch 1 x 128
 #   bench-128-ends the same at N = 1 and 8 only
@@ -80,6 +84,12 @@ case " $* " in *" capacity-13b"*|*" remote "*|*" remote-13b "*)
   ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
     && mv $model_13b.tmp $model_13b ) & ;;
 esac
+model_7b=/tmp/llama-7b
+case " $* " in *" table5 "*)
+  ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-7b --dtype bf16 --out $model_7b.tmp > /dev/null \
+    && mv $model_7b.tmp $model_7b ) & ;;
+esac
+wait_7b() { while [ ! -f $model_7b/config.json ]; do sleep 1; done; log "7B checkpoint ready"; }
 wait_13b() { while [ ! -f $model_13b/config.json ]; do sleep 1; done; log "13B checkpoint ready"; }
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -250,7 +260,7 @@ for stage in "$@"; do
       n=${counts##*,}
       shape="--mode generate --model $model_1b --batch $((8 * n)) --seq 512 --new-tokens 128 --rank 8 \
         --targets q_proj,k_proj,v_proj,o_proj --device cuda:0 --dtype bf16 --warmup 1 --iterations 2"
-      "$B/bench/symbiosis-bench-client" --monolithic $shape --out $out/generate-one-process.json \
+      "$B/bench/symbiosis-bench-client" --monolithic --cuda-graph $shape --out $out/generate-one-process.json \
         > $logs/generate-one-process.log 2>&1 || tail -5 $logs/generate-one-process.log
       python3 bench/hf_peft_client.py $shape --adapters $n --out $out/generate-hf-peft.json \
         > $logs/generate-hf-peft.log 2>&1 || tail -5 $logs/generate-hf-peft.log
@@ -264,6 +274,18 @@ for path in sys.argv[1:]:
     extra = {k: round(v * 1e3, 2) for k, v in r.items() if k.endswith("_s") and "token" in k}
     print(f"{path.split('/')[-1]}: {r['tokens_per_s']:.0f} output tokens/s, batch {r['batch']}, ms: {extra}")
 PY
+      mps_off
+      ;;
+    mixed-generate)
+      make_1b
+      mps_on
+      bench mixed-generate bench/scenarios/gpu_mixed_llama1b.json --checkpoint $model_1b
+      mps_off
+      ;;
+    table5)
+      wait_7b
+      mps_on
+      bench table5 bench/scenarios/gpu_table5_llama7b.json --checkpoint $model_7b
       mps_off
       ;;
     bench-512|bench-128)

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "client_runtime/peft/prompt.h"
+#include "client_runtime/training/step_graph.h"
 
 namespace symbiosis {
 
@@ -23,12 +24,21 @@ void GeneratorOptions::validate() const {
   TORCH_CHECK(max_tokens >= 2, "max_tokens is ", max_tokens, ", expected at least 2 (a prompt token and a new one)");
   TORCH_CHECK(max_waiting >= 1, "max_waiting is ", max_waiting, ", expected at least 1");
   TORCH_CHECK(max_prefill_tokens >= 1, "max_prefill_tokens is ", max_prefill_tokens, ", expected at least 1");
+  TORCH_CHECK(capture_warmup >= 1, "capture_warmup is ", capture_warmup, ", expected at least 1");
 }
 
 struct Generator::Submitted {
   uint64_t id;
   GenerationRequest request;
   TokenCallback on_token;
+};
+
+// One batch size's decode step, captured ([Captured decode]).
+struct Generator::DecodeGraph {
+  at::Tensor inputs;  // [3, B] int64 on the device: token ids, cache slots, starts
+  at::Tensor logits;  // [B, vocab]: what the last run wrote
+  std::unique_ptr<StepGraph> graph;
+  int runs = 0;
 };
 
 struct Generator::Sequence {
@@ -85,6 +95,7 @@ Generator::Generator(CausalLM lm, GeneratorOptions options)
   vocab_size_ = table.size(0);
   cache_ = std::make_unique<KvCache>(model_adapter_host(*lm_.module).model_shape(), options_.max_sequences,
                                      options_.max_tokens, table.scalar_type(), table.device());
+  capture_ = options_.capture_decode && table.device().is_cuda();
 }
 
 Generator::~Generator() = default;
@@ -129,6 +140,9 @@ void Generator::cancel(uint64_t request) {
 }
 
 int64_t Generator::running() const { return static_cast<int64_t>(running_.size()); }
+int64_t Generator::captured_batch_sizes() const {
+  return std::count_if(decode_graphs_.begin(), decode_graphs_.end(), [](const auto& g) { return g.second->graph->captured(); });
+}
 const KvCache& Generator::cache() const { return *cache_; }
 
 void Generator::finish(Sequence& sequence, FinishReason reason, const std::string& error) {
@@ -247,7 +261,8 @@ void Generator::prefill(const std::vector<Sequence*>& sequences) {
     layout.push_back({s->slot, past_length, tokens.size(0)});
     embeddings.push_back(tokens);
   }
-  forward_and_choose(sequences, layout, at::cat(embeddings, 0).unsqueeze(0), LatencyClass::kInferencePrefill);
+  const auto packed = at::cat(embeddings, 0).unsqueeze(0);
+  forward_and_choose(sequences, layout, LatencyClass::kInferencePrefill, [&] { return forward_eager(layout, packed); });
 }
 
 void Generator::decode() {
@@ -261,21 +276,64 @@ void Generator::decode() {
     tokens.push_back(s->next_token);
   }
   if (sequences.empty()) return;
-  const auto ids = at::tensor(tokens, at::kLong).to(cache_->keys(0).device());
-  forward_and_choose(sequences, layout, model_.embed(ids).unsqueeze(0), LatencyClass::kInferenceDecode);
+  forward_and_choose(sequences, layout, LatencyClass::kInferenceDecode, [&] {
+    if (capture_) return decode_captured(layout, tokens);
+    const auto ids = at::tensor(tokens, at::kLong).to(cache_->keys(0).device());
+    return forward_eager(layout, model_.embed(ids).unsqueeze(0));
+  });
+}
+
+at::Tensor Generator::forward_eager(const std::vector<StepSequence>& layout, const at::Tensor& embeddings) {
+  const CachedStep step(*cache_, layout);
+  const auto hidden = model_.forward_cached(embeddings, step);
+  // Logits only where a token is chosen: each sequence's last position (the lm_head, on the
+  // executor when split, sees one row a sequence).
+  auto logits = model_.logits(hidden.index_select(1, step.last_tokens()))[0];
+  lm_.settle();
+  return logits;
+}
+
+at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens) {
+  const auto count = static_cast<int64_t>(layout.size());
+  auto& slot = decode_graphs_[count];
+  if (!slot) {
+    slot = std::make_unique<DecodeGraph>();
+    auto* g = slot.get();
+    g->inputs = at::zeros({3, count}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
+    g->graph = std::make_unique<StepGraph>(
+        [this, g] {
+          const auto step = CachedStep::fixed_decode(*cache_, g->inputs[1], g->inputs[2]);
+          const auto hidden = model_.forward_cached(model_.embed(g->inputs[0]).unsqueeze(0), step);
+          g->logits = model_.logits(hidden)[0];  // every token is its sequence's last
+        },
+        std::function<void()>(), lm_.client, g->inputs.device(), StepGraphOptions{.warmup = options_.capture_warmup});
+  }
+  auto& g = *slot;
+  std::vector<int64_t> inputs(tokens);
+  for (const auto& s : layout) inputs.push_back(s.slot);
+  for (const auto& s : layout) inputs.push_back(s.start);
+  g.inputs.copy_(at::tensor(inputs, at::kLong).view({3, count}));
+  const bool capturing = g.runs++ == options_.capture_warmup;
+  try {
+    g.graph->run();
+  } catch (const c10::Error& e) {
+    if (!capturing || g.graph->captured()) throw;
+    // This model or transport cannot be captured: decode eagerly from now on.
+    TORCH_WARN("Generator: decoding without CUDA graphs: ", e.what_without_backtrace());
+    capture_ = false;
+    const auto embeddings = model_.embed(g.inputs[0]).unsqueeze(0);
+    decode_graphs_.clear();
+    return forward_eager(layout, embeddings);
+  }
+  return g.logits;
 }
 
 void Generator::forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,
-                                   const at::Tensor& embeddings, LatencyClass latency) {
+                                   LatencyClass latency, const std::function<at::Tensor()>& forward) {
   at::Tensor logits;
   try {
     LatencyScope scope(lm_.client, latency);
-    const CachedStep step(*cache_, layout);
-    const auto hidden = model_.forward_cached(embeddings, step);
-    // Logits only where a token is chosen: each sequence's last position (the lm_head, on the
-    // executor when split, sees one row a sequence).
-    logits = model_.logits(hidden.index_select(1, step.last_tokens()))[0];
-    lm_.settle();
+    logits = forward();
   } catch (const c10::Error& e) {
     // The step's requests end with the error; the generator goes on with the others.
     for (auto* s : sequences) finish(*s, FinishReason::kError, e.what_without_backtrace());

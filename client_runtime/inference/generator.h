@@ -16,6 +16,16 @@
 // kInferenceDecode (the executor serves decode first: [Inference first] in
 // base_executor/batching.h); the client's class is restored after the step.
 //
+// [Captured decode] On a GPU, each decode step is captured in a CUDA graph the first time a batch of
+// its size runs (after `capture_warmup` eager runs of that size; one graph per batch size, the
+// buckets) and replayed after: the step's host work (some thousand kernel launches and, split, its
+// base-layer calls: [Captured steps] in training/step_graph.h) becomes one graph launch and the
+// calls' headers. The captured step reads its token ids, cache slots and positions from device
+// tensors filled before each replay and attends over the whole cache, masked to each sequence's
+// length (CachedStep::fixed_decode), so the same graph serves every step. Prefill stays eager
+// (its shapes vary). A client whose transport cannot be captured (anything but a same-GPU client
+// over the shared-memory control channel) decodes eagerly, as on a CPU.
+//
 // Threads: submit() and cancel() may be called from any thread; step(), run() and generate() from
 // one thread at a time (the loop that owns the cache). Callbacks run on the stepping thread.
 #include <ATen/ATen.h>
@@ -23,6 +33,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -68,6 +79,8 @@ struct GeneratorOptions {
   int64_t max_tokens = 1024;    // cache positions per request: virtual tokens + prompt + new tokens
   int64_t max_waiting = 4096;   // requests waiting for a slot; submit() refuses beyond
   int64_t max_prefill_tokens = 8192;  // prompt tokens one step prefills (a longer single prompt goes alone)
+  bool capture_decode = true;  // GPU: decode steps in CUDA graphs ([Captured decode]); false: eager
+  int capture_warmup = 2;      // eager decode steps of a batch size before its capture (at least 1)
   // Called with each produced token's logits [vocab] (the model's dtype, on its device) before the
   // choice: for inspection, tests and constrained decoding. Optional.
   std::function<void(uint64_t request, const at::Tensor& logits)> logits_observer;
@@ -99,17 +112,23 @@ class Generator {
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
 
   int64_t running() const;  // requests holding a cache slot
+  int64_t captured_batch_sizes() const;  // decode graphs captured so far ([Captured decode])
   const KvCache& cache() const;
 
  private:
   struct Sequence;
   struct Submitted;
+  struct DecodeGraph;
   void take_incoming();  // submitted requests join the waiting queue; cancelled ones leave
   void prefill(const std::vector<Sequence*>& sequences);
   void decode();
-  // Runs one forward over the sequences' step and hands each its next token.
+  // Logits [sequences, vocab] of a decode step through its batch size's graph.
+  at::Tensor decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens);
+  // Runs `forward` (a step's logits, one row per sequence) under the latency class and hands each
+  // sequence its next token; a failed step ends its sequences with the error.
   void forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,
-                          const at::Tensor& embeddings, LatencyClass latency);
+                          LatencyClass latency, const std::function<at::Tensor()>& forward);
+  at::Tensor forward_eager(const std::vector<StepSequence>& layout, const at::Tensor& embeddings);
   void finish(Sequence& sequence, FinishReason reason, const std::string& error = {});
   int64_t virtual_tokens() const;  // the adapter's prompt or prefix length
 
@@ -118,6 +137,8 @@ class Generator {
   GeneratorOptions options_;
   int64_t vocab_size_ = 0;
   std::unique_ptr<KvCache> cache_;
+  bool capture_ = false;  // decode in CUDA graphs ([Captured decode]); off after a capture fails
+  std::map<int64_t, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by batch size
 
   // Guards next_id_, queued_, incoming_ and cancelled_: what other threads hand to the stepping thread.
   mutable std::mutex mutex_;

@@ -79,6 +79,7 @@ CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
                 " cached tokens plus ", s.length, " new ones does not fit a cache of ", cache.tokens(), " per sequence");
     for (int64_t i = 0; i < s.length; ++i) positions.push_back(s.start + i);
     tokens_ += s.length;
+    ++count_;
     last.push_back(tokens_ - 1);
     slots.push_back(s.slot);
     starts.push_back(s.start);
@@ -102,6 +103,22 @@ CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
   }
 }
 
+CachedStep CachedStep::fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts) {
+  TORCH_CHECK(slots.dim() == 1 && slots.sizes() == starts.sizes() && slots.size(0) >= 1 && slots.size(0) <= cache.sequences(),
+              "a fixed decode step takes slots and starts of the same length in [1, ", cache.sequences(), "], got ",
+              slots.sizes(), " and ", starts.sizes());
+  CachedStep step(cache);
+  step.count_ = step.tokens_ = slots.size(0);
+  step.slots_ = slots;
+  step.starts_ = starts;
+  step.positions_ = starts;
+  step.last_tokens_ = at::arange(step.count_, starts.options());
+  step.decode_keys_ = cache.tokens();
+  auto allowed = at::arange(step.decode_keys_, starts.options()).view({1, step.decode_keys_}) <= starts.view({-1, 1});
+  step.decode_mask_ = detail::additive_mask(allowed.view({-1, 1, 1, step.decode_keys_}), cache.keys(0).scalar_type());
+  return step;
+}
+
 at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
   auto& keys = cache_.keys(layer);
   auto& values = cache_.values(layer);
@@ -111,10 +128,9 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
     // One token a sequence: written at each one's start, then one attention call for all of them.
     keys.index_put_({slots_, Slice(), starts_}, k[0].transpose(0, 1));
     values.index_put_({slots_, Slice(), starts_}, v[0].transpose(0, 1));
-    const int64_t count = static_cast<int64_t>(sequences_.size());
     auto span = [&](const at::Tensor& t) {
       auto prefix = t.narrow(2, 0, decode_keys_);
-      return contiguous_slots_ ? prefix.narrow(0, sequences_[0].slot, count) : prefix.index_select(0, slots_);
+      return contiguous_slots_ ? prefix.narrow(0, sequences_[0].slot, count_) : prefix.index_select(0, slots_);
     };
     auto queries = q[0].transpose(0, 1).unsqueeze(2);  // [sequences, heads, 1, head_dim]
     auto out = detail::attention_over(queries, span(keys), span(values), decode_mask_);

@@ -61,25 +61,36 @@ class CachedStep {
  public:
   // The sequences in the order their tokens are packed. Checks each fits its slot.
   CachedStep(KvCache& cache, std::vector<StepSequence> sequences);
+  // [Captured decode] A decode step whose shape does not depend on where the sequences stand, so
+  // that it can be captured in a CUDA graph and replayed: one token for each of slots.size(0)
+  // sequences, their slots and starts read from the device tensors `slots` and `starts` ([B] int64,
+  // which the caller fills before each replay and has checked against the cache), every query
+  // attending over all the cache's positions, masked to its own start. Makes no host-to-device
+  // copy and reads no device value on the host.
+  static CachedStep fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts);
   const std::vector<StepSequence>& sequences() const { return sequences_; }
   int64_t tokens() const { return tokens_; }  // N, the packed tokens
   // [N] int64 on the cache's device: each token's position in its sequence.
   const at::Tensor& positions() const { return positions_; }
   // [sequences] int64 on the cache's device: where each sequence's last token lies among the N.
   const at::Tensor& last_tokens() const { return last_tokens_; }
+  int64_t count() const { return count_; }  // sequences in the step
   // Layer `layer`'s attention for the packed tokens: q [1, heads, N, head_dim], k and v
   // [1, kv_heads, N, head_dim] (k rotated where the model rotates) -> [1, heads, N, head_dim].
   // Writes k and v into the cache first.
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
 
  private:
+  explicit CachedStep(KvCache& cache) : cache_(cache) {}
   KvCache& cache_;
-  std::vector<StepSequence> sequences_;
+  std::vector<StepSequence> sequences_;  // empty in a fixed decode step
+  int64_t count_ = 0;
   int64_t tokens_ = 0;
   bool decode_ = true;  // every sequence adds one token
   at::Tensor positions_, last_tokens_;
   // Decode steps: the slots and the starts as tensors, the slots' span when they lie side by side,
-  // and the additive mask [sequences, 1, 1, keys] (undefined when every sequence sees every key).
+  // the keys attended (the first decode_keys_ of each slot) and the additive mask
+  // [sequences, 1, 1, keys] (undefined when every sequence sees every key).
   at::Tensor slots_, starts_, decode_mask_;
   bool contiguous_slots_ = false;
   int64_t decode_keys_ = 0;

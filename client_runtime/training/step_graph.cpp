@@ -24,7 +24,7 @@ struct StepGraph::Impl {
   void eager() const {
     compute();
     if (client) client->settle();
-    apply();
+    if (apply) apply();
   }
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -59,7 +59,7 @@ struct StepGraph::Impl {
 
   void capture_step() {
     compute_graph = std::make_unique<at::cuda::CUDAGraph>();
-    apply_graph = std::make_unique<at::cuda::CUDAGraph>();
+    if (apply) apply_graph = std::make_unique<at::cuda::CUDAGraph>();
     if (client) client->begin_capture();
     try {
       capture(*compute_graph, compute, {0, 0});
@@ -71,7 +71,7 @@ struct StepGraph::Impl {
     }
     if (client) calls = client->end_capture();
     // Shares the compute graph's pool: the two are always replayed in the order they were captured.
-    capture(*apply_graph, apply, compute_graph->pool());
+    if (apply) capture(*apply_graph, apply, compute_graph->pool());
     // The eager runs' blocks stay in the allocator's cache, and the graphs never use them.
     c10::cuda::CUDACachingAllocator::emptyCache();
   }
@@ -82,7 +82,7 @@ struct StepGraph::Impl {
       client->replay(*calls);
       client->settle();
     }
-    apply_graph->replay();
+    if (apply_graph) apply_graph->replay();
   }
 #endif
 };
@@ -91,7 +91,7 @@ StepGraph::StepGraph(std::function<void()> compute, std::function<void()> apply,
                      at::Device device, StepGraphOptions options)
     : impl_(std::make_unique<Impl>()) {
   TORCH_CHECK(options.warmup >= 1, "StepGraphOptions::warmup must be at least 1, got ", options.warmup);
-  TORCH_CHECK(compute && apply, "StepGraph needs a compute and an apply function");
+  TORCH_CHECK(compute, "StepGraph needs a compute function");
   impl_->compute = std::move(compute);
   impl_->apply = std::move(apply);
   impl_->client = std::move(client);

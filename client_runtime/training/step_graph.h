@@ -10,7 +10,9 @@
 //
 // A step is two parts: `compute` (forward, loss and backward: the gradients) and `apply` (what
 // uses them: the optimizer step). Between the two, run() settles the client (Client::settle), so
-// that an executor error is thrown before the adapters are updated, as in an eager step.
+// that an executor error is thrown before the adapters are updated, as in an eager step. A step
+// with nothing to apply (a decode step: [Captured decode] in inference/generator.h) passes an
+// empty `apply`.
 //
 // What a captured step must keep to (as for any CUDA graph):
 //  - the same work every time: the same shapes, its inputs read from the same tensors (copy a new

@@ -20,6 +20,7 @@ using LogitsLog = std::map<uint64_t, std::vector<at::Tensor>>;
 struct Generated {
   std::vector<GenerationResult> results;
   std::vector<std::vector<at::Tensor>> logits;  // per request, per produced token
+  int64_t captured = 0;  // decode graphs the generator captured ([Captured decode])
 };
 
 inline Generated generate(const CausalLM& lm, const std::vector<GenerationRequest>& requests, GeneratorOptions options = {}) {
@@ -28,6 +29,7 @@ inline Generated generate(const CausalLM& lm, const std::vector<GenerationReques
   Generator generator(lm, options);
   Generated out;
   out.results = generator.generate(requests);
+  out.captured = generator.captured_batch_sizes();
   for (const auto& [id, rows] : *log) out.logits.push_back(rows);  // ids are 1, 2, ... in submission order
   return out;
 }

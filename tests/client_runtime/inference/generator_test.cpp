@@ -150,6 +150,37 @@ TEST_P(GeneratorTest, BadRequestsAreRefusedNamingTheFieldAndTheOthersGoOn) {
   EXPECT_NO_THROW(generator.submit(request({6}, 2)));  // room again
 }
 
+// [Captured decode]: the fixed-shape decode step a CUDA graph replays (slots and starts read from
+// device tensors, attention over the whole cache, masked) computes what the packed decode step
+// computes, for sequences of different lengths in slots that are not side by side.
+TEST_P(GeneratorTest, FixedShapeDecodeStepEqualsThePackedOne) {
+  at::NoGradGuard no_grad;
+  auto lm = open_causal_lm(*checkpoint_);
+  add_test_lora(lm);
+  auto& model = cached_model(*lm.module);
+  const auto shape = model_adapter_host(*lm.module).model_shape();
+  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 33, 2, 7}, {100, 4, 18}};
+  const std::vector<int64_t> slots = {3, 1}, next = {11, 12};
+  auto decode_logits = [&](bool fixed) {
+    KvCache cache(shape, 4, 16, at::kFloat, at::kCPU);
+    std::vector<StepSequence> prefill, decode;
+    std::vector<int64_t> ids, starts;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const auto length = static_cast<int64_t>(prompts[i].size());
+      prefill.push_back({slots[i], 0, length});
+      decode.push_back({slots[i], length, 1});
+      ids.insert(ids.end(), prompts[i].begin(), prompts[i].end());
+      starts.push_back(length);
+    }
+    model.forward_cached(model.embed(at::tensor(ids, at::kLong)).unsqueeze(0), CachedStep(cache, prefill));
+    const auto embeddings = model.embed(at::tensor(next, at::kLong)).unsqueeze(0);
+    if (!fixed) return model.logits(model.forward_cached(embeddings, CachedStep(cache, decode)))[0];
+    const auto step = CachedStep::fixed_decode(cache, at::tensor(slots, at::kLong), at::tensor(starts, at::kLong));
+    return model.logits(model.forward_cached(embeddings, step))[0];
+  };
+  EXPECT_LT(relative_error(decode_logits(true), decode_logits(false)), kTolerance);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest, ::testing::Values("tiny-llama", "tiny-gpt2"),
                          [](const auto& info) { return std::string(info.param == "tiny-llama" ? "llama" : "gpt2"); });
 
@@ -314,7 +345,9 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
     input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})" << "\n"
           << R"({"prompt_ids": [7, 7], "top_p": 2.0})" << "\n"
           << R"({"prompt_ids": "seven"})" << "\n"
-          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n";
+          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n"
+          << R"({"prompt_ids": [1, 2], "stop_tokens": ["eos"]})" << "\n"
+          << R"({"prompt_ids": [1, 2], "max_tokens": 3})" << "\n";
   }
   std::map<std::string, std::map<int64_t, nlohmann::json>> lines;  // by run, by index
   for (const std::string run : {"split", "monolithic"}) {
@@ -331,7 +364,7 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
       lines[run][line.at("index").get<int64_t>()] = line;
     }
   }
-  ASSERT_EQ(lines["split"].size(), 4u);
+  ASSERT_EQ(lines["split"].size(), 6u);
   EXPECT_EQ(lines["split"], lines["monolithic"]);
   EXPECT_EQ(lines["split"][1]["output_ids"].size(), 4u);
   EXPECT_EQ(lines["split"][1]["logprobs"].size(), 4u);
@@ -340,6 +373,11 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
   EXPECT_NE(lines["split"][3]["error"].get<std::string>().find("field 'prompt_ids' is \"seven\", expected a list of integer token ids"),
             std::string::npos);
   EXPECT_EQ(lines["split"][4]["output_ids"].size(), 6u);
+  EXPECT_NE(lines["split"][5]["error"].get<std::string>().find(
+                "field 'stop_tokens' is [\"eos\"], expected a list of integer token ids"),
+            std::string::npos);
+  EXPECT_NE(lines["split"][6]["error"].get<std::string>().find("field 'max_tokens' is unknown, expected only prompt_ids"),
+            std::string::npos);
 }
 
 }  // namespace

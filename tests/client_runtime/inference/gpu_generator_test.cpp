@@ -1,7 +1,9 @@
 // Generation on a GPU: a tenant on the executor's GPU (CUDA IPC, its calls stream-ordered) generates
 // what the same model generates monolithic on that GPU, tokens and every step's logits, with
 // requests joining and leaving the batch; and in bf16, the split run's tokens equal the monolithic
-// run's. Skipped without a GPU; runs on the GPU machine (scripts/gpu_check.sh generate).
+// run's. The split run decodes in CUDA graphs ([Captured decode]), one per batch size it meets, and
+// the monolithic run it is held to decodes eagerly. Skipped without a GPU; runs on the GPU machine
+// (scripts/gpu_check.sh generate).
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/gpu_test_util.h"
 
@@ -24,12 +26,20 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
   auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
   testing::add_test_lora(split_lm);
   testing::add_test_lora(mono_lm);
-  GeneratorOptions options;
-  options.max_sequences = 3;
-  options.max_tokens = 24;
-  const auto split = testing::generate(split_lm, testing::mixed_requests(), options);
-  const auto mono = testing::generate(mono_lm, testing::mixed_requests(), options);
+  GeneratorOptions captured;
+  captured.max_sequences = 3;
+  captured.max_tokens = 24;
+  captured.capture_warmup = 1;
+  auto eager = captured;
+  eager.capture_decode = false;
+  const auto split = testing::generate(split_lm, testing::mixed_requests(), captured);
+  const auto mono = testing::generate(mono_lm, testing::mixed_requests(), eager);
+  EXPECT_GE(split.captured, 2);  // the requests meet batches of several sizes
+  EXPECT_EQ(mono.captured, 0);
   testing::expect_same(split, mono, std::string("cuda ") + c10::toString(dtype), tolerance);
+  // Monolithic, captured against eager.
+  testing::expect_same(testing::generate(mono_lm, testing::mixed_requests(), captured), mono,
+                       std::string("cuda monolithic captured ") + c10::toString(dtype), tolerance);
   EXPECT_EQ(executor->stats().errors, 0u);
 }
 
