@@ -234,15 +234,20 @@ int main(int argc, char** argv) {
     bool timing = false;
     auto generate = [&] {
       std::vector<std::vector<double>> times(batch);
+      std::string error;  // a failed request fails the benchmark: its tokens must not count
       const double submitted = epoch_seconds();
       for (int64_t r = 0; r < batch; ++r) {
         GenerationRequest request;
         const auto prompt = ids[r].cpu();
         request.prompt_ids.assign(prompt.data_ptr<int64_t>(), prompt.data_ptr<int64_t>() + seq);
         request.sampling.max_new_tokens = new_tokens;
-        generator->submit(std::move(request), [&times, r](const TokenEvent&) { times[r].push_back(epoch_seconds()); });
+        generator->submit(std::move(request), [&times, &error, r](const TokenEvent& event) {
+          if (event.token >= 0) times[r].push_back(epoch_seconds());
+          if (event.finished == FinishReason::kError && error.empty()) error = event.error;
+        });
       }
       generator->run();
+      TORCH_CHECK(error.empty(), "a generation request failed: ", error);
       if (!timing) return;
       for (const auto& t : times) {
         first_token_s.push_back(t.front() - submitted);

@@ -14,6 +14,7 @@
 #include "transport/shared_memory.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -214,7 +215,7 @@ class CudaIpcPayload : public RegisteredBuffer {
     }
     {
       std::lock_guard<std::mutex> lock(socket_mutex_);
-      if (auto place = known_place(data)) return place;
+      if (auto place = known_place(data, t.nbytes())) return place;
     }
     try {
       size_t bytes = 0;
@@ -226,10 +227,21 @@ class CudaIpcPayload : public RegisteredBuffer {
       add->set_bytes(bytes);
       add->set_cuda_ipc_handle(cuda::memory_ipc_handle(const_cast<char*>(base)));
       std::lock_guard<std::mutex> lock(socket_mutex_);
+      // Segments shared before that overlap this one were given back to CUDA without a word from
+      // the allocator: the executor closes their mappings.
+      for (auto it = segments_.begin(); it != segments_.end();) {
+        if (it->first < base + bytes && base < it->first + it->second.bytes) {
+          spdlog::warn("cuda-ipc client: segment {} was freed unseen; the executor lets it go", it->second.id);
+          env.mutable_share_segments()->add_release(it->second.id);
+          it = segments_.erase(it);
+        } else {
+          ++it;
+        }
+      }
       add->set_id(next_segment_);
       socket_.exchange_setup(env, "the sharing of a segment");
       segments_.emplace(base, Segment{next_segment_++, bytes});
-      return known_place(data);
+      return known_place(data, t.nbytes());
     } catch (const c10::Error& e) {
       direct_ = false;
       spdlog::info("cuda-ipc client: calls go through the payload buffer from now on ({})", e.what_without_backtrace());
@@ -237,13 +249,13 @@ class CudaIpcPayload : public RegisteredBuffer {
     }
   }
 
-  // The place of `data` in a segment already shared (socket_mutex_ held), or nullopt.
-  std::optional<Place> known_place(const char* data) const {
+  // The place of `bytes` at `data`, all inside a segment already shared (socket_mutex_ held), or nullopt.
+  std::optional<Place> known_place(const char* data, size_t bytes) const {
     auto it = segments_.upper_bound(data);  // the first segment after data
     if (it == segments_.begin()) return std::nullopt;
     --it;
     const auto offset = static_cast<uint64_t>(data - it->first);
-    if (offset >= it->second.bytes) return std::nullopt;
+    if (offset + bytes > it->second.bytes) return std::nullopt;
     return Place{it->second.id, offset};
   }
 
@@ -281,6 +293,9 @@ class CudaIpcPayload : public RegisteredBuffer {
 
 SegmentFrees::SegmentFrees() {
   using Trace = c10::CachingDeviceAllocator::TraceEntry;
+  // The allocator attaches a tracker to the devices it has set up, which it does at LibTorch's
+  // first use of CUDA: before it, a tracker would hear of no free at all.
+  at::globalContext().lazyInitDevice(at::kCUDA);
   c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([this](const Trace& e) {
     if (e.action_ != Trace::SEGMENT_FREE) return;
     std::lock_guard<std::mutex> lock(mutex_);

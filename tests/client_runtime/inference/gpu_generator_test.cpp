@@ -4,6 +4,8 @@
 // run's. The split run decodes in CUDA graphs ([Captured decode]), one per batch size it meets, and
 // the monolithic run it is held to decodes eagerly. Skipped without a GPU; runs on the GPU machine
 // (scripts/gpu_check.sh generate).
+#include "bench/process.h"
+#include "transport/client_transport.h"
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/gpu_test_util.h"
 
@@ -13,13 +15,12 @@ namespace {
 void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
-  ExecutorOptions executor_options;
-  executor_options.device = "cuda:0";
-  executor_options.dtype = dtype;
-  auto executor = testing::start_executor(dir, executor_options);
-  ClientOptions client_options;
-  client_options.device = "cuda:0";
-  const auto client = testing::connect(*executor, *checkpoint, client_options);
+  // CUDA IPC takes two processes: the executor runs as its own.
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
+                                               "--dtype", dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
+                                              testing::temp_dir("gpu-generator-executor"));
+  auto client = Client::connect(
+      {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   EXPECT_EQ(client->transport(), "cuda-ipc");
   const CausalLMOptions on_gpu{dtype, at::Device("cuda:0")};
   auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
@@ -40,7 +41,10 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
   // Monolithic, captured against eager.
   testing::expect_same(testing::generate(mono_lm, testing::mixed_requests(), captured), mono,
                        std::string("cuda monolithic captured ") + c10::toString(dtype), tolerance);
-  EXPECT_EQ(executor->stats().errors, 0u);
+  EXPECT_EQ(request_stats(executor.endpoint, 10000).errors(), 0u);
+  split_lm = {};
+  client.reset();
+  bench::stop(executor.pid);
 }
 
 TEST(GpuGeneration, SplitOverCudaIpcEqualsMonolithicInFp32) {
