@@ -5,7 +5,7 @@
 # with carry: [".gpu", ".gpu-build"]. It uses the binaries that scripts/gpu_bundle.sh carried in
 # .gpu-build when they load here, and builds from source into build-gpu otherwise.
 # Stages:
-#   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC; 2 GPUs: NCCL too), under MPS,
+#   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   kernels        gpu_executor_test and kernels_test (the executor's GEMMs, the packing kernel, the fused loss, ...)
 #   loss           the client's loss, fused against the fp32 copy and ATen's (symbiosis-bench-loss),
@@ -207,6 +207,7 @@ for stage in "$@"; do
       run_gtest gpu_executor_test
       run_gtest kernels_test
       run_gtest cuda_ipc_test
+      run_gtest gpu_generator_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
       ;;
