@@ -18,15 +18,15 @@
 #include <symbiosis/peft.h>
 #include <symbiosis/training.h>
 
+#include "examples/tenant_flags.h"
+
 using namespace symbiosis;
 
 namespace {
 
 struct Settings {
-  std::string executor = "tcp://127.0.0.1:5555";
+  examples::TenantFlags connection{.tenant = "demo"};
   std::string model;
-  std::string tenant = "demo";
-  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
   int64_t rank = 8;
   double alpha = 16;
   std::string targets = "q_proj,v_proj";
@@ -96,7 +96,7 @@ Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_
     if (s.empty_cache && device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
     if (!s.quiet) {
-      std::printf("[%s] step %3d  loss %.4f\n", s.tenant.c_str(), step, result.losses.back());
+      std::printf("[%s] step %3d  loss %.4f\n", s.connection.tenant.c_str(), step, result.losses.back());
       std::fflush(stdout);
     }
   }
@@ -115,11 +115,8 @@ double relative_error(const at::Tensor& a, const at::Tensor& b) {
 int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"symbiosis-demo-client: fine-tune a LoRA adapter against a shared base executor"};
-  app.add_option("--executor", s.executor, "executor endpoint")->capture_default_str();
-  app.add_option("--executor-key", s.executor_key, "an executor started with --keys: its public key (executor.pub)");
-  app.add_option("--key", s.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
+  examples::add_tenant_flags(app, s.connection, /*monolithic_flag=*/false);
   app.add_option("--model", s.model, "the checkpoint directory the executor serves")->required();
-  app.add_option("--tenant", s.tenant, "name shown in the executor's log and in output")->capture_default_str();
   app.add_option("--rank", s.rank, "LoRA rank")->capture_default_str();
   app.add_option("--alpha", s.alpha, "LoRA alpha")->capture_default_str();
   app.add_option("--targets", s.targets, "comma-separated target modules")->capture_default_str();
@@ -154,18 +151,13 @@ int main(int argc, char** argv) {
   at::set_num_threads(s.threads);
   try {
     auto checkpoint = Checkpoint::open(s.model);
-    ClientOptions options;
-    options.endpoint = s.executor;
-    options.tenant = s.tenant;
-    options.executor_key = s.executor_key;
-    options.key_file = s.key_file;
-    options.expected_model_hash = checkpoint->model_hash();
+    auto options = examples::client_options(s.connection, checkpoint->model_hash());
     options.transport = s.transport;
     options.control = s.control;
     options.device = s.device;
     options.direct_operands = !s.buffer_copies;
     auto client = Client::connect(options);
-    if (!s.quiet) std::printf("[%s] transport %s\n", s.tenant.c_str(), client->transport().c_str());
+    if (!s.quiet) std::printf("[%s] transport %s\n", s.connection.tenant.c_str(), client->transport().c_str());
     auto split = train(s, *checkpoint, client);
     if (!s.verify) return 0;
     auto mono = train(Settings(s), *checkpoint, nullptr);
@@ -180,11 +172,11 @@ int main(int argc, char** argv) {
         losses <= s.tolerance && adapters <= (s.adapter_tolerance < 0 ? s.tolerance : s.adapter_tolerance);
     std::printf("[%s] verify (%s): max relative difference split vs monolithic over %d steps: losses %.3g, "
                 "adapters %.3g: %s\n",
-                s.tenant.c_str(), client->transport().c_str(), s.steps, losses, adapters,
+                s.connection.tenant.c_str(), client->transport().c_str(), s.steps, losses, adapters,
                 exact ? "EXACT" : "MISMATCH");
     return exact ? 0 : 1;
   } catch (const c10::Error& e) {
-    std::cerr << "[" << s.tenant << "] error: " << e.what_without_backtrace() << std::endl;
+    std::cerr << "[" << s.connection.tenant << "] error: " << e.what_without_backtrace() << std::endl;
     return 2;
   }
 }

@@ -17,6 +17,8 @@
 #include <symbiosis/peft.h>
 #include <symbiosis/training.h>
 
+#include "examples/tenant_flags.h"
+
 using namespace symbiosis;
 namespace fs = std::filesystem;
 
@@ -24,10 +26,7 @@ namespace {
 
 struct Settings {
   std::string model;
-  std::string executor = "tcp://127.0.0.1:5555";
-  bool monolithic = false;
-  std::string tenant = "finetune";
-  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
+  examples::TenantFlags connection{.tenant = "finetune"};
   std::string train_file, eval_file;
   std::string method = "lora";
   LoraConfig lora;
@@ -52,15 +51,7 @@ std::vector<std::string> split_list(const std::string& text) {
 int run(Settings& s) {
   auto checkpoint = Checkpoint::open(s.model);
   std::shared_ptr<Client> client;
-  if (!s.monolithic) {
-    ClientOptions options;
-    options.endpoint = s.executor;
-    options.tenant = s.tenant;
-    options.executor_key = s.executor_key;
-    options.key_file = s.key_file;
-    options.expected_model_hash = checkpoint->model_hash();
-    client = Client::connect(options);
-  }
+  if (!s.connection.monolithic) client = Client::connect(examples::client_options(s.connection, checkpoint->model_hash()));
   auto lm = open_causal_lm(*checkpoint, client);
 
   // The adapter: as saved in the checkpoint being resumed, or new from the flags.
@@ -100,11 +91,11 @@ int run(Settings& s) {
   if (!s.eval_file.empty()) trainer.set_eval_data(TokenDataset::from_jsonl(s.eval_file));
   if (!resume_from.empty()) {
     trainer.load_checkpoint(resume_from);
-    std::fprintf(stderr, "[%s] resumed %s at step %lld of %lld\n", s.tenant.c_str(), resume_from.c_str(),
+    std::fprintf(stderr, "[%s] resumed %s at step %lld of %lld\n", s.connection.tenant.c_str(), resume_from.c_str(),
                  (long long)trainer.steps_done(), (long long)trainer.total_steps());
   }
-  std::fprintf(stderr, "[%s] %s, %zu trainable tensors, %lld steps, %s\n", s.tenant.c_str(),
-               s.monolithic ? "monolithic" : ("split on " + s.executor).c_str(), parameters.size(),
+  std::fprintf(stderr, "[%s] %s, %zu trainable tensors, %lld steps, %s\n", s.connection.tenant.c_str(),
+               s.connection.monolithic ? "monolithic" : ("split on " + s.connection.executor).c_str(), parameters.size(),
                (long long)trainer.total_steps(), method.c_str());
   const auto ran = trainer.train();
   for (const auto& step : ran) {
@@ -127,11 +118,7 @@ int main(int argc, char** argv) {
   auto& t = s.trainer;
   CLI::App app{"symbiosis-finetune: fine-tune a PEFT adapter on token ids, against a shared executor"};
   app.add_option("--model", s.model, "the checkpoint directory (the executor serves the same)")->required();
-  app.add_option("--executor", s.executor, "executor endpoint")->capture_default_str();
-  app.add_option("--executor-key", s.executor_key, "an executor started with --keys: its public key (executor.pub)");
-  app.add_option("--key", s.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
-  app.add_flag("--monolithic", s.monolithic, "compute the base layers in this process instead");
-  app.add_option("--tenant", s.tenant, "name shown in the executor's log")->capture_default_str();
+  examples::add_tenant_flags(app, s.connection, /*monolithic_flag=*/true);
   app.add_option("--train", s.train_file, "training data: JSON Lines of {\"input_ids\": [...], \"labels\": [...]?}")
       ->required();
   app.add_option("--eval", s.eval_file, "held-out data in the same format");
@@ -166,13 +153,5 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   t.save_dir = save_dir;
   at::set_num_threads(s.threads);
-  try {
-    return run(s);
-  } catch (const c10::Error& e) {
-    std::cerr << "[" << s.tenant << "] error: " << e.what_without_backtrace() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "[" << s.tenant << "] error: " << e.what() << std::endl;
-    return 2;
-  }
+  return examples::report_errors(s.connection, [&] { return run(s); });
 }

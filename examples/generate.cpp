@@ -24,6 +24,8 @@
 #include <symbiosis/models.h>
 #include <symbiosis/peft.h>
 
+#include "examples/tenant_flags.h"
+
 using namespace symbiosis;
 using nlohmann::json;
 
@@ -31,10 +33,7 @@ namespace {
 
 struct Settings {
   std::string model;
-  std::string executor = "tcp://127.0.0.1:5555";
-  bool monolithic = false;
-  std::string tenant = "generate";
-  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
+  examples::TenantFlags connection{.tenant = "generate"};
   std::string adapter;
   std::string device = "cpu";
   std::string dtype = "fp32";
@@ -103,14 +102,9 @@ std::vector<int64_t> parse_ids(const std::string& text) {
 int run(Settings& s) {
   auto checkpoint = Checkpoint::open(s.model);
   std::shared_ptr<Client> client;
-  if (!s.monolithic) {
-    ClientOptions options;
-    options.endpoint = s.executor;
-    options.tenant = s.tenant;
+  if (!s.connection.monolithic) {
+    auto options = examples::client_options(s.connection, checkpoint->model_hash());
     options.device = s.device;
-    options.executor_key = s.executor_key;
-    options.key_file = s.key_file;
-    options.expected_model_hash = checkpoint->model_hash();
     client = Client::connect(options);
   }
   auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(s.dtype), at::Device(s.device)});
@@ -164,11 +158,7 @@ int main(int argc, char** argv) {
   auto& g = s.generator;
   CLI::App app{"symbiosis-generate: generate from a model and its adapter, against a shared executor"};
   app.add_option("--model", s.model, "the checkpoint directory (the executor serves the same)")->required();
-  app.add_option("--executor", s.executor, "executor endpoint")->capture_default_str();
-  app.add_option("--executor-key", s.executor_key, "an executor started with --keys: its public key (executor.pub)");
-  app.add_option("--key", s.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
-  app.add_flag("--monolithic", s.monolithic, "compute the base layers in this process instead");
-  app.add_option("--tenant", s.tenant, "name shown in the executor's log")->capture_default_str();
+  examples::add_tenant_flags(app, s.connection, /*monolithic_flag=*/true);
   app.add_option("--adapter", s.adapter, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)");
   app.add_option("--device", s.device, "where this client's model and cache live: cpu or cuda:N")->capture_default_str();
   app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
@@ -189,13 +179,5 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   g.capture_decode = !eager;
   at::set_num_threads(s.threads);
-  try {
-    return run(s);
-  } catch (const c10::Error& e) {
-    std::cerr << "[" << s.tenant << "] error: " << e.what_without_backtrace() << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "[" << s.tenant << "] error: " << e.what() << std::endl;
-    return 2;
-  }
+  return examples::report_errors(s.connection, [&] { return run(s); });
 }

@@ -11,27 +11,21 @@ C++ side writes them as fp32, which holds small integers exactly; they are read 
 "logits" [B,T,V] fp32 and, when IN holds "labels", "loss" (transformers' causal LM loss).
 Exit status 3 when transformers is not installed (the C++ test then skips).
 """
-import argparse
 import sys
 
-from reference import missing, reference_model
+from reference import inputs_and_model, missing, reference_parser
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--inputs", required=True)
-    parser.add_argument("--output", required=True)
-    args = parser.parse_args()
+    args = reference_parser(__doc__.splitlines()[0]).parse_args()
     try:
         import torch
         import transformers  # noqa: F401 (reference_model loads with it)
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
     except ImportError as e:
         return missing(e)
 
-    inputs = load_file(args.inputs)
-    model = reference_model(args.checkpoint)
+    inputs, model = inputs_and_model(args)
     model.eval()
     kwargs = {k: inputs[k].long() for k in ("input_ids", "attention_mask", "labels") if k in inputs}
     with torch.no_grad():

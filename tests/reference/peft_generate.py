@@ -16,18 +16,14 @@ With peft 0.21 / transformers 5.24 the three agree for LoRA and IA3; for prompt 
 depart from the forward (and from each other) after the first token.
 Exit status 3 when a Python package is missing (the C++ test then skips).
 """
-import argparse
 import sys
 
 from peft_interop import make_config
-from reference import missing, reference_model
+from reference import inputs_and_model, missing, reference_parser
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--inputs", required=True)
-    parser.add_argument("--output", required=True)
+    parser = reference_parser(__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--method")
     parser.add_argument("--adapter")
@@ -35,12 +31,11 @@ def main() -> int:
     try:
         import torch
         import peft
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
     except ImportError as e:
         return missing(e)
 
-    inputs = load_file(args.inputs)
-    model = reference_model(args.checkpoint)
+    inputs, model = inputs_and_model(args)
     if args.method:
         torch.manual_seed(99)
         model = peft.get_peft_model(model, make_config(peft, args.method, model.config.model_type))

@@ -13,10 +13,9 @@ real tokens') are written, as the C++ models return them. IN holds "input_ids" a
 "attention_mask" (any dtype); OUT holds "logits" [B,T,V] fp32.
 Exit status 3 when a Python package is missing (the C++ test then skips).
 """
-import argparse
 import sys
 
-from reference import missing, reference_model
+from reference import inputs_and_model, missing, reference_parser
 
 
 def make_config(peft, method, model_type):
@@ -51,24 +50,20 @@ def make_config(peft, method, model_type):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = reference_parser(__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["run", "make"])
-    parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--adapter", required=True)
-    parser.add_argument("--inputs", required=True)
-    parser.add_argument("--output", required=True)
     parser.add_argument("--method")
     args = parser.parse_args()
     try:
         import torch
         import transformers  # noqa: F401 (reference_model loads with it)
         import peft
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
     except ImportError as e:
         return missing(e)
 
-    inputs = load_file(args.inputs)
-    base = reference_model(args.checkpoint)
+    inputs, base = inputs_and_model(args)
     if args.mode == "run":
         model = peft.PeftModel.from_pretrained(base, args.adapter)
     else:

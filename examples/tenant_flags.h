@@ -1,0 +1,55 @@
+#pragma once
+// What the example programs share: the flags that say which executor a tenant uses and as whom
+// (--executor, --executor-key, --key, --tenant, and --monolithic where the program offers it), and
+// the connection options they describe; and how a program reports the error it ends with.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <iostream>
+#include <string>
+
+#include <symbiosis/client.h>
+
+namespace symbiosis::examples {
+
+struct TenantFlags {
+  std::string executor = "tcp://127.0.0.1:5555";
+  std::string tenant;
+  std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
+  bool monolithic = false;
+};
+
+inline void add_tenant_flags(CLI::App& app, TenantFlags& flags, bool monolithic_flag) {
+  app.add_option("--executor", flags.executor, "executor endpoint")->capture_default_str();
+  app.add_option("--executor-key", flags.executor_key, "an executor started with --keys: its public key (executor.pub)");
+  app.add_option("--key", flags.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
+  app.add_option("--tenant", flags.tenant, "name shown in the executor's log")->capture_default_str();
+  if (monolithic_flag) app.add_flag("--monolithic", flags.monolithic, "compute the base layers in this process instead");
+}
+
+// A client of the executor the flags name, as their tenant, of the model whose hash is given.
+inline ClientOptions client_options(const TenantFlags& flags, const std::string& model_hash) {
+  ClientOptions options;
+  options.endpoint = flags.executor;
+  options.tenant = flags.tenant;
+  options.executor_key = flags.executor_key;
+  options.key_file = flags.key_file;
+  options.expected_model_hash = model_hash;
+  return options;
+}
+
+// The program's body, whose error is printed as "[tenant] error: ..." with exit status 2.
+template <typename Body>
+int report_errors(const TenantFlags& flags, Body body) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    std::cerr << "[" << flags.tenant << "] error: " << e.what_without_backtrace() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "[" << flags.tenant << "] error: " << e.what() << std::endl;
+  }
+  return 2;
+}
+
+}  // namespace symbiosis::examples
