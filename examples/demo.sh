@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo: a tiny random Llama checkpoint, one executor, three tenants fine-tuning three
-# different LoRA adapters against it at the same time, each printing its loss as it falls.
+# different LoRA adapters against it at the same time, each printing its loss as it falls; then
+# one of them generates from its adapter through the executor, held to the monolithic run.
 # Usage: examples/demo.sh [BUILD_DIR]
 set -euo pipefail
 build=${1:-build}
@@ -39,6 +40,19 @@ for pid in $a $b $c; do wait "$pid" || status=1; done
 
 echo "== adapters saved in Hugging Face PEFT format:"
 for t in alice bob carol; do echo "   $t: $(ls "$work/$t" | tr '\n' ' ')"; done
+
+echo "== alice generates from her adapter through the same executor (and again with the base in-process)"
+printf '{"prompt_ids": [1, 2, 3, 4]}\n{"prompt_ids": [42, 7], "temperature": 0.8, "seed": 5}\n' > "$work/prompts.jsonl"
+generate=("$build/examples/symbiosis-generate" --model "$work/model" --adapter "$work/alice" --input "$work/prompts.jsonl"
+          --max-new-tokens 8 --tenant alice)
+"${generate[@]}" --executor "$endpoint" > "$work/split.jsonl" || status=1
+"${generate[@]}" --monolithic > "$work/monolithic.jsonl" || status=1
+sed 's/^/   /' "$work/split.jsonl"
+if cmp -s "$work/split.jsonl" "$work/monolithic.jsonl"; then
+  echo "   the same tokens as the monolithic run"
+else
+  echo "   MISMATCH against the monolithic run:"; sed 's/^/   /' "$work/monolithic.jsonl"; status=1
+fi
 echo "== stopping the executor"
 kill -TERM "$executor_pid"
 wait "$executor_pid" || true
