@@ -231,6 +231,10 @@ int main(int argc, char** argv) {
           lm, GeneratorOptions{.max_sequences = batch, .max_tokens = seq + new_tokens, .capture_decode = cuda_graph});
     }
     std::vector<double> first_token_s, per_token_s;  // generate: each request's, over the timed iterations
+    // The measured window; generate: the tokens produced inside it, whatever iteration they are of
+    // (a tenant may end only a few iterations in a window, so whole iterations count coarsely).
+    double start = 0, end = 0;
+    int64_t window_tokens = 0;
     bool timing = false;
     auto generate = [&] {
       std::vector<std::vector<double>> times(batch);
@@ -250,6 +254,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(error.empty(), "a generation request failed: ", error);
       if (!timing) return;
       for (const auto& t : times) {
+        window_tokens += std::count_if(t.begin(), t.end(), [&](double at) { return at >= start && at <= end; });
         first_token_s.push_back(t.front() - submitted);
         if (t.size() > 1) per_token_s.push_back((t.back() - t.front()) / static_cast<double>(t.size() - 1));
       }
@@ -285,7 +290,6 @@ int main(int argc, char** argv) {
     }
 
     std::vector<double> latencies;
-    double start = 0, end = 0;
     timing = true;
     if (!ready_file.empty()) std::ofstream(ready_file) << "warm\n";
     if (!stop_file.empty()) {
@@ -337,6 +341,7 @@ int main(int argc, char** argv) {
     if (!profile.is_null()) j["op_profile"] = profile;
     if (mode == "generate") {
       j["new_tokens"] = new_tokens;
+      j["tokens_in_window"] = window_tokens;
       for (auto& [name, values] : {std::pair{"time_to_first_token", &first_token_s}, {"time_per_output_token", &per_token_s}}) {
         std::sort(values->begin(), values->end());
         auto at = [&](double q) { return values->empty() ? 0.0 : (*values)[std::min(values->size() - 1, size_t(q * values->size()))]; };

@@ -88,6 +88,12 @@ json summarize(const std::vector<json>& clients) {
     }
   }
   std::sort(latencies.begin(), latencies.end());
+  // Generation: the tokens produced inside the window, rather than those of whole iterations.
+  const bool token_counts = std::all_of(clients.begin(), clients.end(), [](const json& c) { return c.contains("tokens_in_window"); });
+  if (token_counts) {
+    tokens = 0;
+    for (const auto& c : clients) tokens += c["tokens_in_window"].get<double>();
+  }
   json summary = {{"aggregate_tokens_per_s", tokens / std::max(end - start, 1e-9)},
                   {"mean_iteration_s", latencies.empty() ? 0.0 : latency_sum / latencies.size()},
                   {"p50_iteration_s", latencies.empty() ? 0.0 : latencies[latencies.size() / 2]}};
