@@ -61,6 +61,38 @@ TEST(GpuGeneration, SplitOverCudaIpcGivesTheMonolithicTokensInBf16) {
   expect_split_equals_monolithic(at::kBFloat16, 2e-2);
 }
 
+// A GPU client whose transport cannot be captured (tcp) decodes eagerly after its first capture
+// fails, and still generates what the monolithic model generates.
+TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
+                                               "--dtype", "fp32", "--log-level", "warn"},
+                                              testing::temp_dir("gpu-generator-tcp-executor"));
+  auto options = ClientOptions{.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"};
+  options.transport = "tcp";
+  auto client = Client::connect(options);
+  ASSERT_EQ(client->transport(), "tcp");
+  const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
+  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
+  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
+  testing::add_test_lora(split_lm);
+  testing::add_test_lora(mono_lm);
+  GeneratorOptions captured;
+  captured.max_sequences = 3;
+  captured.max_tokens = 24;
+  captured.capture_warmup = 1;
+  auto eager = captured;
+  eager.capture_decode = false;
+  const auto split = testing::generate(split_lm, testing::mixed_requests(), captured);
+  EXPECT_EQ(split.captured, 0);
+  testing::expect_same(split, testing::generate(mono_lm, testing::mixed_requests(), eager), "cuda tcp", 1e-5);
+  split_lm = {};
+  client.reset();
+  bench::stop(executor.pid);
+}
+
 // symbiosis-generate on the executor's GPU, a process of its own whose first use of CUDA comes
 // after it connects: twice as many requests of 512 tokens as cache slots, so the second half is
 // prefilled (eagerly, in new allocations) after decode steps were captured and the allocator gave
