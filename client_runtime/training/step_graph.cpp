@@ -58,9 +58,10 @@ struct StepGraph::Impl {
   }
 
   void capture_step() {
-    compute_graph = std::make_unique<at::cuda::CUDAGraph>();
-    if (apply) apply_graph = std::make_unique<at::cuda::CUDAGraph>();
+    // A client that cannot be captured says why here, before any graph exists: captured() stays
+    // false and the caller may go on eagerly.
     if (client) client->begin_capture();
+    compute_graph = std::make_unique<at::cuda::CUDAGraph>();
     try {
       capture(*compute_graph, compute, {0, 0});
     } catch (const c10::Error& e) {
@@ -70,8 +71,19 @@ struct StepGraph::Impl {
                   "); run it with StepGraphOptions::capture = false");
     }
     if (client) calls = client->end_capture();
-    // Shares the compute graph's pool: the two are always replayed in the order they were captured.
-    if (apply) capture(*apply_graph, apply, compute_graph->pool());
+    if (apply) {
+      // Shares the compute graph's pool: the two are always replayed in the order they were captured.
+      apply_graph = std::make_unique<at::cuda::CUDAGraph>();
+      try {
+        capture(*apply_graph, apply, compute_graph->pool());
+      } catch (const c10::Error& e) {
+        apply_graph.reset();
+        compute_graph.reset();
+        calls.reset();
+        TORCH_CHECK(false, "StepGraph: the step's apply could not be captured in a CUDA graph (",
+                    e.what_without_backtrace(), "); run it with StepGraphOptions::capture = false");
+      }
+    }
     // The eager runs' blocks stay in the allocator's cache, and the graphs never use them.
     c10::cuda::CUDACachingAllocator::emptyCache();
   }
