@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")->capture_default_str();
   app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();
   bool eager = false;
-  app.add_flag("--eager", eager, "on a GPU, decode without CUDA graphs (they are captured per batch size by default)");
+  app.add_flag("--eager", eager, "on a GPU, decode without CUDA graphs (by default one graph per bucket of batch sizes)");
   app.add_option("--threads", s.threads, "CPU threads of this process")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   g.capture_decode = !eager;

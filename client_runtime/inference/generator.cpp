@@ -33,9 +33,9 @@ struct Generator::Submitted {
   TokenCallback on_token;
 };
 
-// One batch size's decode step, captured ([Captured decode]).
+// One bucket's decode step, captured ([Captured decode]).
 struct Generator::DecodeGraph {
-  at::Tensor inputs;  // [3, B] int64 on the device: token ids, cache slots, starts
+  at::Tensor inputs;  // [3, bucket] int64 on the device: token ids, cache slots, starts
   at::Tensor logits;  // [B, vocab]: what the last run wrote
   std::unique_ptr<StepGraph> graph;
   int runs = 0;
@@ -93,9 +93,10 @@ Generator::Generator(CausalLM lm, GeneratorOptions options)
   options_.validate();
   const auto& table = model_.token_embeddings();
   vocab_size_ = table.size(0);
-  cache_ = std::make_unique<KvCache>(model_adapter_host(*lm_.module).model_shape(), options_.max_sequences,
-                                     options_.max_tokens, table.scalar_type(), table.device());
   capture_ = options_.capture_decode && table.device().is_cuda();
+  // A captured decode step pads its batch to its bucket with rows that write to a spare slot.
+  cache_ = std::make_unique<KvCache>(model_adapter_host(*lm_.module).model_shape(), options_.max_sequences,
+                                     options_.max_tokens, table.scalar_type(), table.device(), capture_ ? 1 : 0);
 }
 
 Generator::~Generator() = default;
@@ -293,8 +294,15 @@ at::Tensor Generator::forward_eager(const std::vector<StepSequence>& layout, con
   return logits;
 }
 
+int64_t Generator::decode_bucket(int64_t sequences) const {
+  int64_t bucket = 1;
+  while (bucket < sequences) bucket *= 2;
+  return std::min(bucket, options_.max_sequences);
+}
+
 at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens) {
-  const auto count = static_cast<int64_t>(layout.size());
+  const auto sequences = static_cast<int64_t>(layout.size());
+  const auto count = decode_bucket(sequences);
   auto& slot = decode_graphs_[count];
   if (!slot) {
     slot = std::make_unique<DecodeGraph>();
@@ -309,9 +317,14 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
         std::function<void()>(), lm_.client, g->inputs.device(), StepGraphOptions{.warmup = options_.capture_warmup});
   }
   auto& g = *slot;
+  // Token ids, slots and starts; padding rows: token 0 into the spare slot at position 0.
+  const auto padding = static_cast<size_t>(count - sequences);
   std::vector<int64_t> inputs(tokens);
+  inputs.insert(inputs.end(), padding, 0);
   for (const auto& s : layout) inputs.push_back(s.slot);
+  inputs.insert(inputs.end(), padding, cache_->spare_slot());
   for (const auto& s : layout) inputs.push_back(s.start);
+  inputs.insert(inputs.end(), padding, 0);
   g.inputs.copy_(at::tensor(inputs, at::kLong).view({3, count}));
   const bool capturing = g.runs++ == options_.capture_warmup;
   try {
@@ -321,11 +334,11 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
     // This model or transport cannot be captured: decode eagerly from now on.
     TORCH_WARN("Generator: decoding without CUDA graphs: ", e.what_without_backtrace());
     capture_ = false;
-    const auto embeddings = model_.embed(g.inputs[0]).unsqueeze(0);
+    const auto embeddings = model_.embed(g.inputs[0].narrow(0, 0, sequences)).unsqueeze(0);
     decode_graphs_.clear();
     return forward_eager(layout, embeddings);
   }
-  return g.logits;
+  return g.logits.narrow(0, 0, sequences);
 }
 
 void Generator::forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,

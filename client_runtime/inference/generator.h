@@ -16,9 +16,11 @@
 // kInferenceDecode (the executor serves decode first: [Inference first] in
 // base_executor/batching.h); the client's class is restored after the step.
 //
-// [Captured decode] On a GPU, each decode step is captured in a CUDA graph the first time a batch of
-// its size runs (after `capture_warmup` eager runs of that size; one graph per batch size, the
-// buckets) and replayed after: the step's host work (some thousand kernel launches and, split, its
+// [Captured decode] On a GPU, decode steps run from CUDA graphs, one per bucket of batch sizes
+// (powers of two, the last one max_sequences): a step of B sequences runs the graph of the
+// smallest bucket that holds B, its other rows padding that write to a spare slot of the cache and
+// whose logits are dropped. A bucket's graph is captured after `capture_warmup` eager runs of it
+// and replayed after: the step's host work (some thousand kernel launches and, split, its
 // base-layer calls: [Captured steps] in training/step_graph.h) becomes one graph launch and the
 // calls' headers. The captured step reads its token ids, cache slots and positions from device
 // tensors filled before each replay and attends over the whole cache, masked to each sequence's
@@ -112,7 +114,7 @@ class Generator {
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
 
   int64_t running() const;  // requests holding a cache slot
-  int64_t captured_batch_sizes() const;  // decode graphs captured so far ([Captured decode])
+  int64_t captured_batch_sizes() const;  // decode graphs (buckets) captured so far ([Captured decode])
   const KvCache& cache() const;
 
  private:
@@ -122,7 +124,9 @@ class Generator {
   void take_incoming();  // submitted requests join the waiting queue; cancelled ones leave
   void prefill(const std::vector<Sequence*>& sequences);
   void decode();
-  // Logits [sequences, vocab] of a decode step through its batch size's graph.
+  // The bucket of a decode step of `sequences` sequences ([Captured decode]).
+  int64_t decode_bucket(int64_t sequences) const;
+  // Logits [sequences, vocab] of a decode step through its bucket's graph.
   at::Tensor decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens);
   // Runs `forward` (a step's logits, one row per sequence) under the latency class and hands each
   // sequence its next token; a failed step ends its sequences with the error.
@@ -138,7 +142,7 @@ class Generator {
   int64_t vocab_size_ = 0;
   std::unique_ptr<KvCache> cache_;
   bool capture_ = false;  // decode in CUDA graphs ([Captured decode]); off after a capture fails
-  std::map<int64_t, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by batch size
+  std::map<int64_t, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket
 
   // Guards next_id_, queued_, incoming_ and cancelled_: what other threads hand to the stepping thread.
   mutable std::mutex mutex_;

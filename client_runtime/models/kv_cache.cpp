@@ -10,15 +10,22 @@ namespace symbiosis {
 
 using at::indexing::Slice;
 
-KvCache::KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device)
-    : sequences_(sequences), tokens_(tokens), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false) {
+KvCache::KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
+                 int64_t spare)
+    : sequences_(sequences), spare_(spare), tokens_(tokens), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false) {
   TORCH_CHECK(sequences > 0, "KV cache: sequences is ", sequences, ", expected at least 1");
   TORCH_CHECK(tokens > 0, "KV cache: tokens is ", tokens, ", expected at least 1");
+  TORCH_CHECK(spare >= 0, "KV cache: spare is ", spare, ", expected at least 0");
   const auto options = at::TensorOptions().dtype(dtype).device(device);
   for (int64_t i = 0; i < shape.num_layers; ++i) {
-    keys_.push_back(at::zeros({sequences, shape.num_key_value_heads, tokens, shape.head_dim}, options));
-    values_.push_back(at::zeros({sequences, shape.num_key_value_heads, tokens, shape.head_dim}, options));
+    keys_.push_back(at::zeros({sequences + spare, shape.num_key_value_heads, tokens, shape.head_dim}, options));
+    values_.push_back(at::zeros({sequences + spare, shape.num_key_value_heads, tokens, shape.head_dim}, options));
   }
+}
+
+int64_t KvCache::spare_slot() const {
+  TORCH_CHECK(spare_ > 0, "KV cache: no spare slot");
+  return sequences_;
 }
 
 std::optional<int64_t> KvCache::acquire() {
@@ -104,9 +111,9 @@ CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
 }
 
 CachedStep CachedStep::fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts) {
-  TORCH_CHECK(slots.dim() == 1 && slots.sizes() == starts.sizes() && slots.size(0) >= 1 && slots.size(0) <= cache.sequences(),
-              "a fixed decode step takes slots and starts of the same length in [1, ", cache.sequences(), "], got ",
-              slots.sizes(), " and ", starts.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.sizes() == starts.sizes() && slots.size(0) >= 1,
+              "a fixed decode step takes slots and starts of the same length, at least 1, got ", slots.sizes(), " and ",
+              starts.sizes());
   CachedStep step(cache);
   step.count_ = step.tokens_ = slots.size(0);
   step.slots_ = slots;

@@ -28,9 +28,13 @@ namespace symbiosis {
 
 class KvCache {
  public:
-  // Keys and values of `layers` layers, [sequences, kv_heads, tokens, head_dim] each.
-  KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device);
-  int64_t sequences() const { return sequences_; }
+  // Keys and values of `layers` layers, [sequences + spare, kv_heads, tokens, head_dim] each. The
+  // spare slots are never acquired: padding rows of a fixed decode step write there
+  // ([Captured decode] in inference/generator.h).
+  KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
+          int64_t spare = 0);
+  int64_t sequences() const { return sequences_; }  // the slots requests take, spare ones not counted
+  int64_t spare_slot() const;  // the first spare slot; throws when there is none
   int64_t tokens() const { return tokens_; }  // per sequence
   int64_t layers() const { return static_cast<int64_t>(keys_.size()); }
   // The lowest free slot, or none when every slot is taken.
@@ -45,7 +49,7 @@ class KvCache {
   int64_t bytes() const;
 
  private:
-  int64_t sequences_, tokens_;
+  int64_t sequences_, spare_, tokens_;
   std::vector<at::Tensor> keys_, values_;
   std::vector<bool> taken_;
 };
@@ -64,8 +68,9 @@ class CachedStep {
   // [Captured decode] A decode step whose shape does not depend on where the sequences stand, so
   // that it can be captured in a CUDA graph and replayed: one token for each of slots.size(0)
   // sequences, their slots and starts read from the device tensors `slots` and `starts` ([B] int64,
-  // which the caller fills before each replay and has checked against the cache), every query
-  // attending over all the cache's positions, masked to its own start. Makes no host-to-device
+  // which the caller fills before each replay and has checked against the cache; a padding row
+  // names a spare slot and start 0), every query attending over all the cache's positions, masked
+  // to its own start. Makes no host-to-device
   // copy and reads no device value on the host.
   static CachedStep fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts);
   const std::vector<StepSequence>& sequences() const { return sequences_; }

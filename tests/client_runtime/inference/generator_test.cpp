@@ -151,8 +151,9 @@ TEST_P(GeneratorTest, BadRequestsAreRefusedNamingTheFieldAndTheOthersGoOn) {
 }
 
 // [Captured decode]: the fixed-shape decode step a CUDA graph replays (slots and starts read from
-// device tensors, attention over the whole cache, masked) computes what the packed decode step
-// computes, for sequences of different lengths in slots that are not side by side.
+// device tensors, attention over the whole cache, masked, the batch padded to its bucket with rows
+// that write to the spare slot) computes what the packed decode step computes, for sequences of
+// different lengths in slots that are not side by side.
 TEST_P(GeneratorTest, FixedShapeDecodeStepEqualsThePackedOne) {
   at::NoGradGuard no_grad;
   auto lm = open_causal_lm(*checkpoint_);
@@ -162,7 +163,7 @@ TEST_P(GeneratorTest, FixedShapeDecodeStepEqualsThePackedOne) {
   const std::vector<std::vector<int64_t>> prompts = {{5, 9, 33, 2, 7}, {100, 4, 18}};
   const std::vector<int64_t> slots = {3, 1}, next = {11, 12};
   auto decode_logits = [&](bool fixed) {
-    KvCache cache(shape, 4, 16, at::kFloat, at::kCPU);
+    KvCache cache(shape, 4, 16, at::kFloat, at::kCPU, /*spare=*/1);
     std::vector<StepSequence> prefill, decode;
     std::vector<int64_t> ids, starts;
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -173,10 +174,18 @@ TEST_P(GeneratorTest, FixedShapeDecodeStepEqualsThePackedOne) {
       starts.push_back(length);
     }
     model.forward_cached(model.embed(at::tensor(ids, at::kLong)).unsqueeze(0), CachedStep(cache, prefill));
-    const auto embeddings = model.embed(at::tensor(next, at::kLong)).unsqueeze(0);
-    if (!fixed) return model.logits(model.forward_cached(embeddings, CachedStep(cache, decode)))[0];
-    const auto step = CachedStep::fixed_decode(cache, at::tensor(slots, at::kLong), at::tensor(starts, at::kLong));
-    return model.logits(model.forward_cached(embeddings, step))[0];
+    if (!fixed) {
+      const auto embeddings = model.embed(at::tensor(next, at::kLong)).unsqueeze(0);
+      return model.logits(model.forward_cached(embeddings, CachedStep(cache, decode)))[0];
+    }
+    // Two padding rows: token 0 into the spare slot at position 0.
+    std::vector<int64_t> padded_ids = next, padded_slots = slots;
+    padded_ids.insert(padded_ids.end(), 2, 0);
+    padded_slots.insert(padded_slots.end(), 2, cache.spare_slot());
+    starts.insert(starts.end(), 2, 0);
+    const auto step = CachedStep::fixed_decode(cache, at::tensor(padded_slots, at::kLong), at::tensor(starts, at::kLong));
+    const auto embeddings = model.embed(at::tensor(padded_ids, at::kLong)).unsqueeze(0);
+    return model.logits(model.forward_cached(embeddings, step))[0].narrow(0, 0, 2);
   };
   EXPECT_LT(relative_error(decode_logits(true), decode_logits(false)), kTolerance);
 }
