@@ -59,6 +59,13 @@ std::vector<json> expand_clients(const json& scenario, int count_override) {
   return out;
 }
 
+// The clients (or their results) of one group.
+std::vector<json> members_of(const std::vector<json>& clients, const std::string& group) {
+  std::vector<json> members;
+  std::copy_if(clients.begin(), clients.end(), std::back_inserter(members), [&](const json& c) { return c["group"] == group; });
+  return members;
+}
+
 std::vector<std::string> group_names(const std::vector<json>& clients) {
   std::vector<std::string> names;
   for (const auto& c : clients) {
@@ -240,9 +247,7 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
   const auto groups = group_names(clients);
   for (const auto& group : groups) {
     if (groups.size() < 2) break;
-    std::vector<json> members;
-    std::copy_if(reported.begin(), reported.end(), std::back_inserter(members), [&](const json& c) { return c["group"] == group; });
-    result["groups"][group] = summarize(members);
+    result["groups"][group] = summarize(members_of(reported, group));
   }
   for (auto& c : reported) {
     c.erase("latencies_s");
@@ -499,8 +504,7 @@ int main(int argc, char** argv) {
       std::vector<json> alone;
       if (scenario.value("alone", false)) {
         for (const auto& group : group_names(clients)) {
-          std::vector<json> members;
-          std::copy_if(clients.begin(), clients.end(), std::back_inserter(members), [&](const json& c) { return c["group"] == group; });
+          const auto members = members_of(clients, group);
           std::cerr << "symbiosis-bench: group " << group << " alone, " << members.size() << " clients" << std::endl;
           alone.push_back(run_symbiosis(scenario, members, model, defaults, policies.front(), out / tag / ("alone-" + group),
                                         window_s, gpu));

@@ -82,7 +82,7 @@ struct GeneratorOptions {
   int64_t max_waiting = 4096;   // requests waiting for a slot; submit() refuses beyond
   int64_t max_prefill_tokens = 8192;  // prompt tokens one step prefills (a longer single prompt goes alone)
   bool capture_decode = true;  // GPU: decode steps in CUDA graphs ([Captured decode]); false: eager
-  int capture_warmup = 2;      // eager decode steps of a batch size before its capture (at least 1)
+  int capture_warmup = 2;      // eager decode steps of a bucket before its capture (at least 1)
   // Called with each produced token's logits [vocab] (the model's dtype, on its device) before the
   // choice: for inspection, tests and constrained decoding. Optional.
   std::function<void(uint64_t request, const at::Tensor& logits)> logits_observer;

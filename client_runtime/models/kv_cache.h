@@ -70,8 +70,7 @@ class CachedStep {
   // sequences, their slots and starts read from the device tensors `slots` and `starts` ([B] int64,
   // which the caller fills before each replay and has checked against the cache; a padding row
   // names a spare slot and start 0), every query attending over all the cache's positions, masked
-  // to its own start. Makes no host-to-device
-  // copy and reads no device value on the host.
+  // to its own start. Makes no host-to-device copy and reads no device value on the host.
   static CachedStep fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts);
   const std::vector<StepSequence>& sequences() const { return sequences_; }
   int64_t tokens() const { return tokens_; }  // N, the packed tokens
@@ -79,7 +78,6 @@ class CachedStep {
   const at::Tensor& positions() const { return positions_; }
   // [sequences] int64 on the cache's device: where each sequence's last token lies among the N.
   const at::Tensor& last_tokens() const { return last_tokens_; }
-  int64_t count() const { return count_; }  // sequences in the step
   // Layer `layer`'s attention for the packed tokens: q [1, heads, N, head_dim], k and v
   // [1, kv_heads, N, head_dim] (k rotated where the model rotates) -> [1, heads, N, head_dim].
   // Writes k and v into the cache first.
