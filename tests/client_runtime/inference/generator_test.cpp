@@ -150,6 +150,16 @@ TEST_P(GeneratorTest, BadRequestsAreRefusedNamingTheFieldAndTheOthersGoOn) {
   EXPECT_NO_THROW(generator.submit(request({6}, 2)));  // room again
 }
 
+TEST_P(GeneratorTest, BadOptionsAreRefusedNamingTheField) {
+  auto lm = open_causal_lm(*checkpoint_);
+  auto refusal = [&](GeneratorOptions options) { return testing::error_of([&] { Generator generator(lm, options); }); };
+  EXPECT_NE(refusal({.max_sequences = 0}).find("max_sequences is 0, expected at least 1"), std::string::npos);
+  EXPECT_NE(refusal({.max_tokens = 1}).find("max_tokens is 1, expected at least 2"), std::string::npos);
+  EXPECT_NE(refusal({.max_waiting = 0}).find("max_waiting is 0, expected at least 1"), std::string::npos);
+  EXPECT_NE(refusal({.max_prefill_tokens = 0}).find("max_prefill_tokens is 0, expected at least 1"), std::string::npos);
+  EXPECT_NE(refusal({.capture_warmup = 0}).find("capture_warmup is 0, expected at least 1"), std::string::npos);
+}
+
 // [Captured decode]: the fixed-shape decode step a CUDA graph replays (slots and starts read from
 // device tensors, attention over the whole cache, masked, the batch padded to its bucket with rows
 // that write to the spare slot) computes what the packed decode step computes, for sequences of
