@@ -25,6 +25,8 @@ void BatchingOptions::validate() const {
   TORCH_CHECK(max_batch_tokens > 0, "batching option max_batch_tokens must be positive, got ", max_batch_tokens);
   TORCH_CHECK(lockstep_timeout.count() > 0, "batching option lockstep_timeout must be positive");
   TORCH_CHECK(companion_window.count() >= 0, "batching option companion_window must be >= 0");
+  TORCH_CHECK(decode_align_wait.count() >= 0, "executor option --decode-align-wait must be >= 0, got ",
+              decode_align_wait.count(), " us");
   TORCH_CHECK(decode_wait.count() >= 0 && prefill_wait.count() >= 0 && fine_tuning_wait.count() >= 0 &&
                   per_token_wait.count() >= 0,
               "batching wait budgets must be >= 0");

@@ -22,6 +22,17 @@
 //    its last one. Only clients active within the last companion_window count (one that went
 //    quiet is not waited for). Clients whose paths do not cross a queue soon thus do not wait for
 //    each other at all, while clients moving through the layers together batch.
+//    [Decode alignment]: inference tenants decode through the same layers, but each at its own
+//    phase (one prefilled, another's attention is longer), and tenants out of step by more than a
+//    call never meet: every one of their steps reads all the weights alone. So a decode call that
+//    starts a step (its client's first queue, learnt as the first it ever came to) is a rendezvous:
+//    it waits, up to decode_align_wait, for every active decode client that has been there, wherever
+//    it is now. Released together, the tenants then meet at every call of the step (each is the
+//    others' predicted companion), one GEMM for all, and stay in step, since a batch answers all its
+//    calls at once. A tenant out of step (back from a prefill, which is not decode) waits at most a
+//    step for the others; the others wait for nobody who is not decoding. The wait should be at
+//    least half a step: two tenants whose phases differ by more than the wait can miss each other
+//    at every rendezvous.
 // Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
 // among ready queues the one whose oldest request is oldest runs first, so no queue starves.
 // [Inference first]: except that when ready work holds an inference decode request and other ready
@@ -61,6 +72,7 @@ struct BatchingOptions {
   std::chrono::nanoseconds per_token_wait{1000};            // budget added per token
   std::chrono::milliseconds lockstep_timeout{1000};         // lockstep: drop clients missing this long
   std::chrono::microseconds companion_window{20000};        // opportunistic: companions must have been active this recently
+  std::chrono::microseconds decode_align_wait{20000};       // opportunistic: [Decode alignment]; 0: none
   int decode_first_streak = 4;                              // [Inference first]; 0: strictly oldest first
 
   void validate() const;  // throws naming the field
@@ -81,6 +93,7 @@ class Batcher {
     LatencyClass latency = LatencyClass::kFineTuning;
     TimePoint arrival{};
     bool alone = false;  // run by itself, never waited for nor packed (not under lockstep)
+    bool starts_step = false;  // set by push(): a decode call at its client's first queue ([Decode alignment])
     Payload payload{};
   };
 
@@ -113,6 +126,11 @@ class Batcher {
     if (track.last_queue) track.next_after[*track.last_queue] = key;
     track.last_queue = key;
     track.last_arrival = request.arrival;
+    track.last_latency = request.latency;
+    if (!track.first_queue) track.first_queue = key;
+    track.visited.insert(key);
+    request.starts_step = request.latency == LatencyClass::kInferenceDecode && key == *track.first_queue &&
+                          options_.decode_align_wait.count() > 0;
     track.alone = runs_alone(request);
     if (track.alone) {
       alone_.push_back(std::move(request));
@@ -186,6 +204,9 @@ class Batcher {
     TimePoint last_arrival{};
     std::map<Key, Key> next_after;  // the queue that followed each queue last time
     bool alone = false;             // its latest request ran alone: no companion of anyone's
+    LatencyClass last_latency = LatencyClass::kFineTuning;
+    std::optional<Key> first_queue;  // [Decode alignment]: where its steps start
+    std::set<Key> visited;           // every queue it came to
     std::optional<Key> predicted_next() const {
       if (!last_queue) return std::nullopt;
       auto it = next_after.find(*last_queue);
@@ -210,19 +231,30 @@ class Batcher {
     return ids;
   }
 
+  static bool holds_client(const Queue& queue, uint64_t client_id) {
+    return std::any_of(queue.requests.begin(), queue.requests.end(),
+                       [client_id](const Request& r) { return r.client_id == client_id; });
+  }
+
   bool every_client_present(const Queue& queue, const std::set<uint64_t>& who) const {
     const auto ids = present(queue);
     return std::all_of(who.begin(), who.end(), [&](uint64_t id) { return ids.count(id) > 0; });
   }
 
-  // Opportunistic: is another active client predicted to come to this queue next?
+  // Opportunistic: is another active client predicted to come to this queue next, or, at a step's
+  // rendezvous, any active decode client that comes here ([Decode alignment])?
   bool companion_expected(const Queue& queue, TimePoint now) const {
-    const auto ids = present(queue);
+    const bool rendezvous = std::any_of(queue.requests.begin(), queue.requests.end(),
+                                        [](const Request& r) { return r.starts_step; });
     for (const auto& [id, track] : tracks_) {
-      if (ids.count(id) || !clients_.count(id) || track.alone || now - track.last_arrival > options_.companion_window) {
+      if (track.alone || now - track.last_arrival > options_.companion_window || !clients_.count(id) ||
+          holds_client(queue, id)) {
         continue;
       }
       if (track.predicted_next() == queue.key) return true;
+      if (rendezvous && track.last_latency == LatencyClass::kInferenceDecode && track.visited.count(queue.key)) {
+        return true;
+      }
     }
     return false;
   }
@@ -245,8 +277,8 @@ class Batcher {
       case BatchingPolicy::kOpportunistic: {
         TimePoint earliest = TimePoint::max();
         for (const auto& r : queue.requests) {
-          earliest = std::min(earliest, r.arrival + std::chrono::duration_cast<Clock::duration>(
-                                                        options_.budget(r.latency, r.tokens)));
+          const auto budget = r.starts_step ? options_.decode_align_wait : options_.budget(r.latency, r.tokens);
+          earliest = std::min(earliest, r.arrival + std::chrono::duration_cast<Clock::duration>(budget));
         }
         return earliest;
       }

@@ -35,11 +35,15 @@ int main(int argc, char** argv) {
   std::string policy = "opportunistic";
   int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
   int64_t companion_window_us = options.batching.companion_window.count();
+  int64_t decode_align_wait_us = options.batching.decode_align_wait.count();
   app.add_option("--batching", policy, "batching policy: none, lockstep or opportunistic")->capture_default_str();
   app.add_option("--max-wait", max_wait_us, "opportunistic: longest a request waits for companions (us)")
       ->capture_default_str();
   app.add_option("--companion-window", companion_window_us,
                  "opportunistic: wait only for clients that used the same layer within this window (us)")
+      ->capture_default_str();
+  app.add_option("--decode-align-wait", decode_align_wait_us,
+                 "opportunistic: a decode step's first call waits this long for the other decode tenants (us; 0: not)")
       ->capture_default_str();
   app.add_option("--max-batch-tokens", options.batching.max_batch_tokens, "a batch closes at this many tokens")
       ->capture_default_str();
@@ -90,6 +94,7 @@ int main(int argc, char** argv) {
     options.batching.policy = symbiosis::parse_batching_policy(policy);
     options.batching.max_wait = std::chrono::microseconds(max_wait_us);
     options.batching.companion_window = std::chrono::microseconds(companion_window_us);
+    options.batching.decode_align_wait = std::chrono::microseconds(decode_align_wait_us);
     options.batching.lockstep_timeout = std::chrono::milliseconds(lockstep_timeout_ms);
     executor = symbiosis::Executor::start(options);
   } catch (const c10::Error& e) {

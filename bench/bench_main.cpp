@@ -272,6 +272,9 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    "--spin-us", std::to_string(ex.value("spin_us", -1)),
                                    "--log-level", "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
+  if (ex.contains("decode_align_wait_us")) {
+    args.insert(args.end(), {"--decode-align-wait", std::to_string(ex["decode_align_wait_us"].get<int64_t>())});
+  }
   if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});

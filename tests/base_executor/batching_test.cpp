@@ -185,6 +185,69 @@ TEST(BatchingTest, ALearntPathMakesTheClientBehindACompanion) {
   EXPECT_EQ(payloads(*batch), (std::vector<int>{1, 2}));
 }
 
+// [Decode alignment]: inference tenants that each walked layers 0..7 once, decoding, alone.
+void decoded_once(TestBatcher& b, std::vector<uint64_t> clients, TimePoint when) {
+  for (uint64_t c : clients) {
+    for (uint32_t layer = 0; layer < 8; ++layer) {
+      b.push(request(c, layer, 8, when, LatencyClass::kInferenceDecode));
+      ASSERT_TRUE(b.pop(when + 21ms));  // past any wait
+    }
+  }
+}
+
+TEST(BatchingTest, ADecodeStepStartsByWaitingForTheOtherDecodeTenantsThenTheyMeetAtEveryCall) {
+  TestBatcher b(opportunistic());
+  b.add_client(1);
+  b.add_client(2);
+  decoded_once(b, {1, 2}, t0 - 10ms);
+  // Client 2 starts a step (layer 0, its first queue): it waits for client 1, wherever that is...
+  b.push(request(2, 0, 8, t0, LatencyClass::kInferenceDecode));
+  EXPECT_FALSE(b.pop(t0 + 5ms));
+  EXPECT_EQ(b.next_deadline(t0), t0 + 20ms);  // ...up to decode_align_wait
+  b.push(request(1, 0, 8, t0 + 5ms, LatencyClass::kInferenceDecode));
+  auto start = b.pop(t0 + 5ms);
+  ASSERT_TRUE(start);
+  EXPECT_EQ(payloads(*start), (std::vector<int>{2, 1}));
+  // Released together, each is the other's predicted companion at the next call.
+  b.push(request(2, 1, 8, t0 + 5ms + 10us, LatencyClass::kInferenceDecode));
+  EXPECT_FALSE(b.pop(t0 + 5ms + 10us));
+  b.push(request(1, 1, 8, t0 + 5ms + 12us, LatencyClass::kInferenceDecode));
+  auto next = b.pop(t0 + 5ms + 12us);
+  ASSERT_TRUE(next);
+  EXPECT_EQ(payloads(*next), (std::vector<int>{2, 1}));
+  // A rendezvous nobody comes to ends at decode_align_wait.
+  b.push(request(2, 0, 8, t0 + 6ms, LatencyClass::kInferenceDecode));
+  EXPECT_FALSE(b.pop(t0 + 25ms));
+  EXPECT_EQ(b.next_deadline(t0 + 25ms), t0 + 26ms);
+}
+
+TEST(BatchingTest, ADecodeStepStartWaitsForNoTenantThatIsNotDecoding) {
+  TestBatcher b(opportunistic());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  decoded_once(b, {1, 2}, t0 - 10ms);
+  for (uint32_t layer = 0; layer < 8; ++layer) {  // client 3 trains on the same layers
+    b.push(request(3, layer, 8, t0 - 5ms));
+    ASSERT_TRUE(b.pop(t0 - 4ms));
+  }
+  b.push(request(2, 3, 512, t0 - 1ms, LatencyClass::kInferencePrefill));  // client 2 prefills
+  ASSERT_TRUE(b.pop(t0));
+  b.push(request(1, 0, 8, t0, LatencyClass::kInferenceDecode));
+  auto batch = b.pop(t0);
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(payloads(*batch), (std::vector<int>{1}));
+}
+
+TEST(BatchingTest, DecodeAlignmentIsOffAtZero) {
+  auto o = opportunistic();
+  o.decode_align_wait = 0us;
+  TestBatcher b(o);
+  b.add_client(1);
+  b.add_client(2);
+  decoded_once(b, {1, 2}, t0 - 10ms);
+  b.push(request(2, 0, 8, t0, LatencyClass::kInferenceDecode));
+  EXPECT_TRUE(b.pop(t0));  // client 1 is not predicted here next
+}
+
 TEST(BatchingTest, ReadyQueuesRunOldestFirstSoNoneStarves) {
   TestBatcher b(opportunistic());
   b.add_client(1);
@@ -352,6 +415,9 @@ TEST(BatchingTest, OptionsAreValidatedWithTheFieldNamed) {
     EXPECT_NE(std::string(e.what()).find("max_batch_tokens must be positive"), std::string::npos);
   }
   EXPECT_THROW(parse_batching_policy("fastest"), c10::Error);
+  BatchingOptions align;
+  align.decode_align_wait = std::chrono::microseconds(-1);
+  EXPECT_THROW(TestBatcher{align}, c10::Error);
   BatchingOptions streak;
   streak.decode_first_streak = -1;
   try {
