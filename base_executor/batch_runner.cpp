@@ -2,7 +2,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <map>
+#include <numeric>
 #include <optional>
+#include <tuple>
 
 #include "transport/cuda_ipc/cuda_ipc.h"
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -24,6 +28,149 @@ void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Ten
 }
 
 }  // namespace
+
+#ifdef SYMBIOSIS_WITH_CUDA
+// [Replayed batches]
+// A packed batch of captured calls (the decode steps of inference tenants in step: [Decode
+// alignment] in batching.h) comes again at every step with the same operands: the same calls of the
+// same clients, their inputs and destinations at the same addresses. Its host work (the packing
+// kernel, the GEMM library's launches, the unpacking kernel and the tensors around them) is then
+// recorded once into a CUDA graph, with buffers of its own for the packed rows, and each later
+// batch of those calls is one launch, as a single captured call is ([Replayed calls] in
+// transport/cuda_ipc/cuda_ipc.h). Rows go in the order of their inputs' addresses, so the same calls
+// make the same batch whatever order they came in. A batch is recorded the second time it comes
+// (one that never comes again costs nothing); the recordings' buffers hold at most kBytes, the
+// least recently used going first, and batches over kMaxTokens, whose GEMM outlasts its launches
+// anyway, are not recorded.
+class ReplayedBatches {
+ public:
+  explicit ReplayedBatches(const BaseModel& model) : model_(model) {}
+
+  // Enqueues the batch on the current stream from its recording, and true; false when it is not
+  // recorded (yet): the caller computes it. Every call's destination is set.
+  bool run(CallBatcher::Batch& batch, const std::vector<at::Tensor>& inputs) {
+    auto& requests = batch.requests;
+    if (failed_ || batch.tokens > kMaxTokens) return false;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const auto& w = requests[i].payload;
+      if (!w.channel->recurs(w.header) || !inputs[i].defined() || !inputs[i].is_cuda() || !w.destination.defined() ||
+          !w.destination.is_cuda()) {
+        return false;
+      }
+    }
+    std::vector<size_t> order(requests.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return inputs[a].data_ptr() < inputs[b].data_ptr(); });
+    void* stream = cuda::current_stream(model_.device().index());
+    Key key{batch.layer_id, static_cast<int>(batch.op), stream, {}};
+    for (size_t i : order) {
+      std::get<3>(key).emplace_back(inputs[i].data_ptr(), requests[i].payload.destination.data_ptr(),
+                                    requests[i].payload.header.tokens);
+    }
+    auto [it, added] = entries_.try_emplace(std::move(key));
+    auto& entry = it->second;
+    entry.last_use = ++uses_;
+    if (!entry.work.valid()) {
+      if (++entry.sightings < 2) {
+        if (added) forget_sightings();
+        return false;
+      }
+      if (!record(batch, inputs, order, entry, stream)) {
+        entries_.erase(it);
+        return false;
+      }
+      make_room(it->first);
+    }
+    entry.work.launch(stream);
+    return true;
+  }
+
+ private:
+  static constexpr int64_t kMaxTokens = 1024;
+  static constexpr size_t kBytes = size_t{1} << 30;
+  static constexpr size_t kMaxSightings = 4096;  // batches seen once, remembered at most
+
+  // (layer, op, stream, each call's (input, destination, tokens) in row order)
+  using Key = std::tuple<uint32_t, int, void*, std::vector<std::tuple<const void*, const void*, int64_t>>>;
+  struct Entry {
+    int sightings = 0;
+    uint64_t last_use = 0;
+    cuda::CapturedWork work;
+    at::Tensor x, y;  // the packed input and result rows
+  };
+
+  bool record(CallBatcher::Batch& batch, const std::vector<at::Tensor>& inputs, const std::vector<size_t>& order,
+              Entry& entry, void* stream) {
+    auto& requests = batch.requests;
+    const auto& layer = model_.layer(batch.layer_id);
+    const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+    const auto options = at::TensorOptions().dtype(layer.dtype).device(model_.device());
+    entry.x = at::empty({batch.tokens, requests[0].payload.header.features}, options);
+    entry.y = at::empty({batch.tokens, out_features}, options);
+    std::vector<at::Tensor> sources, packed, results, destinations;
+    int64_t row = 0;
+    for (size_t i : order) {
+      const int64_t tokens = requests[i].payload.header.tokens;
+      sources.push_back(inputs[i]);
+      packed.push_back(entry.x.narrow(0, row, tokens));
+      results.push_back(entry.y.narrow(0, row, tokens));
+      destinations.push_back(requests[i].payload.destination);
+      row += tokens;
+    }
+    try {
+      entry.work = cuda::CapturedWork::capture(stream, [&] {
+        copy_rows(sources, packed);
+        model_.compute_into(batch.layer_id, batch.op, entry.x, entry.y);
+        copy_rows(results, destinations);
+      });
+    } catch (const c10::Error& e) {
+      failed_ = true;
+      spdlog::warn("packed batches run without graphs: {}", e.what_without_backtrace());
+      return false;
+    }
+    bytes_ += entry.x.nbytes() + entry.y.nbytes();
+    return true;
+  }
+
+  // Lets the least recently used recordings go until the buffers fit kBytes (`keep` stays).
+  void make_room(const Key& keep) {
+    while (bytes_ > kBytes) {
+      auto victim = entries_.end();
+      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+        if (it->second.work.valid() && it->first != keep &&
+            (victim == entries_.end() || it->second.last_use < victim->second.last_use)) {
+          victim = it;
+        }
+      }
+      if (victim == entries_.end()) return;
+      bytes_ -= victim->second.x.nbytes() + victim->second.y.nbytes();
+      entries_.erase(victim);
+    }
+  }
+
+  // Too many batches seen once: forget them (the recorded ones stay).
+  void forget_sightings() {
+    if (entries_.size() <= kMaxSightings) return;
+    std::erase_if(entries_, [](const auto& e) { return !e.second.work.valid(); });
+  }
+
+  const BaseModel& model_;
+  std::map<Key, Entry> entries_;
+  uint64_t uses_ = 0;
+  size_t bytes_ = 0;
+  bool failed_ = false;
+};
+#else
+class ReplayedBatches {};
+#endif
+
+BatchRunner::BatchRunner(const BaseModel& model, Statistics& statistics) : model_(model), statistics_(statistics) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (model.device().is_cuda()) replays_ = std::make_unique<ReplayedBatches>(model);
+#endif
+}
+
+BatchRunner::~BatchRunner() = default;
 
 // [Batch data path]
 // Inputs: tcp payloads (ZeroMQ frames) and shm buffers are host memory; cuda-ipc buffers and NCCL receives are
@@ -73,6 +220,14 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
     }
     return rows;
   }
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (replays_ && replays_->run(batch, inputs)) {
+    statistics_.replayed_calls += requests.size();
+    std::vector<at::Tensor> rows;
+    for (const auto& r : requests) rows.push_back(r.payload.destination);
+    return rows;
+  }
+#endif
   // Each request's first row in the batch: on a GPU, host inputs come first (one upload), device
   // inputs after them; the order of rows inside a batch is free.
   std::vector<int64_t> first_row(inputs.size());

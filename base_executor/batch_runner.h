@@ -24,9 +24,12 @@ struct Call {
 };
 using CallBatcher = Batcher<Call>;
 
+class ReplayedBatches;  // [Replayed batches], batch_runner.cpp
+
 class BatchRunner {
  public:
-  BatchRunner(const BaseModel& model, Statistics& statistics) : model_(model), statistics_(statistics) {}
+  BatchRunner(const BaseModel& model, Statistics& statistics);
+  ~BatchRunner();
   void run(CallBatcher::Batch& batch);
 
  private:
@@ -37,6 +40,7 @@ class BatchRunner {
 
   const BaseModel& model_;
   Statistics& statistics_;
+  std::unique_ptr<ReplayedBatches> replays_;  // on a GPU
 };
 
 }  // namespace symbiosis

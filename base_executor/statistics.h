@@ -27,7 +27,7 @@ class Statistics {
   std::atomic<uint64_t> tokens{0};
   std::atomic<uint64_t> direct_calls{0};      // calls whose operands lay in a client's shared segment ([Direct operands])
   std::atomic<uint64_t> concurrent_calls{0};  // calls run alone on their client's compute stream ([Compute streams])
-  std::atomic<uint64_t> replayed_calls{0};    // captured calls whose GEMM was launched as a graph ([Replayed calls])
+  std::atomic<uint64_t> replayed_calls{0};    // captured calls whose GEMM was launched as a graph ([Replayed calls], [Replayed batches])
   std::atomic<uint64_t> compute_nanos{0};     // running batches, delivery included
   std::atomic<uint64_t> deliver_nanos{0};     // the part of compute_nanos spent delivering results
   std::atomic<uint64_t> queue_depth{0};       // calls queued, as the scheduler last saw them

@@ -102,6 +102,10 @@ class Channel {
                                 const std::function<void()>& /*compute*/) {
     return false;
   }
+  // Whether the call is one whose operands lie at the same addresses at each of its client's steps
+  // (a captured call), so that work recorded for it is worth keeping: [Replayed batches] in
+  // base_executor/batch_runner.cpp.
+  virtual bool recurs(const shm::CallHeader&) const { return false; }
   // After the call's result is enqueued: orders it before the client's read.
   virtual void finish_writes(const shm::CallHeader&) {}
   // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only

@@ -55,9 +55,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     }
   }
 
+  bool recurs(const shm::CallHeader& h) const override { return captured_slot(h) != nullptr && !replays_failed_; }
+
   bool compute_replayed(const shm::CallHeader& h, const at::Tensor& input, const at::Tensor& destination,
                         const std::function<void()>& compute) override {
-    if (captured_slot(h) == nullptr || replays_failed_) return false;
+    if (!recurs(h)) return false;
     void* stream = cuda::current_stream(device_);
     const Replay::Key key{h.layer_id, h.op, h.tokens, input.data_ptr(), destination.data_ptr(), stream};
     auto& replay = replays_[h.slot];

@@ -5,6 +5,7 @@
 // the monolithic run it is held to decodes eagerly. Skipped without a GPU; runs on the GPU machine
 // (scripts/gpu_check.sh generate).
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 
@@ -93,6 +94,40 @@ TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
   bench::stop(executor.pid);
 }
 
+// Writes `count` requests of 512 prompt tokens, one JSON line each.
+std::filesystem::path write_requests(const std::filesystem::path& work, int count) {
+  const auto path = work / "requests.jsonl";
+  std::ofstream input(path);
+  for (int r = 0; r < count; ++r) {
+    input << "{\"prompt_ids\": [";
+    for (int t = 0; t < 512; ++t) input << (t ? ", " : "") << (r * 7919 + t * 104729) % 128000;
+    input << "]}\n";
+  }
+  return path;
+}
+
+// The shell command of one symbiosis-generate run (`run`: its name; "monolithic" runs monolithic)
+// with four cache slots and 24 new tokens a request, its output in work/RUN.jsonl.
+std::string generate_command(const std::filesystem::path& dir, const std::string& executor,
+                             const std::filesystem::path& requests, const std::filesystem::path& work,
+                             const std::string& run) {
+  return testing::binary("examples/symbiosis-generate") + " --model '" + dir.string() + "' --executor " + executor +
+         (run == "monolithic" ? " --monolithic" : "") + " --device cuda:0 --max-sequences 4 --max-tokens 544" +
+         " --max-new-tokens 24 --input '" + requests.string() + "' > '" + (work / (run + ".jsonl")).string() + "' 2> '" +
+         (work / (run + ".log")).string() + "'";
+}
+
+// A run's output lines (one per request as it finishes), sorted.
+std::string sorted_lines(const std::filesystem::path& work, const std::string& run) {
+  std::vector<std::string> lines;
+  std::ifstream in(work / (run + ".jsonl"));
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const auto& line : lines) out += line + "\n";
+  return out;
+}
+
 // symbiosis-generate on the executor's GPU, a process of its own whose first use of CUDA comes
 // after it connects: twice as many requests of 512 tokens as cache slots, so the second half is
 // prefilled (eagerly, in new allocations) after decode steps were captured and the allocator gave
@@ -106,34 +141,44 @@ TEST(GpuGeneration, PrefillsAfterCapturedDecodeStepsStayExactInAFreshProcess) {
   const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
                                                "--dtype", "fp32", "--log-level", "warn"},
                                               work / "executor");
-  {
-    std::ofstream input(work / "requests.jsonl");
-    for (int r = 0; r < 8; ++r) {
-      input << "{\"prompt_ids\": [";
-      for (int t = 0; t < 512; ++t) input << (t ? ", " : "") << (r * 7919 + t * 104729) % 128000;
-      input << "]}\n";
-    }
-  }
-  std::map<std::string, std::string> outputs;
+  const auto requests = write_requests(work, 8);
   for (const std::string run : {"split", "monolithic"}) {
-    const auto out = work / (run + ".jsonl");
-    const int status = testing::shell(
-        testing::binary("examples/symbiosis-generate") + " --model '" + dir.string() + "' --executor " + executor.endpoint +
-        (run == "monolithic" ? " --monolithic" : "") + " --device cuda:0 --max-sequences 4 --max-tokens 544" +
-        " --max-new-tokens 24 --input '" + (work / "requests.jsonl").string() + "' > '" + out.string() + "' 2> '" +
-        (work / (run + ".log")).string() + "'");
-    EXPECT_EQ(status, 0) << run << "; see " << work;
-    // One line per request as it finishes, in the same order both ways; sorted all the same.
-    std::vector<std::string> lines;
-    std::ifstream in(out);
-    for (std::string line; std::getline(in, line);) lines.push_back(line);
-    std::sort(lines.begin(), lines.end());
-    for (const auto& line : lines) outputs[run] += line + "\n";
+    EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, run)), 0) << run << "; see " << work;
   }
-  EXPECT_EQ(std::count(outputs["split"].begin(), outputs["split"].end(), '\n'), 8);
-  EXPECT_EQ(outputs["split"].find("error"), std::string::npos) << outputs["split"].substr(0, 400);
-  EXPECT_EQ(outputs["split"], outputs["monolithic"]);
+  const auto split = sorted_lines(work, "split");
+  EXPECT_EQ(std::count(split.begin(), split.end(), '\n'), 8);
+  EXPECT_EQ(split.find("error"), std::string::npos) << split.substr(0, 400);
+  EXPECT_EQ(split, sorted_lines(work, "monolithic"));
   EXPECT_EQ(request_stats(executor.endpoint, 10000).errors(), 0u);
+  bench::stop(executor.pid);
+}
+
+// [Replayed batches]: three tenants, processes of their own, decode in step under lockstep, so every
+// call of theirs is packed with the others' (and their captured decode calls, packed, are replayed
+// from the second step on); each generates what the model generates monolithic.
+TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
+  const auto work = testing::temp_dir("gpu-generate-packed");
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
+                                               "--dtype", "fp32", "--batching", "lockstep", "--lockstep-timeout", "60000",
+                                               "--log-level", "warn"},
+                                              work / "executor");
+  const auto requests = write_requests(work, 4);
+  std::string together, waits;
+  for (const std::string tenant : {"a", "b", "c"}) {
+    together += generate_command(dir, executor.endpoint, requests, work, tenant) + " & pid_" + tenant + "=$!; ";
+    waits += "wait $pid_" + tenant + " || failed=1; ";
+  }
+  EXPECT_EQ(testing::shell(together + "failed=0; " + waits + "exit $failed"), 0) << "see " << work;
+  const auto stats = request_stats(executor.endpoint, 10000);
+  EXPECT_EQ(stats.max_batch_requests(), 3u);
+  EXPECT_GT(stats.replayed_calls(), 0u);
+  EXPECT_EQ(stats.errors(), 0u);
+  ASSERT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "monolithic")), 0) << "see " << work;
+  const auto monolithic = sorted_lines(work, "monolithic");
+  EXPECT_EQ(std::count(monolithic.begin(), monolithic.end(), '\n'), 4);
+  for (const std::string tenant : {"a", "b", "c"}) EXPECT_EQ(sorted_lines(work, tenant), monolithic) << tenant;
   bench::stop(executor.pid);
 }
 
