@@ -5,6 +5,9 @@
 #include <algorithm>
 
 #include "client_runtime/models/attention.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/decode_attention.h"
+#endif
 
 namespace symbiosis {
 
@@ -132,6 +135,14 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.size(0) == 1 && q.size(2) == tokens_ && k.size(2) == tokens_, "a cached step of ", tokens_,
               " packed tokens got queries ", q.sizes(), " and keys ", k.sizes());
   if (decode_) {
+#ifdef SYMBIOSIS_WITH_CUDA
+    // On a GPU, one kernel writes and attends ([Fused decode attention] in kernels/decode_attention.h).
+    if (q.is_cuda() && kernels::decode_attention_supports(q.size(1), k.size(1), q.size(3), q.scalar_type())) {
+      auto out = kernels::decode_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), keys,
+                                           values, slots_, starts_);
+      return out.transpose(0, 1).unsqueeze(0);
+    }
+#endif
     // One token a sequence: written at each one's start, then one attention call for all of them.
     keys.index_put_({slots_, Slice(), starts_}, k[0].transpose(0, 1));
     values.index_put_({slots_, Slice(), starts_}, v[0].transpose(0, 1));

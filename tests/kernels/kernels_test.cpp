@@ -1,11 +1,13 @@
 // The CUDA kernels (kernels/): the executor's direct cuBLAS GEMM and few-row kernel, the batch
-// packing kernel, and the clients' fused cross-entropy, rotary embedding, SwiGLU and grouped LoRA,
+// packing kernel, and the clients' fused cross-entropy, decode attention, rotary embedding, SwiGLU and
+// grouped LoRA,
 // each held to ATen's or the plain expression's result. Skipped, with a message saying so, where
 // there is no GPU.
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/peft/dora.h"
 #include "client_runtime/training/loss.h"
 #include "kernels/batched_copy.h"
+#include "kernels/decode_attention.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
 #include "kernels/lora.h"
@@ -168,6 +170,67 @@ void expect_rounded_like(const at::Tensor& got, const at::Tensor& want) {
   const auto dtype = got.scalar_type();
   const double rtol = dtype == at::kFloat ? 1e-5 : dtype == at::kBFloat16 ? 8e-3 : 1e-3;
   EXPECT_LE(testing::relative_error(got, want), rtol) << c10::toString(dtype);
+}
+
+// [Fused decode attention] against float64: the cache after the step holds each sequence's new key
+// and value at its position (and nothing else changed), and each query head attends over its kv
+// head's keys 0..position, for grouped and plain multi-head shapes, sequences in any slots (one
+// at position 0), q laid out as the model passes it (a transpose), each dtype.
+TEST(FusedDecodeAttentionTest, WritesTheNewKeysAndAttendsUpToEachPosition) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(5);
+  struct Shape {
+    int64_t heads, kv_heads, dim;
+  };
+  for (const Shape shape : {Shape{8, 2, 64}, Shape{4, 4, 128}, Shape{6, 1, 32}}) {
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      SCOPED_TRACE(std::to_string(shape.heads) + " heads over " + std::to_string(shape.kv_heads) + ", dim " +
+                   std::to_string(shape.dim) + ", " + c10::toString(dtype));
+      ASSERT_TRUE(kernels::decode_attention_supports(shape.heads, shape.kv_heads, shape.dim, dtype));
+      const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+      const int64_t slots = 5, tokens = 150;
+      auto keys = at::randn({slots, shape.kv_heads, tokens, shape.dim}, options);
+      auto values = at::randn({slots, shape.kv_heads, tokens, shape.dim}, options);
+      const auto keys_before = keys.clone(), values_before = values.clone();
+      const auto slot = at::tensor({3, 0, 4}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
+      const auto position = at::tensor({149, 0, 77}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
+      const auto q = at::randn({shape.heads, 3, shape.dim}, options).transpose(0, 1);  // [3, heads, dim], strided
+      const auto k = at::randn({3, shape.kv_heads, shape.dim}, options);
+      const auto v = at::randn({3, shape.kv_heads, shape.dim}, options);
+      const auto got = kernels::decode_attention(q, k, v, keys, values, slot, position);
+      ASSERT_EQ(got.sizes(), (std::vector<int64_t>{3, shape.heads, shape.dim}));
+      auto expected_keys = keys_before.clone(), expected_values = values_before.clone();
+      const auto group = shape.heads / shape.kv_heads;
+      std::vector<at::Tensor> rows;
+      for (int64_t b = 0; b < 3; ++b) {
+        const int64_t s = slot[b].item<int64_t>(), p = position[b].item<int64_t>();
+        expected_keys[s].select(1, p).copy_(k[b]);
+        expected_values[s].select(1, p).copy_(v[b]);
+        // [heads, p + 1, dim] keys and values of each query head's kv head, in float64.
+        auto own_keys = expected_keys[s].narrow(1, 0, p + 1).to(at::kDouble).repeat_interleave(group, 0);
+        auto own_values = expected_values[s].narrow(1, 0, p + 1).to(at::kDouble).repeat_interleave(group, 0);
+        auto scores = at::matmul(q[b].to(at::kDouble).unsqueeze(1), own_keys.transpose(1, 2)) / std::sqrt(double(shape.dim));
+        rows.push_back(at::matmul(at::softmax(scores, -1), own_values).squeeze(1));
+      }
+      EXPECT_TRUE(at::equal(keys, expected_keys));
+      EXPECT_TRUE(at::equal(values, expected_values));
+      expect_rounded_like(got, at::stack(rows));
+    }
+  }
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  EXPECT_FALSE(kernels::decode_attention_supports(12, 1, 128, at::kFloat));  // 12 query heads a kv head
+  EXPECT_FALSE(kernels::decode_attention_supports(64, 8, 128, at::kFloat));  // 8 x 128 elements a group
+  EXPECT_FALSE(kernels::decode_attention_supports(8, 8, 80, at::kFloat));   // a head_dim not a multiple of 32
+  auto keys = at::zeros({2, 2, 4, 64}, options), values = at::zeros({2, 2, 4, 64}, options);
+  const auto index = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
+  try {
+    kernels::decode_attention(at::randn({1, 4, 64}, options), at::randn({1, 2, 64}, options),
+                              at::randn({1, 2, 64}, options), keys, values, index, index);
+    ADD_FAILURE() << "int32 slots were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("slots and positions must be [1] int64"), std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 // x·cos + rotate_half(x)·sin, and its transpose, in float64.
