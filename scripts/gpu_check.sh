@@ -7,6 +7,7 @@
 # Stages:
 #   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
+#   generator      gpu_generator_test alone, under MPS
 #   kernels        gpu_executor_test and kernels_test (the executor's GEMMs, the packing kernel, the fused loss, ...)
 #   loss           the client's loss, fused against the fp32 copy and ATen's (symbiosis-bench-loss),
 #                  at 2 x 512 and 1 x 128 tokens of Llama 3's vocabulary, bf16
@@ -33,6 +34,8 @@
 #                  (targets-512 and targets-128: one shape each); our clients with captured steps and eager
 #   trace          where one 1B client's GPU time goes (Kineto trace of 3 captured iterations, summed by kernel
 #                  with bench/trace_summary.py): split and monolithic, batch 2 x 512 and 1 x 128, under MPS
+#   trace-generate where one 1B inference tenant's GPU time goes (Kineto trace of 3 generations of 8 x (512 + 128)
+#                  tokens, decode captured), split (CUDA IPC) and monolithic, under MPS
 #   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
 #   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
@@ -211,6 +214,11 @@ for stage in "$@"; do
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
       ;;
+    generator)
+      mps_on
+      run_gtest gpu_generator_test
+      mps_off
+      ;;
     kernels)
       mps_on
       run_gtest gpu_executor_test
@@ -312,6 +320,26 @@ scenario.update(json.loads(sys.argv[2]))
 print(json.dumps(scenario))
 PY
       bench patched /tmp/patched.json --checkpoint $model_1b --counts "${COUNTS:-8}"
+      mps_off
+      ;;
+    trace-generate)
+      make_1b
+      mps_on
+      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5791 \
+        --log-level warn > $logs/trace-generate-executor.log 2>&1 &
+      executor_pid=$!
+      sleep 8
+      for system in split monolithic; do
+        flags="--executor tcp://127.0.0.1:5791"
+        [ $system = monolithic ] && flags="--monolithic"
+        "$B/bench/symbiosis-bench-client" $flags --mode generate --model $model_1b --batch 8 --seq 512 --new-tokens 128 \
+          --rank 8 --targets q_proj,k_proj,v_proj,o_proj --device cuda:0 --dtype bf16 --cuda-graph --warmup 1 \
+          --iterations 1 --trace /tmp/trace-generate-$system.json --out /tmp/trace-generate-$system-result.json \
+          > $logs/trace-generate-$system.log 2>&1 || tail -5 $logs/trace-generate-$system.log
+        echo "== $system, generate 8 x (512 + 128), per generation (a prefill and 128 decode steps)"
+        python3 bench/trace_summary.py /tmp/trace-generate-$system.json --top 30
+      done
+      kill $executor_pid
       mps_off
       ;;
     op-profile)
