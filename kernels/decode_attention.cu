@@ -3,14 +3,16 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 
 namespace symbiosis::kernels {
 namespace {
 
-constexpr int kWarps = 16;
+constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
+constexpr int kChunk = 128;           // keys a block takes: the chunks of one (sequence, kv head) run side by side
 constexpr int kUnroll = 4;            // keys a warp loads before it uses the first: loads in flight hide their latency
 constexpr int kMaxGroup = 8;          // query heads per kv head
 constexpr int kMaxGroupDims = 512;    // group x head_dim: the warps' partial sums fit shared memory
@@ -26,22 +28,36 @@ struct Rows {
   int64_t sequence, head;
 };
 
-// One block per (sequence b, kv head h); each lane holds kPerLane consecutive elements of a row.
+// Where a block leaves its chunk's result for merge_kernel: per (sequence, query head, chunk), the
+// maximum score m, the sum l of e^(score - m) and the sum acc of e^(score - m) value, in fp32.
+struct Partials {
+  float* m;    // [B, heads, chunks]
+  float* l;    // [B, heads, chunks]
+  float* acc;  // [B, heads, chunks, head_dim]
+  int chunks;
+};
+
+// One block per (sequence b, kv head h, chunk c of kChunk keys); each lane holds kPerLane
+// consecutive elements of a row. Chunks past the sequence's position leave m = -inf.
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kThreads)
     decode_attention_kernel(const T* q, Rows q_rows, const T* k, Rows k_rows, const T* v, Rows v_rows, T* keys,
-                            T* values, const int64_t* slots, const int64_t* positions, T* out, int64_t kv_heads,
-                            int group, int64_t tokens, float scale) {
+                            T* values, const int64_t* slots, const int64_t* positions, Partials partials,
+                            int64_t kv_heads, int group, int64_t tokens, float scale) {
   constexpr int kDim = 32 * kPerLane;
-  const int64_t b = blockIdx.x, h = blockIdx.y;
+  const int64_t b = blockIdx.x, h = blockIdx.y, chunk = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t position = positions[b];
+  const int64_t begin = chunk * kChunk, end = std::min<int64_t>(begin + kChunk, position + 1);  // keys [begin, end)
   T* key_rows = keys + (slots[b] * kv_heads + h) * tokens * kDim;
   T* value_rows = values + (slots[b] * kv_heads + h) * tokens * kDim;
-  // 1. The new key and value, visible to the whole block after the barrier.
-  for (int d = threadIdx.x; d < kDim; d += kThreads) {
-    key_rows[position * kDim + d] = k[b * k_rows.sequence + h * k_rows.head + d];
-    value_rows[position * kDim + d] = v[b * v_rows.sequence + h * v_rows.head + d];
+  // 1. The new key and value, written by the block whose chunk holds them, which alone reads them
+  //    (visible to it after the barrier).
+  if (begin <= position && position < begin + kChunk) {
+    for (int d = threadIdx.x; d < kDim; d += kThreads) {
+      key_rows[position * kDim + d] = k[b * k_rows.sequence + h * k_rows.head + d];
+      value_rows[position * kDim + d] = v[b * v_rows.sequence + h * v_rows.head + d];
+    }
   }
   __syncthreads();
   // 2. Each warp takes every kWarps-th key: a running maximum m, sum l and weighted value sum acc per
@@ -59,20 +75,20 @@ __global__ void __launch_bounds__(kThreads)
                               : 0.f;
     }
   }
-  for (int64_t base = warp; base <= position; base += kWarps * kUnroll) {
+  for (int64_t base = begin + warp; base < end; base += kWarps * kUnroll) {
     float key[kUnroll][kPerLane], value[kUnroll][kPerLane];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t t = base + u * kWarps;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
-        key[u][i] = t <= position ? static_cast<float>(key_rows[t * kDim + first + i]) : 0.f;
-        value[u][i] = t <= position ? static_cast<float>(value_rows[t * kDim + first + i]) : 0.f;
+        key[u][i] = t < end ? static_cast<float>(key_rows[t * kDim + first + i]) : 0.f;
+        value[u][i] = t < end ? static_cast<float>(value_rows[t * kDim + first + i]) : 0.f;
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * kWarps > position) break;
+      if (base + u * kWarps >= end) break;
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g >= group) break;
@@ -89,7 +105,8 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  // 3. The warps' partial results merged: out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
+  // 3. The warps' results merged into the chunk's: M = max_w m_w, L = sum_w l_w e^(m_w - M) and
+  //    ACC = sum_w acc_w e^(m_w - M).
   __shared__ float partial_m[kWarps][kMaxGroup], partial_l[kWarps][kMaxGroup];
   __shared__ float partial_acc[kWarps][kMaxGroupDims];
 #pragma unroll
@@ -114,20 +131,57 @@ __global__ void __launch_bounds__(kThreads)
       sum += partial_l[w][g] * scale_w;
       weighted += partial_acc[w][e] * scale_w;
     }
-    out[(b * kv_heads * group + h * group + g) * kDim + d] = static_cast<T>(weighted / sum);
+    const int64_t row = (b * kv_heads * group + h * group + g) * partials.chunks + chunk;
+    if (d == 0) {
+      partials.m[row] = highest;
+      partials.l[row] = sum;
+    }
+    partials.acc[row * kDim + d] = weighted;
+  }
+}
+
+// One block per (sequence, query head), a thread per element: the chunks' results merged,
+// out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
+template <typename T>
+__global__ void merge_kernel(Partials partials, T* out, int dim) {
+  const int64_t row = blockIdx.x;  // b * heads + head
+  const float* m = partials.m + row * partials.chunks;
+  const float* l = partials.l + row * partials.chunks;
+  float highest = -INFINITY;
+  for (int c = 0; c < partials.chunks; ++c) highest = fmaxf(highest, m[c]);
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float sum = 0.f, weighted = 0.f;
+    for (int c = 0; c < partials.chunks; ++c) {
+      if (m[c] == -INFINITY) continue;  // a chunk past the sequence's position
+      const float scale_c = expf(m[c] - highest);
+      sum += l[c] * scale_c;
+      weighted += partials.acc[(row * partials.chunks + c) * dim + d] * scale_c;
+    }
+    out[row * dim + d] = static_cast<T>(weighted / sum);
   }
 }
 
 template <typename T, int kPerLane>
 void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values,
             const at::Tensor& slots, const at::Tensor& positions, at::Tensor& out, int group) {
-  const int64_t sequences = q.size(0), kv_heads = k.size(1);
-  const dim3 grid(static_cast<unsigned>(sequences), static_cast<unsigned>(kv_heads));
-  const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-  decode_attention_kernel<T, kPerLane><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  const int64_t sequences = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2), tokens = keys.size(2);
+  // As many chunks as the cache's capacity needs: the grid must not depend on the positions, which
+  // a captured step reads on the device only.
+  const int chunks = static_cast<int>((tokens + kChunk - 1) / kChunk);
+  const auto floats = q.options().dtype(at::kFloat);
+  const auto m = at::empty({sequences, heads, chunks}, floats), l = at::empty({sequences, heads, chunks}, floats);
+  const auto acc = at::empty({sequences, heads, chunks, dim}, floats);
+  const Partials partials{m.data_ptr<float>(), l.data_ptr<float>(), acc.data_ptr<float>(), chunks};
+  const dim3 grid(static_cast<unsigned>(sequences), static_cast<unsigned>(kv_heads), static_cast<unsigned>(chunks));
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  decode_attention_kernel<T, kPerLane><<<grid, kThreads, 0, stream>>>(
       q.data_ptr<T>(), {q.stride(0), q.stride(1)}, k.data_ptr<T>(), {k.stride(0), k.stride(1)}, v.data_ptr<T>(),
       {v.stride(0), v.stride(1)}, keys.data_ptr<T>(), values.data_ptr<T>(), slots.data_ptr<int64_t>(),
-      positions.data_ptr<int64_t>(), out.data_ptr<T>(), kv_heads, group, keys.size(2), scale);
+      positions.data_ptr<int64_t>(), partials, kv_heads, group, tokens, scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  merge_kernel<T><<<static_cast<unsigned>(sequences * heads), static_cast<unsigned>(dim), 0, stream>>>(
+      partials, out.data_ptr<T>(), static_cast<int>(dim));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

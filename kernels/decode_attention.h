@@ -7,12 +7,13 @@
 // of the cache (the cache is [slots, kv_heads, tokens, head_dim] and a step's sequences sit in any
 // slots), and the attention itself over the copies, masked to each one's length; on an H200 these
 // were 45% of a Llama-3.2-1B inference tenant's own GPU time per decode step (docs/benchmarks.md,
-// `scripts/gpu_check.sh trace-generate`). Here a block of threads takes one (sequence, kv head):
-// it writes the new key and value, then its warps split the keys, each keeping a running maximum,
-// sum and weighted value sum for the query heads of the group (grouped-query attention), in fp32,
-// and the warps' partial results are merged at the end. Keys past a sequence's position are never
-// read. Results match LibTorch's attention within fp32 rounding (the order of the sums differs),
-// then round once to the dtype.
+// `scripts/gpu_check.sh trace-generate`). Here a block of threads takes one chunk of 128 keys of one
+// (sequence, kv head), so that the chunks of a long sequence run side by side (split-K, as flash
+// decoding does): the block holding the new token writes its key and value, then each block's warps
+// split its keys, each keeping a running maximum, sum and weighted value sum for the query heads of
+// the group (grouped-query attention) in fp32, and a second small kernel merges the chunks. Keys
+// past a sequence's position are never read. Results match LibTorch's attention within fp32
+// rounding (the order of the sums differs), then round once to the dtype.
 // Built only with CUDA; client_runtime/models/kv_cache.cpp calls it on a GPU.
 #include <ATen/ATen.h>
 
