@@ -155,17 +155,21 @@ make_1b() {
   [ -f $model_1b/config.json ] || "$B/tools/symbiosis-make-checkpoint" --preset llama-3.2-1b --dtype bf16 --out $model_1b > /dev/null
 }
 
-# One 1B client at a time, split (CUDA IPC, an executor beside it) and monolithic, at 2 x 512 and
-# 1 x 128, under MPS: `$1 SYSTEM BATCH SEQ CLIENT-FLAGS` runs and reports each.
+# One 1B client at a time, split (CUDA IPC, an executor beside it) and monolithic, at each shape
+# "BATCH SEQ" named after the first argument (2 x 512 and 1 x 128 when none is), under MPS:
+# `$1 SYSTEM BATCH SEQ CLIENT-FLAGS` runs and reports each.
 each_single_client() {
   local run_one=$1 executor_pid shape system flags
+  shift
+  local shapes=("$@")
+  [ ${#shapes[@]} = 0 ] && shapes=("2 512" "1 128")
   make_1b
   mps_on
   "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5790 \
     --log-level warn > $logs/single-client-executor.log 2>&1 &
   executor_pid=$!
   sleep 8
-  for shape in "2 512" "1 128"; do
+  for shape in "${shapes[@]}"; do
     for system in split monolithic; do
       flags="--executor tcp://127.0.0.1:5790"
       [ $system = monolithic ] && flags="--monolithic"
@@ -189,6 +193,17 @@ print(f"== {path.split('/')[-1]}: {p['iteration_ms']:.1f} ms an iteration, {p['t
 for op in p["ops"][:18]:
     print(f"  {op['ms_per_iteration']:8.2f} ms {op['per_iteration']:7.0f}x  {op['name']}")
 PY
+}
+
+# Kineto trace of one inference tenant (each_single_client) generating BATCH x (SEQ + 128) tokens,
+# decode captured, summed by kernel.
+trace_generate_client() {
+  local system=$1 batch=$2 seq=$3 flags=$4 trace=/tmp/trace-generate-$1.json
+  "$B/bench/symbiosis-bench-client" $flags --mode generate --batch $batch --seq $seq --new-tokens 128 --rank 8 \
+    --targets q_proj,k_proj,v_proj,o_proj --cuda-graph --trace $trace --out /tmp/trace-generate-$system-result.json \
+    > $logs/trace-generate-$system.log 2>&1 || tail -5 $logs/trace-generate-$system.log
+  echo "== $system, generate $batch x ($seq + 128), per generation (a prefill and 128 decode steps)"
+  python3 bench/trace_summary.py $trace --top 30
 }
 
 # Kineto trace of one captured client (each_single_client), summed by kernel.
@@ -323,24 +338,7 @@ PY
       mps_off
       ;;
     trace-generate)
-      make_1b
-      mps_on
-      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5791 \
-        --log-level warn > $logs/trace-generate-executor.log 2>&1 &
-      executor_pid=$!
-      sleep 8
-      for system in split monolithic; do
-        flags="--executor tcp://127.0.0.1:5791"
-        [ $system = monolithic ] && flags="--monolithic"
-        "$B/bench/symbiosis-bench-client" $flags --mode generate --model $model_1b --batch 8 --seq 512 --new-tokens 128 \
-          --rank 8 --targets q_proj,k_proj,v_proj,o_proj --device cuda:0 --dtype bf16 --cuda-graph --warmup 1 \
-          --iterations 1 --trace /tmp/trace-generate-$system.json --out /tmp/trace-generate-$system-result.json \
-          > $logs/trace-generate-$system.log 2>&1 || tail -5 $logs/trace-generate-$system.log
-        echo "== $system, generate 8 x (512 + 128), per generation (a prefill and 128 decode steps)"
-        python3 bench/trace_summary.py /tmp/trace-generate-$system.json --top 30
-      done
-      kill $executor_pid
-      mps_off
+      each_single_client trace_generate_client "8 512"
       ;;
     op-profile)
       each_single_client op_profile_client
