@@ -20,6 +20,7 @@ void ClientOptions::validate() const {
               "' is not one of auto, ", transport_names());
   TORCH_CHECK(control == "auto" || control == "zmq", "client option control '", control,
               "' is not one of auto, zmq");
+  if (privacy.mask) privacy.validate();
   TORCH_CHECK(executor_key.empty() == key_file.empty(), "client options executor_key and key_file go together: ",
               executor_key.empty() ? "key_file" : "executor_key", " is given without the other");
   try {
@@ -54,6 +55,20 @@ class Client::Impl {
   std::atomic<proto::LatencyClass> latency{proto::FINE_TUNING};
   std::atomic<uint64_t> calls{0};  // sent: a capture's recordings count when a replay sends them
   bool capturing = false;          // guarded by call_mutex
+  std::unique_ptr<NoiseMask> mask;  // [Noise masking], when the client asked for it
+
+  // The masked calls' way to the executor: `layer`'s calls, as the mask names them.
+  NoiseMask::Send sender(const LayerInfo& layer) {
+    return [this, &layer](NoiseMask::Op op, const at::Tensor& x) {
+      TORCH_CHECK(!capturing, "privacy masking: layer '", layer.name,
+                  "' was called while a step is captured; a masked client runs its steps eagerly (a graph would "
+                  "replay the same noise rows every time)");
+      return call(layer, op == NoiseMask::Op::kForward ? proto::FORWARD
+                         : op == NoiseMask::Op::kForwardNoBias ? proto::FORWARD_NO_BIAS
+                                                               : proto::BACKWARD_INPUT,
+                  x);
+    };
+  }
 
   at::Tensor call(const LayerInfo& layer, proto::Op op, const at::Tensor& x) {
     // One scope per call for profilers (LibTorch's RecordFunction): free while none listens.
@@ -100,6 +115,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
   impl->transport = plugin(*kind).make_client(impl->socket, welcome, end_options);
   impl->latency = wire::to_proto(options.latency_class);
+  if (options.privacy.mask) impl->mask = std::make_unique<NoiseMask>(options.privacy);
   return std::shared_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -138,6 +154,8 @@ void Client::set_latency_class(LatencyClass c) { impl_->latency = wire::to_proto
 LatencyClass Client::latency_class() const { return wire::latency_from_proto(impl_->latency.load()); }
 
 void Client::begin_capture() {
+  TORCH_CHECK(!impl_->mask, "privacy masking: a masked client's steps cannot be captured in CUDA graphs (a graph would "
+              "replay the same noise at every step); run them eagerly");
   std::lock_guard<std::mutex> lock(impl_->call_mutex);
   impl_->transport->begin_capture();
   impl_->capturing = true;
@@ -163,11 +181,15 @@ void Client::settle() {
 }
 
 at::Tensor Client::forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) {
+  if (impl_->mask) return impl_->mask->forward(layer, x, with_bias, impl_->sender(layer));
   return impl_->call(layer, with_bias ? proto::FORWARD : proto::FORWARD_NO_BIAS, x);
 }
 
 at::Tensor Client::backward_input(const LayerInfo& layer, const at::Tensor& grad_out) {
+  if (impl_->mask) return impl_->mask->backward_input(layer, grad_out, impl_->sender(layer));
   return impl_->call(layer, proto::BACKWARD_INPUT, grad_out);
 }
+
+const NoiseMask* Client::noise_mask() const { return impl_->mask.get(); }
 
 }  // namespace symbiosis

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "privacy/noise_mask.h"
 #include "virt_layer/layer_backend.h"
 #include "virt_layer/layer_info.h"
 
@@ -46,6 +47,9 @@ struct ClientOptions {
   // file `symbiosis-ctl keygen NAME` wrote). Both empty: no keys (the traffic is not encrypted).
   std::string executor_key;
   std::string key_file;
+  // [Noise masking] (privacy/noise_mask.h): this client's activations and gradients reach the
+  // executor masked with noise only it knows. Off by default.
+  PrivacyOptions privacy;
 
   void validate() const;  // throws naming the field
 };
@@ -61,6 +65,8 @@ class Client : public LayerBackend {
 
   uint64_t client_id() const;
   const std::string& model_hash() const;
+  // [Noise masking]: the client's mask, or nullptr when it does not mask.
+  const NoiseMask* noise_mask() const;
   const std::vector<LayerInfo>& layers() const;
   // The layer named so (checkpoint name without ".weight"), or nullptr.
   const LayerInfo* find_layer(const std::string& name) const;

@@ -1,7 +1,8 @@
 #pragma once
-// What the example programs share: the flags that say which executor a tenant uses and as whom
-// (--executor, --executor-key, --key, --tenant, and --monolithic where the program offers it), and
-// the connection options they describe; and how a program reports the error it ends with.
+// What the example programs share: the flags that say which executor a tenant uses, as whom and
+// how privately (--executor, --executor-key, --key, --tenant, --mask, --noise-ratio, and
+// --monolithic where the program offers it), and the connection options they describe; and how a
+// program reports the error it ends with.
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
@@ -17,6 +18,8 @@ struct TenantFlags {
   std::string executor = "tcp://127.0.0.1:5555";
   std::string tenant;
   std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
+  bool mask = false;                   // [Noise masking] (privacy/noise_mask.h)
+  double noise_ratio = PrivacyOptions{}.noise_ratio;
   bool monolithic = false;
 };
 
@@ -25,6 +28,9 @@ inline void add_tenant_flags(CLI::App& app, TenantFlags& flags, bool monolithic_
   app.add_option("--executor-key", flags.executor_key, "an executor started with --keys: its public key (executor.pub)");
   app.add_option("--key", flags.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
   app.add_option("--tenant", flags.tenant, "name shown in the executor's log")->capture_default_str();
+  app.add_flag("--mask", flags.mask, "mask activations and gradients with noise only this process knows (docs/privacy.md)");
+  app.add_option("--noise-ratio", flags.noise_ratio, "with --mask: the noise's norm against each call's input's")
+      ->capture_default_str();
   if (monolithic_flag) app.add_flag("--monolithic", flags.monolithic, "compute the base layers in this process instead");
 }
 
@@ -36,6 +42,8 @@ inline ClientOptions client_options(const TenantFlags& flags, const std::string&
   options.executor_key = flags.executor_key;
   options.key_file = flags.key_file;
   options.expected_model_hash = model_hash;
+  options.privacy.mask = flags.mask;
+  options.privacy.noise_ratio = flags.noise_ratio;
   return options;
 }
 

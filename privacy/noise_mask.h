@@ -1,0 +1,84 @@
+#pragma once
+// [Noise masking] (the paper's section 3.8)
+// A private tenant's base-layer calls carry its activations and gradients masked with noise only
+// it knows, and it takes the noise's effect off what comes back, so the result is what it would
+// have been unmasked:
+//  - per layer and direction (forward, backward) a bank of `bank_rows` noise rows, drawn from the
+//    tenant's secret; the executor computes each row's effect once, n·Wᵀ (FORWARD_NO_BIAS) forward
+//    and m·W (BACKWARD_INPUT) backward, and the tenant keeps them in fp32;
+//  - each of a call's T rows gets noise n that sums `mix` bank rows of unit variance with random
+//    signs, over √mix (secretly, anew for every call: bank_rows^mix × 2^mix combinations, so two
+//    rows rarely share their noise, whose difference would show the difference of their inputs),
+//    scaled by s = noise_ratio × the input's RMS (activations and gradients differ in scale by orders
+//    of magnitude: noise of one fixed scale would drown gradients in rounding) and sends x + s·n;
+//    from the result it subtracts s × the rows' effects in fp32 (W is linear), and adds the
+//    layer's bias itself (the bias is the executor's FORWARD of a zero row, asked once: public base
+//    weights);
+//  - after `rotate_after` calls of a layer and direction its bank is drawn anew (0: never).
+// What the executor sees: every bank row alone once (it computes its effect), then only masked
+// rows, whose norms tell it each call's input RMS within the noise's spread. It never sees the adapter, which stays in the tenant's process. docs/privacy.md states the
+// threat model and what masking does not protect; this part implements the paper's scheme, eager
+// calls only (a captured step would replay the same rows: refused).
+// Thread-safe: autograd may call backward from another thread.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <utility>
+
+#include "virt_layer/layer_info.h"
+
+namespace symbiosis {
+
+struct PrivacyOptions {
+  bool mask = false;          // mask this client's activations and gradients
+  uint64_t secret = 0;        // seeds the banks and the choice of rows; 0: drawn from the system
+  int64_t bank_rows = 256;    // noise rows per layer and direction
+  int64_t mix = 2;            // bank rows summed (with random signs) into each row's noise
+  double noise_ratio = 4.0;   // the noise's norm against the masked call's input's (per call)
+  int64_t rotate_after = 0;   // calls of a layer and direction after which its bank is drawn anew; 0: never
+
+  void validate() const;  // throws naming the field and its range
+};
+
+class NoiseMask {
+ public:
+  enum class Op { kForward, kForwardNoBias, kBackwardInput };
+  // Sends one call of `layer` to the executor and returns its result.
+  using Send = std::function<at::Tensor(Op op, const at::Tensor& x)>;
+
+  explicit NoiseMask(const PrivacyOptions& options);
+
+  // x·Wᵀ (+ bias), computed by `send` on x masked.
+  at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias, const Send& send);
+  // grad_out·W, computed by `send` on grad_out masked.
+  at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out, const Send& send);
+  // Banks drawn so far, rotations included (each cost the executor one call), and banks held now
+  // (one per layer and direction used).
+  int64_t banks_drawn() const;
+  int64_t banks_held() const;
+
+ private:
+  struct Bank {
+    at::Tensor noise;   // [bank_rows, features], in the call's dtype and device
+    at::Tensor effect;  // [bank_rows, out features], fp32
+    int64_t calls = 0;
+  };
+  // The bank of (layer, direction), drawn (and its effect asked) when missing or due.
+  Bank& bank(const LayerInfo& layer, bool backward, const at::Tensor& like, const Send& send);
+  // Masks x with rows of `bank`, sends it as `op` and takes the rows' effect off the result, in fp32.
+  at::Tensor masked_call(Bank& bank, Op op, const at::Tensor& x, const Send& send);
+
+  const PrivacyOptions options_;
+  mutable std::mutex mutex_;
+  std::mt19937_64 choice_;     // which bank rows a call uses
+  at::Generator noise_;        // the banks' values (CPU), seeded from the secret
+  std::map<std::pair<uint32_t, bool>, Bank> banks_;  // by (layer id, backward)
+  std::map<uint32_t, at::Tensor> biases_;            // fp32 [out features], by layer id
+  int64_t banks_drawn_ = 0;
+};
+
+}  // namespace symbiosis
