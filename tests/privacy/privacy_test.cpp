@@ -1,7 +1,7 @@
 // [Noise masking]: a masked tenant computes what the model computes monolithically (fine-tuning:
 // logits, loss, every LoRA gradient, the adapter after AdamW steps; generation: the same tokens),
-// for Llama and GPT-2 (whose biases the tenant adds itself) over tcp and shm, with banks rotated
-// or kept; what the executor is sent differs from the activations by the configured noise and is
+// for Llama and GPT-2 (whose biases the tenant adds itself) over tcp and shm, under each batching
+// policy, with banks rotated or kept; what the executor is sent differs from the activations by the configured noise and is
 // nearly uncorrelated with them, and no two rows of a call share their noise; bad options are
 // refused naming the field.
 #include <gtest/gtest.h>
@@ -31,11 +31,25 @@ ClientOptions masked(const std::string& transport, int64_t rotate_after = 0) {
   return options;
 }
 
-class MaskedTenantTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+// A preset's checkpoint, an executor in this process under `policy` and a masked client of it.
+testing::ServedModel serve_masked(const std::string& preset, const std::string& transport, const std::string& policy,
+                                  int64_t rotate_after = 0) {
+  testing::ServedModel served;
+  served.dir = testing::make_checkpoint(preset);
+  served.checkpoint = Checkpoint::open(served.dir);
+  ExecutorOptions options;
+  options.batching.policy = parse_batching_policy(policy);
+  served.executor = testing::start_executor(served.dir, options);
+  served.client = testing::connect(*served.executor, *served.checkpoint, masked(transport, rotate_after));
+  return served;
+}
+
+// (preset, transport, batching policy)
+class MaskedTenantTest : public ::testing::TestWithParam<std::tuple<std::string, std::string, std::string>> {};
 
 TEST_P(MaskedTenantTest, TrainsAsTheMonolithicModelDoes) {
-  const auto& [preset, transport] = GetParam();
-  auto served = testing::serve_model(preset, masked(transport));
+  const auto& [preset, transport, policy] = GetParam();
+  auto served = serve_masked(preset, transport, policy);
   ASSERT_EQ(served.client->transport(), transport);
   LoraConfig lora = testing::test_lora();
   auto split = testing::make_training_run(*served.checkpoint, served.client, testing::lora_adapter(lora), {}, 1e-2, 1234);
@@ -50,8 +64,8 @@ TEST_P(MaskedTenantTest, TrainsAsTheMonolithicModelDoes) {
 }
 
 TEST_P(MaskedTenantTest, GeneratesWhatTheMonolithicModelGenerates) {
-  const auto& [preset, transport] = GetParam();
-  auto served = testing::serve_model(preset, masked(transport, /*rotate_after=*/3));
+  const auto& [preset, transport, policy] = GetParam();
+  auto served = serve_masked(preset, transport, policy, /*rotate_after=*/3);
   auto split_lm = open_causal_lm(*served.checkpoint, served.client);
   auto mono_lm = open_causal_lm(*served.checkpoint, nullptr);
   testing::add_test_lora(split_lm);
@@ -67,9 +81,18 @@ TEST_P(MaskedTenantTest, GeneratesWhatTheMonolithicModelGenerates) {
   EXPECT_GT(mask->banks_drawn(), 3 * mask->banks_held());
 }
 
+std::string test_name(const ::testing::TestParamInfo<MaskedTenantTest::ParamType>& info) {
+  return std::get<0>(info.param).substr(5) + "_" + std::get<1>(info.param) + "_" + std::get<2>(info.param);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, MaskedTenantTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Values("tcp", "shm")),
-                         [](const auto& info) { return std::get<0>(info.param).substr(5) + "_" + std::get<1>(info.param); });
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Values("tcp", "shm"),
+                                            ::testing::Values("opportunistic")),
+                         test_name);
+INSTANTIATE_TEST_SUITE_P(Policies, MaskedTenantTest,
+                         ::testing::Combine(::testing::Values("tiny-llama"), ::testing::Values("shm"),
+                                            ::testing::Values("none", "lockstep")),
+                         test_name);
 
 // What the executor is sent: here the executor's part is the product with a known weight, and
 // every row sent is recorded. The results equal x·Wᵀ + b and g·W; what is sent is the activation
