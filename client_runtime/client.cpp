@@ -3,10 +3,12 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
 
+#include "common/checkpoint.h"
 #include "transport/client_transport.h"
 #include "transport/transport.h"
 #include "transport/zmq_wire.h"
@@ -56,6 +58,37 @@ class Client::Impl {
   std::atomic<uint64_t> calls{0};  // sent: a capture's recordings count when a replay sends them
   bool capturing = false;          // guarded by call_mutex
   std::unique_ptr<NoiseMask> mask;  // [Noise masking], when the client asked for it
+
+  // [Noise masking] with effects computed here: the base weights of a layer or group from the
+  // checkpoint the options name, which must be the executor's model, rounded as the executor
+  // holds them. Empty without effects_checkpoint.
+  NoiseMask::LoadWeights effect_weights() {
+    const auto& dir = options.privacy.effects_checkpoint;
+    if (dir.empty()) return {};
+    std::shared_ptr<Checkpoint> checkpoint = Checkpoint::open(dir);
+    TORCH_CHECK(checkpoint->model_hash() == model_hash, "privacy option effects_checkpoint: ", dir,
+                " holds another model than the executor's (model hash ", checkpoint->model_hash(), ", the executor's ",
+                model_hash, ")");
+    return [this, checkpoint](const LayerInfo& layer) {
+      auto one = [&](const LayerInfo& l) {
+        auto weight = checkpoint->tensor(l.name + ".weight");
+        if (l.kind == LayerKind::kConv1D) weight = weight.t();  // [in, out] -> [out, in]
+        NoiseMask::Weights w{weight.to(l.dtype).to(at::kFloat), {}};
+        if (l.bias) w.bias = checkpoint->tensor(l.name + ".bias").to(l.dtype).to(at::kFloat);
+        return w;
+      };
+      if (layer.members.empty()) return one(layer);
+      std::vector<at::Tensor> weights, biases;
+      for (const uint32_t id : layer.members) {
+        const auto member = std::find_if(layers.begin(), layers.end(), [id](const LayerInfo& l) { return l.id == id; });
+        TORCH_CHECK(member != layers.end(), "internal: group '", layer.name, "' names layer ", id, ", which is not served");
+        auto w = one(*member);
+        weights.push_back(w.weight);
+        if (w.bias.defined()) biases.push_back(w.bias);
+      }
+      return NoiseMask::Weights{at::cat(weights, 0), biases.empty() ? at::Tensor() : at::cat(biases, 0)};
+    };
+  }
 
   // The masked calls' way to the executor: `layer`'s calls, as the mask names them.
   NoiseMask::Send sender(const LayerInfo& layer) {
@@ -115,7 +148,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
   impl->transport = plugin(*kind).make_client(impl->socket, welcome, end_options);
   impl->latency = wire::to_proto(options.latency_class);
-  if (options.privacy.mask) impl->mask = std::make_unique<NoiseMask>(options.privacy);
+  if (options.privacy.mask) impl->mask = std::make_unique<NoiseMask>(options.privacy, impl->effect_weights());
   return std::shared_ptr<Client>(new Client(std::move(impl)));
 }
 

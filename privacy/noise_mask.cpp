@@ -25,8 +25,11 @@ uint64_t secret_or_random(uint64_t secret) {
 
 }  // namespace
 
-NoiseMask::NoiseMask(const PrivacyOptions& options) : options_(options) {
+NoiseMask::NoiseMask(const PrivacyOptions& options, LoadWeights load_weights)
+    : options_(options), load_weights_(std::move(load_weights)) {
   options_.validate();
+  TORCH_CHECK(options_.effects_checkpoint.empty() == !load_weights_,
+              "internal: NoiseMask takes the base weights exactly when effects_checkpoint is given");
   const uint64_t secret = secret_or_random(options.secret);
   // Two streams from one secret: the banks' values and the choice of rows.
   choice_.seed(secret ^ 0x9e3779b97f4a7c15ull);
@@ -55,7 +58,14 @@ NoiseMask::Bank& NoiseMask::bank(const LayerInfo& layer, bool backward, const at
   // that the rows sent and the rows whose effect is asked are the same numbers.
   const auto noise = at::normal(0.0, 1.0, {options_.bank_rows, features}, noise_, at::TensorOptions().dtype(at::kFloat));
   bank.noise = noise.to(like.options());
-  bank.effect = send(backward ? Op::kBackwardInput : Op::kForwardNoBias, bank.noise).to(at::kFloat);
+  if (load_weights_) {
+    // Here, in fp32, from the weights as the executor holds them: the executor never sees the rows.
+    const auto weight = load_weights_(layer).weight.to(like.device());
+    const auto rows = bank.noise.to(at::kFloat);
+    bank.effect = backward ? at::mm(rows, weight) : at::mm(rows, weight.t());
+  } else {
+    bank.effect = send(backward ? Op::kBackwardInput : Op::kForwardNoBias, bank.noise).to(at::kFloat);
+  }
   bank.calls = 0;
   banks_drawn_++;
   return bank;
@@ -90,8 +100,11 @@ at::Tensor NoiseMask::forward(const LayerInfo& layer, const at::Tensor& x, bool 
   auto out = masked_call(bank(layer, /*backward=*/false, x, send), Op::kForwardNoBias, x, send);
   if (with_bias && layer.bias) {
     auto& bias = biases_[layer.id];
-    // The executor's FORWARD of a zero row is the bias: a public base weight, asked once.
-    if (!bias.defined()) bias = send(Op::kForward, at::zeros({1, layer.in_features}, x.options())).to(at::kFloat)[0];
+    // A public base weight: from the checkpoint, or the executor's FORWARD of a zero row, once.
+    if (!bias.defined()) {
+      bias = load_weights_ ? load_weights_(layer).bias
+                           : send(Op::kForward, at::zeros({1, layer.in_features}, x.options())).to(at::kFloat)[0];
+    }
     out = out + bias.to(out.device());
   }
   return out.to(x.scalar_type());

@@ -15,10 +15,11 @@
 //    layer's bias itself (the bias is the executor's FORWARD of a zero row, asked once: public base
 //    weights);
 //  - after `rotate_after` calls of a layer and direction its bank is drawn anew (0: never).
-// What the executor sees: every bank row alone once (it computes its effect), then only masked
+// What the executor sees: every bank row alone once (it computes its effect) unless the tenant
+// computes the effects itself from the public base weights (effects_checkpoint), then only masked
 // rows, whose norms tell it each call's input RMS within the noise's spread. It never sees the adapter, which stays in the tenant's process. docs/privacy.md states the
-// threat model and what masking does not protect; this part implements the paper's scheme, eager
-// calls only (a captured step would replay the same rows: refused).
+// threat model and what masking does not protect. Eager calls only (a captured step would replay
+// the same rows: refused).
 // Thread-safe: autograd may call backward from another thread.
 #include <ATen/ATen.h>
 
@@ -27,6 +28,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <string>
 #include <utility>
 
 #include "virt_layer/layer_info.h"
@@ -40,6 +42,10 @@ struct PrivacyOptions {
   int64_t mix = 2;            // bank rows summed (with random signs) into each row's noise
   double noise_ratio = 4.0;   // the noise's norm against the masked call's input's (per call)
   int64_t rotate_after = 0;   // calls of a layer and direction after which its bank is drawn anew; 0: never
+  // "": the executor computes the banks' effects (it sees each bank row alone, once). A checkpoint
+  // directory of the executor's model: this process computes them from the public base weights,
+  // streamed layer by layer when a bank is drawn, so the executor never sees a noise row alone.
+  std::string effects_checkpoint;
 
   void validate() const;  // throws naming the field and its range
 };
@@ -49,8 +55,15 @@ class NoiseMask {
   enum class Op { kForward, kForwardNoBias, kBackwardInput };
   // Sends one call of `layer` to the executor and returns its result.
   using Send = std::function<at::Tensor(Op op, const at::Tensor& x)>;
+  // A layer's (or group's) weight [out, in] and bias [out] (undefined without one), in fp32, as the
+  // executor computes with them: where effects are computed here (effects_checkpoint).
+  struct Weights {
+    at::Tensor weight, bias;
+  };
+  using LoadWeights = std::function<Weights(const LayerInfo& layer)>;
 
-  explicit NoiseMask(const PrivacyOptions& options);
+  // load_weights: given exactly when options.effects_checkpoint is.
+  explicit NoiseMask(const PrivacyOptions& options, LoadWeights load_weights = {});
 
   // x·Wᵀ (+ bias), computed by `send` on x masked.
   at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias, const Send& send);
@@ -73,6 +86,7 @@ class NoiseMask {
   at::Tensor masked_call(Bank& bank, Op op, const at::Tensor& x, const Send& send);
 
   const PrivacyOptions options_;
+  const LoadWeights load_weights_;
   mutable std::mutex mutex_;
   std::mt19937_64 choice_;     // which bank rows a call uses
   at::Generator noise_;        // the banks' values (CPU), seeded from the secret

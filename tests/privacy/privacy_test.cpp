@@ -94,6 +94,46 @@ INSTANTIATE_TEST_SUITE_P(Policies, MaskedTenantTest,
                                             ::testing::Values("none", "lockstep")),
                          test_name);
 
+// The stronger mode: the tenant computes the banks' effects from its own copy of the base weights
+// (effects_checkpoint), so the executor never sees a noise row alone: a masked training run makes
+// exactly the calls an unmasked one makes, and equals the monolithic run.
+class LocalEffectsTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LocalEffectsTest, TrainsAsTheMonolithicModelDoesWithNoCallBeyondAnUnmaskedTenants) {
+  const std::string preset = GetParam();
+  const auto dir = testing::make_checkpoint(preset);
+  const auto checkpoint = Checkpoint::open(dir);
+  auto executor = testing::start_executor(dir);
+  auto options = masked("shm");
+  options.privacy.effects_checkpoint = dir.string();
+  auto client = testing::connect(*executor, *checkpoint, options);
+  auto plain = testing::connect(*executor, *checkpoint, ClientOptions{.transport = "shm"});
+  const LoraConfig lora = testing::test_lora();
+  auto split = testing::make_training_run(*checkpoint, client, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  auto unmasked = testing::make_training_run(*checkpoint, plain, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  auto mono_again = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  at::manual_seed(7);
+  const auto ids = at::randint(0, 200, {2, 12}, at::kLong);
+  testing::expect_same_training(split, mono, ids, 3, kTolerance);
+  testing::expect_same_training(unmasked, mono_again, ids, 3, 1e-5);
+  EXPECT_EQ(client->calls(), plain->calls());
+  EXPECT_GT(client->noise_mask()->banks_held(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, LocalEffectsTest, ::testing::Values("tiny-llama", "tiny-gpt2"),
+                         [](const auto& info) { return info.param.substr(5); });
+
+TEST(LocalEffectsTest, ACheckpointOfAnotherModelIsRefused) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto executor = testing::start_executor(dir);
+  auto options = masked("tcp");
+  options.privacy.effects_checkpoint = testing::make_checkpoint("tiny-gpt2").string();
+  const auto error = testing::error_of([&] { testing::connect(*executor, *Checkpoint::open(dir), options); });
+  EXPECT_NE(error.find("privacy option effects_checkpoint: "), std::string::npos) << error;
+  EXPECT_NE(error.find("holds another model than the executor's"), std::string::npos) << error;
+}
+
 // What the executor is sent: here the executor's part is the product with a known weight, and
 // every row sent is recorded. The results equal x·Wᵀ + b and g·W; what is sent is the activation
 // plus noise of noise_ratio (4) times its norm, and its correlation with the activations stays
