@@ -151,7 +151,7 @@ int main(int argc, char** argv) {
   at::set_num_threads(s.threads);
   try {
     auto checkpoint = Checkpoint::open(s.model);
-    auto options = examples::client_options(s.connection, checkpoint->model_hash());
+    auto options = examples::client_options(s.connection, *checkpoint);
     options.transport = s.transport;
     options.control = s.control;
     options.device = s.device;

@@ -51,7 +51,7 @@ std::vector<std::string> split_list(const std::string& text) {
 int run(Settings& s) {
   auto checkpoint = Checkpoint::open(s.model);
   std::shared_ptr<Client> client;
-  if (!s.connection.monolithic) client = Client::connect(examples::client_options(s.connection, checkpoint->model_hash()));
+  if (!s.connection.monolithic) client = Client::connect(examples::client_options(s.connection, *checkpoint));
   auto lm = open_causal_lm(*checkpoint, client);
 
   // The adapter: as saved in the checkpoint being resumed, or new from the flags.

@@ -103,7 +103,7 @@ int run(Settings& s) {
   auto checkpoint = Checkpoint::open(s.model);
   std::shared_ptr<Client> client;
   if (!s.connection.monolithic) {
-    auto options = examples::client_options(s.connection, checkpoint->model_hash());
+    auto options = examples::client_options(s.connection, *checkpoint);
     options.device = s.device;
     client = Client::connect(options);
   }

@@ -1,6 +1,7 @@
 #pragma once
 // What the example programs share: the flags that say which executor a tenant uses, as whom and
-// how privately (--executor, --executor-key, --key, --tenant, --mask, --noise-ratio, and
+// how privately (--executor, --executor-key, --key, --tenant, --mask, --mask-effects-here,
+// --noise-ratio, and
 // --monolithic where the program offers it), and the connection options they describe; and how a
 // program reports the error it ends with.
 #include <CLI/CLI.hpp>
@@ -12,6 +13,8 @@
 
 #include <symbiosis/client.h>
 
+#include "common/checkpoint.h"
+
 namespace symbiosis::examples {
 
 struct TenantFlags {
@@ -19,6 +22,7 @@ struct TenantFlags {
   std::string tenant;
   std::string executor_key, key_file;  // [Admission keys]: an executor started with --keys
   bool mask = false;                   // [Noise masking] (privacy/noise_mask.h)
+  bool mask_effects_here = false;      // ... with the noise's effects computed from the model's checkpoint here
   double noise_ratio = PrivacyOptions{}.noise_ratio;
   bool monolithic = false;
 };
@@ -31,19 +35,22 @@ inline void add_tenant_flags(CLI::App& app, TenantFlags& flags, bool monolithic_
   app.add_flag("--mask", flags.mask, "mask activations and gradients with noise only this process knows (docs/privacy.md)");
   app.add_option("--noise-ratio", flags.noise_ratio, "with --mask: the noise's norm against each call's input's")
       ->capture_default_str();
+  app.add_flag("--mask-effects-here", flags.mask_effects_here,
+               "mask, and compute the noise's effects here from --model's weights: the executor never sees a noise row");
   if (monolithic_flag) app.add_flag("--monolithic", flags.monolithic, "compute the base layers in this process instead");
 }
 
-// A client of the executor the flags name, as their tenant, of the model whose hash is given.
-inline ClientOptions client_options(const TenantFlags& flags, const std::string& model_hash) {
+// A client of the executor the flags name, as their tenant, of the checkpoint's model.
+inline ClientOptions client_options(const TenantFlags& flags, const Checkpoint& checkpoint) {
   ClientOptions options;
   options.endpoint = flags.executor;
   options.tenant = flags.tenant;
   options.executor_key = flags.executor_key;
   options.key_file = flags.key_file;
-  options.expected_model_hash = model_hash;
-  options.privacy.mask = flags.mask;
+  options.expected_model_hash = checkpoint.model_hash();
+  options.privacy.mask = flags.mask || flags.mask_effects_here;
   options.privacy.noise_ratio = flags.noise_ratio;
+  if (flags.mask_effects_here) options.privacy.effects_checkpoint = checkpoint.dir().string();
   return options;
 }
 
