@@ -79,7 +79,7 @@ class ReplayedBatches {
         entries_.erase(it);
         return false;
       }
-      make_room(it->first);
+      make_room(it);
     }
     entry.work.launch(stream);
     return true;
@@ -133,11 +133,11 @@ class ReplayedBatches {
   }
 
   // Lets the least recently used recordings go until the buffers fit kBytes (`keep` stays).
-  void make_room(const Key& keep) {
+  void make_room(std::map<Key, Entry>::const_iterator keep) {
     while (bytes_ > kBytes) {
       auto victim = entries_.end();
       for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-        if (it->second.work.valid() && it->first != keep &&
+        if (it->second.work.valid() && it != keep &&
             (victim == entries_.end() || it->second.last_use < victim->second.last_use)) {
           victim = it;
         }

@@ -93,9 +93,6 @@ class Client::Impl {
   // The masked calls' way to the executor: `layer`'s calls, as the mask names them.
   NoiseMask::Send sender(const LayerInfo& layer) {
     return [this, &layer](NoiseMask::Op op, const at::Tensor& x) {
-      TORCH_CHECK(!capturing, "privacy masking: layer '", layer.name,
-                  "' was called while a step is captured; a masked client runs its steps eagerly (a graph would "
-                  "replay the same noise rows every time)");
       return call(layer, op == NoiseMask::Op::kForward ? proto::FORWARD
                          : op == NoiseMask::Op::kForwardNoBias ? proto::FORWARD_NO_BIAS
                                                                : proto::BACKWARD_INPUT,

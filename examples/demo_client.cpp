@@ -149,7 +149,7 @@ int main(int argc, char** argv) {
                  "AdamW's first, sign-like steps enlarge differences in the gradients' last bits");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(s.threads);
-  try {
+  return examples::report_errors(s.connection, [&] {
     auto checkpoint = Checkpoint::open(s.model);
     auto options = examples::client_options(s.connection, *checkpoint);
     options.transport = s.transport;
@@ -175,8 +175,5 @@ int main(int argc, char** argv) {
                 s.connection.tenant.c_str(), client->transport().c_str(), s.steps, losses, adapters,
                 exact ? "EXACT" : "MISMATCH");
     return exact ? 0 : 1;
-  } catch (const c10::Error& e) {
-    std::cerr << "[" << s.connection.tenant << "] error: " << e.what_without_backtrace() << std::endl;
-    return 2;
-  }
+  });
 }

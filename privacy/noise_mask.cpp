@@ -60,9 +60,11 @@ NoiseMask::Bank& NoiseMask::bank(const LayerInfo& layer, bool backward, const at
   bank.noise = noise.to(like.options());
   if (load_weights_) {
     // Here, in fp32, from the weights as the executor holds them: the executor never sees the rows.
-    const auto weight = load_weights_(layer).weight.to(like.device());
+    const auto weights = load_weights_(layer);
+    const auto weight = weights.weight.to(like.device());
     const auto rows = bank.noise.to(at::kFloat);
     bank.effect = backward ? at::mm(rows, weight) : at::mm(rows, weight.t());
+    if (weights.bias.defined()) biases_[layer.id] = weights.bias.to(like.device());
   } else {
     bank.effect = send(backward ? Op::kBackwardInput : Op::kForwardNoBias, bank.noise).to(at::kFloat);
   }
@@ -73,16 +75,15 @@ NoiseMask::Bank& NoiseMask::bank(const LayerInfo& layer, bool backward, const at
 
 at::Tensor NoiseMask::masked_call(Bank& bank, Op op, const at::Tensor& x, const Send& send) {
   const int64_t rows = x.size(0);
-  // For each of the `mix` terms, each row's bank row and sign.
-  std::vector<int64_t> chosen(static_cast<size_t>(rows * options_.mix));
-  std::vector<float> signs(chosen.size());
+  // For each of the `mix` terms, each row's bank row and sign, as 2 × row + (1 for +, 0 for -): one
+  // pinned buffer, copied without waiting (this runs at every base-layer call).
+  const auto choices = at::empty({options_.mix * rows}, at::TensorOptions().dtype(at::kLong).pinned_memory(x.is_cuda()));
+  auto* choice = choices.data_ptr<int64_t>();
   std::uniform_int_distribution<int64_t> pick(0, options_.bank_rows - 1);
-  for (size_t i = 0; i < chosen.size(); ++i) {
-    chosen[i] = pick(choice_);
-    signs[i] = (choice_() & 1) ? 1.f : -1.f;
-  }
-  const auto index = at::tensor(chosen, at::kLong).to(x.device());
-  const auto sign = at::tensor(signs, at::kFloat).to(x.device()).view({options_.mix, rows, 1});
+  for (int64_t i = 0; i < choices.numel(); ++i) choice[i] = 2 * pick(choice_) + static_cast<int64_t>(choice_() & 1);
+  const auto on_device = choices.to(x.device(), /*non_blocking=*/true);
+  const auto index = at::floor_divide(on_device, 2);
+  const auto sign = (at::remainder(on_device, 2) * 2 - 1).to(at::kFloat).view({options_.mix, rows, 1});
   bank.calls++;
   // noise and effect, each [rows, features] in fp32: the signed sum of the chosen rows over √mix.
   auto mixed = [&](const at::Tensor& table) {
@@ -99,13 +100,11 @@ at::Tensor NoiseMask::forward(const LayerInfo& layer, const at::Tensor& x, bool 
   std::lock_guard<std::mutex> lock(mutex_);
   auto out = masked_call(bank(layer, /*backward=*/false, x, send), Op::kForwardNoBias, x, send);
   if (with_bias && layer.bias) {
+    // A public base weight: read from the checkpoint with the bank's weights, or the executor's
+    // FORWARD of a zero row, asked once.
     auto& bias = biases_[layer.id];
-    // A public base weight: from the checkpoint, or the executor's FORWARD of a zero row, once.
-    if (!bias.defined()) {
-      bias = load_weights_ ? load_weights_(layer).bias
-                           : send(Op::kForward, at::zeros({1, layer.in_features}, x.options())).to(at::kFloat)[0];
-    }
-    out = out + bias.to(out.device());
+    if (!bias.defined()) bias = send(Op::kForward, at::zeros({1, layer.in_features}, x.options())).to(at::kFloat)[0];
+    out = out + bias;
   }
   return out.to(x.scalar_type());
 }

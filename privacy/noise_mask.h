@@ -91,7 +91,7 @@ class NoiseMask {
   std::mt19937_64 choice_;     // which bank rows a call uses
   at::Generator noise_;        // the banks' values (CPU), seeded from the secret
   std::map<std::pair<uint32_t, bool>, Bank> banks_;  // by (layer id, backward)
-  std::map<uint32_t, at::Tensor> biases_;            // fp32 [out features], by layer id
+  std::map<uint32_t, at::Tensor> biases_;            // fp32 [out features] on the calls' device, by layer id
   int64_t banks_drawn_ = 0;
 };
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <utility>
 
 #include "bench/process.h"
 #include "transport/client_transport.h"
@@ -16,6 +17,26 @@
 
 namespace symbiosis {
 namespace {
+
+// The model split (through `client`) and monolithic, on the GPU, each with the test LoRA.
+std::pair<CausalLM, CausalLM> split_and_monolithic(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                                                   at::ScalarType dtype) {
+  const CausalLMOptions on_gpu{dtype, at::Device("cuda:0")};
+  auto split_lm = open_causal_lm(checkpoint, client, on_gpu);
+  auto mono_lm = open_causal_lm(checkpoint, nullptr, on_gpu);
+  testing::add_test_lora(split_lm);
+  testing::add_test_lora(mono_lm);
+  return {std::move(split_lm), std::move(mono_lm)};
+}
+
+// Three sequences of up to 24 tokens, decode captured after one eager step of each bucket.
+GeneratorOptions captured_options() {
+  GeneratorOptions captured;
+  captured.max_sequences = 3;
+  captured.max_tokens = 24;
+  captured.capture_warmup = 1;
+  return captured;
+}
 
 void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
   const auto dir = testing::make_checkpoint("tiny-llama");
@@ -27,15 +48,8 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   EXPECT_EQ(client->transport(), "cuda-ipc");
-  const CausalLMOptions on_gpu{dtype, at::Device("cuda:0")};
-  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
-  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
-  testing::add_test_lora(split_lm);
-  testing::add_test_lora(mono_lm);
-  GeneratorOptions captured;
-  captured.max_sequences = 3;
-  captured.max_tokens = 24;
-  captured.capture_warmup = 1;
+  auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, dtype);
+  const auto captured = captured_options();
   auto eager = captured;
   eager.capture_decode = false;
   const auto split = testing::generate(split_lm, testing::mixed_requests(), captured);
@@ -75,15 +89,8 @@ TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
   options.transport = "tcp";
   auto client = Client::connect(options);
   ASSERT_EQ(client->transport(), "tcp");
-  const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
-  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
-  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
-  testing::add_test_lora(split_lm);
-  testing::add_test_lora(mono_lm);
-  GeneratorOptions captured;
-  captured.max_sequences = 3;
-  captured.max_tokens = 24;
-  captured.capture_warmup = 1;
+  auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, at::kFloat);
+  const auto captured = captured_options();
   auto eager = captured;
   eager.capture_decode = false;
   const auto split = testing::generate(split_lm, testing::mixed_requests(), captured);
