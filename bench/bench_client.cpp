@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
   double alpha = 16;
   int iterations = 10, warmup = 2, threads = 1;
   uint64_t seed = 0;
-  bool monolithic = false, cuda_graph = false, mask = false;
+  bool monolithic = false, cuda_graph = false, mask = false, mask_effects_here = false;
   CLI::App app{"symbiosis-bench-client: one benchmark client"};
   app.add_option("--executor", executor, "executor endpoint");
   app.add_option("--model", model_dir, "checkpoint directory")->required();
@@ -178,6 +178,8 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "write the results here (JSON)")->required();
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
   app.add_flag("--mask", mask, "mask activations and gradients with noise ([Noise masking] in privacy/noise_mask.h)");
+  app.add_flag("--mask-effects-here", mask_effects_here,
+               "mask, and compute the noise's effects here from --model's weights (the executor never sees a noise row)");
   app.add_flag("--cuda-graph", cuda_graph, "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
                "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h); generate: the "
                "decode steps ([Captured decode] in client_runtime/inference/generator.h)");
@@ -200,7 +202,8 @@ int main(int argc, char** argv) {
       options.expected_model_hash = checkpoint->model_hash();
       options.device = device_name;
       bench::set_transport(options, transport);
-      options.privacy.mask = mask;
+      options.privacy.mask = mask || mask_effects_here;
+      if (mask_effects_here) options.privacy.effects_checkpoint = model_dir;
       // (generate: the Generator sets prefill and decode itself)
       options.latency_class = mode == "finetune" ? LatencyClass::kFineTuning
                               : seq > 1          ? LatencyClass::kInferencePrefill

@@ -128,6 +128,7 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
     if (system == "monolithic") args.push_back("--monolithic");
     if (get("cuda_graph").get<bool>()) args.push_back("--cuda-graph");
     if (system != "monolithic" && get("mask").get<bool>()) args.push_back("--mask");
+    if (system != "monolithic" && get("mask_effects_here").get<bool>()) args.push_back("--mask-effects-here");
   }
   std::vector<std::string> common = {"--model", model.string(),
                                      "--mode", get("mode").get<std::string>(),
@@ -432,7 +433,7 @@ int main(int argc, char** argv) {
     json defaults = {{"mode", "finetune"}, {"batch", 1},      {"seq", 64},       {"rank", 8},
                      {"targets", "q_proj,v_proj"}, {"iterations", 10}, {"warmup", 2}, {"device", "cpu"},
                      {"dtype", "fp32"}, {"transport", "auto"}, {"threads", 1}, {"cuda_graph", false},
-                     {"mask", false}};
+                     {"mask", false}, {"mask_effects_here", false}};
     if (scenario.contains("client_defaults")) defaults.update(scenario["client_defaults"]);
     const int gpu = gpu_index(scenario.value("executor", json::object()).value("device", "cpu"));
 

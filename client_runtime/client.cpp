@@ -184,25 +184,40 @@ void Client::set_latency_class(LatencyClass c) { impl_->latency = wire::to_proto
 LatencyClass Client::latency_class() const { return wire::latency_from_proto(impl_->latency.load()); }
 
 void Client::begin_capture() {
-  TORCH_CHECK(!impl_->mask, "privacy masking: a masked client's steps cannot be captured in CUDA graphs (a graph would "
-              "replay the same noise at every step); run them eagerly");
-  std::lock_guard<std::mutex> lock(impl_->call_mutex);
-  impl_->transport->begin_capture();
-  impl_->capturing = true;
+  {
+    std::lock_guard<std::mutex> lock(impl_->call_mutex);
+    impl_->transport->begin_capture();
+    impl_->capturing = true;
+  }
+  if (impl_->mask) impl_->mask->begin_capture();
 }
 
 std::shared_ptr<const CapturedCalls> Client::end_capture() {
-  std::lock_guard<std::mutex> lock(impl_->call_mutex);
-  impl_->capturing = false;
-  return impl_->transport->end_capture();
+  std::shared_ptr<const CapturedCalls> calls;
+  {
+    std::lock_guard<std::mutex> lock(impl_->call_mutex);
+    impl_->capturing = false;
+    calls = impl_->transport->end_capture();
+  }
+  if (!impl_->mask) return calls;
+  // [Masked captures]: each replay counts the banks' calls (and redraws those then due).
+  auto masked = std::make_shared<CapturedCalls>(calls ? *calls : CapturedCalls{});
+  masked->after_replay = [impl = impl_.get(), use = impl_->mask->end_capture()] {
+    impl->mask->replayed(use, [impl](const LayerInfo& layer) { return impl->sender(layer); });
+  };
+  return masked;
 }
 
 void Client::replay(const CapturedCalls& calls) {
-  std::lock_guard<std::mutex> lock(impl_->call_mutex);
-  const uint64_t first = impl_->next_request_id;
-  impl_->next_request_id += calls.records.size();
-  impl_->calls += calls.records.size();
-  impl_->transport->replay(calls, first);
+  {
+    std::lock_guard<std::mutex> lock(impl_->call_mutex);
+    const uint64_t first = impl_->next_request_id;
+    impl_->next_request_id += calls.records.size();
+    impl_->calls += calls.records.size();
+    impl_->transport->replay(calls, first);
+  }
+  // Outside the call lock: a bank redrawn there asks the executor for its effects.
+  if (calls.after_replay) calls.after_replay();
 }
 
 void Client::settle() {
@@ -221,5 +236,6 @@ at::Tensor Client::backward_input(const LayerInfo& layer, const at::Tensor& grad
 }
 
 const NoiseMask* Client::noise_mask() const { return impl_->mask.get(); }
+NoiseMask* Client::noise_mask() { return impl_->mask.get(); }
 
 }  // namespace symbiosis

@@ -65,8 +65,9 @@ class Client : public LayerBackend {
 
   uint64_t client_id() const;
   const std::string& model_hash() const;
-  // [Noise masking]: the client's mask, or nullptr when it does not mask.
+  // [Noise masking]: the client's mask, or nullptr when it does not mask (rotate() draws new banks).
   const NoiseMask* noise_mask() const;
+  NoiseMask* noise_mask();
   const std::vector<LayerInfo>& layers() const;
   // The layer named so (checkpoint name without ".weight"), or nullptr.
   const LayerInfo* find_layer(const std::string& name) const;
@@ -88,7 +89,8 @@ class Client : public LayerBackend {
   // sending them, and end_capture() returns them; replay() sends one replay's calls, right after
   // that replay of the graph is launched. Only a client on the executor's GPU whose calls go
   // through the shared-memory control channel with direct operands (the default there) can be
-  // captured: others throw, naming why.
+  // captured: others throw, naming why. A masked client's calls are masked anew at each replay
+  // ([Masked captures] in privacy/noise_mask.h).
   void begin_capture();
   std::shared_ptr<const CapturedCalls> end_capture();
   void replay(const CapturedCalls& calls);

@@ -8,6 +8,10 @@
 #   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   generator      gpu_generator_test alone, under MPS
+#   privacy        noise masking: its kernels' tests and gpu_privacy_test (masked captured steps and decode,
+#                  the bf16 error), under MPS
+#   privacy-bench  masking on against off (Llama-3.2-1B, bf16, N = 8: fine-tuning at 2 x 512 and 1 x 128 and
+#                  decode, effects at the executor and here; decode over tcp at N = 1 and 8), under MPS
 #   kernels        gpu_executor_test and kernels_test (the executor's GEMMs, the packing kernel, the fused loss, ...)
 #   loss           the client's loss, fused against the fp32 copy and ATen's (symbiosis-bench-loss),
 #                  at 2 x 512 and 1 x 128 tokens of Llama 3's vocabulary, bf16
@@ -74,7 +78,7 @@ else
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
     symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
-    gpu_generator_test \
+    gpu_generator_test gpu_privacy_test \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
   export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
@@ -118,6 +122,7 @@ gtest_path() {
     cuda_ipc_test) echo "$B/tests/transport/cuda_ipc/$1" ;;
     nccl_test) echo "$B/tests/transport/nccl/$1" ;;
     gpu_generator_test) echo "$B/tests/client_runtime/inference/$1" ;;
+    gpu_privacy_test) echo "$B/tests/privacy/$1" ;;
   esac
 }
 run_gtest() {  # name, then filter
@@ -226,12 +231,29 @@ for stage in "$@"; do
       run_gtest kernels_test
       run_gtest cuda_ipc_test
       run_gtest gpu_generator_test
+      run_gtest gpu_privacy_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
       ;;
     generator)
       mps_on
       run_gtest gpu_generator_test
+      mps_off
+      ;;
+    privacy)
+      mps_on
+      run_gtest kernels_test 'NoiseMask*'
+      run_gtest gpu_privacy_test
+      grep "bf16 error" $logs/gpu_privacy_test.log
+      mps_off
+      ;;
+    privacy-bench)
+      mps_on
+      make_1b
+      bench privacy-512 bench/scenarios/gpu_privacy_llama1b.json --checkpoint $model_1b
+      bench privacy-128 bench/scenarios/gpu_privacy_llama1b_128.json --checkpoint $model_1b
+      bench privacy-generate bench/scenarios/gpu_privacy_generate_llama1b.json --checkpoint $model_1b
+      bench privacy-tcp bench/scenarios/gpu_privacy_tcp_llama1b.json --checkpoint $model_1b
       mps_off
       ;;
     kernels)

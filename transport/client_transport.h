@@ -11,6 +11,7 @@
 //    the transport's ClientPayload (transport/client_payload.h).
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,6 +85,9 @@ struct CallSpec {
 // order, each with its slot; pushed again, renumbered, at every replay.
 struct CapturedCalls {
   std::vector<shm::CallRecord> records;
+  // What else the client does once a replay's calls are sent (the noise mask's count of the calls:
+  // [Masked captures] in privacy/noise_mask.h); may be empty.
+  std::function<void()> after_replay;
 };
 
 class ClientTransport {

@@ -1,8 +1,12 @@
 // The CUDA kernels (kernels/): the executor's direct cuBLAS GEMM and few-row kernel, the batch
-// packing kernel, and the clients' fused cross-entropy, decode attention, rotary embedding, SwiGLU and
-// grouped LoRA,
-// each held to ATen's or the plain expression's result. Skipped, with a message saying so, where
+// packing kernel, and the clients' fused cross-entropy, decode attention, rotary embedding, SwiGLU,
+// grouped LoRA and noise masking, each held to ATen's or the plain expression's result. Skipped, with a message saying so, where
 // there is no GPU.
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/peft/dora.h"
 #include "client_runtime/training/loss.h"
@@ -11,9 +15,15 @@
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
 #include "kernels/lora.h"
+#include "kernels/noise_mask.h"
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
+#include "privacy/noise_choice.h"
 #include "tests/gpu_test_util.h"
+
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 namespace symbiosis {
 namespace {
@@ -413,6 +423,105 @@ TEST(BatchedCopyKernelTest, PacksAndUnpacksLikeCatAndSplitForAnySizes) {
       for (size_t i = 0; i < parts.size(); ++i) EXPECT_TRUE(back[i].equal(parts[i]));
     }
   }
+}
+
+// [Fused noise masking]: mask_rows chooses each row's bank rows as [Noise choice] does on the host
+// for the call's number it reads on the GPU, and masks as the expression in fp32 does; unmask_rows takes the same combination of effects off (and adds the bias)
+// and advances the call's number; so in a CUDA graph each replay chooses anew ([Masked captures]).
+struct NoiseReference {
+  at::Tensor index, sign;  // [mix, rows] bank rows, [mix, rows, 1] signs over √mix, from the host
+};
+
+NoiseReference host_choice(uint64_t secret, uint64_t call, int64_t rows, int64_t bank_rows, int64_t mix) {
+  auto index = at::empty({mix, rows}, at::kLong);
+  auto sign = at::empty({mix, rows, 1}, at::kDouble);
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t i[kMaxNoiseMix];
+    float s[kMaxNoiseMix];
+    noise_choice(secret, call, row, bank_rows, static_cast<int>(mix), i, s);
+    for (int64_t j = 0; j < mix; ++j) {
+      index[j][row] = i[j];
+      sign[j][row][0] = s[j] / std::sqrt(static_cast<double>(mix));
+    }
+  }
+  return {index, sign};
+}
+
+// The signed sum of the chosen rows of `table`, in float64.
+at::Tensor mixed(const at::Tensor& table, const NoiseReference& choice) {
+  const auto mix = choice.index.size(0), rows = choice.index.size(1);
+  return (table.to(at::kDouble).cpu().index_select(0, choice.index.view(-1)).view({mix, rows, -1}) * choice.sign).sum(0);
+}
+
+TEST(NoiseMaskKernelTest, MasksAndUnmasksLikeTheExpressionWithTheHostsChoice) {
+  SKIP_WITHOUT_GPUS(1);
+  constexpr uint64_t kSecret = 0x5eed;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t mix : {1, 2, 8}) {
+      for (int64_t features : {96, 37}) {  // 37: rows not 16-byte multiples, one element at a time
+        const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+        const int64_t rows = 37, out_features = features + 8, bank_rows = 16;
+        const auto x = at::randn({rows, features}, options);
+        const auto bank = at::randn({bank_rows, features}, options);
+        const auto call = at::full({1}, 5, options.dtype(at::kLong));
+        const auto masked = kernels::mask_rows(x, bank, call, kSecret, mix, 4.0);
+        const auto choice = host_choice(kSecret, 5, rows, bank_rows, mix);
+        const auto x64 = x.to(at::kDouble).cpu();
+        const double scale = 4.0 * x64.square().mean().sqrt().item<double>();
+        const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+        const std::string what = std::string(c10::toString(dtype)) + " mix " + std::to_string(mix) + " features " +
+                                 std::to_string(features);
+        EXPECT_NEAR(masked.factor * masked.norm.item<double>(), scale, 1e-5 * scale) << what;
+        const auto want = x64 + scale * mixed(bank, choice);
+        EXPECT_LT((masked.masked.to(at::kDouble).cpu() - want).abs().max().item<double>(),
+                  tolerance * want.abs().max().item<double>())
+            << what;
+        const auto y = at::randn({rows, out_features}, options);
+        const auto effect = at::randn({bank_rows, out_features}, options);
+        const auto bias = at::randn({out_features}, options.dtype(at::kFloat));
+        const auto got = kernels::unmask_rows(y, effect, masked, bias, call);
+        ASSERT_EQ(got.scalar_type(), dtype);
+        const auto expected = y.to(at::kDouble).cpu() - scale * mixed(effect, choice) + bias.to(at::kDouble).cpu();
+        EXPECT_LT((got.to(at::kDouble).cpu() - expected).abs().max().item<double>(),
+                  tolerance * expected.abs().max().item<double>())
+            << what;
+        EXPECT_EQ(call.item<int64_t>(), 6) << what;  // advanced by the unmask
+      }
+    }
+  }
+}
+
+TEST(NoiseMaskKernelTest, AReplayedGraphChoosesAnewEachTime) {
+  SKIP_WITHOUT_GPUS(1);
+  constexpr uint64_t kSecret = 77;
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  const int64_t rows = 9, bank_rows = 256, mix = 2;
+  const auto x = at::randn({rows, 64}, options);
+  const auto bank = at::randn({bank_rows, 64}, options);
+  const auto effect = at::randn({bank_rows, 32}, options);
+  const auto y = at::randn({rows, 32}, options);
+  auto call = at::zeros({1}, options.dtype(at::kLong));
+  const auto stream = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStreamGuard guard(stream);
+  kernels::unmask_rows(y, effect, kernels::mask_rows(x, bank, call, kSecret, mix, 4.0), {}, call);  // call 0
+  at::cuda::CUDAGraph graph;
+  kernels::MaskedRows masked;
+  graph.capture_begin();
+  masked = kernels::mask_rows(x, bank, call, kSecret, mix, 4.0);
+  kernels::unmask_rows(y, effect, masked, {}, call);
+  graph.capture_end();
+  std::set<std::vector<int32_t>> seen;
+  for (uint64_t replay = 1; replay <= 4; ++replay) {
+    graph.replay();
+    stream.synchronize();
+    const auto choice = host_choice(kSecret, replay, rows, bank_rows, mix);
+    const auto index = (masked.choices.cpu().abs() - 1).t().contiguous().to(at::kLong);
+    EXPECT_TRUE(index.equal(choice.index)) << "replay " << replay;
+    const auto got = masked.choices.cpu().contiguous().view(-1);
+    seen.insert(std::vector<int32_t>(got.data_ptr<int32_t>(), got.data_ptr<int32_t>() + got.numel()));
+  }
+  EXPECT_EQ(seen.size(), 4u);  // four replays, four choices
+  EXPECT_EQ(call.item<int64_t>(), 5);
 }
 
 }  // namespace
