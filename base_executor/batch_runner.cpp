@@ -164,7 +164,8 @@ class ReplayedBatches {
 class ReplayedBatches {};
 #endif
 
-BatchRunner::BatchRunner(const BaseModel& model, Statistics& statistics) : model_(model), statistics_(statistics) {
+BatchRunner::BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input)
+    : model_(model), statistics_(statistics), on_input_(std::move(on_input)) {
 #ifdef SYMBIOSIS_WITH_CUDA
   if (model.device().is_cuda()) replays_ = std::make_unique<ReplayedBatches>(model);
 #endif
@@ -188,6 +189,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
   const auto& layer = model_.layer(batch.layer_id);
   const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
   const int64_t features = requests[0].payload.header.features;
+  const uint64_t number = ++batches_;
   // Undefined where the channel receives the input straight into the batch (NCCL): only its rows
   // are known until the batch is allocated.
   std::vector<at::Tensor> inputs;
@@ -195,6 +197,8 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
     auto& w = r.payload;
     inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
     w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
+    // [Input observer]
+    if (on_input_ && inputs.back().defined()) on_input_(number, r.client_id, layer, batch.op, inputs.back());
   }
   auto on_device = [&](size_t i) { return !inputs[i].defined() || inputs[i].device() == device; };
   // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
@@ -269,6 +273,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
         targets.push_back(rows);
       } else {
         requests[i].payload.channel->receive_into(requests[i].payload.header, rows);
+        if (on_input_) on_input_(number, requests[i].client_id, layer, batch.op, rows);  // [Input observer]
       }
     }
     if (!host_inputs.empty()) {

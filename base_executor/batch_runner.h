@@ -9,6 +9,7 @@
 
 #include "base_executor/base_model.h"
 #include "base_executor/batching.h"
+#include "base_executor/executor.h"
 #include "base_executor/statistics.h"
 #include "transport/call_ring.h"
 #include "transport/channel.h"
@@ -28,7 +29,8 @@ class ReplayedBatches;  // [Replayed batches], batch_runner.cpp
 
 class BatchRunner {
  public:
-  BatchRunner(const BaseModel& model, Statistics& statistics);
+  // on_input: [Input observer] (base_executor/executor.h), called with every call's input; may be empty.
+  BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input = {});
   ~BatchRunner();
   void run(CallBatcher::Batch& batch);
 
@@ -40,6 +42,8 @@ class BatchRunner {
 
   const BaseModel& model_;
   Statistics& statistics_;
+  const InputObserver on_input_;
+  uint64_t batches_ = 0;  // run so far: the [Input observer]'s batch numbers
   std::unique_ptr<ReplayedBatches> replays_;  // on a GPU
 };
 

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,19 @@
 #include "base_executor/batching.h"
 
 namespace symbiosis {
+
+// [Input observer]
+// A hook for tests and auditing in the executor's own process (it has no flag): it is called on the
+// scheduler's thread with each call's input as the executor received it, before it is packed into
+// its batch, whatever transport brought it: the batch's number (counted from 1; calls observed
+// with one number run as one batch), the calling client's id, the layer (or [Layer groups] group)
+// called, the op, and the rows ([tokens, features], in the layer's dtype, on the executor's device,
+// ready to read on the current stream). The rows are the transport's, valid only during the call:
+// clone what you keep. Every batch waits for it, and an exception from it fails the batch's calls.
+// A private tenant's tests read what the executor is really sent through it ([Noise masking] in
+// privacy/noise_mask.h).
+using InputObserver = std::function<void(uint64_t batch, uint64_t client_id, const LayerInfo& layer, LayerOp op,
+                                         const at::Tensor& input)>;
 
 struct ExecutorOptions {
   std::filesystem::path model_dir;               // Hugging Face checkpoint directory (required)
@@ -48,6 +62,8 @@ struct ExecutorOptions {
   // loopback only, unless `insecure` says to listen elsewhere anyway.
   std::filesystem::path keys_dir;
   bool insecure = false;
+  // [Input observer]; empty (the default): nothing is observed, at no cost.
+  InputObserver on_input;
 
   // Throws naming the field when an option is out of range.
   void validate() const;

@@ -52,7 +52,7 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       context_(context),
       replies_endpoint_(std::move(replies_endpoint)),
       batcher_(options.batching),
-      runner_(model, statistics) {}
+      runner_(model, statistics, options.on_input) {}
 
 Scheduler::~Scheduler() {
   // Nothing may wait on a client that is gone (NCCL kernels).

@@ -7,6 +7,7 @@
 
 #include <fstream>
 #include <map>
+#include <mutex>
 
 #include "base_executor/executor.h"
 #include "client_runtime/client.h"
@@ -171,6 +172,51 @@ TEST_F(ExecutorTest, ComputesForwardBackwardAndNoBiasExactly) {
   EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_bias(), x, up_weight().t())), 1e-6);
   EXPECT_LT(relative_error(client->forward(up, x, false), at::mm(x, up_weight().t())), 1e-6);
   EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_weight())), 1e-6);
+}
+
+// [Input observer]: the hook sees every call's input as the client sent it (its client, layer, op
+// and rows), over tcp and shm alike, by the time the call is answered; calls that came one after
+// another ran as batches numbered one after another.
+TEST_F(ExecutorTest, InputObserverSeesEachCallsInputAsTheClientSentIt) {
+  struct Seen {
+    uint64_t batch;
+    uint64_t client_id;
+    uint32_t layer_id;
+    LayerOp op;
+    at::Tensor input;
+  };
+  std::mutex mutex;
+  std::vector<Seen> seen;  // guarded by mutex
+  ExecutorOptions options;
+  options.on_input = [&](uint64_t batch, uint64_t client_id, const LayerInfo& layer, LayerOp op,
+                         const at::Tensor& input) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.push_back({batch, client_id, layer.id, op, input.clone()});
+  };
+  auto executor = testing::start_executor(checkpoint_->dir, options);
+  for (const std::string transport : {"tcp", "shm"}) {
+    SCOPED_TRACE(transport);
+    auto client = testing::connect(*executor, ClientOptions{.timeout_ms = 10000, .transport = transport});
+    ASSERT_EQ(client->transport(), transport);
+    const auto& up = *client->find_layer("model.layers.0.mlp.up_proj");
+    const std::vector<std::pair<LayerOp, at::Tensor>> sent = {{LayerOp::kForward, at::randn({3, 4})},
+                                                              {LayerOp::kBackwardInput, at::randn({2, 6})},
+                                                              {LayerOp::kForwardNoBias, at::randn({1, 4})}};
+    client->forward(up, sent[0].second, true);
+    client->backward_input(up, sent[1].second);
+    client->forward(up, sent[2].second, false);
+    std::lock_guard<std::mutex> lock(mutex);
+    ASSERT_EQ(seen.size(), sent.size());
+    for (size_t i = 0; i < sent.size(); ++i) {
+      EXPECT_EQ(seen[i].client_id, client->client_id()) << "call " << i;
+      EXPECT_EQ(seen[i].layer_id, up.id) << "call " << i;
+      EXPECT_EQ(seen[i].op, sent[i].first) << "call " << i;
+      EXPECT_TRUE(at::equal(seen[i].input, sent[i].second)) << "call " << i;
+      // One call after another: each its own batch, numbered in order.
+      if (i > 0) EXPECT_EQ(seen[i].batch, seen[i - 1].batch + 1) << "call " << i;
+    }
+    seen.clear();
+  }
 }
 
 // [Layer groups]: under each parent module, layers that read one input are also served as one
