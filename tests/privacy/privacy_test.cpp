@@ -203,12 +203,64 @@ TEST(NoiseMaskTest, TheExecutorSeesNoiseOfTheConfiguredScaleAndTheResultIsExact)
   EXPECT_EQ(mask.banks_drawn(), 2);  // one bank forward, one backward, never rotated
 }
 
+// rotate() draws every bank anew at its next use (one executor call each, with the effects there),
+// into the memory the old bank held ([Masked captures]: a captured graph reads it there), and the
+// results stay exact; the calls after it mask with the new rows.
+TEST(NoiseMaskTest, RotateDrawsEveryBankAnewInPlaceAndStaysExact) {
+  at::manual_seed(4);
+  LayerInfo layer;
+  layer.id = 2;
+  layer.name = "layer";
+  layer.in_features = 32;
+  layer.out_features = 16;
+  const auto weight = at::randn({16, 32});
+  int bank_calls = 0;
+  // The rows whose effects the executor was asked for, forward: as sent, and a copy.
+  std::vector<at::Tensor> banks, copies;
+  const NoiseMask::Send executor = [&](NoiseMask::Op op, const at::Tensor& x) {
+    if (x.size(0) == 8) {  // a bank's rows (calls below have 4)
+      ++bank_calls;
+      if (op == NoiseMask::Op::kForwardNoBias) {
+        banks.push_back(x);
+        copies.push_back(x.clone());
+      }
+    }
+    return op == NoiseMask::Op::kBackwardInput ? at::mm(x, weight) : at::mm(x, weight.t());
+  };
+  PrivacyOptions options;
+  options.mask = true;
+  options.secret = 9;
+  options.bank_rows = 8;
+  NoiseMask mask(options);
+  auto step = [&] {
+    const auto x = at::randn({4, 32}), g = at::randn({4, 16});
+    EXPECT_LT(testing::relative_error(mask.forward(layer, x, false, executor), at::mm(x, weight.t())), 1e-5);
+    EXPECT_LT(testing::relative_error(mask.backward_input(layer, g, executor), at::mm(g, weight)), 1e-5);
+  };
+  step();
+  step();
+  EXPECT_EQ(mask.banks_drawn(), 2);
+  EXPECT_EQ(bank_calls, 2);
+  mask.rotate();
+  EXPECT_EQ(mask.banks_drawn(), 2);  // drawn at the next use, not now
+  step();
+  EXPECT_EQ(mask.banks_drawn(), 4);
+  EXPECT_EQ(mask.banks_held(), 2);
+  EXPECT_EQ(bank_calls, 4);
+  ASSERT_EQ(banks.size(), 2u);
+  EXPECT_GT((copies[1] - copies[0]).abs().max().item<double>(), 0.1);  // new rows
+  EXPECT_TRUE(banks[0].equal(copies[1]));  // written where the first bank lay
+  step();
+  EXPECT_EQ(mask.banks_drawn(), 4);  // and kept after
+}
+
 TEST(NoiseMaskTest, BadOptionsAreRefusedNamingTheField) {
   PrivacyOptions options;
   options.mask = true;
   options.bank_rows = 0;
-  EXPECT_NE(testing::error_of([&] { NoiseMask mask(options); }).find("privacy option bank_rows must be in [1, 2^30], got 0"),
-            std::string::npos);
+  const auto bank_rows_error = testing::error_of([&] { NoiseMask mask(options); });
+  EXPECT_NE(bank_rows_error.find("privacy option bank_rows must be in [1, 2^30], got 0"), std::string::npos)
+      << bank_rows_error;
   options.bank_rows = 8;
   options.noise_ratio = 0;
   ClientOptions client;
