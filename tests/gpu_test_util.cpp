@@ -1,5 +1,7 @@
 #include "tests/gpu_test_util.h"
 
+#include "client_runtime/training/loss.h"
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
@@ -53,6 +55,30 @@ bool run_all(const std::vector<std::vector<std::string>>& clients) {
 
 bool requests_reach(const Executor& executor, uint64_t since, uint64_t more, std::chrono::milliseconds limit) {
   return wait_until([&] { return executor.stats().requests >= since + more; }, limit);
+}
+
+LoraConfig same_gpu_lora() {
+  LoraConfig lora;
+  lora.init_b_zero = false;
+  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"};
+  return lora;
+}
+
+CapturedLoraStep::CapturedLoraStep(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                                   at::ScalarType dtype, const at::Tensor& ids, bool capture) {
+  lm = open_causal_lm(checkpoint, client, {dtype, at::Device(at::kCUDA, 0)});
+  at::manual_seed(21);
+  adapter = add_lora(*lm.module, same_gpu_lora());
+  optimizer = std::make_unique<FusedAdamW>(adapter, FusedAdamWOptions{.lr = 1e-3});
+  step = std::make_unique<StepGraph>(
+      [this, ids] {
+        optimizer->zero_grad();
+        logits = lm.forward(ids, {});
+        loss = causal_lm_loss(logits, ids);
+        loss.backward();
+      },
+      [this] { optimizer->step(); }, client, at::Device(at::kCUDA, 0),
+      StepGraphOptions{.capture = capture, .warmup = 1});
 }
 
 }  // namespace symbiosis::testing

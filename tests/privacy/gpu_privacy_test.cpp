@@ -9,11 +9,6 @@
 
 #include "bench/process.h"
 #include "transport/client_transport.h"
-#include "client_runtime/models/causal_lm.h"
-#include "client_runtime/peft/lora.h"
-#include "client_runtime/training/fused_adamw.h"
-#include "client_runtime/training/loss.h"
-#include "client_runtime/training/step_graph.h"
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/gpu_test_util.h"
 
@@ -47,42 +42,8 @@ struct GpuServed {
   }
 };
 
-LoraConfig test_lora() {
-  LoraConfig lora;
-  lora.init_b_zero = false;
-  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"};
-  return lora;
-}
-
-// A LoRA model and its training step, captured (after one eager run) or eager; what the step
-// computed stays readable after it.
-struct TrainingStep {
-  CausalLM lm;
-  std::vector<at::Tensor> adapter;
-  std::unique_ptr<FusedAdamW> optimizer;
-  at::Tensor logits, loss;
-  std::unique_ptr<StepGraph> step;
-
-  TrainingStep(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client, at::ScalarType dtype, const at::Tensor& ids,
-      bool capture) {
-    lm = open_causal_lm(checkpoint, client, {dtype, at::Device(at::kCUDA, 0)});
-    at::manual_seed(21);
-    adapter = add_lora(*lm.module, test_lora());
-    optimizer = std::make_unique<FusedAdamW>(adapter, FusedAdamWOptions{.lr = 1e-3});
-    step = std::make_unique<StepGraph>(
-        [this, ids] {
-          optimizer->zero_grad();
-          logits = lm.forward(ids, {});
-          loss = causal_lm_loss(logits, ids);
-          loss.backward();
-        },
-        [this] { optimizer->step(); }, client, at::Device(at::kCUDA, 0),
-        StepGraphOptions{.capture = capture, .warmup = 1});
-  }
-};
-
 // The largest relative error of logits, loss and every adapter gradient between two runs' last step.
-double step_error(const TrainingStep& a, const TrainingStep& b) {
+double step_error(const testing::CapturedLoraStep& a, const testing::CapturedLoraStep& b) {
   double error = std::max(testing::relative_error(a.logits, b.logits), testing::relative_error(a.loss, b.loss));
   for (size_t i = 0; i < a.adapter.size(); ++i) {
     error = std::max(error, testing::relative_error(a.adapter[i].grad(), b.adapter[i].grad()));
@@ -101,8 +62,8 @@ TEST_P(MaskedCapturedSteps, ReplayedMaskedStepsEqualEagerMonolithicSteps) {
   auto client = served.connect(/*mask=*/true, effects_here, /*rotate_after=*/2);
   at::manual_seed(5);
   const auto ids = at::randint(0, 200, {2, 24}, at::kLong).to(at::kCUDA);
-  auto captured = std::make_unique<TrainingStep>(*served.checkpoint, client, at::kFloat, ids, true);
-  auto eager = std::make_unique<TrainingStep>(*served.checkpoint, nullptr, at::kFloat, ids, false);
+  auto captured = std::make_unique<testing::CapturedLoraStep>(*served.checkpoint, client, at::kFloat, ids, true);
+  auto eager = std::make_unique<testing::CapturedLoraStep>(*served.checkpoint, nullptr, at::kFloat, ids, false);
   constexpr int kSteps = 6;  // one eager, one captured and replayed, four replayed
   int64_t banks_after_first = 0;
   for (int step = 0; step < kSteps; ++step) {
@@ -160,9 +121,9 @@ TEST(MaskedBf16, ErrorAgainstMonolithicIsAFewTimesTheUnmaskedSplitError) {
   GpuServed served("bf16");
   at::manual_seed(5);
   const auto ids = at::randint(0, 200, {2, 24}, at::kLong).to(at::kCUDA);
-  TrainingStep masked(*served.checkpoint, served.connect(true), at::kBFloat16, ids, true);
-  TrainingStep unmasked(*served.checkpoint, served.connect(false), at::kBFloat16, ids, true);
-  TrainingStep mono(*served.checkpoint, nullptr, at::kBFloat16, ids, false);
+  testing::CapturedLoraStep masked(*served.checkpoint, served.connect(true), at::kBFloat16, ids, true);
+  testing::CapturedLoraStep unmasked(*served.checkpoint, served.connect(false), at::kBFloat16, ids, true);
+  testing::CapturedLoraStep mono(*served.checkpoint, nullptr, at::kBFloat16, ids, false);
   for (int step = 0; step < 3; ++step) {
     masked.step->run();
     unmasked.step->run();

@@ -152,6 +152,17 @@ TEST(LocalEffectsTest, ACheckpointOfAnotherModelIsRefused) {
   EXPECT_NE(error.find("holds another model than the executor's"), std::string::npos) << error;
 }
 
+// A layer for NoiseMask alone, whose executor a test plays.
+LayerInfo test_layer(int64_t in_features, int64_t out_features, bool bias) {
+  LayerInfo layer;
+  layer.id = 4;
+  layer.name = "layer";
+  layer.in_features = in_features;
+  layer.out_features = out_features;
+  layer.bias = bias;
+  return layer;
+}
+
 // What the executor is sent: here the executor's part is the product with a known weight, and
 // every row sent is recorded. The results equal x·Wᵀ + b and g·W; what is sent is the activation
 // plus noise of noise_ratio (4) times its norm, and its correlation with the activations stays
@@ -159,12 +170,7 @@ TEST(LocalEffectsTest, ACheckpointOfAnotherModelIsRefused) {
 // receives a real model's calls.
 TEST(NoiseMaskTest, TheExecutorSeesNoiseOfTheConfiguredScaleAndTheResultIsExact) {
   at::manual_seed(3);
-  LayerInfo layer;
-  layer.id = 4;
-  layer.name = "layer";
-  layer.in_features = 64;
-  layer.out_features = 48;
-  layer.bias = true;
+  const auto layer = test_layer(64, 48, /*bias=*/true);
   const auto weight = at::randn({48, 64}, at::kDouble).to(at::kFloat);
   const auto bias = at::randn({48}).to(at::kFloat);
   std::vector<at::Tensor> sent;  // the masked calls' inputs, after the bank's own call
@@ -208,11 +214,7 @@ TEST(NoiseMaskTest, TheExecutorSeesNoiseOfTheConfiguredScaleAndTheResultIsExact)
 // results stay exact; the calls after it mask with the new rows.
 TEST(NoiseMaskTest, RotateDrawsEveryBankAnewInPlaceAndStaysExact) {
   at::manual_seed(4);
-  LayerInfo layer;
-  layer.id = 2;
-  layer.name = "layer";
-  layer.in_features = 32;
-  layer.out_features = 16;
+  const auto layer = test_layer(32, 16, /*bias=*/false);
   const auto weight = at::randn({16, 32});
   int bank_calls = 0;
   // The rows whose effects the executor was asked for, forward: as sent, and a copy.

@@ -26,13 +26,6 @@ namespace symbiosis {
 namespace {
 
 
-LoraConfig same_gpu_lora() {
-  LoraConfig lora;
-  lora.init_b_zero = false;
-  lora.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"};
-  return lora;
-}
-
 // (dtype, control, batch, sequence, direct operands): headers through the control segment order
 // calls by its flags ([Stream-ordered hand-off]), and the executor reads and writes the client's
 // own tensors ([Direct operands]) or copies go through the payload buffer; headers over ZeroMQ
@@ -59,7 +52,7 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   auto client = Client::connect(options);
   EXPECT_EQ(client->transport(), "cuda-ipc");  // chosen by placement: the executor's GPU
   const CausalLMOptions on_gpu{dtype, at::Device(at::kCUDA, 0)};
-  const auto lora = testing::lora_adapter(same_gpu_lora());
+  const auto lora = testing::lora_adapter(testing::same_gpu_lora());
   auto split = testing::make_training_run(*checkpoint, client, lora, on_gpu, 1e-3, 21);
   auto mono = testing::make_training_run(*checkpoint, nullptr, lora, on_gpu, 1e-3, 21);
   client.reset();  // the split model holds it: it goes with the model, before the executor stops
@@ -90,36 +83,7 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndControls, SameGpuExactness,
 // step gives run eagerly on the same GPU by the monolithic model: a split client, whose calls are
 // recorded at the capture and sent again by each replay through their slots ([Captured calls]),
 // and the monolithic model captured the same way. (dtype, split)
-class CapturedSteps : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
- protected:
-  // A LoRA model and its step, captured or eager; what the step computed stays readable after it.
-  struct Run {
-    CausalLM lm;
-    std::vector<at::Tensor> adapter;
-    std::unique_ptr<FusedAdamW> optimizer;
-    at::Tensor logits, loss;
-    std::unique_ptr<StepGraph> step;
-  };
-  static std::unique_ptr<Run> make_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
-                                       at::ScalarType dtype, const at::Tensor& ids, bool capture) {
-    auto run = std::make_unique<Run>();
-    run->lm = open_causal_lm(checkpoint, client, {dtype, at::Device(at::kCUDA, 0)});
-    at::manual_seed(21);
-    run->adapter = add_lora(*run->lm.module, same_gpu_lora());
-    run->optimizer = std::make_unique<FusedAdamW>(run->adapter, FusedAdamWOptions{.lr = 1e-3});
-    Run* r = run.get();
-    run->step = std::make_unique<StepGraph>(
-        [r, ids] {
-          r->optimizer->zero_grad();
-          r->logits = r->lm.forward(ids, {});
-          r->loss = causal_lm_loss(r->logits, ids);
-          r->loss.backward();
-        },
-        [r] { r->optimizer->step(); }, client, at::Device(at::kCUDA, 0),
-        StepGraphOptions{.capture = capture, .warmup = 1});
-    return run;
-  }
-};
+class CapturedSteps : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
 
 TEST_P(CapturedSteps, ReplayedStepsEqualEagerMonolithicSteps) {
   SKIP_WITHOUT_GPUS(1);
@@ -137,8 +101,8 @@ TEST_P(CapturedSteps, ReplayedStepsEqualEagerMonolithicSteps) {
     client = Client::connect({.endpoint = executor->endpoint, .device = "cuda:0"});
   }
   auto ids = at::randint(0, 200, {2, 24}, at::kLong).to(at::kCUDA);
-  auto captured = make_run(*checkpoint, client, dtype, ids, true);
-  auto eager = make_run(*checkpoint, nullptr, dtype, ids, false);
+  auto captured = std::make_unique<testing::CapturedLoraStep>(*checkpoint, client, dtype, ids, true);
+  auto eager = std::make_unique<testing::CapturedLoraStep>(*checkpoint, nullptr, dtype, ids, false);
   uint64_t calls_per_step = 0;
   constexpr int kSteps = 5;  // one eager, one captured and replayed, three replayed
   for (int step = 0; step < kSteps; ++step) {
@@ -183,7 +147,7 @@ TEST(CapturedStepsRefused, ACaptureWithoutDirectOperandsFailsNamingWhy) {
                                         testing::temp_dir("captured-refused-executor"));
   auto client = Client::connect({.endpoint = executor.endpoint, .device = "cuda:0", .direct_operands = false});
   auto lm = open_causal_lm(*checkpoint, client, {at::kFloat, at::Device(at::kCUDA, 0)});
-  auto adapter = add_lora(*lm.module, same_gpu_lora());
+  auto adapter = add_lora(*lm.module, testing::same_gpu_lora());
   FusedAdamW optimizer(adapter);
   auto ids = at::randint(0, 200, {1, 8}, at::kLong).to(at::kCUDA);
   auto compute = [&] {
