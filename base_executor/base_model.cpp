@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include "common/model_types.h"
+
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 
@@ -40,7 +42,13 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   } catch (const std::regex_error& e) {
     TORCH_CHECK(false, "bad base-layer pattern '", rule.pattern, "': ", e.what());
   }
-  const bool conv1d = checkpoint.config_string("model_type").value_or("") == "gpt2";
+  const auto model_type = checkpoint.config_string("model_type").value_or("");
+  // The default rule knows the supported architectures' names and layer kinds; another
+  // architecture's base layers are named by the operator (--layer-pattern) and read as Linear.
+  TORCH_CHECK(rule.pattern != BaseLayerRule::kDefaultPattern || is_supported_model_type(model_type), "checkpoint ",
+              checkpoint.dir(), ": ", unsupported_model_type(model_type),
+              ": name its base layers with --layer-pattern");
+  const bool conv1d = model_type == "gpt2";
   auto model = std::unique_ptr<BaseModel>(new BaseModel());
   model->device_ = device;
   model->model_hash_ = checkpoint.model_hash();

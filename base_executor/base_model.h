@@ -22,8 +22,9 @@ enum class LayerOp { kForward, kBackwardInput, kForwardNoBias };
 std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text);
 
 // Which checkpoint tensors are base layers. By default: every 2-D "<module>.weight" of the
-// decoder blocks (model.layers.N.* for Llama-style, transformer.h.N.* for GPT-2), never
-// embeddings or norms; lm_head only when asked.
+// decoder blocks (model.layers.N.* for Llama-style, transformer.h.N.* for GPT-2, or h.N.* where
+// a GPT-2 checkpoint names its tensors without the prefix, as the Hub's do: [Checkpoint layouts]
+// in client_runtime/models/model_io.h), never embeddings or norms; lm_head only when asked.
 //
 // [Layer groups]
 // Layers that read one input (a Llama attention's q, k and v projections; its MLP's gate and up)
@@ -39,7 +40,7 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
 // one input width, dtype and bias, gets the group. Clients call a group instead of its members
 // where their model computes the members from one input (forward_siblings in client_runtime/nn.h).
 struct BaseLayerRule {
-  static constexpr const char* kDefaultPattern = R"(^(model\.layers|transformer\.h|model\.decoder\.layers)\.[0-9]+\..+$)";
+  static constexpr const char* kDefaultPattern = R"(^(model\.layers|transformer\.h|h|model\.decoder\.layers)\.[0-9]+\..+$)";
   std::string pattern = kDefaultPattern;  // ECMAScript regex over the module name
   bool lm_head = false;
   static constexpr const char* kDefaultGroups = "q_proj,k_proj,v_proj;gate_proj,up_proj";

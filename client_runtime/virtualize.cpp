@@ -16,7 +16,7 @@ size_t virtualize(torch::nn::Module& root, const std::shared_ptr<LayerBackend>& 
   for (const auto& layer : layers) served[layer.name] = &layer;
   std::set<std::string> bound;
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
-    const std::string name = options.name_prefix + item.key();
+    const std::string name = options.layer_name ? options.layer_name(item.key()) : options.name_prefix + item.key();
     auto it = served.find(name);
     if (it == served.end()) continue;
     try {

@@ -6,6 +6,7 @@
 // [Virtual weights] in virt_layer/virtual_weight.h). Either way the local weights are released.
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -16,6 +17,10 @@ namespace symbiosis {
 struct VirtualizeOptions {
   // Prepended to each module path before looking it up in the layer table ("" = as is).
   std::string name_prefix;
+  // The layer table's name of a module path, when set (name_prefix is then unused): the executor
+  // knows layers by their checkpoint names, which a checkpoint of the base model alone writes
+  // without the model's top-level module ([Checkpoint layouts] in models/model_io.h).
+  std::function<std::string(const std::string&)> layer_name;
   // Throw unless every layer the executor serves was found in the tree.
   bool require_all = false;
 };

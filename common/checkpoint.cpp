@@ -215,6 +215,13 @@ const json* find_path(const json& root, const std::string& path) {
   std::stringstream ss(path);
   std::string part;
   while (std::getline(ss, part, '.')) {
+    if (node->is_array()) {  // a list's element by its index: "layer_types.3"
+      if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos) return nullptr;
+      const size_t index = std::stoul(part);
+      if (index >= node->size()) return nullptr;
+      node = &(*node)[index];
+      continue;
+    }
     if (!node->is_object() || !node->contains(part)) return nullptr;
     node = &(*node)[part];
   }

@@ -96,6 +96,73 @@ ModelSpec llama_spec(const LlamaShape& s) {
   return m;
 }
 
+// Qwen2 (Qwen2ForCausalLM): Llama's tensors plus biases of q, k and v. Its config.json as
+// Qwen/Qwen2-0.5B writes it; sliding_window > 0 turns on sliding-window attention in the layers
+// from max_window_layers on (use_sliding_window), as transformers reads those fields.
+ModelSpec qwen2_spec(const LlamaShape& s, int64_t sliding_window, int64_t max_window_layers) {
+  ModelSpec m = llama_spec(s);
+  m.config = {{"architectures", {"Qwen2ForCausalLM"}},
+              {"model_type", "qwen2"},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", s.bos},
+              {"eos_token_id", s.eos},
+              {"hidden_act", "silu"},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"max_position_embeddings", s.max_positions},
+              {"max_window_layers", max_window_layers},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"num_key_value_heads", s.kv_heads},
+              {"rms_norm_eps", s.rms_eps},
+              {"rope_scaling", nullptr},
+              {"rope_theta", s.rope_theta},
+              {"sliding_window", sliding_window > 0 ? json(sliding_window) : json(nullptr)},
+              {"tie_word_embeddings", s.tied},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"use_sliding_window", sliding_window > 0},
+              {"vocab_size", s.vocab}};
+  // Each of q, k and v gets its bias, [out features].
+  std::vector<TensorSpec> tensors;
+  for (const auto& t : m.tensors) {
+    tensors.push_back(t);
+    const bool qkv = t.name.find(".self_attn.") != std::string::npos && t.name.find(".o_proj.") == std::string::npos;
+    if (qkv) tensors.push_back({t.name.substr(0, t.name.size() - std::string("weight").size()) + "bias", {t.shape[0]}, Init::kBias});
+  }
+  m.tensors = std::move(tensors);
+  return m;
+}
+
+// Mistral (MistralForCausalLM): Llama's tensors, attention over at most sliding_window tokens.
+// Its config.json as mistralai/Mistral-7B-v0.1 writes it.
+ModelSpec mistral_spec(const LlamaShape& s, int64_t sliding_window) {
+  ModelSpec m = llama_spec(s);
+  m.config = {{"architectures", {"MistralForCausalLM"}},
+              {"model_type", "mistral"},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", s.bos},
+              {"eos_token_id", s.eos},
+              {"head_dim", s.hidden / s.heads},
+              {"hidden_act", "silu"},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"max_position_embeddings", s.max_positions},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"num_key_value_heads", s.kv_heads},
+              {"rms_norm_eps", s.rms_eps},
+              {"rope_theta", s.rope_theta},
+              {"sliding_window", sliding_window},
+              {"tie_word_embeddings", s.tied},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  return m;
+}
+
 json llama3_rope(double factor, double low, double high, int64_t original) {
   return {{"rope_type", "llama3"},
           {"factor", factor},
@@ -109,7 +176,9 @@ struct GPT2Shape {
   int64_t bos_eos;
 };
 
-ModelSpec gpt2_spec(const GPT2Shape& s) {
+// hub_layout: tensors named as the Hub's GPT-2 checkpoints name them, without "transformer."
+// (h.0.attn.c_attn.weight, wte.weight; [Checkpoint layouts] in client_runtime/models/model_io.h).
+ModelSpec gpt2_spec(const GPT2Shape& s, bool hub_layout = false) {
   ModelSpec m;
   m.config = {{"architectures", {"GPT2LMHeadModel"}},
               {"model_type", "gpt2"},
@@ -160,11 +229,15 @@ ModelSpec gpt2_spec(const GPT2Shape& s) {
   }
   t.push_back({"transformer.ln_f.weight", {e}, Init::kNorm});
   t.push_back({"transformer.ln_f.bias", {e}, Init::kBias});
+  if (hub_layout) {
+    for (auto& tensor : t) tensor.name = tensor.name.substr(std::string("transformer.").size());
+  }
   return m;
 }
 
-const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "llama-3.2-1b",
-                                           "llama-2-7b", "llama-2-13b", "gpt2-xl"};
+const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
+                                           "tiny-qwen2", "tiny-mistral", "llama-3.2-1b", "llama-2-7b",
+                                           "llama-2-13b", "gpt2-xl"};
 
 // Presets' configs follow the Hub's config.json of each model (meta-llama/Llama-3.2-1B,
 // meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, openai-community/gpt2-xl). layers >= 0
@@ -179,6 +252,15 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
     return llama_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 10000.0, nullptr, true, 1, 2});
   }
   if (name == "tiny-gpt2") return gpt2_spec({256, 128, 64, n(2), 4, 255});
+  if (name == "tiny-gpt2-hub") return gpt2_spec({256, 128, 64, n(2), 4, 255}, /*hub_layout=*/true);
+  // Tied like Qwen2-0.5B; layer 0 attends fully, the layers after it over a window of 5 tokens.
+  if (name == "tiny-qwen2") {
+    return qwen2_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 1000000.0, nullptr, true, 1, 2}, 5, 1);
+  }
+  // A window of 4 tokens: the tests' sequences are longer, so the window matters.
+  if (name == "tiny-mistral") {
+    return mistral_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, nullptr, false, 1, 2}, 4);
+  }
   if (name == "llama-3.2-1b") {
     return llama_spec({128256, 2048, 8192, n(16), 32, 8, 131072, 1e-5, 500000.0, llama3_rope(32.0, 1.0, 4.0, 8192),
                        true, 128000, 128001});
@@ -280,7 +362,9 @@ int main(int argc, char** argv) {
   std::string preset, out, dtype_name = "fp32";
   uint64_t seed = 0, shard_size = 0;
   int64_t layers = -1;
-  app.add_option("--preset", preset, "tiny-llama, tiny-llama-tied, tiny-gpt2, llama-3.2-1b, llama-2-7b, llama-2-13b, gpt2-xl")
+  std::string preset_names;
+  for (const auto& p : kPresets) preset_names += (preset_names.empty() ? "" : ", ") + p;
+  app.add_option("--preset", preset, preset_names)
       ->required();
   app.add_option("--out", out, "output directory (created if needed)")->required();
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();

@@ -4,6 +4,7 @@
 #include "client_runtime/models/llama.h"
 #include "client_runtime/models/model_io.h"
 #include "client_runtime/virtualize.h"
+#include "common/model_types.h"
 
 namespace symbiosis {
 namespace {
@@ -13,7 +14,11 @@ CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr
                 const CausalLMOptions& options) {
   CausalLM lm;
   model->to(options.device, options.dtype);
-  if (client) lm.virtual_layers = virtualize(*model, client);
+  if (client) {
+    // The executor serves the base layers by the checkpoint's names ([Checkpoint layouts]).
+    const auto names = checkpoint_names(*model, checkpoint);
+    lm.virtual_layers = virtualize(*model, client, {.layer_name = [names](const std::string& path) { return names.of(path); }});
+  }
   lm.client = client;
   // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.
   load_weights(*model, checkpoint);
@@ -37,11 +42,12 @@ CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Clie
   // fills them from the checkpoint straight in the model's dtype and on its device.
   const bool materialize = false;
   const auto type = checkpoint.config_string("model_type").value_or("");
-  if (type == "llama") return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
+  TORCH_CHECK(is_supported_model_type(type), checkpoint.dir() / "config.json", ": ", unsupported_model_type(type));
   if (type == "gpt2") {
     return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
   }
-  TORCH_CHECK(false, checkpoint.dir() / "config.json", ": model_type '", type, "' is not supported (expected llama or gpt2)");
+  // [Llama family]: llama, qwen2, mistral.
+  return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
 }
 
 }  // namespace symbiosis

@@ -69,11 +69,15 @@ int64_t KvCache::bytes() const {
 namespace {
 
 // An additive mask [1, 1, queries, keys] in `dtype`: query i (at position start + i) sees key j
-// when j <= start + i.
-at::Tensor offset_causal_mask(int64_t start, int64_t queries, at::ScalarType dtype, at::Device device) {
+// when j <= start + i, and, with a sliding window, j > start + i - sliding_window.
+at::Tensor offset_causal_mask(int64_t start, int64_t queries, int64_t sliding_window, at::ScalarType dtype,
+                              at::Device device) {
   const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
   const int64_t keys = start + queries;
-  auto allowed = at::arange(keys, long_options).view({1, keys}) <= (at::arange(queries, long_options) + start).view({queries, 1});
+  const auto k = at::arange(keys, long_options).view({1, keys});
+  const auto q = (at::arange(queries, long_options) + start).view({queries, 1});
+  auto allowed = k <= q;
+  if (sliding_window > 0) allowed = allowed.logical_and(k > q - sliding_window);
   return detail::additive_mask(allowed.view({1, 1, queries, keys}), dtype);
 }
 
@@ -129,15 +133,17 @@ CachedStep CachedStep::fixed_decode(KvCache& cache, const at::Tensor& slots, con
   return step;
 }
 
-at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              int64_t sliding_window) const {
   auto& keys = cache_.keys(layer);
   auto& values = cache_.values(layer);
   TORCH_CHECK(q.size(0) == 1 && q.size(2) == tokens_ && k.size(2) == tokens_, "a cached step of ", tokens_,
               " packed tokens got queries ", q.sizes(), " and keys ", k.sizes());
   if (decode_) {
 #ifdef SYMBIOSIS_WITH_CUDA
-    // On a GPU, one kernel writes and attends ([Fused decode attention] in kernels/decode_attention.h).
-    if (q.is_cuda() && kernels::decode_attention_supports(q.size(1), k.size(1), q.size(3), q.scalar_type())) {
+    // On a GPU, one kernel writes and attends ([Fused decode attention] in kernels/decode_attention.h);
+    // it attends over every cached key, so not for a sliding window.
+    if (q.is_cuda() && sliding_window == 0 && kernels::decode_attention_supports(q.size(1), k.size(1), q.size(3), q.scalar_type())) {
       auto out = kernels::decode_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), keys,
                                            values, slots_, starts_);
       return out.transpose(0, 1).unsqueeze(0);
@@ -151,7 +157,19 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
       return contiguous_slots_ ? prefix.narrow(0, sequences_[0].slot, count_) : prefix.index_select(0, slots_);
     };
     auto queries = q[0].transpose(0, 1).unsqueeze(2);  // [sequences, heads, 1, head_dim]
-    auto out = detail::attention_over(queries, span(keys), span(values), decode_mask_);
+    auto mask = decode_mask_;
+    if (sliding_window > 0) {
+      auto& window_mask = window_masks_[sliding_window];
+      if (!window_mask.defined()) {
+        // Key j is seen from start when start - sliding_window < j <= start.
+        const auto j = at::arange(decode_keys_, starts_.options()).view({1, decode_keys_});
+        const auto start = starts_.view({-1, 1});
+        const auto allowed = (j <= start).logical_and(j > start - sliding_window);
+        window_mask = detail::additive_mask(allowed.view({-1, 1, 1, decode_keys_}), keys.scalar_type());
+      }
+      mask = window_mask;
+    }
+    auto out = detail::attention_over(queries, span(keys), span(values), mask);
     return out.squeeze(2).transpose(0, 1).unsqueeze(0);
   }
   std::vector<at::Tensor> outs;
@@ -161,9 +179,11 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
     values.select(0, s.slot).narrow(1, s.start, s.length).copy_(v[0].narrow(1, offset, s.length));
     auto own = [&](const at::Tensor& t) { return t.narrow(0, s.slot, 1).narrow(2, 0, s.start + s.length); };
     auto queries = q.narrow(2, offset, s.length);
-    outs.push_back(s.start == 0 ? detail::attention(queries, own(keys), own(values), {})
-                                : detail::attention_over(queries, own(keys), own(values),
-                                                         offset_causal_mask(s.start, s.length, q.scalar_type(), q.device())));
+    outs.push_back(s.start == 0 && sliding_window == 0
+                       ? detail::attention(queries, own(keys), own(values), {})
+                       : detail::attention_over(queries, own(keys), own(values),
+                                                offset_causal_mask(s.start, s.length, sliding_window, q.scalar_type(),
+                                                                   q.device())));
     offset += s.length;
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 2);

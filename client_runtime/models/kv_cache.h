@@ -19,6 +19,7 @@
 // Not thread-safe: one generation loop owns a cache.
 #include <ATen/ATen.h>
 
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -80,8 +81,10 @@ class CachedStep {
   const at::Tensor& last_tokens() const { return last_tokens_; }
   // Layer `layer`'s attention for the packed tokens: q [1, heads, N, head_dim], k and v
   // [1, kv_heads, N, head_dim] (k rotated where the model rotates) -> [1, heads, N, head_dim].
-  // Writes k and v into the cache first.
-  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
+  // Writes k and v into the cache first. sliding_window > 0: each query sees only the keys of its
+  // window ([Sliding window] in models/llama.h).
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    int64_t sliding_window = 0) const;
 
  private:
   explicit CachedStep(KvCache& cache) : cache_(cache) {}
@@ -97,14 +100,18 @@ class CachedStep {
   at::Tensor slots_, starts_, decode_mask_;
   bool contiguous_slots_ = false;
   int64_t decode_keys_ = 0;
+  // Decode steps: the additive masks of sliding windows, by window, made at their first layer's
+  // call from the device tensor starts_ (so a captured step makes them anew at each replay).
+  mutable std::map<int64_t, at::Tensor> window_masks_;
 };
 
 // The layer's view of a step, which a model's attention takes in place of a mask.
 struct CachedLayer {
   const CachedStep* step;
   int64_t layer;
+  int64_t sliding_window = 0;  // the layer's window ([Sliding window] in models/llama.h), 0 for none
   at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
-    return step->attend(layer, q, k, v);
+    return step->attend(layer, q, k, v, sliding_window);
   }
 };
 

@@ -136,8 +136,10 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   using detail::optional_int;
   using detail::required_int;
   const auto where = ckpt.dir() / "config.json";
-  detail::check_model_type(ckpt, "llama");
   LlamaConfig c;
+  c.model_type = ckpt.config_string("model_type").value_or("llama");
+  TORCH_CHECK(c.model_type == "llama" || c.model_type == "qwen2" || c.model_type == "mistral", where, ": model_type is '",
+              c.model_type, "', expected 'llama', 'qwen2' or 'mistral' for the Llama family");
   c.vocab_size = required_int(ckpt, "vocab_size");
   c.hidden_size = required_int(ckpt, "hidden_size");
   c.intermediate_size = required_int(ckpt, "intermediate_size");
@@ -149,7 +151,33 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   c.rms_norm_eps = ckpt.config_number("rms_norm_eps").value_or(1e-6);
   c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(false);
   c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);
+  c.qkv_bias = c.model_type == "qwen2";  // Qwen2Attention: q, k and v with biases, o without
   c.mlp_bias = ckpt.config_bool("mlp_bias").value_or(false);
+  // [Sliding window], as transformers' configs read it: Mistral's every layer when sliding_window
+  // is set; Qwen2's layers from max_window_layers on when use_sliding_window; or, either way, the
+  // layer_types that transformers 5 writes.
+  if (c.model_type != "llama" && ckpt.config_has("sliding_window")) {
+    c.sliding_window = required_int(ckpt, "sliding_window");
+    TORCH_CHECK(c.sliding_window > 0, where, ": field 'sliding_window' is ", c.sliding_window,
+                ", expected a positive number of tokens or null");
+  }
+  if (c.model_type == "qwen2" && !ckpt.config_bool("use_sliding_window").value_or(false)) c.sliding_window = 0;
+  if (c.sliding_window > 0) {
+    if (ckpt.config_has("layer_types")) {
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        const auto field = "layer_types." + std::to_string(i);
+        auto type = ckpt.config_string(field);
+        TORCH_CHECK(type == "full_attention" || type == "sliding_attention", where, ": field '", field, "' is '",
+                    type.value_or("(missing)"), "', expected 'full_attention' or 'sliding_attention'");
+        c.layer_types.push_back(*type);
+      }
+    } else {
+      const int64_t first_sliding = c.model_type == "qwen2" ? optional_int(ckpt, "max_window_layers", 28) : 0;
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        c.layer_types.push_back(i >= first_sliding ? "sliding_attention" : "full_attention");
+      }
+    }
+  }
   if (auto act = ckpt.config_string("hidden_act")) {
     TORCH_CHECK(*act == "silu", where, ": hidden_act '", *act, "' is not supported (expected 'silu')");
   }
@@ -189,6 +217,19 @@ void LlamaConfig::validate() const {
               "' is not supported (expected 'default' or 'llama3')");
   TORCH_CHECK(rope_type != "llama3" || rope_high_freq_factor != rope_low_freq_factor,
               "Llama config: llama3 rope needs high_freq_factor != low_freq_factor");
+  TORCH_CHECK(sliding_window >= 0, "Llama config: sliding_window is ", sliding_window, ", expected 0 (none) or more");
+  TORCH_CHECK(layer_types.empty() || static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
+              "Llama config: layer_types has ", layer_types.size(), " entries, expected one per layer (",
+              num_hidden_layers, ")");
+  for (const auto& type : layer_types) {
+    TORCH_CHECK(type == "full_attention" || (type == "sliding_attention" && sliding_window > 0),
+                "Llama config: layer type '", type, "' is not supported (expected 'full_attention', or ",
+                "'sliding_attention' with a sliding_window)");
+  }
+}
+
+int64_t LlamaConfig::window_of(int64_t layer) const {
+  return !layer_types.empty() && layer_types.at(layer) == "sliding_attention" ? sliding_window : 0;
 }
 
 namespace detail {
@@ -228,9 +269,10 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
     : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.resolved_head_dim()) {
   const int64_t q_out = num_heads_ * head_dim_;
   const int64_t kv_out = num_kv_heads_ * head_dim_;
-  q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, c.attention_bias, materialize_base));
-  k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, c.attention_bias, materialize_base));
-  v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, c.attention_bias, materialize_base));
+  const bool qkv_bias = c.attention_bias || c.qkv_bias;  // base weights: served with the layer
+  q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, qkv_bias, materialize_base));
+  k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
+  v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
   o_proj = register_module("o_proj", nn::Linear(q_out, c.hidden_size, c.attention_bias, materialize_base));
 }
 
@@ -304,12 +346,13 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
   const int64_t length = input_ids.size(1);
   auto in = detail::adapt_inputs(adapter, embed_tokens->forward(input_ids), attention_mask, position_ids,
-                                 config_.num_hidden_layers);
+                                 config_.num_hidden_layers, config_.sliding_window);
   auto h = in.embeddings;
   const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type());
   for (size_t i = 0; i < layers->size(); ++i) {
     const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
-    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, in.additive_mask, past);
+    const auto& mask = config_.window_of(static_cast<int64_t>(i)) > 0 ? in.sliding_mask : in.additive_mask;
+    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, mask, past);
   }
   h = norm->forward(h);
   return in.prompt_length > 0 ? h.narrow(1, in.prompt_length, length) : h;
@@ -319,7 +362,7 @@ at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const Ca
   const auto [cos, sin] = rotary_angles(step.positions().unsqueeze(0), embeddings.scalar_type());
   auto h = embeddings;
   for (size_t i = 0; i < layers->size(); ++i) {
-    const CachedLayer cache{&step, static_cast<int64_t>(i)};
+    const CachedLayer cache{&step, static_cast<int64_t>(i), config_.window_of(static_cast<int64_t>(i))};
     h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, {}, nullptr, &cache);
   }
   return norm->forward(h);
@@ -358,7 +401,7 @@ void LlamaForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> a
 }
 
 ModelShape LlamaForCausalLMImpl::model_shape() const {
-  return {"llama", config_.num_hidden_layers, config_.hidden_size, config_.num_attention_heads,
+  return {config_.model_type, config_.num_hidden_layers, config_.hidden_size, config_.num_attention_heads,
           config_.num_key_value_heads, config_.resolved_head_dim()};
 }
 

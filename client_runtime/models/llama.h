@@ -6,6 +6,17 @@
 // Computes what transformers' eager LlamaForCausalLM computes: grouped-query attention, RoPE
 // (default or "llama3" scaling), SwiGLU, causal mask plus optional padding mask; norms and softmax
 // in fp32, everything else in the model's dtype.
+//
+// [Llama family] Qwen2 (Qwen2ForCausalLM) and Mistral (MistralForCausalLM) are this model with
+// other settings, as transformers derives their classes from Llama's: the same parameter names and
+// computation, plus biases on q, k and v (Qwen2) and sliding-window attention (Mistral; Qwen2 with
+// use_sliding_window, in its layers from max_window_layers on). LlamaConfig::model_type says which.
+//
+// [Sliding window] In a sliding-window layer the token at index i (in its sequence, cache and
+// virtual tokens counted) attends to keys j with i - sliding_window < j <= i: itself and at most
+// sliding_window - 1 tokens before it, as transformers' sliding_window_overlay masks
+// (kv_idx > q_idx - sliding_window), in prefill and in decode alike. The KV cache keeps every
+// token (a window's worth would do for these layers; the cache does not yet shrink them).
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -13,6 +24,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "client_runtime/models/kv_cache.h"
 #include "client_runtime/nn.h"
@@ -22,8 +34,10 @@ namespace symbiosis {
 
 class Checkpoint;
 
-// The fields of a Llama config.json that the forward pass depends on.
+// The fields of a Llama (or Qwen2, Mistral: [Llama family]) config.json that the forward pass
+// depends on.
 struct LlamaConfig {
+  std::string model_type = "llama";  // "llama", "qwen2" or "mistral"
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -41,13 +55,20 @@ struct LlamaConfig {
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position_embeddings = 8192;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;
+  bool attention_bias = false;  // biases on q, k, v and o (Llama's attention_bias)
+  bool qkv_bias = false;        // biases on q, k and v only (Qwen2)
   bool mlp_bias = false;
+  // [Sliding window]: the window in tokens, 0 for none, and each layer's attention,
+  // "full_attention" or "sliding_attention" (transformers' layer_types); empty: every layer full.
+  int64_t sliding_window = 0;
+  std::vector<std::string> layer_types;
 
   // Reads config.json (both the transformers 4 keys rope_theta/rope_scaling and the transformers 5
   // rope_parameters); throws naming the field for a missing or unsupported value.
   static LlamaConfig from_checkpoint(const Checkpoint& ckpt);
   int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  // Layer `layer`'s attention window in tokens ([Sliding window]), 0 when it attends fully.
+  int64_t window_of(int64_t layer) const;
   // Checks the sizes agree with each other (heads divide, and so on); throws naming the field.
   void validate() const;
 };
@@ -67,7 +88,8 @@ TORCH_MODULE(LlamaRMSNorm);
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const LlamaConfig& config, bool materialize_base);
-  // x [B,T,H]; cos/sin [B,T,head_dim]; additive_mask [B,1,T,P+T] (0 or the dtype's lowest);
+  // x [B,T,H]; cos/sin [B,T,head_dim]; additive_mask [B,1,T,P+T] (0 or the dtype's lowest; for a
+  // sliding-window layer, the window's mask: [Sliding window]);
   // past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix tuning), or null.
   // cache: a [Cached step]'s packed tokens (B = 1) attend through the cache instead; mask and past
   // are then unused.

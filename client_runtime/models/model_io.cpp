@@ -37,7 +37,7 @@ bool ignorable_extra(const std::string& name) {
 }
 
 struct BaseJob {
-  std::string prefix;
+  std::string prefix;  // the checkpoint's name of the layer
   nn::BaseLayerImpl* layer;
 };
 
@@ -48,7 +48,39 @@ struct ParamJob {
 
 }  // namespace
 
+std::string CheckpointNames::of(const std::string& path) const {
+  if (dropped_prefix.empty() || !starts_with(path, dropped_prefix + ".")) return path;
+  return path.substr(dropped_prefix.size() + 1);
+}
+
+CheckpointNames checkpoint_names(torch::nn::Module& model, const Checkpoint& ckpt) {
+  // Every tensor path the model reads from a checkpoint: its parameters, and its base layers'
+  // weights (which an unmaterialized or virtual base layer does not hold as parameters).
+  std::vector<std::string> paths;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) paths.push_back(p.key());
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get())) paths.push_back(item.key() + ".weight");
+  }
+  CheckpointNames names;
+  for (const auto& child : model.named_children()) {
+    const std::string prefix = child.key() + ".";
+    if (child.key() == "adapter") continue;
+    bool named_with_prefix = false, named_without = false;
+    for (const auto& name : ckpt.names()) named_with_prefix = named_with_prefix || starts_with(name, prefix);
+    for (const auto& path : paths) {
+      named_without = named_without || (starts_with(path, prefix) && ckpt.contains(path.substr(prefix.size())));
+    }
+    if (!named_with_prefix && named_without) {
+      TORCH_CHECK(names.dropped_prefix.empty(), "checkpoint ", ckpt.dir(), " names the tensors of both '",
+                  names.dropped_prefix, "' and '", child.key(), "' without their prefix; expected at most one");
+      names.dropped_prefix = child.key();
+    }
+  }
+  return names;
+}
+
 void load_weights(torch::nn::Module& model, const Checkpoint& ckpt) {
+  const auto names = checkpoint_names(model, ckpt);  // [Checkpoint layouts]
   std::vector<BaseJob> base_jobs;
   std::vector<std::string> base_prefixes;
   std::set<std::string> used;
@@ -58,12 +90,13 @@ void load_weights(torch::nn::Module& model, const Checkpoint& ckpt) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
     if (!base || has_component(item.key(), "adapter")) continue;
     base_prefixes.push_back(item.key() + ".");
-    used.insert(item.key() + ".weight");
-    if (base->has_bias()) used.insert(item.key() + ".bias");
+    const std::string name = names.of(item.key());
+    used.insert(name + ".weight");
+    if (base->has_bias()) used.insert(name + ".bias");
     if (base->is_virtual()) continue;
-    needed.emplace_back(item.key() + ".weight", base->weight_shape());
-    if (base->has_bias()) needed.emplace_back(item.key() + ".bias", std::vector<int64_t>{base->out_features()});
-    base_jobs.push_back({item.key(), base});
+    needed.emplace_back(name + ".weight", base->weight_shape());
+    if (base->has_bias()) needed.emplace_back(name + ".bias", std::vector<int64_t>{base->out_features()});
+    base_jobs.push_back({name, base});
   }
 
   std::vector<ParamJob> param_jobs;
@@ -79,9 +112,9 @@ void load_weights(torch::nn::Module& model, const Checkpoint& ckpt) {
       model_options = p.value().options();
       have_model_options = true;
     }
-    needed.emplace_back(name, p.value().sizes().vec());
-    used.insert(name);
-    param_jobs.push_back({name, p.value()});
+    needed.emplace_back(names.of(name), p.value().sizes().vec());
+    used.insert(names.of(name));
+    param_jobs.push_back({names.of(name), p.value()});
   }
 
   // Check the whole table before changing anything.
@@ -105,7 +138,8 @@ void load_weights(torch::nn::Module& model, const Checkpoint& ckpt) {
     // A tied checkpoint may carry the head as a copy of the embeddings; a different head would be
     // silently dropped, so it must equal the embeddings the model uses.
     bool equals_embeddings = false;
-    for (const char* embed : {"model.embed_tokens.weight", "transformer.wte.weight"}) {
+    for (const char* path : {"model.embed_tokens.weight", "transformer.wte.weight"}) {
+      const std::string embed = names.of(path);
       if (used.count(embed) && ckpt.record(embed).shape == ckpt.record("lm_head.weight").shape) {
         equals_embeddings = equals_embeddings || at::equal(ckpt.tensor(embed), ckpt.tensor("lm_head.weight"));
       }

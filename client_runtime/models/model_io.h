@@ -16,10 +16,23 @@
 //    error), GPT-2's "attn.bias"/"attn.masked_bias" mask buffers and RoPE "rotary_emb.inv_freq"
 //    buffers, which older save_pretrained versions wrote.
 //  - buffers are not loaded. Nothing is changed when a check fails.
+//  - the checkpoint may name the tensors of the model's base model without its prefix
+//    ([Checkpoint layouts] below).
+//
+// [Checkpoint layouts]
+// A checkpoint names a model's tensors either by the model's own parameter paths
+// (transformer.h.0.attn.c_attn.weight, what save_pretrained of GPT2LMHeadModel writes) or, when it
+// was saved from the base model alone, without the top-level module that holds it
+// (h.0.attn.c_attn.weight, wte.weight: the Hub's GPT-2 checkpoints, saved from GPT2Model). Hugging
+// Face transformers loads both into GPT2LMHeadModel (its base_model_prefix); so do we. The layout
+// is the checkpoint's, found once (checkpoint_names); it decides the names the checkpoint's tensors
+// are read by and the names the executor serves the base layers by, since the executor knows
+// layers by their checkpoint names (h.0.attn.c_attn): virtualize() is given the same map.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <filesystem>
+#include <string>
 
 #include "client_runtime/models/gpt2.h"
 #include "client_runtime/models/llama.h"
@@ -27,6 +40,20 @@
 namespace symbiosis {
 
 class Checkpoint;
+
+// [Checkpoint layouts]: how one checkpoint names the tensors of one model.
+struct CheckpointNames {
+  // The model's top-level module that the checkpoint's names leave out ("transformer" for the
+  // Hub's GPT-2), or "" when the checkpoint names tensors by the model's paths.
+  std::string dropped_prefix;
+  // The checkpoint's name of a module or parameter path of the model (also the executor's name of
+  // a base layer at that path).
+  std::string of(const std::string& path) const;
+};
+
+// The layout of `ckpt` for `model`: a top-level module (other than an "adapter") is dropped when
+// the checkpoint names none of its tensors with its prefix but some without it.
+CheckpointNames checkpoint_names(torch::nn::Module& model, const Checkpoint& ckpt);
 
 void load_weights(torch::nn::Module& model, const Checkpoint& ckpt);
 

@@ -38,8 +38,12 @@ IA3Config IA3Config::resolved_for(torch::nn::Module& model) const {
   IA3Config c = *this;
   auto* host = dynamic_cast<ModelAdapterHost*>(&model);
   const std::string type = host ? host->model_shape().model_type : "";
-  if (type == "llama") {
+  // PEFT's defaults (TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING), by model_type.
+  if (type == "llama" || type == "mistral") {
     c.target_modules = {"k_proj", "v_proj", "down_proj"};
+    c.feedforward_modules = {"down_proj"};
+  } else if (type == "qwen2") {
+    c.target_modules = {"q_proj", "v_proj", "down_proj"};
     c.feedforward_modules = {"down_proj"};
   } else if (type == "gpt2") {
     c.target_modules = {"c_attn", "mlp.c_proj"};

@@ -14,7 +14,7 @@ ModelAdapterHost& model_adapter_host(torch::nn::Module& model) {
 namespace detail {
 
 AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddings, const at::Tensor& attention_mask,
-                           const at::Tensor& position_ids, int64_t num_layers) {
+                           const at::Tensor& position_ids, int64_t num_layers, int64_t sliding_window) {
   TORCH_CHECK(embeddings.dim() == 3, "embeddings have shape ", embeddings.sizes(), ", expected [batch, tokens, hidden]");
   const int64_t batch = embeddings.size(0), length = embeddings.size(1), hidden = embeddings.size(2);
   const auto device = embeddings.device();
@@ -63,18 +63,22 @@ AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddin
 
   // Causal among the P+T positions; every query sees the whole cache; padding masked. Plain
   // causal attention needs no mask at all (attention() then uses the causal kernels).
-  if (!attention_mask.defined() && past_length == 0) return out;
+  if (!attention_mask.defined() && past_length == 0 && sliding_window == 0) return out;
   const int64_t queries = out.prompt_length + length, keys = past_length + queries;
   auto q = at::arange(queries, long_options).view({queries, 1}) + past_length;
   auto k = at::arange(keys, long_options).view({1, keys});
   auto allowed = (k <= q).view({1, 1, queries, keys}).expand({batch, 1, queries, keys});
+  // [Sliding window]: by index among the cache's, the virtual and the real tokens, as transformers
+  // counts them.
+  const auto in_window = (k > q - sliding_window).view({1, 1, queries, keys});
   if (attention_mask.defined()) {
     TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == batch && attention_mask.size(1) == length,
                 "attention_mask has shape ", attention_mask.sizes(), ", expected [", batch, ", ", length, "]");
     auto full = at::cat({at::ones({batch, keys - length}, long_options), attention_mask.to(device).to(at::kLong)}, 1);
     allowed = allowed.logical_and(full.to(at::kBool).view({batch, 1, 1, keys}));
   }
-  out.additive_mask = additive_mask(allowed, dtype);
+  if (sliding_window > 0) out.sliding_mask = additive_mask(allowed.logical_and(in_window), dtype);
+  if (attention_mask.defined() || past_length > 0) out.additive_mask = additive_mask(allowed, dtype);
   return out;
 }
 

@@ -30,7 +30,7 @@ struct PastKeyValue {
 
 // The sizes a model-level method needs to shape its tensors.
 struct ModelShape {
-  std::string model_type;  // "llama", "gpt2"
+  std::string model_type;  // config.json's: "llama", "qwen2", "mistral", "gpt2"
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
   int64_t num_attention_heads = 0;
@@ -72,13 +72,16 @@ struct AdaptedInputs {
   // [B, 1, P+T, past+P+T] in the embeddings' dtype; undefined when attention is plainly causal
   // (no padding, no past keys), see detail::attention.
   at::Tensor additive_mask;
+  // The same for a sliding-window layer ([Sliding window] in models/llama.h), also masking keys
+  // sliding_window or more indices before the query; undefined when sliding_window is 0.
+  at::Tensor sliding_mask;
   std::vector<PastKeyValue> past;  // per layer [B, kv_heads, past, head_dim]; empty for none
   int64_t prompt_length = 0;  // leading positions to drop from the output
 };
 
 // embeddings [B,T,hidden]; attention_mask [B,T] or undefined; position_ids [B,T], [T] or undefined.
 AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddings, const at::Tensor& attention_mask,
-                           const at::Tensor& position_ids, int64_t num_layers);
+                           const at::Tensor& position_ids, int64_t num_layers, int64_t sliding_window = 0);
 
 }  // namespace detail
 }  // namespace symbiosis

@@ -116,6 +116,22 @@ TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag)
   EXPECT_NO_THROW(ExecutorOptions({.model_dir = "model", .streams = 1, .concurrent_tokens = 0}).validate());
 }
 
+// An architecture outside the supported ones is refused under the default base-layer rule, naming
+// its model_type and the supported list as the client's open_causal_lm does; named by
+// --layer-pattern, its layers are served.
+TEST(BaseModelTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
+  const auto dir = testing::temp_dir("unsupported-model-type");
+  write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", at::randn({4, 4})}});
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma2"})";
+  const auto message = testing::error_of([&] { testing::start_executor(dir); });
+  EXPECT_NE(message.find("model_type 'gemma2' is not supported (supported: gpt2, llama, mistral, qwen2)"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("--layer-pattern"), std::string::npos) << message;
+  ExecutorOptions named;
+  named.layers.pattern = R"(^model\.layers\.[0-9]+\..+$)";
+  EXPECT_EQ(testing::start_executor(dir, named)->model().layers().size(), 1u);
+}
+
 // [Inference first]: statistics show the latency classes apart, as each client set its own.
 TEST_F(ExecutorTest, StatisticsShowTheLatencyClassesApart) {
   auto decoder = connect();

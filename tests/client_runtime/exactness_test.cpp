@@ -1,6 +1,7 @@
 // Invariant 1 (exactness): split execution against an executor computes what the same model
 // computes monolithically: logits, loss and every LoRA gradient within 1e-5 relative (fp32, CPU),
-// and adapter weights still agree after 5 AdamW steps. Llama and GPT-2, over each CPU transport
+// and adapter weights still agree after 5 AdamW steps. Llama, Qwen2, Mistral and GPT-2 (also as the
+// Hub names GPT-2's tensors: [Checkpoint layouts]), over each CPU transport
 // (ZeroMQ TCP, and shared memory with headers through the shared-memory control channel or over
 // ZeroMQ), in one process and in four client processes at once under each batching policy.
 #include <gtest/gtest.h>
@@ -55,13 +56,25 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-gpt2"),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-mistral",
+                                                              "tiny-gpt2", "tiny-gpt2-hub"),
                                             ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
                          [](const auto& info) {
                            auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);
                            std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
                            return name;
                          });
+
+// [Checkpoint layouts]: the executor serves a GPT-2 checkpoint named as the Hub's (no "transformer."
+// prefix) by its own names, and the client's model, whose paths keep the prefix, binds every one.
+TEST(CheckpointLayoutTest, HubGPT2LayersAreServedByTheCheckpointsNames) {
+  auto served = testing::serve_model("tiny-gpt2-hub");
+  ASSERT_FALSE(served.client->layers().empty());
+  for (const auto& layer : served.client->layers()) EXPECT_EQ(layer.name.rfind("h.", 0), 0u) << layer.name;
+  EXPECT_EQ(served.client->layers()[0].kind, LayerKind::kConv1D);
+  const auto lm = open_causal_lm(*served.checkpoint, served.client);
+  EXPECT_EQ(lm.virtual_layers, served.client->layers().size());
+}
 
 // Separate client processes share one executor at once, with different batch sizes, sequence
 // lengths and adapters, under each batching policy; each checks its own split run against its own

@@ -19,7 +19,8 @@ from reference import inputs_and_model, missing, reference_parser
 
 
 def make_config(peft, method, model_type):
-    attention = ["q_proj", "v_proj"] if model_type == "llama" else ["c_attn"]
+    llama_family = model_type in ("llama", "qwen2", "mistral")
+    attention = ["q_proj", "v_proj"] if llama_family else ["c_attn"]
     if method == "lora":
         return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention,
                                init_lora_weights=False)
@@ -29,7 +30,7 @@ def make_config(peft, method, model_type):
                                rank_pattern={"v_proj": 2, "c_fc": 6},
                                alpha_pattern={r"layers\.1\.mlp\.down_proj": 3, r"h\.0\.attn\.c_attn": 5})
     if method == "lora_dora":
-        mlp = ["down_proj"] if model_type == "llama" else ["c_fc"]
+        mlp = ["down_proj"] if llama_family else ["c_fc"]
         return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention + mlp,
                                use_dora=True, init_lora_weights=False)
     if method == "adalora":

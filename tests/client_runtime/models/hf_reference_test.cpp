@@ -1,15 +1,17 @@
 // The client runtime's model definitions against transformers: tiny random checkpoints written by
-// symbiosis-make-checkpoint give the same logits (and loss) in our monolithic C++ models as in
-// transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
+// symbiosis-make-checkpoint (Llama, Qwen2, Mistral, GPT-2 also named as the Hub's) give the same
+// logits (and loss) in our monolithic C++ models as in transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
 // the loader's errors name the tensor at fault.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
 
+#include "client_runtime/models/causal_lm.h"
 #include "client_runtime/models/gpt2.h"
 #include "client_runtime/models/llama.h"
 #include "client_runtime/models/model_io.h"
@@ -107,6 +109,21 @@ class HfReferenceTest : public ::testing::Test {
     EXPECT_NEAR(loss, ref_loss.item<double>(), 1e-5 * std::abs(ref_loss.item<double>()));
   }
 
+  // [Sliding window]: without its window the model computes other logits, from token `window` on
+  // (before it, the window cuts nothing off), so matching transformers proves the window's effect.
+  static void expect_window_matters(LlamaForCausalLM windowed, const fs::path& ckpt, int64_t window) {
+    auto config = windowed->config();
+    config.sliding_window = 0;
+    config.layer_types.clear();
+    LlamaForCausalLM unwindowed(config, /*materialize_base=*/false);
+    load_weights(*unwindowed, *Checkpoint::open(ckpt));
+    const Batch batch = make_batch(256);
+    at::NoGradGuard no_grad;
+    const auto expected = windowed->forward(batch.input_ids), full = unwindowed->forward(batch.input_ids);
+    EXPECT_TRUE(at::allclose(full.narrow(1, 0, window), expected.narrow(1, 0, window), 1e-5, 1e-6));
+    EXPECT_GT(max_abs_diff(full, expected), 1e-3 * expected.abs().max().item<double>());
+  }
+
   static fs::path* dir_;
   static bool have_transformers_;
 };
@@ -139,6 +156,70 @@ TEST_F(HfReferenceTest, TinyGPT2MatchesTransformers) {
   const auto ckpt = checkpoint("tiny-gpt2", "tiny-gpt2");
   auto model = load_gpt2(ckpt);
   expect_matches_reference(model, ckpt);
+}
+
+// [Checkpoint layouts]: tensors named as the Hub's GPT-2 checkpoints name them (h.0.attn.c_attn.weight,
+// wte.weight, no lm_head) load into GPT2LMHeadModel and give transformers' logits.
+TEST_F(HfReferenceTest, TinyGPT2HubLayoutMatchesTransformers) {
+  require_transformers();
+  const auto dir = checkpoint("tiny-gpt2-hub", "tiny-gpt2-hub");
+  auto ckpt = Checkpoint::open(dir);
+  EXPECT_TRUE(ckpt->contains("h.0.attn.c_attn.weight"));
+  EXPECT_TRUE(ckpt->contains("wte.weight"));
+  EXPECT_FALSE(ckpt->contains("transformer.wte.weight"));
+  EXPECT_FALSE(ckpt->contains("lm_head.weight"));
+  GPT2LMHeadModel model(GPT2Config::from_checkpoint(*ckpt), /*materialize_base=*/false);
+  EXPECT_EQ(checkpoint_names(*model, *ckpt).dropped_prefix, "transformer");
+  EXPECT_EQ(checkpoint_names(*model, *ckpt).of("transformer.h.1.mlp.c_fc"), "h.1.mlp.c_fc");
+  EXPECT_EQ(checkpoint_names(*model, *Checkpoint::open(checkpoint("tiny-gpt2", "tiny-gpt2"))).dropped_prefix, "");
+  load_weights(*model, *ckpt);
+  EXPECT_TRUE(at::equal(model->transformer->h->ptr<GPT2BlockImpl>(1)->attn->c_attn->weight,
+                        ckpt->tensor("h.1.attn.c_attn.weight")));
+  expect_matches_reference(model, dir);
+}
+
+// [Llama family]: Qwen2, with biases on q, k and v (not o), tied like Qwen2-0.5B, its second layer
+// attending over a sliding window of 5 (use_sliding_window from max_window_layers 1) shorter than
+// the 12-token batch.
+TEST_F(HfReferenceTest, TinyQwen2MatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-qwen2", "tiny-qwen2");
+  auto model = load_llama(ckpt);
+  EXPECT_EQ(model->config().model_type, "qwen2");
+  EXPECT_EQ(model->model_shape().model_type, "qwen2");
+  EXPECT_EQ(model->config().window_of(0), 0);
+  EXPECT_EQ(model->config().window_of(1), 5);
+  auto* attention = model->model->layers->ptr<LlamaDecoderLayerImpl>(0)->self_attn.get();
+  EXPECT_TRUE(attention->q_proj->has_bias() && attention->k_proj->has_bias() && attention->v_proj->has_bias());
+  EXPECT_FALSE(attention->o_proj->has_bias());
+  EXPECT_FALSE(model->lm_head);
+  expect_matches_reference(model, ckpt);
+  expect_window_matters(model, ckpt, 5);
+}
+
+// [Llama family]: Mistral, every layer attending over a sliding window of 4, a third of the batch's
+// 12 tokens.
+TEST_F(HfReferenceTest, TinyMistralMatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-mistral", "tiny-mistral");
+  auto model = load_llama(ckpt);
+  EXPECT_EQ(model->config().model_type, "mistral");
+  EXPECT_EQ(model->config().window_of(0), 4);
+  EXPECT_EQ(model->config().window_of(1), 4);
+  expect_matches_reference(model, ckpt);
+  expect_window_matters(model, ckpt, 4);
+}
+
+// An architecture the client has no model for is refused naming its model_type and the supported ones.
+TEST_F(HfReferenceTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
+  const fs::path dir = *dir_ / "gemma2";
+  fs::create_directories(dir);
+  write_safetensors(dir / "model.safetensors", {{"model.embed_tokens.weight", at::zeros({4, 2})}});
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma2"})";
+  const auto message = testing::error_of([&] { open_causal_lm(*Checkpoint::open(dir)); });
+  EXPECT_NE(message.find("model_type 'gemma2' is not supported (supported: gpt2, llama, mistral, qwen2)"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find((dir / "config.json").string()), std::string::npos) << message;
 }
 
 // A model built without base weights gets them from load_weights and computes the same logits.

@@ -1,0 +1,31 @@
+#pragma once
+// The architectures Symbiosis supports, by config.json's model_type: the client runtime has a
+// model for each (client_runtime/models/: GPT-2, and Llama with Qwen2 and Mistral, [Llama family]
+// in llama.h) and the executor's default base-layer rule covers each (base_executor/base_model.h).
+// Both refuse another model_type with the same words (unsupported_model_type).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace symbiosis {
+
+inline const std::vector<std::string>& supported_model_types() {
+  static const std::vector<std::string> types = {"gpt2", "llama", "mistral", "qwen2"};
+  return types;
+}
+
+inline bool is_supported_model_type(const std::string& type) {
+  const auto& types = supported_model_types();
+  return std::find(types.begin(), types.end(), type) != types.end();
+}
+
+// "model_type 'gemma2' is not supported (supported: gpt2, llama, mistral, qwen2)"; a missing
+// model_type reads "config.json has no model_type (supported: ...)".
+inline std::string unsupported_model_type(const std::string& type) {
+  std::string list;
+  for (const auto& t : supported_model_types()) list += (list.empty() ? "" : ", ") + t;
+  return (type.empty() ? std::string("config.json has no model_type") : "model_type '" + type + "' is not supported") +
+         " (supported: " + list + ")";
+}
+
+}  // namespace symbiosis
