@@ -38,8 +38,8 @@ GeneratorOptions captured_options() {
   return captured;
 }
 
-void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance) {
-  const auto dir = testing::make_checkpoint("tiny-llama");
+void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance, const std::string& preset = "tiny-llama") {
+  const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
   // CUDA IPC takes two processes: the executor runs as its own.
   const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
@@ -74,6 +74,14 @@ TEST(GpuGeneration, SplitOverCudaIpcEqualsMonolithicInFp32) {
 TEST(GpuGeneration, SplitOverCudaIpcGivesTheMonolithicTokensInBf16) {
   SKIP_WITHOUT_GPUS(1);
   expect_split_equals_monolithic(at::kBFloat16, 2e-2);
+}
+
+// [Sliding window] on a GPU: Mistral's window of 4 tokens, which the requests outgrow, in captured
+// decode steps (their window masks made from the device's starts at each replay, the fused decode
+// kernel left to full-attention layers) against eager monolithic decode.
+TEST(GpuGeneration, SlidingWindowSplitOverCudaIpcEqualsMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  expect_split_equals_monolithic(at::kFloat, 1e-5, "tiny-mistral");
 }
 
 // A GPU client whose transport cannot be captured (tcp) decodes eagerly after its first capture
