@@ -8,7 +8,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "client_runtime/models/causal_lm.h"
@@ -208,6 +210,40 @@ TEST_F(HfReferenceTest, TinyMistralMatchesTransformers) {
   EXPECT_EQ(model->config().window_of(1), 4);
   expect_matches_reference(model, ckpt);
   expect_window_matters(model, ckpt, 4);
+}
+
+// [Sliding window] settings read from config.json: bad ones are refused naming the field and what
+// it takes; transformers 5's layer_types list is read as given.
+TEST_F(HfReferenceTest, SlidingWindowFieldsAreReadAndBadOnesNamed) {
+  const auto source = checkpoint("tiny-qwen2", "tiny-qwen2");
+  auto with_config = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path dir = *dir_ / name;
+    fs::create_directories(dir);
+    fs::copy_file(source / "model.safetensors", dir / "model.safetensors", fs::copy_options::overwrite_existing);
+    auto config = nlohmann::json::parse(std::ifstream(source / "config.json"));
+    edit(config);
+    std::ofstream(dir / "config.json") << config.dump();
+    return Checkpoint::open(dir);
+  };
+  const auto listed = LlamaConfig::from_checkpoint(*with_config("qwen2-layer-types", [](nlohmann::json& c) {
+    c["layer_types"] = {"sliding_attention", "full_attention"};
+  }));
+  EXPECT_EQ(listed.window_of(0), 5);
+  EXPECT_EQ(listed.window_of(1), 0);
+  const auto off = LlamaConfig::from_checkpoint(*with_config("qwen2-no-window", [](nlohmann::json& c) {
+    c["use_sliding_window"] = false;  // as Qwen2's own checkpoints: sliding_window set, but unused
+  }));
+  EXPECT_EQ(off.window_of(1), 0);
+  auto refusal = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const auto ckpt = with_config(name, edit);
+    return testing::error_of([&] { LlamaConfig::from_checkpoint(*ckpt); });
+  };
+  EXPECT_NE(refusal("qwen2-window-0", [](nlohmann::json& c) { c["sliding_window"] = 0; })
+                .find("field 'sliding_window' is 0, expected a positive number of tokens or null"),
+            std::string::npos);
+  EXPECT_NE(refusal("qwen2-chunked", [](nlohmann::json& c) { c["layer_types"] = {"full_attention", "chunked_attention"}; })
+                .find("field 'layer_types.1' is 'chunked_attention', expected 'full_attention' or 'sliding_attention'"),
+            std::string::npos);
 }
 
 // An architecture the client has no model for is refused naming its model_type and the supported ones.
