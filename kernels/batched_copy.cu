@@ -3,6 +3,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include "kernels/device_guard.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -38,6 +40,7 @@ bool aligned16(const at::Tensor& t) {
 }  // namespace
 
 void copy_tensors(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& destinations) {
+  const auto device_guard = on_device_of(sources.empty() ? at::Tensor() : sources[0]);  // [Operands' device]
   TORCH_CHECK(sources.size() == destinations.size(), "copy_tensors: ", sources.size(), " sources but ",
               destinations.size(), " destinations");
   bool vectorizable = sources.size() <= kMaxSegments;

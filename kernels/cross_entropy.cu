@@ -8,6 +8,8 @@
 
 #include <limits>
 
+#include "kernels/device_guard.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -137,6 +139,7 @@ void check_operands(const at::Tensor& logits, const at::Tensor& labels) {
 
 std::pair<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,
                                                         int64_t ignore_index) {
+  const auto device_guard = on_device_of(logits);  // [Operands' device]
   check_operands(logits, labels);
   const auto rows = logits.size(0);
   auto losses = at::empty({rows}, logits.options().dtype(at::kFloat));
@@ -154,6 +157,7 @@ std::pair<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits
 
 at::Tensor cross_entropy_backward(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
                                   const at::Tensor& scale, int64_t ignore_index) {
+  const auto device_guard = on_device_of(logits);  // [Operands' device]
   check_operands(logits, labels);
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.numel() == logits.size(0) && lse.is_contiguous() &&
                   lse.device() == logits.device(),

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <initializer_list>
 
+#include "kernels/device_guard.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -195,6 +197,7 @@ bool decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& keys,
                             at::Tensor& values, const at::Tensor& slots, const at::Tensor& positions) {
+  const auto device_guard = on_device_of(q);  // [Operands' device]
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(2) == k.size(2) && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "decode_attention: q must be [B, heads, head_dim] and k, v [B, kv_heads, head_dim], the last dimension "

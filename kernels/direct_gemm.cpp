@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "common/cuda_check.h"
+#include "kernels/device_guard.h"
 #include "kernels/few_rows_gemm.h"
 #include "kernels/gemm_operands.h"
 
@@ -45,6 +46,7 @@ cudaDataType_t data_type(at::ScalarType t) {
 }  // namespace
 
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
+  const auto device_guard = kernels::on_device_of(x);  // [Operands' device]
   // Most calls carry many tokens: they skip the few-row kernel's checks.
   if (x.dim() == 2 && x.size(0) <= kernels::kFewRowsMax && kernels::few_rows_gemm(x, matrix, out)) return true;
   return cublas_gemm_into(x, matrix, out);

@@ -7,6 +7,7 @@
 
 #include <type_traits>
 
+#include "kernels/device_guard.h"
 #include "kernels/gemm_operands.h"
 
 namespace symbiosis::kernels {
@@ -130,6 +131,7 @@ void launch(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
 }  // namespace
 
 bool few_rows_gemm(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
+  const auto device_guard = on_device_of(x);  // [Operands' device]
   if (!gemm_operands(x, matrix, out)) return false;
   const int64_t m = x.size(0), k = x.size(1), n = matrix.size(1);
   if (m < 1 || m > kFewRowsMax || n < 1) return false;

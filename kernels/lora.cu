@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/device_guard.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -82,6 +84,7 @@ Members<T> pack(const std::vector<LoraMember>& members) {
 }  // namespace
 
 at::Tensor lora_expand(const at::Tensor& base, const at::Tensor& h, const std::vector<LoraMember>& members) {
+  const auto device_guard = on_device_of(base);  // [Operands' device]
   TORCH_CHECK(base.is_cuda() && base.dim() == 2 && base.stride(1) == 1 && at::isFloatingType(base.scalar_type()),
               "lora_expand: base must be a 2-D floating CUDA tensor with its last dimension contiguous, got ",
               base.sizes(), " with strides ", base.strides(), " on ", base.device());

@@ -3,13 +3,13 @@
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
 
+#include "kernels/device_guard.h"
 #include "privacy/noise_choice.h"
 
 namespace symbiosis::kernels {
@@ -145,7 +145,7 @@ MaskedRows mask_rows(const at::Tensor& x, const at::Tensor& bank, const at::Tens
   TORCH_CHECK(call.device() == x.device() && call.scalar_type() == at::kLong && call.numel() == 1,
               "noise mask: the call number must be one int64 on ", x.device());
   TORCH_CHECK(mix >= 1 && mix <= kMaxNoiseMix, "noise mask: mix must be in [1, ", kMaxNoiseMix, "], got ", mix);
-  const c10::cuda::CUDAGuard guard(x.device());
+  const auto device_guard = on_device_of(x);  // [Operands' device]
   const int64_t rows = x.size(0), features = x.size(1);
   MaskedRows result{at::empty({rows, features}, x.options()), at::empty({rows, mix}, x.options().dtype(at::kInt)),
                     // s = ratio × RMS(x) = factor × ‖x‖, the norm left on the GPU
@@ -185,7 +185,7 @@ at::Tensor unmask_rows(const at::Tensor& y, const at::Tensor& effect, const Mask
               "noise mask: the bias must be [", features, "] fp32 on ", y.device());
   TORCH_CHECK(call.device() == y.device() && call.scalar_type() == at::kLong && call.numel() == 1,
               "noise mask: the call number must be one int64 on ", y.device());
-  const c10::cuda::CUDAGuard guard(y.device());
+  const auto device_guard = on_device_of(y);  // [Operands' device]
   auto out = at::empty({rows, features}, y.options());
   if (rows == 0) return out;
   const auto stream = at::cuda::getCurrentCUDAStream();

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 
+#include "kernels/device_guard.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -55,6 +57,7 @@ Rows rows_of(const at::Tensor& t, int64_t heads, int64_t tokens) {
 }  // namespace
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  const auto device_guard = on_device_of(x);  // [Operands' device]
   TORCH_CHECK(x.is_cuda() && x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
               "rotary: x must be a [batch, heads, tokens, dim] CUDA tensor with the last dimension contiguous and "
               "even, got ",

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "kernels/device_guard.h"
+
 namespace symbiosis::kernels {
 namespace {
 
@@ -111,6 +113,7 @@ int blocks_for(int64_t elements) {
 }  // namespace
 
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
+  const auto device_guard = on_device_of(gate);  // [Operands' device]
   TORCH_CHECK(gate.is_cuda() && gate.dim() >= 1, "swiglu: gate must be a CUDA tensor, got ", gate.sizes(), " on ",
               gate.device());
   check(up, gate, "up");
@@ -134,6 +137,7 @@ at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
 
 void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& grad_gate,
                      const at::Tensor& grad_up) {
+  const auto device_guard = on_device_of(gate);  // [Operands' device]
   TORCH_CHECK(gate.is_cuda() && gate.dim() >= 1, "swiglu: gate must be a CUDA tensor, got ", gate.sizes(), " on ",
               gate.device());
   for (const auto& [t, what] : {std::pair{&grad, "grad"}, {&up, "up"}, {&grad_gate, "grad_gate"}, {&grad_up, "grad_up"}}) {

@@ -47,7 +47,10 @@
 #                  PyTorch's default allocator settings and then with expandable segments (every process)
 #   capacity-13b-expandable  the second of those alone
 #   remote         clients on GPU 1, executor on GPU 0 (NCCL), against local placement (2 GPUs)
-#   remote-1b      the same, Llama-3.2-1B only;  remote-13b: Llama-2-13B only
+#   remote-1b      the same, Llama-3.2-1B only;  remote-13b: Llama-2-13B only (counts: REMOTE_1B_COUNTS,
+#                  REMOTE_13B_COUNTS)
+#   privacy-nccl   a masked tenant on GPU 1 over NCCL (then with effects here), fp32 and captured-free, against its
+#                  monolithic run (demo client --verify, 5e-4), executor on GPU 0 (2 GPUs)
 #   roundtrip-nccl the NCCL round trip alone (2 GPUs), with and without MPS
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
@@ -247,6 +250,21 @@ for stage in "$@"; do
       grep "bf16 error" $logs/gpu_privacy_test.log
       mps_off
       ;;
+    privacy-nccl)
+      mps_on
+      "$B/tools/symbiosis-make-checkpoint" --preset tiny-llama --out /tmp/tiny-llama > /dev/null
+      "$B/base_executor/symbiosis-executor" --model /tmp/tiny-llama --device cuda:0 --listen tcp://127.0.0.1:5791 \
+        --log-level warn > $logs/privacy-nccl-executor.log 2>&1 &
+      executor_pid=$!
+      sleep 5
+      for mode in --mask --mask-effects-here; do
+        "$B/examples/symbiosis-demo-client" --executor tcp://127.0.0.1:5791 --model /tmp/tiny-llama --device cuda:1 \
+          --transport nccl $mode --verify --tolerance 5e-4 --steps 3 --tenant "nccl$mode" 2>&1 | tail -2
+        log "masked over nccl ($mode): exit status ${PIPESTATUS[0]}"
+      done
+      kill $executor_pid
+      mps_off
+      ;;
     privacy-bench)
       mps_on
       make_1b
@@ -410,7 +428,7 @@ PY
       mps_on
       if [ $stage != remote-13b ]; then
         make_1b
-        bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b
+        bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b --counts "${REMOTE_1B_COUNTS:-1,2,4,8}"
       fi
       if [ $stage != remote-1b ]; then
         wait_13b
