@@ -197,7 +197,8 @@ at::Tensor unmask_rows(const at::Tensor& y, const at::Tensor& effect, const Mask
     auto launch = [&](auto vec) {
       unmask_kernel<T, decltype(vec)::value><<<rows, kThreads, 0, stream>>>(
           in, y.stride(0), table, features, static_cast<int>(mix), masked.choices.data_ptr<int32_t>(),
-          masked.norm.data_ptr<float>(), static_cast<float>(masked.factor), bias_data, result, call.data_ptr<int64_t>());
+          masked.norm.data_ptr<float>(), static_cast<float>(masked.factor), bias_data, result,
+          call.data_ptr<int64_t>());
     };
     constexpr int kVec = 16 / sizeof(T);
     if (features > 0 && vectorizable<kVec, T>(features, {y.stride(0)}, {in, table, result})) {

@@ -107,7 +107,8 @@ const at::Tensor& NoiseMask::bias(const LayerInfo& layer, const at::Tensor& x, c
   auto& bias = biases_[layer.id];
   if (!bias.defined()) {
     TORCH_CHECK(!capturing_, "privacy masking: layer '", layer.name,
-                "' is first called inside a CUDA graph capture; run the step eagerly at least once before capturing it");
+                "' is first called inside a CUDA graph capture; run the step eagerly at least once before "
+                "capturing it");
     bias = send(Op::kForward, at::zeros({1, layer.in_features}, x.options())).to(at::kFloat)[0].contiguous();
   }
   return bias;

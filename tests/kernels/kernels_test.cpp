@@ -1,7 +1,7 @@
 // The CUDA kernels (kernels/): the executor's direct cuBLAS GEMM and few-row kernel, the batch
 // packing kernel, and the clients' fused cross-entropy, decode attention, rotary embedding, SwiGLU,
-// grouped LoRA and noise masking, each held to ATen's or the plain expression's result. Skipped, with a message saying so, where
-// there is no GPU.
+// grouped LoRA and noise masking, each held to ATen's or the plain expression's result. Skipped,
+// with a message saying so, where there is no GPU.
 #include <cmath>
 #include <set>
 #include <string>
