@@ -31,6 +31,14 @@ uint64_t secret_or_random(uint64_t secret) {
   return (uint64_t{device()} << 32) ^ device();
 }
 
+// [Masked captures]: what a layer needs from the executor before its first masked call (a bank's
+// effects, its bias) cannot be asked inside a capture, which records calls rather than making them.
+[[noreturn]] void refuse_first_call_in_capture(const LayerInfo& layer, const char* what) {
+  TORCH_CHECK(false, "privacy masking: layer '", layer.name, "' is first called inside a CUDA graph capture, and ",
+              what, " needs an executor call, which a capture records instead of making; run the step eagerly at "
+              "least once before capturing it");
+}
+
 }  // namespace
 
 NoiseMask::NoiseMask(const PrivacyOptions& options, LoadWeights load_weights)
@@ -92,9 +100,7 @@ NoiseMask::Bank& NoiseMask::bank(const LayerInfo& layer, bool backward, const at
   const bool fits = bank.noise.defined() && bank.noise.device() == like.device() &&
                     bank.noise.scalar_type() == like.scalar_type();
   if (capturing_) {
-    TORCH_CHECK(fits, "privacy masking: layer '", layer.name, "' (", backward ? "backward" : "forward",
-                ") is first called inside a CUDA graph capture; its noise bank is drawn with an executor call, so run "
-                "the step eagerly at least once before capturing it");
+    if (!fits) refuse_first_call_in_capture(layer, backward ? "its backward noise bank" : "its forward noise bank");
     return bank;  // a bank due now is redrawn when a replay counts its calls
   }
   if (!fits || bank.due(options_.rotate_after)) draw(bank, backward, like.options(), send);
@@ -106,9 +112,7 @@ const at::Tensor& NoiseMask::bias(const LayerInfo& layer, const at::Tensor& x, c
   // FORWARD of a zero row, asked once.
   auto& bias = biases_[layer.id];
   if (!bias.defined()) {
-    TORCH_CHECK(!capturing_, "privacy masking: layer '", layer.name,
-                "' is first called inside a CUDA graph capture; run the step eagerly at least once before "
-                "capturing it");
+    if (capturing_) refuse_first_call_in_capture(layer, "its bias");
     bias = send(Op::kForward, at::zeros({1, layer.in_features}, x.options())).to(at::kFloat)[0].contiguous();
   }
   return bias;

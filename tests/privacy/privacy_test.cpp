@@ -256,6 +256,47 @@ TEST(NoiseMaskTest, RotateDrawsEveryBankAnewInPlaceAndStaysExact) {
   EXPECT_EQ(mask.banks_drawn(), 4);  // and kept after
 }
 
+// [Masked captures], the mask's part (no GPU needed): a layer first called inside a capture is
+// refused naming it; a capture's calls are counted once per replay, and a bank falls due across
+// replays and is drawn anew then, with one executor call.
+TEST(NoiseMaskTest, CapturedCallsAreCountedPerReplayAndAFirstCallInsideACaptureIsRefused) {
+  at::manual_seed(6);
+  const auto layer = test_layer(32, 16, /*bias=*/false);
+  const auto weight = at::randn({16, 32});
+  int bank_calls = 0;
+  const NoiseMask::Send executor = [&](NoiseMask::Op op, const at::Tensor& x) {
+    if (x.size(0) == 8) ++bank_calls;  // a bank's rows (calls below have 4)
+    return op == NoiseMask::Op::kBackwardInput ? at::mm(x, weight) : at::mm(x, weight.t());
+  };
+  PrivacyOptions options;
+  options.mask = true;
+  options.secret = 11;
+  options.bank_rows = 8;
+  options.rotate_after = 3;
+  NoiseMask mask(options);
+  mask.begin_capture();
+  const auto error = testing::error_of([&] { mask.forward(layer, at::randn({4, 32}), false, executor); });
+  EXPECT_NE(error.find("privacy masking: layer 'layer' is first called inside a CUDA graph capture"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("run the step eagerly at least once before capturing it"), std::string::npos) << error;
+  mask.end_capture();
+  const auto x = at::randn({4, 32});
+  EXPECT_LT(testing::relative_error(mask.forward(layer, x, false, executor), at::mm(x, weight.t())), 1e-5);  // eager
+  EXPECT_EQ(bank_calls, 1);
+  mask.begin_capture();
+  EXPECT_LT(testing::relative_error(mask.forward(layer, x, false, executor), at::mm(x, weight.t())), 1e-5);
+  const auto use = mask.end_capture();
+  ASSERT_EQ(use.size(), 1u);
+  EXPECT_EQ(use.begin()->second, 1);  // one forward call of the layer per replay
+  const NoiseMask::SendFor send_for = [&](const LayerInfo&) { return executor; };
+  mask.replayed(use, send_for);  // 2 calls since drawn
+  EXPECT_EQ(mask.banks_drawn(), 1);
+  mask.replayed(use, send_for);  // 3: due, drawn anew
+  EXPECT_EQ(mask.banks_drawn(), 2);
+  EXPECT_EQ(bank_calls, 2);
+  EXPECT_LT(testing::relative_error(mask.forward(layer, x, false, executor), at::mm(x, weight.t())), 1e-5);
+}
+
 TEST(NoiseMaskTest, BadOptionsAreRefusedNamingTheField) {
   PrivacyOptions options;
   options.mask = true;
