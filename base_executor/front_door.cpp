@@ -104,10 +104,16 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, 
                   false);
   }
   if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model_.model_hash()) {
+    // The checkpoint's directory name says which model this is (its path on the executor's host
+    // stays there). The hash covers the weights' bytes: a fine-tuned base of the same shape differs.
+    auto served = options_.model_dir.lexically_normal();
+    if (served.filename().empty()) served = served.parent_path();
     return refuse(key, 0,
-                  precondition("model mismatch: the client was built for model " +
-                               bounded(hello.expected_model_hash()) + ", but this executor serves model " +
-                               model_.model_hash()),
+                  precondition("model mismatch: this executor serves model " + model_.model_hash() + " ('" +
+                               served.filename().string() + "'), but the client's checkpoint is model " +
+                               bounded(hello.expected_model_hash()) +
+                               "; the model hash covers config.json and the weights' bytes, so the client must "
+                               "open the very checkpoint the executor serves"),
                   false);
   }
   const auto chosen =

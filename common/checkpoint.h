@@ -44,8 +44,8 @@ class Checkpoint {
   // The same, checked against the shape the model expects.
   at::Tensor tensor(const std::string& name, at::IntArrayRef expected_shape) const;
 
-  // A hash of config.json and the tensor table (names, dtypes, shapes): identifies the model
-  // without reading the weights.
+  // A hash of config.json, the tensor table (names, dtypes, shapes) and the weights' bytes, read
+  // once: their digests are cached beside the checkpoint ([Weight hash] in checkpoint.cpp).
   const std::string& model_hash() const;
 
  private:

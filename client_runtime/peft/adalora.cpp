@@ -99,7 +99,7 @@ std::vector<at::Tensor> add_adalora(torch::nn::Module& model, const AdaLoraConfi
     base->set_adapter(adapter);
     params.insert(params.end(), {adapter->lora_A, adapter->lora_E, adapter->lora_B});
   }
-  TORCH_CHECK(!params.empty(), "AdaLoRA field 'target_modules' matched no base layer of the model");
+  TORCH_CHECK(!params.empty(), peft::no_layer_matched(model, "AdaLoRA field 'target_modules'", targets));
   return params;
 }
 

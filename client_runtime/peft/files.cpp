@@ -1,8 +1,10 @@
 #include "client_runtime/peft/files.h"
 
+#include <algorithm>
 #include <fstream>
 #include <regex>
 
+#include "client_runtime/peft/model_adapter.h"
 #include "common/checkpoint.h"
 
 namespace symbiosis::peft {
@@ -61,10 +63,86 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
   return tensors;
 }
 
+namespace {
+
+// The module a PEFT key belongs to: "base_model.model.<path>.lora_A.weight" -> "<path>" (also
+// <path>.lora_E, .ia3_l, .lora_magnitude_vector).
+std::string module_of(std::string key) {
+  if (key.rfind(kKeyPrefix, 0) == 0) key = key.substr(kKeyPrefix.size());
+  const std::string weight = ".weight";
+  if (key.size() > weight.size() && key.compare(key.size() - weight.size(), weight.size(), weight) == 0) {
+    key.resize(key.size() - weight.size());
+  }
+  const auto dot = key.rfind('.');
+  return dot == std::string::npos ? key : key.substr(0, dot);
+}
+
+// "a, b, c and 7 more" (the first `shown`).
+std::string some_of(const std::vector<std::string>& names, size_t shown = 3) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < shown; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > shown) out += " and " + std::to_string(names.size() - shown) + " more";
+  return out;
+}
+
+std::string joined(const std::vector<std::string>& names) { return some_of(names, names.size()); }
+
+std::string model_type_of(torch::nn::Module& model) {
+  auto* host = dynamic_cast<ModelAdapterHost*>(&model);
+  return host ? host->model_shape().model_type : "";
+}
+
+}  // namespace
+
+std::vector<std::string> targetable_names(torch::nn::Module& model) {
+  std::vector<std::string> names;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get()) == nullptr) continue;
+    const auto& path = item.key();
+    const auto dot = path.rfind('.');
+    auto name = dot == std::string::npos ? path : path.substr(dot + 1);
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+  }
+  return names;
+}
+
+std::string no_layer_matched(torch::nn::Module& model, const std::string& what, const std::vector<std::string>& targets) {
+  const auto type = model_type_of(model);
+  const auto names = targetable_names(model);
+  return what + " (" + joined(targets) + ") matched no base layer of the model" +
+         (type.empty() ? "" : " (" + type + ")") + "; its base layers are named " +
+         (names.empty() ? std::string("(none: the model has no base layers)") : joined(names));
+}
+
+std::string adapter_origin(const std::filesystem::path& dir) {
+  std::ifstream in(dir / "adapter_config.json");
+  if (!in) return "";
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("base_model_name_or_path") || !j["base_model_name_or_path"].is_string()) return "";
+  return " (made for '" + j["base_model_name_or_path"].get<std::string>() +
+         "', its adapter_config.json's base_model_name_or_path)";
+}
+
 void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
                 const std::string& method) {
   const auto saved = read_tensors(dir);
   const auto file = dir / "adapter_model.safetensors";
+  // An adapter for another architecture (or another depth) names modules this model lacks: say so,
+  // rather than only which tensor is missing.
+  std::vector<std::string> model_modules, foreign;  // in order, each once
+  for (const auto& [name, param] : state) {
+    const auto module = module_of(name);
+    if (model_modules.empty() || model_modules.back() != module) model_modules.push_back(module);
+  }
+  for (const auto& [name, tensor] : saved) {
+    const auto module = module_of(name);
+    const bool known = std::find(model_modules.begin(), model_modules.end(), module) != model_modules.end();
+    if (!known && std::find(foreign.begin(), foreign.end(), module) == foreign.end()) foreign.push_back(module);
+  }
+  TORCH_CHECK(foreign.empty(), file, ": this adapter's tensors name modules (", some_of(foreign),
+              ") that this model does not have", adapter_origin(dir), "; the model's ", method, " layers are ",
+              model_modules.empty() ? std::string("none") : some_of(model_modules),
+              ". Was the adapter made for another model?");
   TORCH_CHECK(saved.size() == state.size(), file, " holds ", saved.size(), " tensors, but the model's ", method,
               " adapters have ", state.size());
   std::vector<const at::Tensor*> sources;

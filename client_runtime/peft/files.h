@@ -55,6 +55,16 @@ std::vector<std::pair<std::string, std::shared_ptr<Adapter>>> layer_adapters(tor
   return found;
 }
 
+// What target_modules may name in this model: its base layers' last path components (GPT-2's
+// c_attn, c_proj, c_fc; Llama's q_proj, k_proj, ...), each once, in module order.
+std::vector<std::string> targetable_names(torch::nn::Module& model);
+// The error for target_modules that matched no base layer: `what` ("LoRA target_modules"), the
+// targets, the model's type where it says, and the names that exist.
+std::string no_layer_matched(torch::nn::Module& model, const std::string& what, const std::vector<std::string>& targets);
+// Where an adapter in `dir` says it came from, for errors: " (made for 'gpt2', its
+// adapter_config.json's base_model_name_or_path)", or "" when it does not say.
+std::string adapter_origin(const std::filesystem::path& dir);
+
 // PEFT's target matching for a list of names: the module's path equals a name or ends with
 // ".<name>". A single string in PEFT's config is a regular expression that must match the whole
 // path; `is_regex` selects that.

@@ -80,7 +80,7 @@ std::vector<at::Tensor> add_ia3(torch::nn::Module& model, const IA3Config& reque
     base->set_adapter(adapter);
     params.push_back(adapter->ia3_l);
   }
-  TORCH_CHECK(!params.empty(), "IA3 field 'target_modules' matched no base layer of the model");
+  TORCH_CHECK(!params.empty(), peft::no_layer_matched(model, "IA3 field 'target_modules'", config.target_modules));
   return params;
 }
 

@@ -284,7 +284,8 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
     params.push_back(adapter->lora_B);
     if (dora) params.push_back(dora->lora_magnitude_vector);
   }
-  TORCH_CHECK(!params.empty(), "LoRA target_modules matched no base layer of the model");
+  TORCH_CHECK(!params.empty(), peft::no_layer_matched(model, "LoRA target_modules", config.target_modules),
+              " (or \"all-linear\": every one but lm_head)");
   return params;
 }
 
@@ -367,7 +368,15 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
 
 LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir) {
   auto config = read_lora_config(dir);
-  if (lora_state(model).empty()) add_lora(model, config);
+  if (lora_state(model).empty()) {
+    try {
+      add_lora(model, config);
+    } catch (const c10::Error& e) {
+      // Targets that match nothing here: an adapter for another architecture.
+      TORCH_CHECK(false, "LoRA adapter ", dir, peft::adapter_origin(dir), ": ", e.what_without_backtrace(),
+                  ". Was the adapter made for another model?");
+    }
+  }
   peft::load_state(dir, lora_state(model), "LoRA");
   for (const auto& [path, dora] : peft::layer_adapters<DoraAdapterImpl>(model)) dora->set_magnitude_loaded();
   return config;

@@ -311,10 +311,31 @@ TEST_F(ExecutorTest, RefusesAClientBuiltForAnotherModel) {
     Client::connect(options);
     FAIL() << "connect should have thrown";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("model mismatch: the client was built for model 0123456789abcdef"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("but the client's checkpoint is model 0123456789abcdef"), std::string::npos)
         << e.what();
   }
+}
+
+// [Weight hash]: a checkpoint of the same config and shapes with other weights (a fine-tuned base)
+// is another model; the refusal names both hashes and the model the executor serves.
+TEST_F(ExecutorTest, RefusesAClientOfACheckpointWithOtherWeightsNamingBothHashes) {
+  const auto tuned = testing::write_two_layer_checkpoint("executor-test-tuned", 2, true);
+  const auto served = Checkpoint::open(checkpoint_->dir), other = Checkpoint::open(tuned.dir);
+  ASSERT_EQ(served->names(), other->names());
+  ASSERT_EQ(served->config_text(), other->config_text());
+  ASSERT_NE(served->model_hash(), other->model_hash());
+  ClientOptions options;
+  options.endpoint = executor_->endpoint();
+  options.timeout_ms = 10000;
+  options.expected_model_hash = other->model_hash();
+  const auto message = testing::error_of([&] { Client::connect(options); });
+  EXPECT_NE(message.find("model mismatch: this executor serves model " + served->model_hash() + " ('" +
+                         checkpoint_->dir.filename().string() + "'), but the client's checkpoint is model " +
+                         other->model_hash()),
+            std::string::npos)
+      << message;
+  options.expected_model_hash = served->model_hash();
+  EXPECT_EQ(Client::connect(options)->model_hash(), served->model_hash());
 }
 
 TEST_F(ExecutorTest, UnreachableExecutorIsAClearError) {

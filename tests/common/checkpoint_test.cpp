@@ -2,7 +2,9 @@
 // and the problem for each kind of bad checkpoint.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
@@ -69,6 +71,84 @@ TEST(CheckpointTest, ModelHashIdentifiesConfigAndTensorTable) {
   write_safetensors(dir2 / "model.safetensors", {{"a", at::zeros({3, 2})}});
   EXPECT_NE(Checkpoint::open(dir1)->model_hash(), Checkpoint::open(dir2)->model_hash());
   EXPECT_EQ(Checkpoint::open(dir1)->model_hash(), Checkpoint::open(dir1)->model_hash());
+}
+
+// [Weight hash]: a fine-tuned base of the same shape is another model.
+TEST(CheckpointTest, ModelHashCoversTheWeightsBytes) {
+  auto base = testing::temp_dir("ckpt"), tuned = testing::temp_dir("ckpt"), sharded = testing::temp_dir("ckpt");
+  for (const auto& dir : {base, tuned, sharded}) write_config(dir);
+  const auto a = at::randn({2, 3}), b = at::randn({4});
+  write_safetensors(base / "model.safetensors", {{"a", a}, {"b", b}});
+  auto a_tuned = a.clone();
+  a_tuned[1][2] += 1e-3;  // one weight differs
+  write_safetensors(tuned / "model.safetensors", {{"a", a_tuned}, {"b", b}});
+  EXPECT_NE(Checkpoint::open(base)->model_hash(), Checkpoint::open(tuned)->model_hash());
+  // The same tensors spread over shards in another order are the same model.
+  write_safetensors(sharded / "model-00001-of-00002.safetensors", {{"b", b}});
+  write_safetensors(sharded / "model-00002-of-00002.safetensors", {{"a", a}});
+  std::ofstream(sharded / "model.safetensors.index.json")
+      << R"({"weight_map": {"b": "model-00001-of-00002.safetensors", "a": "model-00002-of-00002.safetensors"}})";
+  EXPECT_EQ(Checkpoint::open(sharded)->model_hash(), Checkpoint::open(base)->model_hash());
+}
+
+// The digests the hash is made of are cached beside the checkpoint: a second open reads the cache,
+// not the weights, and a weight file that changed is hashed again.
+TEST(CheckpointTest, WeightDigestsAreCachedAndRecomputedWhenAFileChanges) {
+  auto dir = testing::temp_dir("ckpt");
+  write_config(dir);
+  const auto a = at::randn({8, 8});
+  write_safetensors(dir / "model.safetensors", {{"a", a}});
+  const std::string hash = Checkpoint::open(dir)->model_hash();
+  const auto cache_file = dir / ".symbiosis-model-hash.json";
+  ASSERT_TRUE(fs::exists(cache_file));
+  auto read_json = [](const fs::path& file) {
+    std::ifstream in(file);
+    return nlohmann::json::parse(in);
+  };
+  auto cache = read_json(cache_file);
+  ASSERT_TRUE(cache["files"]["model.safetensors"]["tensors"].contains("a")) << cache.dump();
+
+  // A cached digest changed by hand changes the hash: the second open used the cache.
+  cache["files"]["model.safetensors"]["tensors"]["a"] = std::string(64, '0');
+  std::ofstream(cache_file) << cache.dump();
+  EXPECT_NE(Checkpoint::open(dir)->model_hash(), hash);
+
+  // Rewriting the weight file (the same bytes) invalidates its entry: hashed again, as before.
+  write_safetensors(dir / "model.safetensors", {{"a", a}});
+  EXPECT_EQ(Checkpoint::open(dir)->model_hash(), hash);
+  EXPECT_NE(read_json(cache_file)["files"]["model.safetensors"]["tensors"]["a"], std::string(64, '0'));
+  // Other bytes of the same shape: another hash.
+  write_safetensors(dir / "model.safetensors", {{"a", a + 1}});
+  EXPECT_NE(Checkpoint::open(dir)->model_hash(), hash);
+  // A damaged cache is only recomputed.
+  std::ofstream(cache_file) << "{ not json";
+  write_safetensors(dir / "model.safetensors", {{"a", a}});
+  EXPECT_EQ(Checkpoint::open(dir)->model_hash(), hash);
+}
+
+// Where the checkpoint's directory takes no cache (here a directory stands in the cache file's
+// place, which even root cannot write over), the cache lies in $XDG_CACHE_HOME/symbiosis/.
+TEST(CheckpointTest, DigestsGoToTheUsersCacheWhenTheCheckpointTakesNone) {
+  auto dir = testing::temp_dir("ckpt"), cache_home = testing::temp_dir("xdg");
+  write_config(dir);
+  write_safetensors(dir / "model.safetensors", {{"a", at::randn({3})}});
+  fs::create_directory(dir / ".symbiosis-model-hash.json");
+  const char* old = std::getenv("XDG_CACHE_HOME");
+  const std::string saved = old ? old : "";
+  ::setenv("XDG_CACHE_HOME", cache_home.c_str(), 1);
+  const std::string hash = Checkpoint::open(dir)->model_hash();
+  const auto user_cache = cache_home / "symbiosis" / "model-hash";
+  ASSERT_TRUE(fs::is_directory(user_cache));
+  std::vector<fs::path> files;
+  for (const auto& f : fs::directory_iterator(user_cache)) files.push_back(f.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].extension(), ".json");
+  EXPECT_EQ(Checkpoint::open(dir)->model_hash(), hash);
+  if (old) {
+    ::setenv("XDG_CACHE_HOME", saved.c_str(), 1);
+  } else {
+    ::unsetenv("XDG_CACHE_HOME");
+  }
 }
 
 TEST(CheckpointTest, ErrorsNameTheFileAndTheProblem) {

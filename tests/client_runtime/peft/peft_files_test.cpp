@@ -1,0 +1,99 @@
+// Loading adapter files a user has: errors name the user's adapter and what is wrong, and say so
+// when the adapter was made for another model; targets that match nothing list the names there are.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/adapter.h"
+#include "client_runtime/peft/ia3.h"
+#include "client_runtime/peft/lora.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+CausalLM model_of(const std::string& preset, const std::string& extra_args = "") {
+  return open_causal_lm(*Checkpoint::open(testing::make_checkpoint(preset, extra_args)));
+}
+
+// A LoRA adapter of `preset`'s model on `targets`, saved as PEFT saves one for the Hub model `base`.
+fs::path saved_lora(const std::string& preset, const std::vector<std::string>& targets, const std::string& base,
+                    const std::string& extra_args = "") {
+  auto lm = model_of(preset, extra_args);
+  const LoraConfig config{.r = 2, .alpha = 4, .target_modules = targets};
+  add_lora(*lm.module, config);
+  const auto dir = testing::temp_dir("symbiosis-user-adapter") / "my-adapter";
+  save_lora(*lm.module, config, dir);
+  std::ifstream in(dir / "adapter_config.json");
+  auto j = nlohmann::json::parse(in);
+  j["base_model_name_or_path"] = base;
+  std::ofstream(dir / "adapter_config.json") << j.dump(2);
+  return dir;
+}
+
+// The message names the targets, the model and every name target_modules may give, once each.
+TEST(PeftTargets, TargetsThatMatchNothingListTheModelsNames) {
+  auto gpt2 = model_of("tiny-gpt2");
+  auto message = error_of([&] { add_lora(*gpt2.module, LoraConfig{.target_modules = {"q_proj", "v_proj"}}); });
+  EXPECT_NE(message.find("LoRA target_modules (q_proj, v_proj) matched no base layer of the model (gpt2); its base "
+                         "layers are named c_attn, c_proj, c_fc (or \"all-linear\""),
+            std::string::npos)
+      << message;
+  auto llama = model_of("tiny-llama");
+  message = error_of([&] { add_ia3(*llama.module, IA3Config{.target_modules = {"c_attn"}, .feedforward_modules = {}}); });
+  EXPECT_NE(message.find("IA3 field 'target_modules' (c_attn) matched no base layer of the model (llama); its base "
+                         "layers are named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+            std::string::npos)
+      << message;
+}
+
+// A GPT-2 adapter loaded into Llama: its targets are not Llama's. The error names the user's
+// adapter directory and where the adapter says it came from.
+TEST(PeftFilesLoad, AnAdapterForAnotherArchitectureSaysSo) {
+  const auto adapter = saved_lora("tiny-gpt2", {"c_attn"}, "openai-community/gpt2");
+  auto llama = model_of("tiny-llama");
+  const auto message = error_of([&] { load_peft_adapter(*llama.module, adapter); });
+  EXPECT_NE(message.find("LoRA adapter \"" + adapter.string() + "\" (made for 'openai-community/gpt2'"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("(c_attn) matched no base layer of the model (llama); its base layers are named q_proj"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("made for another model"), std::string::npos) << message;
+  EXPECT_EQ(message.find("symbiosis-lora-"), std::string::npos) << message;  // no temporary copy named
+}
+
+// An adapter for a deeper model of the same architecture: its tensors name layers this model lacks.
+// Nothing is copied aside to read it: no temporary directory is left behind.
+TEST(PeftFilesLoad, AnAdapterForADeeperModelNamesTheModulesThisOneLacks) {
+  const auto adapter = saved_lora("tiny-llama", {"q_proj"}, "my-org/deeper-llama");
+  auto shallow = model_of("tiny-llama", "--layers 1");
+  const auto message = error_of([&] { load_peft_adapter(*shallow.module, adapter); });
+  const auto file = adapter / "adapter_model.safetensors";
+  EXPECT_NE(message.find("\"" + file.string() + "\": this adapter's tensors name modules (model.layers.1.self_attn.q_proj"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("that this model does not have (made for 'my-org/deeper-llama'"), std::string::npos) << message;
+  EXPECT_NE(message.find("the model's LoRA layers are model.layers.0.self_attn.q_proj"), std::string::npos) << message;
+  for (const auto& entry : fs::directory_iterator(fs::temp_directory_path())) {
+    EXPECT_NE(entry.path().filename().string(), "symbiosis-lora-" + std::to_string(::getpid())) << entry.path();
+  }
+}
+
+// A damaged adapter file is named as the user's file, never a copy of it.
+TEST(PeftFilesLoad, ErrorsNameTheUsersAdapterFile) {
+  const auto adapter = saved_lora("tiny-llama", {"q_proj"}, "my-org/llama");
+  fs::resize_file(adapter / "adapter_model.safetensors", 6);
+  auto llama = model_of("tiny-llama");
+  const auto message = error_of([&] { load_peft_adapter(*llama.module, adapter); });
+  EXPECT_NE(message.find("\"" + (adapter / "adapter_model.safetensors").string() + "\""), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace symbiosis
