@@ -14,10 +14,13 @@ for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/s
          tools/symbiosis-ctl bench/symbiosis-bench bench/symbiosis-bench-client bench/symbiosis-bench-roundtrip bench/symbiosis-bench-loss \
          tests/base_executor/gpu_executor_test tests/kernels/kernels_test tests/transport/cuda_ipc/cuda_ipc_test tests/transport/nccl/nccl_test tests/common/runtime_binding_test \
          tests/client_runtime/inference/gpu_generator_test tests/privacy/gpu_privacy_test examples/symbiosis-generate \
-         client_runtime/libsymbiosis_client.so virt_layer/libsymbiosis_virt_layer.so; do
+         client_runtime/libsymbiosis_client.so client_runtime/libsymbiosis_sentencepiece.so virt_layer/libsymbiosis_virt_layer.so; do
   mkdir -p "$out/$(dirname "$f")"
   strip --strip-debug -o "$out/$f" "$BUILD_DIR/$f"
 done
+# The GPU machine lacks SentencePiece: its library goes beside ours, which load it from the library path
+# ([SentencePiece apart] in client_runtime/text/sentencepiece_backend.h).
+cp -L "$(gcc -print-file-name=libsentencepiece.so.0)" "$out/client_runtime/libsentencepiece.so.0"
 git rev-parse HEAD > "$out/COMMIT"
 git diff --stat HEAD > "$out/DIFF" || true
 echo "bundled $(du -sh "$out" | cut -f1) into $out"

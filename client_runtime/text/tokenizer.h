@@ -1,0 +1,45 @@
+#pragma once
+// The checkpoint's tokenizer: text to token ids and back, as Hugging Face transformers tokenizes for the
+// same checkpoint. Found in the checkpoint's directory as transformers finds it (from_directory):
+//  - tokenizer.json (Hugging Face tokenizers' file; GPT-2, Llama 3, Qwen2, StarCoder and other byte-level BPE
+//    tokenizers), implemented here (tokenizer_json.h);
+//  - else tokenizer.model (SentencePiece: Llama 2, Gemma, Mistral), through the SentencePiece library
+//    (sentencepiece_tokenizer.h).
+// A Tokenizer is immutable once made: its methods may be called from several threads at once.
+// Errors (a missing or malformed file, ids out of range, text that is not UTF-8) throw c10::Error naming the file,
+// the field or the value.
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace symbiosis {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  // Finds the tokenizer in a checkpoint directory as transformers does (tokenizer.json preferred, else
+  // tokenizer.model; tokenizer_config.json for add_bos/eos and special tokens); throws naming the directory and
+  // the files looked for. A tokenizer.json with a part not implemented here gives way to a tokenizer.model
+  // beside it (Llama 2's and Gemma's checkpoints carry both); alone, it is refused naming the part.
+  static std::unique_ptr<Tokenizer> from_directory(const std::filesystem::path& dir);
+  // `text` (UTF-8) as token ids. add_special_tokens: what transformers' tokenizer(text) adds (BOS for Llama,
+  // none for GPT-2). Special tokens written in the text ("<|endoftext|>") become their ids, as in transformers.
+  virtual std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = true) const = 0;
+  // The text of `ids` (invalid UTF-8, such as half a character, comes out as U+FFFD); special tokens as their
+  // text unless skipped. Throws naming an id outside [0, vocab_size()).
+  virtual std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const = 0;
+  virtual std::optional<int64_t> bos_token_id() const = 0;
+  virtual std::optional<int64_t> eos_token_id() const = 0;
+  // The number of ids: the model's vocabulary and the added tokens (transformers' len(tokenizer)).
+  virtual int64_t vocab_size() const = 0;
+  // The id of a token given by its text ("<|eot_id|>", "</s>"), or nullopt when the vocabulary lacks it.
+  virtual std::optional<int64_t> token_to_id(std::string_view token) const = 0;
+  // Whether `id` is a special token (what decode(..., skip_special_tokens = true) leaves out).
+  virtual bool is_special(int64_t id) const = 0;
+};
+
+}  // namespace symbiosis

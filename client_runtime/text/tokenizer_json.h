@@ -1,0 +1,38 @@
+#pragma once
+// Internal to text/: a tokenizer.json (Hugging Face tokenizers' file) run as the tokenizers library runs it,
+// for the BPE tokenizers of causal LMs (GPT-2, Llama 3, Qwen2, StarCoder, and Llama 2's own conversion).
+// encode: added tokens split out of the text first (leftmost-longest, with their lstrip/rstrip/single_word), the
+// rest normalized, pre-tokenized into words, each word merged by the BPE model (bpe.h); then the post-processor's
+// template (BOS for Llama 3) when special tokens are asked for. decode: the ids' tokens through the decoder.
+// The parts implemented:
+//   normalizer     NFC, NFD, NFKC, NFKD, Lowercase, Prepend, Replace, Sequence
+//   pre_tokenizer  ByteLevel (GPT-2's regex or none), Split (regex or string, every behavior), Digits, Sequence
+//   model          BPE (byte_fallback, unk_token, fuse_unk, ignore_merges)
+//   post_processor ByteLevel, TemplateProcessing, Sequence
+//   decoder        ByteLevel, ByteFallback, Fuse, Replace, Strip, Sequence
+// Any other is refused with c10::NotImplementedError naming it (from_directory then tries tokenizer.model).
+#include <filesystem>
+#include <memory>
+
+#include "client_runtime/text/tokenizer.h"
+
+namespace symbiosis::text {
+
+// What tokenizer_config.json adds to the tokenizer files: the names of BOS and EOS, whether to add them
+// (SentencePiece models), and added tokens (added_tokens_decoder). Fields absent stay unset.
+struct TokenizerConfig {
+  std::optional<std::string> bos_token, eos_token;
+  std::optional<bool> add_bos_token, add_eos_token;
+  struct AddedToken {
+    int64_t id;
+    std::string content;
+    bool special;
+  };
+  std::vector<AddedToken> added_tokens;
+};
+// Reads `file` (absent: an empty config); throws naming the file and the field that is malformed.
+TokenizerConfig read_tokenizer_config(const std::filesystem::path& file);
+
+std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file, const TokenizerConfig& config);
+
+}  // namespace symbiosis::text

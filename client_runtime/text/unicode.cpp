@@ -1,0 +1,180 @@
+#include "client_runtime/text/unicode.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <utf8proc.h>
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+
+namespace symbiosis::text {
+namespace {
+
+// The valid range of the second byte of a sequence led by `lead` (the Unicode standard's table 3-7), or
+// {1, 0} (an empty range) when `lead` starts no valid sequence.
+std::pair<unsigned char, unsigned char> second_byte_range(unsigned char lead) {
+  if (lead >= 0xC2 && lead <= 0xDF) return {0x80, 0xBF};
+  if (lead == 0xE0) return {0xA0, 0xBF};
+  if (lead >= 0xE1 && lead <= 0xEC) return {0x80, 0xBF};
+  if (lead == 0xED) return {0x80, 0x9F};
+  if (lead >= 0xEE && lead <= 0xEF) return {0x80, 0xBF};
+  if (lead == 0xF0) return {0x90, 0xBF};
+  if (lead >= 0xF1 && lead <= 0xF3) return {0x80, 0xBF};
+  if (lead == 0xF4) return {0x80, 0x8F};
+  return {1, 0};
+}
+
+// The length of the valid sequence at `pos`, or 0 with `consumed` set to the maximal invalid subpart there.
+size_t valid_sequence_at(std::string_view s, size_t pos, size_t& consumed) {
+  const auto lead = static_cast<unsigned char>(s[pos]);
+  if (lead < 0x80) return 1;
+  const auto [low, high] = second_byte_range(lead);
+  const size_t length = utf8_length(lead);
+  consumed = 1;
+  if (low > high) return 0;
+  for (size_t k = 1; k < length; ++k) {
+    if (pos + k >= s.size()) return 0;
+    const auto byte = static_cast<unsigned char>(s[pos + k]);
+    const bool ok = k == 1 ? (byte >= low && byte <= high) : (byte >= 0x80 && byte <= 0xBF);
+    if (!ok) return 0;
+    consumed = k + 1;
+  }
+  return length;
+}
+
+}  // namespace
+
+size_t utf8_length(unsigned char lead) {
+  if (lead < 0xC0) return 1;
+  if (lead < 0xE0) return 2;
+  if (lead < 0xF0) return 3;
+  return lead < 0xF8 ? 4 : 1;
+}
+
+std::optional<size_t> invalid_utf8_offset(std::string_view s) {
+  for (size_t pos = 0, consumed = 0; pos < s.size();) {
+    const size_t length = valid_sequence_at(s, pos, consumed);
+    if (length == 0) return pos;
+    pos += length;
+  }
+  return std::nullopt;
+}
+
+std::string utf8_lossy(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  for (size_t pos = 0, consumed = 0; pos < bytes.size();) {
+    const size_t length = valid_sequence_at(bytes, pos, consumed);
+    if (length > 0) {
+      out.append(bytes.substr(pos, length));
+      pos += length;
+    } else {
+      out.append("\xEF\xBF\xBD");  // U+FFFD
+      pos += consumed;
+    }
+  }
+  return out;
+}
+
+void append_utf8(std::string& out, char32_t c) {
+  if (c < 0x80) {
+    out += static_cast<char>(c);
+  } else if (c < 0x800) {
+    out += static_cast<char>(0xC0 | (c >> 6));
+    out += static_cast<char>(0x80 | (c & 0x3F));
+  } else if (c < 0x10000) {
+    out += static_cast<char>(0xE0 | (c >> 12));
+    out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (c & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (c >> 18));
+    out += static_cast<char>(0x80 | ((c >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (c & 0x3F));
+  }
+}
+
+char32_t next_code_point(std::string_view s, size_t& pos) {
+  const auto lead = static_cast<unsigned char>(s[pos]);
+  const size_t length = utf8_length(lead);
+  char32_t c = length == 1 ? lead : lead & (0x7F >> length);
+  for (size_t k = 1; k < length && pos + k < s.size(); ++k) c = (c << 6) | (static_cast<unsigned char>(s[pos + k]) & 0x3F);
+  pos += length;
+  return c;
+}
+
+std::string normalize(std::string_view s, NormalForm form) {
+  int options = UTF8PROC_STABLE;
+  switch (form) {
+    case NormalForm::kNfc: options |= UTF8PROC_COMPOSE; break;
+    case NormalForm::kNfd: options |= UTF8PROC_DECOMPOSE; break;
+    case NormalForm::kNfkc: options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
+    case NormalForm::kNfkd: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+  }
+  utf8proc_uint8_t* result = nullptr;
+  const utf8proc_ssize_t length = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
+                                               static_cast<utf8proc_ssize_t>(s.size()), &result,
+                                               static_cast<utf8proc_option_t>(options));
+  TORCH_CHECK(length >= 0, "tokenizer: Unicode normalization failed: ", utf8proc_errmsg(length));
+  std::string out(reinterpret_cast<const char*>(result), static_cast<size_t>(length));
+  std::free(result);
+  return out;
+}
+
+std::string lowercase(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t pos = 0; pos < s.size();) {
+    append_utf8(out, static_cast<char32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(next_code_point(s, pos)))));
+  }
+  return out;
+}
+
+struct UnicodeRegex::Code {
+  pcre2_code* code = nullptr;
+  ~Code() { pcre2_code_free(code); }
+};
+
+UnicodeRegex::UnicodeRegex(const std::string& pattern) : code_(std::make_unique<Code>()), pattern_(pattern) {
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  code_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
+                              &error, &offset, nullptr);
+  if (code_->code == nullptr) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof(message));
+    TORCH_CHECK(false, "tokenizer: the regular expression '", pattern, "' does not compile at offset ", offset, ": ",
+                reinterpret_cast<const char*>(message));
+  }
+  pcre2_jit_compile(code_->code, PCRE2_JIT_COMPLETE);  // faster where JIT is available; interpreted otherwise
+}
+
+UnicodeRegex::~UnicodeRegex() = default;
+
+std::vector<std::pair<size_t, size_t>> UnicodeRegex::find_all(std::string_view s) const {
+  std::vector<std::pair<size_t, size_t>> matches;
+  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> data(
+      pcre2_match_data_create_from_pattern(code_->code, nullptr), &pcre2_match_data_free);
+  const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+  size_t start = 0;
+  while (start <= s.size()) {
+    // The text was checked to be UTF-8 once, where encode() took it.
+    const int rc = pcre2_match(code_->code, subject, s.size(), start, PCRE2_NO_UTF_CHECK, data.get(), nullptr);
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    TORCH_CHECK(rc >= 0, "tokenizer: matching the regular expression '", pattern_, "' failed (PCRE2 error ", rc, ")");
+    const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(data.get());
+    const size_t begin = ovector[0], end = ovector[1];
+    if (end == begin) {
+      // An empty match: skip one character, as Oniguruma's iteration does.
+      if (begin >= s.size()) break;
+      start = begin + utf8_length(static_cast<unsigned char>(s[begin]));
+      continue;
+    }
+    matches.emplace_back(begin, end);
+    start = end;
+  }
+  return matches;
+}
+
+}  // namespace symbiosis::text

@@ -1,0 +1,27 @@
+#pragma once
+// The test tokenizers of every family and Hugging Face's encodings and decodings of a varied corpus, made once per
+// process by tests/reference/tokenizers_reference.py (see it for the families and the cases). No LibTorch.
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace symbiosis::testing {
+
+inline const std::vector<std::string> kTokenizerFamilies = {"gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram"};
+
+struct ReferenceTokenizers {
+  std::filesystem::path dir;  // <dir>/<family>/ holds each family's files
+  nlohmann::json expected;    // expected.json: per family, "cases", "decode_cases", "bos", "eos", "vocab_size"
+};
+// nullptr, with `why`, when the Python lacks tokenizers or sentencepiece (the tests then skip); a failing script
+// fails the calling test.
+const ReferenceTokenizers* reference_tokenizers(std::string& why);
+// A new empty directory under the system's temporary one.
+std::filesystem::path new_temp_dir(const std::string& prefix);
+// The message of the exception that f throws (c10::Error's without its backtrace), or "(no error)".
+std::string error_message(const std::function<void()>& f);
+
+}  // namespace symbiosis::testing

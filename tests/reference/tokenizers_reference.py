@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Test tokenizers of each family and what Hugging Face's libraries make of a varied corpus: the reference for
+tests/client_runtime/text/tokenizer_test.cpp.
+
+  tokenizers_reference.py --output DIR
+
+Trains, on a small built-in corpus, one tokenizer per family, configured as that family's real checkpoint is
+(read from the tokenizer.json files the Hub serves), and writes each into DIR/<family>/ as a checkpoint holds it:
+  gpt2       tokenizer.json: ByteLevel pre-tokenizer (GPT-2's regex), ByteLevel decoder, <|endoftext|>
+  llama3     tokenizer.json: Split (Llama 3's regex) + ByteLevel(use_regex=false), BPE with ignore_merges,
+             TemplateProcessing with <|begin_of_text|>, reserved special tokens
+  qwen2      tokenizer.json: NFC normalizer, Split (Qwen2's regex, single digits) + ByteLevel(use_regex=false),
+             <|endoftext|>, <|im_start|>, <|im_end|>
+  starcoder  tokenizer.json: Digits(individual_digits) + ByteLevel, <|endoftext|>, <fim_prefix>, ...
+  spm_bpe    tokenizer.model: SentencePiece BPE with byte fallback (Llama 2, Mistral), add_bos_token
+  spm_unigram tokenizer.model: SentencePiece unigram (T5-like models; Gemma's kind of model file)
+each with tokenizer_config.json. DIR/expected.json holds, per family, the cases
+  {"text", "ids" (tokenizer(text) as transformers adds special tokens), "ids_plain" (add_special_tokens=False),
+   "decoded" (decode(ids)), "decoded_skip" (decode(ids, skip_special_tokens=True))}
+for every corpus text, and decode-only cases {"ids", "decoded", "decoded_skip"} of random ids (pieces of UTF-8
+characters among them), with "bos", "eos" and "vocab_size".
+The byte-level families' reference is the `tokenizers` package (what transformers' fast tokenizers run); the
+SentencePiece ones' is the `sentencepiece` package with the rule in spm_encode below.
+Exit status 3 when a Python package is missing (the C++ test then skips).
+"""
+import argparse
+import json
+import os
+import random
+import sys
+
+from reference import missing
+
+# What the tokenizers are trained on: prose, code, numbers and several scripts, so that merges span bytes of
+# multi-byte characters too.
+TRAINING = [
+    "The quick brown fox jumps over the lazy dog. It's what they'll say; we've seen it, I'm sure, you'd agree.",
+    "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # 1234567890\n",
+    "for (int i = 0; i < 100; ++i) { total += values[i] * 3.14159; }\n\tif (x != y) return -1;",
+    "日本語のテキストを分割します。中文文本也需要分词。한국어 텍스트도 있습니다.",
+    "Café, naïve, résumé, Ångström, Straße, œuvre, façade — «quotes» and “smart quotes”.",
+    "Emoji: 🎉🚀👍🏽 👨‍👩‍👧 ❤️ and symbols ∑ ∫ √ ≤ ≥ ± × ÷ € £ ¥.",
+    "Numbers 2024-01-15 12:30:45, 3.5%, $1,000,000 and 0xDEADBEEF; phone +1 (555) 123-4567.",
+    "Русский текст, ελληνικά, עברית, العربية, हिन्दी, ไทย.",
+    "   indented    with   runs of    spaces\n\n\nand newlines\r\nand tabs\t\tend",
+    "<html><body class=\"main\">Hello, World!</body></html> {\"key\": [1, 2, 3], \"null\": null}",
+]
+
+# What is compared: each family's reference against ours on every text.
+CORPUS = [
+    "",
+    "Hello world",
+    " Hello world",
+    "Hello  world   with    spaces",
+    "The quick brown fox jumps over the lazy dog.",
+    "It's they'll we've I'M YOU'D He'S",
+    "line one\nline two\n\nline four\r\nwindows\ttab\t\ttabs",
+    "   leading and trailing spaces   ",
+    "\n\n\n",
+    " \t \n ",
+    "digits 1 12 123 1234 12345 3.14159 1,000,000 2024-01-15",
+    "日本語のテキスト、中文文本。한국어 텍스트",
+    "Café naïve résumé Ångström Straße",
+    "e\u0301 a\u0300 combining: cafe\u0301, A\u030a, n\u0303",  # decomposed forms (NFC composes them)
+    "Emoji 🎉🚀👍🏽 family 👨‍👩‍👧 heart ❤️ flag 🇯🇵",
+    "Русский текст ελληνικά עברית العربية हिन्दी ไทย",
+    "def f(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "{\"key\": [1, 2, 3], \"nested\": {\"a\": null}}",
+    "<html><body>Hello, World!</body></html>",
+    "Mixed: abc123def 456ghi 7j8k9",
+    "punctuation!!! ??? ... --- ___ ***",
+    "zero\u200bwidth and non\u00a0breaking and ideographic\u3000space",
+    "unknown scripts: ᚠᛇᚻ ꦧꦱꦗ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀",
+]
+
+
+def random_texts(specials, count, seed):
+    """Texts drawn at random from the kinds of characters where tokenizers differ: runs of spaces, tabs and line
+    breaks, contractions in either case, digits, punctuation, accents and combining marks, CJK, emoji with joiners
+    and modifiers, other scripts, and the family's special tokens."""
+    rng = random.Random(seed)
+    pools = [
+        list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"), list("0123456789"), list(" "), list("  \t\n\r"),
+        list(".,;:!?-_()[]{}<>/\\|@#$%^&*+=~`\"'"), ["'s", "'S", "'t", "'re", "'VE", "'m", "'ll", "'d", "'x"],
+        list("éèêëàâäôöûüçñÅåØøßÆæœ"), ["\u0301", "\u0300", "\u0308", "\u0327", "\u20dd"], list("日本語中文字한국어テキスト"),
+        ["🎉", "🚀", "👍🏽", "👨\u200d👩\u200d👧", "❤️", "🇯🇵", "\u200b", "\u00a0", "\u3000"], list("русскийελληνικάעבריתالعربية"),
+        list("①²½Ⅻ٣७"), specials,
+    ]
+    texts = []
+    for _ in range(count):
+        pieces = []
+        for _ in range(rng.randrange(1, 25)):
+            pool = rng.choice(pools)
+            pieces.append("".join(rng.choice(pool) for _ in range(rng.randrange(1, 4))))
+        texts.append("".join(pieces))
+    return texts
+
+
+def special_cases(specials):
+    """Texts with the family's special tokens embedded, as chat templates and FIM prompts put them."""
+    a = specials[0]
+    b = specials[-1]
+    return [
+        f"{a}Hello world{b}",
+        f"before {a} middle {b} after",
+        f"{a}{b}{a}",
+        f"text{a}\n{b}\n\nmore text {a}",
+        f"  {a}  spaced  {b}  ",
+    ]
+
+
+def byte_level_family(name, tokenizers):
+    """A tokenizers.Tokenizer configured as `name`'s real tokenizer.json, untrained; its special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    if name == "gpt2":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        tok.post_processor = processors.ByteLevel(trim_offsets=True)
+        specials = ["<|endoftext|>"]
+    elif name == "llama3":
+        tok = Tokenizer(models.BPE(ignore_merges=True))
+        pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ])
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|eot_id|>"]
+    elif name == "qwen2":
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.NFC()
+        pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    elif name == "starcoder":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ])
+        tok.post_processor = processors.ByteLevel(trim_offsets=True)
+        specials = ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
+    else:
+        raise ValueError(name)
+    tok.decoder = decoders.ByteLevel()
+    return tok, specials
+
+
+def train_byte_level(name, out_dir):
+    import tokenizers
+    from tokenizers import AddedToken, pre_tokenizers, processors, trainers
+
+    tok, specials = byte_level_family(name, tokenizers)
+    trainer = trainers.BpeTrainer(vocab_size=900, min_frequency=1, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TRAINING * 3, trainer)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    if name == "llama3":
+        bos = specials[0]
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+            processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                                          special_tokens=[(bos, tok.token_to_id(bos))]),
+        ])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+              "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
+              "qwen2": {"bos_token": None, "eos_token": "<|endoftext|>"},
+              "starcoder": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}}[name]
+    config.update({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False})
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+    def encode(text, add_special_tokens):
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(ids, skip):
+        return tok.decode(ids, skip_special_tokens=skip)
+
+    bos, eos = config["bos_token"], config["eos_token"]
+    return (encode, decode, specials, tok.token_to_id(bos) if bos else None, tok.token_to_id(eos),
+            tok.get_vocab_size(with_added_tokens=True))
+
+
+def train_sentencepiece(model_type, out_dir, work_dir):
+    import sentencepiece as spm
+
+    os.makedirs(out_dir, exist_ok=True)
+    corpus = os.path.join(work_dir, "spm_corpus.txt")
+    with open(corpus, "w") as f:
+        f.write("\n".join(TRAINING * 3))
+    prefix = os.path.join(out_dir, "tokenizer")
+    # Llama 2's trainer settings, small: byte fallback, digits split, identity normalization, no extra
+    # whitespace removal (Llama 2's tokenizer.model has these).
+    options = dict(input=corpus, model_prefix=prefix, vocab_size=600 if model_type == "bpe" else 200,
+                   model_type=model_type, character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
+                   normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    if model_type == "bpe":
+        options["byte_fallback"] = True
+    spm.SentencePieceTrainer.train(**options)
+    os.rename(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
+    os.remove(prefix + ".vocab")
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+                   "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f, indent=1)
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(out_dir, "tokenizer.model"))
+    specials = ["<s>", "</s>"]
+    split_out = ["<unk>"] + specials
+
+    def encode(text, add_special_tokens):
+        # The special tokens' text is split out first (as transformers does); each piece of text between them is
+        # encoded alone (SentencePiece's dummy prefix on each: transformers' legacy behaviour).
+        ids, rest = [], text
+        while rest:
+            cut = min(((rest.find(s), -len(s), s) for s in split_out if s in rest), default=None)
+            if cut is None:
+                ids += sp.encode(rest)
+                break
+            if cut[0] > 0:
+                ids += sp.encode(rest[:cut[0]])
+            ids.append(sp.piece_to_id(cut[2]))
+            rest = rest[cut[0] + len(cut[2]):]
+        return ([sp.bos_id()] if add_special_tokens else []) + ids
+
+    def decode(ids, skip):
+        # Control tokens as their text unless skipped; the runs between them decoded by SentencePiece.
+        out, run = "", []
+        for i in ids:
+            if sp.is_control(i):
+                out += sp.decode(run)
+                run = []
+                if not skip:
+                    out += sp.id_to_piece(i)
+            else:
+                run.append(i)
+        return out + sp.decode(run)
+
+    return encode, decode, specials, sp.bos_id(), sp.eos_id(), sp.get_piece_size()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    try:
+        import sentencepiece  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as e:
+        return missing(e)
+
+    expected = {}
+    for family in ("gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram"):
+        out_dir = os.path.join(args.output, family)
+        if family.startswith("spm_"):
+            made = train_sentencepiece(family[4:], out_dir, args.output)
+        else:
+            made = train_byte_level(family, out_dir)
+        encode, decode, specials, bos, eos, vocab_size = made
+        cases = []
+        for text in CORPUS + special_cases(specials) + random_texts(specials, 150, len(family)):
+            ids = encode(text, True)
+            cases.append({"text": text, "ids": ids, "ids_plain": encode(text, False),
+                          "decoded": decode(ids, False), "decoded_skip": decode(ids, True)})
+        rng = random.Random(len(family))
+        decode_cases = []
+        for _ in range(40):
+            ids = [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 12))]
+            decode_cases.append({"ids": ids, "decoded": decode(ids, False), "decoded_skip": decode(ids, True)})
+        expected[family] = {"dir": out_dir, "cases": cases, "decode_cases": decode_cases, "bos": bos, "eos": eos,
+                            "vocab_size": vocab_size, "specials": specials}
+    with open(os.path.join(args.output, "expected.json"), "w") as f:
+        json.dump(expected, f, ensure_ascii=False, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
