@@ -2,13 +2,20 @@
 // (split) or with the base layers in-process (--monolithic), over the Generator of
 // client_runtime/inference/generator.h (continuous batching over one KV cache).
 //
-// Input (--input, "-" for stdin): JSON Lines, one request a line: {"prompt_ids": [...]} and,
-// optionally, the request's own "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-// "stop_tokens" and "logprobs" in place of the flags'. Output (stdout): one JSON line per request,
-// as each finishes: {"index": line number from 1, "prompt_ids", "output_ids", "finish_reason"
+// --prompt TEXT: one request, its text tokenized with the checkpoint's tokenizer and the reply
+// streamed to stdout as text as its tokens arrive.
+//
+// Otherwise, input (--input, "-" for stdin): JSON Lines, one request a line: {"prompt_ids": [...]}
+// or {"prompt": "text"} and, optionally, the request's own "max_new_tokens", "temperature",
+// "top_k", "top_p", "seed", "stop_tokens" and "logprobs" in place of the flags'. Output (stdout):
+// one JSON line per request, as each finishes: {"index": line number from 1, "prompt_ids",
+// "output_ids", "text" (the output decoded, when the checkpoint has a tokenizer), "finish_reason"
 // ("stop", "length", "error"), "logprobs" when asked}. A line that is refused (not JSON, a field
 // of the wrong type, a value outside its range) gets {"index", "error"} naming the field, and the
 // other requests go on; the exit status is then 1.
+//
+// With a tokenizer, its EOS token ends a request (as transformers' generate stops at it), unless
+// --stop names the stop tokens.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -23,11 +30,13 @@
 #include <symbiosis/inference.h>
 #include <symbiosis/models.h>
 #include <symbiosis/peft.h>
+#include <symbiosis/text.h>
 
 #include "examples/tenant_flags.h"
 
 using namespace symbiosis;
 using nlohmann::json;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -38,6 +47,7 @@ struct Settings {
   std::string device = "cpu";
   std::string dtype = "fp32";
   std::string input = "-";
+  std::string prompt;  // --prompt: one request of text, streamed
   std::string stop_tokens;
   SamplingParams sampling;
   GeneratorOptions generator;
@@ -55,23 +65,30 @@ T field(const json& line, const char* name, const T& fallback, const char* expec
   }
 }
 
-GenerationRequest parse_request(const std::string& text, const SamplingParams& defaults) {
+GenerationRequest parse_request(const std::string& text, const SamplingParams& defaults, const Tokenizer* tokenizer) {
   json line;
   try {
     line = json::parse(text);
   } catch (const json::exception& e) {
     TORCH_CHECK(false, "not a JSON object: ", e.what());
   }
-  TORCH_CHECK(line.is_object(), "not a JSON object, expected {\"prompt_ids\": [...]}");
-  TORCH_CHECK(line.contains("prompt_ids"), "field 'prompt_ids' is missing, expected a list of token ids");
-  static const std::set<std::string> known = {"prompt_ids", "max_new_tokens", "temperature", "top_k",
-                                              "top_p",      "seed",           "stop_tokens", "logprobs"};
+  TORCH_CHECK(line.is_object(), "not a JSON object, expected {\"prompt_ids\": [...]} or {\"prompt\": \"text\"}");
+  TORCH_CHECK(line.contains("prompt_ids") != line.contains("prompt"),
+              "expected one of 'prompt_ids' (a list of token ids) and 'prompt' (text)");
+  static const std::set<std::string> known = {"prompt_ids", "prompt", "max_new_tokens", "temperature", "top_k",
+                                              "top_p",      "seed",   "stop_tokens",    "logprobs"};
   for (const auto& [key, value] : line.items()) {
-    TORCH_CHECK(known.count(key), "field '", key.substr(0, 64), "' is unknown, expected only prompt_ids, max_new_tokens, "
-                "temperature, top_k, top_p, seed, stop_tokens and logprobs");
+    TORCH_CHECK(known.count(key), "field '", key.substr(0, 64), "' is unknown, expected only prompt_ids, prompt, "
+                "max_new_tokens, temperature, top_k, top_p, seed, stop_tokens and logprobs");
   }
   GenerationRequest request;
-  request.prompt_ids = field<std::vector<int64_t>>(line, "prompt_ids", {}, "a list of integer token ids");
+  if (line.contains("prompt")) {
+    TORCH_CHECK(tokenizer, "field 'prompt' is text, which needs the checkpoint's tokenizer (tokenizer.json or ",
+                "tokenizer.model beside config.json); give 'prompt_ids' instead");
+    request.prompt_ids = tokenizer->encode(field<std::string>(line, "prompt", {}, "a string"));
+  } else {
+    request.prompt_ids = field<std::vector<int64_t>>(line, "prompt_ids", {}, "a list of integer token ids");
+  }
   auto& s = request.sampling;
   s = defaults;
   s.max_new_tokens = field<int64_t>(line, "max_new_tokens", s.max_new_tokens, "an integer");
@@ -99,6 +116,30 @@ std::vector<int64_t> parse_ids(const std::string& text) {
   return out;
 }
 
+const Tokenizer* tokenizer_for_prompt(const Tokenizer* tokenizer, const Checkpoint& checkpoint) {
+  TORCH_CHECK(tokenizer, "--prompt: ", checkpoint.dir().string(),
+              " has no tokenizer (tokenizer.json or tokenizer.model); give token ids through --input instead");
+  return tokenizer;
+}
+
+// --prompt: the reply's text on stdout as its tokens arrive.
+int stream_prompt(const Settings& s, const Tokenizer& tokenizer, Generator& generator) {
+  GenerationRequest request;
+  request.prompt_ids = tokenizer.encode(s.prompt);
+  request.sampling = s.sampling;
+  StreamingDecoder text(tokenizer);
+  std::string error;
+  generator.submit(std::move(request), [&](const TokenEvent& event) {
+    if (event.token >= 0) std::cout << text.push(event.token) << std::flush;
+    if (!event.finished) return;
+    std::cout << text.finish() << std::endl;
+    if (!event.error.empty()) error = event.error;
+  });
+  generator.run();
+  TORCH_CHECK(error.empty(), error);
+  return 0;
+}
+
 int run(Settings& s) {
   auto checkpoint = Checkpoint::open(s.model);
   std::shared_ptr<Client> client;
@@ -109,9 +150,15 @@ int run(Settings& s) {
   }
   auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(s.dtype), at::Device(s.device)});
   if (!s.adapter.empty()) load_peft_adapter(*lm.module, s.adapter);
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (fs::exists(checkpoint->dir() / "tokenizer.json") || fs::exists(checkpoint->dir() / "tokenizer.model")) {
+    tokenizer = Tokenizer::from_directory(checkpoint->dir());
+  }
   s.sampling.stop_tokens = parse_ids(s.stop_tokens);
+  if (s.stop_tokens.empty() && tokenizer && tokenizer->eos_token_id()) s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
   s.generator.max_waiting = std::numeric_limits<int64_t>::max();  // the whole file is queued at once
   Generator generator(lm, s.generator);
+  if (!s.prompt.empty()) return stream_prompt(s, *tokenizer_for_prompt(tokenizer.get(), *checkpoint), generator);
 
   std::ifstream file;
   if (s.input != "-") {
@@ -126,17 +173,19 @@ int run(Settings& s) {
     ++index;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     try {
-      auto request = parse_request(text, s.sampling);
+      auto request = parse_request(text, s.sampling, tokenizer.get());
       auto reply = std::make_shared<json>(json{{"index", index}, {"prompt_ids", request.prompt_ids}});
       (*reply)["output_ids"] = json::array();
       const bool logprobs = request.sampling.logprobs;
       if (logprobs) (*reply)["logprobs"] = json::array();
-      generator.submit(std::move(request), [reply, logprobs, emit](const TokenEvent& event) {
+      const Tokenizer* text_of = tokenizer.get();
+      generator.submit(std::move(request), [reply, logprobs, emit, text_of](const TokenEvent& event) {
         if (event.token >= 0) {
           (*reply)["output_ids"].push_back(event.token);
           if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
         }
         if (!event.finished) return;
+        if (text_of) (*reply)["text"] = text_of->decode((*reply)["output_ids"].get<std::vector<int64_t>>(), true);
         (*reply)["finish_reason"] = to_string(*event.finished);
         if (!event.error.empty()) (*reply)["error"] = event.error;
         emit(*reply);
@@ -162,14 +211,16 @@ int main(int argc, char** argv) {
   app.add_option("--adapter", s.adapter, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)");
   app.add_option("--device", s.device, "where this client's model and cache live: cpu or cuda:N")->capture_default_str();
   app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
-  app.add_option("--input", s.input, "JSON Lines of {\"prompt_ids\": [...]}; - for stdin")->capture_default_str();
+  app.add_option("--prompt", s.prompt, "one prompt of text: the reply is streamed to stdout as text");
+  app.add_option("--input", s.input, "JSON Lines of {\"prompt_ids\": [...]} or {\"prompt\": \"text\"}; - for stdin")
+      ->capture_default_str();
   app.add_option("--max-new-tokens", p.max_new_tokens, "tokens to produce at most per request")->capture_default_str();
   app.add_option("--temperature", p.temperature, "0: greedy; > 0: sample at this temperature")->capture_default_str();
   app.add_option("--top-k", p.top_k, "sample among the k most likely tokens (0: all)")->capture_default_str();
   app.add_option("--top-p", p.top_p, "sample among the most likely tokens whose probability reaches p, in (0, 1]")
       ->capture_default_str();
   app.add_option("--seed", p.seed, "each request's random stream (a request's own \"seed\" overrides)")->capture_default_str();
-  app.add_option("--stop", s.stop_tokens, "comma-separated token ids that end a request");
+  app.add_option("--stop", s.stop_tokens, "comma-separated token ids that end a request (default: the tokenizer's EOS)");
   app.add_flag("--logprobs", p.logprobs, "report each produced token's log-probability");
   app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")->capture_default_str();
   app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <limits>
 
+#include "client_runtime/text/tokenizer.h"
 #include "client_runtime/training/loss.h"
 
 namespace symbiosis {
@@ -70,7 +71,40 @@ struct SplitMix64 {
 
 }  // namespace
 
-TokenDataset TokenDataset::from_jsonl(const std::filesystem::path& file) {
+namespace {
+
+std::string text_field(const nlohmann::json& line, const char* field, const std::string& where) {
+  const auto& value = line.at(field);
+  TORCH_CHECK(value.is_string(), where, field, ": expected a string, got ", value.type_name());
+  return value.get<std::string>();
+}
+
+// [Text examples]
+TokenExample text_example(const nlohmann::json& line, const Tokenizer* tokenizer, const std::string& where) {
+  const bool text = line.contains("text");
+  TORCH_CHECK(tokenizer, where, text ? "text" : "prompt",
+              ": a line of text needs the checkpoint's tokenizer (tokenizer.json or tokenizer.model beside config.json)");
+  TokenExample example;
+  if (text) {
+    example.input_ids = tokenizer->encode(text_field(line, "text", where));
+  } else {
+    TORCH_CHECK(line.contains("completion"), where, "completion: missing (a \"prompt\" needs a \"completion\")");
+    example.input_ids = tokenizer->encode(text_field(line, "prompt", where));
+    example.labels.assign(example.input_ids.size(), kIgnoreIndex);
+    const auto completion = tokenizer->encode(text_field(line, "completion", where), /*add_special_tokens=*/false);
+    example.input_ids.insert(example.input_ids.end(), completion.begin(), completion.end());
+    example.labels.insert(example.labels.end(), completion.begin(), completion.end());
+  }
+  if (const auto eos = tokenizer->eos_token_id()) {
+    example.input_ids.push_back(*eos);
+    if (!text) example.labels.push_back(*eos);
+  }
+  return example;
+}
+
+}  // namespace
+
+TokenDataset TokenDataset::from_jsonl(const std::filesystem::path& file, const Tokenizer* tokenizer) {
   std::ifstream in(file);
   TORCH_CHECK(in, file.string(), ": cannot open the dataset file");
   TokenDataset data;
@@ -85,12 +119,19 @@ TokenDataset TokenDataset::from_jsonl(const std::filesystem::path& file) {
     } catch (const nlohmann::json::parse_error& e) {
       TORCH_CHECK(false, where, "not valid JSON (", e.what(), ")");
     }
-    TORCH_CHECK(line.is_object(), where, "expected a JSON object with \"input_ids\", got ", line.type_name());
-    TORCH_CHECK(line.contains("input_ids"), where, "input_ids: missing");
+    TORCH_CHECK(line.is_object(), where,
+                "expected a JSON object with \"input_ids\", \"text\", or \"prompt\" and \"completion\", got ",
+                line.type_name());
     TokenExample example;
+    if (!line.contains("input_ids") && (line.contains("text") || line.contains("prompt"))) {
+      example = text_example(line, tokenizer, where);
+    } else {
+      TORCH_CHECK(line.contains("input_ids"), where,
+                  "input_ids: missing (expected \"input_ids\", \"text\", or \"prompt\" and \"completion\")");
+      example.input_ids = read_ids(line, "input_ids", /*allow_ignore=*/false, where);
+    }
     example.line = number;
-    example.input_ids = read_ids(line, "input_ids", /*allow_ignore=*/false, where);
-    if (line.contains("labels") && !line["labels"].is_null()) {
+    if (line.contains("input_ids") && line.contains("labels") && !line["labels"].is_null()) {
       example.labels = read_ids(line, "labels", /*allow_ignore=*/true, where);
       TORCH_CHECK(!example.labels.empty(), where, "labels: is empty, but input_ids has ", example.input_ids.size(),
                   " entries");
@@ -188,16 +229,30 @@ std::vector<MicroBatchPlan> plan_micro_batches(const TokenDataset& data, const s
   return plans;
 }
 
-MicroBatch collate(const TokenDataset& data, const MicroBatchPlan& plan, const MicroBatchOptions& options) {
-  TORCH_CHECK(!plan.empty(), "collate: an empty micro-batch");
+int64_t longest_row(const TokenDataset& data, const MicroBatchOptions& options) {
+  if (options.mode == BatchingMode::kPacking) return options.pack_length;
+  int64_t longest = 0;
+  for (size_t i = 0; i < data.size(); ++i) longest = std::max(longest, cut_length(data[i], options));
+  return longest;
+}
+
+MicroBatch collate(const TokenDataset& data, const MicroBatchPlan& plan, const MicroBatchOptions& options,
+                   std::optional<FixedShape> shape) {
+  TORCH_CHECK(shape || !plan.empty(), "collate: an empty micro-batch");
   std::vector<int64_t> lengths;
   for (const auto& row : plan) {
     int64_t n = 0;
     for (auto i : row) n += cut_length(data[i], options);
     lengths.push_back(n);
   }
-  const int64_t batch = static_cast<int64_t>(plan.size());
-  const int64_t length = *std::max_element(lengths.begin(), lengths.end());
+  int64_t batch = static_cast<int64_t>(plan.size());
+  int64_t length = plan.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+  if (shape) {
+    TORCH_CHECK(batch <= shape->rows && length <= shape->length, "collate: a micro-batch of ", batch, " rows of up to ",
+                length, " tokens does not fit the fixed shape of ", shape->rows, " rows of ", shape->length, " tokens");
+    batch = shape->rows;
+    length = shape->length;
+  }
   MicroBatch mb;
   mb.input_ids = at::zeros({batch, length}, at::kLong);
   mb.attention_mask = at::zeros({batch, length}, at::kLong);
@@ -207,9 +262,10 @@ MicroBatch collate(const TokenDataset& data, const MicroBatchPlan& plan, const M
   auto mask = mb.attention_mask.accessor<int64_t, 2>();
   auto positions = mb.position_ids.accessor<int64_t, 2>();
   auto labels = mb.labels.accessor<int64_t, 2>();
+  static const std::vector<int64_t> kPaddingRow;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t t = 0;
-    for (auto i : plan[b]) {
+    for (auto i : b < static_cast<int64_t>(plan.size()) ? plan[b] : kPaddingRow) {
       const auto& e = data[i];
       const int64_t n = cut_length(e, options);
       for (int64_t k = 0; k < n; ++k, ++t) {
@@ -222,9 +278,14 @@ MicroBatch collate(const TokenDataset& data, const MicroBatchPlan& plan, const M
         if (k > 0 && e.labels[k] != kIgnoreIndex) ++mb.num_targets;
       }
     }
-    // Padding: masked and never a target; its positions only need to be valid.
-    for (; t < length; ++t) positions[b][t] = t;
-    mb.num_tokens += lengths[b];
+    // Padding: masked and never a target; its positions only need to be valid. A padding row (a
+    // fixed shape's) attends to itself: a row with nothing to attend to would be 0/0 in attention.
+    const bool padding_row = b >= static_cast<int64_t>(plan.size());
+    for (; t < length; ++t) {
+      positions[b][t] = t;
+      if (padding_row) mask[b][t] = 1;
+    }
+    if (!padding_row) mb.num_tokens += lengths[b];
   }
   return mb;
 }

@@ -2,10 +2,19 @@
 // Token-id datasets for fine-tuning, and how they become micro-batches.
 //
 // A dataset is a list of examples, each a sequence of token ids with per-position labels (-100:
-// not trained on). Read from JSON Lines, one example a line:
-//   {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}
-// "labels" is optional and defaults to input_ids; other fields are ignored; blank lines are
-// skipped. Malformed input is refused with "<file>:<line>: <field>...: <what is wrong>".
+// not trained on). Read from JSON Lines, one example a line, in one of three forms:
+//   {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}   token ids ("labels" optional,
+//                                                                 input_ids by default)
+//   {"text": "..."}                                                text, trained on whole
+//   {"prompt": "...", "completion": "..."}                         trained on the completion only
+// Text is tokenized with the checkpoint's tokenizer ([Text examples]). Other fields are ignored;
+// blank lines are skipped. Malformed input is refused with "<file>:<line>: <field>...: <what is
+// wrong>".
+//
+// [Text examples] As transformers' tokenizer and TRL's SFTTrainer make them: "text" is
+// encode(text) (with the tokenizer's BOS where it adds one) followed by EOS, every token a target;
+// "prompt"/"completion" is encode(prompt) followed by encode(completion) without special tokens and
+// EOS, the prompt's labels -100 (the loss is on the completion and its EOS only).
 //
 // Micro-batches are built by plan_epoch() (which examples go in which row) and collate() (the
 // tensors). See [Batching modes] for the two layouts.
@@ -13,10 +22,13 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace symbiosis {
+
+class Tokenizer;
 
 struct TokenExample {
   std::vector<int64_t> input_ids;
@@ -30,7 +42,8 @@ class TokenDataset {
   // Throws naming the file, line and field for a malformed line, and for an example with nothing
   // to learn from (fewer than 2 tokens, or every label after the first -100: the model predicts
   // position t+1 from position t, so the first label is never a target).
-  static TokenDataset from_jsonl(const std::filesystem::path& file);
+  // tokenizer: for lines of text ([Text examples]); null refuses them, naming the line.
+  static TokenDataset from_jsonl(const std::filesystem::path& file, const Tokenizer* tokenizer = nullptr);
   // Labels left empty default to input_ids. Same checks as from_jsonl, naming "example N".
   static TokenDataset from_examples(std::vector<TokenExample> examples, std::string source = "<memory>");
 
@@ -87,6 +100,21 @@ struct MicroBatch {
   int64_t num_targets = 0;    // positions t whose label[t+1] is trained on
 };
 
-MicroBatch collate(const TokenDataset& data, const MicroBatchPlan& plan, const MicroBatchOptions& options);
+// A micro-batch of one shape whatever its plan holds: what a captured step reads ([Captured training
+// steps] in trainer.h). Rows past the plan's are padding rows (token 0, attending to themselves,
+// never a target), and every row is padded to `length` tokens.
+struct FixedShape {
+  int64_t rows = 0;
+  int64_t length = 0;
+};
+
+// shape: the micro-batch's shape (the plan must fit it; an empty plan gives a micro-batch of padding
+// rows), or, by default, as many rows as the plan and the longest row's length.
+MicroBatch collate(const TokenDataset& data, const MicroBatchPlan& plan, const MicroBatchOptions& options,
+                   std::optional<FixedShape> shape = std::nullopt);
+
+// The longest row any micro-batch of the data can have: pack_length when packing, else the longest
+// example after max_length's cut.
+int64_t longest_row(const TokenDataset& data, const MicroBatchOptions& options);
 
 }  // namespace symbiosis

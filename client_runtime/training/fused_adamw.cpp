@@ -45,10 +45,42 @@ void FusedAdamW::step() {
   }
   for (auto& [key, g] : groups) {
     at::_foreach_add_(g.steps, 1);
-    at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, /*max_exp_avg_sqs=*/{}, g.steps, options_.lr,
-                      options_.beta1, options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
+    if (lr_tensor_.defined()) {
+      at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, /*max_exp_avg_sqs=*/{}, g.steps, lr_tensor_,
+                        options_.beta1, options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
+                        /*maximize=*/false);
+    } else {
+      at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, /*max_exp_avg_sqs=*/{}, g.steps, options_.lr,
+                        options_.beta1, options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
+                        /*maximize=*/false);
+    }
   }
+}
+
+}  // namespace symbiosis
+
+namespace symbiosis {
+
+std::vector<at::Tensor> FusedAdamW::state() const {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.push_back(exp_avg_[i]);
+    out.push_back(exp_avg_sq_[i]);
+    out.push_back(steps_[i]);
+  }
+  return out;
+}
+
+void FusedAdamW::load_state(const std::vector<at::Tensor>& saved) {
+  const auto now = state();
+  TORCH_CHECK(saved.size() == now.size(), "FusedAdamW: the saved state holds ", saved.size(), " tensors, expected ",
+              now.size(), " (three per parameter)");
+  for (size_t i = 0; i < now.size(); ++i) {
+    TORCH_CHECK(saved[i].sizes() == now[i].sizes(), "FusedAdamW: saved state tensor ", i, " has shape ", saved[i].sizes(),
+                ", expected ", now[i].sizes());
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < now.size(); ++i) now[i].copy_(saved[i]);
 }
 
 }  // namespace symbiosis

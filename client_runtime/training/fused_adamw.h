@@ -25,10 +25,20 @@ class FusedAdamW {
   void zero_grad();  // drops the gradients (set to none)
   void step();       // parameters without a gradient are left alone
   void set_lr(double lr) { options_.lr = lr; }
+  // The learning rate read from a one-element fp32 tensor on the parameters' device at every step
+  // instead of options.lr: a captured step reads whatever was written into it before the replay.
+  void set_lr_tensor(at::Tensor lr) { lr_tensor_ = std::move(lr); }
+
+  // The optimizer's state (per parameter: exp_avg, exp_avg_sq, step), in parameter order, for
+  // checkpoints; load_state copies saved values into it (the tensors themselves stay: a captured
+  // step keeps using them).
+  std::vector<at::Tensor> state() const;
+  void load_state(const std::vector<at::Tensor>& saved);
 
  private:
   FusedAdamWOptions options_;
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, steps_;
+  at::Tensor lr_tensor_;  // undefined: options_.lr
 };
 
 }  // namespace symbiosis

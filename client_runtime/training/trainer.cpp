@@ -1,6 +1,7 @@
 #include "client_runtime/training/trainer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/utils/clip_grad.h>
@@ -17,7 +18,9 @@
 
 #include "client_runtime/models/gpt2.h"
 #include "client_runtime/models/llama.h"
+#include "client_runtime/training/fused_adamw.h"
 #include "client_runtime/training/loss.h"
+#include "client_runtime/training/step_graph.h"
 
 namespace symbiosis {
 
@@ -47,6 +50,17 @@ double warmup_cosine_learning_rate(int64_t step, int64_t total, int64_t warmup, 
   const double span = static_cast<double>(std::max<int64_t>(1, total - warmup));
   const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
   return min + (peak - min) * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+int64_t planned_steps(const TokenDataset& train, const TrainerOptions& options) {
+  if (options.max_steps > 0) return options.max_steps;
+  int64_t total = 0;
+  for (int64_t e = 0; e < options.epochs; ++e) {
+    const auto micro_batches = static_cast<int64_t>(
+        plan_micro_batches(train, epoch_order(train.size(), options.seed, e, options.shuffle), options.batching).size());
+    total += (micro_batches + options.grad_accum - 1) / options.grad_accum;
+  }
+  return total;
 }
 
 namespace {
@@ -165,13 +179,13 @@ class Trainer::Impl {
     }
     device = params.front().device();
     const auto& o = this->options;
-    optimizer = make_optimizer();
-    // The schedule's length: every step of every pass, or max_steps.
-    if (o.max_steps > 0) {
-      total = o.max_steps;
+    if (device.is_cuda()) {
+      gpu = std::make_unique<DeviceStep>();
+      gpu->optimizer = make_fused_optimizer();
     } else {
-      for (int64_t e = 0; e < o.epochs; ++e) total += steps_in(plan_epoch(e).size());
+      optimizer = make_optimizer();
     }
+    total = planned_steps(data, o);
     plans = plan_epoch(0);
   }
 
@@ -179,6 +193,13 @@ class Trainer::Impl {
     const auto& o = options;
     return std::make_unique<torch::optim::AdamW>(
         params, torch::optim::AdamWOptions(o.learning_rate).betas({o.beta1, o.beta2}).eps(o.epsilon).weight_decay(o.weight_decay));
+  }
+
+  std::unique_ptr<FusedAdamW> make_fused_optimizer() const {
+    const auto& o = options;
+    auto fused = std::make_unique<FusedAdamW>(
+        params, FusedAdamWOptions{o.learning_rate, o.beta1, o.beta2, o.epsilon, o.weight_decay});
+    return fused;
   }
 
   void check_vocab(const TokenDataset& d) const {
@@ -197,9 +218,6 @@ class Trainer::Impl {
   std::vector<MicroBatchPlan> plan_epoch(int64_t e) const {
     return plan_micro_batches(data, epoch_order(data.size(), options.seed, e, options.shuffle), options.batching);
   }
-  int64_t steps_in(size_t micro_batches) const {
-    return (static_cast<int64_t>(micro_batches) + options.grad_accum - 1) / options.grad_accum;
-  }
 
   MicroBatch to_device(MicroBatch mb) const {
     mb.input_ids = mb.input_ids.to(device);
@@ -217,9 +235,11 @@ class Trainer::Impl {
       plans = plan_epoch(epoch);
       next_micro_batch = 0;
     }
+    std::vector<MicroBatchPlan> step_plans;
     std::vector<MicroBatch> batches;
     for (int64_t k = 0; k < options.grad_accum && next_micro_batch < plans.size(); ++k) {
-      batches.push_back(to_device(collate(data, plans[next_micro_batch++], options.batching)));
+      step_plans.push_back(plans[next_micro_batch++]);
+      batches.push_back(collate(data, step_plans.back(), options.batching));
     }
     StepStats stats;
     stats.epoch = epoch;
@@ -227,31 +247,137 @@ class Trainer::Impl {
       stats.tokens += mb.num_tokens;
       stats.targets += mb.num_targets;
     }
+    stats.learning_rate = warmup_cosine_learning_rate(steps_done, total, options.warmup_steps, options.learning_rate,
+                                                      options.min_learning_rate);
+    if (stats.targets == 0) {
+      stats.loss = NAN;  // truncation left nothing to train on: no update
+    } else if (gpu) {
+      device_step(step_plans, batches, stats);
+    } else {
+      host_step(batches, stats);
+    }
+    stats.step = ++steps_done;
+    if (stats.targets > 0 && hooks.after_update) hooks.after_update(stats.step);
+    stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    history.push_back(stats);
+    return stats;
+  }
+
+  // A step on the CPU: eager, with LibTorch's AdamW.
+  void host_step(const std::vector<MicroBatch>& batches, StepStats& stats) {
     optimizer->zero_grad();
     // [Loss over an optimizer step]
     double loss = 0;
-    for (const auto& mb : batches) {
-      if (mb.num_targets == 0) continue;
+    for (const auto& batch : batches) {
+      if (batch.num_targets == 0) continue;
+      const auto mb = to_device(batch);
       auto part = causal_lm_loss(model_forward(lm, mb, packed), mb.labels, at::Reduction::Sum) / static_cast<double>(stats.targets);
       part.backward();
       loss += part.item<double>();
     }
-    lm.settle();  // a base-layer call that failed must not update the adapters
-    stats.learning_rate = warmup_cosine_learning_rate(steps_done, total, options.warmup_steps, options.learning_rate,
-                                                      options.min_learning_rate);
-    if (stats.targets > 0) {
-      stats.loss = loss;
-      stats.grad_norm = options.max_grad_norm > 0 ? torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm)
-                                                  : torch::nn::utils::clip_grad_norm_(params, INFINITY);
-      for (auto& group : optimizer->param_groups()) group.options().set_lr(stats.learning_rate);
-      optimizer->step();
-    } else {
-      stats.loss = NAN;  // truncation left nothing to train on: no update
+    if (hooks.extra_loss) {
+      auto extra = hooks.extra_loss();
+      extra.backward();
+      loss += extra.item<double>();
     }
-    stats.step = ++steps_done;
-    stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    history.push_back(stats);
-    return stats;
+    lm.settle();  // a base-layer call that failed must not update the adapters
+    stats.loss = loss;
+    stats.grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm > 0 ? options.max_grad_norm : INFINITY);
+    for (auto& group : optimizer->param_groups()) group.options().set_lr(stats.learning_rate);
+    optimizer->step();
+  }
+
+  // [Training on a GPU]: what a step reads and writes on the device, and the step itself.
+  struct DeviceStep {
+    std::unique_ptr<FusedAdamW> optimizer;
+    at::Tensor learning_rate, inv_targets;  // [] fp32, written before each step
+    at::Tensor loss, grad_norm;             // [] fp32, the step's results
+    std::vector<MicroBatch> inputs;         // the step's micro-batches (captured: always the same tensors)
+    std::optional<FixedShape> shape;        // captured: every micro-batch's
+    std::unique_ptr<StepGraph> graph;
+  };
+
+  std::vector<at::Tensor> defined_grads() const {
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    return grads;
+  }
+
+  // Forward and backward of the step's micro-batches: the gradients, and the loss on the device.
+  void device_compute() {
+    auto& g = *gpu;
+    auto grads = defined_grads();
+    if (!grads.empty()) at::_foreach_zero_(grads);
+    g.loss.zero_();
+    for (const auto& mb : g.inputs) {
+      // [Loss over an optimizer step]
+      auto part = causal_lm_loss(model_forward(lm, mb, packed), mb.labels, at::Reduction::Sum) * g.inv_targets;
+      part.backward();
+      g.loss.add_(part.detach());
+    }
+    if (hooks.extra_loss) {
+      auto extra = hooks.extra_loss();
+      extra.backward();
+      g.loss.add_(extra.detach());
+    }
+  }
+
+  // Clipping (as torch.nn.utils.clip_grad_norm_ computes it) and the optimizer's update.
+  void device_apply() {
+    auto& g = *gpu;
+    auto grads = defined_grads();
+    std::vector<at::Tensor> norms;
+    for (const auto& n : at::_foreach_norm(grads)) norms.push_back(n.to(at::kFloat));
+    auto total_norm = at::linalg_vector_norm(at::stack(norms), 2);
+    g.grad_norm.copy_(total_norm);
+    if (options.max_grad_norm > 0) {
+      at::_foreach_mul_(grads, at::clamp_max((total_norm + 1e-6).reciprocal() * options.max_grad_norm, 1.0));
+    }
+    g.optimizer->step();
+  }
+
+  void device_step(const std::vector<MicroBatchPlan>& step_plans, const std::vector<MicroBatch>& batches,
+                   StepStats& stats) {
+    auto& g = *gpu;
+    if (!g.graph) {
+      const auto scalar = at::TensorOptions().dtype(at::kFloat).device(device);
+      g.learning_rate = at::zeros({}, scalar);
+      g.inv_targets = at::zeros({}, scalar);
+      g.loss = at::zeros({}, scalar);
+      g.grad_norm = at::zeros({}, scalar);
+      g.optimizer->set_lr_tensor(g.learning_rate);
+      if (options.capture) {
+        g.shape = FixedShape{options.batching.micro_batch_size, longest_row(data, options.batching)};
+        for (int64_t k = 0; k < options.grad_accum; ++k) {
+          g.inputs.push_back(to_device(collate(data, {}, options.batching, g.shape)));
+        }
+      }
+      g.graph = std::make_unique<StepGraph>([this] { device_compute(); }, [this] { device_apply(); }, lm.client, device,
+                                            StepGraphOptions{.capture = options.capture});
+    }
+    if (g.shape) {
+      // The same tensors every step: the new micro-batches are copied into them, padding where the
+      // step has fewer rows or micro-batches.
+      for (size_t k = 0; k < g.inputs.size(); ++k) {
+        const auto fixed = collate(data, k < step_plans.size() ? step_plans[k] : MicroBatchPlan{}, options.batching, g.shape);
+        g.inputs[k].input_ids.copy_(fixed.input_ids);
+        g.inputs[k].attention_mask.copy_(fixed.attention_mask);
+        g.inputs[k].position_ids.copy_(fixed.position_ids);
+        g.inputs[k].labels.copy_(fixed.labels);
+      }
+    } else {
+      g.inputs.clear();
+      for (const auto& mb : batches) {
+        if (mb.num_targets > 0) g.inputs.push_back(to_device(mb));
+      }
+    }
+    g.inv_targets.fill_(1.0 / static_cast<double>(stats.targets));
+    g.learning_rate.fill_(stats.learning_rate);
+    g.graph->run();
+    stats.loss = g.loss.item<double>();
+    stats.grad_norm = g.grad_norm.item<double>();
   }
 
   double evaluate(const TokenDataset& d) {
@@ -271,6 +397,28 @@ class Trainer::Impl {
     return targets > 0 ? sum / static_cast<double>(targets) : NAN;
   }
 
+  // The generators a step draws from (dropout): the CPU's, and the model's GPU's on a GPU.
+  std::vector<at::Generator> generators() const {
+    std::vector<at::Generator> out = {at::detail::getDefaultCPUGenerator()};
+    if (device.is_cuda()) out.push_back(at::globalContext().defaultGenerator(device));
+    return out;
+  }
+  std::vector<at::Tensor> generator_states() const {
+    std::vector<at::Tensor> states;
+    for (auto& generator : generators()) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      states.push_back(generator.get_state());
+    }
+    return states;
+  }
+  void set_generator_states(const std::vector<at::Tensor>& states) {
+    auto all = generators();
+    for (size_t i = 0; i < all.size(); ++i) {
+      std::lock_guard<std::mutex> lock(all[i].mutex());
+      all[i].set_state(states[i]);
+    }
+  }
+
   void save(const fs::path& dir) const {
     // Written beside the target and renamed into place, so a crash never leaves half a checkpoint.
     fs::path partial = dir;
@@ -284,12 +432,14 @@ class Trainer::Impl {
     std::vector<at::Tensor> values;
     for (const auto& p : params) values.push_back(p.detach().cpu().clone());
     torch::save(values, (partial / "trainable.pt").string());
-    torch::save(*optimizer, (partial / "optimizer.pt").string());
-    {
-      auto generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      torch::save(std::vector<at::Tensor>{generator.get_state()}, (partial / "rng_state.pt").string());
+    if (gpu) {
+      std::vector<at::Tensor> state;
+      for (const auto& t : gpu->optimizer->state()) state.push_back(t.cpu());
+      torch::save(state, (partial / "optimizer.pt").string());
+    } else {
+      torch::save(*optimizer, (partial / "optimizer.pt").string());
     }
+    torch::save(generator_states(), (partial / "rng_state.pt").string());
     nlohmann::json steps = nlohmann::json::array();
     for (const auto& s : history) {
       nlohmann::json j = {{"step", s.step},         {"epoch", s.epoch},   {"loss", s.loss},
@@ -327,6 +477,7 @@ class Trainer::Impl {
       const auto saved = state.at("settings");
       const auto now = options_json(options, data);
       for (const auto& [key, value] : now.items()) {
+        if (key == "max_steps" || key == "epochs") continue;  // the run may be extended ([Exact resume])
         TORCH_CHECK(saved.contains(key) && saved[key] == value, state_file.string(), ": ", key, " is ",
                     saved.contains(key) ? saved[key].dump() : "missing", " in the checkpoint but ", value.dump(),
                     " now; resuming exactly needs the same settings and data");
@@ -342,11 +493,21 @@ class Trainer::Impl {
         TORCH_CHECK(values[i].sizes() == params[i].sizes(), dir / "trainable.pt", ": tensor ", i, " has shape ",
                     values[i].sizes(), " but the model's has ", params[i].sizes());
       }
-      auto loaded_optimizer = make_optimizer();  // over the same tensors; loading changes no tensor values
-      torch::load(*loaded_optimizer, (dir / "optimizer.pt").string());
+      std::unique_ptr<torch::optim::AdamW> loaded_optimizer;
+      std::vector<at::Tensor> loaded_state;
+      if (gpu) {
+        torch::load(loaded_state, (dir / "optimizer.pt").string());
+        TORCH_CHECK(loaded_state.size() == 3 * params.size(), dir / "optimizer.pt", ": holds ", loaded_state.size(),
+                    " tensors, expected ", 3 * params.size(), " (FusedAdamW's state, three per trainable tensor)");
+      } else {
+        loaded_optimizer = make_optimizer();  // over the same tensors; loading changes no tensor values
+        torch::load(*loaded_optimizer, (dir / "optimizer.pt").string());
+      }
       std::vector<at::Tensor> rng;
       torch::load(rng, (dir / "rng_state.pt").string());
-      TORCH_CHECK(rng.size() == 1, dir / "rng_state.pt", ": expected one tensor");
+      TORCH_CHECK(rng.size() == generator_states().size(), dir / "rng_state.pt", ": holds ", rng.size(),
+                  " generator states, expected ", generator_states().size(),
+                  " (the CPU's, and the GPU's when training on a GPU)");
       std::vector<StepStats> steps;
       for (const auto& j : state.at("history")) {
         StepStats s;
@@ -371,12 +532,12 @@ class Trainer::Impl {
         at::NoGradGuard no_grad;
         for (size_t i = 0; i < params.size(); ++i) params[i].copy_(values[i]);
       }
-      optimizer = std::move(loaded_optimizer);
-      {
-        auto generator = at::detail::getDefaultCPUGenerator();
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        generator.set_state(rng[0]);
+      if (gpu) {
+        gpu->optimizer->load_state(loaded_state);
+      } else {
+        optimizer = std::move(loaded_optimizer);
       }
+      set_generator_states(rng);
       steps_done = state.at("step");
       epoch = saved_epoch;
       next_micro_batch = saved_next;
@@ -421,7 +582,9 @@ class Trainer::Impl {
   std::optional<TokenDataset> eval_data;
   bool packed = false;
   at::Device device = at::kCPU;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<torch::optim::AdamW> optimizer;  // on the CPU
+  std::unique_ptr<DeviceStep> gpu;                  // on a GPU ([Training on a GPU])
+  TrainerHooks hooks;
   int64_t total = 0;                    // optimizer steps in the schedule
   int64_t steps_done = 0;
   int64_t epoch = 0;                    // the epoch `plans` belongs to
@@ -435,6 +598,10 @@ Trainer::Trainer(CausalLM model, std::vector<at::Tensor> parameters, TokenDatase
     : impl_(std::make_unique<Impl>(std::move(model), std::move(parameters), std::move(train), std::move(options),
                                    std::move(save_adapter))) {}
 Trainer::~Trainer() = default;
+
+void Trainer::set_hooks(TrainerHooks hooks) {
+  impl_->hooks = std::move(hooks);
+}
 
 void Trainer::set_eval_data(TokenDataset eval) {
   impl_->check_vocab(eval);

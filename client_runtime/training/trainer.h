@@ -24,8 +24,18 @@
 // The data order of an epoch is a function of (seed, epoch) alone, so the position is two numbers.
 // load_checkpoint() on a new Trainer (new model with the same adapter structure attached) restores
 // all of it; the steps that follow are bit-for-bit those of an uninterrupted run. It refuses a
-// checkpoint whose settings or dataset size differ, naming the field. Random state of CUDA
-// generators is not saved (the client runtime computes on the CPU).
+// checkpoint whose settings or dataset size differ, naming the field, except the run's length
+// (max_steps, epochs): a run, finished or not, may be extended, and the steps after the resume then
+// follow the longer schedule. On a GPU the CUDA generator's state is saved too.
+//
+// [Training on a GPU] With the model on a CUDA device the trainer keeps a step's work on the GPU:
+// the loss and the gradient norm stay there until the step ends (one synchronization a step), the
+// gradients are clipped with foreach kernels, and the optimizer is FusedAdamW (one fused kernel,
+// the learning rate read from a GPU tensor). With `capture` (the default), the step is replayed
+// from CUDA graphs ([Captured steps] in step_graph.h), which needs one shape for every step: each
+// step runs grad_accum micro-batches of micro_batch_size rows of longest_row() tokens (dataset.h),
+// the missing rows and micro-batches padding that is never trained on. The losses are those of the
+// eager step within rounding (padding to a longer row changes no real token's result).
 //
 // Thread safety: none; one thread drives a Trainer.
 #include <ATen/ATen.h>
@@ -61,6 +71,7 @@ struct TrainerOptions {
   int64_t save_every = 0;          // train(): checkpoint every N steps (and at the end) into save_dir
   std::filesystem::path save_dir;  // empty: train() writes no checkpoints
   bool progress = true;            // train(): the progress display on stderr
+  bool capture = true;             // on a CUDA device: captured steps ([Training on a GPU])
 
   void validate() const;  // throws naming the bad field
 };
@@ -69,6 +80,9 @@ struct TrainerOptions {
 // warm-up, then min + (peak-min) * (1 + cos(pi * progress)) / 2 with progress going from 0 at the
 // end of warm-up to 1 at step `total` (transformers' get_cosine_schedule_with_warmup when min = 0).
 double warmup_cosine_learning_rate(int64_t step, int64_t total, int64_t warmup, double peak, double min = 0.0);
+
+// The schedule's length: max_steps, or the steps of `epochs` passes over the data.
+int64_t planned_steps(const TokenDataset& train, const TrainerOptions& options);
 
 struct StepStats {
   int64_t step = 0;         // 1-based: the number of optimizer steps done after this one
@@ -85,6 +99,16 @@ struct StepStats {
 // Writes the adapter into a directory (created before the call) in its method's format.
 using AdapterSaver = std::function<void(const std::filesystem::path& dir)>;
 
+// What a PEFT method adds to a training step (AdaLoRA: its orthogonal regularization and its rank
+// allocator, as symbiosis-finetune attaches them).
+struct TrainerHooks {
+  // A differentiable scalar added once to each step's loss (reported in StepStats::loss too).
+  std::function<at::Tensor()> extra_loss;
+  // Called after the optimizer's update with the 1-based step count, while the step's gradients
+  // are still in the parameters' grad(). Runs eagerly, outside any captured graph.
+  std::function<void(int64_t step)> after_update;
+};
+
 class Trainer {
  public:
   // model: a CausalLM (split or monolithic) with its adapter attached; parameters: the tensors to
@@ -97,6 +121,7 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   void set_eval_data(TokenDataset eval);
+  void set_hooks(TrainerHooks hooks);  // before the first step
 
   // One optimizer step over the next grad_accum micro-batches (fewer at the end of an epoch).
   // Gradients stay in the parameters' grad() until the next step.

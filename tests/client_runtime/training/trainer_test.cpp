@@ -7,8 +7,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
+#include <sys/wait.h>
 
 #include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/adapter.h"
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/training/loss.h"
 #include "client_runtime/training/trainer.h"
@@ -371,6 +374,99 @@ TEST(FinetuneProgramTest, TrainsResumesAndWritesALoadableAdapter) {
   auto config = load_lora(*lm.module, split_dir / "checkpoint-6" / "adapter");
   EXPECT_EQ(config.r, 4);
   EXPECT_FALSE(lora_state(*lm.module).empty());
+}
+
+// A symbiosis-finetune run in a shell: its exit status, stdout and stderr.
+struct ProgramRun {
+  int status = 0;
+  std::string out, err;
+  // "done: step N loss L ..." -> L
+  double final_loss() const {
+    const auto at = out.rfind("done: step");
+    EXPECT_NE(at, std::string::npos) << out << err;
+    return at == std::string::npos ? NAN : std::stod(out.substr(out.find("loss ", at) + 5));
+  }
+};
+
+ProgramRun run_finetune(const std::string& args, const fs::path& dir, const std::string& name) {
+  const auto out = dir / (name + ".out"), err = dir / (name + ".err");
+  const std::string command =
+      testing::binary("examples/symbiosis-finetune") + " " + args + " > " + out.string() + " 2> " + err.string();
+  ProgramRun run;
+  const int status = std::system(command.c_str());
+  run.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream o(out), e(err);
+  run.out.assign(std::istreambuf_iterator<char>(o), {});
+  run.err.assign(std::istreambuf_iterator<char>(e), {});
+  return run;
+}
+
+std::string ids_jsonl(const std::vector<TokenExample>& examples) {
+  std::string text;
+  for (const auto& e : examples) {
+    std::string ids;
+    for (auto id : e.input_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    text += "{\"input_ids\": [" + ids + "]}\n";
+  }
+  return text;
+}
+
+// Every PEFT method of the runtime through symbiosis-finetune: split training ends at the loss of
+// monolithic training, and the adapter saved is its method's PEFT file, which loads back.
+TEST(FinetuneProgramTest, EveryMethodTrainsSplitAsMonolithicAndSavesItsAdapter) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(model);
+  auto executor = testing::start_executor(model);
+  const auto dir = testing::temp_dir("finetune-methods");
+  const auto train = write_file(dir, "train.jsonl", ids_jsonl(random_examples(6, 41)));
+  const std::vector<std::pair<std::string, std::string>> methods = {
+      {"dora", "LORA"},         {"adalora", "ADALORA"},       {"ia3", "IA3"},
+      {"prompt", "PROMPT_TUNING"}, {"p-tuning", "P_TUNING"}, {"prefix", "PREFIX_TUNING"}};
+  for (const auto& [method, peft_type] : methods) {
+    SCOPED_TRACE(method);
+    const std::string common = "--model " + model.string() + " --train " + train.string() + " --method " + method +
+                               " --steps 3 --micro-batch 2 --lr 1e-2 --seed 5 --no-progress --virtual-tokens 4"
+                               " --adalora-init-r 4 --adalora-target-r 2";
+    const auto save = dir / method;
+    const auto split = run_finetune(common + " --executor " + executor->endpoint() + " --save-dir " + save.string(), dir,
+                                    method + "-split");
+    const auto mono = run_finetune(common + " --monolithic", dir, method + "-mono");
+    ASSERT_EQ(split.status, 0) << split.err;
+    ASSERT_EQ(mono.status, 0) << mono.err;
+    EXPECT_LT(std::abs(split.final_loss() - mono.final_loss()) / mono.final_loss(), 1e-5) << split.out << mono.out;
+    auto lm = open_causal_lm(*checkpoint, nullptr);
+    const auto loaded = load_peft_adapter(*lm.module, save / "checkpoint-3" / "adapter");
+    EXPECT_EQ(loaded.peft_type, peft_type);
+    EXPECT_FALSE(loaded.parameters.empty());
+  }
+}
+
+// --resume keeps the saved adapter: a method flag that disagrees with it is refused naming both
+// values, and a finished run extended with --steps continues where it stopped (with a constant
+// learning rate, to the loss of a run as long from the start).
+TEST(FinetuneProgramTest, ResumeRefusesChangedAdapterFlagsAndExtendsAFinishedRun) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  const auto dir = testing::temp_dir("finetune-resume");
+  const auto train = write_file(dir, "train.jsonl", ids_jsonl(random_examples(6, 43)));
+  const std::string common = "--monolithic --model " + model.string() + " --train " + train.string() +
+                             " --lr 1e-2 --min-lr 1e-2 --micro-batch 2 --seed 7 --no-progress";
+  const auto save = dir / "run";
+  ASSERT_EQ(run_finetune(common + " --lora-r 4 --steps 3 --save-dir " + save.string(), dir, "first").status, 0);
+
+  const auto changed = run_finetune(common + " --lora-r 8 --steps 3 --resume " + save.string(), dir, "changed");
+  EXPECT_EQ(changed.status, 2);
+  EXPECT_NE(changed.err.find("--lora-r is 8 but the adapter being resumed"), std::string::npos) << changed.err;
+  EXPECT_NE(changed.err.find("has 4"), std::string::npos) << changed.err;
+  const auto method = run_finetune(common + " --method ia3 --steps 3 --resume " + save.string(), dir, "method");
+  EXPECT_NE(method.err.find("--method is ia3 but the adapter being resumed"), std::string::npos) << method.err;
+
+  const auto extended =
+      run_finetune(common + " --steps 5 --save-dir " + save.string() + " --resume " + save.string(), dir, "extended");
+  ASSERT_EQ(extended.status, 0) << extended.err;
+  EXPECT_NE(extended.out.find("done: step 5"), std::string::npos) << extended.out;
+  const auto whole = run_finetune(common + " --lora-r 4 --steps 5", dir, "whole");
+  ASSERT_EQ(whole.status, 0) << whole.err;
+  EXPECT_DOUBLE_EQ(extended.final_loss(), whole.final_loss());
 }
 
 // Split training equals monolithic training over a few trainer steps, for both batching modes.
