@@ -1,7 +1,7 @@
 #pragma once
 // The architectures Symbiosis supports, by config.json's model_type: the client runtime has a
-// model for each (client_runtime/models/: GPT-2, and Llama with Qwen2 and Mistral, [Llama family]
-// in llama.h) and the executor's default base-layer rule covers each (base_executor/base_model.h).
+// model for each (client_runtime/models/: GPT-2, and Llama with Qwen2, Mistral and Gemma 2,
+// [Llama family] in llama.h) and the executor's default base-layer rule covers each (base_executor/base_model.h).
 // Both refuse another model_type with the same words (unsupported_model_type).
 #include <algorithm>
 #include <string>
@@ -10,7 +10,7 @@
 namespace symbiosis {
 
 inline const std::vector<std::string>& supported_model_types() {
-  static const std::vector<std::string> types = {"gpt2", "llama", "mistral", "qwen2"};
+  static const std::vector<std::string> types = {"gemma2", "gpt2", "llama", "mistral", "qwen2"};
   return types;
 }
 
@@ -19,7 +19,7 @@ inline bool is_supported_model_type(const std::string& type) {
   return std::find(types.begin(), types.end(), type) != types.end();
 }
 
-// "model_type 'gemma2' is not supported (supported: gpt2, llama, mistral, qwen2)"; a missing
+// "model_type 'phi3' is not supported (supported: gemma2, gpt2, ...)"; a missing
 // model_type reads "config.json has no model_type (supported: ...)".
 inline std::string unsupported_model_type(const std::string& type) {
   std::string list;

@@ -28,6 +28,7 @@ namespace {
 enum class Init {
   kMatrix,  // normal(0, 0.02): projections and embeddings
   kNorm,    // 1 + 0.1 * normal: norm scales
+  kOffsetNorm,  // 0.1 * normal: norm scales stored as their offset from 1 (Gemma's 1 + weight)
   kBias,    // 0.02 * normal
 };
 
@@ -50,8 +51,9 @@ struct LlamaShape {
   int64_t bos, eos;
 };
 
-ModelSpec llama_spec(const LlamaShape& s) {
-  const int64_t head_dim = s.hidden / s.heads;
+// head_dim 0: hidden / heads.
+ModelSpec llama_spec(const LlamaShape& s, int64_t head_dim = 0) {
+  if (head_dim == 0) head_dim = s.hidden / s.heads;
   ModelSpec m;
   m.config = {{"architectures", {"LlamaForCausalLM"}},
               {"model_type", "llama"},
@@ -163,6 +165,61 @@ ModelSpec mistral_spec(const LlamaShape& s, int64_t sliding_window) {
   return m;
 }
 
+struct Gemma2Settings {
+  int64_t head_dim, sliding_window;
+  int64_t query_pre_attn_scalar;  // an integer: transformers' Gemma2Config refuses another number
+  double attn_logit_softcapping, final_logit_softcapping;
+};
+
+// Gemma 2 (Gemma2ForCausalLM): Llama's tensors plus a norm on each side of the MLP, norms stored as
+// offsets from 1, the head tied. Its config.json as transformers 5 writes google/gemma-2-2b's:
+// sliding windows in the even layers (layer_types), soft caps on attention scores and logits.
+ModelSpec gemma2_spec(const LlamaShape& s, const Gemma2Settings& g) {
+  ModelSpec m = llama_spec(s, g.head_dim);
+  json layer_types = json::array();
+  for (int64_t i = 0; i < s.layers; ++i) layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  m.config = {{"architectures", {"Gemma2ForCausalLM"}},
+              {"model_type", "gemma2"},
+              {"attention_bias", false},
+              {"attention_dropout", 0.0},
+              {"attn_logit_softcapping", g.attn_logit_softcapping},
+              {"bos_token_id", s.bos},
+              {"eos_token_id", s.eos},
+              {"final_logit_softcapping", g.final_logit_softcapping},
+              {"head_dim", g.head_dim},
+              {"hidden_activation", "gelu_pytorch_tanh"},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"layer_types", layer_types},
+              {"max_position_embeddings", s.max_positions},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"num_key_value_heads", s.kv_heads},
+              {"pad_token_id", 0},
+              {"query_pre_attn_scalar", g.query_pre_attn_scalar},
+              {"rms_norm_eps", s.rms_eps},
+              {"rope_parameters", {{"rope_theta", s.rope_theta}, {"rope_type", "default"}}},
+              {"sliding_window", g.sliding_window},
+              {"tie_word_embeddings", true},
+              {"transformers_version", "5.24.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  std::vector<TensorSpec> tensors;
+  for (auto t : m.tensors) {
+    if (t.init == Init::kNorm) t.init = Init::kOffsetNorm;
+    tensors.push_back(t);
+    const std::string post_attention = "post_attention_layernorm.weight";
+    if (t.name.ends_with(post_attention)) {
+      const auto layer = t.name.substr(0, t.name.size() - post_attention.size());
+      tensors.push_back({layer + "pre_feedforward_layernorm.weight", t.shape, Init::kOffsetNorm});
+      tensors.push_back({layer + "post_feedforward_layernorm.weight", t.shape, Init::kOffsetNorm});
+    }
+  }
+  m.tensors = std::move(tensors);
+  return m;
+}
+
 json llama3_rope(double factor, double low, double high, int64_t original) {
   return {{"rope_type", "llama3"},
           {"factor", factor},
@@ -236,8 +293,8 @@ ModelSpec gpt2_spec(const GPT2Shape& s, bool hub_layout = false) {
 }
 
 const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
-                                           "tiny-qwen2", "tiny-mistral", "llama-3.2-1b", "llama-2-7b",
-                                           "llama-2-13b", "gpt2-xl"};
+                                           "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "llama-3.2-1b",
+                                           "llama-2-7b", "llama-2-13b", "gpt2-xl"};
 
 // Presets' configs follow the Hub's config.json of each model (meta-llama/Llama-3.2-1B,
 // meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, openai-community/gpt2-xl). layers >= 0
@@ -260,6 +317,12 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
   // A window of 4 tokens: the tests' sequences are longer, so the window matters.
   if (name == "tiny-mistral") {
     return mistral_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, nullptr, false, 1, 2}, 4);
+  }
+  // Gemma 2's shapes in small: head_dim apart from hidden / heads (24, not 16), query_pre_attn_scalar
+  // apart from head_dim (4: scores scaled by 1/2), a window of 4 in layer 0, and soft caps low enough
+  // (0.1 on the scores, 0.5 on the logits) that each changes what the random weights compute.
+  if (name == "tiny-gemma2") {
+    return gemma2_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 10000.0, nullptr, true, 2, 1}, {24, 4, 4, 0.1, 0.5});
   }
   if (name == "llama-3.2-1b") {
     return llama_spec({128256, 2048, 8192, n(16), 32, 8, 131072, 1e-5, 500000.0, llama3_rope(32.0, 1.0, 4.0, 8192),
@@ -288,6 +351,7 @@ at::Tensor generate(const TensorSpec& spec, uint64_t seed, at::ScalarType dtype)
   switch (spec.init) {
     case Init::kMatrix: t.normal_(0.0, 0.02, gen); break;
     case Init::kNorm: t.normal_(0.0, 0.1, gen).add_(1.0); break;
+    case Init::kOffsetNorm: t.normal_(0.0, 0.1, gen); break;
     case Init::kBias: t.normal_(0.0, 0.02, gen); break;
   }
   return t.to(dtype);

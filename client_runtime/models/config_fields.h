@@ -17,6 +17,9 @@ void check_model_type(const Checkpoint& ckpt, const std::string& expected);
 int64_t required_int(const Checkpoint& ckpt, const std::string& path);
 // The same, or `fallback` when the field is missing or null.
 int64_t optional_int(const Checkpoint& ckpt, const std::string& path, int64_t fallback);
+// The number at top-level field `name`: `fallback` when the field is missing, 0 when it is null
+// (a setting that null turns off, as Gemma 2's soft caps); throws naming the field when negative.
+double number_or_off(const Checkpoint& ckpt, const std::string& name, double fallback);
 
 }  // namespace detail
 }  // namespace symbiosis

@@ -134,7 +134,7 @@ CachedStep CachedStep::fixed_decode(KvCache& cache, const at::Tensor& slots, con
 }
 
 at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              int64_t sliding_window) const {
+                              int64_t sliding_window, const AttentionScores& scores) const {
   auto& keys = cache_.keys(layer);
   auto& values = cache_.values(layer);
   TORCH_CHECK(q.size(0) == 1 && q.size(2) == tokens_ && k.size(2) == tokens_, "a cached step of ", tokens_,
@@ -142,8 +142,10 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
   if (decode_) {
 #ifdef SYMBIOSIS_WITH_CUDA
     // On a GPU, one kernel writes and attends ([Fused decode attention] in kernels/decode_attention.h);
-    // it attends over every cached key, so not for a sliding window.
-    if (q.is_cuda() && sliding_window == 0 && kernels::decode_attention_supports(q.size(1), k.size(1), q.size(3), q.scalar_type())) {
+    // it attends over every cached key with the default scores, so not for a sliding window, another
+    // scale or a soft cap.
+    if (q.is_cuda() && sliding_window == 0 && scores.scale == 0 && scores.softcap == 0 &&
+        kernels::decode_attention_supports(q.size(1), k.size(1), q.size(3), q.scalar_type())) {
       auto out = kernels::decode_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), keys,
                                            values, slots_, starts_);
       return out.transpose(0, 1).unsqueeze(0);
@@ -169,7 +171,7 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
       }
       mask = window_mask;
     }
-    auto out = detail::attention_over(queries, span(keys), span(values), mask);
+    auto out = detail::attention_over(queries, span(keys), span(values), mask, scores);
     return out.squeeze(2).transpose(0, 1).unsqueeze(0);
   }
   std::vector<at::Tensor> outs;
@@ -180,10 +182,11 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
     auto own = [&](const at::Tensor& t) { return t.narrow(0, s.slot, 1).narrow(2, 0, s.start + s.length); };
     auto queries = q.narrow(2, offset, s.length);
     outs.push_back(s.start == 0 && sliding_window == 0
-                       ? detail::attention(queries, own(keys), own(values), {})
+                       ? detail::attention(queries, own(keys), own(values), {}, scores)
                        : detail::attention_over(queries, own(keys), own(values),
                                                 offset_causal_mask(s.start, s.length, sliding_window, q.scalar_type(),
-                                                                   q.device())));
+                                                                   q.device()),
+                                                scores));
     offset += s.length;
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 2);

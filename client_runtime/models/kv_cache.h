@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "client_runtime/models/attention.h"
 #include "client_runtime/peft/model_adapter.h"
 
 namespace symbiosis {
@@ -82,9 +83,10 @@ class CachedStep {
   // Layer `layer`'s attention for the packed tokens: q [1, heads, N, head_dim], k and v
   // [1, kv_heads, N, head_dim] (k rotated where the model rotates) -> [1, heads, N, head_dim].
   // Writes k and v into the cache first. sliding_window > 0: each query sees only the keys of its
-  // window ([Sliding window] in models/llama.h).
+  // window ([Sliding window] in models/llama.h). scores: the model's scale and soft cap
+  // ([Logit soft-capping] in models/attention.h).
   at::Tensor attend(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    int64_t sliding_window = 0) const;
+                    int64_t sliding_window = 0, const AttentionScores& scores = {}) const;
 
  private:
   explicit CachedStep(KvCache& cache) : cache_(cache) {}
@@ -110,8 +112,9 @@ struct CachedLayer {
   const CachedStep* step;
   int64_t layer;
   int64_t sliding_window = 0;  // the layer's window ([Sliding window] in models/llama.h), 0 for none
-  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
-    return step->attend(layer, q, k, v, sliding_window);
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const AttentionScores& scores = {}) const {
+    return step->attend(layer, q, k, v, sliding_window, scores);
   }
 };
 

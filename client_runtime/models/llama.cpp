@@ -138,24 +138,29 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   const auto where = ckpt.dir() / "config.json";
   LlamaConfig c;
   c.model_type = ckpt.config_string("model_type").value_or("llama");
-  TORCH_CHECK(c.model_type == "llama" || c.model_type == "qwen2" || c.model_type == "mistral", where, ": model_type is '",
-              c.model_type, "', expected 'llama', 'qwen2' or 'mistral' for the Llama family");
+  const bool known = c.model_type == "llama" || c.model_type == "qwen2" || c.model_type == "mistral" ||
+                     c.model_type == "gemma2";
+  TORCH_CHECK(known, where, ": model_type is '", c.model_type,
+              "', expected 'llama', 'qwen2', 'mistral' or 'gemma2' for the Llama family");
+  const bool gemma2 = c.model_type == "gemma2";
   c.vocab_size = required_int(ckpt, "vocab_size");
   c.hidden_size = required_int(ckpt, "hidden_size");
   c.intermediate_size = required_int(ckpt, "intermediate_size");
   c.num_hidden_layers = required_int(ckpt, "num_hidden_layers");
   c.num_attention_heads = required_int(ckpt, "num_attention_heads");
   c.num_key_value_heads = optional_int(ckpt, "num_key_value_heads", c.num_attention_heads);
-  c.head_dim = optional_int(ckpt, "head_dim", c.head_dim);
+  c.head_dim = optional_int(ckpt, "head_dim", gemma2 ? 256 : c.head_dim);  // Gemma2Config's default
   c.max_position_embeddings = optional_int(ckpt, "max_position_embeddings", c.max_position_embeddings);
   c.rms_norm_eps = ckpt.config_number("rms_norm_eps").value_or(1e-6);
-  c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(false);
+  c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(gemma2);
   c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2Attention: q, k and v with biases, o without
-  c.mlp_bias = ckpt.config_bool("mlp_bias").value_or(false);
+  c.mlp_bias = !gemma2 && ckpt.config_bool("mlp_bias").value_or(false);  // Gemma2MLP has none
   // [Sliding window], as transformers' configs read it: Mistral's every layer when sliding_window
-  // is set; Qwen2's layers from max_window_layers on when use_sliding_window; or, either way, the
-  // layer_types that transformers 5 writes.
+  // is set; Qwen2's layers from max_window_layers on when use_sliding_window; Gemma 2's even
+  // layers (a window of 4096 unless given); or, any of them, the layer_types that transformers 5
+  // writes.
+  if (gemma2) c.sliding_window = 4096;
   if (c.model_type != "llama" && ckpt.config_has("sliding_window")) {
     c.sliding_window = required_int(ckpt, "sliding_window");
     TORCH_CHECK(c.sliding_window > 0, where, ": field 'sliding_window' is ", c.sliding_window,
@@ -174,11 +179,26 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
     } else {
       const int64_t first_sliding = c.model_type == "qwen2" ? optional_int(ckpt, "max_window_layers", 28) : 0;
       for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-        c.layer_types.push_back(i >= first_sliding ? "sliding_attention" : "full_attention");
+        const bool sliding = gemma2 ? i % 2 == 0 : i >= first_sliding;
+        c.layer_types.push_back(sliding ? "sliding_attention" : "full_attention");
       }
     }
   }
-  if (auto act = ckpt.config_string("hidden_act")) {
+  if (gemma2) {
+    // [Gemma 2]: Gemma2MLP reads hidden_activation (older configs also carry hidden_act, unused).
+    c.hidden_act = ckpt.config_string("hidden_activation").value_or("gelu_pytorch_tanh");
+    TORCH_CHECK(c.hidden_act == "gelu_pytorch_tanh", where, ": hidden_activation '", c.hidden_act,
+                "' is not supported (expected 'gelu_pytorch_tanh')");
+    c.sandwich_norms = true;
+    c.scale_embeddings = true;
+    c.query_pre_attn_scalar = ckpt.config_number("query_pre_attn_scalar").value_or(256.0);
+    TORCH_CHECK(c.query_pre_attn_scalar > 0, where, ": field 'query_pre_attn_scalar' is ", c.query_pre_attn_scalar,
+                ", expected a positive number");
+    c.attn_logit_softcapping = detail::number_or_off(ckpt, "attn_logit_softcapping", 50.0);
+    c.final_logit_softcapping = detail::number_or_off(ckpt, "final_logit_softcapping", 30.0);
+    TORCH_CHECK(!ckpt.config_bool("use_bidirectional_attention").value_or(false), where,
+                ": use_bidirectional_attention=true is not supported (the client's models are causal)");
+  } else if (auto act = ckpt.config_string("hidden_act")) {
     TORCH_CHECK(*act == "silu", where, ": hidden_act '", *act, "' is not supported (expected 'silu')");
   }
   // transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; transformers 4 writes
@@ -226,10 +246,20 @@ void LlamaConfig::validate() const {
                 "Llama config: layer type '", type, "' is not supported (expected 'full_attention', or ",
                 "'sliding_attention' with a sliding_window)");
   }
+  TORCH_CHECK(hidden_act == "silu" || hidden_act == "gelu_pytorch_tanh", "Llama config: activation '", hidden_act,
+              "' is not supported (expected 'silu' or 'gelu_pytorch_tanh')");
+  TORCH_CHECK(query_pre_attn_scalar >= 0 && attn_logit_softcapping >= 0 && final_logit_softcapping >= 0,
+              "Llama config: query_pre_attn_scalar (", query_pre_attn_scalar, "), attn_logit_softcapping (",
+              attn_logit_softcapping, ") and final_logit_softcapping (", final_logit_softcapping,
+              ") must be 0 (unset) or positive");
 }
 
 int64_t LlamaConfig::window_of(int64_t layer) const {
   return !layer_types.empty() && layer_types.at(layer) == "sliding_attention" ? sliding_window : 0;
+}
+
+AttentionScores LlamaConfig::attention_scores() const {
+  return {query_pre_attn_scalar > 0 ? 1.0 / std::sqrt(query_pre_attn_scalar) : 0.0, attn_logit_softcapping};
 }
 
 namespace detail {
@@ -257,16 +287,24 @@ at::Tensor llama_inv_freq(const LlamaConfig& config) {
 
 }  // namespace detail
 
-LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps) : eps_(eps) {
-  weight = register_parameter("weight", at::ones({hidden_size}));
+LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps, bool unit_offset)
+    : eps_(eps), unit_offset_(unit_offset) {
+  weight = register_parameter("weight", unit_offset ? at::zeros({hidden_size}) : at::ones({hidden_size}));
 }
 
 // LibTorch's rms_norm (one fused kernel on a GPU, fp32 statistics for reduced-precision inputs):
-// transformers' LlamaRMSNorm, but for where bf16/fp16 results round once instead of twice.
-at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) { return at::rms_norm(x, {x.size(-1)}, weight, eps_); }
+// transformers' LlamaRMSNorm, but for where bf16/fp16 results round once instead of twice. With a
+// unit offset, Gemma2RMSNorm: x and 1 + weight in fp32, the product cast back once.
+at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
+  if (!unit_offset_) return at::rms_norm(x, {x.size(-1)}, weight, eps_);
+  return at::rms_norm(x.to(at::kFloat), {x.size(-1)}, weight.to(at::kFloat) + 1.0, eps_).to(x.scalar_type());
+}
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_base)
-    : num_heads_(c.num_attention_heads), num_kv_heads_(c.num_key_value_heads), head_dim_(c.resolved_head_dim()) {
+    : num_heads_(c.num_attention_heads),
+      num_kv_heads_(c.num_key_value_heads),
+      head_dim_(c.resolved_head_dim()),
+      scores_(c.attention_scores()) {
   const int64_t q_out = num_heads_ * head_dim_;
   const int64_t kv_out = num_kv_heads_ * head_dim_;
   const bool qkv_bias = c.attention_bias || c.qkv_bias;  // base weights: served with the layer
@@ -298,12 +336,12 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
     v = at::cat({past->value, v}, 2);
   }
   // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
-  auto heads = cache ? cache->attend(q, k, v) : detail::attention(q, k, v, additive_mask);
+  auto heads = cache ? cache->attend(q, k, v, scores_) : detail::attention(q, k, v, additive_mask, scores_);
   auto out = heads.transpose(1, 2).reshape({batch, length, num_heads_ * head_dim_});
   return o_proj->forward(out);
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) {
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : gelu_(c.hidden_act == "gelu_pytorch_tanh") {
   gate_proj = register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
   up_proj = register_module("up_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
   down_proj = register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
@@ -313,6 +351,7 @@ at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
   at::Tensor stacked;  // [Layer groups]: gate and up side by side, when nothing changed them apart
   const auto gate_up = nn::forward_siblings({gate_proj.get(), up_proj.get()}, x, &stacked);
   const auto &gate = gate_up[0], &up = gate_up[1];
+  if (gelu_) return down_proj->forward(at::gelu(gate, "tanh") * up);  // GeGLU ([Gemma 2]), left to autograd
   const bool differentiable = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
   if (!differentiable) return down_proj->forward(swiglu(gate, up));
   return down_proj->forward(stacked.defined() ? StackedSwiGLU::apply(stacked) : SwiGLU::apply(gate, up));
@@ -321,14 +360,24 @@ at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool materialize_base) {
   self_attn = register_module("self_attn", LlamaAttention(c, materialize_base));
   mlp = register_module("mlp", LlamaMLP(c, materialize_base));
-  input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
-  post_attention_layernorm = register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  auto norm = [&] { return LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, /*unit_offset=*/c.sandwich_norms); };
+  input_layernorm = register_module("input_layernorm", norm());
+  post_attention_layernorm = register_module("post_attention_layernorm", norm());
+  if (c.sandwich_norms) {
+    pre_feedforward_layernorm = register_module("pre_feedforward_layernorm", norm());
+    post_feedforward_layernorm = register_module("post_feedforward_layernorm", norm());
+  }
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                           const at::Tensor& additive_mask, const PastKeyValue* past,
                                           const CachedLayer* cache) {
-  auto h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past, cache);
+  auto attended = self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past, cache);
+  if (pre_feedforward_layernorm) {  // [Gemma 2]
+    auto h = x + post_attention_layernorm->forward(attended);
+    return h + post_feedforward_layernorm->forward(mlp->forward(pre_feedforward_layernorm->forward(h)));
+  }
+  auto h = x + attended;
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 
@@ -337,15 +386,23 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool materialize_base) : co
   embed_tokens = register_module("embed_tokens", nn::unfilled_embedding(c.vocab_size, c.hidden_size));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, materialize_base));
-  norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps));
+  norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, /*unit_offset=*/c.sandwich_norms));
   inv_freq_ = detail::llama_inv_freq(c);
+}
+
+at::Tensor LlamaModelImpl::embed(const at::Tensor& ids) {
+  auto embeddings = embed_tokens->forward(ids);
+  if (!config_.scale_embeddings) return embeddings;
+  // [Gemma 2]: sqrt(hidden_size) in fp32, then in the model's dtype, as Gemma2TextScaledWordEmbedding.
+  const auto scale = at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::kFloat);
+  return embeddings * scale.to(embeddings.scalar_type());
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                    const at::Tensor& position_ids, ModelAdapterImpl* adapter) {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
   const int64_t length = input_ids.size(1);
-  auto in = detail::adapt_inputs(adapter, embed_tokens->forward(input_ids), attention_mask, position_ids,
+  auto in = detail::adapt_inputs(adapter, embed(input_ids), attention_mask, position_ids,
                                  config_.num_hidden_layers, config_.sliding_window);
   auto h = in.embeddings;
   const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type());
@@ -392,7 +449,8 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::
 // ([Fused cross-entropy] in kernels/cross_entropy.h), which at 1 024 tokens of Llama 3's vocabulary
 // would be 0.5 GB written forward and again backward.
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
-  return lm_head ? lm_head->forward(hidden) : at::linear(hidden, model->embed_tokens->weight);
+  auto logits = lm_head ? lm_head->forward(hidden) : at::linear(hidden, model->embed_tokens->weight);
+  return detail::soft_cap(logits, config_.final_logit_softcapping);  // [Logit soft-capping]: Gemma 2
 }
 
 void LlamaForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {

@@ -7,16 +7,27 @@
 // (default or "llama3" scaling), SwiGLU, causal mask plus optional padding mask; norms and softmax
 // in fp32, everything else in the model's dtype.
 //
-// [Llama family] Qwen2 (Qwen2ForCausalLM) and Mistral (MistralForCausalLM) are this model with
-// other settings, as transformers derives their classes from Llama's: the same parameter names and
-// computation, plus biases on q, k and v (Qwen2) and sliding-window attention (Mistral; Qwen2 with
-// use_sliding_window, in its layers from max_window_layers on). LlamaConfig::model_type says which.
+// [Llama family] Qwen2 (Qwen2ForCausalLM), Mistral (MistralForCausalLM) and Gemma 2
+// (Gemma2ForCausalLM) are this model with other settings, as transformers derives their classes
+// from Llama's: the same parameter names and computation, plus biases on q, k and v (Qwen2),
+// sliding-window attention (Mistral; Qwen2 with use_sliding_window, in its layers from
+// max_window_layers on; Gemma 2 in alternate layers), and for Gemma 2 ([Gemma 2] below) more.
+// LlamaConfig::model_type says which.
 //
 // [Sliding window] In a sliding-window layer the token at index i (in its sequence, cache and
 // virtual tokens counted) attends to keys j with i - sliding_window < j <= i: itself and at most
 // sliding_window - 1 tokens before it, as transformers' sliding_window_overlay masks
 // (kv_idx > q_idx - sliding_window), in prefill and in decode alike. The KV cache keeps every
 // token (a window's worth would do for these layers; the cache does not yet shrink them).
+//
+// [Gemma 2] Gemma2ForCausalLM is Llama with: RMSNorm scaling by 1 + weight, the product taken in
+// fp32 before the cast back (LlamaRMSNorm's unit_offset); a norm after attention and one on each
+// side of the MLP (post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm:
+// LlamaConfig::sandwich_norms); GeGLU (gelu with tanh) instead of SwiGLU; token embeddings scaled
+// by sqrt(hidden_size) rounded to the model's dtype; attention scores scaled by
+// query_pre_attn_scalar^-1/2 and soft-capped, the logits soft-capped ([Logit soft-capping] in
+// models/attention.h); sliding windows in the layers layer_types names (by default the even ones);
+// the head tied to the embeddings.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -34,10 +45,10 @@ namespace symbiosis {
 
 class Checkpoint;
 
-// The fields of a Llama (or Qwen2, Mistral: [Llama family]) config.json that the forward pass
-// depends on.
+// The fields of a Llama (or Qwen2, Mistral, Gemma 2: [Llama family]) config.json that the forward
+// pass depends on.
 struct LlamaConfig {
-  std::string model_type = "llama";  // "llama", "qwen2" or "mistral"
+  std::string model_type = "llama";  // "llama", "qwen2", "mistral" or "gemma2"
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -62,6 +73,17 @@ struct LlamaConfig {
   // "full_attention" or "sliding_attention" (transformers' layer_types); empty: every layer full.
   int64_t sliding_window = 0;
   std::vector<std::string> layer_types;
+  // The MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma 2's hidden_activation).
+  std::string hidden_act = "silu";
+  // [Gemma 2]: norms scale by 1 + weight and sit on both sides of attention and of the MLP; the
+  // token embeddings are scaled by sqrt(hidden_size).
+  bool sandwich_norms = false;
+  bool scale_embeddings = false;
+  // Attention scores are scaled by query_pre_attn_scalar^-1/2 (0: head_dim^-1/2); soft caps on the
+  // attention scores and on the final logits, 0 for none ([Logit soft-capping] in models/attention.h).
+  double query_pre_attn_scalar = 0.0;
+  double attn_logit_softcapping = 0.0;
+  double final_logit_softcapping = 0.0;
 
   // Reads config.json (both the transformers 4 keys rope_theta/rope_scaling and the transformers 5
   // rope_parameters); throws naming the field for a missing or unsupported value.
@@ -69,19 +91,23 @@ struct LlamaConfig {
   int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
   // Layer `layer`'s attention window in tokens ([Sliding window]), 0 when it attends fully.
   int64_t window_of(int64_t layer) const;
+  // How every layer's attention forms its scores.
+  AttentionScores attention_scores() const;
   // Checks the sizes agree with each other (heads divide, and so on); throws naming the field.
   void validate() const;
 };
 
-// RMSNorm: x / sqrt(mean(x²) + eps) · weight, statistics in fp32 (see forward).
+// RMSNorm: x / sqrt(mean(x²) + eps) · weight, statistics in fp32 (see forward). unit_offset: scales
+// by 1 + weight, all in fp32, as Gemma 2's norm does ([Gemma 2]); its weight starts at 0.
 class LlamaRMSNormImpl : public torch::nn::Module {
  public:
-  LlamaRMSNormImpl(int64_t hidden_size, double eps);
+  LlamaRMSNormImpl(int64_t hidden_size, double eps, bool unit_offset = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
 
  private:
   double eps_;
+  bool unit_offset_;
 };
 TORCH_MODULE(LlamaRMSNorm);
 
@@ -100,14 +126,18 @@ class LlamaAttentionImpl : public torch::nn::Module {
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
+  AttentionScores scores_;
 };
 TORCH_MODULE(LlamaAttention);
 
 class LlamaMLPImpl : public torch::nn::Module {
  public:
   LlamaMLPImpl(const LlamaConfig& config, bool materialize_base);
-  at::Tensor forward(const at::Tensor& x);  // down(silu(gate(x)) * up(x))
+  at::Tensor forward(const at::Tensor& x);  // down(silu(gate(x)) * up(x)), or gelu_tanh for GeGLU
   nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  bool gelu_;  // GeGLU ([Gemma 2]) rather than SwiGLU
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -120,6 +150,9 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  // [Gemma 2]'s norms around the MLP (post_attention_layernorm then normalizes attention's output);
+  // null for the rest of the family.
+  LlamaRMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
@@ -132,6 +165,8 @@ class LlamaModelImpl : public torch::nn::Module {
                      const at::Tensor& position_ids = {}, ModelAdapterImpl* adapter = nullptr);
   // [Cached step]: embeddings [1, N, hidden] of a step's packed tokens -> final hidden states.
   at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step);
+  // Token embeddings of ids, scaled by sqrt(hidden_size) for Gemma 2 (LlamaConfig::scale_embeddings).
+  at::Tensor embed(const at::Tensor& ids);
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
@@ -165,7 +200,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost, 
   // CachedModel: generation with a KvCache (models/kv_cache.h). No position limit: like
   // transformers, Llama goes on past max_position_embeddings.
   const at::Tensor& token_embeddings() const override { return model->embed_tokens->weight; }
-  at::Tensor embed(const at::Tensor& ids) override { return model->embed_tokens->forward(ids); }
+  at::Tensor embed(const at::Tensor& ids) override { return model->embed(ids); }
   at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step) override {
     return model->forward_cached(embeddings, step);
   }

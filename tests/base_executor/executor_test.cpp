@@ -122,9 +122,10 @@ TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag)
 TEST(BaseModelTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
   const auto dir = testing::temp_dir("unsupported-model-type");
   write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", at::randn({4, 4})}});
-  std::ofstream(dir / "config.json") << R"({"model_type": "gemma2"})";
+  std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
   const auto message = testing::error_of([&] { testing::start_executor(dir); });
-  EXPECT_NE(message.find("model_type 'gemma2' is not supported (supported: gpt2, llama, mistral, qwen2)"), std::string::npos)
+  EXPECT_NE(message.find("model_type 'phi3' is not supported (supported: gemma2, gpt2, llama, mistral, qwen2)"),
+            std::string::npos)
       << message;
   EXPECT_NE(message.find("--layer-pattern"), std::string::npos) << message;
   ExecutorOptions named;

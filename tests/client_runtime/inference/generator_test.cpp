@@ -210,7 +210,8 @@ std::string model_name(const std::string& preset) {
 
 // Qwen2 and Mistral attend over sliding windows ([Sliding window] in models/llama.h) that these
 // requests outgrow, in prefill and in decode.
-INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest, ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gpt2"),
+INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest,
+                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2"),
                          [](const auto& info) { return model_name(info.param); });
 
 // Split equals monolithic under each batching policy, with a fine-tuning client training on the
@@ -273,7 +274,7 @@ TEST_P(SplitGenerationTest, SplitEqualsMonolithicWhileAnotherTenantTrains) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, SplitGenerationTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-mistral", "tiny-gpt2"),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-mistral", "tiny-gemma2", "tiny-gpt2"),
                                             ::testing::Values("none", "lockstep", "opportunistic")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
@@ -359,10 +360,12 @@ INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
                                             ::testing::Values("lora", "ia3", "prompt_tuning", "prefix_tuning")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
-// [Llama family]: Qwen2 and Mistral, the base model ("none") and with a LoRA; prompts plus new tokens
-// outgrow their sliding windows (5 and 4 tokens), so transformers' sliding-window cache is held to ours.
+// [Llama family]: Qwen2, Mistral and Gemma 2, the base model ("none") and with a LoRA; prompts plus
+// new tokens outgrow their sliding windows (5, 4 and 4 tokens), so transformers' sliding-window cache
+// is held to ours, and Gemma 2's soft caps hold in the cached decode.
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, HfGenerateTest,
-                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral"), ::testing::Values("none", "lora")),
+                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral", "tiny-gemma2"),
+                                            ::testing::Values("none", "lora")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
 // symbiosis-generate, split and monolithic, on JSON Lines with a request that is refused: the same

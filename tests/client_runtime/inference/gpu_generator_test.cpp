@@ -84,6 +84,14 @@ TEST(GpuGeneration, SlidingWindowSplitOverCudaIpcEqualsMonolithicInFp32) {
   expect_split_equals_monolithic(at::kFloat, 1e-5, "tiny-mistral");
 }
 
+// [Gemma 2] on a GPU: soft-capped attention ([Logit soft-capping]: eager scores, not the fused decode
+// kernel) in captured decode steps, a sliding window in layer 0, soft-capped logits, against eager
+// monolithic decode.
+TEST(GpuGeneration, Gemma2SplitOverCudaIpcEqualsMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  expect_split_equals_monolithic(at::kFloat, 1e-5, "tiny-gemma2");
+}
+
 // A GPU client whose transport cannot be captured (tcp) decodes eagerly after its first capture
 // fails, and still generates what the monolithic model generates.
 TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {

@@ -1,5 +1,5 @@
 // The client runtime's model definitions against transformers: tiny random checkpoints written by
-// symbiosis-make-checkpoint (Llama, Qwen2, Mistral, GPT-2 also named as the Hub's) give the same
+// symbiosis-make-checkpoint (Llama, Qwen2, Mistral, Gemma 2, GPT-2 also named as the Hub's) give the same
 // logits (and loss) in our monolithic C++ models as in transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
 // the loader's errors name the tensor at fault.
 #include <gtest/gtest.h>
@@ -111,17 +111,25 @@ class HfReferenceTest : public ::testing::Test {
     EXPECT_NEAR(loss, ref_loss.item<double>(), 1e-5 * std::abs(ref_loss.item<double>()));
   }
 
+  // The logits of the batch from the checkpoint's model with its config changed by `change`.
+  static at::Tensor logits_with(const LlamaConfig& config, const fs::path& ckpt,
+                                const std::function<void(LlamaConfig&)>& change) {
+    auto changed = config;
+    change(changed);
+    LlamaForCausalLM model(changed, /*materialize_base=*/false);
+    load_weights(*model, *Checkpoint::open(ckpt));
+    at::NoGradGuard no_grad;
+    return model->forward(make_batch(256).input_ids);
+  }
+
   // [Sliding window]: without its window the model computes other logits, from token `window` on
   // (before it, the window cuts nothing off), so matching transformers proves the window's effect.
   static void expect_window_matters(LlamaForCausalLM windowed, const fs::path& ckpt, int64_t window) {
-    auto config = windowed->config();
-    config.sliding_window = 0;
-    config.layer_types.clear();
-    LlamaForCausalLM unwindowed(config, /*materialize_base=*/false);
-    load_weights(*unwindowed, *Checkpoint::open(ckpt));
-    const Batch batch = make_batch(256);
-    at::NoGradGuard no_grad;
-    const auto expected = windowed->forward(batch.input_ids), full = unwindowed->forward(batch.input_ids);
+    const auto expected = logits_with(windowed->config(), ckpt, [](LlamaConfig&) {});
+    const auto full = logits_with(windowed->config(), ckpt, [](LlamaConfig& c) {
+      c.sliding_window = 0;
+      c.layer_types.clear();
+    });
     EXPECT_TRUE(at::allclose(full.narrow(1, 0, window), expected.narrow(1, 0, window), 1e-5, 1e-6));
     EXPECT_GT(max_abs_diff(full, expected), 1e-3 * expected.abs().max().item<double>());
   }
@@ -212,6 +220,92 @@ TEST_F(HfReferenceTest, TinyMistralMatchesTransformers) {
   expect_window_matters(model, ckpt, 4);
 }
 
+// [Gemma 2] (a setting of [Llama family]): norms of 1 + weight on both sides of attention and of the
+// MLP, GeGLU, embeddings scaled by sqrt(hidden), head_dim apart from hidden / heads, attention
+// scores scaled by query_pre_attn_scalar^-1/2 and soft-capped, logits soft-capped, the head tied, a
+// window of 4 in the even layer 0 and full attention in layer 1. Each of those settings is shown to
+// change the logits, so matching transformers proves each.
+TEST_F(HfReferenceTest, TinyGemma2MatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-gemma2", "tiny-gemma2");
+  auto model = load_llama(ckpt);
+  const auto& config = model->config();
+  EXPECT_EQ(config.model_type, "gemma2");
+  EXPECT_EQ(model->model_shape().model_type, "gemma2");
+  EXPECT_EQ(config.window_of(0), 4);
+  EXPECT_EQ(config.window_of(1), 0);
+  EXPECT_EQ(config.resolved_head_dim(), 24);
+  EXPECT_EQ(config.hidden_act, "gelu_pytorch_tanh");
+  EXPECT_DOUBLE_EQ(config.attention_scores().scale, 0.5);
+  EXPECT_DOUBLE_EQ(config.attention_scores().softcap, 0.1);
+  EXPECT_DOUBLE_EQ(config.final_logit_softcapping, 0.5);
+  EXPECT_FALSE(model->lm_head);
+  const auto layer = model->model->layers->ptr<LlamaDecoderLayerImpl>(1);
+  ASSERT_TRUE(layer->pre_feedforward_layernorm && layer->post_feedforward_layernorm);
+  EXPECT_TRUE(at::equal(layer->post_feedforward_layernorm->weight,
+                        Checkpoint::open(ckpt)->tensor("model.layers.1.post_feedforward_layernorm.weight")));
+  expect_matches_reference(model, ckpt);
+  expect_window_matters(model, ckpt, 4);
+  const auto expected = logits_with(config, ckpt, [](LlamaConfig&) {});
+  const double scale = expected.abs().max().item<double>();
+  const std::vector<std::pair<std::string, std::function<void(LlamaConfig&)>>> settings = {
+      {"query_pre_attn_scalar", [](LlamaConfig& c) { c.query_pre_attn_scalar = 0; }},
+      {"attn_logit_softcapping", [](LlamaConfig& c) { c.attn_logit_softcapping = 0; }},
+      {"final_logit_softcapping", [](LlamaConfig& c) { c.final_logit_softcapping = 0; }},
+      {"scale_embeddings", [](LlamaConfig& c) { c.scale_embeddings = false; }}};
+  for (const auto& [name, change] : settings) {
+    EXPECT_GT(max_abs_diff(logits_with(config, ckpt, change), expected), 1e-3 * scale) << name << " changes nothing";
+  }
+}
+
+// [Gemma 2] settings read from config.json: transformers' defaults where a field is missing, null
+// soft caps turn capping off, and what the client cannot compute is refused naming the field.
+TEST_F(HfReferenceTest, Gemma2FieldsAreReadAndBadOnesNamed) {
+  const auto source = checkpoint("tiny-gemma2", "tiny-gemma2");
+  auto with_config = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path dir = *dir_ / name;
+    fs::create_directories(dir);
+    fs::copy_file(source / "model.safetensors", dir / "model.safetensors", fs::copy_options::overwrite_existing);
+    auto config = nlohmann::json::parse(std::ifstream(source / "config.json"));
+    edit(config);
+    std::ofstream(dir / "config.json") << config.dump();
+    return Checkpoint::open(dir);
+  };
+  const auto defaults = LlamaConfig::from_checkpoint(*with_config("gemma2-defaults", [](nlohmann::json& c) {
+    for (const char* field : {"layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                              "query_pre_attn_scalar", "tie_word_embeddings"}) {
+      c.erase(field);
+    }
+    c["num_hidden_layers"] = 3;
+  }));
+  EXPECT_EQ(defaults.window_of(0), 4);  // the even layers slide
+  EXPECT_EQ(defaults.window_of(1), 0);
+  EXPECT_EQ(defaults.window_of(2), 4);
+  EXPECT_DOUBLE_EQ(defaults.attn_logit_softcapping, 50.0);
+  EXPECT_DOUBLE_EQ(defaults.final_logit_softcapping, 30.0);
+  EXPECT_DOUBLE_EQ(defaults.attention_scores().scale, 1.0 / 16.0);  // 256^-1/2
+  EXPECT_TRUE(defaults.tie_word_embeddings);
+  const auto uncapped = LlamaConfig::from_checkpoint(*with_config("gemma2-uncapped", [](nlohmann::json& c) {
+    c["attn_logit_softcapping"] = nullptr;
+    c["final_logit_softcapping"] = nullptr;
+  }));
+  EXPECT_EQ(uncapped.attention_scores().softcap, 0.0);
+  EXPECT_EQ(uncapped.final_logit_softcapping, 0.0);
+  auto refusal = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const auto ckpt = with_config(name, edit);
+    return testing::error_of([&] { LlamaConfig::from_checkpoint(*ckpt); });
+  };
+  EXPECT_NE(refusal("gemma2-relu", [](nlohmann::json& c) { c["hidden_activation"] = "relu"; })
+                .find("hidden_activation 'relu' is not supported (expected 'gelu_pytorch_tanh')"),
+            std::string::npos);
+  EXPECT_NE(refusal("gemma2-negative-cap", [](nlohmann::json& c) { c["final_logit_softcapping"] = -1.0; })
+                .find("field 'final_logit_softcapping' is -1, expected a positive number or null"),
+            std::string::npos);
+  EXPECT_NE(refusal("gemma2-bidirectional", [](nlohmann::json& c) { c["use_bidirectional_attention"] = true; })
+                .find("use_bidirectional_attention=true is not supported"),
+            std::string::npos);
+}
+
 // [Sliding window] settings read from config.json: bad ones are refused naming the field and what
 // it takes; transformers 5's layer_types list is read as given.
 TEST_F(HfReferenceTest, SlidingWindowFieldsAreReadAndBadOnesNamed) {
@@ -248,12 +342,13 @@ TEST_F(HfReferenceTest, SlidingWindowFieldsAreReadAndBadOnesNamed) {
 
 // An architecture the client has no model for is refused naming its model_type and the supported ones.
 TEST_F(HfReferenceTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
-  const fs::path dir = *dir_ / "gemma2";
+  const fs::path dir = *dir_ / "phi3";
   fs::create_directories(dir);
   write_safetensors(dir / "model.safetensors", {{"model.embed_tokens.weight", at::zeros({4, 2})}});
-  std::ofstream(dir / "config.json") << R"({"model_type": "gemma2"})";
+  std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
   const auto message = testing::error_of([&] { open_causal_lm(*Checkpoint::open(dir)); });
-  EXPECT_NE(message.find("model_type 'gemma2' is not supported (supported: gpt2, llama, mistral, qwen2)"), std::string::npos)
+  EXPECT_NE(message.find("model_type 'phi3' is not supported (supported: gemma2, gpt2, llama, mistral, qwen2)"),
+            std::string::npos)
       << message;
   EXPECT_NE(message.find((dir / "config.json").string()), std::string::npos) << message;
 }

@@ -1,5 +1,5 @@
 // Adapter files interoperate with Hugging Face PEFT (CPU, from PyPI), for every method and every
-// architecture (Llama, Qwen2, Mistral, GPT-2): an adapter
+// architecture (Llama, Qwen2, Mistral, Gemma 2, GPT-2): an adapter
 // saved here and loaded by PEFT on the same random checkpoint gives the same logits (1e-4
 // relative), and an adapter made and saved by PEFT, loaded here, gives PEFT's logits. Skipped when
 // the Python packages are missing.
@@ -217,10 +217,11 @@ INSTANTIATE_TEST_SUITE_P(Methods, PeftInteropTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Range(0, 9)),
                          param_name);
 
-// [Llama family]: Qwen2 (q, k and v biases; PEFT's own IA3 targets for it) and Mistral, whose
-// sliding windows the batch outgrows, with every method.
+// [Llama family]: Qwen2 (q, k and v biases; PEFT's own IA3 targets for it), Mistral and Gemma 2
+// (soft caps, scaled embeddings), whose sliding windows the batch outgrows, with every method.
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral"), ::testing::Range(0, 9)),
+                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral", "tiny-gemma2"),
+                                            ::testing::Range(0, 9)),
                          param_name);
 
 }  // namespace
