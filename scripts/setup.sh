@@ -12,7 +12,7 @@ TORCH_VERSION=2.11.0
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libzmq3-dev cppzmq-dev
   libprotobuf-dev protobuf-compiler libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   nlohmann-json3-dev libcli11-dev python3-venv libpcre2-dev libutf8proc-dev libsentencepiece-dev)
-PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece)
+PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece protobuf)
 
 log() { echo "[setup] $*"; }
 SUDO=
@@ -41,9 +41,9 @@ fi
 # decides whether pip has work to do. After a pip run, the packages must also import.
 FAST_PROBE="import importlib.metadata as md, importlib.util as u, os
 assert md.version('torch').startswith('$TORCH_VERSION'), md.version('torch')
-for m in ('transformers', 'peft', 'safetensors', 'numpy', 'matplotlib', 'sentencepiece', 'tokenizers'): md.version(m)
+for m in ('transformers', 'peft', 'safetensors', 'numpy', 'matplotlib', 'sentencepiece', 'tokenizers', 'protobuf'): md.version(m)
 print(os.path.join(u.find_spec('torch').submodule_search_locations[0], 'share', 'cmake'))"
-IMPORT_PROBE="import torch, transformers, peft, safetensors, matplotlib, sentencepiece, tokenizers
+IMPORT_PROBE="import torch, transformers, peft, safetensors, matplotlib, sentencepiece, tokenizers, google.protobuf
 assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__
 print(torch.utils.cmake_prefix_path)"
 if ! TORCH_PREFIX=$("$VENV/bin/python" -c "$FAST_PROBE" 2>/dev/null); then

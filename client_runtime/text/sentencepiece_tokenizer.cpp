@@ -133,6 +133,10 @@ class SentencePieceTokenizer : public Tokenizer {
     if (backend_->is_unknown(id) && backend_->id_to_piece(id) != token) return std::nullopt;
     return id;
   }
+  std::optional<std::string> id_to_token(int64_t id) const override {
+    if (id < 0 || id >= backend_->piece_size()) return std::nullopt;
+    return backend_->id_to_piece(static_cast<int>(id));
+  }
   bool is_special(int64_t id) const override {
     return id >= 0 && id < backend_->piece_size() &&
            (backend_->is_control(static_cast<int>(id)) || special_added_.count(id) > 0);

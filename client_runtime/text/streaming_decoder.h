@@ -3,7 +3,10 @@
 // is final. [Streaming decode] A push decodes a window of the last ids twice, with and without the new one, and
 // gives the difference: text is held back while it ends in an incomplete UTF-8 character (U+FFFD), and the
 // window's earlier ids give a SentencePiece word marker ("▁") its context, so a space is neither dropped nor
-// doubled. The pieces given back add up to Tokenizer::decode of all the ids pushed (tested on every family).
+// doubled. Byte-fallback tokens ("<0xE6>") are held back until a token of another kind follows: a run of them is
+// decoded as one (an invalid run becomes U+FFFD for every byte, the valid characters before in it included), so a
+// prefix of a run is not a prefix of its text. The pieces given back add up to Tokenizer::decode of all the ids
+// pushed (tested on every family).
 // Not thread-safe; the Tokenizer must outlive it.
 #include <cstdint>
 #include <string>

@@ -30,7 +30,8 @@ class Tokenizer {
   // none for GPT-2). Special tokens written in the text ("<|endoftext|>") become their ids, as in transformers.
   virtual std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = true) const = 0;
   // The text of `ids` (invalid UTF-8, such as half a character, comes out as U+FFFD); special tokens as their
-  // text unless skipped. Throws naming an id outside [0, vocab_size()).
+  // text unless skipped. Throws naming a negative id; an id without a token (a model's vocabulary padded past the
+  // tokenizer's) gives nothing for tokenizer.json, as in tokenizers, and is refused for tokenizer.model.
   virtual std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const = 0;
   virtual std::optional<int64_t> bos_token_id() const = 0;
   virtual std::optional<int64_t> eos_token_id() const = 0;
@@ -38,6 +39,8 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   // The id of a token given by its text ("<|eot_id|>", "</s>"), or nullopt when the vocabulary lacks it.
   virtual std::optional<int64_t> token_to_id(std::string_view token) const = 0;
+  // The token's text as the vocabulary writes it ("Ġworld", "▁world", "<0x0A>"), or nullopt for an id without one.
+  virtual std::optional<std::string> id_to_token(int64_t id) const = 0;
   // Whether `id` is a special token (what decode(..., skip_special_tokens = true) leaves out).
   virtual bool is_special(int64_t id) const = 0;
 };

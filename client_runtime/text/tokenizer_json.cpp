@@ -728,6 +728,11 @@ class JsonTokenizer : public Tokenizer {
   int64_t vocab_size() const override { return vocab_size_; }
   std::optional<int64_t> token_to_id(std::string_view token) const override;
   bool is_special(int64_t id) const override { return special_ids_.count(id) > 0; }
+  std::optional<std::string> id_to_token(int64_t id) const override {
+    if (const auto added = added_by_id_.find(id); added != added_by_id_.end()) return added->second->content;
+    if (const std::string* token = model_->id_to_token(id)) return *token;
+    return std::nullopt;
+  }
 
  private:
   void encode_text(std::string_view text, bool at_text_start, std::vector<int64_t>& ids) const;

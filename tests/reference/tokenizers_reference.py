@@ -14,12 +14,14 @@ Trains, on a small built-in corpus, one tokenizer per family, configured as that
   starcoder  tokenizer.json: Digits(individual_digits) + ByteLevel, <|endoftext|>, <fim_prefix>, ...
   spm_bpe    tokenizer.model: SentencePiece BPE with byte fallback (Llama 2, Mistral), add_bos_token
   spm_unigram tokenizer.model: SentencePiece unigram (T5-like models; Gemma's kind of model file)
+  llama2_json tokenizer.json: what transformers converts spm_bpe's model to (Metaspace, BPE with byte fallback)
+  llama2_legacy_json  the same with the Prepend/Replace normalizer of Llama 2's checkpoints on the Hub
 each with tokenizer_config.json. DIR/expected.json holds, per family, the cases
   {"text", "ids" (tokenizer(text) as transformers adds special tokens), "ids_plain" (add_special_tokens=False),
    "decoded" (decode(ids)), "decoded_skip" (decode(ids, skip_special_tokens=True))}
 for every corpus text, and decode-only cases {"ids", "decoded", "decoded_skip"} of random ids (pieces of UTF-8
 characters among them), with "bos", "eos" and "vocab_size".
-The byte-level families' reference is the `tokenizers` package (what transformers' fast tokenizers run); the
+The tokenizer.json families' reference is the `tokenizers` package (what transformers' fast tokenizers run); the
 SentencePiece ones' is the `sentencepiece` package with the rule in spm_encode below.
 Exit status 3 when a Python package is missing (the C++ test then skips).
 """
@@ -247,20 +249,55 @@ def train_sentencepiece(model_type, out_dir, work_dir):
     return encode, decode, specials, sp.bos_id(), sp.eos_id(), sp.get_piece_size()
 
 
+def converted_llama2(spm_dir, out_dir, legacy):
+    """The tokenizer.json transformers writes for the SentencePiece BPE model (Metaspace with prepend_scheme
+    "first", BPE with byte fallback, the Replace/ByteFallback/Fuse/Strip decoders); with `legacy`, the normalizer
+    of the Llama 2 checkpoints on the Hub instead (Prepend("▁") and Replace(" ", "▁"), no pre-tokenizer)."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    converted = transformers.AutoTokenizer.from_pretrained(spm_dir)
+    converted.save_pretrained(out_dir)
+    path = os.path.join(out_dir, "tokenizer.json")
+    if legacy:
+        with open(path) as f:
+            file = json.load(f)
+        file["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+        file["pre_tokenizer"] = None
+        with open(path, "w") as f:
+            json.dump(file, f, ensure_ascii=False)
+    tok = Tokenizer.from_file(path)
+
+    def encode(text, add_special_tokens):
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(ids, skip):
+        return tok.decode(ids, skip_special_tokens=skip)
+
+    return (encode, decode, ["<s>", "</s>"], converted.bos_token_id, converted.eos_token_id,
+            tok.get_vocab_size(with_added_tokens=True))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     try:
+        import google.protobuf  # noqa: F401  (transformers reads tokenizer.model with it)
         import sentencepiece  # noqa: F401
         import tokenizers  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as e:
         return missing(e)
 
     expected = {}
-    for family in ("gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram"):
+    for family in ("gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram", "llama2_json", "llama2_legacy_json"):
         out_dir = os.path.join(args.output, family)
-        if family.startswith("spm_"):
+        if family.startswith("llama2_"):
+            made = converted_llama2(os.path.join(args.output, "spm_bpe"), out_dir, "legacy" in family)
+        elif family.startswith("spm_"):
             made = train_sentencepiece(family[4:], out_dir, args.output)
         else:
             made = train_byte_level(family, out_dir)

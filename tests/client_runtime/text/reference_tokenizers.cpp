@@ -48,7 +48,7 @@ const ReferenceTokenizers* reference_tokenizers(std::string& why) {
     const int status = std::system(command.c_str());
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     if (code == 3) {
-      failure = std::string("the Python at ") + SYMBIOSIS_PYTHON + " lacks tokenizers or sentencepiece";
+      failure = std::string("the Python at ") + SYMBIOSIS_PYTHON + " lacks tokenizers, sentencepiece, protobuf or transformers";
     } else if (code != 0) {
       ADD_FAILURE() << "failed (" << code << "): " << command;
       failure = "the reference script failed";

@@ -10,13 +10,15 @@
 
 namespace symbiosis::testing {
 
-inline const std::vector<std::string> kTokenizerFamilies = {"gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram"};
+inline const std::vector<std::string> kTokenizerFamilies = {"gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram",
+                                                           "llama2_json", "llama2_legacy_json"};
 
 struct ReferenceTokenizers {
   std::filesystem::path dir;  // <dir>/<family>/ holds each family's files
   nlohmann::json expected;    // expected.json: per family, "cases", "decode_cases", "bos", "eos", "vocab_size"
 };
-// nullptr, with `why`, when the Python lacks tokenizers or sentencepiece (the tests then skip); a failing script
+// nullptr, with `why`, when the Python lacks tokenizers, sentencepiece, protobuf or transformers (the tests then
+// skip); a failing script
 // fails the calling test.
 const ReferenceTokenizers* reference_tokenizers(std::string& why);
 // A new empty directory under the system's temporary one.

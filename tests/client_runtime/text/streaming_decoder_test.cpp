@@ -74,7 +74,7 @@ TEST_P(StreamingDecoderTest, PiecesAreWholeCharacters) {
 }
 
 // Text arrives as its ids do: after each id, what was given back so far is a prefix of decode(ids so far), and
-// all of it unless that ends in an incomplete character (U+FFFD).
+// all of it unless that ends in an incomplete character (U+FFFD) or the id is a byte-fallback or special token.
 TEST_P(StreamingDecoderTest, TextArrivesWithoutDelay) {
   for (const json& c : expected_->at("cases")) {
     const auto ids = c.at("ids").get<std::vector<int64_t>>();
@@ -85,7 +85,8 @@ TEST_P(StreamingDecoderTest, TextArrivesWithoutDelay) {
       const std::string so_far = tokenizer_->decode(std::vector<int64_t>(ids.begin(), ids.begin() + n), true);
       ASSERT_EQ(so_far.compare(0, given.size(), given), 0) << "text " << json(c.at("text")).dump() << " after " << n;
       const bool incomplete = so_far.size() >= 3 && so_far.compare(so_far.size() - 3, 3, "\xEF\xBF\xBD") == 0;
-      if (!incomplete) {
+      const std::string token = tokenizer_->id_to_token(ids[n - 1]).value_or("");
+      if (!incomplete && token.rfind("<0x", 0) != 0 && !tokenizer_->is_special(ids[n - 1])) {
         EXPECT_EQ(given, so_far) << "text " << json(c.at("text")).dump() << " after " << n;
       }
     }
