@@ -15,7 +15,9 @@
 // other requests go on; the exit status is then 1.
 //
 // With a tokenizer, its EOS token ends a request (as transformers' generate stops at it), unless
-// --stop names the stop tokens.
+// --stop names the stop tokens. A model's vocabulary may be larger than its tokenizer's (padded to a
+// multiple of 64, say): a token outside the tokenizer's has no text, and is left out of the text as
+// Hugging Face tokenizers' decode leaves it out.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -116,6 +118,15 @@ std::vector<int64_t> parse_ids(const std::string& text) {
   return out;
 }
 
+// The tokens of `ids` that the tokenizer has text for.
+std::vector<int64_t> with_text(const Tokenizer& tokenizer, const std::vector<int64_t>& ids) {
+  std::vector<int64_t> out;
+  for (auto id : ids) {
+    if (id < tokenizer.vocab_size()) out.push_back(id);
+  }
+  return out;
+}
+
 const Tokenizer* tokenizer_for_prompt(const Tokenizer* tokenizer, const Checkpoint& checkpoint) {
   TORCH_CHECK(tokenizer, "--prompt: ", checkpoint.dir().string(),
               " has no tokenizer (tokenizer.json or tokenizer.model); give token ids through --input instead");
@@ -130,7 +141,7 @@ int stream_prompt(const Settings& s, const Tokenizer& tokenizer, Generator& gene
   StreamingDecoder text(tokenizer);
   std::string error;
   generator.submit(std::move(request), [&](const TokenEvent& event) {
-    if (event.token >= 0) std::cout << text.push(event.token) << std::flush;
+    if (event.token >= 0 && event.token < tokenizer.vocab_size()) std::cout << text.push(event.token) << std::flush;
     if (!event.finished) return;
     std::cout << text.finish() << std::endl;
     if (!event.error.empty()) error = event.error;
@@ -185,7 +196,9 @@ int run(Settings& s) {
           if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
         }
         if (!event.finished) return;
-        if (text_of) (*reply)["text"] = text_of->decode((*reply)["output_ids"].get<std::vector<int64_t>>(), true);
+        if (text_of) {
+          (*reply)["text"] = text_of->decode(with_text(*text_of, (*reply)["output_ids"].get<std::vector<int64_t>>()), true);
+        }
         (*reply)["finish_reason"] = to_string(*event.finished);
         if (!event.error.empty()) (*reply)["error"] = event.error;
         emit(*reply);

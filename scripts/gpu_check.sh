@@ -8,6 +8,7 @@
 #   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   generator      gpu_generator_test alone, under MPS
+#   trainer        gpu_trainer_test alone (the tenant trainer's captured steps, symbiosis-finetune on a GPU), under MPS
 #   privacy        noise masking: its kernels' tests and gpu_privacy_test (masked captured steps and decode,
 #                  the bf16 error), under MPS
 #   privacy-bench  masking on against off (Llama-3.2-1B, bf16, N = 8: fine-tuning at 2 x 512 and 1 x 128 and
@@ -81,7 +82,7 @@ else
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
     symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
-    gpu_generator_test gpu_privacy_test \
+    gpu_generator_test gpu_trainer_test gpu_privacy_test symbiosis-finetune symbiosis-generate \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
   export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
@@ -125,6 +126,7 @@ gtest_path() {
     cuda_ipc_test) echo "$B/tests/transport/cuda_ipc/$1" ;;
     nccl_test) echo "$B/tests/transport/nccl/$1" ;;
     gpu_generator_test) echo "$B/tests/client_runtime/inference/$1" ;;
+    gpu_trainer_test) echo "$B/tests/client_runtime/training/$1" ;;
     gpu_privacy_test) echo "$B/tests/privacy/$1" ;;
   esac
 }
@@ -234,6 +236,7 @@ for stage in "$@"; do
       run_gtest kernels_test
       run_gtest cuda_ipc_test
       run_gtest gpu_generator_test
+      run_gtest gpu_trainer_test
       run_gtest gpu_privacy_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
@@ -241,6 +244,11 @@ for stage in "$@"; do
     generator)
       mps_on
       run_gtest gpu_generator_test
+      mps_off
+      ;;
+    trainer)
+      mps_on
+      run_gtest gpu_trainer_test
       mps_off
       ;;
     privacy)

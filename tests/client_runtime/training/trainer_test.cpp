@@ -8,13 +8,16 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/peft/adapter.h"
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/training/loss.h"
+#include "client_runtime/text/tokenizer.h"
 #include "client_runtime/training/trainer.h"
+#include "tests/client_runtime/text/reference_tokenizers.h"
 #include "tests/test_util.h"
 
 namespace symbiosis {
@@ -467,6 +470,76 @@ TEST(FinetuneProgramTest, ResumeRefusesChangedAdapterFlagsAndExtendsAFinishedRun
   const auto whole = run_finetune(common + " --lora-r 4 --steps 5", dir, "whole");
   ASSERT_EQ(whole.status, 0) << whole.err;
   EXPECT_DOUBLE_EQ(extended.final_loss(), whole.final_loss());
+}
+
+// Text through the tenant tools, with the checkpoint's tokenizer (a SentencePiece model beside a
+// tiny Llama): a JSON Lines file of text and of prompt/completion pairs becomes the examples
+// [Text examples] describes, symbiosis-finetune trains an adapter on it, and symbiosis-generate
+// streams a prompt's reply as text: the same tokens, and text, as its JSON Lines reply for the
+// same prompt.
+TEST(FinetuneProgramTest, TrainsOnTextAndGeneratesText) {
+  std::string why;
+  const auto* reference = testing::reference_tokenizers(why);
+  if (!reference) GTEST_SKIP() << why;
+  const auto dir = testing::temp_dir("finetune-text");
+  const auto model = dir / "model";
+  fs::copy(testing::make_checkpoint("tiny-llama"), model, fs::copy_options::recursive);
+  for (const auto& file : {"tokenizer.model", "tokenizer_config.json"}) {
+    fs::copy(reference->dir / "spm_unigram" / file, model / file);
+  }
+  const auto tokenizer = Tokenizer::from_directory(model);
+  ASSERT_LE(tokenizer->vocab_size(), 256);  // within the tiny model's vocabulary
+
+  const auto train = write_file(dir, "train.jsonl",
+                                "{\"text\": \"the quick brown fox jumps over the lazy dog\"}\n"
+                                "{\"prompt\": \"question: what is 12 plus 30?\", \"completion\": \" answer: 42\"}\n"
+                                "{\"text\": \"hello world, hello tokens\"}\n");
+  const auto data = TokenDataset::from_jsonl(train, tokenizer.get());
+  ASSERT_EQ(data.size(), 3u);
+  auto expected_text = tokenizer->encode("the quick brown fox jumps over the lazy dog");
+  expected_text.push_back(*tokenizer->eos_token_id());
+  EXPECT_EQ(data[0].input_ids, expected_text);
+  EXPECT_EQ(data[0].labels, expected_text);
+  const auto prompt = tokenizer->encode("question: what is 12 plus 30?");
+  auto completion = tokenizer->encode(" answer: 42", /*add_special_tokens=*/false);
+  completion.push_back(*tokenizer->eos_token_id());
+  ASSERT_EQ(data[1].input_ids.size(), prompt.size() + completion.size());
+  for (size_t i = 0; i < data[1].input_ids.size(); ++i) {
+    const bool in_prompt = i < prompt.size();
+    EXPECT_EQ(data[1].input_ids[i], in_prompt ? prompt[i] : completion[i - prompt.size()]) << i;
+    EXPECT_EQ(data[1].labels[i], in_prompt ? kIgnoreIndex : completion[i - prompt.size()]) << i;
+  }
+  EXPECT_NE(error_of([&] { TokenDataset::from_jsonl(train); }).find("train.jsonl:1: text: a line of text needs"),
+            std::string::npos);
+
+  const auto save = dir / "run";
+  const auto trained = run_finetune("--monolithic --model " + model.string() + " --train " + train.string() +
+                                        " --steps 2 --lr 1e-2 --no-progress --save-dir " + save.string(),
+                                    dir, "text");
+  ASSERT_EQ(trained.status, 0) << trained.err;
+  EXPECT_TRUE(std::isfinite(trained.final_loss()));
+
+  const std::string generate = testing::binary("examples/symbiosis-generate") + " --monolithic --model " +
+                               model.string() + " --adapter " + (save / "checkpoint-2" / "adapter").string() +
+                               " --max-new-tokens 12";
+  const auto streamed_file = dir / "streamed.txt", json_file = dir / "reply.jsonl";
+  ASSERT_EQ(std::system((generate + " --prompt 'hello world' > " + streamed_file.string()).c_str()), 0);
+  ASSERT_EQ(std::system(("echo '{\"prompt\": \"hello world\"}' | " + generate + " > " + json_file.string()).c_str()), 0);
+  std::ifstream streamed_in(streamed_file), json_in(json_file);
+  std::string streamed((std::istreambuf_iterator<char>(streamed_in)), {});
+  std::string line;
+  std::getline(json_in, line);
+  const auto reply = nlohmann::json::parse(line);
+  const auto output_ids = reply.at("output_ids").get<std::vector<int64_t>>();
+  ASSERT_FALSE(output_ids.empty()) << line;
+  EXPECT_EQ(reply.at("prompt_ids").get<std::vector<int64_t>>(), tokenizer->encode("hello world"));
+  // The tiny model's vocabulary (256) is larger than the tokenizer's: tokens past it have no text.
+  std::vector<int64_t> with_text;
+  for (auto id : output_ids) {
+    if (id < tokenizer->vocab_size()) with_text.push_back(id);
+  }
+  EXPECT_EQ(reply.at("text").get<std::string>(), tokenizer->decode(with_text, /*skip_special_tokens=*/true));
+  EXPECT_EQ(streamed, reply.at("text").get<std::string>() + "\n");
 }
 
 // Split training equals monolithic training over a few trainer steps, for both batching modes.

@@ -1,0 +1,156 @@
+// The tenant trainer on a GPU ([Training on a GPU] in client_runtime/training/trainer.h): captured
+// steps (fixed-shape micro-batches, the loss, clipping and FusedAdamW in CUDA graphs) give the
+// losses of eager steps, split as monolithic, for a layer-level method, a model-level one and
+// AdaLoRA (whose hooks run around the graphs); and symbiosis-finetune on a GPU trains a tiny model
+// split and monolithic to the same losses.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "base_executor/executor.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/adalora.h"
+#include "client_runtime/peft/lora.h"
+#include "client_runtime/peft/prompt.h"
+#include "client_runtime/training/trainer.h"
+#include "tests/gpu_test_util.h"
+
+namespace symbiosis {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Seven examples of 3 to 12 tokens: with two rows a micro-batch and two micro-batches a step, each
+// epoch ends on a step of one micro-batch of one row (padding rows and a padding micro-batch when
+// captured).
+TokenDataset examples() {
+  at::manual_seed(61);
+  std::vector<TokenExample> out;
+  for (int i = 0; i < 7; ++i) {
+    const int64_t n = at::randint(3, 13, {1}).item<int64_t>();
+    auto ids = at::randint(0, 256, {n}, at::kLong);
+    TokenExample e;
+    e.input_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + n);
+    out.push_back(std::move(e));
+  }
+  return TokenDataset::from_examples(std::move(out));
+}
+
+struct Method {
+  std::string name;
+  std::function<std::vector<at::Tensor>(torch::nn::Module&)> add;
+  bool adalora = false;
+};
+
+AdaLoraConfig adalora_config() {
+  AdaLoraConfig config;
+  config.init_r = 4;
+  config.target_r = 2;
+  config.total_step = 4;
+  config.target_modules = {"q_proj", "v_proj"};
+  return config;
+}
+
+// The losses of four trainer steps on cuda:0, split through `client` or monolithic.
+std::vector<double> train_losses(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                                 const Method& method, bool capture) {
+  auto lm = open_causal_lm(checkpoint, client, {at::kFloat, at::Device("cuda:0")});
+  at::manual_seed(5);
+  auto parameters = method.add(*lm.module);
+  TrainerOptions options;
+  options.batching.micro_batch_size = 2;
+  options.grad_accum = 2;
+  options.max_steps = 4;
+  options.learning_rate = 1e-2;
+  options.shuffle = false;
+  options.progress = false;
+  options.capture = capture;
+  Trainer trainer(lm, parameters, examples(), options);
+  std::shared_ptr<AdaLoraAllocator> allocator;
+  if (method.adalora) {
+    allocator = std::make_shared<AdaLoraAllocator>(*lm.module, adalora_config());
+    auto module = lm.module;
+    trainer.set_hooks({.extra_loss = [module] { return adalora_orthogonal_regularization(*module, adalora_config()); },
+                       .after_update = [allocator](int64_t step) { allocator->update_and_allocate(step); }});
+  }
+  std::vector<double> losses;
+  for (const auto& step : trainer.train()) losses.push_back(step.loss);
+  return losses;
+}
+
+TEST(GpuTrainerTest, CapturedStepsGiveTheLossesOfEagerStepsSplitAndMonolithic) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto model = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(model);
+  ExecutorOptions executor_options;
+  executor_options.device = "cuda:0";
+  auto executor = testing::start_executor(model, executor_options);
+  ClientOptions client_options;
+  client_options.device = "cuda:0";
+  auto client = testing::connect(*executor, *checkpoint, client_options);
+  LoraConfig lora;
+  lora.r = 4;
+  lora.init_b_zero = false;
+  const std::vector<Method> methods = {
+      {"lora", [lora](torch::nn::Module& m) { return add_lora(m, lora); }},
+      {"prefix", [](torch::nn::Module& m) { return add_prefix_tuning(m, {.num_virtual_tokens = 3}); }},
+      {"adalora", [](torch::nn::Module& m) { return add_adalora(m, adalora_config()); }, /*adalora=*/true}};
+  for (const auto& method : methods) {
+    SCOPED_TRACE(method.name);
+    const auto eager = train_losses(*checkpoint, nullptr, method, /*capture=*/false);
+    const auto captured_mono = train_losses(*checkpoint, nullptr, method, /*capture=*/true);
+    const auto captured_split = train_losses(*checkpoint, client, method, /*capture=*/true);
+    ASSERT_EQ(eager.size(), 4u);
+    ASSERT_EQ(captured_mono.size(), 4u);
+    ASSERT_EQ(captured_split.size(), 4u);
+    for (size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(std::isfinite(eager[i])) << i;
+      EXPECT_NEAR(captured_mono[i], eager[i], 1e-4 * std::abs(eager[i])) << "step " << i;
+      EXPECT_NEAR(captured_split[i], captured_mono[i], 1e-4 * std::abs(eager[i])) << "step " << i;
+    }
+  }
+}
+
+// The test: symbiosis-finetune on cuda:0, split (the executor on the same GPU) and
+// monolithic, trains to the same losses; its eager steps (--no-capture) agree too.
+TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto model = testing::make_checkpoint("tiny-llama");
+  ExecutorOptions executor_options;
+  executor_options.device = "cuda:0";
+  auto executor = testing::start_executor(model, executor_options);
+  const auto dir = testing::temp_dir("gpu-finetune");
+  const auto train = dir / "train.jsonl";
+  {
+    std::ofstream out(train);
+    const auto data = examples();
+    for (size_t i = 0; i < data.size(); ++i) {
+      std::string ids;
+      for (auto id : data[i].input_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+      out << "{\"input_ids\": [" << ids << "]}\n";
+    }
+  }
+  auto final_loss = [&](const std::string& args, const std::string& name) {
+    const auto out = dir / (name + ".out");
+    const std::string command = testing::binary("examples/symbiosis-finetune") + " --model " + model.string() +
+                                " --train " + train.string() +
+                                " --device cuda:0 --lora-r 4 --lr 1e-2 --steps 6 --micro-batch 2 --grad-accum 2"
+                                " --seed 3 --no-progress " +
+                                args + " > " + out.string() + " 2> " + out.string() + ".err";
+    EXPECT_EQ(testing::shell(command), 0) << command;
+    std::ifstream in(out);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    const auto at = text.rfind("done: step 6 loss ");
+    EXPECT_NE(at, std::string::npos) << text;
+    return at == std::string::npos ? NAN : std::stod(text.substr(at + 18));
+  };
+  const double split = final_loss("--executor " + executor->endpoint(), "split");
+  const double mono = final_loss("--monolithic", "mono");
+  const double eager = final_loss("--monolithic --no-capture", "eager");
+  EXPECT_NEAR(split, mono, 1e-4 * mono);
+  EXPECT_NEAR(eager, mono, 1e-4 * mono);
+}
+
+}  // namespace
+}  // namespace symbiosis
