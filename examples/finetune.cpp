@@ -179,6 +179,7 @@ int run(Settings& s, const CLI::App& app) {
   s.trainer.shuffle = !s.no_shuffle;
   s.trainer.progress = !s.no_progress;
   s.trainer.capture = !s.no_capture;
+  s.trainer.model_hash = checkpoint->model_hash();
 
   // The adapter: as saved in the checkpoint being resumed, or new from the flags.
   at::manual_seed(s.trainer.seed);  // adapter initialization, then the dropout stream

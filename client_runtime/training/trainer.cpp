@@ -132,7 +132,7 @@ class ProgressDisplay {
 };
 
 nlohmann::json options_json(const TrainerOptions& o, const TokenDataset& train) {
-  return {{"seed", o.seed},
+  nlohmann::json settings = {{"seed", o.seed},
           {"shuffle", o.shuffle},
           {"micro_batch_size", o.batching.micro_batch_size},
           {"batching", o.batching.mode == BatchingMode::kPacking ? "packing" : "padding"},
@@ -146,6 +146,8 @@ nlohmann::json options_json(const TrainerOptions& o, const TokenDataset& train) 
           {"min_learning_rate", o.min_learning_rate},
           {"train_examples", train.size()},
           {"train_tokens", train.num_tokens()}};
+  if (!o.model_hash.empty()) settings["model_hash"] = o.model_hash;
+  return settings;
 }
 
 void write_text(const fs::path& file, const std::string& text) {
@@ -478,6 +480,9 @@ class Trainer::Impl {
       const auto now = options_json(options, data);
       for (const auto& [key, value] : now.items()) {
         if (key == "max_steps" || key == "epochs") continue;  // the run may be extended ([Exact resume])
+        TORCH_CHECK(key != "model_hash" || (saved.contains(key) && saved[key] == value), dir.string(),
+                    " was trained on base model ", saved.contains(key) ? saved[key].dump() : "(not recorded)",
+                    " but this model is ", value.dump(), "; resume on the checkpoint it was trained on");
         TORCH_CHECK(saved.contains(key) && saved[key] == value, state_file.string(), ": ", key, " is ",
                     saved.contains(key) ? saved[key].dump() : "missing", " in the checkpoint but ", value.dump(),
                     " now; resuming exactly needs the same settings and data");

@@ -45,6 +45,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "client_runtime/models/causal_lm.h"
@@ -72,6 +73,9 @@ struct TrainerOptions {
   std::filesystem::path save_dir;  // empty: train() writes no checkpoints
   bool progress = true;            // train(): the progress display on stderr
   bool capture = true;             // on a CUDA device: captured steps ([Training on a GPU])
+  // The base model's hash (Checkpoint::model_hash), recorded in checkpoints: resuming on another
+  // base model is refused naming both. Empty: not recorded or checked.
+  std::string model_hash;
 
   void validate() const;  // throws naming the bad field
 };

@@ -444,8 +444,8 @@ TEST(FinetuneProgramTest, EveryMethodTrainsSplitAsMonolithicAndSavesItsAdapter) 
   }
 }
 
-// --resume keeps the saved adapter: a method flag that disagrees with it is refused naming both
-// values, and a finished run extended with --steps continues where it stopped (with a constant
+// --resume keeps the saved adapter and base model: a method flag that disagrees with the adapter,
+// and another base model, are refused naming both values, and a finished run extended with --steps continues where it stopped (with a constant
 // learning rate, to the loss of a run as long from the start).
 TEST(FinetuneProgramTest, ResumeRefusesChangedAdapterFlagsAndExtendsAFinishedRun) {
   const auto model = testing::make_checkpoint("tiny-llama");
@@ -462,6 +462,18 @@ TEST(FinetuneProgramTest, ResumeRefusesChangedAdapterFlagsAndExtendsAFinishedRun
   EXPECT_NE(changed.err.find("has 4"), std::string::npos) << changed.err;
   const auto method = run_finetune(common + " --method ia3 --steps 3 --resume " + save.string(), dir, "method");
   EXPECT_NE(method.err.find("--method is ia3 but the adapter being resumed"), std::string::npos) << method.err;
+
+  // The same shapes with other weights: another base model, refused naming both hashes.
+  const auto other = testing::make_checkpoint("tiny-llama", "--seed 99");
+  const auto other_model = run_finetune("--monolithic --model " + other.string() + " --train " + train.string() +
+                                            " --lr 1e-2 --min-lr 1e-2 --micro-batch 2 --seed 7 --no-progress"
+                                            " --steps 3 --resume " + save.string(),
+                                        dir, "other-model");
+  EXPECT_EQ(other_model.status, 2);
+  EXPECT_NE(other_model.err.find("was trained on base model \"" + Checkpoint::open(model)->model_hash() +
+                                 "\" but this model is \"" + Checkpoint::open(other)->model_hash() + "\""),
+            std::string::npos)
+      << other_model.err;
 
   const auto extended =
       run_finetune(common + " --steps 5 --save-dir " + save.string() + " --resume " + save.string(), dir, "extended");
