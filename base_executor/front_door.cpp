@@ -291,16 +291,7 @@ void FrontDoor::handle_request(const proto::Request& r, ClientRecord* client, st
                    std::string("a ") + channel->kind_name() + " client's request carries no payload frame"},
                   true);
   }
-  CallArrived call{channel, {}, {r.shape().begin(), r.shape().end()}, {}};
-  auto& h = call.header;
-  h.request_id = r.request_id();
-  h.layer_id = r.layer_id();
-  h.op = r.op();
-  h.dtype = r.dtype();
-  h.latency_class = r.latency_class();
-  h.in_offset = r.in_offset();
-  h.out_offset = r.out_offset();
-  h.buffer_generation = r.buffer_generation();
+  CallArrived call{channel, wire::call_header(r), {r.shape().begin(), r.shape().end()}, {}};
   for (size_t i = 2; i < frames.size(); ++i) call.frames.push_back(std::move(frames[i]));
   scheduler_.post(std::move(call));
 }

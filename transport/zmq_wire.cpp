@@ -116,6 +116,19 @@ bool parse(const zmq::message_t& frame, proto::Envelope* envelope) {
   return envelope->ParseFromArray(frame.data(), static_cast<int>(frame.size()));
 }
 
+shm::CallHeader call_header(const proto::Request& r) {
+  shm::CallHeader h;
+  h.request_id = r.request_id();
+  h.layer_id = r.layer_id();
+  h.op = r.op();
+  h.dtype = r.dtype();
+  h.latency_class = r.latency_class();
+  h.in_offset = r.in_offset();
+  h.out_offset = r.out_offset();
+  h.buffer_generation = r.buffer_generation();
+  return h;
+}
+
 zmq::message_t tensor_frame(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "tensor frames need contiguous CPU tensors");
   auto* keep = new at::Tensor(t);

@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "symbiosis.pb.h"
+#include "transport/call_ring.h"
 #include "virt_layer/layer_info.h"
 
 namespace symbiosis::wire {
@@ -40,6 +41,9 @@ void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Enve
 void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope,
              std::vector<zmq::message_t>& payload);
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope);
+// The header of the call a Request carries, as the executor queues it; its shape travels beside
+// it. Unchecked: [Call check] (base_executor/call_check.h) checks it.
+shm::CallHeader call_header(const proto::Request& request);
 
 // A frame that borrows t's memory (t is kept alive until ZeroMQ is done). t must be contiguous, CPU.
 zmq::message_t tensor_frame(const at::Tensor& t);

@@ -34,10 +34,13 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
   const auto file = dir / "adapter_model.safetensors";
   std::ifstream in(file, std::ios::binary);
   TORCH_CHECK(in.good(), "missing file ", file);
-  const auto size = std::filesystem::file_size(file);
+  const uint64_t size = std::filesystem::file_size(file);
   uint64_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), 8);
-  TORCH_CHECK(in.good() && header_len + 8 <= size, file, ": bad safetensors header length ", header_len);
+  // Compared without adding to the file's number, which may be anything up to 2^64 - 1.
+  TORCH_CHECK(in.good() && size >= 8 && header_len <= size - 8, file, ": bad safetensors header length ", header_len,
+              " (the file has ", size, " bytes)");
+  const uint64_t data_bytes = size - 8 - header_len;
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
   nlohmann::json table;
@@ -46,18 +49,40 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, file, ": bad safetensors header: ", e.what());
   }
+  TORCH_CHECK(table.is_object(), file, ": the safetensors header is not a JSON object");
   std::map<std::string, at::Tensor> tensors;
   for (const auto& [name, entry] : table.items()) {
     if (name == "__metadata__") continue;
-    const auto dtype = dtype_from_safetensors(entry.at("dtype").get<std::string>(), file.string() + ": " + name);
-    const auto shape = entry.at("shape").get<std::vector<int64_t>>();
-    const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+    const std::string where = file.string() + ": tensor '" + name + "'";
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    std::vector<uint64_t> offsets;
+    try {
+      TORCH_CHECK(entry.is_object(), where, ": its entry is not an object");
+      dtype = dtype_from_safetensors(entry.at("dtype").get<std::string>(), where);
+      shape = entry.at("shape").get<std::vector<int64_t>>();
+      offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, where, ": needs dtype (a string), shape and data_offsets (lists of whole numbers): ",
+                  e.what());
+    }
+    // The shape's bytes, refused before anything is allocated for them when they overflow or do
+    // not fit the file.
+    uint64_t bytes = at::elementSize(dtype);
+    for (const int64_t d : shape) {
+      TORCH_CHECK(d >= 0, where, ": shape ", at::IntArrayRef(shape), " has a negative size");
+      TORCH_CHECK(d == 0 || bytes <= data_bytes / static_cast<uint64_t>(d), where, ": shape ", at::IntArrayRef(shape),
+                  " needs more bytes than the file holds");
+      bytes *= static_cast<uint64_t>(d);
+    }
+    TORCH_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_bytes &&
+                    offsets[1] - offsets[0] == bytes,
+                where, " has bad data_offsets (expected [begin, begin + ", bytes, "] within the ", data_bytes,
+                " data bytes)");
     auto t = at::empty(shape, at::TensorOptions().dtype(dtype));
-    TORCH_CHECK(offsets.size() == 2 && offsets[1] - offsets[0] == t.nbytes() && 8 + header_len + offsets[1] <= size,
-                file, ": tensor '", name, "' has bad data_offsets");
     in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
     in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    TORCH_CHECK(in.good(), file, ": short read of tensor '", name, "'");
+    TORCH_CHECK(in.good(), where, ": short read");
     tensors.emplace(name, t);
   }
   return tensors;
