@@ -380,5 +380,39 @@ TEST(PeftFiles, RefusalsNameTheField) {
   expect_refused({{"peft_type", "PROMPT_TUNING"}, {"num_virtual_tokens", 4}, {"task_type", "SEQ_CLS"}}, "task_type");
 }
 
+// [Fuzzing] (docs/fuzzing.md; inputs in fuzz/regressions/peft_files/): an adapter_model.safetensors
+// whose header length or tensor sizes are hostile is refused naming the file and the tensor, before
+// anything is allocated for it (a header length that wrapped once asked for 2^64 bytes, a shape of
+// 2^50 elements for 4 PB).
+TEST(PeftFiles, HostileSafetensorsAreRefusedBeforeAllocating) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  auto checkpoint = Checkpoint::open(dir);
+  const auto adapter = testing::temp_dir("symbiosis-peft-hostile");
+  std::ofstream(adapter / "adapter_config.json")
+      << nlohmann::json{{"peft_type", "LORA"}, {"r", 2}, {"target_modules", {"q_proj"}}}.dump();
+  const std::string file = (adapter / "adapter_model.safetensors").string();
+  auto refusal = [&](uint64_t header_len, const std::string& header) {
+    std::ofstream out(adapter / "adapter_model.safetensors", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&header_len), 8);
+    out << header << std::string(16, '\0');
+    out.close();
+    auto lm = open_causal_lm(*checkpoint);
+    return testing::error_of([&] { load_peft_adapter(*lm.module, adapter); });
+  };
+  auto message = refusal(~uint64_t{0} - 3, "{}");  // 8 + the length wraps to 4
+  EXPECT_NE(message.find("bad safetensors header length"), std::string::npos) << message;
+  const std::string huge = R"({"w": {"dtype": "F32", "shape": [1099511627776, 1024], "data_offsets": [0, 16]}})";
+  message = refusal(huge.size(), huge);
+  EXPECT_NE(message.find(file + ": tensor 'w': shape"), std::string::npos) << message;
+  EXPECT_NE(message.find("needs more bytes than the file holds"), std::string::npos) << message;
+  const std::string wrapped = R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [18446744073709551615, 15]}})";
+  message = refusal(wrapped.size(), wrapped);
+  EXPECT_NE(message.find("tensor 'w' has bad data_offsets"), std::string::npos) << message;
+  const std::string typed = R"({"w": {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}})";
+  message = refusal(typed.size(), typed);
+  EXPECT_NE(message.find(file + ": tensor 'w': needs dtype (a string), shape and data_offsets"), std::string::npos)
+      << message;
+}
+
 }  // namespace
 }  // namespace symbiosis
