@@ -185,3 +185,53 @@ TEST(CheckpointTest, ErrorsNameTheFileAndTheProblem) {
 
 }  // namespace
 }  // namespace symbiosis
+
+namespace symbiosis {
+namespace {
+
+// A safetensors file of one header (the JSON text as given) and `data_bytes` zero bytes.
+void write_raw_safetensors(const fs::path& file, const std::string& header, size_t data_bytes) {
+  std::ofstream out(file, std::ios::binary);
+  const uint64_t len = header.size();
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << header << std::string(data_bytes, '\0');
+}
+
+// [Fuzzing] (docs/fuzzing.md; inputs in fuzz/regressions/checkpoint/): numbers in a header that overflow a sum or a
+// product, entries of the wrong JSON type, and shards outside the folder are refused naming the
+// file and the tensor, never read past the file or thrown as another exception.
+TEST(CheckpointTest, HostileHeadersAndIndexesAreRefusedNamingTheFile) {
+  auto dir = testing::temp_dir("ckpt-hostile");
+  write_config(dir);
+  auto refusal = [&](const std::string& header) {
+    write_raw_safetensors(dir / "model.safetensors", header, 16);
+    return error_of([&] { Checkpoint::open(dir); });
+  };
+  const std::string file = (dir / "model.safetensors").string();
+  // An end offset that wraps the file's start to a small number.
+  auto message = refusal(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 18446744073709551615]}})");
+  EXPECT_NE(message.find(file + ", tensor 'w': bad data_offsets"), std::string::npos) << message;
+  // A shape whose product overflows to the 16 bytes there are.
+  message = refusal(R"({"w": {"dtype": "F32", "shape": [4611686018427387905, 4], "data_offsets": [0, 16]}})");
+  EXPECT_NE(message.find("tensor 'w': shape"), std::string::npos) << message;
+  EXPECT_NE(message.find("does not fit the file"), std::string::npos) << message;
+  message = refusal(R"({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}})");
+  EXPECT_NE(message.find("does not fit the file"), std::string::npos) << message;
+  message = refusal(R"({"w": {"dtype": 7, "shape": [4], "data_offsets": [0, 16]}})");
+  EXPECT_NE(message.find(file + ", tensor 'w': dtype should be a string"), std::string::npos) << message;
+  message = refusal(R"([1, 2])");
+  EXPECT_NE(message.find("bad JSON header in \"" + file + "\": expected an object"), std::string::npos) << message;
+
+  write_safetensors(dir / "model.safetensors", {{"w", at::zeros({2})}});
+  const auto index = dir / "model.safetensors.index.json";
+  for (const std::string shard : {"../model.safetensors", "/etc/passwd", "..", "7"}) {
+    nlohmann::json j = {{"weight_map", {{"w", shard == "7" ? nlohmann::json(7) : nlohmann::json(shard)}}}};
+    std::ofstream(index) << j.dump();
+    message = error_of([&] { Checkpoint::open(dir); });
+    EXPECT_NE(message.find("tensor 'w' is in"), std::string::npos) << shard << ": " << message;
+    EXPECT_NE(message.find("expected the name of a file in the checkpoint's folder"), std::string::npos) << message;
+  }
+}
+
+}  // namespace
+}  // namespace symbiosis
