@@ -48,7 +48,7 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   TORCH_CHECK(rule.pattern != BaseLayerRule::kDefaultPattern || is_supported_model_type(model_type), "checkpoint ",
               checkpoint.dir(), ": ", unsupported_model_type(model_type),
               ": name its base layers with --layer-pattern");
-  const bool conv1d = model_type == "gpt2";
+  const bool conv1d = model_type == "gpt2";  // GPTBigCode, GPT-2's kin, has Linear layers
   auto model = std::unique_ptr<BaseModel>(new BaseModel());
   model->device_ = device;
   model->model_hash_ = checkpoint.model_hash();

@@ -117,6 +117,10 @@ class BaseLayerImpl : public torch::nn::Module {
 std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
                                          at::Tensor* stacked = nullptr);
 
+// A base layer of either kind, chosen when the model is built (GPT-2's Conv1D, GPTBigCode's Linear:
+// [GPT-2 family] in models/gpt2.h).
+TORCH_MODULE(BaseLayer);
+
 class LinearImpl : public BaseLayerImpl {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = true, bool materialize = true)

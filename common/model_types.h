@@ -1,7 +1,8 @@
 #pragma once
 // The architectures Symbiosis supports, by config.json's model_type: the client runtime has a
-// model for each (client_runtime/models/: GPT-2, and Llama with Qwen2, Mistral and Gemma 2,
-// [Llama family] in llama.h) and the executor's default base-layer rule covers each (base_executor/base_model.h).
+// model for each (client_runtime/models/: GPT-2 with GPTBigCode, [GPT-2 family] in gpt2.h, and
+// Llama with Qwen2, Mistral and Gemma 2, [Llama family] in llama.h) and the executor's default
+// base-layer rule covers each (base_executor/base_model.h).
 // Both refuse another model_type with the same words (unsupported_model_type).
 #include <algorithm>
 #include <string>
@@ -10,7 +11,8 @@
 namespace symbiosis {
 
 inline const std::vector<std::string>& supported_model_types() {
-  static const std::vector<std::string> types = {"gemma2", "gpt2", "llama", "mistral", "qwen2"};
+  static const std::vector<std::string> types = {"gemma2", "gpt2", "gpt_bigcode", "llama", "mistral",
+                                                 "qwen2"};
   return types;
 }
 

@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/checkpoint.h"
@@ -292,9 +293,46 @@ ModelSpec gpt2_spec(const GPT2Shape& s, bool hub_layout = false) {
   return m;
 }
 
+// GPTBigCode (GPTBigCodeForCausalLM, StarCoder): GPT-2's tensors as Linear layers ([out, in]), c_attn
+// giving the queries then one key and one value head with multi_query (else every head's). Its
+// config.json as transformers 5 writes bigcode/starcoderbase's.
+ModelSpec gpt_bigcode_spec(const GPT2Shape& s, bool multi_query) {
+  ModelSpec m = gpt2_spec(s);
+  m.config = {{"architectures", {"GPTBigCodeForCausalLM"}},
+              {"model_type", "gpt_bigcode"},
+              {"activation_function", "gelu_pytorch_tanh"},
+              {"attention_softmax_in_fp32", true},
+              {"attn_pdrop", 0.1},
+              {"bos_token_id", s.bos_eos},
+              {"embd_pdrop", 0.1},
+              {"eos_token_id", s.bos_eos},
+              {"initializer_range", 0.02},
+              {"layer_norm_epsilon", 1e-5},
+              {"multi_query", multi_query},
+              {"n_embd", s.embd},
+              {"n_head", s.heads},
+              {"n_inner", nullptr},
+              {"n_layer", s.layers},
+              {"n_positions", s.positions},
+              {"resid_pdrop", 0.1},
+              {"scale_attention_softmax_in_fp32", true},
+              {"scale_attn_weights", true},
+              {"tie_word_embeddings", true},
+              {"transformers_version", "5.24.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  const int64_t kv = multi_query ? s.embd / s.heads : s.embd;
+  for (auto& t : m.tensors) {
+    if (t.name.find(".attn.c_attn.") != std::string::npos) t.shape.back() = s.embd + 2 * kv;
+    if (t.name.find(".h.") != std::string::npos && t.shape.size() == 2) std::swap(t.shape[0], t.shape[1]);
+  }
+  return m;
+}
+
 const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
-                                           "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "llama-3.2-1b",
-                                           "llama-2-7b", "llama-2-13b", "gpt2-xl"};
+                                           "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
+                                           "tiny-gpt-bigcode-mha", "llama-3.2-1b", "llama-2-7b", "llama-2-13b",
+                                           "gpt2-xl"};
 
 // Presets' configs follow the Hub's config.json of each model (meta-llama/Llama-3.2-1B,
 // meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, openai-community/gpt2-xl). layers >= 0
@@ -310,6 +348,9 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
   }
   if (name == "tiny-gpt2") return gpt2_spec({256, 128, 64, n(2), 4, 255});
   if (name == "tiny-gpt2-hub") return gpt2_spec({256, 128, 64, n(2), 4, 255}, /*hub_layout=*/true);
+  // StarCoder's multi-query attention (one key/value head), and GPTBigCode without it.
+  if (name == "tiny-gpt-bigcode") return gpt_bigcode_spec({256, 128, 64, n(2), 4, 255}, /*multi_query=*/true);
+  if (name == "tiny-gpt-bigcode-mha") return gpt_bigcode_spec({256, 128, 64, n(2), 4, 255}, /*multi_query=*/false);
   // Tied like Qwen2-0.5B; layer 0 attends fully, the layers after it over a window of 5 tokens.
   if (name == "tiny-qwen2") {
     return qwen2_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 1000000.0, nullptr, true, 1, 2}, 5, 1);

@@ -43,7 +43,7 @@ CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Clie
   const bool materialize = false;
   const auto type = checkpoint.config_string("model_type").value_or("");
   TORCH_CHECK(is_supported_model_type(type), checkpoint.dir() / "config.json", ": ", unsupported_model_type(type));
-  if (type == "gpt2") {
+  if (type == "gpt2" || type == "gpt_bigcode") {  // [GPT-2 family]
     return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
   }
   // [Llama family]: llama, qwen2, mistral, gemma2.

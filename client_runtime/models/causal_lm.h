@@ -1,7 +1,7 @@
 #pragma once
-// A causal language model of a checkpoint's family (Llama, Qwen2, Mistral, Gemma 2 or GPT-2, from
-// config.json's model_type; another is refused naming it and the supported ones), built either
-// split (base layers virtualized on an executor, never allocated here) or monolithic (base layers
+// A causal language model of a checkpoint's family (Llama, Qwen2, Mistral, Gemma 2, GPT-2 or
+// GPTBigCode, from config.json's model_type; another is refused naming it and the supported ones),
+// built either split (base layers virtualized on an executor, never allocated here) or monolithic (base layers
 // computed in-process: the reference and the baseline).
 #include <torch/nn/module.h>
 

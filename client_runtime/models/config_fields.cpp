@@ -9,13 +9,6 @@
 
 namespace symbiosis::detail {
 
-void check_model_type(const Checkpoint& ckpt, const std::string& expected) {
-  if (auto type = ckpt.config_string("model_type")) {
-    TORCH_CHECK(*type == expected, ckpt.dir() / "config.json", ": model_type is '", *type, "', expected '", expected,
-                "'");
-  }
-}
-
 int64_t required_int(const Checkpoint& ckpt, const std::string& path) {
   auto v = ckpt.config_number(path);
   TORCH_CHECK(v.has_value(), ckpt.dir() / "config.json", ": missing field '", path, "'");

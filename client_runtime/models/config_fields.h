@@ -10,8 +10,6 @@ class Checkpoint;
 
 namespace detail {
 
-// Throws unless config.json's model_type, where it has one, is `expected`.
-void check_model_type(const Checkpoint& ckpt, const std::string& expected);
 // The whole number at `path` (dotted, as Checkpoint::config_number takes it); throws naming the
 // field when it is missing (or null) or not a whole number.
 int64_t required_int(const Checkpoint& ckpt, const std::string& path);

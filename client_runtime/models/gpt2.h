@@ -3,6 +3,14 @@
 // The four Conv1D layers of each block are symbiosis::nn::Conv1D base layers (weight [in, out]);
 // embeddings, layer norms and attention are the client's. The LM head is tied to wte.
 // Computes what transformers' eager GPT2LMHeadModel computes ("gelu_new" activation).
+//
+// [GPT-2 family] GPTBigCode (GPTBigCodeForCausalLM: StarCoder, SantaCoder) is this model with other
+// settings, as transformers writes it after GPT-2's: the same config fields, parameter names and
+// computation (learned positions, layer norms, GELU's tanh approximation, the head tied to wte), but
+// its four layers of a block are Linear base layers (weight [out, in]), and with multi_query (its
+// default) attention is multi-query: c_attn gives the queries [n_embd] then one key and one value
+// head [head_dim] each. Without multi_query, c_attn's columns hold each head's q, k and v side by
+// side. GPT2Config::model_type says which.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -17,7 +25,10 @@ namespace symbiosis {
 
 class Checkpoint;
 
+// The fields of a GPT-2 (or GPTBigCode: [GPT-2 family]) config.json that the forward pass depends on.
 struct GPT2Config {
+  std::string model_type = "gpt2";  // "gpt2" or "gpt_bigcode"
+  bool multi_query = false;         // GPTBigCode's one key/value head
   int64_t vocab_size = 50257;
   int64_t n_positions = 1024;
   int64_t n_embd = 768;
@@ -27,9 +38,14 @@ struct GPT2Config {
   double layer_norm_epsilon = 1e-5;
 
   // Reads config.json; throws naming the field for a missing or unsupported value (only
-  // activation_function "gelu_new", scale_attn_weights true, no inverse-layer-idx scaling).
+  // activation_function "gelu_new" or "gelu_pytorch_tanh", scale_attn_weights true, no
+  // inverse-layer-idx scaling, no cross-attention).
   static GPT2Config from_checkpoint(const Checkpoint& ckpt);
   int64_t inner() const { return n_inner > 0 ? n_inner : 4 * n_embd; }
+  int64_t head_dim() const { return n_embd / n_head; }
+  int64_t kv_heads() const { return multi_query ? 1 : n_head; }
+  // The base layers' kind: Conv1D for GPT-2, Linear for GPTBigCode.
+  LayerKind layer_kind() const { return model_type == "gpt2" ? LayerKind::kConv1D : LayerKind::kLinear; }
   void validate() const;
 };
 
@@ -41,10 +57,13 @@ class GPT2AttentionImpl : public torch::nn::Module {
   // through the cache instead; mask and past are then unused.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
                      const CachedLayer* cache = nullptr);
-  nn::Conv1D c_attn{nullptr}, c_proj{nullptr};
+  nn::BaseLayer c_attn{nullptr}, c_proj{nullptr};  // Conv1D (GPT-2) or Linear (GPTBigCode)
 
  private:
-  int64_t n_embd_, n_head_;
+  // q [B, n_head, T, head_dim], k and v [B, kv_heads, T, head_dim] of c_attn's output [B, T, ...].
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> split_heads(const at::Tensor& qkv) const;
+  int64_t n_embd_, n_head_, kv_heads_;
+  bool per_head_;  // c_attn's columns grouped by head (GPTBigCode without multi_query)
 };
 TORCH_MODULE(GPT2Attention);
 
@@ -52,7 +71,7 @@ class GPT2MLPImpl : public torch::nn::Module {
  public:
   GPT2MLPImpl(const GPT2Config& config, bool materialize_base);
   at::Tensor forward(const at::Tensor& x);  // c_proj(gelu_new(c_fc(x)))
-  nn::Conv1D c_fc{nullptr}, c_proj{nullptr};
+  nn::BaseLayer c_fc{nullptr}, c_proj{nullptr};
 };
 TORCH_MODULE(GPT2MLP);
 
@@ -88,7 +107,7 @@ TORCH_MODULE(GPT2Model);
 
 class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost, public CachedModel {
  public:
-  // materialize_base=false allocates no base-layer (Conv1D) weights: load them with
+  // materialize_base=false allocates no base-layer (Conv1D or Linear) weights: load them with
   // load_weights() or virtualize the model before calling forward.
   explicit GPT2LMHeadModelImpl(const GPT2Config& config, bool materialize_base = true);
   // input_ids [B,T] int64; attention_mask [B,T] of 1/0, optional; position_ids [B,T] or [T],

@@ -45,7 +45,7 @@ IA3Config IA3Config::resolved_for(torch::nn::Module& model) const {
   } else if (type == "qwen2" || type == "gemma2") {
     c.target_modules = {"q_proj", "v_proj", "down_proj"};
     c.feedforward_modules = {"down_proj"};
-  } else if (type == "gpt2") {
+  } else if (type == "gpt2" || type == "gpt_bigcode") {
     c.target_modules = {"c_attn", "mlp.c_proj"};
     c.feedforward_modules = {"mlp.c_proj"};
   } else {

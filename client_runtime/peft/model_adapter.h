@@ -30,7 +30,7 @@ struct PastKeyValue {
 
 // The sizes a model-level method needs to shape its tensors.
 struct ModelShape {
-  std::string model_type;  // config.json's: "llama", "qwen2", "mistral", "gemma2", "gpt2", ...
+  std::string model_type;  // config.json's: "llama", "qwen2", "mistral", "gemma2", "gpt2", "gpt_bigcode"
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
   int64_t num_attention_heads = 0;

@@ -124,7 +124,8 @@ TEST(BaseModelTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
   write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", at::randn({4, 4})}});
   std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
   const auto message = testing::error_of([&] { testing::start_executor(dir); });
-  EXPECT_NE(message.find("model_type 'phi3' is not supported (supported: gemma2, gpt2, llama, mistral, qwen2)"),
+  EXPECT_NE(message.find("model_type 'phi3' is not supported "
+                         "(supported: gemma2, gpt2, gpt_bigcode, llama, mistral, qwen2)"),
             std::string::npos)
       << message;
   EXPECT_NE(message.find("--layer-pattern"), std::string::npos) << message;

@@ -1,7 +1,7 @@
 // Invariant 1 (exactness): split execution against an executor computes what the same model
 // computes monolithically: logits, loss and every LoRA gradient within 1e-5 relative (fp32, CPU),
-// and adapter weights still agree after 5 AdamW steps. Llama, Qwen2, Mistral, Gemma 2 and GPT-2 (also
-// as the Hub names GPT-2's tensors: [Checkpoint layouts]), over each CPU transport
+// and adapter weights still agree after 5 AdamW steps. Llama, Qwen2, Mistral, Gemma 2, GPT-2 (also
+// as the Hub names GPT-2's tensors: [Checkpoint layouts]) and GPTBigCode, over each CPU transport
 // (ZeroMQ TCP, and shared memory with headers through the shared-memory control channel or over
 // ZeroMQ), in one process and in four client processes at once under each batching policy.
 #include <gtest/gtest.h>
@@ -57,7 +57,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-mistral",
-                                                              "tiny-gemma2", "tiny-gpt2", "tiny-gpt2-hub"),
+                                                              "tiny-gemma2", "tiny-gpt2", "tiny-gpt2-hub",
+                                                              "tiny-gpt-bigcode"),
                                             ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
                          [](const auto& info) {
                            auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);

@@ -211,7 +211,8 @@ std::string model_name(const std::string& preset) {
 // Qwen2 and Mistral attend over sliding windows ([Sliding window] in models/llama.h) that these
 // requests outgrow, in prefill and in decode.
 INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest,
-                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2"),
+                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2",
+                                           "tiny-gpt-bigcode"),
                          [](const auto& info) { return model_name(info.param); });
 
 // Split equals monolithic under each batching policy, with a fine-tuning client training on the
@@ -274,7 +275,8 @@ TEST_P(SplitGenerationTest, SplitEqualsMonolithicWhileAnotherTenantTrains) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, SplitGenerationTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-mistral", "tiny-gemma2", "tiny-gpt2"),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-mistral", "tiny-gemma2", "tiny-gpt2",
+                                                              "tiny-gpt-bigcode"),
                                             ::testing::Values("none", "lockstep", "opportunistic")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
@@ -356,7 +358,7 @@ TEST_P(HfGenerateTest, GreedyEqualsTransformersPeftGenerate) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2", "tiny-gpt-bigcode"),
                                             ::testing::Values("lora", "ia3", "prompt_tuning", "prefix_tuning")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 

@@ -92,6 +92,13 @@ TEST(GpuGeneration, Gemma2SplitOverCudaIpcEqualsMonolithicInFp32) {
   expect_split_equals_monolithic(at::kFloat, 1e-5, "tiny-gemma2");
 }
 
+// [GPT-2 family] on a GPU: GPTBigCode's multi-query attention (one key/value head, through the fused
+// decode kernel) and Linear base layers, in captured decode steps against eager monolithic decode.
+TEST(GpuGeneration, GPTBigCodeSplitOverCudaIpcEqualsMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  expect_split_equals_monolithic(at::kFloat, 1e-5, "tiny-gpt-bigcode");
+}
+
 // A GPU client whose transport cannot be captured (tcp) decodes eagerly after its first capture
 // fails, and still generates what the monolithic model generates.
 TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {

@@ -1,5 +1,5 @@
 // The client runtime's model definitions against transformers: tiny random checkpoints written by
-// symbiosis-make-checkpoint (Llama, Qwen2, Mistral, Gemma 2, GPT-2 also named as the Hub's) give the same
+// symbiosis-make-checkpoint (Llama, Qwen2, Mistral, Gemma 2, GPT-2 also named as the Hub's, GPTBigCode) give the same
 // logits (and loss) in our monolithic C++ models as in transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
 // the loader's errors name the tensor at fault.
 #include <gtest/gtest.h>
@@ -134,6 +134,25 @@ class HfReferenceTest : public ::testing::Test {
     EXPECT_GT(max_abs_diff(full, expected), 1e-3 * expected.abs().max().item<double>());
   }
 
+  // A copy of checkpoint `source` (its single weights file) named `name`, config.json changed by `edit`.
+  static auto with_config(const fs::path& source, const std::string& name,
+                          const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path dir = *dir_ / name;
+    fs::create_directories(dir);
+    fs::copy_file(source / "model.safetensors", dir / "model.safetensors", fs::copy_options::overwrite_existing);
+    auto config = nlohmann::json::parse(std::ifstream(source / "config.json"));
+    edit(config);
+    std::ofstream(dir / "config.json") << config.dump();
+    return Checkpoint::open(dir);
+  }
+
+  // What LlamaConfig::from_checkpoint says of such a copy.
+  static std::string refusal(const fs::path& source, const std::string& name,
+                             const std::function<void(nlohmann::json&)>& edit) {
+    const auto ckpt = with_config(source, name, edit);
+    return testing::error_of([&] { LlamaConfig::from_checkpoint(*ckpt); });
+  }
+
   static fs::path* dir_;
   static bool have_transformers_;
 };
@@ -186,6 +205,26 @@ TEST_F(HfReferenceTest, TinyGPT2HubLayoutMatchesTransformers) {
   EXPECT_TRUE(at::equal(model->transformer->h->ptr<GPT2BlockImpl>(1)->attn->c_attn->weight,
                         ckpt->tensor("h.1.attn.c_attn.weight")));
   expect_matches_reference(model, dir);
+}
+
+// [GPT-2 family]: GPTBigCode (StarCoder) with multi-query attention, one key/value head, its c_attn a
+// Linear layer giving q, k and v; and without multi_query, every head's q, k and v side by side.
+TEST_F(HfReferenceTest, TinyGPTBigCodeMatchesTransformers) {
+  require_transformers();
+  const std::vector<std::pair<std::string, int64_t>> presets = {{"tiny-gpt-bigcode", 1}, {"tiny-gpt-bigcode-mha", 4}};
+  for (const auto& [preset, kv_heads] : presets) {
+    SCOPED_TRACE(preset);
+    const auto ckpt = checkpoint(preset, preset);
+    auto model = load_gpt2(ckpt);
+    EXPECT_EQ(model->config().model_type, "gpt_bigcode");
+    EXPECT_EQ(model->config().multi_query, kv_heads == 1);
+    EXPECT_EQ(model->model_shape().model_type, "gpt_bigcode");
+    EXPECT_EQ(model->model_shape().num_key_value_heads, kv_heads);
+    const auto c_attn = model->transformer->h->ptr<GPT2BlockImpl>(0)->attn->c_attn;
+    EXPECT_EQ(c_attn->kind(), LayerKind::kLinear);
+    EXPECT_EQ(c_attn->weight.sizes(), at::IntArrayRef({64 + 2 * kv_heads * 16, 64}));  // [out, in]
+    expect_matches_reference(model, ckpt);
+  }
 }
 
 // [Llama family]: Qwen2, with biases on q, k and v (not o), tied like Qwen2-0.5B, its second layer
@@ -262,16 +301,7 @@ TEST_F(HfReferenceTest, TinyGemma2MatchesTransformers) {
 // soft caps turn capping off, and what the client cannot compute is refused naming the field.
 TEST_F(HfReferenceTest, Gemma2FieldsAreReadAndBadOnesNamed) {
   const auto source = checkpoint("tiny-gemma2", "tiny-gemma2");
-  auto with_config = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
-    const fs::path dir = *dir_ / name;
-    fs::create_directories(dir);
-    fs::copy_file(source / "model.safetensors", dir / "model.safetensors", fs::copy_options::overwrite_existing);
-    auto config = nlohmann::json::parse(std::ifstream(source / "config.json"));
-    edit(config);
-    std::ofstream(dir / "config.json") << config.dump();
-    return Checkpoint::open(dir);
-  };
-  const auto defaults = LlamaConfig::from_checkpoint(*with_config("gemma2-defaults", [](nlohmann::json& c) {
+  const auto defaults = LlamaConfig::from_checkpoint(*with_config(source, "gemma2-defaults", [](nlohmann::json& c) {
     for (const char* field : {"layer_types", "attn_logit_softcapping", "final_logit_softcapping",
                               "query_pre_attn_scalar", "tie_word_embeddings"}) {
       c.erase(field);
@@ -285,23 +315,19 @@ TEST_F(HfReferenceTest, Gemma2FieldsAreReadAndBadOnesNamed) {
   EXPECT_DOUBLE_EQ(defaults.final_logit_softcapping, 30.0);
   EXPECT_DOUBLE_EQ(defaults.attention_scores().scale, 1.0 / 16.0);  // 256^-1/2
   EXPECT_TRUE(defaults.tie_word_embeddings);
-  const auto uncapped = LlamaConfig::from_checkpoint(*with_config("gemma2-uncapped", [](nlohmann::json& c) {
+  const auto uncapped = LlamaConfig::from_checkpoint(*with_config(source, "gemma2-uncapped", [](nlohmann::json& c) {
     c["attn_logit_softcapping"] = nullptr;
     c["final_logit_softcapping"] = nullptr;
   }));
   EXPECT_EQ(uncapped.attention_scores().softcap, 0.0);
   EXPECT_EQ(uncapped.final_logit_softcapping, 0.0);
-  auto refusal = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
-    const auto ckpt = with_config(name, edit);
-    return testing::error_of([&] { LlamaConfig::from_checkpoint(*ckpt); });
-  };
-  EXPECT_NE(refusal("gemma2-relu", [](nlohmann::json& c) { c["hidden_activation"] = "relu"; })
+  EXPECT_NE(refusal(source, "gemma2-relu", [](nlohmann::json& c) { c["hidden_activation"] = "relu"; })
                 .find("hidden_activation 'relu' is not supported (expected 'gelu_pytorch_tanh')"),
             std::string::npos);
-  EXPECT_NE(refusal("gemma2-negative-cap", [](nlohmann::json& c) { c["final_logit_softcapping"] = -1.0; })
+  EXPECT_NE(refusal(source, "gemma2-negative-cap", [](nlohmann::json& c) { c["final_logit_softcapping"] = -1.0; })
                 .find("field 'final_logit_softcapping' is -1, expected a positive number or null"),
             std::string::npos);
-  EXPECT_NE(refusal("gemma2-bidirectional", [](nlohmann::json& c) { c["use_bidirectional_attention"] = true; })
+  EXPECT_NE(refusal(source, "gemma2-bidirectional", [](nlohmann::json& c) { c["use_bidirectional_attention"] = true; })
                 .find("use_bidirectional_attention=true is not supported"),
             std::string::npos);
 }
@@ -310,32 +336,20 @@ TEST_F(HfReferenceTest, Gemma2FieldsAreReadAndBadOnesNamed) {
 // it takes; transformers 5's layer_types list is read as given.
 TEST_F(HfReferenceTest, SlidingWindowFieldsAreReadAndBadOnesNamed) {
   const auto source = checkpoint("tiny-qwen2", "tiny-qwen2");
-  auto with_config = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
-    const fs::path dir = *dir_ / name;
-    fs::create_directories(dir);
-    fs::copy_file(source / "model.safetensors", dir / "model.safetensors", fs::copy_options::overwrite_existing);
-    auto config = nlohmann::json::parse(std::ifstream(source / "config.json"));
-    edit(config);
-    std::ofstream(dir / "config.json") << config.dump();
-    return Checkpoint::open(dir);
-  };
-  const auto listed = LlamaConfig::from_checkpoint(*with_config("qwen2-layer-types", [](nlohmann::json& c) {
+  const auto listed = LlamaConfig::from_checkpoint(*with_config(source, "qwen2-layer-types", [](nlohmann::json& c) {
     c["layer_types"] = {"sliding_attention", "full_attention"};
   }));
   EXPECT_EQ(listed.window_of(0), 5);
   EXPECT_EQ(listed.window_of(1), 0);
-  const auto off = LlamaConfig::from_checkpoint(*with_config("qwen2-no-window", [](nlohmann::json& c) {
+  const auto off = LlamaConfig::from_checkpoint(*with_config(source, "qwen2-no-window", [](nlohmann::json& c) {
     c["use_sliding_window"] = false;  // as Qwen2's own checkpoints: sliding_window set, but unused
   }));
   EXPECT_EQ(off.window_of(1), 0);
-  auto refusal = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
-    const auto ckpt = with_config(name, edit);
-    return testing::error_of([&] { LlamaConfig::from_checkpoint(*ckpt); });
-  };
-  EXPECT_NE(refusal("qwen2-window-0", [](nlohmann::json& c) { c["sliding_window"] = 0; })
+  EXPECT_NE(refusal(source, "qwen2-window-0", [](nlohmann::json& c) { c["sliding_window"] = 0; })
                 .find("field 'sliding_window' is 0, expected a positive number of tokens or null"),
             std::string::npos);
-  EXPECT_NE(refusal("qwen2-chunked", [](nlohmann::json& c) { c["layer_types"] = {"full_attention", "chunked_attention"}; })
+  const auto chunked = [](nlohmann::json& c) { c["layer_types"] = {"full_attention", "chunked_attention"}; };
+  EXPECT_NE(refusal(source, "qwen2-chunked", chunked)
                 .find("field 'layer_types.1' is 'chunked_attention', expected 'full_attention' or 'sliding_attention'"),
             std::string::npos);
 }
@@ -347,7 +361,8 @@ TEST_F(HfReferenceTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes
   write_safetensors(dir / "model.safetensors", {{"model.embed_tokens.weight", at::zeros({4, 2})}});
   std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
   const auto message = testing::error_of([&] { open_causal_lm(*Checkpoint::open(dir)); });
-  EXPECT_NE(message.find("model_type 'phi3' is not supported (supported: gemma2, gpt2, llama, mistral, qwen2)"),
+  EXPECT_NE(message.find("model_type 'phi3' is not supported "
+                         "(supported: gemma2, gpt2, gpt_bigcode, llama, mistral, qwen2)"),
             std::string::npos)
       << message;
   EXPECT_NE(message.find((dir / "config.json").string()), std::string::npos) << message;

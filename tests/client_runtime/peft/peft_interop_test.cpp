@@ -1,5 +1,5 @@
 // Adapter files interoperate with Hugging Face PEFT (CPU, from PyPI), for every method and every
-// architecture (Llama, Qwen2, Mistral, Gemma 2, GPT-2): an adapter
+// architecture (Llama, Qwen2, Mistral, Gemma 2, GPT-2, GPTBigCode): an adapter
 // saved here and loaded by PEFT on the same random checkpoint gives the same logits (1e-4
 // relative), and an adapter made and saved by PEFT, loaded here, gives PEFT's logits. Skipped when
 // the Python packages are missing.
@@ -223,6 +223,11 @@ INSTANTIATE_TEST_SUITE_P(LlamaFamily, PeftInteropTest,
                          ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral", "tiny-gemma2"),
                                             ::testing::Range(0, 9)),
                          param_name);
+
+// [GPT-2 family]: GPTBigCode, multi-query attention (prefix tuning's past with one key/value head)
+// and Linear layers where GPT-2 has Conv1D, with every method.
+INSTANTIATE_TEST_SUITE_P(GPT2Family, PeftInteropTest,
+                         ::testing::Combine(::testing::Values("tiny-gpt-bigcode"), ::testing::Range(0, 9)), param_name);
 
 }  // namespace
 }  // namespace symbiosis
