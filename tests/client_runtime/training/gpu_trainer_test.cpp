@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "base_executor/executor.h"
+#include "bench/process.h"
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/peft/adalora.h"
 #include "client_runtime/peft/lora.h"
@@ -83,12 +84,17 @@ TEST(GpuTrainerTest, CapturedStepsGiveTheLossesOfEagerStepsSplitAndMonolithic) {
   SKIP_WITHOUT_GPUS(1);
   const auto model = testing::make_checkpoint("tiny-llama");
   auto checkpoint = Checkpoint::open(model);
-  ExecutorOptions executor_options;
-  executor_options.device = "cuda:0";
-  auto executor = testing::start_executor(model, executor_options);
-  ClientOptions client_options;
-  client_options.device = "cuda:0";
-  auto client = testing::connect(*executor, *checkpoint, client_options);
+  // An executor process of its own: CUDA IPC does not open memory of the process that made it.
+  const auto executor = bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--log-level", "warn"},
+                                              testing::temp_dir("gpu-trainer-executor"));
+  struct Stop {
+    int pid;
+    ~Stop() { bench::stop(pid); }
+  } stop{executor.pid};
+  auto client = Client::connect(
+      {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
+  EXPECT_EQ(client->transport(), "cuda-ipc");
   LoraConfig lora;
   lora.r = 4;
   lora.init_b_zero = false;
@@ -117,6 +123,7 @@ TEST(GpuTrainerTest, CapturedStepsGiveTheLossesOfEagerStepsSplitAndMonolithic) {
 TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
   SKIP_WITHOUT_GPUS(1);
   const auto model = testing::make_checkpoint("tiny-llama");
+  // In this process: the program's client is another process, on the same GPU (CUDA IPC).
   ExecutorOptions executor_options;
   executor_options.device = "cuda:0";
   auto executor = testing::start_executor(model, executor_options);
