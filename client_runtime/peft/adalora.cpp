@@ -305,11 +305,15 @@ AdaLoraConfig read_adalora_config(const std::filesystem::path& dir) {
 AdaLoraConfig load_adalora(torch::nn::Module& model, const std::filesystem::path& dir) {
   auto config = read_adalora_config(dir);
   if (adalora_layers(model).empty()) {
-    add_adalora(model, config);
+    peft::add_saved_adapter(dir, "AdaLoRA", [&] { add_adalora(model, config); });
     // PEFT's resize_modules_by_rank_pattern: the layers shrink to their kept triplets.
     for (const auto& [path, adapter] : adalora_layers(model)) {
       auto it = config.rank_pattern.find(path + ".lora_E");
-      if (it != config.rank_pattern.end()) adapter->keep_triplets(it->second);
+      if (it == config.rank_pattern.end()) continue;
+      TORCH_CHECK(static_cast<int64_t>(it->second.size()) == adapter->rank(), dir / "adapter_config.json",
+                  ": field 'rank_pattern' gives '", it->first, "' ", it->second.size(),
+                  " entries; its layer has init_r = ", adapter->rank());
+      adapter->keep_triplets(it->second);
     }
   }
   // The adapters as they are now, unsliced by the config's rank_pattern.

@@ -148,6 +148,15 @@ std::string adapter_origin(const std::filesystem::path& dir) {
          "', its adapter_config.json's base_model_name_or_path)";
 }
 
+void add_saved_adapter(const std::filesystem::path& dir, const std::string& method, const std::function<void()>& add) {
+  try {
+    add();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, method, " adapter ", dir, adapter_origin(dir), ": ", e.what_without_backtrace(),
+                ". Was the adapter made for another model?");
+  }
+}
+
 void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
                 const std::string& method) {
   const auto saved = read_tensors(dir);

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -64,6 +65,11 @@ std::string no_layer_matched(torch::nn::Module& model, const std::string& what, 
 // Where an adapter in `dir` says it came from, for errors: " (made for 'gpt2', its
 // adapter_config.json's base_model_name_or_path)", or "" when it does not say.
 std::string adapter_origin(const std::filesystem::path& dir);
+// Runs `add` (add_lora, add_ia3, add_adalora with a saved adapter's config) for load_lora, load_ia3
+// and load_adalora: its refusal (target_modules that match no layer of this model: an adapter for
+// another architecture) names the user's adapter folder and where the adapter says it came from,
+// as "<method> adapter \"<dir>\" (made for ...): ...".
+void add_saved_adapter(const std::filesystem::path& dir, const std::string& method, const std::function<void()>& add);
 
 // PEFT's target matching for a list of names: the module's path equals a name or ends with
 // ".<name>". A single string in PEFT's config is a regular expression that must match the whole

@@ -137,7 +137,7 @@ IA3Config read_ia3_config(const std::filesystem::path& dir) {
 
 IA3Config load_ia3(torch::nn::Module& model, const std::filesystem::path& dir) {
   auto config = read_ia3_config(dir);
-  if (ia3_state(model).empty()) add_ia3(model, config);
+  if (ia3_state(model).empty()) peft::add_saved_adapter(dir, "IA3", [&] { add_ia3(model, config); });
   peft::load_state(dir, ia3_state(model), "IA3");
   return config;
 }

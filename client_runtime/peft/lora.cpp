@@ -368,15 +368,7 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
 
 LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir) {
   auto config = read_lora_config(dir);
-  if (lora_state(model).empty()) {
-    try {
-      add_lora(model, config);
-    } catch (const c10::Error& e) {
-      // Targets that match nothing here: an adapter for another architecture.
-      TORCH_CHECK(false, "LoRA adapter ", dir, peft::adapter_origin(dir), ": ", e.what_without_backtrace(),
-                  ". Was the adapter made for another model?");
-    }
-  }
+  if (lora_state(model).empty()) peft::add_saved_adapter(dir, "LoRA", [&] { add_lora(model, config); });
   peft::load_state(dir, lora_state(model), "LoRA");
   for (const auto& [path, dora] : peft::layer_adapters<DoraAdapterImpl>(model)) dora->set_magnitude_loaded();
   return config;

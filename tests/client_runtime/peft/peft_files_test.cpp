@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "client_runtime/models/causal_lm.h"
+#include "client_runtime/peft/adalora.h"
 #include "client_runtime/peft/adapter.h"
 #include "client_runtime/peft/ia3.h"
 #include "client_runtime/peft/lora.h"
@@ -35,6 +37,14 @@ fs::path saved_lora(const std::string& preset, const std::vector<std::string>& t
   j["base_model_name_or_path"] = base;
   std::ofstream(dir / "adapter_config.json") << j.dump(2);
   return dir;
+}
+
+// `dir`'s adapter_config.json, with `change` applied to it.
+void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& change) {
+  std::ifstream in(dir / "adapter_config.json");
+  auto j = nlohmann::json::parse(in);
+  change(j);
+  std::ofstream(dir / "adapter_config.json") << j.dump(2);
 }
 
 // The message names the targets, the model and every name target_modules may give, once each.
@@ -84,6 +94,50 @@ TEST(PeftFilesLoad, AnAdapterForADeeperModelNamesTheModulesThisOneLacks) {
   for (const auto& entry : fs::directory_iterator(fs::temp_directory_path())) {
     EXPECT_NE(entry.path().filename().string(), "symbiosis-lora-" + std::to_string(::getpid())) << entry.path();
   }
+}
+
+// [Fuzzing] peft_files' finding (fuzz/regressions/peft_files/adalora-targets-match-nothing): an
+// AdaLoRA or IA3 adapter whose targets match no layer here is refused, as LoRA's is, naming the
+// user's adapter directory and where the adapter came from; an AdaLoRA rank_pattern whose list
+// does not cover its layer's init_r names adapter_config.json.
+TEST(PeftFilesLoad, AdaLoraAndIA3AdaptersForAnotherArchitectureNameTheAdapter) {
+  auto gpt2 = model_of("tiny-gpt2");
+  const auto root = testing::temp_dir("symbiosis-user-adapter");
+  const AdaLoraConfig adalora{.init_r = 4, .target_r = 2, .total_step = 10};
+  add_adalora(*gpt2.module, adalora);
+  save_adalora(*gpt2.module, adalora, root / "my-adalora");
+  auto gpt2_ia3 = model_of("tiny-gpt2");
+  add_ia3(*gpt2_ia3.module);
+  save_ia3(*gpt2_ia3.module, {}, root / "my-ia3");
+  for (const auto& [name, method] : {std::pair{"my-adalora", "AdaLoRA"}, std::pair{"my-ia3", "IA3"}}) {
+    const auto adapter = root / name;
+    edit_config(adapter, [](nlohmann::json& j) { j["base_model_name_or_path"] = "openai-community/gpt2"; });
+    auto llama = model_of("tiny-llama");
+    const auto message = error_of([&] { load_peft_adapter(*llama.module, adapter); });
+    EXPECT_NE(message.find(std::string(method) + " adapter \"" + adapter.string() +
+                           "\" (made for 'openai-community/gpt2'"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("matched no base layer of the model (llama); its base layers are named q_proj"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("made for another model"), std::string::npos) << message;
+  }
+
+  auto llama = model_of("tiny-llama");
+  add_adalora(*llama.module, adalora);
+  const auto adapter = root / "short-rank-pattern";
+  save_adalora(*llama.module, adalora, adapter);
+  edit_config(adapter, [](nlohmann::json& j) {
+    j["rank_pattern"] = {{"model.layers.0.self_attn.q_proj.lora_E", {true, false}}};
+  });
+  auto fresh = model_of("tiny-llama");
+  const auto message = error_of([&] { load_peft_adapter(*fresh.module, adapter); });
+  EXPECT_NE(message.find("\"" + (adapter / "adapter_config.json").string() +
+                         "\": field 'rank_pattern' gives 'model.layers.0.self_attn.q_proj.lora_E' 2 entries; its "
+                         "layer has init_r = 4"),
+            std::string::npos)
+      << message;
 }
 
 // A damaged adapter file is named as the user's file, never a copy of it.
