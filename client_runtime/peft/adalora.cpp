@@ -91,11 +91,13 @@ void AdaLoraAdapterImpl::keep_triplets(const std::vector<bool>& keep) {
 std::vector<at::Tensor> add_adalora(torch::nn::Module& model, const AdaLoraConfig& config) {
   config.validate();
   const auto targets = resolved_targets(model, config);
+  const auto where = peft::parameter_options(model);
   std::vector<at::Tensor> params;
   for (const auto& item : model.named_modules("", false)) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
     if (base == nullptr || !peft::matches_module(item.key(), targets)) continue;
     auto adapter = std::make_shared<AdaLoraAdapterImpl>(base->in_features(), base->out_features(), config);
+    adapter->to(where.device(), where.dtype().toScalarType());
     base->set_adapter(adapter);
     params.insert(params.end(), {adapter->lora_A, adapter->lora_E, adapter->lora_B});
   }

@@ -119,6 +119,13 @@ std::string model_type_of(torch::nn::Module& model) {
 
 }  // namespace
 
+at::TensorOptions parameter_options(torch::nn::Module& model) {
+  for (const auto& p : model.parameters()) {
+    if (at::isFloatingType(p.scalar_type())) return p.options();
+  }
+  return at::TensorOptions();
+}
+
 std::vector<std::string> targetable_names(torch::nn::Module& model) {
   std::vector<std::string> names;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {

@@ -56,6 +56,10 @@ std::vector<std::pair<std::string, std::shared_ptr<Adapter>>> layer_adapters(tor
   return found;
 }
 
+// Where and in which dtype a new adapter lives: where the model's own (floating-point) parameters
+// do. Every method moves its new adapters there, so that a model on a GPU trains them there.
+at::TensorOptions parameter_options(torch::nn::Module& model);
+
 // What target_modules may name in this model: its base layers' last path components (GPT-2's
 // c_attn, c_proj, c_fc; Llama's q_proj, k_proj, ...), each once, in module order.
 std::vector<std::string> targetable_names(torch::nn::Module& model);

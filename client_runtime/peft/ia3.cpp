@@ -71,12 +71,14 @@ at::Tensor IA3AdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
 
 std::vector<at::Tensor> add_ia3(torch::nn::Module& model, const IA3Config& requested) {
   const auto config = requested.resolved_for(model);
+  const auto where = peft::parameter_options(model);
   std::vector<at::Tensor> params;
   for (const auto& item : model.named_modules("", false)) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
     if (base == nullptr || !peft::matches_module(item.key(), config.target_modules)) continue;
     auto adapter = std::make_shared<IA3AdapterImpl>(base->in_features(), base->out_features(),
                                                     is_feedforward(item.key(), config), config.init_ia3_weights);
+    adapter->to(where.device(), where.dtype().toScalarType());
     base->set_adapter(adapter);
     params.push_back(adapter->ia3_l);
   }

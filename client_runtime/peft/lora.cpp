@@ -256,14 +256,7 @@ at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
 
 std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& config) {
   config.validate();
-  // Adapters live where the model's own parameters live, in their dtype.
-  at::TensorOptions where;
-  for (const auto& p : model.parameters()) {
-    if (at::isFloatingType(p.scalar_type())) {
-      where = p.options();
-      break;
-    }
-  }
+  const auto where = peft::parameter_options(model);
   std::vector<at::Tensor> params;
   for (const auto& item : model.named_modules("", false)) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());

@@ -10,6 +10,8 @@ namespace {
 ModelShape shape_of(torch::nn::Module& model) { return model_adapter_host(model).model_shape(); }
 
 std::vector<at::Tensor> attach(torch::nn::Module& model, const std::shared_ptr<PromptLearningAdapterImpl>& adapter) {
+  const auto where = peft::parameter_options(model);
+  adapter->to(where.device(), where.dtype().toScalarType());
   model_adapter_host(model).set_model_adapter(adapter);
   return adapter->parameters();
 }
