@@ -17,6 +17,7 @@
 #include "common/untrusted.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/shared_memory.h"
+#include "transport/zmq_wire.h"
 
 namespace symbiosis {
 
@@ -52,8 +53,8 @@ void log_protobuf(google::protobuf::LogLevel level, const char*, int, const std:
 
 void ExecutorOptions::validate() const {
   TORCH_CHECK(!model_dir.empty(), "executor option --model is required (a Hugging Face checkpoint directory)");
-  TORCH_CHECK(listen.rfind("tcp://", 0) == 0 || listen.rfind("ipc://", 0) == 0 || listen.rfind("inproc://", 0) == 0,
-              "executor option --listen '", listen, "' should be a ZeroMQ endpoint like tcp://127.0.0.1:5555");
+  const std::string listen_wrong = wire::endpoint_problem(listen, /*allow_inproc=*/true);
+  TORCH_CHECK(listen_wrong.empty(), "executor option --listen ", listen_wrong);
   TORCH_CHECK(!keys_dir.empty() || insecure || loopback(listen), "executor option --listen ", listen,
               " is reachable from other hosts, and without keys anyone there could use this executor and read its "
               "traffic: give --keys DIR (docs/operating.md), listen on tcp://127.0.0.1, or pass --insecure");

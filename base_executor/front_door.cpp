@@ -475,6 +475,24 @@ void FrontDoor::run() {
       last_keys = now;
     }
   }
+  tell_clients_goodbye();
+}
+
+// [Shutdown notice]: every client this executor knows hears that it stops, so that none waits out
+// its call timeout for an answer that will not come. A same-host client hears it over ZeroMQ too
+// (it looks there while it waits on its control segment). The router lingers long enough for the
+// notices to leave; a peer already gone is dropped at once.
+void FrontDoor::tell_clients_goodbye() {
+  proto::Envelope notice;
+  notice.mutable_shutting_down()->set_reason("it was stopped");
+  for (const auto& [key, record] : registry_.all()) {
+    try {
+      wire::send_to(router_, key, notice);
+    } catch (const zmq::error_t& e) {
+      spdlog::warn("could not tell client {} that the executor stops: {}", record.id, e.what());
+    }
+  }
+  router_.set(zmq::sockopt::linger, 1000);
 }
 
 void FrontDoor::abort_clients() {

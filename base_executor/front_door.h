@@ -62,6 +62,8 @@ class FrontDoor {
   void note_bad_input(const std::string& line);
   void forget(const std::string& key);
   void check_liveness();
+  // [Shutdown notice]: once run()'s loop ends, a ShuttingDown to every registered client.
+  void tell_clients_goodbye();
   // [Admission]: reads the keys folder again if it changed, and drops the clients whose key is no
   // longer admitted.
   void reload_keys();

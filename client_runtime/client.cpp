@@ -16,7 +16,10 @@
 namespace symbiosis {
 
 void ClientOptions::validate() const {
+  const std::string endpoint_wrong = wire::endpoint_problem(endpoint);
+  TORCH_CHECK(endpoint_wrong.empty(), "client option endpoint ", endpoint_wrong);
   TORCH_CHECK(timeout_ms > 0, "client option timeout_ms must be positive, got ", timeout_ms);
+  TORCH_CHECK(connect_timeout_ms > 0, "client option connect_timeout_ms must be positive, got ", connect_timeout_ms);
   TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(transport == "auto" || parse_transport(transport), "client option transport '", transport,
               "' is not one of auto, ", transport_names());
@@ -35,7 +38,7 @@ void ClientOptions::validate() const {
 
 class Client::Impl {
  public:
-  explicit Impl(const ClientOptions& o) : options(o), socket(o.endpoint, o.timeout_ms, keys_of(o)) {}
+  explicit Impl(const ClientOptions& o) : options(o), socket(o.endpoint, o.timeout_ms, keys_of(o), o.connect_timeout_ms) {}
 
   static ClientKeys keys_of(const ClientOptions& o) {
     if (o.executor_key.empty()) return {};

@@ -21,10 +21,14 @@
 namespace symbiosis {
 
 struct ClientOptions {
-  std::string endpoint = "tcp://127.0.0.1:5555";  // the executor's --listen endpoint
+  std::string endpoint = "tcp://127.0.0.1:5555";  // the executor's --listen endpoint: tcp://HOST:PORT or ipc://PATH
   std::string tenant = "default";                 // who this client is, for the executor's logs
   std::string expected_model_hash;                // refuse an executor serving another model; "" accepts any
   int timeout_ms = 60000;                         // per call; the executor must answer within this
+  // connect(): how long to wait for the executor's answer to the handshake. The client logs what it
+  // waits for every 2 s, and gives up after 2 s where nothing listens at the endpoint (connections
+  // refused), whatever this says ([No silent waits] in transport/client_transport.cpp).
+  int connect_timeout_ms = 10000;
   LatencyClass latency_class = LatencyClass::kFineTuning;
   // Where this client's tensors live: "cpu" or "cuda:N". Decides the transport with "auto".
   std::string device = "cpu";

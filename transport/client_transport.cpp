@@ -21,22 +21,41 @@
 
 namespace symbiosis {
 
-ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys)
-    : endpoint_(endpoint), timeout_ms_(timeout_ms), with_keys_(!keys.executor_key.empty()) {
+// [No silent waits]
+// A client pointed at the wrong port, or at an executor that is not running, must not sit silent
+// for its call timeout. Until the first answer comes, the socket's monitor reports connections
+// made and retried: where every attempt is refused (nothing listens there) the client gives up
+// after kRefusedGiveUp, naming the endpoint; where attempts neither succeed nor fail (a host that
+// drops packets) it waits up to the connect timeout. Meanwhile it says every kWaitNote what it
+// waits for. Once the executor has answered, the monitor watches failed handshakes only (its
+// events would otherwise pile up unread while the client is idle), and an executor that stops
+// says so ([Shutdown notice] in base_executor/front_door.cpp).
+namespace {
+constexpr auto kRefusedGiveUp = std::chrono::seconds(2);
+constexpr auto kWaitNote = std::chrono::seconds(2);          // while connecting
+constexpr auto kCallWaitNote = std::chrono::seconds(10);     // while a call waits
+constexpr int kHandshakeEvents =
+    ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+constexpr int kConnectEvents = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
+}  // namespace
+
+ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys,
+                             int connect_timeout_ms)
+    : endpoint_(endpoint),
+      timeout_ms_(timeout_ms),
+      connect_timeout_ms_(connect_timeout_ms > 0 ? connect_timeout_ms : timeout_ms),
+      with_keys_(!keys.executor_key.empty()) {
+  const std::string wrong = wire::endpoint_problem(endpoint);
+  TORCH_CHECK(wrong.empty(), "executor endpoint ", wrong);
   socket_.set(zmq::sockopt::linger, 0);
   if (with_keys_) {
     socket_.set(zmq::sockopt::curve_serverkey, keys.executor_key);
     socket_.set(zmq::sockopt::curve_publickey, keys.own.public_key);
     socket_.set(zmq::sockopt::curve_secretkey, keys.own.secret_key);
   }
-  // The monitor tells a refused handshake from an executor that is not there.
-  const std::string monitor_endpoint = "inproc://handshake-monitor";
-  TORCH_CHECK(zmq_socket_monitor(socket_.handle(), monitor_endpoint.c_str(),
-                                 ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) == 0,
-              "cannot monitor the executor socket: ", zmq_strerror(zmq_errno()));
-  monitor_.set(zmq::sockopt::linger, 0);
-  monitor_.connect(monitor_endpoint);
+  // The monitor tells a refused handshake from an executor that is not there, and a port where
+  // nothing listens from an executor that is slow to answer ([No silent waits]).
+  monitor(kHandshakeEvents | kConnectEvents);
   try {
     socket_.connect(endpoint);
   } catch (const zmq::error_t& e) {
@@ -44,7 +63,18 @@ ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const 
   }
 }
 
+void ControlSocket::monitor(int events) {
+  const std::string monitor_endpoint = "inproc://handshake-monitor." + std::to_string(monitors_++);
+  if (monitors_ > 1) zmq_socket_monitor(socket_.handle(), nullptr, 0);  // stops the watch before
+  TORCH_CHECK(zmq_socket_monitor(socket_.handle(), monitor_endpoint.c_str(), events) == 0,
+              "cannot monitor the executor socket: ", zmq_strerror(zmq_errno()));
+  monitor_ = zmq::socket_t(context_, zmq::socket_type::pair);
+  monitor_.set(zmq::sockopt::linger, 0);
+  monitor_.connect(monitor_endpoint);
+}
+
 void ControlSocket::send(const proto::Envelope& envelope, const at::Tensor* payload) {
+  check_not_gone();
   // Never blocks: ZeroMQ queues for a connection that is not up yet, and a full queue means the
   // executor has stopped reading.
   const auto more = payload ? zmq::send_flags::sndmore : zmq::send_flags::none;
@@ -54,20 +84,97 @@ void ControlSocket::send(const proto::Envelope& envelope, const at::Tensor* payl
 }
 
 std::vector<zmq::message_t> ControlSocket::receive(const char* waiting_for) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+  check_not_gone();
+  if (!held_.empty()) {
+    auto frames = std::move(held_.front());
+    held_.pop_front();
+    return frames;
+  }
+  using Clock = std::chrono::steady_clock;
+  const bool connecting = !heard_;
+  const int limit_ms = connecting ? connect_timeout_ms_ : timeout_ms_;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::milliseconds(limit_ms);
+  const auto note_every = connecting ? kWaitNote : kCallWaitNote;
+  auto next_note = start + note_every;
   while (true) {
     zmq::pollitem_t items[] = {{socket_.handle(), 0, ZMQ_POLLIN, 0}, {monitor_.handle(), 0, ZMQ_POLLIN, 0}};
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::min(deadline, next_note) - Clock::now());
     zmq::poll(items, 2, std::max(left, std::chrono::milliseconds(0)));
     if (items[1].revents & ZMQ_POLLIN) {
       auto event = wire::recv_all(monitor_);
-      check_handshake(event.at(0));
+      on_event(event.at(0));
     }
-    if (items[0].revents & ZMQ_POLLIN) return wire::recv_all(socket_);
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "executor at ", endpoint_, " did not answer ", waiting_for,
-                " within ", timeout_ms_, " ms (is it running and reachable?)");
+    if (items[0].revents & ZMQ_POLLIN) {
+      auto frames = wire::recv_all(socket_);
+      TORCH_CHECK(!is_shutdown_notice(frames), gone_);
+      if (!heard_) {
+        heard_ = true;
+        monitor(kHandshakeEvents);
+      }
+      return frames;
+    }
+    const auto now = Clock::now();
+    const auto waited_s = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
+    TORCH_CHECK(!connecting || connected_ || retries_ == 0 || now - start < kRefusedGiveUp, "no executor answers at ",
+                endpoint_, ": connections to it are refused (tried for ", waited_s,
+                " s; is the executor running, and is this the right port?)");
+    TORCH_CHECK(now < deadline, "executor at ", endpoint_, " did not answer ", waiting_for, " within ", limit_ms,
+                " ms (is it running and reachable?)");
+    if (now >= next_note) {
+      if (connecting) {
+        spdlog::warn("waiting for the executor at {}: no answer to {} after {} s (is it running, and is this the "
+                     "right port?)", endpoint_, waiting_for, waited_s);
+      } else {
+        spdlog::info("waiting for the executor at {} to answer {}: {} s so far (gives up after {} ms)", endpoint_,
+                     waiting_for, waited_s, limit_ms);
+      }
+      next_note += note_every;
+    }
   }
 }
+
+void ControlSocket::on_event(const zmq::message_t& event) {
+  uint16_t kind = 0;
+  if (event.size() < 6) return;
+  std::memcpy(&kind, event.data(), 2);
+  if (kind == ZMQ_EVENT_CONNECTED || kind == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+    connected_ = true;
+  } else if (kind == ZMQ_EVENT_CONNECT_RETRIED) {
+    retries_++;
+  } else if (kind & kHandshakeEvents) {
+    check_handshake(event);
+  }
+}
+
+bool ControlSocket::is_shutdown_notice(const std::vector<zmq::message_t>& frames) {
+  // An Envelope whose body is shutting_down (field 18) begins with its tag, 0x92 0x01: other
+  // messages are not parsed twice.
+  if (frames.empty() || frames[0].size() < 2) return false;
+  const auto* bytes = static_cast<const uint8_t*>(frames[0].data());
+  if (bytes[0] != 0x92 || bytes[1] != 0x01) return false;
+  proto::Envelope env;
+  if (!wire::parse(frames[0], &env) || !env.has_shutting_down()) return false;
+  const std::string& reason = env.shutting_down().reason();
+  gone_ = "the executor at " + endpoint_ + " shut down" + (reason.empty() ? "" : " (" + reason + ")") +
+          "; this client's calls cannot be answered: connect a new Client once it is back";
+  spdlog::warn("{}", gone_);
+  return true;
+}
+
+bool ControlSocket::executor_gone() {
+  while (gone_.empty()) {
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(0));
+    if (!(item.revents & ZMQ_POLLIN)) return false;
+    auto frames = wire::recv_all(socket_);
+    if (!is_shutdown_notice(frames)) held_.push_back(std::move(frames));
+  }
+  return true;
+}
+
+void ControlSocket::check_not_gone() const { TORCH_CHECK(gone_.empty(), gone_); }
 
 void ControlSocket::check_handshake(const zmq::message_t& event) {
   uint16_t kind = 0;
@@ -185,6 +292,9 @@ constexpr const char* kCaptureNeeds =
     "a captured step needs a client on the executor's GPU (transport cuda-ipc) with the shared-memory "
     "control channel (control \"auto\" on the executor's host) and direct operands";
 
+// [Shutdown notice]: how often a same-host wait looks for the executor's notice over ZeroMQ.
+constexpr auto kShutdownLookEvery = std::chrono::milliseconds(100);
+
 constexpr uint64_t kAlignment = 256;
 uint64_t align_up(uint64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -230,6 +340,7 @@ class PayloadTransport : public ClientTransport {
   }
 
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
+    socket_.check_not_gone();
     TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
                 " stopped after a call timed out; connect a new Client");
     shm::CallRecord record;
@@ -288,6 +399,7 @@ class PayloadTransport : public ClientTransport {
   }
 
   void replay(const CapturedCalls& calls, uint64_t first_request_id) override {
+    socket_.check_not_gone();
     TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
                 " stopped after a call timed out; connect a new Client");
     TORCH_CHECK(!capture_, "replay: this client is capturing");
@@ -308,7 +420,18 @@ class PayloadTransport : public ClientTransport {
   void settle() override {
     if (!ordered_) return;
     const uint32_t issued = issued_.load(std::memory_order_acquire);
-    const bool done = spin_then_sleep([&] { return shm::reached(control_->results_ready.load(), issued); });
+    auto next_look = std::chrono::steady_clock::now() + kShutdownLookEvery;
+    const bool done = spin_then_sleep([&] {
+      if (shm::reached(control_->results_ready.load(), issued)) return true;
+      // [Shutdown notice]: an executor that said it stops will not answer.
+      if (std::chrono::steady_clock::now() < next_look) return false;
+      next_look += kShutdownLookEvery;
+      if (socket_.executor_gone()) {
+        give_up();
+        socket_.check_not_gone();
+      }
+      return false;
+    });
     if (!done) {
       give_up();
       TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer call ", issued, " within ",
@@ -402,10 +525,21 @@ class PayloadTransport : public ClientTransport {
 
   Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
     push_request(record);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + std::chrono::milliseconds(socket_.timeout_ms());
     while (true) {
-      const bool got = shm::wait_until(
-          control_->replies.wait(), [&] { return !control_->replies.empty(); }, spin_, deadline);
+      // [Shutdown notice]: the executor's notice comes over ZeroMQ, so the wait on the control
+      // segment looks there between slices.
+      bool got = false;
+      while (true) {
+        const auto slice_end = std::min(deadline, Clock::now() + kShutdownLookEvery);
+        got = shm::wait_until(control_->replies.wait(), [&] { return !control_->replies.empty(); }, spin_, slice_end);
+        if (got || slice_end == deadline) break;
+        if (socket_.executor_gone()) {
+          broken_ = true;
+          socket_.check_not_gone();
+        }
+      }
       if (!got) {
         broken_ = true;
         TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer request ", spec.request_id,

@@ -11,6 +11,7 @@
 //    the transport's ClientPayload (transport/client_payload.h).
 #include <ATen/ATen.h>
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -36,7 +37,8 @@ struct ClientKeys {
 // a same-host transport, the client's local link ([Proven placement] in transport/local_socket.h).
 class ControlSocket {
  public:
-  ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys = {});
+  // connect_timeout_ms: how long to wait for the first answer (the handshake); -1: timeout_ms.
+  ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys = {}, int connect_timeout_ms = -1);
   // Sends the Hello and returns the Welcome. A same-host transport is proved first on the
   // executor's local socket; a client that asked for "auto" and cannot prove it (it is on another
   // host, or in another PID namespace) falls back to tcp, saying why in the log.
@@ -50,9 +52,17 @@ class ControlSocket {
   std::vector<UniqueFd> take_descriptors() { return std::move(descriptors_); }
   // Sends a header frame, then the tensor's bytes as a second frame when given (CPU, contiguous).
   void send(const proto::Envelope& envelope, const at::Tensor* payload = nullptr);
-  // The next message, or a c10::Error naming the executor when none comes within the timeout, or
-  // naming why the encrypted handshake failed.
+  // The next message, or a c10::Error naming the executor when none comes within the timeout (the
+  // connect timeout for the first answer; sooner where connections are refused: [No silent
+  // waits]), naming why the encrypted handshake failed, or saying that the executor shut down
+  // ([Shutdown notice] in base_executor/front_door.cpp).
   std::vector<zmq::message_t> receive(const char* waiting_for);
+  // [Shutdown notice]: whether the executor said it shuts down; looks for the notice without
+  // waiting (a same-host call looks while it waits on its control segment) and keeps any other
+  // message that came meanwhile for receive(). Not thread-safe, like the rest of this class.
+  bool executor_gone();
+  // Throws that the executor shut down, if it said so.
+  void check_not_gone() const;
   // Sends and returns the answer; an executor error becomes a c10::Error carrying its message.
   proto::Envelope exchange(const proto::Envelope& envelope, const char* waiting_for);
   static proto::Envelope parse_or_throw(const std::vector<zmq::message_t>& frames);
@@ -62,10 +72,23 @@ class ControlSocket {
  private:
   // Throws naming why, if the monitor reports a failed handshake.
   void check_handshake(const zmq::message_t& event);
+  // A monitor event: a failed handshake throws; connections made or retried are counted.
+  void on_event(const zmq::message_t& event);
+  // Watches `events` of the socket (replacing the watch before, if any).
+  void monitor(int events);
+  // [Shutdown notice]: records it and returns true if `frames` is the executor's.
+  bool is_shutdown_notice(const std::vector<zmq::message_t>& frames);
 
   std::string endpoint_;
   int timeout_ms_;
+  int connect_timeout_ms_;
   bool with_keys_;
+  bool heard_ = false;       // an answer came: the connection is up, the monitor watches handshakes only
+  bool connected_ = false;   // a connection was made (before the first answer)
+  int retries_ = 0;          // connections refused or broken off before the first answer
+  int monitors_ = 0;         // monitor endpoints used, for a fresh name each
+  std::string gone_;         // [Shutdown notice]: the error every call throws once the executor said it stops
+  std::deque<std::vector<zmq::message_t>> held_;  // messages executor_gone() took past
   zmq::context_t context_{1};
   zmq::socket_t socket_{context_, zmq::socket_type::dealer};
   zmq::socket_t monitor_{context_, zmq::socket_type::pair};

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -340,16 +341,78 @@ TEST_F(ExecutorTest, RefusesAClientOfACheckpointWithOtherWeightsNamingBothHashes
   EXPECT_EQ(Client::connect(options)->model_hash(), served->model_hash());
 }
 
-TEST_F(ExecutorTest, UnreachableExecutorIsAClearError) {
+// [No silent waits]: a port where nothing listens fails the handshake within seconds, naming the
+// endpoint, long before the call timeout; the connect timeout bounds a handshake without answer.
+TEST_F(ExecutorTest, UnreachableExecutorIsAClearErrorWithinSeconds) {
   ClientOptions options;
-  options.endpoint = "tcp://127.0.0.1:1";
-  options.timeout_ms = 300;
-  try {
-    Client::connect(options);
-    FAIL() << "connect should have thrown";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("did not answer the handshake within 300 ms"), std::string::npos) << e.what();
+  options.endpoint = "tcp://127.0.0.1:1";  // refuses connections
+  ASSERT_EQ(options.timeout_ms, 60000);
+  const auto start = std::chrono::steady_clock::now();
+  const auto message = testing::error_of([&] { Client::connect(options); });
+  EXPECT_NE(message.find("no executor answers at tcp://127.0.0.1:1: connections to it are refused"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("is this the right port?"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));  // a user-visible bound, not a timing
+
+  options.connect_timeout_ms = 300;
+  const auto bounded = testing::error_of([&] { Client::connect(options); });
+  EXPECT_NE(bounded.find("executor at tcp://127.0.0.1:1 did not answer the handshake within 300 ms"), std::string::npos)
+      << bounded;
+}
+
+TEST(ClientOptionsTest, EndpointsWithoutASchemeAreRefusedNamingTheExpectedForm) {
+  for (const std::string endpoint : {"127.0.0.1:5555", "localhost:5555"}) {
+    ClientOptions options;
+    options.endpoint = endpoint;
+    const auto message = testing::error_of([&] { Client::connect(options); });
+    EXPECT_NE(message.find("client option endpoint '" + endpoint +
+                           "' has no scheme: expected tcp://HOST:PORT or ipc://PATH, e.g. tcp://127.0.0.1:5555"),
+              std::string::npos)
+        << message;
   }
+  ClientOptions options;
+  options.endpoint = "tcp://localhost";
+  EXPECT_NE(testing::error_of([&] { options.validate(); })
+                .find("client option endpoint 'tcp://localhost' names no host and port: expected tcp://HOST:PORT"),
+            std::string::npos);
+  options.endpoint = "http://localhost:5555";
+  EXPECT_NE(testing::error_of([&] { options.validate(); }).find("'http://localhost:5555' is not a ZeroMQ endpoint"),
+            std::string::npos);
+  options.endpoint = "ipc:///tmp/symbiosis.sock";
+  EXPECT_NO_THROW(options.validate());
+  options.connect_timeout_ms = 0;
+  EXPECT_NE(testing::error_of([&] { options.validate(); }).find("client option connect_timeout_ms must be positive, got 0"),
+            std::string::npos);
+
+  ExecutorOptions executor_options;
+  executor_options.model_dir = "model";
+  executor_options.listen = "127.0.0.1:5555";
+  const auto message = testing::error_of([&] { executor_options.validate(); });
+  EXPECT_NE(message.find("executor option --listen '127.0.0.1:5555' has no scheme: expected tcp://HOST:PORT or "
+                         "ipc://PATH (or inproc://NAME)"),
+            std::string::npos)
+      << message;
+}
+
+// [Shutdown notice]: an executor that stops tells its clients; a tcp client's next call fails at
+// once with that, not after its 60 s call timeout, and so does every call after it.
+TEST_F(ExecutorTest, AStoppedExecutorFailsItsClientsNextCallsAtOnce) {
+  ClientOptions options;
+  options.endpoint = executor_->endpoint();
+  options.transport = "tcp";
+  auto client = Client::connect(options);
+  const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+  ASSERT_TRUE(up);
+  const auto x = at::randn({3, 4});
+  client->forward(*up, x, true);
+  executor_->shutdown();
+  const auto start = std::chrono::steady_clock::now();
+  const std::string expected = "the executor at " + options.endpoint + " shut down";
+  for (int call = 0; call < 2; ++call) {
+    const auto message = testing::error_of([&] { client->forward(*up, x, true); });
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));  // a user-visible bound, not a timing
 }
 
 TEST_F(ExecutorTest, EveryBadRequestGetsAnErrorNamingTheProblem) {

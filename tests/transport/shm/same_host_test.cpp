@@ -184,6 +184,33 @@ TEST_F(SameHostTest, AutoPicksSharedMemoryOnThisHostAndEveryTransportComputesExa
   }
 }
 
+// [Shutdown notice]: a same-host client hears that the executor stops over ZeroMQ while it waits on
+// its control segment (or, with control "zmq", where its answers come); its next call fails at
+// once with that, not after its call timeout.
+TEST_F(SameHostTest, AStoppedExecutorFailsSameHostCallsAtOnce) {
+  ClientOptions options;
+  options.endpoint = executor_->endpoint();
+  options.timeout_ms = 60000;
+  options.transport = "shm";
+  auto through_segment = Client::connect(options);
+  options.control = "zmq";
+  auto through_zmq = Client::connect(options);
+  const auto x = at::randn({3, 4});
+  for (const auto& client : {through_segment, through_zmq}) {
+    client->forward(*client->find_layer("model.layers.0.mlp.up_proj"), x, true);
+  }
+  executor_->shutdown();
+  const auto start = Clock::now();
+  for (const auto& client : {through_segment, through_zmq}) {
+    const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+    for (int call = 0; call < 2; ++call) {
+      const auto message = testing::error_of([&] { client->forward(*up, x, true); });
+      EXPECT_NE(message.find("the executor at " + options.endpoint + " shut down"), std::string::npos) << message;
+    }
+  }
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(15));  // a user-visible bound, not a timing
+}
+
 TEST_F(SameHostTest, PayloadBufferGrowsForLargerCalls) {
   auto client = connect("shm");
   const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
