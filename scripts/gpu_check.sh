@@ -9,6 +9,8 @@
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   generator      gpu_generator_test alone, under MPS
 #   trainer        gpu_trainer_test alone (the tenant trainer's captured steps, symbiosis-finetune on a GPU), under MPS
+#   finetune-1b    symbiosis-finetune on Llama-3.2-1B (bf16, LoRA r 16 on q/k/v/o, 4 x up to 512 tokens a step, 40 steps):
+#                  split captured, split eager (--no-capture) and monolithic captured; tokens/s over the run, under MPS
 #   privacy        noise masking: its kernels' tests and gpu_privacy_test (masked captured steps and decode,
 #                  the bf16 error), under MPS
 #   privacy-bench  masking on against off (Llama-3.2-1B, bf16, N = 8: fine-tuning at 2 x 512 and 1 x 128 and
@@ -256,6 +258,31 @@ for stage in "$@"; do
       run_gtest kernels_test 'NoiseMask*'
       run_gtest gpu_privacy_test
       grep "bf16 error" $logs/gpu_privacy_test.log
+      mps_off
+      ;;
+    finetune-1b)
+      make_1b
+      mps_on
+      python3 -c "
+import json, random
+r = random.Random(7)
+for _ in range(256):
+    print(json.dumps({'input_ids': [r.randrange(128256) for _ in range(r.randrange(256, 513))]}))" > /tmp/finetune-1b.jsonl
+      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5792 \
+        --log-level warn > $logs/finetune-1b-executor.log 2>&1 &
+      executor_pid=$!
+      sleep 8
+      for run in "split --executor tcp://127.0.0.1:5792" "split-eager --executor tcp://127.0.0.1:5792 --no-capture" \
+                 "monolithic --monolithic"; do
+        set -- $run
+        name=$1
+        shift
+        "$B/examples/symbiosis-finetune" --model $model_1b "$@" --device cuda:0 --dtype bf16 --train /tmp/finetune-1b.jsonl \
+          --lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj --steps 40 --micro-batch 4 --max-length 512 --lr 1e-4 \
+          > $logs/finetune-1b-$name.out 2> $logs/finetune-1b-$name.err
+        log "finetune-1b $name: exit $?; $(tail -1 $logs/finetune-1b-$name.err | grep -o 'loss [0-9.]*.*tok/s'); $(tail -1 $logs/finetune-1b-$name.out)"
+      done
+      kill $executor_pid
       mps_off
       ;;
     privacy-nccl)
