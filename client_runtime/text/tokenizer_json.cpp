@@ -51,6 +51,18 @@ const json& array_field(const json& object, const char* name, const std::string&
   return value;
 }
 
+// A "Sequence" part's steps (its `name` array), each read by `read`, which leaves a step out by
+// returning null.
+template <typename Part, typename Read>
+std::vector<std::unique_ptr<Part>> read_steps(const json& object, const char* name, const std::string& where, Read read) {
+  std::vector<std::unique_ptr<Part>> steps;
+  const json& list = array_field(object, name, where);
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (auto step = read(list[i], where + "." + name + "[" + std::to_string(i) + "]")) steps.push_back(std::move(step));
+  }
+  return steps;
+}
+
 // A Split's or Replace's pattern: {"String": "..."} or {"Regex": "..."}; a string becomes an escaped regex.
 std::shared_ptr<UnicodeRegex> read_pattern(const json& object, const std::string& where) {
   const json& pattern = field(object, "pattern", where);
@@ -181,14 +193,7 @@ std::unique_ptr<Normalizer> read_normalizer(const json& object, const std::strin
   if (type == "Prepend") return std::make_unique<PrependNormalizer>(string_field(object, "prepend", where));
   if (type == "Replace") return std::make_unique<ReplaceNormalizer>(object, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<Normalizer>> steps;
-    const json& list = array_field(object, "normalizers", where);
-    for (size_t i = 0; i < list.size(); ++i) {
-      if (auto step = read_normalizer(list[i], where + ".normalizers[" + std::to_string(i) + "]")) {
-        steps.push_back(std::move(step));
-      }
-    }
-    return std::make_unique<SequenceNormalizer>(std::move(steps));
+    return std::make_unique<SequenceNormalizer>(read_steps<Normalizer>(object, "normalizers", where, read_normalizer));
   }
   TORCH_CHECK_NOT_IMPLEMENTED(false, where, ": the normalizer type '", type,
                               "' is not supported (NFC, NFD, NFKC, NFKD, Lowercase, Prepend, Replace, Sequence are)");
@@ -402,14 +407,8 @@ std::unique_ptr<PreTokenizer> read_pre_tokenizer(const json& object, const std::
                                                    bool_field(object, "split", where, true));
   }
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<PreTokenizer>> steps;
-    const json& list = array_field(object, "pretokenizers", where);
-    for (size_t i = 0; i < list.size(); ++i) {
-      if (auto step = read_pre_tokenizer(list[i], where + ".pretokenizers[" + std::to_string(i) + "]")) {
-        steps.push_back(std::move(step));
-      }
-    }
-    return std::make_unique<SequencePreTokenizer>(std::move(steps));
+    return std::make_unique<SequencePreTokenizer>(
+        read_steps<PreTokenizer>(object, "pretokenizers", where, read_pre_tokenizer));
   }
   TORCH_CHECK_NOT_IMPLEMENTED(false, where, ": the pre-tokenizer type '", type,
                               "' is not supported (ByteLevel, Split, Digits, Metaspace, Sequence are)");
@@ -617,12 +616,7 @@ std::unique_ptr<Decoder> read_decoder(const json& object, const std::string& whe
     return std::make_unique<MetaspaceDecoder>(string_field(object, "replacement", where), scheme != "never");
   }
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<Decoder>> steps;
-    const json& list = array_field(object, "decoders", where);
-    for (size_t i = 0; i < list.size(); ++i) {
-      if (auto step = read_decoder(list[i], where + ".decoders[" + std::to_string(i) + "]")) steps.push_back(std::move(step));
-    }
-    return std::make_unique<SequenceDecoder>(std::move(steps));
+    return std::make_unique<SequenceDecoder>(read_steps<Decoder>(object, "decoders", where, read_decoder));
   }
   TORCH_CHECK_NOT_IMPLEMENTED(false, where, ": the decoder type '", type,
                               "' is not supported (ByteLevel, ByteFallback, Fuse, Replace, Strip, Metaspace, Sequence are)");

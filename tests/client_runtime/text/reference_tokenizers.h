@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 namespace symbiosis::testing {
@@ -21,6 +22,23 @@ struct ReferenceTokenizers {
 // skip); a failing script
 // fails the calling test.
 const ReferenceTokenizers* reference_tokenizers(std::string& why);
+// A fixture over the reference tokenizers (Base: ::testing::Test or TestWithParam<...>): SetUp
+// skips where the Python lacks the packages and fails where the script failed; a derived SetUp
+// calls it first and returns when IsSkipped() or HasFatalFailure().
+template <typename Base>
+class WithReferenceTokenizers : public Base {
+ protected:
+  void SetUp() override {
+    std::string why;
+    reference_ = reference_tokenizers(why);
+    if (reference_ == nullptr) {
+      if (why.find("lacks") != std::string::npos) GTEST_SKIP() << why;
+      FAIL() << why;
+    }
+  }
+  const ReferenceTokenizers* reference_ = nullptr;
+};
+
 // A new empty directory under the system's temporary one.
 std::filesystem::path new_temp_dir(const std::string& prefix);
 // The message of the exception that f throws (c10::Error's without its backtrace), or "(no error)".

@@ -12,15 +12,11 @@ namespace {
 
 using nlohmann::json;
 
-class StreamingDecoderTest : public ::testing::TestWithParam<std::string> {
+class StreamingDecoderTest : public testing::WithReferenceTokenizers<::testing::TestWithParam<std::string>> {
  protected:
   void SetUp() override {
-    std::string why;
-    reference_ = testing::reference_tokenizers(why);
-    if (reference_ == nullptr) {
-      if (why.find("lacks") != std::string::npos) GTEST_SKIP() << why;
-      FAIL() << why;
-    }
+    WithReferenceTokenizers::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     expected_ = &reference_->expected.at(GetParam());
     tokenizer_ = Tokenizer::from_directory(reference_->dir / GetParam());
   }
@@ -39,7 +35,6 @@ class StreamingDecoderTest : public ::testing::TestWithParam<std::string> {
     return text;
   }
 
-  const testing::ReferenceTokenizers* reference_ = nullptr;
   const json* expected_ = nullptr;
   std::unique_ptr<Tokenizer> tokenizer_;
 };

@@ -21,20 +21,15 @@ std::vector<int64_t> ids_of(const json& list) { return list.get<std::vector<int6
 
 std::string escaped(const std::string& text) { return json(text).dump(); }
 
-class ReferenceTest : public ::testing::TestWithParam<std::string> {
+class ReferenceTest : public testing::WithReferenceTokenizers<::testing::TestWithParam<std::string>> {
  protected:
   void SetUp() override {
-    std::string why;
-    reference_ = testing::reference_tokenizers(why);
-    if (reference_ == nullptr) {
-      if (why.find("lacks") != std::string::npos) GTEST_SKIP() << why;
-      FAIL() << why;
-    }
+    WithReferenceTokenizers::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     expected_ = &reference_->expected.at(GetParam());
     tokenizer_ = Tokenizer::from_directory(expected_->at("dir").get<std::string>());
   }
 
-  const testing::ReferenceTokenizers* reference_ = nullptr;
   const json* expected_ = nullptr;
   std::unique_ptr<Tokenizer> tokenizer_;
 };
@@ -101,15 +96,11 @@ INSTANTIATE_TEST_SUITE_P(Families, ByteLevelRoundTripTest, ::testing::Values("gp
 
 // ---- Finding the tokenizer, and errors ----
 
-class TokenizerFilesTest : public ::testing::Test {
+class TokenizerFilesTest : public testing::WithReferenceTokenizers<::testing::Test> {
  protected:
   void SetUp() override {
-    std::string why;
-    reference_ = testing::reference_tokenizers(why);
-    if (reference_ == nullptr) {
-      if (why.find("lacks") != std::string::npos) GTEST_SKIP() << why;
-      FAIL() << why;
-    }
+    WithReferenceTokenizers::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     dir_ = new_temp_dir("symbiosis-tokenizer-files");
   }
   void TearDown() override {
@@ -124,7 +115,6 @@ class TokenizerFilesTest : public ::testing::Test {
   }
   void write(const std::string& name, const std::string& content) const { std::ofstream(dir_ / name) << content; }
 
-  const testing::ReferenceTokenizers* reference_ = nullptr;
   std::filesystem::path dir_;
 };
 
