@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -59,6 +60,13 @@ void ExecutorOptions::validate() const {
               " is reachable from other hosts, and without keys anyone there could use this executor and read its "
               "traffic: give --keys DIR (docs/operating.md), listen on tcp://127.0.0.1, or pass --insecure");
   TORCH_CHECK(max_request_bytes > 0, "executor option --max-request-bytes must be positive");
+  TORCH_CHECK(max_message_bytes == 0 || max_message_bytes > max_request_bytes,
+              "executor option --max-message-bytes (", max_message_bytes,
+              ") must be larger than --max-request-bytes (", max_request_bytes, "), or 0 for that + 1 MiB");
+  TORCH_CHECK(max_message_bytes <= size_t{INT64_MAX}, "executor option --max-message-bytes is too large");
+  TORCH_CHECK(max_queued_messages >= 1, "executor option --max-queued-messages must be >= 1, got ",
+              max_queued_messages);
+  TORCH_CHECK(max_clients >= 1, "executor option --max-clients must be >= 1, got ", max_clients);
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);

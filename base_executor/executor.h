@@ -41,6 +41,20 @@ struct ExecutorOptions {
   std::optional<at::ScalarType> dtype;           // compute dtype; default: the checkpoint's
   BaseLayerRule layers;                          // which tensors are base layers
   size_t max_request_bytes = size_t{256} << 20;  // larger payloads are refused
+  // [Overload] (docs/operating.md): what one peer, or all of them, may make the executor hold. Past a
+  // limit the peer is refused with RESOURCE_EXHAUSTED naming the limit and its flag; the others go on.
+  // The largest ZeroMQ frame the executor reads (ZMQ_MAXMSGSIZE): a peer that sends a larger one is
+  // disconnected before it is read. 0: max_request_bytes + 1 MiB (a call's payload and its header).
+  size_t max_message_bytes = 0;
+  // ZeroMQ messages queued for one peer each way (the ROUTER's ZMQ_SNDHWM and ZMQ_RCVHWM). Replies
+  // to a peer that does not read them past this many are dropped (the ROUTER's way; the peer stays
+  // connected and its calls time out), so a peer that never reads holds at most this many replies.
+  int max_queued_messages = 32;
+  // Clients connected at once; a Hello past it is refused.
+  size_t max_clients = 1024;
+
+  // max_message_bytes as it applies (its default resolved).
+  size_t message_limit() const { return max_message_bytes > 0 ? max_message_bytes : max_request_bytes + (size_t{1} << 20); }
   BatchingOptions batching;                      // see [Opportunistic batching]
   // CPU threads of each GEMM on a CPU device; 0: LibTorch's default (all cores). When clients
   // share the host, fewer avoids OpenMP threads spinning against them (measured in bench/).

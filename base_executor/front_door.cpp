@@ -53,9 +53,12 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
       router_(context, zmq::socket_type::router),
       replies_in_(context, zmq::socket_type::pull) {
   router_.set(zmq::sockopt::linger, 0);
-  router_.set(zmq::sockopt::sndhwm, 0);
-  // A message larger than any call may carry drops its sender's connection before it is read.
-  router_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options.max_request_bytes + (size_t{1} << 20)));
+  // [Overload]: a peer that never reads its replies holds at most max_queued_messages of them here;
+  // past that the ROUTER drops its replies (no ROUTER_MANDATORY). A frame larger than any call may
+  // carry drops its sender's connection before it is read.
+  router_.set(zmq::sockopt::sndhwm, options.max_queued_messages);
+  router_.set(zmq::sockopt::rcvhwm, options.max_queued_messages);
+  router_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options.message_limit()));
   if (!options.keys_dir.empty()) {
     keys_ = std::make_unique<Keys>(options.keys_dir);
     zap_ = std::make_unique<ZapHandler>(context);
@@ -99,8 +102,9 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, 
   }
   if (hello.tenant().size() > kMaxTenantBytes) {
     return refuse(key, 0,
-                  {StatusCode::kInvalidArgument, "tenant name of " + std::to_string(hello.tenant().size()) +
-                                                     " bytes (at most " + std::to_string(kMaxTenantBytes) + ")"},
+                  {StatusCode::kInvalidArgument, "Hello.tenant of " + std::to_string(hello.tenant().size()) +
+                                                     " bytes is over the limit of " + std::to_string(kMaxTenantBytes) +
+                                                     " bytes"},
                   false);
   }
   if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model_.model_hash()) {
@@ -127,6 +131,13 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, 
   }
   if (registry_.seen(key)) forget(key);  // a second Hello starts the client afresh
   std::erase_if(pending_, [&](const auto& entry) { return entry.second.key == key; });
+  if (registry_.size() + pending_.size() >= options_.max_clients) {
+    return refuse(key, 0,
+                  {StatusCode::kResourceExhausted,
+                   "the executor serves its limit of " + std::to_string(options_.max_clients) +
+                       " clients (max_clients; raise it with --max-clients)"},
+                  false);
+  }
   // [Proven placement]: a transport that shares memory on this host is given only to the process
   // that proves it runs here; NCCL between two hosts shares none.
   const bool shares_memory = kind == TransportKind::kShm || kind == TransportKind::kCudaIpc ||

@@ -32,6 +32,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-request-bytes", options.max_request_bytes, "refuse request payloads larger than this")
       ->capture_default_str();
+  // [Overload] (docs/operating.md)
+  app.add_option("--max-message-bytes", options.max_message_bytes,
+                 "disconnect a peer that sends a ZeroMQ frame larger than this (0: --max-request-bytes + 1 MiB)")
+      ->capture_default_str();
+  app.add_option("--max-queued-messages", options.max_queued_messages,
+                 "ZeroMQ messages queued for one peer each way; replies past it to a peer that does not read are "
+                 "dropped")
+      ->capture_default_str();
+  app.add_option("--max-clients", options.max_clients, "clients connected at once; more are refused")
+      ->capture_default_str();
   std::string policy = "opportunistic";
   int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
   int64_t companion_window_us = options.batching.companion_window.count();
