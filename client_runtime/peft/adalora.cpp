@@ -273,8 +273,8 @@ AdaLoraConfig read_adalora_config(const std::filesystem::path& dir) {
     peft::require_default(j, "alpha_pattern", nullptr, "per-layer alpha is not supported for AdaLoRA");
     peft::require_default(j, "lora_bias", false, "LoRA bias terms are not supported");
     AdaLoraConfig c;
-    c.init_r = j.value("init_r", c.init_r);
-    c.target_r = j.value("target_r", c.target_r);
+    c.init_r = peft::integer_field(j, "init_r", c.init_r, where);
+    c.target_r = peft::integer_field(j, "target_r", c.target_r, where);
     c.alpha = j.value("lora_alpha", c.alpha);
     c.dropout = j.value("lora_dropout", c.dropout);
     c.target_modules = peft::string_list(j, "target_modules", {});
@@ -284,10 +284,10 @@ AdaLoraConfig read_adalora_config(const std::filesystem::path& dir) {
     auto number = [&](const char* field, auto fallback) {
       return j.contains(field) && !j[field].is_null() ? j[field].get<decltype(fallback)>() : fallback;
     };
-    c.tinit = number("tinit", c.tinit);
-    c.tfinal = number("tfinal", c.tfinal);
-    c.deltaT = number("deltaT", c.deltaT);
-    c.total_step = number("total_step", c.total_step);
+    c.tinit = peft::integer_field(j, "tinit", c.tinit, where);
+    c.tfinal = peft::integer_field(j, "tfinal", c.tfinal, where);
+    c.deltaT = peft::integer_field(j, "deltaT", c.deltaT, where);
+    c.total_step = peft::integer_field(j, "total_step", c.total_step, where);
     c.beta1 = number("beta1", c.beta1);
     c.beta2 = number("beta2", c.beta2);
     c.orth_reg_weight = number("orth_reg_weight", c.orth_reg_weight);

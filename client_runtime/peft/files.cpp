@@ -1,6 +1,7 @@
 #include "client_runtime/peft/files.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <regex>
 
@@ -153,6 +154,16 @@ std::string adapter_origin(const std::filesystem::path& dir) {
   if (!j.is_object() || !j.contains("base_model_name_or_path") || !j["base_model_name_or_path"].is_string()) return "";
   return " (made for '" + j["base_model_name_or_path"].get<std::string>() +
          "', its adapter_config.json's base_model_name_or_path)";
+}
+
+int64_t integer_field(const nlohmann::json& config, const std::string& field, int64_t fallback,
+                      const std::string& where) {
+  if (!config.contains(field) || config[field].is_null()) return fallback;
+  const auto& value = config[field];
+  const bool whole = value.is_number_integer() &&
+                     !(value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX});
+  TORCH_CHECK(whole, where, "field '", field, "' should be an integer, got ", value.dump().substr(0, 64));
+  return value.get<int64_t>();
 }
 
 void add_saved_adapter(const std::filesystem::path& dir, const std::string& method, const std::function<void()>& add) {

@@ -38,6 +38,11 @@ void write_adapter(const std::filesystem::path& dir, const nlohmann::json& confi
 // A string or list-of-strings field; `fallback` when absent or null.
 std::vector<std::string> string_list(const nlohmann::json& config, const std::string& field,
                                      const std::vector<std::string>& fallback);
+// An integer field; `fallback` when absent or null. Anything but a whole number within int64 (a
+// float such as 1e20 or 2.5, a string) is refused as "<where>field '<field>' should be an integer,
+// got ..." (converting 1e20 to int64_t would be undefined behaviour).
+int64_t integer_field(const nlohmann::json& config, const std::string& field, int64_t fallback,
+                      const std::string& where);
 // Throws naming the field when `field` is present, not null, and not equal to `allowed`
 // (a null `allowed` also accepts an empty list or empty object).
 void require_default(const nlohmann::json& config, const std::string& field, const nlohmann::json& allowed,

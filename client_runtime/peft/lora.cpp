@@ -321,7 +321,7 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
   const auto path = dir / "adapter_config.json";
   const auto j = peft::read_config(dir, "LORA");
   LoraConfig config;
-  config.r = j.value("r", config.r);
+  config.r = peft::integer_field(j, "r", config.r, path.string() + ": ");
   config.alpha = j.value("lora_alpha", config.alpha);
   config.dropout = j.value("lora_dropout", config.dropout);
   if (j.contains("target_modules")) {

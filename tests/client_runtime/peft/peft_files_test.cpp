@@ -140,6 +140,30 @@ TEST(PeftFilesLoad, AdaLoraAndIA3AdaptersForAnotherArchitectureNameTheAdapter) {
       << message;
 }
 
+// [Fuzzing] peft_files' finding (fuzz/regressions/peft_files/adalora-integer-field-1e20): an
+// integer field holding a number beyond int64 (read by JSON as a float) or a fraction is refused
+// naming adapter_config.json and the field, never converted (undefined behaviour).
+TEST(PeftFilesLoad, IntegerFieldsThatAreNoIntegersAreRefusedNamingTheField) {
+  auto llama = model_of("tiny-llama");
+  const AdaLoraConfig adalora{.init_r = 4, .target_r = 2, .total_step = 10};
+  add_adalora(*llama.module, adalora);
+  const auto root = testing::temp_dir("symbiosis-user-adapter");
+  save_adalora(*llama.module, adalora, root / "adalora");
+  edit_config(root / "adalora", [](nlohmann::json& j) { j["tinit"] = nlohmann::json::parse("184467440737095516150"); });
+  auto fresh = model_of("tiny-llama");
+  auto message = error_of([&] { load_peft_adapter(*fresh.module, root / "adalora"); });
+  EXPECT_NE(message.find((root / "adalora" / "adapter_config.json").string() +
+                         ": field 'tinit' should be an integer, got 1.84467"),
+            std::string::npos)
+      << message;
+  const auto lora = saved_lora("tiny-llama", {"q_proj"}, "my-org/llama");
+  edit_config(lora, [](nlohmann::json& j) { j["r"] = 2.5; });
+  message = error_of([&] { load_peft_adapter(*fresh.module, lora); });
+  EXPECT_NE(message.find((lora / "adapter_config.json").string() + ": field 'r' should be an integer, got 2.5"),
+            std::string::npos)
+      << message;
+}
+
 // A damaged adapter file is named as the user's file, never a copy of it.
 TEST(PeftFilesLoad, ErrorsNameTheUsersAdapterFile) {
   const auto adapter = saved_lora("tiny-llama", {"q_proj"}, "my-org/llama");
