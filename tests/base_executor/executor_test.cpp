@@ -125,6 +125,29 @@ TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag)
 // An architecture outside the supported ones is refused under the default base-layer rule, naming
 // its model_type and the supported list as the client's open_causal_lm does; named by
 // --layer-pattern, its layers are served.
+TEST(ExecutorOptionsTest, OverloadLimitsOutOfRangeAreRefusedNamingTheFlag) {
+  ExecutorOptions options;
+  options.model_dir = "/nonexistent";
+  options.validate();
+  auto refusal = [&](auto change) {
+    ExecutorOptions changed = options;
+    change(changed);
+    try {
+      changed.validate();
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_clients = 0; }).find("--max-clients must be >= 1"),
+            std::string::npos);
+  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_queued_messages = 0; }).find("--max-queued-messages must be >= 1"),
+            std::string::npos);
+  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_message_bytes = 1024; }).find("must be larger than --max-request-bytes"),
+            std::string::npos);
+  EXPECT_EQ(options.message_limit(), options.max_request_bytes + (size_t{1} << 20));
+}
+
 TEST(BaseModelTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
   const auto dir = testing::temp_dir("unsupported-model-type");
   write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", at::randn({4, 4})}});
