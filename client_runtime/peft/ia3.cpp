@@ -134,6 +134,8 @@ IA3Config read_ia3_config(const std::filesystem::path& dir) {
   } catch (const c10::Error& e) {
     if (std::string(e.what_without_backtrace()).rfind(where, 0) == 0) throw;
     TORCH_CHECK(false, where, e.what_without_backtrace());
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, where, "bad IA3 field: ", e.what());
   }
 }
 

@@ -317,7 +317,9 @@ void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::fi
   peft::write_adapter(dir, j, state);
 }
 
-LoraConfig read_lora_config(const std::filesystem::path& dir) {
+namespace {
+
+LoraConfig read_lora_fields(const std::filesystem::path& dir) {
   const auto path = dir / "adapter_config.json";
   const auto j = peft::read_config(dir, "LORA");
   LoraConfig config;
@@ -357,6 +359,17 @@ LoraConfig read_lora_config(const std::filesystem::path& dir) {
     TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
   }
   return config;
+}
+
+}  // namespace
+
+LoraConfig read_lora_config(const std::filesystem::path& dir) {
+  try {
+    return read_lora_fields(dir);
+  } catch (const nlohmann::json::exception& e) {
+    // A field of the wrong JSON type ("target_modules": false) names the file, as AdaLoRA's does.
+    TORCH_CHECK(false, dir / "adapter_config.json", ": bad LoRA field: ", e.what());
+  }
 }
 
 LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir) {

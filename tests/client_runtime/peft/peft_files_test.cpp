@@ -143,7 +143,7 @@ TEST(PeftFilesLoad, AdaLoraAndIA3AdaptersForAnotherArchitectureNameTheAdapter) {
 // [Fuzzing] peft_files' finding (fuzz/regressions/peft_files/adalora-integer-field-1e20): an
 // integer field holding a number beyond int64 (read by JSON as a float) or a fraction is refused
 // naming adapter_config.json and the field, never converted (undefined behaviour).
-TEST(PeftFilesLoad, IntegerFieldsThatAreNoIntegersAreRefusedNamingTheField) {
+TEST(PeftFilesLoad, FieldsOfTheWrongTypeAreRefusedNamingTheFileAndField) {
   auto llama = model_of("tiny-llama");
   const AdaLoraConfig adalora{.init_r = 4, .target_r = 2, .total_step = 10};
   add_adalora(*llama.module, adalora);
@@ -162,6 +162,16 @@ TEST(PeftFilesLoad, IntegerFieldsThatAreNoIntegersAreRefusedNamingTheField) {
   EXPECT_NE(message.find((lora / "adapter_config.json").string() + ": field 'r' should be an integer, got 2.5"),
             std::string::npos)
       << message;
+  // [Fuzzing] peft_files' finding (lora-target-modules-of-the-wrong-type): a field of the wrong
+  // JSON type escaped as nlohmann's type_error, naming no file.
+  edit_config(lora, [](nlohmann::json& j) {
+    j["r"] = 2;
+    j["target_modules"] = false;
+  });
+  message = error_of([&] { load_peft_adapter(*fresh.module, lora); });
+  EXPECT_NE(message.find("\"" + (lora / "adapter_config.json").string() + "\": bad LoRA field: "), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("type must be array, but is boolean"), std::string::npos) << message;
 }
 
 // A damaged adapter file is named as the user's file, never a copy of it.
