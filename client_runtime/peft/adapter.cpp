@@ -7,7 +7,8 @@ namespace symbiosis {
 LoadedAdapter load_peft_adapter(torch::nn::Module& model, const std::filesystem::path& dir) {
   const auto config = peft::read_config(dir);
   LoadedAdapter loaded;
-  loaded.peft_type = config.value("peft_type", "");
+  // Not a string (false): refused below as an unsupported type, naming the file.
+  if (config.contains("peft_type") && config["peft_type"].is_string()) loaded.peft_type = config["peft_type"];
   const auto& type = loaded.peft_type;
   if (type == "LORA") {
     load_lora(model, dir);

@@ -172,6 +172,11 @@ TEST(PeftFilesLoad, FieldsOfTheWrongTypeAreRefusedNamingTheFileAndField) {
   EXPECT_NE(message.find("\"" + (lora / "adapter_config.json").string() + "\": bad LoRA field: "), std::string::npos)
       << message;
   EXPECT_NE(message.find("type must be array, but is boolean"), std::string::npos) << message;
+  edit_config(lora, [](nlohmann::json& j) { j["peft_type"] = false; });
+  message = error_of([&] { load_peft_adapter(*fresh.module, lora); });
+  EXPECT_NE(message.find("\"" + (lora / "adapter_config.json").string() + "\": field 'peft_type' is ''; supported: LORA"),
+            std::string::npos)
+      << message;
 }
 
 // A damaged adapter file is named as the user's file, never a copy of it.
