@@ -170,17 +170,22 @@ class ReplaceNormalizer : public Normalizer {
   Replacement replacement_;
 };
 
-class SequenceNormalizer : public Normalizer {
+// A "Sequence": its steps applied in order to what a Part applies to (Normalizer: the text;
+// Decoder: the tokens).
+template <typename Part, typename Value>
+class Sequence : public Part {
  public:
-  explicit SequenceNormalizer(std::vector<std::unique_ptr<Normalizer>> steps) : steps_(std::move(steps)) {}
-  std::string apply(std::string text) const override {
-    for (const auto& step : steps_) text = step->apply(std::move(text));
-    return text;
+  explicit Sequence(std::vector<std::unique_ptr<Part>> steps) : steps_(std::move(steps)) {}
+  Value apply(Value value) const override {
+    for (const auto& step : steps_) value = step->apply(std::move(value));
+    return value;
   }
 
  private:
-  std::vector<std::unique_ptr<Normalizer>> steps_;
+  std::vector<std::unique_ptr<Part>> steps_;
 };
+
+using SequenceNormalizer = Sequence<Normalizer, std::string>;
 
 std::unique_ptr<Normalizer> read_normalizer(const json& object, const std::string& where) {
   if (object.is_null()) return nullptr;
@@ -586,17 +591,7 @@ class MetaspaceDecoder : public Decoder {
   bool strip_first_;
 };
 
-class SequenceDecoder : public Decoder {
- public:
-  explicit SequenceDecoder(std::vector<std::unique_ptr<Decoder>> steps) : steps_(std::move(steps)) {}
-  std::vector<std::string> apply(std::vector<std::string> tokens) const override {
-    for (const auto& step : steps_) tokens = step->apply(std::move(tokens));
-    return tokens;
-  }
-
- private:
-  std::vector<std::unique_ptr<Decoder>> steps_;
-};
+using SequenceDecoder = Sequence<Decoder, std::vector<std::string>>;
 
 std::unique_ptr<Decoder> read_decoder(const json& object, const std::string& where) {
   if (object.is_null()) return nullptr;

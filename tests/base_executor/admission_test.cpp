@@ -360,7 +360,7 @@ TEST_F(AdmissionTest, NothingAStrangerSendsIsEchoedOrLoggedWholeAndBadInputLogsA
   big_tenant.mutable_hello()->set_tenant(std::string(16 << 20, 't'));
   answer = testing::exchange(socket, big_tenant);
   ASSERT_TRUE(answer.has_error());
-  EXPECT_TRUE(contains(answer.error().message(), "tenant name of 16777216 bytes (at most 128)"))
+  EXPECT_TRUE(contains(answer.error().message(), "Hello.tenant of 16777216 bytes is over the limit of 128 bytes"))
       << answer.error().message().substr(0, 200);
   // An unknown transport name is quoted in part.
   auto odd_transport = hello();
