@@ -72,12 +72,6 @@ std::string method_of(const std::string& peft_type, const fs::path& adapter) {
   return peft_type;
 }
 
-// The checkpoint's tokenizer when it has one; the dataset refuses text without it.
-std::unique_ptr<Tokenizer> checkpoint_tokenizer(const fs::path& dir) {
-  if (!fs::exists(dir / "tokenizer.json") && !fs::exists(dir / "tokenizer.model")) return nullptr;
-  return Tokenizer::from_directory(dir);
-}
-
 // What --resume keeps from the checkpoint: a method flag given now must say the same.
 void check_resumed_flags(const CLI::App& app, const Settings& s, const std::string& method, const fs::path& adapter) {
   const auto refuse = [&](const std::string& flag, const std::string& given, const std::string& saved) {
@@ -172,7 +166,7 @@ int run(Settings& s, const CLI::App& app) {
     client = Client::connect(options);
   }
   auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(s.dtype), device});
-  const auto tokenizer = checkpoint_tokenizer(checkpoint->dir());
+  const auto tokenizer = Tokenizer::in_directory(checkpoint->dir());  // null: the dataset refuses text
   auto train_data = TokenDataset::from_jsonl(s.train_file, tokenizer.get());
 
   s.trainer.batching.mode = s.packing ? BatchingMode::kPacking : BatchingMode::kPadding;

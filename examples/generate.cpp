@@ -38,7 +38,6 @@
 
 using namespace symbiosis;
 using nlohmann::json;
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -161,10 +160,7 @@ int run(Settings& s) {
   }
   auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(s.dtype), at::Device(s.device)});
   if (!s.adapter.empty()) load_peft_adapter(*lm.module, s.adapter);
-  std::unique_ptr<Tokenizer> tokenizer;
-  if (fs::exists(checkpoint->dir() / "tokenizer.json") || fs::exists(checkpoint->dir() / "tokenizer.model")) {
-    tokenizer = Tokenizer::from_directory(checkpoint->dir());
-  }
+  const auto tokenizer = Tokenizer::in_directory(checkpoint->dir());
   s.sampling.stop_tokens = parse_ids(s.stop_tokens);
   if (s.stop_tokens.empty() && tokenizer && tokenizer->eos_token_id()) s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
   s.generator.max_waiting = std::numeric_limits<int64_t>::max();  // the whole file is queued at once

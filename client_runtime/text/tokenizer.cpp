@@ -26,4 +26,11 @@ std::unique_ptr<Tokenizer> Tokenizer::from_directory(const std::filesystem::path
               ": looked for tokenizer.json (Hugging Face tokenizers) and tokenizer.model (SentencePiece)");
 }
 
+std::unique_ptr<Tokenizer> Tokenizer::in_directory(const std::filesystem::path& dir) {
+  if (!std::filesystem::exists(dir / "tokenizer.json") && !std::filesystem::exists(dir / "tokenizer.model")) {
+    return nullptr;
+  }
+  return from_directory(dir);
+}
+
 }  // namespace symbiosis

@@ -26,6 +26,9 @@ class Tokenizer {
   // the files looked for. A tokenizer.json with a part not implemented here gives way to a tokenizer.model
   // beside it (Llama 2's and Gemma's checkpoints carry both); alone, it is refused naming the part.
   static std::unique_ptr<Tokenizer> from_directory(const std::filesystem::path& dir);
+  // from_directory, or null when the directory holds neither tokenizer.json nor tokenizer.model (a
+  // checkpoint without a tokenizer; the tools then take token ids only).
+  static std::unique_ptr<Tokenizer> in_directory(const std::filesystem::path& dir);
   // `text` (UTF-8) as token ids. add_special_tokens: what transformers' tokenizer(text) adds (BOS for Llama,
   // none for GPT-2). Special tokens written in the text ("<|endoftext|>") become their ids, as in transformers.
   virtual std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = true) const = 0;

@@ -846,18 +846,25 @@ std::string JsonTokenizer::decode(const std::vector<int64_t>& ids, bool skip_spe
 
 }  // namespace
 
+namespace {
+
+json read_json(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  TORCH_CHECK(in, "tokenizer: cannot read ", file.string());
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, file.string(), " is not valid JSON: ", e.what());
+  }
+}
+
+}  // namespace
+
 TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
   TokenizerConfig config;
   if (!std::filesystem::exists(file)) return config;
   const std::string where = file.string();
-  std::ifstream in(file);
-  TORCH_CHECK(in, "tokenizer: cannot read ", where);
-  json root;
-  try {
-    root = json::parse(in);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, where, " is not valid JSON: ", e.what());
-  }
+  const json root = read_json(file);
   TORCH_CHECK(root.is_object(), where, " should hold a JSON object");
   // A token may be written as "text" or as {"content": "text", ...} (an AddedToken).
   const auto token = [&](const char* name) -> std::optional<std::string> {
@@ -896,16 +903,7 @@ TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
 }
 
 std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file, const TokenizerConfig& config) {
-  const std::string where = file.string();
-  std::ifstream in(file);
-  TORCH_CHECK(in, "tokenizer: cannot read ", where);
-  json root;
-  try {
-    root = json::parse(in);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, where, " is not valid JSON: ", e.what());
-  }
-  return std::make_unique<JsonTokenizer>(root, where, config);
+  return std::make_unique<JsonTokenizer>(read_json(file), file.string(), config);
 }
 
 }  // namespace symbiosis::text

@@ -182,8 +182,7 @@ class Trainer::Impl {
     device = params.front().device();
     const auto& o = this->options;
     if (device.is_cuda()) {
-      gpu = std::make_unique<DeviceStep>();
-      gpu->optimizer = make_fused_optimizer();
+      gpu = make_device_step();
     } else {
       optimizer = make_optimizer();
     }
@@ -237,11 +236,10 @@ class Trainer::Impl {
       plans = plan_epoch(epoch);
       next_micro_batch = 0;
     }
-    std::vector<MicroBatchPlan> step_plans;
+    const auto shape = gpu ? gpu->shape : std::nullopt;  // captured steps read one shape
     std::vector<MicroBatch> batches;
     for (int64_t k = 0; k < options.grad_accum && next_micro_batch < plans.size(); ++k) {
-      step_plans.push_back(plans[next_micro_batch++]);
-      batches.push_back(collate(data, step_plans.back(), options.batching));
+      batches.push_back(collate(data, plans[next_micro_batch++], options.batching, shape));
     }
     StepStats stats;
     stats.epoch = epoch;
@@ -254,7 +252,7 @@ class Trainer::Impl {
     if (stats.targets == 0) {
       stats.loss = NAN;  // truncation left nothing to train on: no update
     } else if (gpu) {
-      device_step(step_plans, batches, stats);
+      device_step(batches, stats);
     } else {
       host_step(batches, stats);
     }
@@ -296,6 +294,7 @@ class Trainer::Impl {
     at::Tensor loss, grad_norm;             // [] fp32, the step's results
     std::vector<MicroBatch> inputs;         // the step's micro-batches (captured: always the same tensors)
     std::optional<FixedShape> shape;        // captured: every micro-batch's
+    MicroBatch padding;                     // captured: a micro-batch of padding rows (on the CPU)
     std::unique_ptr<StepGraph> graph;
   };
 
@@ -340,34 +339,37 @@ class Trainer::Impl {
     g.optimizer->step();
   }
 
-  void device_step(const std::vector<MicroBatchPlan>& step_plans, const std::vector<MicroBatch>& batches,
-                   StepStats& stats) {
-    auto& g = *gpu;
-    if (!g.graph) {
-      const auto scalar = at::TensorOptions().dtype(at::kFloat).device(device);
-      g.learning_rate = at::zeros({}, scalar);
-      g.inv_targets = at::zeros({}, scalar);
-      g.loss = at::zeros({}, scalar);
-      g.grad_norm = at::zeros({}, scalar);
-      g.optimizer->set_lr_tensor(g.learning_rate);
-      if (options.capture) {
-        g.shape = FixedShape{options.batching.micro_batch_size, longest_row(data, options.batching)};
-        for (int64_t k = 0; k < options.grad_accum; ++k) {
-          g.inputs.push_back(to_device(collate(data, {}, options.batching, g.shape)));
-        }
-      }
-      g.graph = std::make_unique<StepGraph>([this] { device_compute(); }, [this] { device_apply(); }, lm.client, device,
-                                            StepGraphOptions{.capture = options.capture});
+  std::unique_ptr<DeviceStep> make_device_step() {
+    auto g = std::make_unique<DeviceStep>();
+    g->optimizer = make_fused_optimizer();
+    const auto scalar = at::TensorOptions().dtype(at::kFloat).device(device);
+    g->learning_rate = at::zeros({}, scalar);
+    g->inv_targets = at::zeros({}, scalar);
+    g->loss = at::zeros({}, scalar);
+    g->grad_norm = at::zeros({}, scalar);
+    g->optimizer->set_lr_tensor(g->learning_rate);
+    if (options.capture) {
+      g->shape = FixedShape{options.batching.micro_batch_size, longest_row(data, options.batching)};
+      g->padding = collate(data, {}, options.batching, g->shape);
+      for (int64_t k = 0; k < options.grad_accum; ++k) g->inputs.push_back(to_device(g->padding));
     }
+    g->graph = std::make_unique<StepGraph>([this] { device_compute(); }, [this] { device_apply(); }, lm.client, device,
+                                           StepGraphOptions{.capture = options.capture});
+    return g;
+  }
+
+  // batches: in the fixed shape when captured.
+  void device_step(const std::vector<MicroBatch>& batches, StepStats& stats) {
+    auto& g = *gpu;
     if (g.shape) {
-      // The same tensors every step: the new micro-batches are copied into them, padding where the
-      // step has fewer rows or micro-batches.
+      // The same tensors every step: the new micro-batches are copied into them, a micro-batch of
+      // padding where the step has fewer.
       for (size_t k = 0; k < g.inputs.size(); ++k) {
-        const auto fixed = collate(data, k < step_plans.size() ? step_plans[k] : MicroBatchPlan{}, options.batching, g.shape);
-        g.inputs[k].input_ids.copy_(fixed.input_ids);
-        g.inputs[k].attention_mask.copy_(fixed.attention_mask);
-        g.inputs[k].position_ids.copy_(fixed.position_ids);
-        g.inputs[k].labels.copy_(fixed.labels);
+        const auto& mb = k < batches.size() ? batches[k] : g.padding;
+        g.inputs[k].input_ids.copy_(mb.input_ids);
+        g.inputs[k].attention_mask.copy_(mb.attention_mask);
+        g.inputs[k].position_ids.copy_(mb.position_ids);
+        g.inputs[k].labels.copy_(mb.labels);
       }
     } else {
       g.inputs.clear();
