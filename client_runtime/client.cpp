@@ -3,9 +3,13 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "common/checkpoint.h"
@@ -20,6 +24,7 @@ void ClientOptions::validate() const {
   TORCH_CHECK(endpoint_wrong.empty(), "client option endpoint ", endpoint_wrong);
   TORCH_CHECK(timeout_ms > 0, "client option timeout_ms must be positive, got ", timeout_ms);
   TORCH_CHECK(connect_timeout_ms > 0, "client option connect_timeout_ms must be positive, got ", connect_timeout_ms);
+  TORCH_CHECK(reconnect_ms >= 0, "client option reconnect_ms must be >= 0 (0: never reconnect), got ", reconnect_ms);
   TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(transport == "auto" || parse_transport(transport), "client option transport '", transport,
               "' is not one of auto, ", transport_names());
@@ -36,9 +41,36 @@ void ClientOptions::validate() const {
   }
 }
 
+// [Executor restart]
+// A client outlives its executor's restarts. The connection is lost when the executor says it shuts
+// down, when its ZeroMQ connection breaks off, or when it closes a same-host client's local link
+// (ExecutorLost, in transport/client_transport.h); the call that finds it so lets the transport go,
+// connects again with back-off (100 ms doubling to 2 s) for up to ClientOptions::reconnect_ms,
+// handshakes with the same Hello, pinned to the model hash it had, redoes the transport's set-up
+// (control segment, payload buffers, shared segments, NCCL communicator) and sends the call again.
+// A call is a pure function of its input and the frozen weights, so sending it twice is safe, and
+// the caller sees only a slower call. An executor that comes back with another model (another
+// hash), with another layer table, or that refuses this client is an error at once, not retried;
+// past reconnect_ms the call fails naming the endpoint and the last try's error. Calls ordered on
+// the GPU that returned before the loss have void results: the client reconnects and throws
+// ResultsLost, for the caller to redo its step. A capture recorded on the old connection is not
+// replayed (StepGraph captures again).
+namespace {
+constexpr auto kFirstPause = std::chrono::milliseconds(100);
+constexpr auto kLongestPause = std::chrono::seconds(2);
+
+// A layer table as bytes, to tell an executor that came back serving other layers.
+std::string table_of(const proto::Welcome& welcome) {
+  std::string table;
+  for (const auto& layer : welcome.layers()) table += layer.SerializeAsString();
+  for (const auto& group : welcome.groups()) table += group.SerializeAsString();
+  return table;
+}
+}  // namespace
+
 class Client::Impl {
  public:
-  explicit Impl(const ClientOptions& o) : options(o), socket(o.endpoint, o.timeout_ms, keys_of(o), o.connect_timeout_ms) {}
+  explicit Impl(const ClientOptions& o) : options(o), keys(keys_of(o)) {}
 
   static ClientKeys keys_of(const ClientOptions& o) {
     if (o.executor_key.empty()) return {};
@@ -46,8 +78,12 @@ class Client::Impl {
   }
 
   ClientOptions options;
-  ControlSocket socket;
-  std::unique_ptr<ClientTransport> transport;
+  ClientKeys keys;
+  proto::Envelope hello;  // every connection's; pinned to the first one's model hash
+  std::unique_ptr<ControlSocket> socket;
+  std::unique_ptr<ClientTransport> transport;  // uses *socket: goes first
+  uint64_t connection = 0;                     // [Executor restart]: connections made
+  std::string layer_table;                     // the first Welcome's, as table_of() writes it
   std::string transport_name;
   uint64_t client_id = 0;
   std::string model_hash;
@@ -103,6 +139,102 @@ class Client::Impl {
     };
   }
 
+  // Connects (a new socket) and handshakes; returns the Welcome. Throws as ControlSocket does.
+  proto::Welcome handshake(int connect_timeout_ms) {
+    transport.reset();
+    socket = std::make_unique<ControlSocket>(options.endpoint, options.timeout_ms, keys, connect_timeout_ms);
+    return socket->handshake(hello);
+  }
+
+  // Takes the Welcome of connection number `connection`: the layer table (the first time; later,
+  // checks it is the same), the client id and the transport it names.
+  void adopt(const proto::Welcome& welcome) {
+    if (connection == 0) {
+      model_hash = welcome.model_hash();
+      hello.mutable_hello()->set_expected_model_hash(model_hash);
+      layer_table = table_of(welcome);
+      for (const auto& layer : welcome.layers()) {
+        by_name[layer.name()] = layers.size();
+        layers.push_back(wire::from_proto(layer));
+      }
+      for (const auto& group : welcome.groups()) groups.push_back(wire::from_proto(group));
+    } else {
+      TORCH_CHECK(table_of(welcome) == layer_table, "the executor at ", options.endpoint,
+                  " came back serving another layer table than this client's (same model hash ", model_hash,
+                  ", other --layer-pattern, --layer-groups or --dtype?); connect a new Client");
+    }
+    client_id = welcome.client_id();
+    const auto kind = parse_transport(welcome.transport().empty() ? "tcp" : welcome.transport());
+    TORCH_CHECK(kind, "executor chose transport '", welcome.transport(), "', which this client does not know (it knows ",
+                transport_names(), ")");
+    transport_name = symbiosis::transport_name(*kind);
+    const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
+    transport = plugin(*kind).make_client(*socket, welcome, end_options);
+    connection++;
+  }
+
+  // [Executor restart]: after `lost`, connects again until reconnect_ms has passed. Holds call_mutex.
+  void reconnect(const ExecutorLost& lost) {
+    const std::string why = lost.msg();
+    if (options.reconnect_ms == 0) {
+      throw ExecutorLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                         why + "; this client does not reconnect (reconnect_ms is 0): connect a new Client once the "
+                               "executor is back");
+    }
+    using Clock = std::chrono::steady_clock;
+    spdlog::warn("client {} (tenant '{}'): {}; connecting again (for up to {} ms)", client_id, options.tenant, why,
+                 options.reconnect_ms);
+    transport.reset();  // its calls in flight cannot be answered
+    const auto start = Clock::now();
+    const auto deadline = start + std::chrono::milliseconds(options.reconnect_ms);
+    auto pause = std::chrono::duration_cast<Clock::duration>(kFirstPause);
+    std::string last_try;
+    for (int attempt = 1;; ++attempt) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      try {
+        adopt(handshake(static_cast<int>(std::clamp<int64_t>(left, 1, options.connect_timeout_ms))));
+        const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+        spdlog::info("reconnected to the executor at {} after {} ms (try {}): client {}, transport {}",
+                     options.endpoint, took, attempt, client_id, transport_name);
+        return;
+      } catch (const c10::Error& e) {
+        // An executor that answered and refused (another model, a key no longer admitted, a
+        // layer table that changed) will refuse again.
+        const bool refused = socket && socket->heard() && dynamic_cast<const ExecutorLost*>(&e) == nullptr;
+        TORCH_CHECK(!refused, why, "; the executor there now refuses this client: ", e.msg());
+        last_try = e.msg();
+      }
+      TORCH_CHECK(Clock::now() + pause < deadline, why, "; no executor took this client back at ", options.endpoint,
+                  " within ", options.reconnect_ms, " ms (client option reconnect_ms; tries: ", attempt,
+                  ", the last: ", last_try, ")");
+      spdlog::info("the executor at {} is not back yet ({}); trying again in {} ms", options.endpoint, last_try,
+                   std::chrono::duration_cast<std::chrono::milliseconds>(pause).count());
+      std::this_thread::sleep_for(pause);
+      pause = std::min<Clock::duration>(pause * 2, kLongestPause);
+    }
+  }
+
+  // Runs `work` (a use of the transport) and, when the executor is lost, reconnects and runs it
+  // again; throws ResultsLost instead where calls made before it lost their results, or where
+  // `work` cannot be run again (`retry` false: a replay, whose graph ran already). Holds call_mutex.
+  template <typename Work>
+  auto survive_restarts(Work&& work, bool retry = true) {
+    while (true) {
+      try {
+        return work();
+      } catch (const ExecutorLost& lost) {
+        TORCH_CHECK(!capturing, lost.msg(), "; a capture cannot go on over a new connection");
+        const bool results_lost = !retry || (transport && transport->results_lost());
+        reconnect(lost);
+        if (results_lost) {
+          throw ResultsLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                            lost.msg() + ", while calls ordered on the GPU waited for their results, which are void; "
+                                         "the client has connected again: redo the work since the last settle()");
+        }
+      }
+    }
+  }
+
   at::Tensor call(const LayerInfo& layer, proto::Op op, const at::Tensor& x) {
     // One scope per call for profilers (LibTorch's RecordFunction): free while none listens.
     RECORD_FUNCTION("symbiosis::executor_call", c10::ArrayRef<const c10::IValue>{});
@@ -114,10 +246,13 @@ class Client::Impl {
                 backward ? "backward" : "forward", ") takes [tokens, ", features, "] in ", layer.dtype, ", got ",
                 x.sizes(), " in ", x.scalar_type());
     std::lock_guard<std::mutex> lock(call_mutex);
-    CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
     if (!capturing) calls++;
     // Every payload reads the input's rows as they lie in memory.
-    return transport->call(spec, x.contiguous());
+    const at::Tensor input = x.contiguous();
+    return survive_restarts([&] {
+      CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
+      return transport->call(spec, input);
+    });
   }
 };
 
@@ -126,27 +261,14 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   options.validate();
   auto impl = std::make_unique<Impl>(options);
-  proto::Envelope hello;
-  hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
-  hello.mutable_hello()->set_tenant(options.tenant);
-  hello.mutable_hello()->set_expected_model_hash(options.expected_model_hash);
-  hello.mutable_hello()->set_transport(options.transport);
-  hello.mutable_hello()->set_control(options.control);
-  *hello.mutable_hello()->mutable_placement() = local_placement(options.device);
-  const auto welcome = impl->socket.handshake(std::move(hello));
-  impl->client_id = welcome.client_id();
-  impl->model_hash = welcome.model_hash();
-  for (const auto& layer : welcome.layers()) {
-    impl->by_name[layer.name()] = impl->layers.size();
-    impl->layers.push_back(wire::from_proto(layer));
-  }
-  for (const auto& group : welcome.groups()) impl->groups.push_back(wire::from_proto(group));
-  const auto kind = parse_transport(welcome.transport().empty() ? "tcp" : welcome.transport());
-  TORCH_CHECK(kind, "executor chose transport '", welcome.transport(), "', which this client does not know (it knows ",
-              transport_names(), ")");
-  impl->transport_name = transport_name(*kind);
-  const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
-  impl->transport = plugin(*kind).make_client(impl->socket, welcome, end_options);
+  auto& hello = *impl->hello.mutable_hello();
+  hello.set_protocol_version(wire::kProtocolVersion);
+  hello.set_tenant(options.tenant);
+  hello.set_expected_model_hash(options.expected_model_hash);
+  hello.set_transport(options.transport);
+  hello.set_control(options.control);
+  *hello.mutable_placement() = local_placement(options.device);
+  impl->adopt(impl->handshake(options.connect_timeout_ms));
   impl->latency = wire::to_proto(options.latency_class);
   if (options.privacy.mask) impl->mask = std::make_unique<NoiseMask>(options.privacy, impl->effect_weights());
   return std::shared_ptr<Client>(new Client(std::move(impl)));
@@ -157,7 +279,7 @@ Client::~Client() {
     impl_->transport.reset();
     proto::Envelope bye;
     bye.mutable_goodbye();
-    impl_->socket.send(bye);
+    impl_->socket->send(bye);
   } catch (...) {
     // Leaving quietly is fine: the executor forgets clients that are gone.
   }
@@ -167,6 +289,7 @@ uint64_t Client::client_id() const { return impl_->client_id; }
 const std::string& Client::model_hash() const { return impl_->model_hash; }
 const std::vector<LayerInfo>& Client::layers() const { return impl_->layers; }
 uint64_t Client::calls() const { return impl_->calls; }
+uint64_t Client::connection() const { return impl_->connection; }
 const std::string& Client::transport() const { return impl_->transport_name; }
 
 const std::vector<LayerInfo>& Client::groups() const { return impl_->groups; }
@@ -200,24 +323,35 @@ std::shared_ptr<const CapturedCalls> Client::end_capture() {
   {
     std::lock_guard<std::mutex> lock(impl_->call_mutex);
     impl_->capturing = false;
-    calls = impl_->transport->end_capture();
+    auto recorded = impl_->transport->end_capture();
+    if (recorded) {
+      auto stamped = std::make_shared<CapturedCalls>(*recorded);
+      stamped->connection = impl_->connection;
+      calls = std::move(stamped);
+    }
   }
   if (!impl_->mask) return calls;
   // [Masked captures]: each replay counts the banks' calls (and redraws those then due).
-  auto masked = std::make_shared<CapturedCalls>(calls ? *calls : CapturedCalls{});
+  auto masked = std::make_shared<CapturedCalls>(calls ? *calls : CapturedCalls{.connection = impl_->connection});
   masked->after_replay = [impl = impl_.get(), use = impl_->mask->end_capture()] {
     impl->mask->replayed(use, [impl](const LayerInfo& layer) { return impl->sender(layer); });
   };
   return masked;
 }
 
+bool Client::replayable(const CapturedCalls& calls) const { return calls.connection == impl_->connection; }
+
 void Client::replay(const CapturedCalls& calls) {
   {
     std::lock_guard<std::mutex> lock(impl_->call_mutex);
+    TORCH_CHECK(calls.connection == impl_->connection, "replay: these calls were captured on connection ",
+                calls.connection, " to the executor, and the client is on connection ", impl_->connection,
+                " since the executor restarted; capture the step again");
     const uint64_t first = impl_->next_request_id;
     impl_->next_request_id += calls.records.size();
     impl_->calls += calls.records.size();
-    impl_->transport->replay(calls, first);
+    // A loss here leaves the replay's calls without results: ResultsLost, after reconnecting.
+    impl_->survive_restarts([&] { impl_->transport->replay(calls, first); }, /*retry=*/false);
   }
   // Outside the call lock: a bank redrawn there asks the executor for its effects.
   if (calls.after_replay) calls.after_replay();
@@ -225,7 +359,7 @@ void Client::replay(const CapturedCalls& calls) {
 
 void Client::settle() {
   std::lock_guard<std::mutex> lock(impl_->call_mutex);
-  impl_->transport->settle();
+  impl_->survive_restarts([&] { impl_->transport->settle(); });
 }
 
 at::Tensor Client::forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) {

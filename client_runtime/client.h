@@ -1,7 +1,8 @@
 #pragma once
 // A tenant's connection to a base executor. connect() handshakes, checks the model hash and
 // fetches the layer table; forward()/backward_input() run one base layer on the executor.
-// Executor errors are thrown as c10::Error carrying the executor's message.
+// Executor errors are thrown as c10::Error carrying the executor's message. A client that loses its
+// executor connects again and retries the call ([Executor restart] in client.cpp).
 // The transport follows the placement unless options.transport names one: a client on the
 // executor's host uses the shared-memory control channel, with payloads in host shared memory
 // (CPU clients, "shm"), in a device buffer shared through CUDA IPC (clients on the executor's GPU,
@@ -9,6 +10,7 @@
 // or NCCL when it asks for it (headers then go over ZeroMQ; see ClientOptions::control).
 // Thread safety: calls are serialized internally; one Client may serve several threads.
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <memory>
 #include <string>
@@ -29,6 +31,9 @@ struct ClientOptions {
   // waits for every 2 s, and gives up after 2 s where nothing listens at the endpoint (connections
   // refused), whatever this says ([No silent waits] in transport/client_transport.cpp).
   int connect_timeout_ms = 10000;
+  // [Executor restart]: how long a client that lost its executor (stopped, crashed, restarting)
+  // tries to connect again, with back-off, before its call fails saying so; 0: it does not try.
+  int reconnect_ms = 60000;
   LatencyClass latency_class = LatencyClass::kFineTuning;
   // Where this client's tensors live: "cpu" or "cuda:N". Decides the transport with "auto".
   std::string device = "cpu";
@@ -59,6 +64,14 @@ struct ClientOptions {
 };
 
 struct CapturedCalls;  // [Captured calls]: internal to the client runtime
+
+// [Executor restart]: the executor was lost while calls ordered on the GPU still waited for their
+// results ([Stream-ordered hand-off] in transport/call_ring.h), which are void. The client has
+// reconnected: redo the work since the last settle() (the trainer redoes the step).
+class ResultsLost : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
 
 class Client : public LayerBackend {
  public:
@@ -98,10 +111,16 @@ class Client : public LayerBackend {
   void begin_capture();
   std::shared_ptr<const CapturedCalls> end_capture();
   void replay(const CapturedCalls& calls);
+  // [Executor restart]: whether `calls` were captured on the present connection (replay() throws
+  // otherwise: the executor restarted since, and the step is to be captured again).
+  bool replayable(const CapturedCalls& calls) const;
 
   void set_latency_class(LatencyClass latency_class);
   LatencyClass latency_class() const;  // the class this client's calls carry now
   uint64_t calls() const;  // base-layer calls sent so far (a capture's calls count as its replays send them)
+  // [Executor restart]: connections made to the executor, the first counted; a capture made on an
+  // earlier one cannot be replayed (StepGraph captures its step again).
+  uint64_t connection() const;
   const std::string& transport() const;  // the transport in use: tcp, shm, cuda-ipc or nccl
 
   class Impl;

@@ -1,7 +1,7 @@
 #pragma once
 // What the example programs share: the flags that say which executor a tenant uses, as whom and
-// how privately (--executor, --executor-key, --key, --tenant, --mask, --mask-effects-here,
-// --noise-ratio, and
+// how privately (--executor, --executor-key, --key, --tenant, --connect-timeout-ms, --reconnect-ms,
+// --mask, --mask-effects-here, --noise-ratio, and
 // --monolithic where the program offers it), and the connection options they describe; and how a
 // program reports the error it ends with.
 #include <CLI/CLI.hpp>
@@ -24,6 +24,8 @@ struct TenantFlags {
   bool mask = false;                   // [Noise masking] (privacy/noise_mask.h)
   bool mask_effects_here = false;      // ... with the noise's effects computed from the model's checkpoint here
   double noise_ratio = PrivacyOptions{}.noise_ratio;
+  int connect_timeout_ms = ClientOptions{}.connect_timeout_ms;
+  int reconnect_ms = ClientOptions{}.reconnect_ms;  // [Executor restart] (client_runtime/client.cpp)
   bool monolithic = false;
 };
 
@@ -32,6 +34,12 @@ inline void add_tenant_flags(CLI::App& app, TenantFlags& flags, bool monolithic_
   app.add_option("--executor-key", flags.executor_key, "an executor started with --keys: its public key (executor.pub)");
   app.add_option("--key", flags.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
   app.add_option("--tenant", flags.tenant, "name shown in the executor's log")->capture_default_str();
+  app.add_option("--connect-timeout-ms", flags.connect_timeout_ms,
+                 "how long to wait for the executor's answer to the handshake")
+      ->capture_default_str();
+  app.add_option("--reconnect-ms", flags.reconnect_ms,
+                 "how long to try to connect again to an executor that stopped or restarted (0: never)")
+      ->capture_default_str();
   app.add_flag("--mask", flags.mask, "mask activations and gradients with noise only this process knows (docs/privacy.md)");
   app.add_option("--noise-ratio", flags.noise_ratio, "with --mask: the noise's norm against each call's input's")
       ->capture_default_str();
@@ -47,6 +55,8 @@ inline ClientOptions client_options(const TenantFlags& flags, const Checkpoint& 
   options.tenant = flags.tenant;
   options.executor_key = flags.executor_key;
   options.key_file = flags.key_file;
+  options.connect_timeout_ms = flags.connect_timeout_ms;
+  options.reconnect_ms = flags.reconnect_ms;
   options.expected_model_hash = checkpoint.model_hash();
   options.privacy.mask = flags.mask || flags.mask_effects_here;
   options.privacy.noise_ratio = flags.noise_ratio;

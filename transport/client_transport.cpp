@@ -1,7 +1,9 @@
 #include "transport/client_transport.h"
 
 #include <c10/util/Exception.h>
+#include <poll.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,9 +29,10 @@ namespace symbiosis {
 // made and retried: where every attempt is refused (nothing listens there) the client gives up
 // after kRefusedGiveUp, naming the endpoint; where attempts neither succeed nor fail (a host that
 // drops packets) it waits up to the connect timeout. Meanwhile it says every kWaitNote what it
-// waits for. Once the executor has answered, the monitor watches failed handshakes only (its
-// events would otherwise pile up unread while the client is idle), and an executor that stops
-// says so ([Shutdown notice] in base_executor/front_door.cpp).
+// waits for. Once the executor has answered, the monitor watches failed handshakes and broken-off
+// connections only (other events would pile up unread while the client is idle), and an executor
+// that stops says so ([Shutdown notice] in base_executor/front_door.cpp); one that dies without a
+// word breaks the connection off, and a same-host client's local link with it ([Executor restart]).
 namespace {
 constexpr auto kRefusedGiveUp = std::chrono::seconds(2);
 constexpr auto kWaitNote = std::chrono::seconds(2);          // while connecting
@@ -37,6 +40,7 @@ constexpr auto kCallWaitNote = std::chrono::seconds(10);     // while a call wai
 constexpr int kHandshakeEvents =
     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
 constexpr int kConnectEvents = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
+constexpr int kConnectedEvents = kHandshakeEvents | ZMQ_EVENT_DISCONNECTED;
 }  // namespace
 
 ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys,
@@ -80,6 +84,7 @@ void ControlSocket::send(const proto::Envelope& envelope, const at::Tensor* payl
   const auto more = payload ? zmq::send_flags::sndmore : zmq::send_flags::none;
   bool sent = socket_.send(wire::serialize(envelope), more | zmq::send_flags::dontwait).has_value();
   if (sent && payload) sent = socket_.send(wire::tensor_frame(*payload), zmq::send_flags::dontwait).has_value();
+  if (!sent && executor_gone()) check_not_gone();  // no peer to queue for: the connection broke off
   TORCH_CHECK(sent, "executor at ", endpoint_, " is not taking messages (its queue to us is full)");
 }
 
@@ -105,13 +110,14 @@ std::vector<zmq::message_t> ControlSocket::receive(const char* waiting_for) {
     if (items[1].revents & ZMQ_POLLIN) {
       auto event = wire::recv_all(monitor_);
       on_event(event.at(0));
+      check_not_gone();
     }
     if (items[0].revents & ZMQ_POLLIN) {
       auto frames = wire::recv_all(socket_);
-      TORCH_CHECK(!is_shutdown_notice(frames), gone_);
+      if (is_shutdown_notice(frames)) check_not_gone();
       if (!heard_) {
         heard_ = true;
-        monitor(kHandshakeEvents);
+        monitor(kConnectedEvents);
       }
       return frames;
     }
@@ -143,6 +149,9 @@ void ControlSocket::on_event(const zmq::message_t& event) {
     connected_ = true;
   } else if (kind == ZMQ_EVENT_CONNECT_RETRIED) {
     retries_++;
+  } else if (kind == ZMQ_EVENT_DISCONNECTED && heard_) {
+    take_waiting();  // what came before the break: a shutdown notice among it says why better
+    lose("the connection to the executor at " + endpoint_ + " broke off (it stopped, crashed or is restarting)");
   } else if (kind & kHandshakeEvents) {
     check_handshake(event);
   }
@@ -157,24 +166,52 @@ bool ControlSocket::is_shutdown_notice(const std::vector<zmq::message_t>& frames
   proto::Envelope env;
   if (!wire::parse(frames[0], &env) || !env.has_shutting_down()) return false;
   const std::string& reason = env.shutting_down().reason();
-  gone_ = "the executor at " + endpoint_ + " shut down" + (reason.empty() ? "" : " (" + reason + ")") +
-          "; this client's calls cannot be answered: connect a new Client once it is back";
-  spdlog::warn("{}", gone_);
+  lose("the executor at " + endpoint_ + " shut down" + (reason.empty() ? "" : " (" + reason + ")"));
   return true;
 }
 
-bool ControlSocket::executor_gone() {
-  while (gone_.empty()) {
+void ControlSocket::lose(std::string why) {
+  if (!lost_.empty()) return;
+  lost_ = std::move(why);
+  spdlog::warn("{}", lost_);
+}
+
+bool ControlSocket::link_closed() const {
+  if (!link_) return false;
+  pollfd item{link_.get(), POLLIN, 0};
+  if (::poll(&item, 1, 0) <= 0) return false;
+  if (item.revents & (POLLHUP | POLLERR)) return true;
+  char byte = 0;
+  return ::recv(link_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+void ControlSocket::take_waiting() {
+  while (lost_.empty()) {
     zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
     zmq::poll(&item, 1, std::chrono::milliseconds(0));
-    if (!(item.revents & ZMQ_POLLIN)) return false;
+    if (!(item.revents & ZMQ_POLLIN)) return;
     auto frames = wire::recv_all(socket_);
     if (!is_shutdown_notice(frames)) held_.push_back(std::move(frames));
   }
-  return true;
 }
 
-void ControlSocket::check_not_gone() const { TORCH_CHECK(gone_.empty(), gone_); }
+bool ControlSocket::executor_gone() {
+  if (!lost_.empty()) return true;
+  zmq::pollitem_t item{monitor_.handle(), 0, ZMQ_POLLIN, 0};
+  while (lost_.empty() && zmq::poll(&item, 1, std::chrono::milliseconds(0)) > 0) {
+    auto event = wire::recv_all(monitor_);
+    on_event(event.at(0));
+  }
+  take_waiting();
+  if (lost_.empty() && link_closed()) {
+    lose("the executor at " + endpoint_ + " closed this client's local link (it stopped, crashed or is restarting)");
+  }
+  return !lost_.empty();
+}
+
+void ControlSocket::check_not_gone() const {
+  if (!lost_.empty()) throw ExecutorLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, lost_);
+}
 
 void ControlSocket::check_handshake(const zmq::message_t& event) {
   uint16_t kind = 0;
@@ -414,6 +451,10 @@ class PayloadTransport : public ClientTransport {
     payload_->replayed(issued_.load());
   }
 
+  bool results_lost() const override {
+    return ordered_ && (voided_ || !shm::reached(control_->results_ready.load(), issued_.load()));
+  }
+
   // [Stream-ordered hand-off]: waits on the host until every call made so far has its result,
   // then throws the first error among them. When the executor lets calls go unanswered for the
   // timeout, releases the GPU's waits on them and stops the transport.
@@ -493,6 +534,7 @@ class PayloadTransport : public ClientTransport {
   void give_up() {
     broken_ = true;
     gave_up_ = true;
+    if (!shm::reached(control_->results_ready.load(), issued_.load())) voided_ = true;
     control_->results_ready.store(issued_.load());
     for (auto& slot : control_->slots) slot.result_ready.store(1);  // [Captured calls]
   }
@@ -584,6 +626,7 @@ class PayloadTransport : public ClientTransport {
   uint32_t last_sequence_ = 0;          // the last call's number
   std::atomic<uint32_t> issued_{0};     // the last number pushed to the executor
   std::atomic<bool> gave_up_{false};    // the watchdog or settle() found the executor silent
+  std::atomic<bool> voided_{false};     // give_up() released calls that had no result
   std::shared_ptr<CapturedCalls> capture_;  // [Captured calls]: what the capture under way recorded
   std::mutex watch_mutex_;
   std::condition_variable watch_cv_;

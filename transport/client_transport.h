@@ -10,6 +10,7 @@
 //    a payload frame (from another host, or with ClientOptions::control "zmq"); payloads through
 //    the transport's ClientPayload (transport/client_payload.h).
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <deque>
 #include <functional>
@@ -26,6 +27,15 @@
 #include "virt_layer/layer_info.h"
 
 namespace symbiosis {
+
+// [Executor restart] (client_runtime/client.cpp): the connection to the executor is lost: it said
+// it shuts down, or its socket or this client's local link broke off (it stopped, crashed or is
+// restarting). No call made through the connection can be answered any more; a Client reconnects
+// and retries the call. A c10::Error, so callers that do not reconnect see it as any other.
+class ExecutorLost : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
 
 // [Admission keys] (transport/keys.h): what a client needs for an executor started with keys.
 struct ClientKeys {
@@ -54,15 +64,18 @@ class ControlSocket {
   void send(const proto::Envelope& envelope, const at::Tensor* payload = nullptr);
   // The next message, or a c10::Error naming the executor when none comes within the timeout (the
   // connect timeout for the first answer; sooner where connections are refused: [No silent
-  // waits]), naming why the encrypted handshake failed, or saying that the executor shut down
-  // ([Shutdown notice] in base_executor/front_door.cpp).
+  // waits]), or naming why the encrypted handshake failed; an ExecutorLost once the connection is
+  // lost ([Shutdown notice] in base_executor/front_door.cpp, [Executor restart]).
   std::vector<zmq::message_t> receive(const char* waiting_for);
-  // [Shutdown notice]: whether the executor said it shuts down; looks for the notice without
-  // waiting (a same-host call looks while it waits on its control segment) and keeps any other
-  // message that came meanwhile for receive(). Not thread-safe, like the rest of this class.
+  // [Executor restart]: whether the connection is lost; looks, without waiting, for the executor's
+  // shutdown notice, a broken-off connection and a local link the executor closed (a same-host
+  // call looks while it waits on its control segment), and keeps any other message that came
+  // meanwhile for receive(). Not thread-safe, like the rest of this class.
   bool executor_gone();
-  // Throws that the executor shut down, if it said so.
+  // Throws ExecutorLost, saying why, once the connection is lost.
   void check_not_gone() const;
+  // Whether the executor has answered (a failure after that is its refusal, not its absence).
+  bool heard() const { return heard_; }
   // Sends and returns the answer; an executor error becomes a c10::Error carrying its message.
   proto::Envelope exchange(const proto::Envelope& envelope, const char* waiting_for);
   static proto::Envelope parse_or_throw(const std::vector<zmq::message_t>& frames);
@@ -78,16 +91,22 @@ class ControlSocket {
   void monitor(int events);
   // [Shutdown notice]: records it and returns true if `frames` is the executor's.
   bool is_shutdown_notice(const std::vector<zmq::message_t>& frames);
+  // Reads every message waiting now: the shutdown notice is recorded, the others kept for receive().
+  void take_waiting();
+  // [Executor restart]: records why the connection is lost (the first reason stays).
+  void lose(std::string why);
+  // Whether the executor closed this client's local link (it stopped; the link carries nothing else).
+  bool link_closed() const;
 
   std::string endpoint_;
   int timeout_ms_;
   int connect_timeout_ms_;
   bool with_keys_;
-  bool heard_ = false;       // an answer came: the connection is up, the monitor watches handshakes only
+  bool heard_ = false;       // an answer came: the connection is up, the monitor watches handshakes and breaks only
   bool connected_ = false;   // a connection was made (before the first answer)
   int retries_ = 0;          // connections refused or broken off before the first answer
   int monitors_ = 0;         // monitor endpoints used, for a fresh name each
-  std::string gone_;         // [Shutdown notice]: the error every call throws once the executor said it stops
+  std::string lost_;         // [Executor restart]: why the connection is lost; every call throws it since
   std::deque<std::vector<zmq::message_t>> held_;  // messages executor_gone() took past
   zmq::context_t context_{1};
   zmq::socket_t socket_{context_, zmq::socket_type::dealer};
@@ -111,6 +130,9 @@ struct CapturedCalls {
   // What else the client does once a replay's calls are sent (the noise mask's count of the calls:
   // [Masked captures] in privacy/noise_mask.h); may be empty.
   std::function<void()> after_replay;
+  // [Executor restart]: the client's connection they were recorded on (counted from 1); a replay
+  // after a reconnection would signal slots that are not there any more.
+  uint64_t connection = 0;
 };
 
 class ClientTransport {
@@ -131,6 +153,9 @@ class ClientTransport {
   // Pushes a replay's headers, numbered from first_request_id; call it right after launching the
   // replay of the graph that recorded them.
   virtual void replay(const CapturedCalls&, uint64_t /*first_request_id*/) {}
+  // [Executor restart]: whether calls that returned before the connection was lost wait for
+  // results that will never come (calls ordered on the GPU: [Stream-ordered hand-off]).
+  virtual bool results_lost() const { return false; }
 };
 
 // A call's Request header (its payload, if any, follows in a frame of its own).

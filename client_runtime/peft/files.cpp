@@ -241,10 +241,19 @@ void require_default(const nlohmann::json& config, const std::string& field, con
   TORCH_CHECK(false, "adapter config field '", field, "' is ", v.dump(), ": ", why);
 }
 
+bool regex_matches(const std::string& path, const std::string& expression, const std::string& field) {
+  try {
+    return std::regex_match(path, std::regex(expression));
+  } catch (const std::regex_error& e) {
+    TORCH_CHECK(false, "adapter config field '", field, "' holds '", expression.substr(0, 80),
+                "', which is not a regular expression (", e.what(), ")");
+  }
+}
+
 bool matches_module(const std::string& path, const std::vector<std::string>& targets, bool is_regex) {
   for (const auto& target : targets) {
     if (is_regex) {
-      if (std::regex_match(path, std::regex(target))) return true;
+      if (regex_matches(path, target, "target_modules")) return true;
       continue;
     }
     if (path == target) return true;

@@ -84,5 +84,9 @@ void add_saved_adapter(const std::filesystem::path& dir, const std::string& meth
 // ".<name>". A single string in PEFT's config is a regular expression that must match the whole
 // path; `is_regex` selects that.
 bool matches_module(const std::string& path, const std::vector<std::string>& targets, bool is_regex = false);
+// Whether `expression`, a regular expression (ECMAScript, as Python's re reads these) the config's
+// `field` gives, matches the whole of `path`; an expression that does not compile is refused
+// naming the field and the expression.
+bool regex_matches(const std::string& path, const std::string& expression, const std::string& field);
 
 }  // namespace symbiosis::peft

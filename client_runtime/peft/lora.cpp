@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <typeinfo>
 
 #include "client_runtime/peft/dora.h"
@@ -29,9 +28,9 @@ bool targeted(const std::string& path, const LoraConfig& config) {
 
 // PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", path).
 template <typename Map>
-const typename Map::mapped_type* pattern_value(const Map& patterns, const std::string& path) {
+const typename Map::mapped_type* pattern_value(const Map& patterns, const std::string& path, const char* field) {
   for (const auto& [key, value] : patterns) {
-    if (std::regex_match(path, std::regex("(.*\\.)?(" + key + ")"))) return &value;
+    if (peft::regex_matches(path, "(.*\\.)?(" + key + ")", field)) return &value;
   }
   return nullptr;
 }
@@ -39,12 +38,12 @@ const typename Map::mapped_type* pattern_value(const Map& patterns, const std::s
 }  // namespace
 
 int64_t LoraConfig::rank_for(const std::string& path) const {
-  const auto* v = pattern_value(rank_pattern, path);
+  const auto* v = pattern_value(rank_pattern, path, "rank_pattern");
   return v ? *v : r;
 }
 
 double LoraConfig::alpha_for(const std::string& path) const {
-  const auto* v = pattern_value(alpha_pattern, path);
+  const auto* v = pattern_value(alpha_pattern, path, "alpha_pattern");
   return v ? *v : alpha;
 }
 

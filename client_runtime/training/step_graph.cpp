@@ -88,6 +88,15 @@ struct StepGraph::Impl {
     c10::cuda::CUDACachingAllocator::emptyCache();
   }
 
+  // [Executor restart] (client_runtime/client.cpp): the client connected again since the capture,
+  // and the graph signals the old connection's slots: the step is captured anew.
+  void forget_capture() {
+    stream->synchronize();
+    apply_graph.reset();
+    compute_graph.reset();
+    calls.reset();
+  }
+
   void replay() const {
     compute_graph->replay();
     if (client) {
@@ -139,6 +148,7 @@ void StepGraph::run() {
         s.runs++;
         s.eager();
       } else {
+        if (s.compute_graph && s.client && s.calls && !s.client->replayable(*s.calls)) s.forget_capture();
         if (!s.compute_graph) s.capture_step();
         s.replay();
       }

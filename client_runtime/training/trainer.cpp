@@ -4,6 +4,7 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <regex>
 
+#include "client_runtime/client.h"
 #include "client_runtime/models/gpt2.h"
 #include "client_runtime/models/llama.h"
 #include "client_runtime/training/fused_adamw.h"
@@ -64,6 +66,8 @@ int64_t planned_steps(const TokenDataset& train, const TrainerOptions& options) 
 }
 
 namespace {
+
+constexpr int kStepTries = 3;  // [Executor restart]: a step that lost its calls' results is tried this often
 
 // The forward pass a micro-batch needs. Position ids (packing) reach the Llama and GPT-2 modules
 // directly, since CausalLM::forward takes none.
@@ -251,10 +255,18 @@ class Trainer::Impl {
                                                       options.min_learning_rate);
     if (stats.targets == 0) {
       stats.loss = NAN;  // truncation left nothing to train on: no update
-    } else if (gpu) {
-      device_step(batches, stats);
     } else {
-      host_step(batches, stats);
+      // [Executor restart] (client_runtime/client.cpp): a step whose calls ordered on the GPU lost
+      // their results is done again; it updated nothing (the client settles before the update).
+      for (int tries = 1;; ++tries) {
+        try {
+          gpu ? device_step(batches, stats) : host_step(batches, stats);
+          break;
+        } catch (const ResultsLost& lost) {
+          TORCH_CHECK(tries < kStepTries, lost.msg(), " (step ", steps_done + 1, " was tried ", tries, " times)");
+          spdlog::warn("step {}: {}; doing the step again", steps_done + 1, lost.msg());
+        }
+      }
     }
     stats.step = ++steps_done;
     if (stats.targets > 0 && hooks.after_update) hooks.after_update(stats.step);

@@ -422,12 +422,14 @@ TEST(ClientOptionsTest, EndpointsWithoutASchemeAreRefusedNamingTheExpectedForm) 
       << message;
 }
 
-// [Shutdown notice]: an executor that stops tells its clients; a tcp client's next call fails at
-// once with that, not after its 60 s call timeout, and so does every call after it.
+// [Shutdown notice]: an executor that stops tells its clients; a tcp client that does not
+// reconnect ([Executor restart] in client_runtime/client.cpp) fails its next call at once with
+// that, not after its 60 s call timeout, and so does every call after it.
 TEST_F(ExecutorTest, AStoppedExecutorFailsItsClientsNextCallsAtOnce) {
   ClientOptions options;
   options.endpoint = executor_->endpoint();
   options.transport = "tcp";
+  options.reconnect_ms = 0;
   auto client = Client::connect(options);
   const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
   ASSERT_TRUE(up);

@@ -242,6 +242,8 @@ class CudaIpcPayload : public RegisteredBuffer {
       socket_.exchange_setup(env, "the sharing of a segment");
       segments_.emplace(base, Segment{next_segment_++, bytes});
       return known_place(data, t.nbytes());
+    } catch (const ExecutorLost&) {
+      throw;  // [Executor restart]: not a reason to stop sharing segments
     } catch (const c10::Error& e) {
       direct_ = false;
       spdlog::info("cuda-ipc client: calls go through the payload buffer from now on ({})", e.what_without_backtrace());

@@ -186,11 +186,12 @@ TEST_F(SameHostTest, AutoPicksSharedMemoryOnThisHostAndEveryTransportComputesExa
 
 // [Shutdown notice]: a same-host client hears that the executor stops over ZeroMQ while it waits on
 // its control segment (or, with control "zmq", where its answers come); its next call fails at
-// once with that, not after its call timeout.
+// once with that, not after its call timeout (it does not reconnect here: [Executor restart]).
 TEST_F(SameHostTest, AStoppedExecutorFailsSameHostCallsAtOnce) {
   ClientOptions options;
   options.endpoint = executor_->endpoint();
   options.timeout_ms = 60000;
+  options.reconnect_ms = 0;
   options.transport = "shm";
   auto through_segment = Client::connect(options);
   options.control = "zmq";
