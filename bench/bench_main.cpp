@@ -155,7 +155,7 @@ class GpuMemorySampler {
     if (gpu_ < 0) return;
     thread_ = std::thread([this] {
       while (!stop_) {
-        peak_ = std::max(peak_.load(), read(gpu_));
+        peak_ = std::max(peak_.load(), gpu_memory_mib(gpu_));
         std::this_thread::sleep_for(std::chrono::milliseconds(250));
       }
     });
@@ -165,18 +165,6 @@ class GpuMemorySampler {
     if (thread_.joinable()) thread_.join();
   }
   double peak_mib() const { return peak_; }
-  // One nvidia-smi reading in MiB: memory.used by default, or memory.total.
-  static double read(int gpu, const std::string& what = "memory.used") {
-    if (gpu < 0) return 0;
-    const std::string command =
-        "nvidia-smi --query-gpu=" + what + " --format=csv,noheader,nounits -i " + std::to_string(gpu) + " 2>/dev/null";
-    FILE* pipe = ::popen(command.c_str(), "r");
-    if (pipe == nullptr) return 0;
-    double mib = 0;
-    if (std::fscanf(pipe, "%lf", &mib) != 1) mib = 0;
-    ::pclose(pipe);
-    return mib;
-  }
 
  private:
   int gpu_;
@@ -185,18 +173,12 @@ class GpuMemorySampler {
   std::thread thread_;
 };
 
-int gpu_index(const std::string& device) {
-  if (device.rfind("cuda", 0) != 0) return -1;
-  const auto colon = device.find(':');
-  return colon == std::string::npos ? 0 : std::stoi(device.substr(colon + 1));
-}
-
 // Runs every client at once and measures them over one window; returns their results and the
 // aggregate figures.
 json run_clients(const std::string& system, const std::vector<json>& clients, const fs::path& model,
                  const json& defaults, const fs::path& dir, const std::string& executor, double window_s, int gpu) {
   fs::create_directories(dir);
-  const double idle_mib = GpuMemorySampler::read(gpu);
+  const double idle_mib = gpu_memory_mib(gpu);
   GpuMemorySampler sampler(gpu);
   std::vector<pid_t> pids;
   const fs::path go = dir / "go";
@@ -321,7 +303,7 @@ json run_capacity(const std::string& system, const json& scenario, const json& c
   const fs::path stop_file = dir / "stop";
   fs::remove(stop_file);
   GpuMemorySampler sampler(gpu);
-  const double before_clients = GpuMemorySampler::read(gpu), total = GpuMemorySampler::read(gpu, "memory.total");
+  const double before_clients = gpu_memory_mib(gpu), total = gpu_memory_mib(gpu, "memory.total");
   std::vector<pid_t> pids;
   std::string reason = "reached the limit of " + std::to_string(limit);
   for (int first = 0, size = wave; first < limit && reason.rfind("reached", 0) == 0; first += size) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -50,12 +51,36 @@ bool wait_ok(pid_t pid) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-size_t peak_rss_bytes(pid_t pid) {
+namespace {
+// A "NAME:  N kB" line of /proc/PID/status, in bytes.
+size_t status_bytes(pid_t pid, const std::string& name) {
   std::ifstream status("/proc/" + std::to_string(pid) + "/status");
   for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    if (line.rfind(name + ":", 0) == 0) return std::stoull(line.substr(name.size() + 1)) * 1024;
   }
   return 0;
+}
+}  // namespace
+
+size_t peak_rss_bytes(pid_t pid) { return status_bytes(pid, "VmHWM"); }
+size_t resident_bytes(pid_t pid) { return status_bytes(pid, "VmRSS"); }
+
+double gpu_memory_mib(int gpu, const std::string& what) {
+  if (gpu < 0) return 0;
+  const std::string command =
+      "nvidia-smi --query-gpu=" + what + " --format=csv,noheader,nounits -i " + std::to_string(gpu) + " 2>/dev/null";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return 0;
+  double mib = 0;
+  if (std::fscanf(pipe, "%lf", &mib) != 1) mib = 0;
+  ::pclose(pipe);
+  return mib;
+}
+
+int gpu_index(const std::string& device) {
+  if (device.rfind("cuda", 0) != 0) return -1;
+  const auto colon = device.find(':');
+  return colon == std::string::npos ? 0 : std::stoi(device.substr(colon + 1));
 }
 
 std::string read_file(const fs::path& p) {

@@ -1,6 +1,7 @@
 #pragma once
 // Processes for the benchmark programs: start a program with its output in files, wait for it,
-// start an executor and wait for its "ready ENDPOINT" line, read a process's peak memory.
+// start an executor and wait for its "ready ENDPOINT" line, read a process's peak and resident
+// memory and a GPU's memory in use.
 #include <sys/types.h>
 
 #include <filesystem>
@@ -16,6 +17,12 @@ pid_t spawn(const std::vector<std::string>& args, const std::filesystem::path& s
             const std::filesystem::path& stderr_file);
 bool wait_ok(pid_t pid);  // true when it exited 0
 size_t peak_rss_bytes(pid_t pid);
+size_t resident_bytes(pid_t pid);  // VmRSS now
+// One nvidia-smi reading of GPU `gpu` in MiB: memory.used by default, or memory.total; 0 where
+// there is no such GPU or no nvidia-smi.
+double gpu_memory_mib(int gpu, const std::string& what = "memory.used");
+// The GPU index of a device name: cuda:N -> N, cuda -> 0, anything else -> -1.
+int gpu_index(const std::string& device);
 std::string read_file(const std::filesystem::path& path);
 
 struct ExecutorProcess {

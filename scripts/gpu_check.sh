@@ -55,6 +55,8 @@
 #   privacy-nccl   a masked tenant on GPU 1 over NCCL (then with effects here), fp32 and captured-free, against its
 #                  monolithic run (demo client --verify, 5e-4), executor on GPU 0 (2 GPUs)
 #   roundtrip-nccl the NCCL round trip alone (2 GPUs), with and without MPS
+#   soak           the soak with churn: 64 tenant processes over cuda-ipc, shm and tcp join, leave, are killed and
+#                  come back on one executor for SOAK_SECONDS (600), each exact at every step (bench/soak.cpp), under MPS
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -83,7 +85,7 @@ else
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
-    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
+    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss symbiosis-soak symbiosis-soak-client gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
     gpu_generator_test gpu_trainer_test gpu_privacy_test symbiosis-finetune symbiosis-generate \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }
@@ -114,6 +116,26 @@ mps_on() {
 mps_off() {
   echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
   sleep 2
+}
+
+# Starts an executor in the background with its output in the log file named first (the other
+# arguments are the executor's) and waits for its "ready ENDPOINT" line, however long its model takes
+# to load; sets executor_pid. Fails, showing the log's end, where the executor exits first or no
+# line comes within 10 minutes.
+start_executor() {
+  local log_file=$1 waited=0
+  shift
+  "$B/base_executor/symbiosis-executor" "$@" > "$log_file" 2>&1 &
+  executor_pid=$!
+  until grep -q "^ready " "$log_file"; do
+    if ! kill -0 $executor_pid 2> /dev/null || [ $waited -ge 6000 ]; then
+      log "the executor did not start: $(tail -3 "$log_file")"
+      kill $executor_pid 2> /dev/null
+      return 1
+    fi
+    sleep 0.1
+    waited=$((waited + 1))
+  done
 }
 
 # At most 8 files come back from the GPU machine: logs stay in /tmp unless something failed.
@@ -177,10 +199,8 @@ each_single_client() {
   [ ${#shapes[@]} = 0 ] && shapes=("2 512" "1 128")
   make_1b
   mps_on
-  "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5790 \
-    --log-level warn > $logs/single-client-executor.log 2>&1 &
-  executor_pid=$!
-  sleep 8
+  start_executor $logs/single-client-executor.log --model $model_1b --device cuda:0 --dtype bf16 \
+    --listen tcp://127.0.0.1:5790 --log-level warn || { mps_off; return 1; }
   for shape in "${shapes[@]}"; do
     for system in split monolithic; do
       flags="--executor tcp://127.0.0.1:5790"
@@ -268,10 +288,8 @@ import json, random
 r = random.Random(7)
 for _ in range(256):
     print(json.dumps({'input_ids': [r.randrange(128256) for _ in range(r.randrange(256, 513))]}))" > /tmp/finetune-1b.jsonl
-      "$B/base_executor/symbiosis-executor" --model $model_1b --device cuda:0 --dtype bf16 --listen tcp://127.0.0.1:5792 \
-        --log-level warn > $logs/finetune-1b-executor.log 2>&1 &
-      executor_pid=$!
-      sleep 8
+      start_executor $logs/finetune-1b-executor.log --model $model_1b --device cuda:0 --dtype bf16 \
+        --listen tcp://127.0.0.1:5792 --log-level warn || { mps_off; continue; }
       for run in "split --executor tcp://127.0.0.1:5792" "split-eager --executor tcp://127.0.0.1:5792 --no-capture" \
                  "monolithic --monolithic"; do
         set -- $run
@@ -288,10 +306,8 @@ for _ in range(256):
     privacy-nccl)
       mps_on
       "$B/tools/symbiosis-make-checkpoint" --preset tiny-llama --out /tmp/tiny-llama > /dev/null
-      "$B/base_executor/symbiosis-executor" --model /tmp/tiny-llama --device cuda:0 --listen tcp://127.0.0.1:5791 \
-        --log-level warn > $logs/privacy-nccl-executor.log 2>&1 &
-      executor_pid=$!
-      sleep 5
+      start_executor $logs/privacy-nccl-executor.log --model /tmp/tiny-llama --device cuda:0 \
+        --listen tcp://127.0.0.1:5791 --log-level warn || { mps_off; continue; }
       for mode in --mask --mask-effects-here; do
         "$B/examples/symbiosis-demo-client" --executor tcp://127.0.0.1:5791 --model /tmp/tiny-llama --device cuda:1 \
           --transport nccl $mode --verify --tolerance 5e-4 --steps 3 --tenant "nccl$mode" 2>&1 | tail -2
@@ -500,6 +516,30 @@ PY
       "$B/bench/symbiosis-bench-roundtrip" --executor-device cuda:0 --client-device cuda:0 --dtype bf16 \
         --transports cuda-ipc --hidden 8192 --iterations 200 > "$logs/roundtrip-ipc-8192.txt" 2>&1
       grep -E "cuda-ipc|tokens" "$logs/roundtrip-ipc-8192.txt" | sed "s/^/[8192 same GPU] /"
+      mps_off
+      ;;
+    soak)
+      # The soak with churn on the GPU (docs/benchmarks.md, "Soak with churn"): 64 tenant processes, a third each
+      # over cuda-ipc (their models on cuda:0), shm and tcp (on the CPU), join, leave, are killed and come back for
+      # SOAK_SECONDS (600) on one executor on cuda:0, under MPS. Exactness is held ten times looser than on the CPU
+      # (logits and loss 1e-4, adapter gradients 1e-3; [Soak exactness] in bench/soak_client.cpp): packed batches'
+      # GEMMs (cuBLAS picks its kernel by the batch's size) and the CPU clients' CPU references differ from the
+      # executor in the last bits (see tests/transport/cuda_ipc/cuda_ipc_test.cpp). The GPU's memory is nvidia-smi's
+      # for the whole GPU (the MPS server's included): 128 MiB of slack.
+      mps_on
+      "$B/bench/symbiosis-soak" --device cuda:0 --transports cuda-ipc,shm,tcp --clients 64 \
+        --seconds "${SOAK_SECONDS:-600}" --max-call-ms 10000 --tolerance 1e-4 --gradient-tolerance 1e-3 \
+        --gpu-tolerance-mib 128 --out /tmp/soak-gpu > $logs/soak.txt 2>&1
+      rc=$?
+      log "soak exited $rc"
+      tail -12 $logs/soak.txt
+      cp $logs/soak.txt "$out/soak.txt"
+      cp /tmp/soak-gpu/executor_memory.csv "$out/soak-executor-memory.csv" 2> /dev/null
+      if [ $rc != 0 ]; then  # a failed client's logs are kept
+        for f in $(ls /tmp/soak-gpu/clients/*.err 2> /dev/null | head -6) /tmp/soak-gpu/executor.err; do
+          [ -s "$f" ] && { echo "== $f"; tail -6 "$f"; }
+        done
+      fi
       mps_off
       ;;
     *) log "unknown stage $stage" ;;
