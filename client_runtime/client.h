@@ -72,6 +72,8 @@ class ResultsLost : public c10::Error {
  public:
   using c10::Error::Error;
 };
+// How often the trainer and the generator run a step that met ResultsLost before they give up.
+constexpr int kStepTries = 3;
 
 class Client : public LayerBackend {
  public:

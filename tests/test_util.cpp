@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -241,6 +242,42 @@ TwoLayerCheckpoint write_two_layer_checkpoint(const std::string& prefix, uint64_
 
 bool same_host_clients_become(const Executor& executor, uint64_t n) {
   return wait_until([&] { return executor.stats().same_host_clients == n; }, std::chrono::seconds(10));
+}
+
+ExecutorProcess::ExecutorProcess(const std::filesystem::path& model, std::vector<std::string> args)
+    : args_(std::move(args)), logs_(temp_dir("executor-process")) {
+  start(model, "tcp://127.0.0.1:*");
+}
+
+ExecutorProcess::~ExecutorProcess() {
+  wait_started();
+  if (pid_ > 0) bench::stop(pid_);
+}
+
+void ExecutorProcess::end(int signal) {
+  ASSERT_EQ(::kill(pid_, signal), 0);
+  ::waitpid(pid_, nullptr, 0);
+  pid_ = 0;
+}
+
+void ExecutorProcess::restart(int signal, const std::filesystem::path& model, std::chrono::milliseconds pause) {
+  end(signal);
+  restarting_ = std::thread([this, model, pause] {
+    std::this_thread::sleep_for(pause);
+    start(model, endpoint_);
+  });
+}
+
+void ExecutorProcess::wait_started() {
+  if (restarting_.joinable()) restarting_.join();
+}
+
+void ExecutorProcess::start(const std::filesystem::path& model, const std::string& listen) {
+  std::vector<std::string> args = {"--model", model.string(), "--listen", listen};
+  args.insert(args.end(), args_.begin(), args_.end());
+  const auto process = bench::start_executor(args, logs_ / std::to_string(starts_++));
+  pid_ = process.pid;
+  endpoint_ = process.endpoint;
 }
 
 }  // namespace symbiosis::testing

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <sys/types.h>
+#include <thread>
 #include <vector>
 
 #include <torch/optim/adamw.h>
@@ -105,6 +106,35 @@ TwoLayerCheckpoint write_two_layer_checkpoint(const std::string& prefix, uint64_
 // Waits (up to 10 s) until the executor counts `n` same-host clients (it notices dead ones within
 // ~200 ms).
 bool same_host_clients_become(const Executor& executor, uint64_t n);
+// [Executor restart] (client_runtime/client.cpp): an executor process serving `model` (with `args`
+// after --model and --listen), that can be stopped or killed and started again on its endpoint.
+class ExecutorProcess {
+ public:
+  explicit ExecutorProcess(const std::filesystem::path& model, std::vector<std::string> args = {"--device", "cpu"});
+  ~ExecutorProcess();
+  ExecutorProcess(const ExecutorProcess&) = delete;
+  ExecutorProcess& operator=(const ExecutorProcess&) = delete;
+
+  const std::string& endpoint() const { return endpoint_; }
+  // Sends `signal` and waits for the process to end.
+  void end(int signal);
+  // Ends it with `signal` and, `pause` later, starts it again serving `model`, in a thread: the
+  // caller's next call finds it gone and waits for it.
+  void restart(int signal, const std::filesystem::path& model,
+               std::chrono::milliseconds pause = std::chrono::milliseconds(300));
+  void wait_started();  // until the restart's start is done
+
+ private:
+  void start(const std::filesystem::path& model, const std::string& listen);
+
+  std::vector<std::string> args_;
+  std::filesystem::path logs_;
+  pid_t pid_ = 0;
+  std::string endpoint_;
+  int starts_ = 0;
+  std::thread restarting_;
+};
+
 // Polls `ready` every few milliseconds until it holds (true) or `limit` has passed (false): every
 // test that waits on another process or thread has a deadline.
 bool wait_until(const std::function<bool()>& ready, std::chrono::milliseconds limit);

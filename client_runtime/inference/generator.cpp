@@ -1,9 +1,11 @@
 #include "client_runtime/inference/generator.h"
 
+#include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
 
+#include "client_runtime/client.h"
 #include "client_runtime/peft/prompt.h"
 #include "client_runtime/training/step_graph.h"
 
@@ -346,7 +348,17 @@ void Generator::forward_and_choose(const std::vector<Sequence*>& sequences, cons
   at::Tensor logits;
   try {
     LatencyScope scope(lm_.client, latency);
-    logits = forward();
+    // [Executor restart] (client_runtime/client.cpp): a step whose calls ordered on the GPU lost
+    // their results runs again on the new connection; it writes the same cache positions again.
+    for (int tries = 1;; ++tries) {
+      try {
+        logits = forward();
+        break;
+      } catch (const ResultsLost& lost) {
+        if (tries == kStepTries) throw;
+        spdlog::warn("Generator: {}; running the step again", lost.msg());
+      }
+    }
   } catch (const c10::Error& e) {
     // The step's requests end with the error; the generator goes on with the others.
     for (auto* s : sequences) finish(*s, FinishReason::kError, e.what_without_backtrace());

@@ -67,8 +67,6 @@ int64_t planned_steps(const TokenDataset& train, const TrainerOptions& options) 
 
 namespace {
 
-constexpr int kStepTries = 3;  // [Executor restart]: a step that lost its calls' results is tried this often
-
 // The forward pass a micro-batch needs. Position ids (packing) reach the Llama and GPT-2 modules
 // directly, since CausalLM::forward takes none.
 at::Tensor model_forward(const CausalLM& lm, const MicroBatch& mb, bool with_positions) {

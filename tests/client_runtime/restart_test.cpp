@@ -6,12 +6,10 @@
 // reconnect_ms fails the call naming the endpoint; reconnect_ms 0 fails it at once.
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/wait.h>
 
 #include <chrono>
 #include <thread>
 
-#include "bench/process.h"
 #include "client_runtime/client.h"
 #include "client_runtime/inference/generator.h"
 #include "common/checkpoint.h"
@@ -23,55 +21,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+using testing::ExecutorProcess;
 constexpr double kTolerance = 1e-5;
-
-// An executor process (CPU) that can be stopped or killed, and started again on the same endpoint.
-class ExecutorProcess {
- public:
-  explicit ExecutorProcess(const fs::path& model) : logs_(testing::temp_dir("restart")) {
-    start(model, "tcp://127.0.0.1:*");
-  }
-  ~ExecutorProcess() {
-    if (restarting_.joinable()) restarting_.join();
-    if (process_.pid > 0) bench::stop(process_.pid);
-  }
-
-  const std::string& endpoint() const { return endpoint_; }
-
-  // Sends `signal` and waits for the process to end.
-  void end(int signal) {
-    ASSERT_EQ(::kill(process_.pid, signal), 0);
-    ::waitpid(process_.pid, nullptr, 0);
-    process_.pid = 0;
-  }
-
-  // Ends it with `signal` and, `pause` later, starts it again serving `model`, in a thread: the
-  // caller's next call finds it gone and waits for it.
-  void restart(int signal, const fs::path& model, std::chrono::milliseconds pause = std::chrono::milliseconds(300)) {
-    end(signal);
-    restarting_ = std::thread([this, model, pause] {
-      std::this_thread::sleep_for(pause);
-      start(model, endpoint_);
-    });
-  }
-
-  void wait_started() {
-    if (restarting_.joinable()) restarting_.join();
-  }
-
- private:
-  void start(const fs::path& model, const std::string& listen) {
-    process_ = bench::start_executor({"--model", model.string(), "--listen", listen, "--device", "cpu", "--threads", "1"},
-                                     logs_ / std::to_string(starts_++));
-    endpoint_ = process_.endpoint;
-  }
-
-  fs::path logs_;
-  bench::ExecutorProcess process_;
-  std::string endpoint_;
-  int starts_ = 0;
-  std::thread restarting_;
-};
 
 ClientOptions client_options(const ExecutorProcess& executor, const std::string& transport) {
   ClientOptions options;

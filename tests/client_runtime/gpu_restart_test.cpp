@@ -1,0 +1,120 @@
+// [Executor restart] (client_runtime/client.cpp) on a GPU: an executor process on cuda:0 is killed
+// while a same-GPU (cuda-ipc) tenant generates with captured decode steps, or trains with captured
+// steps, and is started again. Calls ordered on the GPU lose their results (ResultsLost): the
+// generator and the trainer run the step again, StepGraph captures anew on the new connection, and
+// the tokens and losses are those of a run without the restart.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cmath>
+
+#include "client_runtime/inference/generator.h"
+#include "client_runtime/training/trainer.h"
+#include "tests/client_runtime/inference/generation_util.h"
+#include "tests/gpu_test_util.h"
+
+namespace symbiosis {
+namespace {
+
+using testing::ExecutorProcess;
+
+std::shared_ptr<Client> gpu_client(const ExecutorProcess& executor) {
+  ClientOptions options;
+  options.endpoint = executor.endpoint();
+  options.device = "cuda:0";
+  options.reconnect_ms = 60000;
+  auto client = Client::connect(options);
+  EXPECT_EQ(client->transport(), "cuda-ipc");
+  return client;
+}
+
+TEST(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  ExecutorProcess executor(dir, {"--device", "cuda:0", "--log-level", "warn"});
+  auto client = gpu_client(executor);
+  const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
+  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
+  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
+  testing::add_test_lora(split_lm);
+  testing::add_test_lora(mono_lm);
+  GeneratorOptions options;
+  options.max_sequences = 3;
+  options.max_tokens = 40;
+  options.capture_warmup = 1;
+  const auto requests = std::vector<GenerationRequest>{testing::request({5, 9, 33, 2, 7}, 20),
+                                                       testing::request({100, 4, 18}, 18)};
+  Generator generator(split_lm, options);
+  std::vector<std::vector<int64_t>> split(requests.size());
+  int tokens = 0;
+  bool killed = false;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    generator.submit(requests[i], [&, i](const TokenEvent& event) {
+      ASSERT_TRUE(event.error.empty()) << event.error;
+      if (event.token >= 0) split[i].push_back(event.token);
+      // Mid-generation, once decode runs in captured graphs.
+      if (++tokens == 12 && generator.captured_batch_sizes() > 0) {
+        executor.restart(SIGKILL, dir);
+        killed = true;
+      }
+    });
+  }
+  generator.run();
+  EXPECT_TRUE(killed);
+  EXPECT_GE(client->connection(), 2u);
+  auto eager = options;
+  eager.capture_decode = false;
+  const auto mono = Generator(mono_lm, eager).generate(requests);
+  for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(split[i], mono[i].output_ids) << "request " << i;
+}
+
+// Trainer losses on cuda:0, captured steps through `client`; `after_step` runs after each update.
+std::vector<double> train_losses(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
+                                 const std::function<void(int64_t)>& after_step) {
+  auto lm = open_causal_lm(checkpoint, client, {at::kFloat, at::Device("cuda:0")});
+  at::manual_seed(5);
+  LoraConfig lora;
+  lora.r = 4;
+  lora.init_b_zero = false;
+  auto parameters = add_lora(*lm.module, lora);
+  at::manual_seed(61);
+  std::vector<TokenExample> examples;
+  for (int i = 0; i < 8; ++i) {
+    auto ids = at::randint(0, 256, {10}, at::kLong);
+    examples.push_back({std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + 10), {}});
+  }
+  TrainerOptions options;
+  options.batching.micro_batch_size = 2;
+  options.max_steps = 6;
+  options.learning_rate = 1e-2;
+  options.shuffle = false;
+  options.progress = false;
+  Trainer trainer(lm, parameters, TokenDataset::from_examples(std::move(examples)), options);
+  trainer.set_hooks({.after_update = after_step});
+  std::vector<double> losses;
+  for (const auto& step : trainer.train()) losses.push_back(step.loss);
+  return losses;
+}
+
+TEST(GpuRestartTest, CapturedTrainingAcrossAKillEqualsARunWithout) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  ExecutorProcess executor(dir, {"--device", "cuda:0", "--log-level", "warn"});
+  const auto without = train_losses(*checkpoint, gpu_client(executor), {});
+  auto client = gpu_client(executor);
+  const auto across = train_losses(*checkpoint, client, [&](int64_t step) {
+    if (step == 3) executor.restart(SIGKILL, dir);  // the steps are captured by then
+  });
+  EXPECT_EQ(client->connection(), 2u);
+  ASSERT_EQ(without.size(), 6u);
+  ASSERT_EQ(across.size(), 6u);
+  for (size_t i = 0; i < without.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(without[i])) << i;
+    EXPECT_NEAR(across[i], without[i], 1e-5 * std::abs(without[i])) << "step " << i;
+  }
+}
+
+}  // namespace
+}  // namespace symbiosis
