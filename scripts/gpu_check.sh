@@ -8,6 +8,7 @@
 #   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   generator      gpu_generator_test alone, under MPS
+#   restart        gpu_restart_test alone (generation and training across an executor killed and restarted)
 #   trainer        gpu_trainer_test alone (the tenant trainer's captured steps, symbiosis-finetune on a GPU), under MPS
 #   finetune-1b    symbiosis-finetune on Llama-3.2-1B (bf16, LoRA r 16 on q/k/v/o, 4 x up to 512 tokens a step, 40 steps):
 #                  split captured, split eager (--no-capture) and monolithic captured; tokens/s over the run, under MPS
@@ -259,6 +260,7 @@ for stage in "$@"; do
       run_gtest cuda_ipc_test
       run_gtest gpu_generator_test
       run_gtest gpu_trainer_test
+      run_gtest gpu_restart_test
       run_gtest gpu_privacy_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
@@ -267,6 +269,9 @@ for stage in "$@"; do
       mps_on
       run_gtest gpu_generator_test
       mps_off
+      ;;
+    restart)
+      run_gtest gpu_restart_test
       ;;
     trainer)
       mps_on
