@@ -291,7 +291,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
 
 void BatchRunner::refuse(CallBatcher::Batch& batch, const Status& status) {
   for (auto& r : batch.requests) {
-    statistics_.errors++;
+    statistics_.record_error(status.code(), r.client_id, batch.layer_id);
     r.payload.channel->refuse(r.payload.header, status);
   }
 }
@@ -351,14 +351,12 @@ void BatchRunner::run(CallBatcher::Batch& batch) {
     spdlog::error("failed delivering a batch of layer {}: {}", batch.layer_id, e.what());
   }
   const auto finished = Statistics::Clock::now();
-  Statistics::ClassTotals classes;
+  calls_.clear();
   for (const auto& r : batch.requests) {
-    auto& c = classes[Statistics::class_index(r.latency)];
-    c.requests++;
-    c.tokens += static_cast<uint64_t>(r.tokens);
-    c.wait_seconds += std::chrono::duration<double>(started - r.arrival).count();
+    calls_.push_back({r.client_id, r.tokens, r.latency, std::chrono::duration<double>(started - r.arrival).count()});
   }
-  statistics_.record_batch(batch.layer_id, batch.op == LayerOp::kBackwardInput, classes, started, computed, finished);
+  statistics_.record_batch(batch.layer_id, batch.op == LayerOp::kBackwardInput, calls_, !failure, started, computed,
+                           finished);
 }
 
 }  // namespace symbiosis

@@ -121,6 +121,7 @@ class Batcher {
   void push(Request request) {
     if (dropped_.erase(request.client_id)) clients_.insert(request.client_id);  // back in lockstep
     total_requests_++;
+    total_tokens_ += request.tokens;
     const Key key{request.layer_id, static_cast<int>(request.op)};
     auto& track = tracks_[request.client_id];
     if (track.last_queue) track.next_after[*track.last_queue] = key;
@@ -143,6 +144,8 @@ class Batcher {
   }
 
   size_t pending() const { return total_requests_; }
+  // The tokens of the requests pending ([Overload]: --max-queued-tokens).
+  int64_t pending_tokens() const { return total_tokens_; }
   // Whether push() will run `request` by itself: marked alone, and not under lockstep.
   bool runs_alone(const Request& request) const {
     return request.alone && options_.policy != BatchingPolicy::kLockstep;
@@ -177,6 +180,7 @@ class Batcher {
       batch.requests.push_back(std::move(alone_.front()));
       alone_.pop_front();
       total_requests_--;
+      total_tokens_ -= batch.tokens;
       return batch;
     }
     if (oldest == nullptr) return std::nullopt;
@@ -321,6 +325,7 @@ class Batcher {
       requests.pop_front();
     }
     total_requests_ -= batch.requests.size();
+    total_tokens_ -= batch.tokens;
     if (requests.empty()) std::erase(active_, &queue);
     return batch;
   }
@@ -333,6 +338,7 @@ class Batcher {
   std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
   std::map<uint64_t, ClientTrack> tracks_;  // opportunistic: each client's learnt path
   size_t total_requests_ = 0;
+  int64_t total_tokens_ = 0;
   int decode_streak_ = 0;  // [Inference first]: batches in a row that overtook older work
 };
 

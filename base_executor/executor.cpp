@@ -12,6 +12,8 @@
 #include <thread>
 
 #include "base_executor/front_door.h"
+#include "base_executor/metrics.h"
+#include "base_executor/overload.h"
 #include "base_executor/scheduler.h"
 #include "base_executor/statistics.h"
 #include "common/checkpoint.h"
@@ -67,6 +69,16 @@ void ExecutorOptions::validate() const {
   TORCH_CHECK(max_queued_messages >= 1, "executor option --max-queued-messages must be >= 1, got ",
               max_queued_messages);
   TORCH_CHECK(max_clients >= 1, "executor option --max-clients must be >= 1, got ", max_clients);
+  TORCH_CHECK(max_queued_tokens >= 1, "executor option --max-queued-tokens must be >= 1, got ", max_queued_tokens);
+  TORCH_CHECK(max_buffer_bytes >= 1, "executor option --max-buffer-bytes must be >= 1, got ", max_buffer_bytes);
+  if (!metrics_listen.empty()) {
+    bool metrics_loopback = false;
+    const auto problem = metrics_listen_problem(metrics_listen, &metrics_loopback);
+    TORCH_CHECK(problem.empty(), "executor option --metrics-listen ", problem);
+    TORCH_CHECK(metrics_loopback || insecure, "executor option --metrics-listen ", metrics_listen,
+                " is reachable from other hosts, and the metrics endpoint has no authentication (anyone there could "
+                "read tenants' names and traffic): listen on 127.0.0.1, or pass --insecure");
+  }
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
@@ -84,10 +96,12 @@ class Executor::Impl {
   std::unique_ptr<BaseModel> model;
   zmq::context_t context{1};
   std::unique_ptr<Statistics> statistics;
+  std::unique_ptr<BufferBudget> buffers;  // [Buffer budget]
   std::unique_ptr<Scheduler> scheduler;
   std::unique_ptr<FrontDoor> front_door;
   std::thread front_door_thread;
   std::thread scheduler_thread;
+  std::unique_ptr<MetricsServer> metrics;  // [Metrics]; none without --metrics-listen
   std::atomic<bool> stopping{false};
 
   std::mutex done_mutex;
@@ -124,9 +138,24 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
   const auto& kept = impl->options;  // the parts refer to the Impl's copy
   impl->statistics = std::make_unique<Statistics>(model, batching_policy_name(options.batching.policy));
   const std::string replies_endpoint = "inproc://replies-" + std::to_string(reinterpret_cast<uintptr_t>(impl.get()));
-  impl->scheduler = std::make_unique<Scheduler>(kept, model, *impl->statistics, impl->context, replies_endpoint);
+  impl->buffers = std::make_unique<BufferBudget>(options.max_buffer_bytes);
+  impl->scheduler = std::make_unique<Scheduler>(kept, model, *impl->statistics, *impl->buffers, impl->context,
+                                                replies_endpoint);
   impl->front_door = std::make_unique<FrontDoor>(kept, model, placement, *impl->scheduler, *impl->statistics,
-                                                 impl->context, replies_endpoint);
+                                                 *impl->buffers, impl->context, replies_endpoint);
+  if (!options.metrics_listen.empty()) {
+    const Impl* shown = impl.get();
+    impl->metrics = std::make_unique<MetricsServer>(options.metrics_listen, [shown, device] {
+      MetricsGauges gauges;
+      gauges.max_queued_tokens = shown->options.max_queued_tokens;
+      gauges.buffer_bytes = shown->buffers->used();
+      gauges.max_buffer_bytes = shown->buffers->limit();
+      gauges.max_clients = shown->options.max_clients;
+      gauges.gpu = device.is_cuda() ? device.index() : -1;
+      return prometheus_text(shown->statistics->metrics(), gauges);
+    });
+    spdlog::info("metrics at {}", impl->metrics->url());
+  }
   Impl* raw = impl.get();
   impl->front_door_thread = std::thread([raw] { raw->front_door->run(); });
   impl->scheduler_thread = std::thread([raw] { raw->scheduler->run(); });
@@ -138,16 +167,18 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
 Executor::~Executor() { shutdown(); }
 
 std::string Executor::endpoint() const { return impl_->front_door->endpoint(); }
+std::string Executor::metrics_url() const { return impl_->metrics ? impl_->metrics->url() : ""; }
 const BaseModel& Executor::model() const { return *impl_->model; }
 
 ExecutorStats Executor::stats() const {
   const auto& s = *impl_->statistics;
   return {s.clients,        s.same_host_clients, s.requests,         s.errors,         s.tokens,
-          s.compute_nanos * 1e-9, s.direct_calls,   s.concurrent_calls, s.replayed_calls};
+          s.compute_nanos * 1e-9, s.direct_calls,   s.concurrent_calls, s.replayed_calls, impl_->buffers->used()};
 }
 
 void Executor::shutdown() {
   if (impl_->stopping.exchange(true)) return;
+  impl_->metrics.reset();  // no scrape reads what stops below
   impl_->scheduler->stop();
   impl_->front_door->stop();
   if (impl_->scheduler_thread.joinable()) impl_->scheduler_thread.join();

@@ -52,6 +52,15 @@ struct ExecutorOptions {
   int max_queued_messages = 32;
   // Clients connected at once; a Hello past it is refused.
   size_t max_clients = 1024;
+  // Tokens of the calls waiting to be batched, every client's together (the scheduler's queue and
+  // the calls on their way to it). A call that would bring them past this is refused; the client
+  // may send it again once the queue drains. The default lets 64 clients each keep a 4096-token
+  // call waiting (16 batches of --max-batch-tokens' default).
+  int64_t max_queued_tokens = 262144;
+  // [Buffer budget] (overload.h): bytes of shared memory held for clients, every client's together:
+  // each same-host client's control segment and the payload buffers clients register (RegisterBuffer,
+  // shm and cuda-ipc). A handshake or a registration past it is refused.
+  uint64_t max_buffer_bytes = uint64_t{16} << 30;
 
   // max_message_bytes as it applies (its default resolved).
   size_t message_limit() const { return max_message_bytes > 0 ? max_message_bytes : max_request_bytes + (size_t{1} << 20); }
@@ -76,6 +85,10 @@ struct ExecutorOptions {
   // loopback only, unless `insecure` says to listen elsewhere anyway.
   std::filesystem::path keys_dir;
   bool insecure = false;
+  // [Metrics] (metrics.h): where to serve Prometheus text over HTTP, "HOST:PORT" (port 0 picks a
+  // free one); empty (the default): no metrics endpoint. It has no authentication: it must be a
+  // loopback address unless `insecure`.
+  std::string metrics_listen;
   // [Input observer]; empty (the default): nothing is observed, at no cost.
   InputObserver on_input;
 
@@ -93,6 +106,7 @@ struct ExecutorStats {
   uint64_t direct_calls = 0;  // calls whose input or result lay in a client's shared segment ([Direct operands])
   uint64_t concurrent_calls = 0;  // calls run alone on their client's compute stream ([Compute streams])
   uint64_t replayed_calls = 0;    // captured calls whose GEMM was launched as a graph ([Replayed calls])
+  uint64_t buffer_bytes = 0;      // shared memory held for clients now ([Buffer budget] in overload.h)
 };
 
 class Executor {
@@ -103,6 +117,8 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   std::string endpoint() const;  // the endpoint actually bound (with the chosen port)
+  // [Metrics]: "http://HOST:PORT/metrics" as bound (with the chosen port); "" without --metrics-listen.
+  std::string metrics_url() const;
   const BaseModel& model() const;
   ExecutorStats stats() const;
   void shutdown();  // idempotent; joins the threads

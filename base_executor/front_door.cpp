@@ -6,6 +6,7 @@
 #include <chrono>
 #include <random>
 
+#include "transport/call_ring.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/nccl/nccl_comm.h"
 #include "transport/zmq_wire.h"
@@ -19,6 +20,9 @@ constexpr auto kKeysInterval = std::chrono::seconds(1);
 constexpr auto kProofWindow = std::chrono::seconds(10);
 // The longest tenant name the executor keeps ([Untrusted input]).
 constexpr size_t kMaxTenantBytes = 128;
+// [Buffer budget]: what a client's control segment takes (every transport but tcp has one).
+constexpr uint64_t kControlSegmentBytes = sizeof(shm::ControlBlock);
+constexpr const char* kControlSegment = "a same-host client's control segment";
 // At most this many handshakes wait for their proof, and local connections for their first
 // message, so that nobody can make the executor hold state without end.
 constexpr size_t kMaxPendingProofs = 256;
@@ -41,13 +45,14 @@ Status refusal_of(Role role) {
 }  // namespace
 
 FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, proto::Placement placement,
-                     Scheduler& scheduler, Statistics& statistics, zmq::context_t& context,
+                     Scheduler& scheduler, Statistics& statistics, BufferBudget& buffers, zmq::context_t& context,
                      const std::string& replies_endpoint)
     : options_(options),
       model_(model),
       placement_(std::move(placement)),
       scheduler_(scheduler),
       statistics_(statistics),
+      buffers_(buffers),
       context_(context),
       replies_endpoint_(replies_endpoint),
       router_(context, zmq::socket_type::router),
@@ -80,7 +85,8 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
 }
 
 void FrontDoor::refuse(const std::string& key, uint64_t request_id, const Status& status, bool as_reply) {
-  statistics_.errors++;
+  const auto* client = registry_.find(key);
+  statistics_.record_error(status.code(), client != nullptr ? client->id : 0);
   spdlog::debug("error to client: {}", bounded(status.message(), 200));
   wire::send_to(router_, key, wire::error_envelope(request_id, status, as_reply));
 }
@@ -138,6 +144,11 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, 
                        " clients (max_clients; raise it with --max-clients)"},
                   false);
   }
+  if (kind != TransportKind::kTcp) {
+    if (auto room = buffers_.has_room(kControlSegmentBytes, kControlSegment); !room.is_ok()) {
+      return refuse(key, 0, room, false);
+    }
+  }
   // [Proven placement]: a transport that shares memory on this host is given only to the process
   // that proves it runs here; NCCL between two hosts shares none.
   const bool shares_memory = kind == TransportKind::kShm || kind == TransportKind::kCudaIpc ||
@@ -163,9 +174,23 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
   auto& gpu_count = gpu_clients_[hello.placement().gpu_uuid()];
   if (!gpu_count) gpu_count = std::make_shared<std::atomic<int>>(0);
   context.gpu_clients = gpu_count;
+  // [Buffer budget]: checked at the Hello, taken now (others may have taken it meanwhile). A client
+  // proving its placement hears the refusal on its local link, where it waits.
+  const uint64_t control_bytes = kind == TransportKind::kTcp ? 0 : kControlSegmentBytes;
+  if (auto taken = buffers_.take(control_bytes, kControlSegment); !taken.is_ok()) {
+    if (!link) return refuse(key, 0, taken, false);
+    statistics_.record_error(taken.code());
+    try {
+      local::send(link.get(), wire::error_envelope(0, taken, /*as_reply=*/false));
+    } catch (const std::exception&) {
+      // It has gone already.
+    }
+    return;
+  }
   try {
     channel = plugin(kind).make_channel(context);
   } catch (const std::exception& e) {
+    buffers_.give_back(control_bytes);
     return refuse(key, 0, status_of_exception(e, StatusCode::kFailedPrecondition), false);
   }
   // Headers come over ZeroMQ for tcp, from another host, and when the client asks; otherwise
@@ -188,6 +213,7 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
     try {
       local::send(link.get(), proven, descriptors);
     } catch (const std::exception& e) {
+      buffers_.give_back(control_bytes);
       return note_bad_input(std::string("a client left during its placement proof: ") + e.what());
     }
     links_[link.get()] = key;
@@ -195,8 +221,7 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
   auto& client = registry_.add(key, hello.tenant(), kind, pid, channel);
   client.link = std::move(link);
   client.public_key = public_key;
-  statistics_.clients = registry_.size();
-  if (kind != TransportKind::kTcp) statistics_.same_host_clients++;
+  statistics_.client_joined(client.id, client.tenant, kind);
   scheduler_.post(ClientJoined{channel});
   spdlog::info("client {} (tenant '{}'{}, {} on {}) connected", client.id, hello.tenant(),
                keys_ ? " with key " + keys_->lookup(public_key).name : "", transport_name(kind),
@@ -244,7 +269,7 @@ void FrontDoor::handle_proof(UniqueFd connection) {
     const std::string why = "the Hello named process " + std::to_string(pending.hello.placement().pid()) +
                             ", but process " + std::to_string(peer.pid) + " came to prove it";
     // Told on the local socket only: the client may go on over ZeroMQ with a Hello for tcp.
-    statistics_.errors++;
+    statistics_.record_error(StatusCode::kPermissionDenied);
     return refuse_proof("same-host placement not proven: " + why);
   }
   admit(pending.key, pending.hello, pending.kind, std::move(connection), pending.public_key);
@@ -304,7 +329,8 @@ void FrontDoor::handle_request(const proto::Request& r, ClientRecord* client, st
   }
   CallArrived call{channel, wire::call_header(r), {r.shape().begin(), r.shape().end()}, {}};
   for (size_t i = 2; i < frames.size(); ++i) call.frames.push_back(std::move(frames[i]));
-  scheduler_.post(std::move(call));
+  // [Overload]: refused here, before it waits in the scheduler's inbox, when the queue is full.
+  if (auto posted = scheduler_.post_call(std::move(call)); !posted.is_ok()) refuse(key, r.request_id(), posted, true);
 }
 
 void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
@@ -378,8 +404,8 @@ void FrontDoor::forget(const std::string& key) {
   if (!record) return;
   record->channel->abort();  // nothing may wait on a client that is gone (NCCL kernels)
   if (record->link) links_.erase(record->link.get());
-  if (record->transport != TransportKind::kTcp) statistics_.same_host_clients--;
-  statistics_.clients = registry_.size();
+  if (record->transport != TransportKind::kTcp) buffers_.give_back(kControlSegmentBytes);
+  statistics_.client_left(record->id);
   scheduler_.post(ClientLeft{record->id});
 }
 

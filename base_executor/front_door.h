@@ -22,6 +22,7 @@
 #include "base_executor/base_model.h"
 #include "base_executor/client_registry.h"
 #include "base_executor/executor.h"
+#include "base_executor/overload.h"
 #include "base_executor/scheduler.h"
 #include "base_executor/statistics.h"
 #include "common/untrusted.h"
@@ -33,8 +34,10 @@ namespace symbiosis {
 class FrontDoor {
  public:
   // Binds options.listen and replies_endpoint; throws naming the endpoint when it cannot.
+  // buffers: [Buffer budget], which each same-host client's control segment takes from.
   FrontDoor(const ExecutorOptions& options, const BaseModel& model, proto::Placement placement, Scheduler& scheduler,
-            Statistics& statistics, zmq::context_t& context, const std::string& replies_endpoint);
+            Statistics& statistics, BufferBudget& buffers, zmq::context_t& context,
+            const std::string& replies_endpoint);
   const std::string& endpoint() const { return endpoint_; }
   // The loop; returns once stop() was called.
   void run();
@@ -73,6 +76,7 @@ class FrontDoor {
   const proto::Placement placement_;  // where this executor runs
   Scheduler& scheduler_;
   Statistics& statistics_;
+  BufferBudget& buffers_;
   zmq::context_t& context_;
   const std::string replies_endpoint_;
   std::unique_ptr<Keys> keys_;      // [Admission]; none without keys

@@ -42,6 +42,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-clients", options.max_clients, "clients connected at once; more are refused")
       ->capture_default_str();
+  app.add_option("--max-queued-tokens", options.max_queued_tokens,
+                 "tokens of the calls waiting to be batched, all clients together; a call past it is refused "
+                 "(RESOURCE_EXHAUSTED) and may be sent again")
+      ->capture_default_str();
+  app.add_option("--max-buffer-bytes", options.max_buffer_bytes,
+                 "shared memory held for clients, all together: same-host clients' control segments and registered "
+                 "payload buffers; a handshake or registration past it is refused")
+      ->capture_default_str();
+  app.add_option("--metrics-listen", options.metrics_listen,
+                 "serve Prometheus metrics over HTTP at HOST:PORT/metrics (port 0: a free one, printed); no "
+                 "authentication, so a loopback address unless --insecure (default: none)");
   std::string policy = "opportunistic";
   int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
   int64_t companion_window_us = options.batching.companion_window.count();
@@ -79,7 +90,9 @@ int main(int argc, char** argv) {
   app.add_option("--keys", keys_dir,
                  "keys folder (executor.key, tenants/, operators/, revoked/): encrypt, and admit only listed tenants "
                  "(docs/operating.md)");
-  app.add_flag("--insecure", options.insecure, "without --keys, listen beyond loopback anyway (anyone may connect)");
+  app.add_flag("--insecure", options.insecure,
+               "without --keys, listen beyond loopback anyway (anyone may connect); and let --metrics-listen be "
+               "beyond loopback (anyone may read the metrics)");
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
@@ -111,6 +124,7 @@ int main(int argc, char** argv) {
     spdlog::error("{}", e.what_without_backtrace());
     return 1;
   }
+  if (!executor->metrics_url().empty()) std::cout << "metrics " << executor->metrics_url() << std::endl;
   std::cout << "ready " << executor->endpoint() << std::endl;  // scripts wait for this line
   int signal = 0;
   sigwait(&stop_signals, &signal);

@@ -45,12 +45,13 @@ void warm_up(const BaseModel& model, cuda::ComputeStreams& streams, int count) {
 }  // namespace
 
 Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics,
-                     zmq::context_t& context, std::string replies_endpoint)
+                     BufferBudget& buffers, zmq::context_t& context, std::string replies_endpoint)
     : options_(options),
       model_(model),
       statistics_(statistics),
       context_(context),
       replies_endpoint_(std::move(replies_endpoint)),
+      buffers_(buffers),
       batcher_(options.batching),
       runner_(model, statistics, options.on_input) {}
 
@@ -65,6 +66,33 @@ void Scheduler::post(InboxMessage message) {
     inbox_.push_back(std::move(message));
   }
   doorbell_.word().notify();
+}
+
+namespace {
+
+// The tokens a call over ZeroMQ claims, as counted in the inbox: its shape's rows where the shape
+// is [tokens, features] (any other is refused by the call check).
+int64_t claimed_tokens(const CallArrived& call) {
+  return call.shape.size() == 2 && call.shape[0] > 0 ? call.shape[0] : 0;
+}
+
+}  // namespace
+
+Status Scheduler::post_call(CallArrived call) {
+  const int64_t tokens = claimed_tokens(call);
+  const int64_t queued = inbox_tokens_.load() + batched_tokens_.load();
+  if (tokens > options_.max_queued_tokens - queued) {
+    return queue_full(call.header.request_id, tokens, queued, options_.max_queued_tokens);
+  }
+  inbox_tokens_ += tokens;
+  post(std::move(call));
+  return Status::ok();
+}
+
+void Scheduler::note_queue() {
+  batched_tokens_ = batcher_.pending_tokens();
+  statistics_.queue_depth = batcher_.pending();
+  statistics_.queued_tokens = batcher_.pending_tokens();
 }
 
 void Scheduler::stop() {
@@ -83,6 +111,10 @@ void Scheduler::handle(ClientLeft& message) {
   batcher_.remove_client(id);  // lockstep queues may be ready now
   channels_.erase(id);
   refused_.erase(id);
+  if (const auto it = buffer_bytes_.find(id); it != buffer_bytes_.end()) {
+    buffers_.give_back(it->second);
+    buffer_bytes_.erase(it);
+  }
   std::erase_if(pending_setups_, [id](const PendingSetup& p) { return p.channel->client_id() == id; });
 }
 
@@ -92,6 +124,7 @@ void Scheduler::handle(ClientRefused& message) {
 }
 
 void Scheduler::handle(CallArrived& message) {
+  inbox_tokens_ -= claimed_tokens(message);
   if (message.channel->payload_in_frames()) message.channel->receive_frames(message.header, std::move(message.frames));
   accept(message.channel, message.header, message.shape);
 }
@@ -99,10 +132,24 @@ void Scheduler::handle(CallArrived& message) {
 void Scheduler::handle(SetupArrived& message) {
   auto& channel = *message.channel;
   const auto& env = message.envelope;
+  const uint64_t id = channel.client_id();
   try {
     proto::Envelope answer;
     if (env.has_register_buffer()) {
-      *answer.mutable_buffer_registered() = channel.register_buffer(env.register_buffer(), std::move(message.segment));
+      // [Buffer budget]: the new buffer replaces the client's last; only what it adds is taken.
+      const uint64_t bytes = env.register_buffer().bytes(), held = buffer_bytes_[id];
+      const uint64_t more = bytes > held ? bytes - held : 0;
+      if (auto status = buffers_.take(more, "registering a payload buffer"); !status.is_ok()) {
+        return answer_error(message.identity, id, status);
+      }
+      try {
+        *answer.mutable_buffer_registered() = channel.register_buffer(env.register_buffer(), std::move(message.segment));
+      } catch (...) {
+        buffers_.give_back(more);
+        throw;
+      }
+      if (bytes < held) buffers_.give_back(held - bytes);
+      buffer_bytes_[id] = bytes;
     } else if (env.has_share_segments()) {
       channel.share_segments(env.share_segments());
       answer.mutable_segments_shared();
@@ -113,21 +160,27 @@ void Scheduler::handle(SetupArrived& message) {
     }
     wire::send_to(*replies_, message.identity, answer);
   } catch (const std::exception& e) {
-    answer_error(message.identity, status_of_exception(e, StatusCode::kFailedPrecondition));
+    answer_error(message.identity, id, status_of_exception(e, StatusCode::kFailedPrecondition));
   }
 }
 
-void Scheduler::answer_error(const std::string& identity, const Status& status) {
-  statistics_.errors++;
+void Scheduler::answer_error(const std::string& identity, uint64_t client_id, const Status& status) {
+  statistics_.record_error(status.code(), client_id);
   wire::send_to(*replies_, identity, wire::error_envelope(0, status, /*as_reply=*/false));
 }
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape) {
   const auto refused = refused_.find(channel->client_id());
-  const Status status =
+  Status status =
       refused != refused_.end() ? refused->second : check_call(model_, options_.max_request_bytes, *channel, h, shape);
+  // [Overload]: the calls waiting to be batched stay within --max-queued-tokens.
+  const int64_t waiting = batcher_.pending_tokens();
+  if (status.is_ok() && h.tokens > options_.max_queued_tokens - waiting) {
+    status = queue_full(h.request_id, h.tokens, waiting, options_.max_queued_tokens);
+  }
   if (!status.is_ok()) {
-    statistics_.errors++;
+    statistics_.record_error(status.code(), channel->client_id(),
+                             h.layer_id < model_.layer_count() ? std::optional<uint32_t>(h.layer_id) : std::nullopt);
     channel->refuse(h, status);
     return;
   }
@@ -145,6 +198,7 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
   queued.payload.header = h;
   queued.payload.channel = channel;
   batcher_.push(std::move(queued));
+  note_queue();
 }
 
 bool Scheduler::poll_channels() {
@@ -172,7 +226,7 @@ void Scheduler::finish_setups() {
       ready.mutable_nccl_ready();
       wire::send_to(*replies_, it->identity, ready);
     } catch (const std::exception& e) {
-      answer_error(it->identity, status_of_exception(e, StatusCode::kFailedPrecondition));
+      answer_error(it->identity, it->channel->client_id(), status_of_exception(e, StatusCode::kFailedPrecondition));
     }
     it = pending_setups_.erase(it);
   }
@@ -209,7 +263,7 @@ void Scheduler::run() {
     const bool watching = poll_channels();
     const auto now = Clock::now();
     auto batch = batcher_.pop(now);
-    statistics_.queue_depth = batcher_.pending();
+    note_queue();
     if (batch) {
 #ifdef SYMBIOSIS_WITH_CUDA
       if (streams) {  // [Compute streams]: in place on the client's stream, or on the first

@@ -21,6 +21,7 @@
 #include "base_executor/base_model.h"
 #include "base_executor/batch_runner.h"
 #include "base_executor/executor.h"
+#include "base_executor/overload.h"
 #include "base_executor/statistics.h"
 #include "symbiosis.pb.h"
 #include "transport/channel.h"
@@ -61,11 +62,15 @@ using InboxMessage = std::variant<ClientJoined, ClientLeft, ClientRefused, CallA
 class Scheduler {
  public:
   // replies_endpoint: where answers to set-up messages go (the front door forwards them).
-  Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics, zmq::context_t& context,
-            std::string replies_endpoint);
+  // buffers: [Buffer budget], which payload buffers a client registers take from.
+  Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics, BufferBudget& buffers,
+            zmq::context_t& context, std::string replies_endpoint);
   ~Scheduler();
 
   void post(InboxMessage message);
+  // Posts a call that came over ZeroMQ, unless its tokens would bring the calls waiting (in the
+  // inbox and the Batcher) past --max-queued-tokens: then it returns the refusal and posts nothing.
+  Status post_call(CallArrived call);
   // The doorbell's segment, for the Welcome of a client of this host.
   int doorbell_descriptor() const { return doorbell_.descriptor(); }
   // The loop; returns once stop() was called.
@@ -84,7 +89,9 @@ class Scheduler {
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
   void finish_setups();
-  void answer_error(const std::string& identity, const Status& status);
+  void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
+  // Publishes the Batcher's pending calls and tokens (for post_call and the statistics).
+  void note_queue();
 
   const ExecutorOptions& options_;
   const BaseModel& model_;
@@ -94,14 +101,21 @@ class Scheduler {
   std::atomic<bool> stopping_{false};
   Doorbell doorbell_;
 
+  BufferBudget& buffers_;
+
   std::mutex inbox_mutex_;
   std::vector<InboxMessage> inbox_;  // guarded by inbox_mutex_
+  // [Overload]: tokens of the CallArrived in the inbox (post_call adds, the scheduler subtracts),
+  // and of the calls in the Batcher (written by the scheduler's thread alone).
+  std::atomic<int64_t> inbox_tokens_{0};
+  std::atomic<int64_t> batched_tokens_{0};
 
   // Owned by the scheduler's thread.
   CallBatcher batcher_;
   BatchRunner runner_;
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
   std::map<uint64_t, Status> refused_;                      // ClientRefused: why, by client id
+  std::map<uint64_t, uint64_t> buffer_bytes_;               // [Buffer budget]: each client's registered buffer
   struct PendingSetup {
     std::shared_ptr<Channel> channel;
     std::string identity;  // the client's ZeroMQ routing id

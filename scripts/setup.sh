@@ -11,7 +11,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 TORCH_VERSION=2.11.0
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libzmq3-dev cppzmq-dev
   libprotobuf-dev protobuf-compiler libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
-  nlohmann-json3-dev libcli11-dev python3-venv libpcre2-dev libutf8proc-dev libsentencepiece-dev libsodium-dev)
+  nlohmann-json3-dev libcli11-dev python3-venv libpcre2-dev libutf8proc-dev libsentencepiece-dev libsodium-dev libcpp-httplib-dev)
 PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece protobuf)
 
 log() { echo "[setup] $*"; }

@@ -15,6 +15,7 @@
 #include "client_runtime/client.h"
 #include "common/checkpoint.h"
 #include "tests/test_util.h"
+#include "transport/call_ring.h"
 #include "transport/client_transport.h"
 #include "transport/local_socket.h"
 #include "transport/zmq_wire.h"
@@ -146,6 +147,28 @@ TEST(ExecutorOptionsTest, OverloadLimitsOutOfRangeAreRefusedNamingTheFlag) {
   EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_message_bytes = 1024; }).find("must be larger than --max-request-bytes"),
             std::string::npos);
   EXPECT_EQ(options.message_limit(), options.max_request_bytes + (size_t{1} << 20));
+  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_queued_tokens = 0; }).find("--max-queued-tokens must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_buffer_bytes = 0; }).find("--max-buffer-bytes must be >= 1, got 0"),
+            std::string::npos);
+  // [Metrics]: HOST:PORT, on loopback unless --insecure.
+  EXPECT_EQ(refusal([](ExecutorOptions& o) { o.metrics_listen = "127.0.0.1:0"; }), "accepted");
+  EXPECT_EQ(refusal([](ExecutorOptions& o) { o.metrics_listen = "[::1]:9100"; }), "accepted");
+  const auto no_port = refusal([](ExecutorOptions& o) { o.metrics_listen = "127.0.0.1"; });
+  EXPECT_NE(no_port.find("--metrics-listen '127.0.0.1' names no host and port (expected HOST:PORT"), std::string::npos)
+      << no_port;
+  const auto bad_port = refusal([](ExecutorOptions& o) { o.metrics_listen = "localhost:99999"; });
+  EXPECT_NE(bad_port.find("port '99999' is not a number from 0 to 65535"), std::string::npos) << bad_port;
+  const auto scheme = refusal([](ExecutorOptions& o) { o.metrics_listen = "http://127.0.0.1:9100"; });
+  EXPECT_NE(scheme.find("without a scheme or path"), std::string::npos) << scheme;
+  const auto open = refusal([](ExecutorOptions& o) { o.metrics_listen = "0.0.0.0:9100"; });
+  EXPECT_NE(open.find("--metrics-listen 0.0.0.0:9100 is reachable from other hosts"), std::string::npos) << open;
+  EXPECT_NE(open.find("--insecure"), std::string::npos) << open;
+  EXPECT_EQ(refusal([](ExecutorOptions& o) {
+              o.metrics_listen = "0.0.0.0:9100";
+              o.insecure = true;
+            }),
+            "accepted");
 }
 
 TEST(BaseModelTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
@@ -704,6 +727,112 @@ TEST_F(ExecutorTest, SameHostClientsThatClaimTheExecutorsPidOrDieLeaveNoSegments
     EXPECT_EQ(memfd_mappings(), segments_before);
   }
   expect_still_serving();
+}
+
+// [Overload]: calls that would bring the tokens waiting to be batched past --max-queued-tokens are
+// refused naming the limit and its flag, the calls already queued are served, and a refused call
+// sent again once the queue drains is served.
+TEST_F(ExecutorTest, CallsPastMaxQueuedTokensAreRefusedNamingTheLimitAndServedWhenSentAgain) {
+  ExecutorOptions options;
+  options.max_queued_tokens = 40;
+  // Lockstep holds a queue until every client has a call in it: the raw peer's calls wait for the
+  // client's, however fast the executor is.
+  options.batching.policy = BatchingPolicy::kLockstep;
+  options.batching.lockstep_timeout = std::chrono::milliseconds(60000);
+  auto executor = testing::start_executor(checkpoint_->dir, options);
+  ClientOptions client_options;
+  client_options.transport = "tcp";
+  client_options.timeout_ms = 30000;
+  auto client = testing::connect(*executor, client_options);
+  const auto* up = client->find_layer("model.layers.0.mlp.up_proj");
+  RawPeer peer(executor->endpoint());
+  auto send_call = [&](uint64_t id, int64_t tokens) {
+    proto::Envelope env;
+    auto* r = env.mutable_request();
+    r->set_request_id(id);
+    r->set_layer_id(up->id);
+    r->set_op(proto::FORWARD);
+    r->set_dtype(proto::FLOAT32);
+    r->add_shape(tokens);
+    r->add_shape(4);
+    peer.socket.send(wire::serialize(env), zmq::send_flags::sndmore);
+    peer.socket.send(zmq::message_t(tokens * 4 * sizeof(float)), zmq::send_flags::none);
+  };
+  send_call(1, 16);
+  send_call(2, 16);  // 32 tokens wait for the client's call
+  send_call(3, 16);  // 48 > 40
+  const auto refusal = peer.receive();
+  ASSERT_TRUE(refusal.has_reply());
+  EXPECT_EQ(refusal.reply().request_id(), 3u);
+  EXPECT_EQ(refusal.reply().error().code(), proto::RESOURCE_EXHAUSTED);
+  for (const char* part : {"16 tokens", "48 tokens", "limit of 40", "max_queued_tokens", "--max-queued-tokens"}) {
+    EXPECT_NE(refusal.reply().error().message().find(part), std::string::npos) << refusal.reply().error().message();
+  }
+  // The client's call completes the queue: it and the two waiting calls are served.
+  auto x = at::randn({3, 4});
+  EXPECT_LT(relative_error(client->forward(*up, x, true), at::addmm(up_bias(), x, up_weight().t())), 1e-6);
+  for (uint64_t id : {1, 2}) {
+    const auto reply = peer.receive();
+    ASSERT_TRUE(reply.has_reply());
+    EXPECT_EQ(reply.reply().request_id(), id);
+    EXPECT_EQ(reply.reply().error().code(), proto::OK) << reply.reply().error().message();
+  }
+  // Sent again, now that the queue has drained, the refused call is served.
+  send_call(3, 16);
+  EXPECT_LT(relative_error(client->forward(*up, x, true), at::addmm(up_bias(), x, up_weight().t())), 1e-6);
+  const auto served = peer.receive();
+  ASSERT_TRUE(served.has_reply());
+  EXPECT_EQ(served.reply().request_id(), 3u);
+  EXPECT_EQ(served.reply().error().code(), proto::OK) << served.reply().error().message();
+  EXPECT_EQ(executor->stats().errors, 1u);
+}
+
+// [Buffer budget]: same-host clients' control segments and payload buffers count against
+// --max-buffer-bytes, every client's together; a handshake or a registration past it is refused
+// naming the limit and its flag, nothing of it is held, the others are served, and what a client
+// held is given back when it leaves.
+TEST_F(ExecutorTest, SharedMemoryPastMaxBufferBytesIsRefusedNamingTheLimitAndGivenBackWhenClientsLeave) {
+  const uint64_t control = sizeof(shm::ControlBlock);
+  const uint64_t payload = uint64_t{4} << 20;  // a shm client's first payload buffer
+  ExecutorOptions options;
+  options.max_buffer_bytes = 2 * control + payload + control / 2;  // two clients, one payload buffer
+  auto executor = testing::start_executor(checkpoint_->dir, options);
+  ClientOptions shm_options;
+  shm_options.transport = "shm";
+  shm_options.timeout_ms = 10000;
+  auto first = testing::connect(*executor, shm_options);
+  const LayerInfo up = *first->find_layer("model.layers.0.mlp.up_proj");  // kept past the first client
+  auto x = at::randn({3, 4});
+  const auto expected = at::addmm(up_bias(), x, up_weight().t());
+  EXPECT_LT(relative_error(first->forward(up, x, true), expected), 1e-6);
+  EXPECT_EQ(executor->stats().buffer_bytes, control + payload);
+  auto expect_refusal = [&](const std::string& message, const char* what) {
+    for (const std::string part : {std::string(what), std::string("limit of ") + std::to_string(options.max_buffer_bytes),
+                                   std::string("max_buffer_bytes"), std::string("--max-buffer-bytes")}) {
+      EXPECT_NE(message.find(part), std::string::npos) << message;
+    }
+  };
+  // A second client's control segment fits; its payload buffer does not.
+  auto second = testing::connect(*executor, shm_options);
+  EXPECT_EQ(executor->stats().buffer_bytes, 2 * control + payload);
+  expect_refusal(testing::error_of([&] { second->forward(up, x, true); }), "registering a payload buffer of 4194304");
+  EXPECT_EQ(executor->stats().buffer_bytes, 2 * control + payload);  // nothing of it is held
+  // A third client's control segment does not fit.
+  expect_refusal(testing::error_of([&] { testing::connect(*executor, shm_options); }),
+                 "a same-host client's control segment");
+  // Clients without shared memory are served on.
+  ClientOptions tcp_options;
+  tcp_options.transport = "tcp";
+  auto tcp = testing::connect(*executor, tcp_options);
+  EXPECT_LT(relative_error(tcp->forward(up, x, true), expected), 1e-6);
+  // The first client leaves: what it held is given back, and a new client gets its payload buffer.
+  first.reset();
+  second.reset();
+  ASSERT_TRUE(testing::same_host_clients_become(*executor, 0));
+  ASSERT_TRUE(testing::wait_until([&] { return executor->stats().buffer_bytes == 0; }, std::chrono::seconds(10)));
+  auto third = testing::connect(*executor, shm_options);
+  EXPECT_LT(relative_error(third->forward(up, x, true), expected), 1e-6);
+  EXPECT_EQ(executor->stats().buffer_bytes, control + payload);
 }
 
 }  // namespace
