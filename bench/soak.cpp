@@ -94,6 +94,13 @@ struct SoakOptions {
   }
 };
 
+// `value` with one decimal, for messages; or every digit it has, for a command line.
+std::string decimal(double value, const char* format = "%.1f") {
+  char text[32];
+  std::snprintf(text, sizeof text, format, value);
+  return text;
+}
+
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // What the executor holds that a departed client could leave behind ([Soak baseline]).
@@ -151,6 +158,7 @@ struct Slot {
   std::string transport, device;
   bool steady = false;
   int generation = 0;       // processes started so far
+  bool churned = false;     // a process of the churn has started: the next one comes back
   pid_t pid = 0;            // 0: none running
   Fate fate = Fate::kStays;
   bool kill_sent = false;
@@ -164,6 +172,7 @@ struct Slot {
 
 struct Tally {
   int started = 0, came_back = 0, killed = 0, left = 0, stayed = 0;
+  int64_t steady_min_steps = -1;  // the fewest steps a steady client of the churn made ([Soak slots])
   uint64_t calls = 0, steps = 0;
   double max_call_ms = 0, worst_output_error = 0, worst_gradient_error = 0;
   std::string slowest;  // the client that made the longest call
@@ -247,8 +256,8 @@ class Soak {
                                            "--seed", std::to_string(options_.seed * 1000003 + slot.index * 1009 + slot.generation),
                                            "--steps", std::to_string(steps),
                                            "--stop-file", stop_file.string(),
-                                           "--tolerance", std::to_string(options_.tolerance),
-                                           "--gradient-tolerance", std::to_string(options_.gradient_tolerance)};
+                                           "--tolerance", decimal(options_.tolerance, "%.17g"),
+                                           "--gradient-tolerance", decimal(options_.gradient_tolerance, "%.17g")};
     slot.pid = spawn(args, slot.out, slot.err);
     slot.started = slot.last_step = Clock::now();
     slot.kill_at = slot.started + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
@@ -256,7 +265,8 @@ class Soak {
     slot.kill_sent = false;
     slot.steps = 0;
     tally_.started++;
-    if (slot.generation > 0) tally_.came_back++;
+    if (churning && slot.churned) tally_.came_back++;
+    slot.churned = slot.churned || churning;
     slot.generation++;
   }
 
@@ -293,8 +303,8 @@ class Soak {
         tally_.slowest = slot.process_name();
       }
       if (call_ms > options_.max_call_ms) {
-        violation(slot.process_name() + " made a call of " + std::to_string(call_ms) + " ms, over --max-call-ms " +
-                  std::to_string(options_.max_call_ms));
+        violation(slot.process_name() + " made a call of " + decimal(call_ms) + " ms, over --max-call-ms " +
+                  decimal(options_.max_call_ms));
       }
     }
     bool expected = false;
@@ -303,6 +313,9 @@ class Soak {
       expected = true;
     } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
       (slot.fate == Slot::Fate::kLeaves ? tally_.left : tally_.stayed)++;
+      if (slot.steady && slot.churned) {
+        tally_.steady_min_steps = tally_.steady_min_steps < 0 ? steps : std::min(tally_.steady_min_steps, steps);
+      }
       expected = true;
     } else {
       const std::string how = WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
@@ -382,7 +395,7 @@ class Soak {
     stop_all(stop_file, "warmup");
     warmup_clients_ = tally_.started;
     // The churn's clients are counted from here; calls, steps and the longest call include the warm-up's.
-    tally_.started = tally_.came_back = tally_.stayed = 0;
+    tally_.started = tally_.stayed = 0;
     std::printf("soak: warm after %.0f s\n", seconds_since(started_));
     std::fflush(stdout);
   }
@@ -456,13 +469,14 @@ class Soak {
     if (executor_.pid == 0) return;
     const double grew_mib = (static_cast<double>(end.resident) - static_cast<double>(baseline.resident)) / kMiB;
     if (grew_mib > options_.rss_tolerance_mib) {
-      violation("the executor's resident memory grew by " + std::to_string(grew_mib) + " MiB over the soak (" +
-                std::to_string(baseline.resident / kMiB) + " -> " + std::to_string(end.resident / kMiB) +
-                " MiB), over --rss-tolerance-mib " + std::to_string(options_.rss_tolerance_mib));
+      violation("the executor's resident memory grew by " + decimal(grew_mib) + " MiB over the soak (" +
+                decimal(baseline.resident / kMiB) + " -> " + decimal(end.resident / kMiB) +
+                " MiB), over --rss-tolerance-mib " + decimal(options_.rss_tolerance_mib));
     }
     if (gpu_ >= 0 && end.gpu_mib - baseline.gpu_mib > options_.gpu_tolerance_mib) {
-      violation("GPU " + std::to_string(gpu_) + "'s memory in use grew by " + std::to_string(end.gpu_mib - baseline.gpu_mib) +
-                " MiB over the soak, over --gpu-tolerance-mib " + std::to_string(options_.gpu_tolerance_mib));
+      violation("GPU " + std::to_string(gpu_) + "'s memory in use grew by " + decimal(end.gpu_mib - baseline.gpu_mib) +
+                " MiB over the soak (" + decimal(baseline.gpu_mib) + " -> " + decimal(end.gpu_mib) +
+                " MiB), over --gpu-tolerance-mib " + decimal(options_.gpu_tolerance_mib));
     }
     if (end.mapped_segments > baseline.mapped_segments) {
       violation("the executor still maps " + std::to_string(end.mapped_segments - baseline.mapped_segments) +
@@ -489,8 +503,13 @@ class Soak {
   void report(const ExecutorFootprint& baseline, const ExecutorFootprint& end) {
     std::printf("soak: %.0f s of churn, %d clients at most over %s (executor on %s, %s batching)\n", churn_seconds_,
                 options_.clients, join(options_.transports).c_str(), options_.device.c_str(), options_.batching.c_str());
-    std::printf("clients: %d started after %d in the warm-up (%d came back), %d killed, %d left, %d stayed to the end\n",
+    std::printf("clients: %d started after %d in the warm-up (%d of them came back after one of the churn ended), "
+                "%d killed, %d left, %d stayed to the end\n",
                 tally_.started, warmup_clients_, tally_.came_back, tally_.killed, tally_.left, tally_.stayed);
+    int steady = 0;
+    for (const auto& slot : slots_) steady += slot.steady;
+    std::printf("steady clients: %d ran the whole churn, exact at every step, each of at least %lld steps\n", steady,
+                static_cast<long long>(tally_.steady_min_steps));
     std::printf("calls: %llu in %llu checked steps; longest call %.1f ms (%s; bound %.0f ms)\n",
                 static_cast<unsigned long long>(tally_.calls), static_cast<unsigned long long>(tally_.steps),
                 tally_.max_call_ms, tally_.slowest.c_str(), options_.max_call_ms);
