@@ -32,7 +32,7 @@ bool valid_utf8(std::string_view text) {
 
 // A label value as the text format takes it. Tenant names are a peer's bytes ([Untrusted input]):
 // control characters, and every byte past ASCII of a name that is no UTF-8, show as '?'.
-std::string label(std::string_view value) {
+std::string escaped(std::string_view value) {
   const bool utf8 = valid_utf8(value);
   std::string out;
   for (const char ch : value) {
@@ -68,6 +68,30 @@ class Writer {
     if (!labels.empty()) text_ += "{" + labels + "}";
     text_ += " " + number(value) + "\n";
   }
+  // A family of one sample.
+  void single(const char* name, const char* type, const char* help, double value) {
+    family(name, type, help);
+    sample(name, "", value);
+  }
+  // A family with a sample for each item (a layer, a tenant), labelled `label` with its name.
+  template <typename Item, typename Value>
+  void each(const char* name, const char* type, const char* help, const char* label, const std::vector<Item>& items,
+            Value value) {
+    family(name, type, help);
+    for (const auto& item : items) sample(name, std::string(label) + "=\"" + escaped(item.name) + "\"", value(item));
+  }
+  // A counter family of each item's errors by code (the codes it had).
+  template <typename Item>
+  void errors_of_each(const char* name, const char* help, const char* label, const std::vector<Item>& items) {
+    family(name, "counter", help);
+    for (const auto& item : items) {
+      for (size_t code = 1; code < kStatusCodes; ++code) {
+        if (item.errors[code] == 0) continue;
+        sample(name, std::string(label) + "=\"" + escaped(item.name) + "\",code=\"" + status_code_name(code) + "\"",
+               static_cast<double>(item.errors[code]));
+      }
+    }
+  }
   void histogram(const char* name, const char* help, const Histogram& h) {
     family(name, "histogram", help);
     uint64_t cumulative = 0;
@@ -92,119 +116,88 @@ uint64_t resident_bytes() {
   return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
+double count(uint64_t value) { return static_cast<double>(value); }
+
 }  // namespace
 
 std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauges) {
+  using Layer = MetricsSnapshot::Layer;
+  using Tenant = MetricsSnapshot::Tenant;
+  using Class = MetricsSnapshot::LatencyClassFigures;
   Writer w;
-  w.family("symbiosis_uptime_seconds", "gauge", "Seconds since the executor started.");
-  w.sample("symbiosis_uptime_seconds", "", m.uptime_seconds);
+  w.single("symbiosis_uptime_seconds", "gauge", "Seconds since the executor started.", m.uptime_seconds);
   w.family("symbiosis_clients", "gauge", "Clients connected now, by transport.");
-  for (const auto& [transport, count] : m.clients_by_transport) {
-    w.sample("symbiosis_clients", "transport=\"" + label(transport) + "\"", static_cast<double>(count));
+  for (const auto& [transport, clients] : m.clients_by_transport) {
+    w.sample("symbiosis_clients", "transport=\"" + escaped(transport) + "\"", count(clients));
   }
-  w.family("symbiosis_requests_total", "counter", "Calls answered with a result.");
-  w.sample("symbiosis_requests_total", "", static_cast<double>(m.requests));
-  w.family("symbiosis_tokens_total", "counter", "Tokens of the calls answered with a result.");
-  w.sample("symbiosis_tokens_total", "", static_cast<double>(m.tokens));
+  w.single("symbiosis_requests_total", "counter", "Calls answered with a result.", count(m.requests));
+  w.single("symbiosis_tokens_total", "counter", "Tokens of the calls answered with a result.", count(m.tokens));
   w.family("symbiosis_errors_total", "counter", "Errors answered to peers, by code.");
   for (size_t code = 1; code < kStatusCodes; ++code) {
-    w.sample("symbiosis_errors_total", std::string("code=\"") + status_code_name(code) + "\"",
-             static_cast<double>(m.errors[code]));
+    w.sample("symbiosis_errors_total", std::string("code=\"") + status_code_name(code) + "\"", count(m.errors[code]));
   }
-  w.family("symbiosis_compute_seconds_total", "counter", "Seconds the scheduler spent running batches (busy time).");
-  w.sample("symbiosis_compute_seconds_total", "", m.compute_seconds);
-  w.family("symbiosis_deliver_seconds_total", "counter", "Of the compute seconds, those spent delivering results.");
-  w.sample("symbiosis_deliver_seconds_total", "", m.deliver_seconds);
-  w.family("symbiosis_direct_calls_total", "counter", "Calls whose operands lay in a client's shared segment.");
-  w.sample("symbiosis_direct_calls_total", "", static_cast<double>(m.direct_calls));
-  w.family("symbiosis_concurrent_calls_total", "counter", "Calls run alone on their client's compute stream.");
-  w.sample("symbiosis_concurrent_calls_total", "", static_cast<double>(m.concurrent_calls));
-  w.family("symbiosis_replayed_calls_total", "counter", "Captured calls whose GEMM was launched as a graph.");
-  w.sample("symbiosis_replayed_calls_total", "", static_cast<double>(m.replayed_calls));
+  w.single("symbiosis_compute_seconds_total", "counter", "Seconds the scheduler spent running batches (busy time).",
+           m.compute_seconds);
+  w.single("symbiosis_deliver_seconds_total", "counter", "Of the compute seconds, those spent delivering results.",
+           m.deliver_seconds);
+  w.single("symbiosis_direct_calls_total", "counter", "Calls whose operands lay in a client's shared segment.",
+           count(m.direct_calls));
+  w.single("symbiosis_concurrent_calls_total", "counter", "Calls run alone on their client's compute stream.",
+           count(m.concurrent_calls));
+  w.single("symbiosis_replayed_calls_total", "counter", "Captured calls whose GEMM was launched as a graph.",
+           count(m.replayed_calls));
 
-  w.family("symbiosis_class_requests_total", "counter", "Calls batched, by latency class.");
-  for (const auto& c : m.classes) {
-    w.sample("symbiosis_class_requests_total", std::string("class=\"") + c.name + "\"", static_cast<double>(c.requests));
-  }
-  w.family("symbiosis_class_tokens_total", "counter", "Tokens of the calls batched, by latency class.");
-  for (const auto& c : m.classes) {
-    w.sample("symbiosis_class_tokens_total", std::string("class=\"") + c.name + "\"", static_cast<double>(c.tokens));
-  }
+  w.each("symbiosis_class_requests_total", "counter", "Calls batched, by latency class.", "class", m.classes,
+         [](const Class& c) { return count(c.requests); });
+  w.each("symbiosis_class_tokens_total", "counter", "Tokens of the calls batched, by latency class.", "class",
+         m.classes, [](const Class& c) { return count(c.tokens); });
 
-  w.family("symbiosis_layer_requests_total", "counter", "Calls batched, by layer.");
-  for (const auto& l : m.layers) {
-    w.sample("symbiosis_layer_requests_total", "layer=\"" + label(l.name) + "\"", static_cast<double>(l.requests));
-  }
-  w.family("symbiosis_layer_tokens_total", "counter", "Tokens of the calls batched, by layer.");
-  for (const auto& l : m.layers) {
-    w.sample("symbiosis_layer_tokens_total", "layer=\"" + label(l.name) + "\"", static_cast<double>(l.tokens));
-  }
+  w.each("symbiosis_layer_requests_total", "counter", "Calls batched, by layer.", "layer", m.layers,
+         [](const Layer& l) { return count(l.requests); });
+  w.each("symbiosis_layer_tokens_total", "counter", "Tokens of the calls batched, by layer.", "layer", m.layers,
+         [](const Layer& l) { return count(l.tokens); });
   w.family("symbiosis_layer_batches_total", "counter", "Batches run, by layer and op (forward, backward).");
   for (const auto& l : m.layers) {
-    w.sample("symbiosis_layer_batches_total", "layer=\"" + label(l.name) + "\",op=\"forward\"",
-             static_cast<double>(l.forward_batches));
-    w.sample("symbiosis_layer_batches_total", "layer=\"" + label(l.name) + "\",op=\"backward\"",
-             static_cast<double>(l.backward_batches));
+    w.sample("symbiosis_layer_batches_total", "layer=\"" + escaped(l.name) + "\",op=\"forward\"", count(l.forward_batches));
+    w.sample("symbiosis_layer_batches_total", "layer=\"" + escaped(l.name) + "\",op=\"backward\"", count(l.backward_batches));
   }
-  w.family("symbiosis_layer_compute_seconds_total", "counter", "Seconds spent running the layer's batches.");
-  for (const auto& l : m.layers) {
-    w.sample("symbiosis_layer_compute_seconds_total", "layer=\"" + label(l.name) + "\"", l.compute_seconds);
-  }
-  w.family("symbiosis_layer_errors_total", "counter", "Calls of the layer answered with an error, by code.");
-  for (const auto& l : m.layers) {
-    for (size_t code = 1; code < kStatusCodes; ++code) {
-      if (l.errors[code] == 0) continue;
-      w.sample("symbiosis_layer_errors_total", "layer=\"" + label(l.name) + "\",code=\"" + status_code_name(code) + "\"",
-               static_cast<double>(l.errors[code]));
-    }
-  }
+  w.each("symbiosis_layer_compute_seconds_total", "counter", "Seconds spent running the layer's batches.", "layer",
+         m.layers, [](const Layer& l) { return l.compute_seconds; });
+  w.errors_of_each("symbiosis_layer_errors_total", "Calls of the layer answered with an error, by code.", "layer",
+                   m.layers);
 
-  w.family("symbiosis_tenant_requests_total", "counter", "Calls answered with a result, by tenant.");
-  for (const auto& t : m.tenants) {
-    w.sample("symbiosis_tenant_requests_total", "tenant=\"" + label(t.name) + "\"", static_cast<double>(t.requests));
-  }
-  w.family("symbiosis_tenant_tokens_total", "counter", "Tokens of the calls answered with a result, by tenant.");
-  for (const auto& t : m.tenants) {
-    w.sample("symbiosis_tenant_tokens_total", "tenant=\"" + label(t.name) + "\"", static_cast<double>(t.tokens));
-  }
-  w.family("symbiosis_tenant_errors_total", "counter", "Errors answered to the tenant's clients, by code.");
-  for (const auto& t : m.tenants) {
-    for (size_t code = 1; code < kStatusCodes; ++code) {
-      if (t.errors[code] == 0) continue;
-      w.sample("symbiosis_tenant_errors_total", "tenant=\"" + label(t.name) + "\",code=\"" + status_code_name(code) + "\"",
-               static_cast<double>(t.errors[code]));
-    }
-  }
+  w.each("symbiosis_tenant_requests_total", "counter", "Calls answered with a result, by tenant.", "tenant", m.tenants,
+         [](const Tenant& t) { return count(t.requests); });
+  w.each("symbiosis_tenant_tokens_total", "counter", "Tokens of the calls answered with a result, by tenant.", "tenant",
+         m.tenants, [](const Tenant& t) { return count(t.tokens); });
+  w.errors_of_each("symbiosis_tenant_errors_total", "Errors answered to the tenant's clients, by code.", "tenant",
+                   m.tenants);
 
   w.histogram("symbiosis_batch_requests", "Calls per batch.", m.batch_requests);
   w.histogram("symbiosis_batch_tokens", "Tokens per batch.", m.batch_tokens);
   w.histogram("symbiosis_wait_seconds", "Seconds each call waited from its arrival to its batch's start.",
               m.wait_seconds);
 
-  w.family("symbiosis_queued_calls", "gauge", "Calls waiting to be batched.");
-  w.sample("symbiosis_queued_calls", "", static_cast<double>(m.queued_calls));
-  w.family("symbiosis_queued_tokens", "gauge", "Tokens of the calls waiting to be batched.");
-  w.sample("symbiosis_queued_tokens", "", static_cast<double>(m.queued_tokens));
-  w.family("symbiosis_max_queued_tokens", "gauge", "The limit on queued tokens (--max-queued-tokens).");
-  w.sample("symbiosis_max_queued_tokens", "", static_cast<double>(gauges.max_queued_tokens));
-  w.family("symbiosis_buffer_bytes", "gauge", "Shared memory held for clients: control segments and payload buffers.");
-  w.sample("symbiosis_buffer_bytes", "", static_cast<double>(gauges.buffer_bytes));
-  w.family("symbiosis_max_buffer_bytes", "gauge", "The limit on it (--max-buffer-bytes).");
-  w.sample("symbiosis_max_buffer_bytes", "", static_cast<double>(gauges.max_buffer_bytes));
-  w.family("symbiosis_max_clients", "gauge", "The limit on clients connected at once (--max-clients).");
-  w.sample("symbiosis_max_clients", "", static_cast<double>(gauges.max_clients));
-
-  w.family("symbiosis_resident_bytes", "gauge", "The executor process's resident memory.");
-  w.sample("symbiosis_resident_bytes", "", static_cast<double>(resident_bytes()));
+  w.single("symbiosis_queued_calls", "gauge", "Calls waiting to be batched.", count(m.queued_calls));
+  w.single("symbiosis_queued_tokens", "gauge", "Tokens of the calls waiting to be batched.",
+           static_cast<double>(m.queued_tokens));
+  w.single("symbiosis_max_queued_tokens", "gauge", "The limit on queued tokens (--max-queued-tokens).",
+           static_cast<double>(gauges.max_queued_tokens));
+  w.single("symbiosis_buffer_bytes", "gauge", "Shared memory held for clients: control segments and payload buffers.",
+           count(gauges.buffer_bytes));
+  w.single("symbiosis_max_buffer_bytes", "gauge", "The limit on it (--max-buffer-bytes).", count(gauges.max_buffer_bytes));
+  w.single("symbiosis_max_clients", "gauge", "The limit on clients connected at once (--max-clients).",
+           count(gauges.max_clients));
+  w.single("symbiosis_resident_bytes", "gauge", "The executor process's resident memory.", count(resident_bytes()));
 #ifdef SYMBIOSIS_WITH_CUDA
   if (gauges.gpu >= 0) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(gauges.gpu));
     const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     const std::string device = "device=\"cuda:" + std::to_string(gauges.gpu) + "\"";
     w.family("symbiosis_gpu_allocated_bytes", "gauge", "GPU memory in LibTorch's tensors (the caching allocator).");
-    w.sample("symbiosis_gpu_allocated_bytes", device, static_cast<double>(stats.allocated_bytes[all].current));
+    w.sample("symbiosis_gpu_allocated_bytes", device, count(stats.allocated_bytes[all].current));
     w.family("symbiosis_gpu_reserved_bytes", "gauge", "GPU memory the caching allocator holds from CUDA.");
-    w.sample("symbiosis_gpu_reserved_bytes", device, static_cast<double>(stats.reserved_bytes[all].current));
+    w.sample("symbiosis_gpu_reserved_bytes", device, count(stats.reserved_bytes[all].current));
   }
 #endif
   return w.take();
