@@ -215,17 +215,19 @@ class Client::Impl {
   }
 
   // Runs `work` (a use of the transport) and, when the executor is lost, reconnects and runs it
-  // again; throws ResultsLost instead where calls made before it lost their results, or where
-  // `work` cannot be run again (`retry` false: a replay, whose graph ran already). Holds call_mutex.
+  // again; throws ResultsLost instead where calls made before it lost their results, where a
+  // capture was under way, or where `work` cannot be run again (`retry` false: a replay, whose
+  // graph ran already). Holds call_mutex.
   template <typename Work>
   auto survive_restarts(Work&& work, bool retry = true) {
     while (true) {
       try {
         return work();
       } catch (const ExecutorLost& lost) {
-        TORCH_CHECK(!capturing, lost.msg(), "; a capture cannot go on over a new connection");
-        const bool results_lost = !retry || (transport && transport->results_lost());
+        const bool results_lost = !retry || capturing || (transport && transport->results_lost());
         reconnect(lost);
+        // A capture under way is void: it ends on the new transport, and its step is captured again.
+        if (capturing) transport->begin_capture();
         if (results_lost) {
           throw ResultsLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                             lost.msg() + ", while calls ordered on the GPU waited for their results, which are void; "

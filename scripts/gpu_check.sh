@@ -152,6 +152,7 @@ gtest_path() {
     nccl_test) echo "$B/tests/transport/nccl/$1" ;;
     gpu_generator_test) echo "$B/tests/client_runtime/inference/$1" ;;
     gpu_trainer_test) echo "$B/tests/client_runtime/training/$1" ;;
+    gpu_restart_test) echo "$B/tests/client_runtime/$1" ;;
     gpu_privacy_test) echo "$B/tests/privacy/$1" ;;
   esac
 }

@@ -262,7 +262,12 @@ void ControlSocket::send_setup(const proto::Envelope& envelope, int descriptor) 
     TORCH_CHECK(descriptor < 0, "internal: a descriptor to hand over without a local link");
     return send(envelope);
   }
-  local::send(link_.get(), envelope, descriptor >= 0 ? std::vector<int>{descriptor} : std::vector<int>{});
+  try {
+    local::send(link_.get(), envelope, descriptor >= 0 ? std::vector<int>{descriptor} : std::vector<int>{});
+  } catch (const c10::Error&) {
+    if (executor_gone()) check_not_gone();  // the executor closed the link: ExecutorLost, not a set-up failure
+    throw;
+  }
 }
 
 proto::Envelope ControlSocket::exchange_setup(const proto::Envelope& envelope, const char* waiting_for,
@@ -377,9 +382,7 @@ class PayloadTransport : public ClientTransport {
   }
 
   at::Tensor call(const CallSpec& spec, const at::Tensor& x) override {
-    socket_.check_not_gone();
-    TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
-                " stopped after a call timed out; connect a new Client");
+    check_usable();
     shm::CallRecord record;
     auto& h = record.header;
     h.request_id = spec.request_id;
@@ -436,9 +439,7 @@ class PayloadTransport : public ClientTransport {
   }
 
   void replay(const CapturedCalls& calls, uint64_t first_request_id) override {
-    socket_.check_not_gone();
-    TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
-                " stopped after a call timed out; connect a new Client");
+    check_usable();
     TORCH_CHECK(!capture_, "replay: this client is capturing");
     raise_errors();
     uint64_t request_id = first_request_id;
@@ -487,6 +488,15 @@ class PayloadTransport : public ClientTransport {
     std::string message;
   };
 
+  // Throws ExecutorLost once the connection is lost (the watchdog may have seen it first), or that
+  // the transport stopped after a call timed out.
+  void check_usable() {
+    if (broken_) socket_.executor_gone();
+    socket_.check_not_gone();
+    TORCH_CHECK(!broken_, "the ", kind_, " transport to ", socket_.endpoint(),
+                " stopped after a call timed out; connect a new Client");
+  }
+
   // Waits until ready() holds, at most the call timeout: spins first, then naps.
   template <typename Ready>
   bool spin_then_sleep(Ready&& ready) const {
@@ -526,6 +536,7 @@ class PayloadTransport : public ClientTransport {
                   ") on an earlier call (request ", reply->header.request_id, "), whose result is void: ",
                   reply->message_text());
     }
+    if (gave_up_.load() && socket_.executor_gone()) socket_.check_not_gone();  // [Executor restart]
     TORCH_CHECK(!gave_up_.load(), "executor at ", socket_.endpoint(), " let calls go unanswered for ",
                 socket_.timeout_ms(), " ms (is it running?); connect a new Client");
   }
@@ -540,7 +551,8 @@ class PayloadTransport : public ClientTransport {
   }
 
   // The watchdog: a client blocked in a CUDA synchronization cannot see an executor that stopped
-  // answering, so this thread looks for it: no result for the call timeout while calls are open.
+  // answering, so this thread looks for it: an executor that closed the client's local link (it
+  // died), or no result for the call timeout while calls are open. Either releases the GPU's waits.
   void watch() {
     std::unique_lock<std::mutex> lock(watch_mutex_);
     uint32_t last = control_->results_ready.load();
@@ -551,7 +563,7 @@ class PayloadTransport : public ClientTransport {
       if (now_ready != last || shm::reached(now_ready, issued_.load())) {
         last = now_ready;
         since = now;
-      } else if (now - since > std::chrono::milliseconds(socket_.timeout_ms()) && !gave_up_) {
+      } else if (!gave_up_ && (socket_.link_closed() || now - since > std::chrono::milliseconds(socket_.timeout_ms()))) {
         give_up();
       }
     }

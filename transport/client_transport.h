@@ -74,6 +74,9 @@ class ControlSocket {
   bool executor_gone();
   // Throws ExecutorLost, saying why, once the connection is lost.
   void check_not_gone() const;
+  // Whether the executor closed this client's local link (it stopped: the link carries nothing
+  // after the set-up). Only looks, so any thread may ask, unlike the rest of this class.
+  bool link_closed() const;
   // Whether the executor has answered (a failure after that is its refusal, not its absence).
   bool heard() const { return heard_; }
   // Sends and returns the answer; an executor error becomes a c10::Error carrying its message.
@@ -95,8 +98,7 @@ class ControlSocket {
   void take_waiting();
   // [Executor restart]: records why the connection is lost (the first reason stays).
   void lose(std::string why);
-  // Whether the executor closed this client's local link (it stopped; the link carries nothing else).
-  bool link_closed() const;
+
 
   std::string endpoint_;
   int timeout_ms_;

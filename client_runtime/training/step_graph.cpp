@@ -64,6 +64,12 @@ struct StepGraph::Impl {
     compute_graph = std::make_unique<at::cuda::CUDAGraph>();
     try {
       capture(*compute_graph, compute, {0, 0});
+    } catch (const ResultsLost&) {
+      // [Executor restart]: the client connected again during the capture; the caller runs the
+      // step again, and it is captured then.
+      client->end_capture();
+      compute_graph.reset();
+      throw;
     } catch (const c10::Error& e) {
       if (client) client->end_capture();
       compute_graph.reset();
