@@ -40,6 +40,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "bench/process.h"
 #include "transport/client_transport.h"
@@ -207,13 +208,18 @@ class Soak {
     samples_ << "seconds,phase,resident_mib,gpu_used_mib,clients\n";
     started_ = Clock::now();
 
-    warm_up();
-    const auto baseline = settled_footprint("baseline");
-    if (violations_.empty()) churn();
-    const auto end = settled_footprint("end");
-    check_end(baseline, end);
-    if (executor_.pid != 0) stop(executor_.pid);
-    report(baseline, end);
+    try {
+      warm_up();
+      const auto baseline = settled_footprint("baseline");
+      if (violations_.empty()) churn();
+      const auto end = settled_footprint("end");
+      check_end(baseline, end);
+      if (executor_.pid != 0) stop(std::exchange(executor_.pid, 0));
+      report(baseline, end);
+    } catch (...) {
+      abandon();
+      throw;
+    }
     return violations_.empty() ? 0 : 1;
   }
 
@@ -230,6 +236,19 @@ class Soak {
                                 options_.preset + " --out " + dir.string() + " > " + (out / "make_checkpoint.log").string();
     if (std::system(command.c_str()) != 0) throw std::runtime_error("failed: " + command);
     return dir;
+  }
+
+  // After an error of the soak itself: no process of it outlives it.
+  void abandon() {
+    for (auto& slot : slots_) {
+      if (slot.pid == 0) continue;
+      kill(slot.pid, SIGKILL);
+      waitpid(slot.pid, nullptr, 0);
+    }
+    if (executor_.pid != 0) {
+      kill(executor_.pid, SIGKILL);
+      waitpid(executor_.pid, nullptr, 0);
+    }
   }
 
   void violation(const std::string& what) {
