@@ -28,12 +28,23 @@ std::shared_ptr<Client> gpu_client(const ExecutorProcess& executor) {
   return client;
 }
 
-TEST(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
-  SKIP_WITHOUT_GPUS(1);
-  const auto dir = testing::make_checkpoint("tiny-llama");
-  const auto checkpoint = Checkpoint::open(dir);
-  ExecutorProcess executor(dir, {"--device", "cuda:0", "--log-level", "warn"});
-  auto client = gpu_client(executor);
+// tiny-llama served by an executor process on cuda:0.
+class GpuRestartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPUS(1);
+    dir = testing::make_checkpoint("tiny-llama");
+    checkpoint = Checkpoint::open(dir);
+    executor = std::make_unique<ExecutorProcess>(dir, std::vector<std::string>{"--device", "cuda:0", "--log-level", "warn"});
+  }
+
+  std::filesystem::path dir;
+  std::shared_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<ExecutorProcess> executor;
+};
+
+TEST_F(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
+  auto client = gpu_client(*executor);
   const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
   auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
   auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
@@ -55,7 +66,7 @@ TEST(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
       if (event.token >= 0) split[i].push_back(event.token);
       // Mid-generation, once decode runs in captured graphs.
       if (++tokens == 12 && generator.captured_batch_sizes() > 0) {
-        executor.restart(SIGKILL, dir);
+        executor->restart(SIGKILL, dir);
         killed = true;
       }
     });
@@ -97,15 +108,11 @@ std::vector<double> train_losses(const Checkpoint& checkpoint, const std::shared
   return losses;
 }
 
-TEST(GpuRestartTest, CapturedTrainingAcrossAKillEqualsARunWithout) {
-  SKIP_WITHOUT_GPUS(1);
-  const auto dir = testing::make_checkpoint("tiny-llama");
-  const auto checkpoint = Checkpoint::open(dir);
-  ExecutorProcess executor(dir, {"--device", "cuda:0", "--log-level", "warn"});
-  const auto without = train_losses(*checkpoint, gpu_client(executor), {});
-  auto client = gpu_client(executor);
+TEST_F(GpuRestartTest, CapturedTrainingAcrossAKillEqualsARunWithout) {
+  const auto without = train_losses(*checkpoint, gpu_client(*executor), {});
+  auto client = gpu_client(*executor);
   const auto across = train_losses(*checkpoint, client, [&](int64_t step) {
-    if (step == 3) executor.restart(SIGKILL, dir);  // the steps are captured by then
+    if (step == 3) executor->restart(SIGKILL, dir);  // the steps are captured by then
   });
   EXPECT_EQ(client->connection(), 2u);
   ASSERT_EQ(without.size(), 6u);
