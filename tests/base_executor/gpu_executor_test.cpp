@@ -1,6 +1,7 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic. Skipped, with a message
 // saying so, where there is no GPU. The executor's kernels are tested in tests/kernels/.
+#include "base_executor/metrics.h"
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/training/loss.h"
 #include "tests/gpu_test_util.h"
@@ -46,6 +47,24 @@ TEST_P(CpuClientGpuExecutorTest, Bf16IsWithinBf16Tolerance) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values("tcp", "shm"));
+
+// [Metrics]: on a GPU the metrics show the GPU memory in tensors, at least the executor's weights
+// (the HTTP endpoint and every other figure are tested on CPU, in metrics_test).
+TEST(GpuMetricsTest, GpuAllocatedBytesHoldTheExecutorsWeights) {
+  SKIP_WITHOUT_GPUS(1);
+  ExecutorOptions options;
+  options.device = "cuda:0";
+  auto executor = testing::start_executor(testing::make_checkpoint("tiny-llama"), options);
+  MetricsGauges gauges;
+  gauges.gpu = 0;
+  const auto text = prometheus_text(MetricsSnapshot{}, gauges);
+  const std::string sample = "symbiosis_gpu_allocated_bytes{device=\"cuda:0\"} ";
+  const auto at = text.find(sample);
+  ASSERT_NE(at, std::string::npos) << text;
+  const double allocated = std::stod(text.substr(at + sample.size()));
+  EXPECT_GE(allocated, static_cast<double>(executor->model().weight_bytes())) << text;
+  EXPECT_NE(text.find("symbiosis_gpu_reserved_bytes{device=\"cuda:0\"} "), std::string::npos);
+}
 
 }  // namespace
 }  // namespace symbiosis
