@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <cstring>
 #include <random>
 
 #include "transport/call_ring.h"
@@ -56,6 +57,7 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
       context_(context),
       replies_endpoint_(replies_endpoint),
       router_(context, zmq::socket_type::router),
+      connection_events_(context, zmq::socket_type::pair),
       replies_in_(context, zmq::socket_type::pull) {
   router_.set(zmq::sockopt::linger, 0);
   // [Overload]: a peer that never reads its replies holds at most max_queued_messages of them here;
@@ -76,6 +78,12 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
   }
   endpoint_ = router_.get(zmq::sockopt::last_endpoint);
   replies_in_.bind(replies_endpoint_);
+  // [Disconnected peers]
+  const std::string monitor = replies_endpoint_ + "-connections";
+  if (zmq_socket_monitor(router_.handle(), monitor.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+    TORCH_CHECK(false, "cannot watch the executor's connections: ", zmq_strerror(zmq_errno()));
+  }
+  connection_events_.connect(monitor);
   if (keys_) {
     spdlog::info("admitting tenants by key from {}; traffic is encrypted (CURVE)", options.keys_dir.string());
   } else {
@@ -219,6 +227,7 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
     links_[link.get()] = key;
   }
   auto& client = registry_.add(key, hello.tenant(), kind, pid, channel);
+  if (!link) client.connection = message_connection_;  // its Hello's ([Disconnected peers])
   client.link = std::move(link);
   client.public_key = public_key;
   statistics_.client_joined(client.id, client.tenant, kind);
@@ -357,6 +366,8 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
                   false);
   }
   ClientRecord* client = registry_.seen(key);
+  message_connection_ = frames[1].get(ZMQ_SRCFD);  // [Disconnected peers]
+  if (client != nullptr) client->connection = message_connection_;
   switch (env.body_case()) {
     case proto::Envelope::kHello:
       return handle_hello(env.hello(), key, public_key);
@@ -420,6 +431,40 @@ void FrontDoor::check_liveness() {
   std::erase_if(unproven_, [&](const Unproven& u) { return u.deadline < now; });
 }
 
+// [Disconnected peers]
+// A client whose ZeroMQ connection closes (killed, crashed, gone from the network) cannot be
+// answered any more: a DEALER that connects again is a new peer with another routing id, and must
+// say Hello again. So the front door forgets it when the ROUTER reports the connection closed
+// (its monitor's DISCONNECTED, naming the descriptor), instead of waiting out the idle limit with
+// its record counted against --max-clients. Each message's descriptor (ZMQ_SRCFD) says which
+// connection a client is on. A descriptor is reused only after it is closed, and the monitor
+// hears of the close first, so the events are read before each message: a late event never
+// forgets the new peer of a reused descriptor. Same-host clients with a local link are watched
+// by the link.
+void FrontDoor::read_connection_events() {
+  zmq::message_t event;
+  while (connection_events_.recv(event, zmq::recv_flags::dontwait)) {
+    zmq::message_t endpoint;  // the event's second frame
+    while (event.more() && connection_events_.recv(endpoint, zmq::recv_flags::dontwait) && endpoint.more()) {
+    }
+    if (event.size() < 6) continue;
+    uint16_t kind = 0;
+    int32_t descriptor = -1;
+    std::memcpy(&kind, event.data(), sizeof kind);
+    std::memcpy(&descriptor, static_cast<const char*>(event.data()) + sizeof kind, sizeof descriptor);
+    if (kind != ZMQ_EVENT_DISCONNECTED || descriptor < 0) continue;
+    std::vector<std::string> closed;
+    for (const auto& [key, record] : registry_.all()) {
+      if (record.connection == descriptor && !record.link) closed.push_back(key);
+    }
+    for (const auto& key : closed) {
+      const auto* client = registry_.find(key);
+      spdlog::info("client {} (tenant '{}') disconnected; releasing what it held", client->id, client->tenant);
+      forget(key);
+    }
+  }
+}
+
 void FrontDoor::reload_keys() {
   if (!keys_ || !keys_->reload()) return;
   std::vector<std::pair<std::string, Role>> dropped;
@@ -460,7 +505,8 @@ void FrontDoor::run() {
     // Kept between turns, so that a turn (one per TCP call) allocates nothing.
     items.assign({{router_.handle(), 0, ZMQ_POLLIN, 0},
                   {replies_in_.handle(), 0, ZMQ_POLLIN, 0},
-                  {nullptr, listener_.fd(), ZMQ_POLLIN, 0}});
+                  {nullptr, listener_.fd(), ZMQ_POLLIN, 0},
+                  {connection_events_.handle(), 0, ZMQ_POLLIN, 0}});
     if (zap_) items.push_back({zap_->socket().handle(), 0, ZMQ_POLLIN, 0});
     const size_t first_unproven = items.size();
     for (const auto& u : unproven_) items.push_back({nullptr, u.connection.get(), ZMQ_POLLIN, 0});
@@ -472,6 +518,7 @@ void FrontDoor::run() {
     }
     zmq::poll(items.data(), items.size(), kLivenessInterval);
     auto ready = [&](size_t i) { return (items[i].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) != 0; };
+    if (ready(0) || ready(3)) read_connection_events();  // before the message: [Disconnected peers]
     if (ready(0)) {
       auto frames = wire::recv_all(router_);
       const std::string key =
@@ -484,7 +531,7 @@ void FrontDoor::run() {
         router_.send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
       }
     }
-    if (zap_ && ready(3)) zap_->answer();
+    if (zap_ && ready(4)) zap_->answer();
     // Proofs and links, before new connections change the lists the items were made from.
     std::vector<UniqueFd> proving;
     for (size_t i = 0; i < first_link - first_unproven; ++i) {

@@ -65,6 +65,8 @@ class FrontDoor {
   void note_bad_input(const std::string& line);
   void forget(const std::string& key);
   void check_liveness();
+  // [Disconnected peers]: handles the ROUTER's connection events that have come.
+  void read_connection_events();
   // [Shutdown notice]: once run()'s loop ends, a ShuttingDown to every registered client.
   void tell_clients_goodbye();
   // [Admission]: reads the keys folder again if it changed, and drops the clients whose key is no
@@ -82,12 +84,14 @@ class FrontDoor {
   std::unique_ptr<Keys> keys_;      // [Admission]; none without keys
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t router_;
+  zmq::socket_t connection_events_;  // [Disconnected peers]: the ROUTER's monitor
   zmq::socket_t replies_in_;
   std::string endpoint_;
   std::atomic<bool> stopping_{false};
 
   // Owned by the front door's thread.
   ClientRegistry registry_;
+  int message_connection_ = -1;  // [Disconnected peers]: the descriptor the message being handled came on
   local::Listener listener_;
   struct PendingProof {
     std::string key;  // the ZeroMQ peer that said Hello

@@ -835,5 +835,34 @@ TEST_F(ExecutorTest, SharedMemoryPastMaxBufferBytesIsRefusedNamingTheLimitAndGiv
   EXPECT_EQ(executor->stats().buffer_bytes, control + payload);
 }
 
+// [Disconnected peers]: a tcp client whose process dies (killed after a call, or gone right after its
+// handshake without a Goodbye) is forgotten as soon as its connection closes, not after the ten
+// minutes of the idle limit, so that dead clients do not fill --max-clients.
+TEST_F(ExecutorTest, TcpClientsWhoseConnectionClosesAreForgottenAtOnce) {
+  const std::string endpoint = executor_->endpoint();
+  for (const bool after_a_call : {true, false}) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      if (after_a_call) {
+        ClientOptions options;
+        options.endpoint = endpoint;
+        options.transport = "tcp";
+        options.timeout_ms = 10000;
+        auto client = Client::connect(options);
+        client->forward(*client->find_layer("model.layers.0.mlp.up_proj"), at::randn({2, 4}), true);
+        ::raise(SIGKILL);
+      }
+      RawPeer peer(endpoint);  // its Hello answered
+      ::_exit(0);               // no Goodbye
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(testing::wait_until([&] { return executor_->stats().clients == 0; }, std::chrono::seconds(5)))
+        << executor_->stats().clients << " clients still counted";
+  }
+  expect_still_serving();
+}
+
 }  // namespace
 }  // namespace symbiosis
