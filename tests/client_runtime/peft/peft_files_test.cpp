@@ -177,6 +177,22 @@ TEST(PeftFilesLoad, FieldsOfTheWrongTypeAreRefusedNamingTheFileAndField) {
   EXPECT_NE(message.find("\"" + (lora / "adapter_config.json").string() + "\": field 'peft_type' is ''; supported: LORA"),
             std::string::npos)
       << message;
+  // [Fuzzing] peft_files' finding (regex-rank-pattern): a rank_pattern or alpha_pattern key is a
+  // regular expression; one that does not compile escaped as std::regex_error.
+  for (const auto& [field, value] : std::vector<std::pair<std::string, nlohmann::json>>{
+           {"rank_pattern", {{"(_proj", 4}}}, {"alpha_pattern", {{"q_proj)", 8.0}}}}) {
+    SCOPED_TRACE(field);
+    edit_config(lora, [&](nlohmann::json& j) {
+      j["peft_type"] = "LORA";
+      j["target_modules"] = {"q_proj"};
+      j.erase("rank_pattern");
+      j.erase("alpha_pattern");
+      j[field] = value;
+    });
+    message = error_of([&] { load_peft_adapter(*fresh.module, lora); });
+    EXPECT_NE(message.find("field '" + field + "' holds '"), std::string::npos) << message;
+    EXPECT_NE(message.find("which is not a regular expression"), std::string::npos) << message;
+  }
 }
 
 // A damaged adapter file is named as the user's file, never a copy of it.
