@@ -54,8 +54,9 @@ struct ExecutorOptions {
   size_t max_clients = 1024;
   // Tokens of the calls waiting to be batched, every client's together (the scheduler's queue and
   // the calls on their way to it). A call that would bring them past this is refused; the client
-  // may send it again once the queue drains. The default lets 64 clients each keep a 4096-token
-  // call waiting (16 batches of --max-batch-tokens' default).
+  // may send it again once the queue drains. An empty queue takes any call (one call is bounded by
+  // max_request_bytes), so a call larger than this is served when it comes alone. The default lets
+  // 64 clients each keep a 4096-token call waiting (16 batches of --max-batch-tokens' default).
   int64_t max_queued_tokens = 262144;
   // [Buffer budget] (overload.h): bytes of shared memory held for clients, every client's together:
   // each same-host client's control segment and the payload buffers clients register (RegisterBuffer,

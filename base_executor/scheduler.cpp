@@ -81,7 +81,7 @@ int64_t claimed_tokens(const CallArrived& call) {
 Status Scheduler::post_call(CallArrived call) {
   const int64_t tokens = claimed_tokens(call);
   const int64_t queued = inbox_tokens_.load() + batched_tokens_.load();
-  if (tokens > options_.max_queued_tokens - queued) {
+  if (queued > 0 && tokens > options_.max_queued_tokens - queued) {  // [Overload]: into an empty queue, any call
     return queue_full(call.header.request_id, tokens, queued, options_.max_queued_tokens);
   }
   inbox_tokens_ += tokens;
@@ -175,7 +175,7 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
       refused != refused_.end() ? refused->second : check_call(model_, options_.max_request_bytes, *channel, h, shape);
   // [Overload]: the calls waiting to be batched stay within --max-queued-tokens.
   const int64_t waiting = batcher_.pending_tokens();
-  if (status.is_ok() && h.tokens > options_.max_queued_tokens - waiting) {
+  if (status.is_ok() && waiting > 0 && h.tokens > options_.max_queued_tokens - waiting) {
     status = queue_full(h.request_id, h.tokens, waiting, options_.max_queued_tokens);
   }
   if (!status.is_ok()) {

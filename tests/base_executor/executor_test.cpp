@@ -730,8 +730,8 @@ TEST_F(ExecutorTest, SameHostClientsThatClaimTheExecutorsPidOrDieLeaveNoSegments
 }
 
 // [Overload]: calls that would bring the tokens waiting to be batched past --max-queued-tokens are
-// refused naming the limit and its flag, the calls already queued are served, and a refused call
-// sent again once the queue drains is served.
+// refused naming the limit and its flag, the calls already queued are served, a refused call sent
+// again once the queue drains is served, and a call larger than the limit is served alone.
 TEST_F(ExecutorTest, CallsPastMaxQueuedTokensAreRefusedNamingTheLimitAndServedWhenSentAgain) {
   ExecutorOptions options;
   options.max_queued_tokens = 40;
@@ -785,6 +785,13 @@ TEST_F(ExecutorTest, CallsPastMaxQueuedTokensAreRefusedNamingTheLimitAndServedWh
   EXPECT_EQ(served.reply().request_id(), 3u);
   EXPECT_EQ(served.reply().error().code(), proto::OK) << served.reply().error().message();
   EXPECT_EQ(executor->stats().errors, 1u);
+  // Into an empty queue any call goes, one larger than the limit too (--max-request-bytes bounds it).
+  ExecutorOptions roomy_options;
+  roomy_options.max_queued_tokens = 40;
+  auto roomy = testing::start_executor(checkpoint_->dir, roomy_options);
+  auto lone = testing::connect(*roomy, client_options);
+  auto big = at::randn({64, 4});
+  EXPECT_LT(relative_error(lone->forward(*up, big, true), at::addmm(up_bias(), big, up_weight().t())), 1e-6);
 }
 
 // [Buffer budget]: same-host clients' control segments and payload buffers count against
