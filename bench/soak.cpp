@@ -66,7 +66,7 @@ struct SoakOptions {
   int executor_threads = 0;                            // the executor's GEMM threads (0: its default)
   double max_call_ms = 10000;                          // no call may take longer ([Call time] in soak_client.cpp)
   double tolerance = 1e-5;                             // [Soak exactness]: logits and loss
-  double gradient_tolerance = 1e-4;                    // ... and adapter gradients
+  double gradient_tolerance = 1e-5;                    // ... and adapter gradients
   double rss_tolerance_mib = 64;                       // [Soak baseline]
   double gpu_tolerance_mib = 64;
   int warmup_steps = 3;

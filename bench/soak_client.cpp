@@ -11,13 +11,14 @@
 // tests/transport/cuda_ipc/cuda_ipc_test.cpp). So each step starts both models from the same
 // adapter: the monolithic model's adapter is set to the split one's, both run forward and backward
 // on the step's batch (a new shape each step), their logits and loss must agree within --tolerance
-// and every adapter gradient within --gradient-tolerance, and only the split model's optimizer
-// steps. Each is held as the tests hold them: max|split - monolithic| / max|monolithic|. The
-// gradients get a looser bound: they reach an adapter through the backward calls of every layer
-// above it, whose GEMMs the executor blocks otherwise than the monolithic run (stacked [Layer
-// groups], other row counts), and the sums there cancel, enlarging last-bit differences: up to
-// 1.6e-5 was seen in a few hundred steps on the CPU, with no batching at all (logits and loss
-// stayed below 1e-6). A wrong result (another call's rows, a stale buffer) is off by far more.
+// and the adapter gradients within --gradient-tolerance, and only the split model's optimizer
+// steps. Logits and loss are held as the tests hold them: max|split - monolithic| /
+// max|monolithic|. Each adapter tensor's gradient is held against the step's largest adapter
+// gradient instead (max|split - monolithic| over the tensor / max|monolithic| over every adapter
+// tensor): with a few tokens, some tensor's gradient may all but vanish (3.4e-8 beside a largest
+// of 0.41, seen on an H100), and against its own size a last-bit difference of the base layers'
+// GEMMs is then any number (1.7, for a difference of 5.9e-8). A wrong result (another call's rows,
+// a stale buffer) is off by far more.
 //
 // [Call time] A call's time is that of the client runtime's "symbiosis::executor_call" scope
 // (LibTorch's RecordFunction), from the call to its result. A client on the executor's GPU gets
@@ -92,10 +93,10 @@ class CallTimer {
   at::CallbackHandle handle_;
 };
 
-// max|a - b| / max|b| (|a - b| where b is all zeros)
-double relative_error(const at::Tensor& a, const at::Tensor& b) {
+// max|a - b| / scale, the scale max|b| unless given (|a - b| where the scale is 0)
+double relative_error(const at::Tensor& a, const at::Tensor& b, double scale = -1) {
   const auto diff = (a.detach().to(at::kDouble) - b.detach().to(at::kDouble)).abs().max().item<double>();
-  const auto scale = b.detach().to(at::kDouble).abs().max().item<double>();
+  if (scale < 0) scale = b.detach().to(at::kDouble).abs().max().item<double>();
   return scale == 0 ? diff : diff / scale;
 }
 
@@ -118,7 +119,7 @@ int main(int argc, char** argv) {
   std::string executor, model_dir, tenant = "soak", transport = "auto", device_name = "cpu", stop_file;
   int64_t steps = -1;
   uint64_t seed = 1;
-  double tolerance = 1e-5, gradient_tolerance = 1e-4;
+  double tolerance = 1e-5, gradient_tolerance = 1e-5;
   CLI::App app{"symbiosis-soak-client: one tenant of the soak, checked against monolithic execution each step"};
   app.add_option("--executor", executor, "executor endpoint")->required();
   app.add_option("--model", model_dir, "the checkpoint the executor serves")->required();
@@ -179,23 +180,29 @@ int main(int argc, char** argv) {
       CallTimer::record(Clock::now() - settle_start);
       struct Compared {
         std::string what;
-        double error, tolerance;
+        at::Tensor split, mono;
+        double scale;  // < 0: max|mono|
+        double tolerance;
         double* worst;
       };
-      std::vector<Compared> compared = {
-          {"logits", relative_error(logits[0], logits[1]), tolerance, &worst_output},
-          {"loss", relative_error(losses[0], losses[1]), tolerance, &worst_output}};
+      double largest_gradient = 0;  // of the step, over every adapter tensor ([Soak exactness])
+      for (const auto& t : mono.adapter) largest_gradient = std::max(largest_gradient, t.grad().abs().max().item<double>());
+      std::vector<Compared> compared = {{"logits", logits[0], logits[1], -1, tolerance, &worst_output},
+                                        {"loss", losses[0], losses[1], -1, tolerance, &worst_output}};
       for (size_t i = 0; i < split.adapter.size(); ++i) {
-        compared.push_back({"gradient of adapter tensor " + std::to_string(i),
-                            relative_error(split.adapter[i].grad(), mono.adapter[i].grad()), gradient_tolerance,
-                            &worst_gradient});
+        compared.push_back({"gradient of adapter tensor " + std::to_string(i), split.adapter[i].grad(),
+                            mono.adapter[i].grad(), largest_gradient, gradient_tolerance, &worst_gradient});
       }
-      for (const auto& [what, error, bound, worst] : compared) {
-        *worst = std::max(*worst, error);
-        if (!(error <= bound)) {
+      for (const auto& c : compared) {
+        const double error = relative_error(c.split, c.mono, c.scale);
+        *c.worst = std::max(*c.worst, error);
+        if (!(error <= c.tolerance)) {
           std::cerr << "[" << tenant << "] MISMATCH at step " << step << " (" << client->transport() << ", batch "
-                    << batch << " x " << seq << " tokens): " << what << " differs from the monolithic run by " << error
-                    << " (relative), over the tolerance " << bound << std::endl;
+                    << batch << " x " << seq << " tokens): " << c.what << " differs from the monolithic run by "
+                    << error << " (relative), over the tolerance " << c.tolerance << "; max |difference| "
+                    << (c.split.detach().to(at::kDouble) - c.mono.detach().to(at::kDouble)).abs().max().item<double>()
+                    << ", max |monolithic| " << c.mono.detach().abs().max().item<double>()
+                    << ", the step's largest adapter gradient " << largest_gradient << std::endl;
           return 3;
         }
       }
