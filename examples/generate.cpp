@@ -14,6 +14,11 @@
 // of the wrong type, a value outside its range) gets {"index", "error"} naming the field, and the
 // other requests go on; the exit status is then 1.
 //
+// --host-decode: prefill on --device (a GPU), keep the KV cache in host memory and decode on the
+// CPU with a CPU copy of the model and adapter, its base-layer calls over a client of its own
+// (device cpu), or in-process with --monolithic ([Host decode] in inference/heterogeneous.h); give
+// it --threads for the CPU's attention.
+//
 // With a tokenizer, its EOS token ends a request (as transformers' generate stops at it), unless
 // --stop names the stop tokens. A model's vocabulary may be larger than its tokenizer's (padded to a
 // multiple of 64, say): a token outside the tokenizer's has no text, and is left out of the text as
@@ -52,6 +57,7 @@ struct Settings {
   std::string stop_tokens;
   SamplingParams sampling;
   GeneratorOptions generator;
+  bool host_decode = false;
   int threads = 1;
 };
 
@@ -164,7 +170,22 @@ int run(Settings& s) {
   s.sampling.stop_tokens = parse_ids(s.stop_tokens);
   if (s.stop_tokens.empty() && tokenizer && tokenizer->eos_token_id()) s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
   s.generator.max_waiting = std::numeric_limits<int64_t>::max();  // the whole file is queued at once
-  Generator generator(lm, s.generator);
+  std::unique_ptr<Generator> host_decoding;
+  if (s.host_decode) {
+    // [Host decode]: a CPU copy of the model and adapter decodes, over a client of its own.
+    std::shared_ptr<Client> cpu_client;
+    if (!s.connection.monolithic) {
+      auto options = examples::client_options(s.connection, *checkpoint);
+      options.device = "cpu";
+      options.tenant += "-host-decode";
+      cpu_client = Client::connect(options);
+    }
+    auto cpu_lm = open_causal_lm(*checkpoint, cpu_client, {parse_dtype_name(s.dtype), at::kCPU});
+    if (!s.adapter.empty()) load_peft_adapter(*cpu_lm.module, s.adapter);
+    host_decoding = std::make_unique<Generator>(lm, cpu_lm, s.generator);
+  }
+  auto plain = host_decoding ? nullptr : std::make_unique<Generator>(lm, s.generator);
+  Generator& generator = host_decoding ? *host_decoding : *plain;
   if (!s.prompt.empty()) return stream_prompt(s, *tokenizer_for_prompt(tokenizer.get(), *checkpoint), generator);
 
   std::ifstream file;
@@ -235,6 +256,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();
   bool eager = false;
   app.add_flag("--eager", eager, "on a GPU, decode without CUDA graphs (by default one graph per bucket of batch sizes)");
+  app.add_flag("--host-decode", s.host_decode,
+               "prefill on --device, keep the KV cache in host memory and decode on the CPU (a CPU copy of the model)");
+  app.add_option("--host-cache-capacity-bytes", g.host_cache_capacity_bytes,
+                 "refuse a KV cache in host memory beyond this many bytes (0: no limit)")
+      ->capture_default_str();
   app.add_option("--threads", s.threads, "CPU threads of this process")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   g.capture_decode = !eager;

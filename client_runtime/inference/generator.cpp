@@ -27,6 +27,8 @@ void GeneratorOptions::validate() const {
   TORCH_CHECK(max_waiting >= 1, "max_waiting is ", max_waiting, ", expected at least 1");
   TORCH_CHECK(max_prefill_tokens >= 1, "max_prefill_tokens is ", max_prefill_tokens, ", expected at least 1");
   TORCH_CHECK(capture_warmup >= 1, "capture_warmup is ", capture_warmup, ", expected at least 1");
+  TORCH_CHECK(host_cache_capacity_bytes >= 0, "host_cache_capacity_bytes is ", host_cache_capacity_bytes,
+              ", expected at least 0 (0: no limit)");
 }
 
 struct Generator::Submitted {
@@ -91,14 +93,49 @@ std::shared_ptr<ModelAdapterImpl> model_adapter_of(torch::nn::Module& module) {
 }  // namespace
 
 Generator::Generator(CausalLM lm, GeneratorOptions options)
-    : lm_(std::move(lm)), model_(cached_model(*lm_.module)), options_(std::move(options)) {
+    : Generator(std::move(lm), std::nullopt, std::move(options)) {}
+
+Generator::Generator(CausalLM prefill, CausalLM host_decode, GeneratorOptions options)
+    : Generator(std::move(prefill), std::optional<CausalLM>(std::move(host_decode)), std::move(options)) {}
+
+Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, GeneratorOptions options)
+    : lm_(std::move(lm)), model_(cached_model(*lm_.module)), host_decode_(std::move(host_decode)), options_(std::move(options)) {
   options_.validate();
   const auto& table = model_.token_embeddings();
   vocab_size_ = table.size(0);
-  capture_ = options_.capture_decode && table.device().is_cuda();
+  const auto shape = model_adapter_host(*lm_.module).model_shape();
+  if (host_decode_) {
+    // [Host decode]: the CPU copy must compute what the prefill model computes.
+    host_decode_model_ = &cached_model(*host_decode_->module);
+    const auto& cpu_table = host_decode_model_->token_embeddings();
+    TORCH_CHECK(cpu_table.device().is_cpu(), "the host-decode model is on ", cpu_table.device(), ", expected the CPU");
+    TORCH_CHECK(cpu_table.sizes() == table.sizes() && cpu_table.scalar_type() == table.scalar_type(),
+                "the host-decode model's token embeddings are ", cpu_table.sizes(), " ", cpu_table.scalar_type(),
+                ", but the prefill model's are ", table.sizes(), " ", table.scalar_type(), ": open both from one checkpoint in one dtype");
+    const auto cpu_shape = model_adapter_host(*host_decode_->module).model_shape();
+    TORCH_CHECK(cpu_shape.model_type == shape.model_type && cpu_shape.num_layers == shape.num_layers &&
+                    cpu_shape.num_key_value_heads == shape.num_key_value_heads && cpu_shape.head_dim == shape.head_dim,
+                "the host-decode model is a ", cpu_shape.model_type, " of ", cpu_shape.num_layers,
+                " layers, but the prefill model is a ", shape.model_type, " of ", shape.num_layers, " layers");
+    TORCH_CHECK(!(host_decode_->client && lm_.client && host_decode_->client == lm_.client),
+                "the host-decode model shares the prefill model's client; give it a client of its own (device \"cpu\")");
+    adapter_mirror_ = std::make_unique<AdapterMirror>(*lm_.module, *host_decode_->module);
+  }
+  capture_ = options_.capture_decode && !host_decode_ && table.device().is_cuda();
+  // [Host decode]: the cache in host memory, page-locked for the GPU's prefill to write to.
+  const auto cache_device = host_decode_ ? at::Device(at::kCPU) : table.device();
+  const bool pinned = host_decode_.has_value() && table.device().is_cuda();
   // A captured decode step pads its batch to its bucket with rows that write to a spare slot.
-  cache_ = std::make_unique<KvCache>(model_adapter_host(*lm_.module).model_shape(), options_.max_sequences,
-                                     options_.max_tokens, table.scalar_type(), table.device(), capture_ ? 1 : 0);
+  const int64_t spare = capture_ ? 1 : 0;
+  if (cache_device.is_cpu() && options_.host_cache_capacity_bytes > 0) {
+    const auto per_position = KvCache::bytes_per_position(shape, table.scalar_type());
+    const auto needed = per_position * (options_.max_sequences + spare) * options_.max_tokens;
+    TORCH_CHECK(needed <= options_.host_cache_capacity_bytes, "the KV cache of max_sequences (", options_.max_sequences,
+                ") x max_tokens (", options_.max_tokens, ") positions needs ", needed, " bytes (", per_position,
+                " a position), more than host_cache_capacity_bytes (", options_.host_cache_capacity_bytes, ")");
+  }
+  cache_ = std::make_unique<KvCache>(shape, options_.max_sequences, options_.max_tokens, table.scalar_type(),
+                                     cache_device, spare, pinned);
 }
 
 Generator::~Generator() = default;
@@ -118,6 +155,14 @@ uint64_t Generator::submit(GenerationRequest request, TokenCallback on_token) {
   request.sampling.validate(vocab_size_);
   const int64_t prompt = static_cast<int64_t>(ids.size()), virtual_length = virtual_tokens();
   const int64_t positions = virtual_length + prompt + request.sampling.max_new_tokens;
+  if (cache_->keys(0).device().is_cpu() && options_.host_cache_capacity_bytes > 0) {
+    const auto per_position = KvCache::bytes_per_position(model_adapter_host(*lm_.module).model_shape(),
+                                                          cache_->keys(0).scalar_type());
+    TORCH_CHECK(positions * per_position <= options_.host_cache_capacity_bytes, "prompt_ids (", prompt,
+                " tokens) + max_new_tokens (", request.sampling.max_new_tokens, ") + virtual tokens (", virtual_length,
+                ") need a KV cache of ", positions * per_position, " bytes (", positions, " positions x ", per_position,
+                " bytes), more than host_cache_capacity_bytes (", options_.host_cache_capacity_bytes, ")");
+  }
   TORCH_CHECK(positions <= options_.max_tokens, "prompt_ids (", prompt, " tokens) + max_new_tokens (",
               request.sampling.max_new_tokens, ")", virtual_length ? " + the adapter's virtual tokens (" : "",
               virtual_length ? std::to_string(virtual_length) + ")" : "", " need ", positions,
@@ -190,6 +235,8 @@ void Generator::take_incoming() {
 bool Generator::step() {
   take_incoming();
   at::NoGradGuard no_grad;
+  // [Host decode]: the CPU copy decodes with the adapter as it is now.
+  if (adapter_mirror_) adapter_mirror_->refresh();
   std::vector<Sequence*> joining;
   int64_t prefill_tokens = 0;
   while (!waiting_.empty() && cache_->free_slots() > 0) {
@@ -255,7 +302,7 @@ void Generator::prefill(const std::vector<Sequence*>& sequences) {
   const int64_t past_length = past.empty() ? 0 : past[0].key.size(-2);
   std::vector<StepSequence> layout;
   std::vector<at::Tensor> embeddings;
-  const auto device = cache_->keys(0).device();
+  const auto device = model_.token_embeddings().device();
   for (auto* s : sequences) {
     if (!past.empty()) cache_->write_prefix(s->slot, past);
     auto tokens = model_.embed(at::tensor(s->result.prompt_ids, at::kLong).to(device));
@@ -265,7 +312,8 @@ void Generator::prefill(const std::vector<Sequence*>& sequences) {
     embeddings.push_back(tokens);
   }
   const auto packed = at::cat(embeddings, 0).unsqueeze(0);
-  forward_and_choose(sequences, layout, LatencyClass::kInferencePrefill, [&] { return forward_eager(layout, packed); });
+  forward_and_choose(lm_, sequences, layout, LatencyClass::kInferencePrefill,
+                     [&] { return forward_eager(lm_, model_, layout, packed); });
 }
 
 void Generator::decode() {
@@ -279,20 +327,22 @@ void Generator::decode() {
     tokens.push_back(s->next_token);
   }
   if (sequences.empty()) return;
-  forward_and_choose(sequences, layout, LatencyClass::kInferenceDecode, [&] {
+  auto& model = decode_model();
+  forward_and_choose(decode_lm(), sequences, layout, LatencyClass::kInferenceDecode, [&] {
     if (capture_) return decode_captured(layout, tokens);
-    const auto ids = at::tensor(tokens, at::kLong).to(cache_->keys(0).device());
-    return forward_eager(layout, model_.embed(ids).unsqueeze(0));
+    const auto ids = at::tensor(tokens, at::kLong).to(model.token_embeddings().device());
+    return forward_eager(decode_lm(), model, layout, model.embed(ids).unsqueeze(0));
   });
 }
 
-at::Tensor Generator::forward_eager(const std::vector<StepSequence>& layout, const at::Tensor& embeddings) {
-  const CachedStep step(*cache_, layout);
-  const auto hidden = model_.forward_cached(embeddings, step);
+at::Tensor Generator::forward_eager(const CausalLM& lm, CachedModel& model, const std::vector<StepSequence>& layout,
+                                    const at::Tensor& embeddings) {
+  const CachedStep step(*cache_, layout, embeddings.device());
+  const auto hidden = model.forward_cached(embeddings, step);
   // Logits only where a token is chosen: each sequence's last position (the lm_head, on the
   // executor when split, sees one row a sequence).
-  auto logits = model_.logits(hidden.index_select(1, step.last_tokens()))[0];
-  lm_.settle();
+  auto logits = model.logits(hidden.index_select(1, step.last_tokens()))[0];
+  lm.settle();
   return logits;
 }
 
@@ -338,16 +388,17 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
     capture_ = false;
     const auto embeddings = model_.embed(g.inputs[0].narrow(0, 0, sequences)).unsqueeze(0);
     decode_graphs_.clear();
-    return forward_eager(layout, embeddings);
+    return forward_eager(lm_, model_, layout, embeddings);
   }
   return g.logits.narrow(0, 0, sequences);
 }
 
-void Generator::forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,
-                                   LatencyClass latency, const std::function<at::Tensor()>& forward) {
+void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequence*>& sequences,
+                                   const std::vector<StepSequence>& layout, LatencyClass latency,
+                                   const std::function<at::Tensor()>& forward) {
   at::Tensor logits;
   try {
-    LatencyScope scope(lm_.client, latency);
+    LatencyScope scope(lm.client, latency);
     // [Executor restart] (client_runtime/client.cpp): a step whose calls ordered on the GPU lost
     // their results runs again on the new connection; it writes the same cache positions again.
     for (int tries = 1;; ++tries) {

@@ -43,6 +43,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "client_runtime/inference/heterogeneous.h"
 #include "client_runtime/inference/sampling.h"
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/models/kv_cache.h"
@@ -83,6 +84,10 @@ struct GeneratorOptions {
   int64_t max_prefill_tokens = 8192;  // prompt tokens one step prefills (a longer single prompt goes alone)
   bool capture_decode = true;  // GPU: decode steps in CUDA graphs ([Captured decode]); false: eager
   int capture_warmup = 2;      // eager decode steps of a bucket before its capture (at least 1)
+  // The most bytes the KV cache may take when it lives in host memory (a CPU generator, or
+  // [Host decode]); 0: no limit. A generator whose cache (max_sequences x max_tokens) exceeds it,
+  // or a request whose positions would, is refused naming the sizes.
+  int64_t host_cache_capacity_bytes = 0;
   // Called with each produced token's logits [vocab] (the model's dtype, on its device) before the
   // choice: for inspection, tests and constrained decoding. Optional.
   std::function<void(uint64_t request, const at::Tensor& logits)> logits_observer;
@@ -93,6 +98,12 @@ class Generator {
  public:
   // Allocates the cache (max_sequences x max_tokens) in the model's dtype on its device.
   explicit Generator(CausalLM lm, GeneratorOptions options = {});
+  // [Host decode] (inference/heterogeneous.h): prefills with `prefill` (its client layers on their
+  // device, a GPU), keeps the cache in host memory (pinned when `prefill` is on a GPU) and decodes
+  // with `host_decode`, a CPU copy of the same model with the same adapter kind (split over a client
+  // of its own with device "cpu", or monolithic), whose adapter is kept equal to prefill's. Decode
+  // steps are eager (no CUDA graphs). Throws naming what differs when the two models do not match.
+  Generator(CausalLM prefill, CausalLM host_decode, GeneratorOptions options);
   ~Generator();
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
@@ -128,16 +139,25 @@ class Generator {
   int64_t decode_bucket(int64_t sequences) const;
   // Logits [sequences, vocab] of a decode step through its bucket's graph.
   at::Tensor decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens);
-  // Runs `forward` (a step's logits, one row per sequence) under the latency class and hands each
-  // sequence its next token; a failed step ends its sequences with the error.
-  void forward_and_choose(const std::vector<Sequence*>& sequences, const std::vector<StepSequence>& layout,
-                          LatencyClass latency, const std::function<at::Tensor()>& forward);
-  at::Tensor forward_eager(const std::vector<StepSequence>& layout, const at::Tensor& embeddings);
+  // Runs `forward` (a step's logits, one row per sequence) with `lm`'s client under the latency
+  // class and hands each sequence its next token; a failed step ends its sequences with the error.
+  void forward_and_choose(const CausalLM& lm, const std::vector<Sequence*>& sequences,
+                          const std::vector<StepSequence>& layout, LatencyClass latency,
+                          const std::function<at::Tensor()>& forward);
+  // One step of `lm` (whose CachedModel is `model`) over the cache, computing where `lm` lies.
+  at::Tensor forward_eager(const CausalLM& lm, CachedModel& model, const std::vector<StepSequence>& layout,
+                           const at::Tensor& embeddings);
+  Generator(CausalLM lm, std::optional<CausalLM> host_decode, GeneratorOptions options);
+  const CausalLM& decode_lm() const { return host_decode_ ? *host_decode_ : lm_; }
+  CachedModel& decode_model() const { return host_decode_ ? *host_decode_model_ : model_; }
   void finish(Sequence& sequence, FinishReason reason, const std::string& error = {});
   int64_t virtual_tokens() const;  // the adapter's prompt or prefix length
 
-  CausalLM lm_;
+  CausalLM lm_;  // prefills, and decodes too unless host_decode_
   CachedModel& model_;
+  std::optional<CausalLM> host_decode_;  // [Host decode]: decodes on the CPU
+  CachedModel* host_decode_model_ = nullptr;
+  std::unique_ptr<AdapterMirror> adapter_mirror_;  // [Host decode]: host_decode_'s adapter follows lm_'s
   GeneratorOptions options_;
   int64_t vocab_size_ = 0;
   std::unique_ptr<KvCache> cache_;

@@ -14,12 +14,13 @@ namespace symbiosis {
 using at::indexing::Slice;
 
 KvCache::KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
-                 int64_t spare)
-    : sequences_(sequences), spare_(spare), tokens_(tokens), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false) {
+                 int64_t spare, bool pinned)
+    : sequences_(sequences), spare_(spare), tokens_(tokens), pinned_(pinned), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false) {
   TORCH_CHECK(sequences > 0, "KV cache: sequences is ", sequences, ", expected at least 1");
   TORCH_CHECK(tokens > 0, "KV cache: tokens is ", tokens, ", expected at least 1");
   TORCH_CHECK(spare >= 0, "KV cache: spare is ", spare, ", expected at least 0");
-  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  TORCH_CHECK(!pinned || device.is_cpu(), "KV cache: pinned memory is host memory, but the device is ", device);
+  const auto options = at::TensorOptions().dtype(dtype).device(device).pinned_memory(pinned);
   for (int64_t i = 0; i < shape.num_layers; ++i) {
     keys_.push_back(at::zeros({sequences + spare, shape.num_key_value_heads, tokens, shape.head_dim}, options));
     values_.push_back(at::zeros({sequences + spare, shape.num_key_value_heads, tokens, shape.head_dim}, options));
@@ -60,6 +61,11 @@ void KvCache::write_prefix(int64_t slot, const std::vector<PastKeyValue>& past) 
   }
 }
 
+int64_t KvCache::bytes_per_position(const ModelShape& shape, at::ScalarType dtype) {
+  return 2 * shape.num_layers * shape.num_key_value_heads * shape.head_dim *
+         static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 int64_t KvCache::bytes() const {
   int64_t total = 0;
   for (size_t i = 0; i < keys_.size(); ++i) total += keys_[i].nbytes() + values_[i].nbytes();
@@ -83,7 +89,7 @@ at::Tensor offset_causal_mask(int64_t start, int64_t queries, int64_t sliding_wi
 
 }  // namespace
 
-CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
+CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences, std::optional<at::Device> device)
     : cache_(cache), sequences_(std::move(sequences)) {
   TORCH_CHECK(!sequences_.empty(), "a cached step needs at least one sequence");
   std::vector<int64_t> positions, last, slots, starts;
@@ -99,10 +105,14 @@ CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
     starts.push_back(s.start);
     decode_ = decode_ && s.length == 1;
   }
-  const auto device = cache.keys(0).device();
-  auto to_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
+  const auto cache_device = cache.keys(0).device();
+  const auto step_device = device.value_or(cache_device);
+  auto to_device = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(step_device); };
   positions_ = to_device(positions);
   last_tokens_ = to_device(last);
+  // A step computing away from its cache (a GPU's prefill into host memory) attends as a prefill
+  // ([Offloaded prefill]) even when every piece is one token (one-token prompts).
+  decode_ = decode_ && step_device == cache_device;
   if (!decode_) return;
   slots_ = to_device(slots);
   starts_ = to_device(starts);
@@ -111,7 +121,7 @@ CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences)
   const auto [lowest, highest] = std::minmax_element(starts.begin(), starts.end());
   decode_keys_ = *highest + 1;
   if (*lowest != *highest) {
-    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
+    const auto long_options = at::TensorOptions().dtype(at::kLong).device(cache_device);
     auto allowed = at::arange(decode_keys_, long_options).view({1, decode_keys_}) <= starts_.view({-1, 1});
     decode_mask_ = detail::additive_mask(allowed.view({-1, 1, 1, decode_keys_}), cache.keys(0).scalar_type());
   }
@@ -174,16 +184,25 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
     auto out = detail::attention_over(queries, span(keys), span(values), mask, scores);
     return out.squeeze(2).transpose(0, 1).unsqueeze(0);
   }
+  // [Offloaded prefill]: written to the cache, attended over as computed.
+  const bool non_blocking = cache_.pinned();  // read on the host only after the step's logits, which wait for it
   std::vector<at::Tensor> outs;
   int64_t offset = 0;
   for (const auto& s : sequences_) {
-    keys.select(0, s.slot).narrow(1, s.start, s.length).copy_(k[0].narrow(1, offset, s.length));
-    values.select(0, s.slot).narrow(1, s.start, s.length).copy_(v[0].narrow(1, offset, s.length));
-    auto own = [&](const at::Tensor& t) { return t.narrow(0, s.slot, 1).narrow(2, 0, s.start + s.length); };
+    const auto new_keys = k.narrow(2, offset, s.length), new_values = v.narrow(2, offset, s.length);
+    keys.select(0, s.slot).narrow(1, s.start, s.length).copy_(new_keys[0], non_blocking);
+    values.select(0, s.slot).narrow(1, s.start, s.length).copy_(new_values[0], non_blocking);
+    auto attended = [&](const at::Tensor& cached, const at::Tensor& computed) {
+      const auto stored = computed.to(cached.scalar_type()).to(q.scalar_type());  // as the cache holds them
+      if (s.start == 0) return stored;
+      const auto before = cached.narrow(0, s.slot, 1).narrow(2, 0, s.start).to(q.device(), q.scalar_type());
+      return at::cat({before, stored}, 2);
+    };
     auto queries = q.narrow(2, offset, s.length);
+    const auto attended_keys = attended(keys, new_keys), attended_values = attended(values, new_values);
     outs.push_back(s.start == 0 && sliding_window == 0
-                       ? detail::attention(queries, own(keys), own(values), {}, scores)
-                       : detail::attention_over(queries, own(keys), own(values),
+                       ? detail::attention(queries, attended_keys, attended_values, {}, scores)
+                       : detail::attention_over(queries, attended_keys, attended_values,
                                                 offset_causal_mask(s.start, s.length, sliding_window, q.scalar_type(),
                                                                    q.device()),
                                                 scores));

@@ -10,6 +10,13 @@
 //  - a decode step (every sequence adds one token) is one attention call for all sequences over
 //    the slots they occupy, masked to each one's length;
 //  - a step with longer pieces (prefill) attends sequence by sequence, causally.
+//
+// [Offloaded prefill] A step with longer pieces writes each layer's new keys and values into the
+// cache as the layer produces them, and attends over the keys cached before the step (brought to
+// the step's device: prefix tuning's past, none for a plain prompt) followed by the step's own keys
+// as computed (as the cache stores them: cast to its dtype). It never reads back what it has just
+// written, so the cache may lie in host memory while the step computes on a GPU, and what the
+// prefill attends over is what a decode step reads from the cache after it.
 // Positions are each sequence's own, start .. start+length-1 (RoPE offsets, GPT-2's learned
 // positions). Keys are stored rotated, as transformers' cache stores them, so prefix tuning's past
 // keys and values ([Model adapter conventions]) are written in front of a sequence as they are.
@@ -32,9 +39,13 @@ class KvCache {
  public:
   // Keys and values of `layers` layers, [sequences + spare, kv_heads, tokens, head_dim] each. The
   // spare slots are never acquired: padding rows of a fixed decode step write there
-  // ([Captured decode] in inference/generator.h).
+  // ([Captured decode] in inference/generator.h). pinned: page-locked host memory (device must be
+  // the CPU), which a GPU's prefill writes to without a staging copy ([Host decode] in
+  // inference/heterogeneous.h).
   KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
-          int64_t spare = 0);
+          int64_t spare = 0, bool pinned = false);
+  // Bytes one position of one sequence takes: keys and values of every layer.
+  static int64_t bytes_per_position(const ModelShape& shape, at::ScalarType dtype);
   int64_t sequences() const { return sequences_; }  // the slots requests take, spare ones not counted
   int64_t spare_slot() const;  // the first spare slot; throws when there is none
   int64_t tokens() const { return tokens_; }  // per sequence
@@ -49,9 +60,11 @@ class KvCache {
   at::Tensor& values(int64_t layer) { return values_[layer]; }
   // Bytes held by keys and values together.
   int64_t bytes() const;
+  bool pinned() const { return pinned_; }
 
  private:
   int64_t sequences_, spare_, tokens_;
+  bool pinned_;
   std::vector<at::Tensor> keys_, values_;
   std::vector<bool> taken_;
 };
@@ -65,8 +78,11 @@ struct StepSequence {
 
 class CachedStep {
  public:
-  // The sequences in the order their tokens are packed. Checks each fits its slot.
-  CachedStep(KvCache& cache, std::vector<StepSequence> sequences);
+  // The sequences in the order their tokens are packed. Checks each fits its slot. device: where the
+  // step computes (its positions and indices live there), by default the cache's; a step with
+  // longer pieces may compute on another device than the cache's ([Offloaded prefill]); a step
+  // that does attends as one with longer pieces, whatever their lengths.
+  CachedStep(KvCache& cache, std::vector<StepSequence> sequences, std::optional<at::Device> device = std::nullopt);
   // [Captured decode] A decode step whose shape does not depend on where the sequences stand, so
   // that it can be captured in a CUDA graph and replayed: one token for each of slots.size(0)
   // sequences, their slots and starts read from the device tensors `slots` and `starts` ([B] int64,

@@ -1,0 +1,214 @@
+// [Host decode] (inference/heterogeneous.h): a generation prefilled with one copy of the model and
+// decoded with a CPU copy over a cache in host memory equals the all-CPU split generation and the
+// monolithic one (the same tokens, sampled with seeds too, and every step's logits), for Llama and
+// GPT-2 with a LoRA, across the prefill-to-decode switch of each request while others decode; the
+// CPU copy's adapter follows the prefill model's as it is trained; a cache beyond the host capacity
+// is refused naming the sizes. On this CPU-only machine the prefill device is the CPU too: the code
+// path is the GPU one apart from the device (the cache written per layer as the prefill computes,
+// attended over as computed: [Offloaded prefill] in models/kv_cache.h).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "client_runtime/inference/generator.h"
+#include "client_runtime/inference/heterogeneous.h"
+#include "tests/client_runtime/inference/generation_util.h"
+#include "tests/test_util.h"
+
+namespace symbiosis {
+namespace {
+
+using testing::add_test_lora;
+using testing::expect_same;
+using testing::Generated;
+using testing::mixed_requests;
+using testing::request;
+
+// Generation through a heterogeneous Generator, logging each request's logits as generate() does.
+Generated generate_host_decode(const CausalLM& prefill, const CausalLM& decode, const std::vector<GenerationRequest>& requests,
+                               GeneratorOptions options) {
+  auto log = std::make_shared<testing::LogitsLog>();
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  Generator generator(prefill, decode, options);
+  Generated out;
+  out.results = generator.generate(requests);
+  for (const auto& [id, rows] : *log) out.logits.push_back(rows);
+  EXPECT_EQ(generator.cache().free_slots(), generator.cache().sequences());
+  return out;
+}
+
+// A LoRA like add_test_lora's but drawn from another seed: what the mirror must overwrite.
+void add_other_lora(CausalLM& lm) {
+  at::manual_seed(1234);
+  add_lora(*lm.module, testing::test_lora());
+}
+
+GeneratorOptions small_options() {
+  GeneratorOptions options;
+  options.max_sequences = 2;  // five requests: they join while others decode
+  options.max_tokens = 24;
+  return options;
+}
+
+class HostDecodeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HostDecodeTest, EqualsAllCpuSplitAndMonolithic) {
+  auto served = testing::serve_model(GetParam());
+  ClientOptions decode_options;
+  decode_options.tenant = "host-decode";
+  decode_options.device = "cpu";
+  auto decode_client = testing::connect(*served.executor, *served.checkpoint, decode_options);
+  auto prefill_lm = open_causal_lm(*served.checkpoint, served.client);
+  auto decode_lm = open_causal_lm(*served.checkpoint, decode_client);
+  add_test_lora(prefill_lm);
+  add_other_lora(decode_lm);
+  const auto heterogeneous = generate_host_decode(prefill_lm, decode_lm, mixed_requests(), small_options());
+
+  auto all_cpu_client = testing::connect(*served.executor, *served.checkpoint);
+  auto all_cpu_lm = open_causal_lm(*served.checkpoint, all_cpu_client);
+  add_test_lora(all_cpu_lm);
+  auto mono_lm = open_causal_lm(*served.checkpoint);
+  add_test_lora(mono_lm);
+  expect_same(heterogeneous, testing::generate(all_cpu_lm, mixed_requests(), small_options()), "all-CPU split");
+  // The prefill model's client made the prefill calls and the CPU copy's the decode calls: the
+  // same steps as the all-CPU client's, divided.
+  EXPECT_GT(served.client->calls(), 0u);
+  EXPECT_GT(decode_client->calls(), served.client->calls());
+  EXPECT_EQ(served.client->calls() + decode_client->calls(), all_cpu_client->calls());
+  expect_same(heterogeneous, testing::generate(mono_lm, mixed_requests(), small_options()), "monolithic");
+  for (const auto& result : heterogeneous.results) EXPECT_EQ(result.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(served.executor->stats().errors, 0u);
+}
+
+// No executor: both sides monolithic (the CPU copy computes its base layers in-process).
+TEST_P(HostDecodeTest, MonolithicBothSidesEqualsMonolithic) {
+  const auto checkpoint = Checkpoint::open(testing::make_checkpoint(GetParam()));
+  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint), mono_lm = open_causal_lm(*checkpoint);
+  add_test_lora(prefill_lm);
+  add_other_lora(decode_lm);
+  add_test_lora(mono_lm);
+  expect_same(generate_host_decode(prefill_lm, decode_lm, mixed_requests(), small_options()),
+              testing::generate(mono_lm, mixed_requests(), small_options()), "monolithic host decode");
+}
+
+// The tenant trains the adapter between steps (the reinforcement-learning loop): the decode side
+// generates from the trained adapter, with no copy when it has not changed.
+TEST_P(HostDecodeTest, TheDecodeSideFollowsTheTrainedAdapter) {
+  const auto checkpoint = Checkpoint::open(testing::make_checkpoint(GetParam()));
+  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint);
+  add_test_lora(prefill_lm);
+  add_test_lora(decode_lm);
+  const std::vector<GenerationRequest> requests = {request({5, 9, 33, 2, 7}, 8), request({100, 4, 18}, 6)};
+  Generator generator(prefill_lm, decode_lm, small_options());
+  const auto before = generator.generate(requests);
+  {
+    at::NoGradGuard no_grad;  // an optimizer's step, in place
+    for (auto& p : prefill_lm.module->parameters()) {
+      if (p.requires_grad()) p.add_(at::randn_like(p) * 0.5);
+    }
+  }
+  const auto after = generator.generate(requests);
+  const auto reference = testing::generate(prefill_lm, requests, small_options());
+  ASSERT_EQ(after.size(), reference.results.size());
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(after[i].output_ids, reference.results[i].output_ids) << "request " << i;
+  EXPECT_NE(before[0].output_ids, after[0].output_ids);  // the step changed what it generates
+
+  AdapterMirror mirror(*prefill_lm.module, *decode_lm.module);
+  EXPECT_GT(mirror.parameters(), 0);
+  EXPECT_EQ(mirror.refresh(), 0);  // nothing changed since the construction's copy
+}
+
+TEST_P(HostDecodeTest, ACacheBeyondTheHostCapacityIsRefusedNamingTheSizes) {
+  const auto checkpoint = Checkpoint::open(testing::make_checkpoint(GetParam()));
+  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint);
+  const auto shape = model_adapter_host(*prefill_lm.module).model_shape();
+  const int64_t per_position = KvCache::bytes_per_position(shape, at::kFloat);
+  EXPECT_EQ(per_position, 2 * shape.num_layers * shape.num_key_value_heads * shape.head_dim * 4);
+  auto options = small_options();  // 2 x 24 positions
+  options.host_cache_capacity_bytes = per_position * 2 * 24 - 1;
+  const auto refused = testing::error_of([&] { Generator generator(prefill_lm, decode_lm, options); });
+  EXPECT_NE(refused.find("the KV cache of max_sequences (2) x max_tokens (24) positions needs " +
+                         std::to_string(per_position * 48) + " bytes (" + std::to_string(per_position) +
+                         " a position), more than host_cache_capacity_bytes (" + std::to_string(per_position * 48 - 1) + ")"),
+            std::string::npos)
+      << refused;
+  // The cache fits; a request longer than the capacity is refused at submit, naming its size, and
+  // the others go on.
+  options.host_cache_capacity_bytes = per_position * 2 * 24;
+  Generator generator(prefill_lm, decode_lm, options);
+  const auto too_long = testing::error_of([&] { generator.submit(request(std::vector<int64_t>(40, 3), 9)); });
+  EXPECT_NE(too_long.find("prompt_ids (40 tokens) + max_new_tokens (9) + virtual tokens (0) need a KV cache of " +
+                          std::to_string(per_position * 49) + " bytes (49 positions x " + std::to_string(per_position) +
+                          " bytes), more than host_cache_capacity_bytes (" + std::to_string(per_position * 48) + ")"),
+            std::string::npos)
+      << too_long;
+  const auto results = generator.generate({request({5, 9, 33}, 4)});
+  EXPECT_EQ(results[0].output_ids.size(), 4u);
+  // The all-CPU generator's cache is in host memory too: the same limit holds.
+  options.host_cache_capacity_bytes = 1;
+  EXPECT_NE(testing::error_of([&] { Generator all_cpu(prefill_lm, options); }).find("more than host_cache_capacity_bytes (1)"),
+            std::string::npos);
+  options.host_cache_capacity_bytes = -1;
+  EXPECT_NE(testing::error_of([&] { Generator all_cpu(prefill_lm, options); })
+                .find("host_cache_capacity_bytes is -1, expected at least 0 (0: no limit)"),
+            std::string::npos);
+}
+
+TEST_P(HostDecodeTest, ModelsThatDoNotMatchAreRefused) {
+  const auto checkpoint = Checkpoint::open(testing::make_checkpoint(GetParam()));
+  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint);
+  add_test_lora(prefill_lm);
+  EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, decode_lm, small_options()); })
+                .find("the decode-side model has no trainable parameter "),
+            std::string::npos);
+  auto bf16_lm = open_causal_lm(*checkpoint, nullptr, {.dtype = at::kBFloat16});
+  add_test_lora(bf16_lm);
+  EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, bf16_lm, small_options()); })
+                .find("open both from one checkpoint in one dtype"),
+            std::string::npos);
+}
+
+// symbiosis-generate --host-decode, split and monolithic, prints what the all-CPU split run prints.
+TEST(GenerateCliHostDecode, EqualsThePlainRun) {
+  auto served = testing::serve_model("tiny-llama");
+  const auto work = testing::temp_dir("symbiosis-generate-host-decode");
+  {
+    std::ofstream input(work / "requests.jsonl");
+    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})" << "\n"
+          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n"
+          << R"({"prompt_ids": [1, 2]})" << "\n";
+  }
+  std::map<std::string, std::string> outputs;
+  for (const std::string run : {"plain", "host-decode", "host-decode-monolithic"}) {
+    const auto out = work / (run + ".jsonl");
+    const std::string flags = run == "plain" ? "" : run == "host-decode" ? " --host-decode" : " --host-decode --monolithic";
+    const int status = testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
+                                      "' --executor " + served.executor->endpoint() + flags +
+                                      " --max-sequences 2 --max-new-tokens 6 --input '" + (work / "requests.jsonl").string() +
+                                      "' > '" + out.string() + "' 2> '" + (work / (run + ".log")).string() + "'");
+    EXPECT_EQ(status, 0) << run << ": see " << work;
+    std::ifstream in(out);
+    std::stringstream text;
+    text << in.rdbuf();
+    outputs[run] = text.str();
+  }
+  EXPECT_FALSE(outputs["plain"].empty());
+  EXPECT_EQ(outputs["host-decode"], outputs["plain"]);
+  EXPECT_EQ(outputs["host-decode-monolithic"], outputs["plain"]);
+}
+
+std::string model_name(const std::string& preset) {
+  auto name = preset.substr(preset.find('-') + 1);
+  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HostDecodeTest, ::testing::Values("tiny-llama", "tiny-gpt2"),
+                         [](const auto& info) { return model_name(info.param); });
+
+}  // namespace
+}  // namespace symbiosis
