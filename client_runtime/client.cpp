@@ -214,6 +214,17 @@ class Client::Impl {
     }
   }
 
+  // The transport. A client whose reconnection failed has none: it tries again first (and throws
+  // why, as reconnect() does, when it cannot).
+  ClientTransport& live_transport() {
+    if (!transport) {
+      reconnect(ExecutorLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                             "the connection to the executor at " + options.endpoint +
+                                 " was lost, and connecting again failed before"));
+    }
+    return *transport;
+  }
+
   // Runs `work` (a use of the transport) and, when the executor is lost, reconnects and runs it
   // again; throws ResultsLost instead where calls made before it lost their results, where a
   // capture was under way, or where `work` cannot be run again (`retry` false: a replay, whose
@@ -253,7 +264,7 @@ class Client::Impl {
     const at::Tensor input = x.contiguous();
     return survive_restarts([&] {
       CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
-      return transport->call(spec, input);
+      return live_transport().call(spec, input);
     });
   }
 };
@@ -314,7 +325,7 @@ LatencyClass Client::latency_class() const { return wire::latency_from_proto(imp
 void Client::begin_capture() {
   {
     std::lock_guard<std::mutex> lock(impl_->call_mutex);
-    impl_->transport->begin_capture();
+    impl_->live_transport().begin_capture();
     impl_->capturing = true;
   }
   if (impl_->mask) impl_->mask->begin_capture();
@@ -325,7 +336,7 @@ std::shared_ptr<const CapturedCalls> Client::end_capture() {
   {
     std::lock_guard<std::mutex> lock(impl_->call_mutex);
     impl_->capturing = false;
-    auto recorded = impl_->transport->end_capture();
+    auto recorded = impl_->live_transport().end_capture();
     if (recorded) {
       auto stamped = std::make_shared<CapturedCalls>(*recorded);
       stamped->connection = impl_->connection;
@@ -353,7 +364,7 @@ void Client::replay(const CapturedCalls& calls) {
     impl_->next_request_id += calls.records.size();
     impl_->calls += calls.records.size();
     // A loss here leaves the replay's calls without results: ResultsLost, after reconnecting.
-    impl_->survive_restarts([&] { impl_->transport->replay(calls, first); }, /*retry=*/false);
+    impl_->survive_restarts([&] { impl_->live_transport().replay(calls, first); }, /*retry=*/false);
   }
   // Outside the call lock: a bank redrawn there asks the executor for its effects.
   if (calls.after_replay) calls.after_replay();
@@ -361,7 +372,7 @@ void Client::replay(const CapturedCalls& calls) {
 
 void Client::settle() {
   std::lock_guard<std::mutex> lock(impl_->call_mutex);
-  impl_->survive_restarts([&] { impl_->transport->settle(); });
+  impl_->survive_restarts([&] { impl_->live_transport().settle(); });
 }
 
 at::Tensor Client::forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) {

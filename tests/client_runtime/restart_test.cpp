@@ -151,6 +151,9 @@ TEST(RestartRefusalTest, AClientGivesUpPastReconnectMsNamingTheEndpoint) {
   EXPECT_TRUE(message.find("broke off") != std::string::npos ||
               message.find("closed this client's local link") != std::string::npos)
       << message;
+  // A client whose reconnection failed tries again at its next call, and fails as clearly.
+  const auto again = testing::error_of([&] { patient->forward(*q, x, false); });
+  EXPECT_NE(again.find("connecting again failed before; no executor took this client back"), std::string::npos) << again;
   const auto start = Clock::now();
   const auto at_once = testing::error_of([&] { impatient->forward(*q, x, false); });
   EXPECT_NE(at_once.find("this client does not reconnect (reconnect_ms is 0)"), std::string::npos) << at_once;
