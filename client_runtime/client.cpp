@@ -58,6 +58,7 @@ void ClientOptions::validate() const {
 namespace {
 constexpr auto kFirstPause = std::chrono::milliseconds(100);
 constexpr auto kLongestPause = std::chrono::seconds(2);
+constexpr int kStepTries = 3;  // redo_if_results_lost
 
 // A layer table as bytes, to tell an executor that came back serving other layers.
 std::string table_of(const proto::Welcome& welcome) {
@@ -184,7 +185,6 @@ class Client::Impl {
     using Clock = std::chrono::steady_clock;
     spdlog::warn("client {} (tenant '{}'): {}; connecting again (for up to {} ms)", client_id, options.tenant, why,
                  options.reconnect_ms);
-    transport.reset();  // its calls in flight cannot be answered
     const auto start = Clock::now();
     const auto deadline = start + std::chrono::milliseconds(options.reconnect_ms);
     auto pause = std::chrono::duration_cast<Clock::duration>(kFirstPause);
@@ -268,6 +268,17 @@ class Client::Impl {
     });
   }
 };
+
+void redo_if_results_lost(const std::string& what, const std::function<void()>& step) {
+  for (int tries = 1;; ++tries) {
+    try {
+      return step();
+    } catch (const ResultsLost& lost) {
+      TORCH_CHECK(tries < kStepTries, lost.msg(), " (", what, " was tried ", tries, " times)");
+      spdlog::warn("{}: {}; running it again", what, lost.msg());
+    }
+  }
+}
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 

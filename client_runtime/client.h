@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,8 +73,10 @@ class ResultsLost : public c10::Error {
  public:
   using c10::Error::Error;
 };
-// How often the trainer and the generator run a step that met ResultsLost before they give up.
-constexpr int kStepTries = 3;
+// Runs `step` (one step of the trainer or the generator, which updates nothing before its calls
+// have their results) and runs it again when it throws ResultsLost, up to three times in all; then
+// throws the last ResultsLost's message, naming `what`.
+void redo_if_results_lost(const std::string& what, const std::function<void()>& step);
 
 class Client : public LayerBackend {
  public:

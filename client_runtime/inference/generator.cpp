@@ -1,6 +1,5 @@
 #include "client_runtime/inference/generator.h"
 
-#include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -401,15 +400,7 @@ void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequenc
     LatencyScope scope(lm.client, latency);
     // [Executor restart] (client_runtime/client.cpp): a step whose calls ordered on the GPU lost
     // their results runs again on the new connection; it writes the same cache positions again.
-    for (int tries = 1;; ++tries) {
-      try {
-        logits = forward();
-        break;
-      } catch (const ResultsLost& lost) {
-        if (tries == kStepTries) throw;
-        spdlog::warn("Generator: {}; running the step again", lost.msg());
-      }
-    }
+    redo_if_results_lost("a generation step", [&] { logits = forward(); });
   } catch (const c10::Error& e) {
     // The step's requests end with the error; the generator goes on with the others.
     for (auto* s : sequences) finish(*s, FinishReason::kError, e.what_without_backtrace());

@@ -4,7 +4,6 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
@@ -256,15 +255,8 @@ class Trainer::Impl {
     } else {
       // [Executor restart] (client_runtime/client.cpp): a step whose calls ordered on the GPU lost
       // their results is done again; it updated nothing (the client settles before the update).
-      for (int tries = 1;; ++tries) {
-        try {
-          gpu ? device_step(batches, stats) : host_step(batches, stats);
-          break;
-        } catch (const ResultsLost& lost) {
-          TORCH_CHECK(tries < kStepTries, lost.msg(), " (step ", steps_done + 1, " was tried ", tries, " times)");
-          spdlog::warn("step {}: {}; doing the step again", steps_done + 1, lost.msg());
-        }
-      }
+      redo_if_results_lost("step " + std::to_string(steps_done + 1),
+                           [&] { gpu ? device_step(batches, stats) : host_step(batches, stats); });
     }
     stats.step = ++steps_done;
     if (stats.targets > 0 && hooks.after_update) hooks.after_update(stats.step);
