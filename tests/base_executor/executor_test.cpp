@@ -434,6 +434,11 @@ TEST(ClientOptionsTest, EndpointsWithoutASchemeAreRefusedNamingTheExpectedForm) 
   options.connect_timeout_ms = 0;
   EXPECT_NE(testing::error_of([&] { options.validate(); }).find("client option connect_timeout_ms must be positive, got 0"),
             std::string::npos);
+  options.connect_timeout_ms = 1000;
+  options.reconnect_ms = -1;  // [Executor restart]
+  EXPECT_NE(testing::error_of([&] { options.validate(); })
+                .find("client option reconnect_ms must be >= 0 (0: never reconnect), got -1"),
+            std::string::npos);
 
   ExecutorOptions executor_options;
   executor_options.model_dir = "model";
