@@ -19,6 +19,12 @@
 // of 0.41, seen on an H100), and against its own size a last-bit difference of the base layers'
 // GEMMs is then any number (1.7, for a difference of 5.9e-8). A wrong result (another call's rows,
 // a stale buffer) is off by far more.
+// The adapter scales by 1 (alpha = r), not LoRA's usual alpha 16: at r = 2 a scale of 8 with
+// non-zero B makes the adapted model amplify last-bit differences of the base GEMMs some 500-fold
+// in the gradients (a GEMM reduced in another order, K split in two halves, moved this model's
+// gradients by up to 5.7e-4 of the step's largest at scale 8 and 1.1e-5 at scale 1, in fp32 on the
+// CPU with transformers + PEFT; issue 27's soak notes in docs/benchmarks.md). The soak holds
+// exactness to find races, and a well-conditioned adapter lets it hold them tightly.
 //
 // [Call time] A call's time is that of the client runtime's "symbiosis::executor_call" scope
 // (LibTorch's RecordFunction), from the call to its result. A client on the executor's GPU gets
@@ -153,6 +159,7 @@ int main(int argc, char** argv) {
         {"q_proj", "v_proj"}, {"q_proj", "k_proj", "v_proj", "o_proj"}, {"gate_proj", "up_proj", "down_proj"}};
     lora.target_modules = target_sets[random() % target_sets.size()];
     lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
+    lora.alpha = static_cast<double>(lora.r);  // scale 1 ([Soak exactness])
     auto split = make_model(*checkpoint, client, lora, device, seed);
     auto mono = make_model(*checkpoint, nullptr, lora, device, seed);
     torch::optim::AdamW optimizer(split.adapter, torch::optim::AdamWOptions(1e-3));

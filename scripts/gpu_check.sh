@@ -536,7 +536,7 @@ PY
       mps_on
       "$B/bench/symbiosis-soak" --device cuda:0 --transports "${SOAK_TRANSPORTS:-cuda-ipc,shm,tcp}" --clients "${SOAK_CLIENTS:-64}" \
         --batching "${SOAK_BATCHING:-opportunistic}" \
-        --seconds "${SOAK_SECONDS:-600}" --max-call-ms 10000 --tolerance 1e-2 --gradient-tolerance 1e-2 \
+        --seconds "${SOAK_SECONDS:-600}" --max-call-ms 10000 --tolerance "${SOAK_TOLERANCE:-1e-2}" --gradient-tolerance "${SOAK_TOLERANCE:-1e-2}" \
         --gpu-tolerance-mib 128 --out /tmp/soak-gpu > $logs/soak.txt 2>&1
       rc=$?
       log "soak exited $rc"
