@@ -11,8 +11,12 @@ BUILD_DIR=${BUILD_DIR:-build}
 TORCH_VERSION=2.11.0
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libzmq3-dev cppzmq-dev
   libprotobuf-dev protobuf-compiler libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
-  nlohmann-json3-dev libcli11-dev python3-venv libpcre2-dev libutf8proc-dev libsentencepiece-dev libsodium-dev libcpp-httplib-dev)
-PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece protobuf)
+  nlohmann-json3-dev libcli11-dev python3-venv python3-dev libpcre2-dev libutf8proc-dev libsentencepiece-dev libsodium-dev libcpp-httplib-dev)
+# pybind11 (the Python package's binding, python/CMakeLists.txt) at the version torch's own headers
+# carry; pytest runs the Python package's tests (tests/python/).
+PYBIND11_VERSION=3.0.1
+PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece protobuf
+  pybind11==$PYBIND11_VERSION pytest)
 
 log() { echo "[setup] $*"; }
 SUDO=
@@ -41,15 +45,27 @@ fi
 # decides whether pip has work to do. After a pip run, the packages must also import.
 FAST_PROBE="import importlib.metadata as md, importlib.util as u, os
 assert md.version('torch').startswith('$TORCH_VERSION'), md.version('torch')
-for m in ('transformers', 'peft', 'safetensors', 'numpy', 'matplotlib', 'sentencepiece', 'tokenizers', 'protobuf'): md.version(m)
+for m in ('transformers', 'peft', 'safetensors', 'numpy', 'matplotlib', 'sentencepiece', 'tokenizers', 'protobuf', 'pytest'): md.version(m)
+assert md.version('pybind11') == '$PYBIND11_VERSION', md.version('pybind11')
 print(os.path.join(u.find_spec('torch').submodule_search_locations[0], 'share', 'cmake'))"
-IMPORT_PROBE="import torch, transformers, peft, safetensors, matplotlib, sentencepiece, tokenizers, google.protobuf
+IMPORT_PROBE="import torch, transformers, peft, safetensors, matplotlib, sentencepiece, tokenizers, google.protobuf, pybind11, pytest
 assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__
 print(torch.utils.cmake_prefix_path)"
 if ! TORCH_PREFIX=$("$VENV/bin/python" -c "$FAST_PROBE" 2>/dev/null); then
   log "pip install ${PIP_PACKAGES[*]} into $VENV"
   "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "${PIP_PACKAGES[@]}"
   TORCH_PREFIX=$("$VENV/bin/python" -c "$IMPORT_PROBE")
+fi
+
+# The Python package symbiosis (docs/python.md) in the venv: its sources and the build's extension
+# module, by a .pth file (the package joins the two folders); written only when it changes.
+SITE_PACKAGES=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+case $BUILD_DIR in /*) BUILD_PATH=$BUILD_DIR ;; *) BUILD_PATH=$PWD/$BUILD_DIR ;; esac
+PTH_WANTED="$PWD/python
+$BUILD_PATH/python"
+if [ "$(cat "$SITE_PACKAGES/symbiosis.pth" 2>/dev/null)" != "$PTH_WANTED" ]; then
+  log "registering the Python package symbiosis in $VENV ($SITE_PACKAGES/symbiosis.pth)"
+  printf '%s\n' "$PTH_WANTED" > "$SITE_PACKAGES/symbiosis.pth"
 fi
 
 # 3. Configure (only when not configured, or configured with other values), then build.

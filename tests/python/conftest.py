@@ -1,0 +1,149 @@
+"""What the Python package's tests share: tiny random transformers models of each architecture, saved
+as checkpoints; an executor process serving one; comparisons within a relative tolerance.
+
+ctest runs these with PYTHONPATH naming python/ and the build's python/ (tests/python/CMakeLists.txt)
+and the programs' paths in SYMBIOSIS_EXECUTOR, SYMBIOSIS_DEMO_CLIENT, SYMBIOSIS_MAKE_CHECKPOINT."""
+import contextlib
+import os
+import subprocess
+import tempfile
+import threading
+
+import pytest
+import torch
+
+BUILD = os.environ.get("SYMBIOSIS_BINARY_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+EXECUTOR = os.environ.get("SYMBIOSIS_EXECUTOR", os.path.join(BUILD, "base_executor", "symbiosis-executor"))
+DEMO_CLIENT = os.environ.get("SYMBIOSIS_DEMO_CLIENT", os.path.join(BUILD, "examples", "symbiosis-demo-client"))
+MAKE_CHECKPOINT = os.environ.get("SYMBIOSIS_MAKE_CHECKPOINT", os.path.join(BUILD, "tools", "symbiosis-make-checkpoint"))
+
+TOLERANCE = 1e-5  # fp32 on CPU (DESIGN.md, invariant 1)
+VOCAB = 128
+
+# The executor's default base-layer rule knows the architectures the C++ client runtime has models
+# for (common/model_types.h); another architecture's base layers are named with --layer-pattern
+# (read as Linear), which is all a Python tenant needs.
+OTHER_ARCHITECTURE_PATTERN = r"^(model\.layers|model\.decoder\.layers|transformer\.h)\.[0-9]+\..+$"
+
+
+def _configs():
+    import transformers as t
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=0)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return {
+        "llama": t.LlamaConfig(num_key_value_heads=2, **small),
+        "mistral": t.MistralConfig(num_key_value_heads=2, sliding_window=None, **small),
+        "qwen2": t.Qwen2Config(num_key_value_heads=2, **small),  # q, k and v carry a bias
+        "gemma2": t.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=16, **small),
+        "gpt2": t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                             bos_token_id=1, eos_token_id=2, **no_dropout),  # Conv1D
+        "gpt_bigcode": t.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                          multi_query=True, bos_token_id=1, eos_token_id=2, **no_dropout),
+        "phi3": t.Phi3Config(num_key_value_heads=4, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                             **small),  # fused qkv_proj and gate_up_proj
+        "opt": t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                           dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "qwen3": t.Qwen3Config(num_key_value_heads=2, head_dim=8, **small),
+        "phi": t.PhiConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attention_dropout=0.0, bos_token_id=1, eos_token_id=2),
+    }
+
+
+SUPPORTED_BY_DEFAULT = {"llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_bigcode"}
+ARCHITECTURES = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_bigcode", "phi3", "opt", "qwen3", "phi"]
+
+
+def reference_model(checkpoint):
+    """The model ours is held to: transformers' own, in one process (CPU, fp32, eager attention)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def make_checkpoint(architecture, directory, seed=0):
+    """A tiny random model of `architecture`, saved as a Hugging Face checkpoint in `directory`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_configs()[architecture], dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+class Executor:
+    """A symbiosis-executor process serving `checkpoint` on this machine's CPU, on a free port."""
+
+    def __init__(self, checkpoint, extra_args=()):
+        self.log_path = os.path.join(checkpoint, "executor.log")
+        self._log = open(self.log_path, "w")
+        args = [EXECUTOR, "--model", checkpoint, "--device", "cpu", "--listen", "tcp://127.0.0.1:*",
+                "--threads", "1", *extra_args]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self._ready_line(timeout_s=60)
+        assert line.startswith("ready "), f"executor did not start: {line!r}; log: {self.log()}"
+        self.endpoint = line.split()[1]
+
+    def _ready_line(self, timeout_s):
+        result = [""]
+        reader = threading.Thread(target=lambda: result.__setitem__(0, self.process.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        return result[0].strip()
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def served(architecture, seed=0):
+    """(checkpoint directory, executor) for a tiny random model of `architecture`."""
+    with tempfile.TemporaryDirectory(prefix=f"symbiosis-py-{architecture}-") as directory:
+        make_checkpoint(architecture, directory, seed)
+        extra = [] if architecture in SUPPORTED_BY_DEFAULT else ["--layer-pattern", OTHER_ARCHITECTURE_PATTERN]
+        executor = Executor(directory, extra)
+        try:
+            yield directory, executor
+        finally:
+            executor.stop()
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def architecture_served(request):
+    """(architecture, checkpoint, executor), once per architecture for a test module."""
+    with served(request.param) as (checkpoint, executor):
+        yield request.param, checkpoint, executor
+
+
+def relative_difference(a, b):
+    """max |a - b| / max |a| (0 when both are 0)."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = a.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
+
+
+def assert_close(a, b, what, tolerance=TOLERANCE):
+    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
+    difference = relative_difference(a, b)
+    assert difference <= tolerance, f"{what}: relative difference {difference:.3g} > {tolerance}"
+
+
+def tokens(batch=2, length=9, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
