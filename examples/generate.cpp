@@ -19,6 +19,10 @@
 // (device cpu), or in-process with --monolithic ([Host decode] in inference/heterogeneous.h); give
 // it --threads for the CPU's attention.
 //
+// --offload-cache: the baseline to --host-decode, with the model on --device (a GPU): the KV cache
+// in host memory, each layer's keys and values copied to the GPU at each decode step, the next
+// layer's while one computes ([Offloaded decode] in models/kv_cache.h; transformers' OffloadedCache).
+//
 // With a tokenizer, its EOS token ends a request (as transformers' generate stops at it), unless
 // --stop names the stop tokens. A model's vocabulary may be larger than its tokenizer's (padded to a
 // multiple of 64, say): a token outside the tokenizer's has no text, and is left out of the text as
@@ -258,6 +262,9 @@ int main(int argc, char** argv) {
   app.add_flag("--eager", eager, "on a GPU, decode without CUDA graphs (by default one graph per bucket of batch sizes)");
   app.add_flag("--host-decode", s.host_decode,
                "prefill on --device, keep the KV cache in host memory and decode on the CPU (a CPU copy of the model)");
+  app.add_flag("--offload-cache", g.offload_cache,
+               "keep the KV cache in host memory and copy each layer's to --device at each decode step "
+               "(the baseline to --host-decode)");
   app.add_option("--host-cache-capacity-bytes", g.host_cache_capacity_bytes,
                  "refuse a KV cache in host memory beyond this many bytes (0: no limit)")
       ->capture_default_str();

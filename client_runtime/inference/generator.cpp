@@ -118,12 +118,16 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
                 " layers, but the prefill model is a ", shape.model_type, " of ", shape.num_layers, " layers");
     TORCH_CHECK(!(host_decode_->client && lm_.client && host_decode_->client == lm_.client),
                 "the host-decode model shares the prefill model's client; give it a client of its own (device \"cpu\")");
+    TORCH_CHECK(!options_.offload_cache, "offload_cache and a host-decode model are two placements of the cache: choose one");
     adapter_mirror_ = std::make_unique<AdapterMirror>(*lm_.module, *host_decode_->module);
   }
-  capture_ = options_.capture_decode && !host_decode_ && table.device().is_cuda();
-  // [Host decode]: the cache in host memory, page-locked for the GPU's prefill to write to.
-  const auto cache_device = host_decode_ ? at::Device(at::kCPU) : table.device();
-  const bool pinned = host_decode_.has_value() && table.device().is_cuda();
+  capture_ = options_.capture_decode && !host_decode_ && !options_.offload_cache && table.device().is_cuda();
+  // [Host decode] and [Offloaded decode]: the cache in host memory, page-locked for a GPU to write to
+  // (and, offloaded, to read from).
+  const bool in_host_memory = host_decode_.has_value() || options_.offload_cache;
+  const auto cache_device = in_host_memory ? at::Device(at::kCPU) : table.device();
+  const bool pinned = in_host_memory && table.device().is_cuda();
+  const auto decode_device = options_.offload_cache ? std::optional<at::Device>(table.device()) : std::nullopt;
   // A captured decode step pads its batch to its bucket with rows that write to a spare slot.
   const int64_t spare = capture_ ? 1 : 0;
   if (cache_device.is_cpu() && options_.host_cache_capacity_bytes > 0) {
@@ -134,7 +138,7 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
                 " a position), more than host_cache_capacity_bytes (", options_.host_cache_capacity_bytes, ")");
   }
   cache_ = std::make_unique<KvCache>(shape, options_.max_sequences, options_.max_tokens, table.scalar_type(),
-                                     cache_device, spare, pinned);
+                                     cache_device, spare, pinned, decode_device);
 }
 
 Generator::~Generator() = default;

@@ -88,6 +88,12 @@ struct GeneratorOptions {
   // [Host decode]); 0: no limit. A generator whose cache (max_sequences x max_tokens) exceeds it,
   // or a request whose positions would, is refused naming the sizes.
   int64_t host_cache_capacity_bytes = 0;
+  // [Offloaded decode] (models/kv_cache.h): the KV cache in host memory (page-locked for a GPU model)
+  // and every layer's keys and values copied to the model's device at each decode step, the next
+  // layer's while one computes: the baseline users have today (transformers' OffloadedCache), which
+  // [Host decode] is measured against. Decode steps are eager (no CUDA graphs); host_cache_capacity_bytes
+  // bounds the cache. Not with [Host decode].
+  bool offload_cache = false;
   // Called with each produced token's logits [vocab] (the model's dtype, on its device) before the
   // choice: for inspection, tests and constrained decoding. Optional.
   std::function<void(uint64_t request, const at::Tensor& logits)> logits_observer;

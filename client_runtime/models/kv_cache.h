@@ -21,12 +21,32 @@
 // positions). Keys are stored rotated, as transformers' cache stores them, so prefix tuning's past
 // keys and values ([Model adapter conventions]) are written in front of a sequence as they are.
 //
+// [Offloaded decode] The baseline that [Host decode] (inference/heterogeneous.h) is measured against,
+// and what Hugging Face's OffloadedCache does: the cache lies in host memory (page-locked) while every
+// step computes on a GPU. A prefill step writes each layer's keys and values to host memory as they
+// are produced ([Offloaded prefill]); a decode step copies each layer's keys and values of the step's
+// slots, positions 0 .. the longest sequence's start, to one of two staging buffers on the GPU just
+// before the layer attends, and the next layer's into the other buffer on a side stream while this
+// one computes (one pitched copy a slot, or one for slots side by side), so a step moves the whole
+// cache once over the host link and the GPU holds two layers' worth. The step's new key and value are
+// written into the staged buffer (attention reads them there, through the fused decode kernel where
+// it applies) and to their place in host memory (one small copy a sequence, on the compute stream).
+// Unlike transformers' OffloadedCache, nothing goes back to the host but the new token's keys and
+// values. Ordering: the side stream waits for the compute stream before each copy (the buffer it
+// overwrites was read by the layer two before; the host positions it reads were written by earlier
+// steps), and the compute stream waits for the copy before the layer attends. Decode steps stay eager
+// (no CUDA graphs). On a CPU the same path runs with synchronous copies into staging buffers in host
+// memory, which is how it is tested without a GPU.
+//
 // The cache is allocated once, for a stated capacity (sequences x tokens), in the model's dtype on
-// its device, and reused: a sequence takes a slot and gives it back when done.
+// its device, and reused: a sequence takes a slot and gives it back when done. Page-locked host
+// memory is allocated at its exact size (LibTorch's pinned allocator rounds each block up to a power
+// of two, which would double a 128K-token cache of a 7B model to 128 GiB).
 // Not thread-safe: one generation loop owns a cache.
 #include <ATen/ATen.h>
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -35,6 +55,13 @@
 
 namespace symbiosis {
 
+// One sequence's part of a step; see [Cached step].
+struct StepSequence {
+  int64_t slot = 0;
+  int64_t start = 0;   // tokens the slot holds before this step
+  int64_t length = 1;  // tokens this step adds
+};
+
 class KvCache {
  public:
   // Keys and values of `layers` layers, [sequences + spare, kv_heads, tokens, head_dim] each. The
@@ -42,8 +69,13 @@ class KvCache {
   // ([Captured decode] in inference/generator.h). pinned: page-locked host memory (device must be
   // the CPU), which a GPU's prefill writes to without a staging copy ([Host decode] in
   // inference/heterogeneous.h).
+  // decode_device: [Offloaded decode], decode steps compute there (a GPU, or the CPU to test the path)
+  // over a cache that lies in host memory (device must be the CPU).
   KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
-          int64_t spare = 0, bool pinned = false);
+          int64_t spare = 0, bool pinned = false, std::optional<at::Device> decode_device = std::nullopt);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
   // Bytes one position of one sequence takes: keys and values of every layer.
   static int64_t bytes_per_position(const ModelShape& shape, at::ScalarType dtype);
   int64_t sequences() const { return sequences_; }  // the slots requests take, spare ones not counted
@@ -61,19 +93,27 @@ class KvCache {
   // Bytes held by keys and values together.
   int64_t bytes() const;
   bool pinned() const { return pinned_; }
+  // [Offloaded decode]: where decode steps compute, none when they compute where the cache lies.
+  std::optional<at::Device> decode_device() const;
+
+  // [Offloaded decode], for CachedStep: copies positions [0, length) of `layer`'s keys and values of
+  // `slots` (in the step's order) to staging buffer layer % 2, rows 0 .. slots.size() - 1 (on a GPU,
+  // on the side stream, after what the compute stream has queued); then staged(layer) makes the
+  // compute stream wait for that copy and returns the buffer's keys and values
+  // [sequences, kv_heads, tokens, head_dim]; write_back stores the step's new keys and values
+  // ([slots, kv_heads, head_dim] on the decode device) at each sequence's start in host memory.
+  void stage(int64_t layer, const std::vector<int64_t>& slots, int64_t length);
+  std::pair<at::Tensor, at::Tensor> staged(int64_t layer);
+  void write_back(int64_t layer, const std::vector<StepSequence>& sequences, const at::Tensor& keys,
+                  const at::Tensor& values);
 
  private:
+  struct Staging;
   int64_t sequences_, spare_, tokens_;
   bool pinned_;
   std::vector<at::Tensor> keys_, values_;
   std::vector<bool> taken_;
-};
-
-// One sequence's part of a step; see [Cached step].
-struct StepSequence {
-  int64_t slot = 0;
-  int64_t start = 0;   // tokens the slot holds before this step
-  int64_t length = 1;  // tokens this step adds
+  std::unique_ptr<Staging> staging_;  // [Offloaded decode]
 };
 
 class CachedStep {
@@ -106,6 +146,11 @@ class CachedStep {
 
  private:
   explicit CachedStep(KvCache& cache) : cache_(cache) {}
+  // The decode branch of attend() over `keys` and `values` [slots, kv_heads, tokens, head_dim] on the
+  // step's device, the step's sequences in rows `rows` (first_row.. side by side when first_row >= 0).
+  at::Tensor attend_decode(at::Tensor& keys, at::Tensor& values, const at::Tensor& rows, int64_t first_row,
+                           const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sliding_window,
+                           const AttentionScores& scores) const;
   KvCache& cache_;
   std::vector<StepSequence> sequences_;  // empty in a fixed decode step
   int64_t count_ = 0;
@@ -121,6 +166,11 @@ class CachedStep {
   // Decode steps: the additive masks of sliding windows, by window, made at their first layer's
   // call from the device tensor starts_ (so a captured step makes them anew at each replay).
   mutable std::map<int64_t, at::Tensor> window_masks_;
+  // [Offloaded decode]: a decode step over a cache in host memory; the staged rows 0 .. count-1 (on
+  // the step's device) and the next layer not yet asked to be staged.
+  bool offloaded_ = false;
+  at::Tensor staged_rows_;
+  mutable int64_t next_staged_ = 0;
 };
 
 // The layer's view of a step, which a model's attention takes in place of a mask.

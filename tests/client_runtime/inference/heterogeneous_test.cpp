@@ -172,7 +172,8 @@ TEST_P(HostDecodeTest, ModelsThatDoNotMatchAreRefused) {
             std::string::npos);
 }
 
-// symbiosis-generate --host-decode, split and monolithic, prints what the all-CPU split run prints.
+// symbiosis-generate --host-decode, split and monolithic, and --offload-cache print what the all-CPU
+// split run prints.
 TEST(GenerateCliHostDecode, EqualsThePlainRun) {
   auto served = testing::serve_model("tiny-llama");
   const auto work = testing::temp_dir("symbiosis-generate-host-decode");
@@ -183,9 +184,12 @@ TEST(GenerateCliHostDecode, EqualsThePlainRun) {
           << R"({"prompt_ids": [1, 2]})" << "\n";
   }
   std::map<std::string, std::string> outputs;
-  for (const std::string run : {"plain", "host-decode", "host-decode-monolithic"}) {
+  const std::map<std::string, std::string> flags_of = {{"plain", ""},
+                                                       {"host-decode", " --host-decode"},
+                                                       {"host-decode-monolithic", " --host-decode --monolithic"},
+                                                       {"offload-cache", " --offload-cache"}};
+  for (const auto& [run, flags] : flags_of) {
     const auto out = work / (run + ".jsonl");
-    const std::string flags = run == "plain" ? "" : run == "host-decode" ? " --host-decode" : " --host-decode --monolithic";
     const int status = testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
                                       "' --executor " + served.executor->endpoint() + flags +
                                       " --max-sequences 2 --max-new-tokens 6 --input '" + (work / "requests.jsonl").string() +
@@ -199,6 +203,83 @@ TEST(GenerateCliHostDecode, EqualsThePlainRun) {
   EXPECT_FALSE(outputs["plain"].empty());
   EXPECT_EQ(outputs["host-decode"], outputs["plain"]);
   EXPECT_EQ(outputs["host-decode-monolithic"], outputs["plain"]);
+  EXPECT_EQ(outputs["offload-cache"], outputs["plain"]);
+}
+
+// [Offloaded decode] (models/kv_cache.h), the baseline: the cache in host memory and each layer
+// staged where the model computes at every decode step. On this CPU-only machine the "GPU" is the
+// CPU: the staging, the slots' rows, the write-back of each new token and the masks are the GPU's
+// code path, the copies synchronous. Three slots for five requests: requests join while others
+// decode, at different lengths (masked) and in slots that are not side by side.
+std::string model_name(const std::string& preset);
+
+class OffloadedDecodeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(OffloadedDecodeTest, EqualsThePlainGenerator) {
+  auto served = testing::serve_model(GetParam());
+  auto lm = open_causal_lm(*served.checkpoint, served.client);
+  add_test_lora(lm);
+  auto options = small_options();
+  options.max_sequences = 3;
+  const auto plain = testing::generate(lm, mixed_requests(), options);
+  options.offload_cache = true;
+  auto log = std::make_shared<testing::LogitsLog>();
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kFloat)); };
+  Generator generator(lm, options);
+  ASSERT_TRUE(generator.cache().decode_device().has_value());
+  testing::Generated offloaded;
+  offloaded.results = generator.generate(mixed_requests());
+  for (const auto& [id, rows] : *log) offloaded.logits.push_back(rows);
+  expect_same(offloaded, plain, "offloaded cache");
+  EXPECT_EQ(generator.cache().free_slots(), 3);
+  auto mono_lm = open_causal_lm(*served.checkpoint);
+  add_test_lora(mono_lm);
+  auto mono_options = small_options();
+  mono_options.offload_cache = true;
+  expect_same(testing::generate(mono_lm, mixed_requests(), mono_options), plain, "monolithic offloaded cache");
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, OffloadedDecodeTest, ::testing::Values("tiny-llama", "tiny-gpt2", "tiny-mistral"),
+                         [](const auto& info) { return model_name(info.param); });
+
+// The staging itself: a layer's positions [0, length) of the step's slots, in the step's order, and
+// nothing else; a new token written back lands at its sequence's start.
+TEST(OffloadedDecode, StagesTheStepsSlotsPrefixesAndWritesNewTokensBack) {
+  ModelShape shape;
+  shape.num_layers = 3;
+  shape.num_key_value_heads = 2;
+  shape.head_dim = 4;
+  KvCache cache(shape, 4, 8, at::kFloat, at::kCPU, 0, false, at::Device(at::kCPU));
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    cache.keys(layer).copy_(at::randn_like(cache.keys(layer)));
+    cache.values(layer).copy_(at::randn_like(cache.values(layer)));
+  }
+  for (const std::vector<int64_t>& slots : {std::vector<int64_t>{3, 0}, std::vector<int64_t>{1, 2, 3}}) {
+    cache.stage(1, slots, 5);
+    const auto [keys, values] = cache.staged(1);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const auto row = static_cast<int64_t>(i);
+      EXPECT_TRUE(keys[row].narrow(1, 0, 5).equal(cache.keys(1)[slots[i]].narrow(1, 0, 5))) << "slot " << slots[i];
+      EXPECT_TRUE(values[row].narrow(1, 0, 5).equal(cache.values(1)[slots[i]].narrow(1, 0, 5))) << "slot " << slots[i];
+    }
+  }
+  const auto new_keys = at::randn({2, 2, 4}), new_values = at::randn({2, 2, 4});
+  cache.write_back(2, {{3, 6, 1}, {0, 2, 1}}, new_keys, new_values);
+  EXPECT_TRUE(cache.keys(2)[3].select(1, 6).equal(new_keys[0]));
+  EXPECT_TRUE(cache.values(2)[0].select(1, 2).equal(new_values[1]));
+  EXPECT_NE(testing::error_of([&] { KvCache on_gpu(shape, 1, 8, at::kFloat, at::Device(at::kCUDA), 0, false, at::Device(at::kCUDA)); })
+                .find("an offloaded cache lies in host memory, but the device is cuda"),
+            std::string::npos);
+}
+
+TEST(OffloadedDecode, IsRefusedWithAHostDecodeModel) {
+  const auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint);
+  auto options = small_options();
+  options.offload_cache = true;
+  EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, decode_lm, options); })
+                .find("offload_cache and a host-decode model are two placements of the cache: choose one"),
+            std::string::npos);
 }
 
 std::string model_name(const std::string& preset) {
