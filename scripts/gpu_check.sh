@@ -7,6 +7,7 @@
 # Stages:
 #   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
+#   gtest          one test binary, GPU_TEST, with GPU_FILTER (default *); its log printed
 #   generator      gpu_generator_test alone, under MPS
 #   restart        gpu_restart_test alone (generation and training across an executor killed and restarted)
 #   trainer        gpu_trainer_test alone (the tenant trainer's captured steps, symbiosis-finetune on a GPU), under MPS
@@ -265,6 +266,12 @@ for stage in "$@"; do
       run_gtest gpu_privacy_test
       [ "$gpus" -ge 2 ] && run_gtest nccl_test
       mps_off
+      ;;
+    gtest)
+      # One GPU test binary, GPU_TEST (e.g. gpu_executor_test), filtered by GPU_FILTER; its log is printed.
+      run_gtest "$GPU_TEST" "${GPU_FILTER:-*}"
+      cp "$logs/$GPU_TEST.log" "$out/"
+      grep -vE "^\[ +(RUN|OK) +\]" "$logs/$GPU_TEST.log" | tail -30
       ;;
     generator)
       mps_on
@@ -527,16 +534,17 @@ PY
     soak)
       # The soak with churn on the GPU (docs/benchmarks.md, "Soak with churn"): 64 tenant processes, a third each
       # over cuda-ipc (their models on cuda:0), shm and tcp (on the CPU), join, leave, are killed and come back for
-      # SOAK_SECONDS (600) on one executor on cuda:0, under MPS (SOAK_TRANSPORTS, SOAK_CLIENTS and SOAK_BATCHING choose others; MPS takes at most 48 clients of a GPU). Exactness is held to 1e-2 here, not the CPU soak's
-      # 1e-5 ([Soak exactness] in bench/soak_client.cpp): the CPU clients' monolithic references compute their base
-      # layers on the CPU, and in short probes on an H100 they differed from the GPU executor by up to 5.2e-4 (logits)
-      # and 2.3e-3 (a gradient, of the step's largest) where same-GPU clients stayed at 7e-7 and 1.5e-5: an open
-      # question (issue 27's soak notes in docs/benchmarks.md). A wrong result is off by far more. The GPU's memory
-      # is nvidia-smi's for the whole GPU (the MPS server's included): 128 MiB of slack.
+      # SOAK_SECONDS (600) on one executor on cuda:0, under MPS (SOAK_TRANSPORTS, SOAK_CLIENTS and SOAK_BATCHING
+      # choose others; MPS takes at most 48 clients of a GPU). Exactness is held to SOAK_TOLERANCE (1e-3: logits and
+      # loss) and SOAK_GRADIENT_TOLERANCE (1e-2: adapter gradients, of the step's largest), not the CPU soak's 1e-5:
+      # the executor's GEMM for a packed batch (or the GPU's against a CPU client's reference) reduces in another
+      # order, and this model amplifies that up to 6.4e-3 in gradients as it trains ([Soak exactness] in
+      # bench/soak_client.cpp). A wrong result (another call's rows, a stale buffer) is off by the values themselves.
+      # The GPU's memory is nvidia-smi's for the whole GPU (the MPS server's included): 128 MiB of slack.
       mps_on
       "$B/bench/symbiosis-soak" --device cuda:0 --transports "${SOAK_TRANSPORTS:-cuda-ipc,shm,tcp}" --clients "${SOAK_CLIENTS:-64}" \
         --batching "${SOAK_BATCHING:-opportunistic}" \
-        --seconds "${SOAK_SECONDS:-600}" --max-call-ms 10000 --tolerance "${SOAK_TOLERANCE:-1e-2}" --gradient-tolerance "${SOAK_TOLERANCE:-1e-2}" \
+        --seconds "${SOAK_SECONDS:-600}" --max-call-ms 10000 --tolerance "${SOAK_TOLERANCE:-1e-3}" --gradient-tolerance "${SOAK_GRADIENT_TOLERANCE:-1e-2}" \
         --gpu-tolerance-mib 128 --out /tmp/soak-gpu > $logs/soak.txt 2>&1
       rc=$?
       log "soak exited $rc"

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "base_executor/executor.h"
@@ -732,6 +733,50 @@ TEST_F(ExecutorTest, SameHostClientsThatClaimTheExecutorsPidOrDieLeaveNoSegments
     EXPECT_EQ(memfd_mappings(), segments_before);
   }
   expect_still_serving();
+}
+
+// [Opportunistic batching], lockstep: clients that each wait for their previous call's result meet
+// in every batch, one call of each (the [Input observer]'s batch numbers), and no batch waits for
+// the lockstep timeout (60 s here: the test would take minutes).
+TEST_F(ExecutorTest, LockstepPacksOneCallOfEveryClientInEachBatch) {
+  ExecutorOptions options;
+  options.batching.policy = BatchingPolicy::kLockstep;
+  options.batching.lockstep_timeout = std::chrono::milliseconds(60000);
+  std::mutex mutex;
+  std::map<uint64_t, std::vector<uint64_t>> batches;  // batch number -> its calls' client ids
+  options.on_input = [&](uint64_t batch, uint64_t client_id, const LayerInfo&, LayerOp, const at::Tensor&) {
+    std::lock_guard<std::mutex> lock(mutex);
+    batches[batch].push_back(client_id);
+  };
+  auto executor = testing::start_executor(checkpoint_->dir, options);
+  std::vector<std::shared_ptr<Client>> clients;
+  for (const char* transport : {"tcp", "shm", "shm"}) {
+    ClientOptions client_options;
+    client_options.transport = transport;
+    clients.push_back(testing::connect(*executor, client_options));
+  }
+  const auto* up = clients[0]->find_layer("model.layers.0.mlp.up_proj");
+  constexpr int kRounds = 12;
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (auto& client : clients) {
+    threads.emplace_back([&, client] {
+      for (int r = 0; r < kRounds; ++r) {
+        auto x = at::randn({1 + r, 4});
+        if (r % 2 == 0) {
+          client->forward(*up, x, true);
+        } else {
+          client->backward_input(*up, at::randn({1 + r, up->out_features}));
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_EQ(batches.size(), static_cast<size_t>(kRounds)) << "took " << seconds << " s";
+  for (const auto& [number, ids] : batches) {
+    EXPECT_EQ(std::set<uint64_t>(ids.begin(), ids.end()).size(), clients.size()) << "batch " << number;
+  }
 }
 
 // [Overload]: calls that would bring the tokens waiting to be batched past --max-queued-tokens are
