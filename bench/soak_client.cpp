@@ -19,17 +19,18 @@
 // of 0.41, seen on an H100), and against its own size a last-bit difference of the base layers'
 // GEMMs is then any number (1.7, for a difference of 5.9e-8). A wrong result (another call's rows,
 // a stale buffer) is off by far more.
-// The adapter scales by 1 (alpha = r), not LoRA's usual alpha 16: at r = 2 a scale of 8 with
-// non-zero B makes the adapted model amplify last-bit differences of the base GEMMs some 50-fold
-// more (a GEMM reduced in another order, K split in two halves, moved this model's gradients by up
-// to 5.7e-4 of the step's largest at scale 8 and 1.1e-5 at scale 1 over 300 steps, in fp32 on the
-// CPU with transformers + PEFT). Even at scale 1 the model grows ill-conditioned as it trains: over
-// 6 000 steps the same reordering moved gradients by up to 6.4e-3 (r = 2 on the MLP; 99.9th
-// percentile 3.4e-4) and logits by up to 1.8e-4. So where the executor's GEMMs may reduce in
-// another order than the reference's (a GPU executor: another kernel for a packed batch's row
-// count, or the CPU's reference against the GPU), only a loose bound holds: scripts/gpu_check.sh
-// holds logits to 1e-3 and gradients to 1e-2 (issue 27's soak notes in docs/benchmarks.md). On the
-// CPU the same library computes both, rows do not depend on the batch, and 1e-5 holds.
+// The adapter scales by 1 (alpha = r), not LoRA's usual alpha 16 (a scale of 8 at r = 2), which
+// amplifies last-bit differences of the base GEMMs more: with every base GEMM reduced in another
+// order (K split in two halves, as another kernel may reduce), this model's logits moved by up to
+// 1.8e-4 at scale 1 and 1.6e-3 at scale 8, and its gradients by 3.4e-4 and 1.9e-3 at the 99.9th
+// percentile of 6 000 steps (bench/reorder_sensitivity.py, fp32 on the CPU with transformers +
+// PEFT). As the model trains it grows ill-conditioned at some steps whatever the scale: the
+// largest gradient difference was 6.4e-3 (scale 1) and 6.1e-3 (scale 8). So where the executor's
+// GEMMs may reduce in another order than the reference's (a GPU executor: another kernel for a
+// packed batch's row count, or the GPU's against a CPU client's reference), only a loose bound
+// holds: scripts/gpu_check.sh holds logits to 1e-3 and gradients to 1e-2 (issue 27's soak notes in
+// docs/benchmarks.md). On the CPU the same library computes both, a row's result does not depend on
+// its batch, and 1e-5 holds.
 //
 // [Call time] A call's time is that of the client runtime's "symbiosis::executor_call" scope
 // (LibTorch's RecordFunction), from the call to its result. A client on the executor's GPU gets

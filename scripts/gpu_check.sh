@@ -58,7 +58,7 @@
 #                  monolithic run (demo client --verify, 5e-4), executor on GPU 0 (2 GPUs)
 #   roundtrip-nccl the NCCL round trip alone (2 GPUs), with and without MPS
 #   soak           the soak with churn: 64 tenant processes over cuda-ipc, shm and tcp join, leave, are killed and
-#                  come back on one executor for SOAK_SECONDS (600), each exact at every step (bench/soak.cpp), under MPS
+#                  come back on one executor for SOAK_SECONDS (450), each exact at every step (bench/soak.cpp), under MPS
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -534,7 +534,7 @@ PY
     soak)
       # The soak with churn on the GPU (docs/benchmarks.md, "Soak with churn"): 64 tenant processes, a third each
       # over cuda-ipc (their models on cuda:0), shm and tcp (on the CPU), join, leave, are killed and come back for
-      # SOAK_SECONDS (600) on one executor on cuda:0, under MPS (SOAK_TRANSPORTS, SOAK_CLIENTS and SOAK_BATCHING
+      # SOAK_SECONDS (450: a device command runs at most 600 s) on one executor on cuda:0, under MPS (SOAK_TRANSPORTS, SOAK_CLIENTS and SOAK_BATCHING
       # choose others; MPS takes at most 48 clients of a GPU). Exactness is held to SOAK_TOLERANCE (1e-3: logits and
       # loss) and SOAK_GRADIENT_TOLERANCE (1e-2: adapter gradients, of the step's largest), not the CPU soak's 1e-5:
       # the executor's GEMM for a packed batch (or the GPU's against a CPU client's reference) reduces in another
@@ -544,7 +544,7 @@ PY
       mps_on
       "$B/bench/symbiosis-soak" --device cuda:0 --transports "${SOAK_TRANSPORTS:-cuda-ipc,shm,tcp}" --clients "${SOAK_CLIENTS:-64}" \
         --batching "${SOAK_BATCHING:-opportunistic}" \
-        --seconds "${SOAK_SECONDS:-600}" --max-call-ms 10000 --tolerance "${SOAK_TOLERANCE:-1e-3}" --gradient-tolerance "${SOAK_GRADIENT_TOLERANCE:-1e-2}" \
+        --seconds "${SOAK_SECONDS:-450}" --max-call-ms 10000 --tolerance "${SOAK_TOLERANCE:-1e-3}" --gradient-tolerance "${SOAK_GRADIENT_TOLERANCE:-1e-2}" \
         --gpu-tolerance-mib 128 --out /tmp/soak-gpu > $logs/soak.txt 2>&1
       rc=$?
       log "soak exited $rc"
