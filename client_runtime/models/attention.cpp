@@ -1,9 +1,12 @@
 #include "client_runtime/models/attention.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace symbiosis::detail {
@@ -45,7 +48,181 @@ at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                                           /*dropout_p=*/0.0, causal, scale, grouped);
 }
 
+// [CPU decode attention]
+constexpr int64_t kChunk = 256;  // keys a task reads
+constexpr int64_t kBlock = 16;   // floats an inner loop handles: a vector register of AVX-512, two of AVX2
+// Tasks a thread takes at least: a short cache is not worth waking the threads for (a task is 256 keys).
+constexpr int64_t kTasksPerThread = 16;
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SYMBIOSIS_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SYMBIOSIS_CPU_CLONES
+#endif
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// One chunk of `n` keys and values ([n, head_dim] each) for the `group` query heads q [group,
+// head_dim] (fp32, already scaled): out[g] = {sum_j e^(s_gj - m_g) v_j [head_dim], m_g, sum_j e^(s_gj - m_g)}.
+// scores: room for group x n floats; row: for head_dim floats.
+template <typename T>
+inline __attribute__((always_inline)) void attend_chunk(const float* __restrict q, const T* __restrict keys,
+                                                        const T* __restrict values, int64_t n, int64_t head_dim,
+                                                        int64_t group, float* __restrict scores, float* __restrict row,
+                                                        float* __restrict out) {
+  // (__restrict: the buffers never overlap, which lets the compiler keep the loops over them in vectors.)
+  const int64_t stride = head_dim + 2;
+  for (int64_t g = 0; g < group; ++g) out[g * stride + head_dim] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = keys + j * head_dim;
+    for (int64_t d = 0; d < head_dim; d += kBlock) {
+      for (int64_t i = 0; i < kBlock; ++i) row[d + i] = as_float(key[d + i]);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * head_dim;
+      float partial[kBlock] = {};
+      for (int64_t d = 0; d < head_dim; d += kBlock) {
+        for (int64_t i = 0; i < kBlock; ++i) partial[i] += qg[d + i] * row[d + i];
+      }
+      float s = 0;
+      for (int64_t i = 0; i < kBlock; ++i) s += partial[i];
+      scores[g * n + j] = s;
+      out[g * stride + head_dim] = std::max(out[g * stride + head_dim], s);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* acc = out + g * stride;
+    const float m = acc[head_dim];
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = std::exp(scores[g * n + j] - m);
+      scores[g * n + j] = p;
+      sum += p;
+    }
+    acc[head_dim + 1] = sum;
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = values + j * head_dim;
+    for (int64_t d = 0; d < head_dim; d += kBlock) {
+      for (int64_t i = 0; i < kBlock; ++i) row[d + i] = as_float(value[d + i]);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* __restrict acc = out + g * stride;
+      const float p = scores[g * n + j];
+      for (int64_t d = 0; d < head_dim; d += kBlock) {
+        for (int64_t i = 0; i < kBlock; ++i) acc[d + i] += p * row[d + i];
+      }
+    }
+  }
+}
+
+SYMBIOSIS_CPU_CLONES void attend_chunk_fp32(const float* q, const float* keys, const float* values, int64_t n,
+                                            int64_t head_dim, int64_t group, float* scores, float* row, float* out) {
+  attend_chunk(q, keys, values, n, head_dim, group, scores, row, out);
+}
+
+SYMBIOSIS_CPU_CLONES void attend_chunk_bf16(const float* q, const c10::BFloat16* keys, const c10::BFloat16* values,
+                                            int64_t n, int64_t head_dim, int64_t group, float* scores, float* row,
+                                            float* out) {
+  attend_chunk(q, keys, values, n, head_dim, group, scores, row, out);
+}
+
 }  // namespace
+
+bool cpu_decode_attention_supports(const at::Tensor& q, const at::Tensor& keys, const AttentionScores& scores) {
+  const auto dtype = keys.scalar_type();
+  return q.device().is_cpu() && keys.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+         scores.softcap == 0 && q.dim() == 3 && keys.dim() == 4 && keys.is_contiguous() && q.size(2) == keys.size(3) &&
+         keys.size(3) % kBlock == 0 && q.size(1) % keys.size(1) == 0;
+}
+
+at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                const std::vector<int64_t>& rows, const std::vector<int64_t>& positions,
+                                int64_t sliding_window, double scale) {
+  TORCH_CHECK(cpu_decode_attention_supports(q, keys, {}) && values.sizes() == keys.sizes() && values.is_contiguous() &&
+                  values.scalar_type() == keys.scalar_type(),
+              "cpu_decode_attention takes q [B, heads, head_dim] and a contiguous fp32 or bf16 cache [slots, kv_heads, "
+              "tokens, head_dim] (head_dim a multiple of 16), got q ", q.sizes(), " and keys ", keys.sizes(), " ",
+              keys.scalar_type());
+  const int64_t sequences = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), tokens = keys.size(2), group = heads / kv_heads;
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == sequences && static_cast<int64_t>(positions.size()) == sequences,
+              "cpu_decode_attention: ", rows.size(), " rows and ", positions.size(), " positions for ", sequences, " sequences");
+  const double softmax_scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const auto queries = (q.to(at::kFloat) * softmax_scale).contiguous();
+  // The tasks: (sequence, kv head, chunk), each sequence's keys first .. positions[b].
+  struct Task {
+    int64_t sequence, kv_head, first, count;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(sequences + 1);
+  for (int64_t b = 0; b < sequences; ++b) {
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < keys.size(0) && positions[b] >= 0 && positions[b] < tokens,
+                "cpu_decode_attention: sequence ", b, " in slot ", rows[b], " at position ", positions[b],
+                " is outside the cache [", keys.size(0), " slots, ", tokens, " tokens]");
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, positions[b] - sliding_window + 1) : 0;
+    first_task[b] = static_cast<int64_t>(tasks.size());
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t start = first; start <= positions[b]; start += kChunk) {
+        tasks.push_back({b, h, start, std::min(kChunk, positions[b] + 1 - start)});
+      }
+    }
+  }
+  first_task[sequences] = static_cast<int64_t>(tasks.size());
+  const int64_t stride = head_dim + 2;
+  std::vector<float> partials(tasks.size() * group * stride);
+  const float* q_data = queries.data_ptr<float>();
+  const bool bf16 = keys.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), kTasksPerThread, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kChunk), row(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const auto& task = tasks[t];
+      const int64_t offset = ((rows[task.sequence] * kv_heads + task.kv_head) * tokens + task.first) * head_dim;
+      const float* qg = q_data + (task.sequence * heads + task.kv_head * group) * head_dim;
+      float* out = partials.data() + t * group * stride;
+      if (bf16) {
+        attend_chunk_bf16(qg, keys.const_data_ptr<c10::BFloat16>() + offset, values.const_data_ptr<c10::BFloat16>() + offset,
+                          task.count, head_dim, group, scores.data(), row.data(), out);
+      } else {
+        attend_chunk_fp32(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset, task.count,
+                          head_dim, group, scores.data(), row.data(), out);
+      }
+    }
+  });
+  // Each query head's chunks merged, in the order of their keys.
+  auto result = at::empty({sequences, heads, head_dim}, at::TensorOptions().dtype(at::kFloat));
+  float* merged = result.data_ptr<float>();
+  at::parallel_for(0, sequences * kv_heads, kTasksPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      // This (sequence, kv head)'s tasks lie side by side: its chunks in key order.
+      const int64_t per_head = (first_task[b + 1] - first_task[b]) / kv_heads;
+      const int64_t t0 = first_task[b] + h * per_head;
+      for (int64_t g = 0; g < group; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = t0; t < t0 + per_head; ++t) m = std::max(m, partials[(t * group + g) * stride + head_dim]);
+        float* dst = merged + (b * heads + h * group + g) * head_dim;
+        std::fill(dst, dst + head_dim, 0.0f);
+        float sum = 0;
+        for (int64_t t = t0; t < t0 + per_head; ++t) {
+          const float* part = partials.data() + (t * group + g) * stride;
+          const float weight = std::exp(part[head_dim] - m);
+          sum += weight * part[head_dim + 1];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] += weight * part[d];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] /= sum;
+      }
+    }
+  });
+  return result.to(q.scalar_type());
+}
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& additive_mask,
                      const AttentionScores& scores) {

@@ -10,6 +10,8 @@
 // dtype, capped, masked, softmax in fp32, cast back, times the values.
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace symbiosis {
 
 // How attention turns q·kᵀ into the softmax's input.
@@ -30,6 +32,32 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // every key when the mask is undefined.
 at::Tensor attention_over(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& additive_mask, const AttentionScores& scores = {});
+
+// [CPU decode attention] A decode step's attention over a long cache in host memory ([Host decode] in
+// inference/heterogeneous.h), where LibTorch's CPU kernels read the cache far below the memory's
+// bandwidth (scaled_dot_product_attention's flash kernel for one query token reached 5 GB/s in fp32
+// and 1.5 GB/s in bf16 on two cores that copy 15 GB/s). The keys of each (sequence, key/value head)
+// are cut in chunks of 256 and the chunks of every sequence and head are spread over all the
+// threads (split-K, as flash decoding does on a GPU): a chunk's keys are read once for all the query
+// heads of their group (grouped-query attention), the scores kept in fp32 with the chunk's running
+// maximum and sum, then its values read once; a second pass merges each query head's chunks. So
+// the cache is read once a step, by every core, in its storage dtype (fp32 or bf16, converted to fp32
+// in registers); the inner loops run over fixed blocks of 16 floats, which the compiler vectorizes,
+// and on x86-64 the kernel is compiled for AVX-512, AVX2 and plain x86-64, chosen when loaded. The
+// softmax and the products are fp32 (LibTorch's math rounds bf16 scores first, so bf16 results may
+// differ by bf16 rounding; fp32 ones by the order of the sums).
+//
+// q [B, heads, head_dim] (the step's queries, one token a sequence); keys, values: a layer's cache
+// [slots, kv_heads, tokens, head_dim], contiguous, the step's new keys already written; rows[b]: the
+// slot of sequence b; positions[b]: the position of its new token, so that it attends over keys
+// 0 .. positions[b] (or the last sliding_window of them when sliding_window > 0); scale: 0 for
+// 1/sqrt(head_dim). Returns [B, heads, head_dim] in q's dtype. cpu_decode_attention_supports() says
+// which dtypes and shapes it takes (fp32 or bf16, head_dim a multiple of 16, heads a multiple of
+// kv_heads, no soft cap).
+bool cpu_decode_attention_supports(const at::Tensor& q, const at::Tensor& keys, const AttentionScores& scores);
+at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                const std::vector<int64_t>& rows, const std::vector<int64_t>& positions,
+                                int64_t sliding_window = 0, double scale = 0.0);
 
 // 0 where `allowed` (bool) is true, the dtype's lowest value where it is false.
 at::Tensor additive_mask(const at::Tensor& allowed, at::ScalarType dtype);

@@ -387,6 +387,18 @@ at::Tensor CachedStep::attend_decode(at::Tensor& keys, at::Tensor& values, const
   // One token a sequence: written at each one's start, then one attention call for all of them.
   keys.index_put_({rows, Slice(), starts_}, k[0].transpose(0, 1));
   values.index_put_({rows, Slice(), starts_}, v[0].transpose(0, 1));
+  const auto queries_by_sequence = q[0].transpose(0, 1);  // [sequences, heads, head_dim]
+  if (!sequences_.empty() && detail::cpu_decode_attention_supports(queries_by_sequence, keys, scores)) {
+    // [CPU decode attention]: every thread on the cache, read once.
+    std::vector<int64_t> row_of, positions;
+    for (size_t i = 0; i < sequences_.size(); ++i) {
+      row_of.push_back(first_row >= 0 ? first_row + static_cast<int64_t>(i) : sequences_[i].slot);
+      positions.push_back(sequences_[i].start);
+    }
+    return detail::cpu_decode_attention(queries_by_sequence, keys, values, row_of, positions, sliding_window, scores.scale)
+        .transpose(0, 1)
+        .unsqueeze(0);
+  }
   auto span = [&](const at::Tensor& t) {
     auto prefix = t.narrow(2, 0, decode_keys_);
     return first_row >= 0 ? prefix.narrow(0, first_row, count_) : prefix.index_select(0, rows);

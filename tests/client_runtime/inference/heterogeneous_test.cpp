@@ -16,6 +16,7 @@
 
 #include "client_runtime/inference/generator.h"
 #include "client_runtime/inference/heterogeneous.h"
+#include "client_runtime/models/attention.h"
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/test_util.h"
 
@@ -280,6 +281,36 @@ TEST(OffloadedDecode, IsRefusedWithAHostDecodeModel) {
   EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, decode_lm, options); })
                 .find("offload_cache and a host-decode model are two placements of the cache: choose one"),
             std::string::npos);
+}
+
+// [CPU decode attention] (models/attention.h) against LibTorch's attention over the same keys:
+// grouped-query heads, sequences at different positions in slots out of order, a sliding window
+// and another scale; fp32 to its rounding, bf16 to bf16's.
+TEST(CpuDecodeAttention, EqualsLibTorchsAttention) {
+  at::manual_seed(3);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const int64_t window : {0, 300}) {
+      const int64_t heads = 8, kv_heads = 2, head_dim = 32, tokens = 700;
+      const auto keys = at::randn({4, kv_heads, tokens, head_dim}).to(dtype);
+      const auto values = at::randn({4, kv_heads, tokens, head_dim}).to(dtype);
+      const auto q = at::randn({3, heads, head_dim}).to(dtype);
+      const std::vector<int64_t> rows = {2, 0, 3}, positions = {699, 0, 513};
+      const double scale = window ? 0.1 : 0.0;
+      const auto out = detail::cpu_decode_attention(q, keys, values, rows, positions, window, scale);
+      ASSERT_EQ(out.sizes(), q.sizes());
+      for (size_t b = 0; b < rows.size(); ++b) {
+        const int64_t first = window ? std::max<int64_t>(0, positions[b] - window + 1) : 0, count = positions[b] + 1 - first;
+        auto span = [&](const at::Tensor& t) { return t[rows[b]].narrow(1, first, count).unsqueeze(0).to(at::kFloat); };
+        const auto expected = detail::attention_over(q[b].unsqueeze(0).unsqueeze(2).to(at::kFloat), span(keys), span(values), {},
+                                                     {.scale = scale})[0].squeeze(1);
+        const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+        EXPECT_LT(testing::relative_error(out[b].to(at::kFloat), expected), tolerance)
+            << c10::toString(dtype) << " window " << window << " sequence " << b;
+      }
+    }
+  }
+  EXPECT_FALSE(detail::cpu_decode_attention_supports(at::zeros({1, 4, 32}), at::zeros({1, 2, 8, 32}), {.softcap = 50}));
+  EXPECT_FALSE(detail::cpu_decode_attention_supports(at::zeros({1, 4, 24}, at::kHalf), at::zeros({1, 2, 8, 24}, at::kHalf), {}));
 }
 
 std::string model_name(const std::string& preset) {

@@ -1,0 +1,529 @@
+// symbiosis-bench-long-context: issue 28's benchmark, in one run against one executor process.
+//
+// Single request (batch 1), for each context of --contexts (prompt tokens) and --new-tokens greedy
+// new tokens, the inter-token latency (the mean time between a request's tokens after its first) of
+//  gpu      the all-GPU client: the model's client layers and the KV cache on --device
+//           (decode captured in CUDA graphs, as a user gets it);
+//  offload  the same client with its cache in page-locked host memory, each layer's keys and values
+//           copied to the GPU at each decode step ([Offloaded decode] in models/kv_cache.h: the
+//           baseline, what transformers' OffloadedCache does);
+//  host     the heterogeneous placement ([Host decode] in inference/heterogeneous.h): prefill on
+//           --device, the cache in page-locked host memory, decode on the CPU over a client of its own.
+// A run that does not fit (the GPU's memory, the host capacity, page-locking) is reported "does not
+// fit" with the reason, and the next runs go on. The decode steps' cache read rate (the bytes of
+// keys and values a step reads over the inter-token latency) is reported for the offload and host
+// modes: against the host link's rate, and against the host's memory bandwidth.
+//
+// Then (--attention-bandwidth) the host's memory bandwidth, measured here (a sum over a large
+// buffer with every thread; a copy), against [CPU decode attention] over one layer's cache of each
+// context, and LibTorch's scaled_dot_product_attention over the same (the kernel it replaced).
+//
+// Then (--multi-request) the paper's Figure 20 point: requests of --multi-prompt tokens, as many as
+// the host capacity holds on the heterogeneous placement (decode on the CPU) against as many as the
+// GPU's free memory holds on the all-GPU client, all submitted at once and prefilled in one step;
+// requests held and decode tokens/s.
+//
+// Results: --out/long_context.csv and --out/long_context.md (and stdout). With --device cpu every
+// mode runs on the CPU (the code paths, not the placements): the ctest smoke (long_context_smoke).
+// A budget (--budget-s) skips a run whose estimate (twice the same mode's previous context) would
+// pass it, reported "skipped".
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
+#include <symbiosis/client.h>
+#include <symbiosis/inference.h>
+#include <symbiosis/models.h>
+#include <symbiosis/peft.h>
+
+#include "bench/process.h"
+#include "client_runtime/models/attention.h"
+
+using namespace symbiosis;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Settings {
+  std::string model;   // a checkpoint directory, or
+  std::string preset;  // one symbiosis-make-checkpoint writes under --out
+  int64_t layers = -1;  // the preset's layers, or this many
+  std::string device = "cuda:0";
+  std::string executor_device = "cuda:0";
+  std::string dtype = "bf16";
+  std::string contexts = "4K,8K,16K,32K,64K,128K";
+  std::string modes = "gpu,offload,host";
+  int64_t new_tokens = 64;
+  int64_t lora_r = 8;
+  int threads = 0;  // 0: every core
+  int64_t host_cache_capacity_bytes = 100LL << 30;
+  double budget_s = 0;  // 0: none
+  bool attention_bandwidth = true;
+  int64_t bandwidth_bytes = 4LL << 30;
+  bool multi_request = true;
+  int64_t multi_prompt = 1024;
+  int64_t multi_new_tokens = 16;
+  int64_t multi_max_requests = 0;  // 0: as many as fit
+  int64_t gpu_reserve_bytes = 16LL << 30;  // left free on the GPU for the multi-request prefill's activations
+  std::string out = "/tmp/long-context";
+};
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::vector<int64_t> parse_contexts(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (item.empty()) continue;
+    int64_t scale = 1;
+    if (item.back() == 'K' || item.back() == 'k') {
+      scale = 1024;
+      item.pop_back();
+    }
+    size_t used = 0;
+    int64_t value = 0;
+    try {
+      value = std::stoll(item, &used);
+    } catch (const std::exception&) {
+    }
+    TORCH_CHECK(used == item.size() && value > 0, "--contexts: '", item, "' is not a positive count (like 4096 or 4K)");
+    out.push_back(value * scale);
+  }
+  return out;
+}
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string context_name(int64_t tokens) {
+  return tokens % 1024 == 0 ? std::to_string(tokens / 1024) + "K" : std::to_string(tokens);
+}
+
+void release_device_memory() {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (c10::cuda::device_count() > 0) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+int64_t free_device_bytes(const at::Device& device) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (device.is_cuda()) {
+    release_device_memory();
+    size_t free = 0, total = 0;
+    c10::cuda::CUDAGuard guard(device);
+    if (cudaMemGetInfo(&free, &total) == cudaSuccess) return static_cast<int64_t>(free);
+  }
+#endif
+  return 0;
+}
+
+// Whether a failure is the placement's memory running out (or refused by the host capacity).
+bool does_not_fit(const std::string& error) {
+  for (const char* sign : {"out of memory", "OutOfMemory", "cannot page-lock", "cannot map",
+                           "more than host_cache_capacity_bytes", "CUDA error: out of memory"}) {
+    if (error.find(sign) != std::string::npos) return true;
+  }
+  return false;
+}
+
+std::string first_line(const std::string& text) {
+  auto line = text.substr(0, text.find('\n'));
+  return line.size() > 240 ? line.substr(0, 240) + "..." : line;
+}
+
+struct Row {
+  std::string mode;
+  int64_t context = 0;
+  std::string status = "ok";  // ok, does not fit, failed, skipped
+  std::string reason;
+  int64_t requests = 1;
+  double prefill_s = 0, itl_ms = 0, tokens_per_s = 0;
+  double cache_gib = 0;               // the cache the run allocated
+  double cache_read_gb_per_s = 0;     // bytes of keys and values a decode step reads / inter-token latency
+  double seconds = 0;                 // the run's wall time, allocation included
+};
+
+// The models, their clients and the executor they share.
+struct Models {
+  std::shared_ptr<Checkpoint> checkpoint;
+  std::shared_ptr<Client> device_client, host_client;
+  CausalLM device_lm, host_lm;  // on --device; on the CPU (host decode's decode side)
+  ModelShape shape;
+  at::ScalarType dtype = at::kBFloat16;
+};
+
+GenerationRequest make_request(int64_t prompt, int64_t new_tokens, int64_t vocab, uint64_t seed) {
+  GenerationRequest request;
+  request.prompt_ids.resize(static_cast<size_t>(prompt));
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& id : request.prompt_ids) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    id = static_cast<int64_t>(x % static_cast<uint64_t>(vocab));
+  }
+  request.sampling.max_new_tokens = new_tokens;
+  return request;
+}
+
+std::unique_ptr<Generator> make_generator(Models& m, const std::string& mode, GeneratorOptions options) {
+  options.offload_cache = mode == "offload";
+  if (mode == "host") return std::make_unique<Generator>(m.device_lm, m.host_lm, options);
+  return std::make_unique<Generator>(m.device_lm, options);
+}
+
+// One generation of `requests` requests of `prompt` tokens and `new_tokens` new ones, all joining in
+// one step; fills the row's timings, or its status and reason.
+void generate(Models& m, const std::string& mode, int64_t requests, int64_t prompt, int64_t new_tokens,
+              GeneratorOptions options, Row& row) {
+  const double start = now_s();
+  try {
+    options.max_sequences = requests;
+    options.max_tokens = prompt + new_tokens;
+    options.max_prefill_tokens = requests * prompt;
+    auto generator = make_generator(m, mode, options);
+    row.cache_gib = static_cast<double>(generator->cache().bytes()) / (1LL << 30);
+    const int64_t vocab = cached_model(*m.device_lm.module).token_embeddings().size(0);
+    std::vector<double> first(requests, 0), last(requests, 0);
+    std::vector<int64_t> produced(requests, 0);
+    std::string error;
+    for (int64_t r = 0; r < requests; ++r) {
+      generator->submit(make_request(prompt, new_tokens, vocab, static_cast<uint64_t>(r + 1)), [&, r](const TokenEvent& event) {
+        if (event.token >= 0) {
+          (produced[r]++ == 0 ? first[r] : last[r]) = now_s();
+        }
+        if (event.finished && !event.error.empty() && error.empty()) error = event.error;
+      });
+    }
+    const double submitted = now_s();
+    generator->run();
+    TORCH_CHECK(error.empty(), error);
+    const double prefilled = *std::max_element(first.begin(), first.end());
+    const double done = *std::max_element(last.begin(), last.end());
+    int64_t decode_tokens = 0;
+    for (auto p : produced) decode_tokens += p - 1;
+    row.prefill_s = prefilled - submitted;
+    if (decode_tokens > 0 && done > prefilled) {
+      // Every request joined in the same step, so each decode step is one token of each.
+      row.itl_ms = (done - prefilled) / static_cast<double>(decode_tokens / requests) * 1e3;
+      row.tokens_per_s = static_cast<double>(decode_tokens) / (done - prefilled);
+      // A decode step reads every running sequence's keys and values, half a context more on average.
+      const double positions = static_cast<double>(requests) * (static_cast<double>(prompt) + new_tokens / 2.0);
+      row.cache_read_gb_per_s =
+          positions * KvCache::bytes_per_position(m.shape, m.dtype) / (row.itl_ms / 1e3) / 1e9;
+    }
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    row.status = does_not_fit(what) ? "does not fit" : "failed";
+    row.reason = first_line(what);
+  } catch (const std::exception& e) {
+    row.status = does_not_fit(e.what()) ? "does not fit" : "failed";
+    row.reason = first_line(e.what());
+  }
+  release_device_memory();
+  row.seconds = now_s() - start;
+}
+
+std::string fixed(double value, int digits) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(digits) << value;
+  return out.str();
+}
+
+// [CPU decode attention] against the host's memory bandwidth and LibTorch's attention.
+struct BandwidthRow {
+  int64_t context;
+  double bytes, kernel_gb_per_s, sdpa_gb_per_s;
+};
+
+double timed(const std::function<void()>& run, int repeats) {
+  run();  // warm: first touch, thread pool
+  const double start = now_s();
+  for (int i = 0; i < repeats; ++i) run();
+  return (now_s() - start) / repeats;
+}
+
+std::pair<double, double> memory_bandwidth(int64_t bytes) {
+  const auto a = at::ones({bytes / 4}, at::kFloat);
+  auto b = at::empty_like(a);
+  const double sum_s = timed([&] { (void)a.sum().item<float>(); }, 5);
+  const double copy_s = timed([&] { b.copy_(a); }, 5);
+  return {static_cast<double>(bytes) / sum_s / 1e9, 2.0 * static_cast<double>(bytes) / copy_s / 1e9};
+}
+
+std::vector<BandwidthRow> attention_bandwidth(const Models& m, const std::vector<int64_t>& contexts) {
+  std::vector<BandwidthRow> rows;
+  const auto& s = m.shape;
+  for (const auto context : contexts) {
+    // One layer's keys and values, one sequence: a layer of a decode step.
+    const auto options = at::TensorOptions().dtype(m.dtype);
+    const auto keys = at::randn({1, s.num_key_value_heads, context, s.head_dim}, options);
+    const auto values = at::randn({1, s.num_key_value_heads, context, s.head_dim}, options);
+    const auto q = at::randn({1, s.num_attention_heads, s.head_dim}, options);
+    const double bytes = 2.0 * static_cast<double>(keys.nbytes());
+    const int repeats = std::max<int>(3, static_cast<int>(8e9 / bytes));
+    BandwidthRow row{context, bytes, 0, 0};
+    if (symbiosis::detail::cpu_decode_attention_supports(q, keys, {})) {
+      row.kernel_gb_per_s = bytes / timed([&] { symbiosis::detail::cpu_decode_attention(q, keys, values, {0}, {context - 1}); }, repeats) / 1e9;
+    }
+    const auto q4 = q.unsqueeze(2);  // [1, heads, 1, head_dim]
+    row.sdpa_gb_per_s = bytes / timed([&] { symbiosis::detail::attention_over(q4, keys, values, {}); }, std::min(repeats, 5)) / 1e9;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+int run(Settings& s) {
+  fs::create_directories(s.out);
+  const int threads = s.threads > 0 ? s.threads : static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(threads);
+  const auto build = bench::build_dir();
+  fs::path model = s.model;
+  if (model.empty()) {
+    TORCH_CHECK(!s.preset.empty(), "give --model (a checkpoint directory) or --preset (one to write)");
+    model = fs::path(s.out) / ("model-" + s.preset + (s.layers >= 0 ? "-" + std::to_string(s.layers) : "") + "-" + s.dtype);
+    if (!fs::exists(model / "config.json")) {
+      std::cerr << "writing the " << s.preset << " checkpoint to " << model << std::endl;
+      std::vector<std::string> args = {(build / "tools/symbiosis-make-checkpoint").string(), "--preset", s.preset, "--dtype",
+                                       s.dtype, "--out", model.string()};
+      if (s.layers >= 0) args.insert(args.end(), {"--layers", std::to_string(s.layers)});
+      const auto pid = bench::spawn(args,
+                                    fs::path(s.out) / "make-checkpoint.out", fs::path(s.out) / "make-checkpoint.err");
+      TORCH_CHECK(bench::wait_ok(pid), "symbiosis-make-checkpoint failed: ", bench::read_file(fs::path(s.out) / "make-checkpoint.err"));
+    }
+  }
+  const auto dtype = parse_dtype_name(s.dtype);
+  const double t0 = now_s();
+  // One tenant runs at a time (its two clients, one idle): nothing to batch with, so the executor
+  // does not wait for companions (opportunistic batching would wait for the idle client's decode
+  // steps). A prefill's largest call, 128K tokens x 11008 bf16, is 2.7 GiB.
+  const auto executor = bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               s.executor_device, "--dtype", s.dtype, "--log-level", "warn",
+                                               "--batching", "none", "--max-request-bytes", std::to_string(16LL << 30)},
+                                              fs::path(s.out) / "executor", 900);
+  std::cerr << "executor ready at " << executor.endpoint << " after " << fixed(now_s() - t0, 1) << " s" << std::endl;
+  std::vector<Row> rows;
+  std::vector<BandwidthRow> bandwidth;
+  double sum_gb_per_s = 0, copy_gb_per_s = 0;
+  int status = 0;
+  try {
+    Models m;
+    m.checkpoint = Checkpoint::open(model);
+    m.dtype = dtype;
+    auto connect = [&](const std::string& device, const std::string& tenant) {
+      ClientOptions options;
+      options.endpoint = executor.endpoint;
+      options.expected_model_hash = m.checkpoint->model_hash();
+      options.device = device;
+      options.tenant = tenant;
+      return Client::connect(options);
+    };
+    m.device_client = connect(s.device, "long-context");
+    m.host_client = connect("cpu", "long-context-host-decode");
+    m.device_lm = open_causal_lm(*m.checkpoint, m.device_client, {dtype, at::Device(s.device)});
+    m.host_lm = open_causal_lm(*m.checkpoint, m.host_client, {dtype, at::kCPU});
+    if (s.lora_r > 0) {
+      LoraConfig lora;
+      lora.r = s.lora_r;
+      add_lora(*m.device_lm.module, lora);
+      add_lora(*m.host_lm.module, lora);  // AdapterMirror copies the device model's
+    }
+    m.shape = model_adapter_host(*m.device_lm.module).model_shape();
+    std::cerr << "transports: " << m.device_client->transport() << " (" << s.device << "), " << m.host_client->transport()
+              << " (cpu); " << threads << " CPU threads" << std::endl;
+
+    const auto contexts = parse_contexts(s.contexts);
+    const auto modes = split(s.modes);
+    for (const auto& mode : modes) {
+      TORCH_CHECK(mode == "gpu" || mode == "offload" || mode == "host", "--modes: '", mode, "' is not gpu, offload or host");
+    }
+    GeneratorOptions base;
+    base.host_cache_capacity_bytes = s.host_cache_capacity_bytes;
+    // A warm-up generation of each mode (kernels chosen, graphs captured, pools filled), not reported.
+    for (const auto& mode : modes) {
+      Row warm;
+      generate(m, mode, 1, std::min<int64_t>(512, contexts.front()), 4, base, warm);
+      if (warm.status != "ok") std::cerr << "warm-up of " << mode << ": " << warm.status << ": " << warm.reason << std::endl;
+    }
+    const double start = now_s();
+    std::map<std::string, double> previous_seconds;
+    for (const auto context : contexts) {
+      for (const auto& mode : modes) {
+        Row row;
+        row.mode = mode;
+        row.context = context;
+        const double estimate = 2 * previous_seconds[mode];
+        if (s.budget_s > 0 && now_s() - start + estimate > s.budget_s) {
+          row.status = "skipped";
+          row.reason = "over the time budget (--budget-s " + fixed(s.budget_s, 0) + ")";
+        } else {
+          generate(m, mode, 1, context, s.new_tokens, base, row);
+          previous_seconds[mode] = row.seconds;
+        }
+        std::cerr << mode << " " << context_name(context) << ": " << row.status
+                  << (row.status == "ok" ? ", " + fixed(row.itl_ms, 2) + " ms a token, prefill " + fixed(row.prefill_s, 2) + " s"
+                                         : ": " + row.reason)
+                  << " (" << fixed(row.seconds, 1) << " s)" << std::endl;
+        rows.push_back(row);
+      }
+    }
+    if (s.attention_bandwidth) {
+      std::tie(sum_gb_per_s, copy_gb_per_s) = memory_bandwidth(s.bandwidth_bytes);
+      bandwidth = attention_bandwidth(m, contexts);
+    }
+    if (s.multi_request) {
+      const int64_t per_request = KvCache::bytes_per_position(m.shape, dtype) * (s.multi_prompt + s.multi_new_tokens);
+      auto limited = [&](int64_t n) { return s.multi_max_requests > 0 ? std::min(n, s.multi_max_requests) : n; };
+      const int64_t on_host = limited(s.host_cache_capacity_bytes / per_request);
+      const at::Device device(s.device);
+      const int64_t on_device = limited(device.is_cuda() ? (free_device_bytes(device) - s.gpu_reserve_bytes) / per_request : on_host);
+      for (const auto& [mode, requests] : {std::pair<std::string, int64_t>{"host", on_host}, {"gpu", on_device}}) {
+        Row row;
+        row.mode = "multi-" + mode;
+        row.context = s.multi_prompt;
+        row.requests = requests;
+        if (requests < 1) {
+          row.status = "does not fit";
+          row.reason = "not one request of " + std::to_string(per_request) + " bytes fits";
+        } else {
+          generate(m, mode, requests, s.multi_prompt, s.multi_new_tokens, base, row);
+        }
+        std::cerr << row.mode << " x " << requests << ": " << row.status
+                  << (row.status == "ok" ? ", " + fixed(row.tokens_per_s, 1) + " tokens/s" : ": " + row.reason) << std::endl;
+        rows.push_back(row);
+      }
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "long-context: " << e.what() << std::endl;
+    status = 1;
+  }
+  bench::stop(executor.pid);
+
+  // The results.
+  std::ofstream csv(fs::path(s.out) / "long_context.csv");
+  csv << "mode,context,requests,status,prefill_s,itl_ms,tokens_per_s,cache_gib,cache_read_gb_per_s,seconds,reason\n";
+  for (const auto& r : rows) {
+    csv << r.mode << "," << r.context << "," << r.requests << "," << r.status << "," << r.prefill_s << "," << r.itl_ms << ","
+        << r.tokens_per_s << "," << r.cache_gib << "," << r.cache_read_gb_per_s << "," << r.seconds << ",\""
+        << r.reason << "\"\n";
+  }
+  std::ostringstream md;
+  md << "Inter-token latency (ms), batch 1, " << s.new_tokens << " new tokens, " << s.dtype << ", client on " << s.device
+     << ", executor on " << s.executor_device << ", " << threads << " CPU threads:\n\n"
+     << "| context | gpu | offload | host | offload / host | offload cache read | host cache read |\n"
+     << "| --- | --- | --- | --- | --- | --- | --- |\n";
+  auto find = [&](const std::string& mode, int64_t context) -> const Row* {
+    for (const auto& r : rows) {
+      if (r.mode == mode && r.context == context) return &r;
+    }
+    return nullptr;
+  };
+  auto cell = [](const Row* r) {
+    if (r == nullptr) return std::string("-");
+    return r->status == "ok" ? fixed(r->itl_ms, 1) : r->status;
+  };
+  for (const auto context : parse_contexts(s.contexts)) {
+    const auto *offload = find("offload", context), *host = find("host", context);
+    const bool both = offload && host && offload->status == "ok" && host->status == "ok";
+    md << "| " << context_name(context) << " | " << cell(find("gpu", context)) << " | " << cell(offload) << " | "
+       << cell(host) << " | " << (both ? fixed(offload->itl_ms / host->itl_ms, 2) + "x" : "-") << " | "
+       << (offload && offload->status == "ok" ? fixed(offload->cache_read_gb_per_s, 1) + " GB/s" : "-") << " | "
+       << (host && host->status == "ok" ? fixed(host->cache_read_gb_per_s, 1) + " GB/s" : "-") << " |\n";
+  }
+  md << "\nNot run or not fitting:\n\n";
+  for (const auto& r : rows) {
+    if (r.status != "ok") md << "- " << r.mode << " " << context_name(r.context) << ": " << r.status << ": " << r.reason << "\n";
+  }
+  if (!bandwidth.empty()) {
+    md << "\nHost memory: a sum reads " << fixed(sum_gb_per_s, 1) << " GB/s, a copy moves " << fixed(copy_gb_per_s, 1)
+       << " GB/s (read + write), " << threads << " threads. One layer's decode attention, one sequence:\n\n"
+       << "| context | layer's keys and values | CPU decode attention | of the sum's bandwidth | LibTorch sdpa |\n"
+       << "| --- | --- | --- | --- | --- |\n";
+    for (const auto& b : bandwidth) {
+      md << "| " << context_name(b.context) << " | " << fixed(b.bytes / (1 << 20), 0) << " MiB | "
+         << fixed(b.kernel_gb_per_s, 1) << " GB/s | " << fixed(100 * b.kernel_gb_per_s / sum_gb_per_s, 0) << "% | "
+         << fixed(b.sdpa_gb_per_s, 1) << " GB/s |\n";
+    }
+  }
+  bool any_multi = false;
+  for (const auto& r : rows) any_multi = any_multi || r.mode.rfind("multi-", 0) == 0;
+  if (any_multi) {
+    md << "\nRequests of " << s.multi_prompt << " prompt tokens and " << s.multi_new_tokens
+       << " new ones, all at once (host capacity " << fixed(static_cast<double>(s.host_cache_capacity_bytes) / (1LL << 30), 1)
+       << " GiB; the GPU's free memory less " << fixed(static_cast<double>(s.gpu_reserve_bytes) / (1LL << 30), 1)
+       << " GiB):\n\n| placement | requests held | cache | decode tokens/s | ms a step | prefill s |\n"
+       << "| --- | --- | --- | --- | --- | --- |\n";
+    for (const auto& r : rows) {
+      if (r.mode.rfind("multi-", 0) != 0) continue;
+      md << "| " << (r.mode == "multi-host" ? "CPU decode (host cache)" : "GPU client") << " | " << r.requests << " | "
+         << fixed(r.cache_gib, 1) << " GiB | " << (r.status == "ok" ? fixed(r.tokens_per_s, 1) : r.status + ": " + r.reason)
+         << " | " << fixed(r.itl_ms, 1) << " | " << fixed(r.prefill_s, 1) << " |\n";
+    }
+  }
+  std::ofstream(fs::path(s.out) / "long_context.md") << md.str();
+  std::cout << md.str() << std::flush;
+  for (const auto& r : rows) {
+    if (r.status == "failed") status = 1;
+  }
+  return status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"symbiosis-bench-long-context: long-context decode on the GPU, with an offloaded cache, and on the CPU"};
+  app.add_option("--model", s.model, "a checkpoint directory");
+  app.add_option("--preset", s.preset, "without --model: a symbiosis-make-checkpoint preset written under --out (llama-2-7b)");
+  app.add_option("--layers", s.layers, "with --preset: this many layers instead of the preset's");
+  app.add_option("--device", s.device, "the client's device: cuda:N (cpu runs every mode on the CPU)")->capture_default_str();
+  app.add_option("--executor-device", s.executor_device, "the executor's device")->capture_default_str();
+  app.add_option("--dtype", s.dtype, "the model's dtype: bf16, fp16 or fp32 (the cache's too)")->capture_default_str();
+  app.add_option("--contexts", s.contexts, "prompt lengths, comma-separated (4K = 4096)")->capture_default_str();
+  app.add_option("--modes", s.modes, "gpu, offload, host, comma-separated")->capture_default_str();
+  app.add_option("--new-tokens", s.new_tokens, "new tokens a request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  app.add_option("--lora-r", s.lora_r, "a LoRA of this rank on q_proj and v_proj (0: none)")->capture_default_str();
+  app.add_option("--threads", s.threads, "CPU threads (0: every core)")->capture_default_str();
+  app.add_option("--host-cache-capacity-bytes", s.host_cache_capacity_bytes,
+                 "host memory a cache may take (offload, host and the multi-request point)")
+      ->capture_default_str();
+  app.add_option("--budget-s", s.budget_s, "skip a run whose estimate passes this many seconds (0: none)")->capture_default_str();
+  app.add_option("--attention-bandwidth", s.attention_bandwidth, "measure CPU decode attention against the host's memory bandwidth")
+      ->capture_default_str();
+  app.add_option("--bandwidth-bytes", s.bandwidth_bytes, "the buffer that measures the host's memory bandwidth")->capture_default_str();
+  app.add_option("--multi-request", s.multi_request, "the multi-request point")->capture_default_str();
+  app.add_option("--multi-prompt", s.multi_prompt, "its prompt tokens a request")->capture_default_str();
+  app.add_option("--multi-new-tokens", s.multi_new_tokens, "its new tokens a request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  app.add_option("--multi-max-requests", s.multi_max_requests, "at most this many requests (0: as many as fit)")->capture_default_str();
+  app.add_option("--gpu-reserve-bytes", s.gpu_reserve_bytes, "GPU memory left free when counting the GPU client's requests")
+      ->capture_default_str();
+  app.add_option("--out", s.out, "where the results and logs go")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(s);
+  } catch (const std::exception& e) {
+    std::cerr << "symbiosis-bench-long-context: " << e.what() << std::endl;
+    return 1;
+  }
+}
