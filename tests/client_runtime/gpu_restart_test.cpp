@@ -1,6 +1,6 @@
 // [Executor restart] (client_runtime/client.cpp) on a GPU: an executor process on cuda:0 is killed
 // while a same-GPU (cuda-ipc) tenant generates with captured decode steps, or trains with captured
-// steps, and is started again. Calls ordered on the GPU lose their results (ResultsLost): the
+// steps (or, with two GPUs, a tenant on cuda:1 trains over NCCL), and is started again. Calls ordered on the GPU lose their results (ResultsLost): the
 // generator and the trainer run the step again, StepGraph captures anew on the new connection, and
 // the tokens and losses are those of a run without the restart.
 #include <gtest/gtest.h>
@@ -18,13 +18,14 @@ namespace {
 
 using testing::ExecutorProcess;
 
-std::shared_ptr<Client> gpu_client(const ExecutorProcess& executor) {
+// A client on `device`: cuda:0 (the executor's GPU) talks over cuda-ipc, cuda:1 over NCCL.
+std::shared_ptr<Client> gpu_client(const ExecutorProcess& executor, const std::string& device = "cuda:0") {
   ClientOptions options;
   options.endpoint = executor.endpoint();
-  options.device = "cuda:0";
+  options.device = device;
   options.reconnect_ms = 60000;
   auto client = Client::connect(options);
-  EXPECT_EQ(client->transport(), "cuda-ipc");
+  EXPECT_EQ(client->transport(), device == "cuda:0" ? "cuda-ipc" : "nccl");
   return client;
 }
 
@@ -80,10 +81,11 @@ TEST_F(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
   for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(split[i], mono[i].output_ids) << "request " << i;
 }
 
-// Trainer losses on cuda:0, captured steps through `client`; `after_step` runs after each update.
+// Trainer losses on `device` through `client` (captured steps on the executor's GPU); `after_step`
+// runs after each update.
 std::vector<double> train_losses(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
-                                 const std::function<void(int64_t)>& after_step) {
-  auto lm = open_causal_lm(checkpoint, client, {at::kFloat, at::Device("cuda:0")});
+                                 const std::function<void(int64_t)>& after_step, const std::string& device = "cuda:0") {
+  auto lm = open_causal_lm(checkpoint, client, {at::kFloat, at::Device(device)});
   at::manual_seed(5);
   LoraConfig lora;
   lora.r = 4;
@@ -108,6 +110,15 @@ std::vector<double> train_losses(const Checkpoint& checkpoint, const std::shared
   return losses;
 }
 
+void expect_same_losses(const std::vector<double>& across, const std::vector<double>& without) {
+  ASSERT_EQ(without.size(), 6u);
+  ASSERT_EQ(across.size(), 6u);
+  for (size_t i = 0; i < without.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(without[i])) << i;
+    EXPECT_NEAR(across[i], without[i], 1e-5 * std::abs(without[i])) << "step " << i;
+  }
+}
+
 TEST_F(GpuRestartTest, CapturedTrainingAcrossAKillEqualsARunWithout) {
   const auto without = train_losses(*checkpoint, gpu_client(*executor), {});
   auto client = gpu_client(*executor);
@@ -115,12 +126,22 @@ TEST_F(GpuRestartTest, CapturedTrainingAcrossAKillEqualsARunWithout) {
     if (step == 3) executor->restart(SIGKILL, dir);  // the steps are captured by then
   });
   EXPECT_EQ(client->connection(), 2u);
-  ASSERT_EQ(without.size(), 6u);
-  ASSERT_EQ(across.size(), 6u);
-  for (size_t i = 0; i < without.size(); ++i) {
-    EXPECT_TRUE(std::isfinite(without[i])) << i;
-    EXPECT_NEAR(across[i], without[i], 1e-5 * std::abs(without[i])) << "step " << i;
-  }
+  expect_same_losses(across, without);
+}
+
+// A tenant on another GPU (NCCL): the restart makes it set up a new communicator with the new
+// executor ([Executor restart]), and its training goes on as without one.
+TEST_F(GpuRestartTest, NcclTrainingAcrossAKillEqualsARunWithout) {
+  SKIP_WITHOUT_GPUS(2);
+  const auto without = train_losses(*checkpoint, gpu_client(*executor, "cuda:1"), {}, "cuda:1");
+  auto client = gpu_client(*executor, "cuda:1");
+  const auto across = train_losses(
+      *checkpoint, client, [&](int64_t step) {
+        if (step == 3) executor->restart(SIGKILL, dir);
+      },
+      "cuda:1");
+  EXPECT_EQ(client->connection(), 2u);
+  expect_same_losses(across, without);
 }
 
 }  // namespace
