@@ -1,6 +1,9 @@
 #include "client_runtime/models/attention.h"
 
 #include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -134,6 +137,73 @@ SYMBIOSIS_CPU_CLONES void attend_chunk_bf16(const float* q, const c10::BFloat16*
   attend_chunk(q, keys, values, n, head_dim, group, scores, row, out);
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// The same chunk in AVX-512 intrinsics (what the GPU machine's cores run): a key's product with a
+// query head in two accumulators of 16 lanes and one reduction, with no trip through memory.
+#define SYMBIOSIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+SYMBIOSIS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SYMBIOSIS_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  const auto halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+template <typename T>
+SYMBIOSIS_AVX512 void attend_chunk_avx512(const float* __restrict q, const T* __restrict keys, const T* __restrict values,
+                                          int64_t n, int64_t head_dim, int64_t group, float* __restrict scores,
+                                          float* __restrict out) {
+  const int64_t stride = head_dim + 2;
+  for (int64_t g = 0; g < group; ++g) out[g * stride + head_dim] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = keys + j * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * head_dim;
+      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 2 * kBlock <= head_dim; d += 2 * kBlock) {
+        even = _mm512_fmadd_ps(load16(qg + d), load16(key + d), even);
+        odd = _mm512_fmadd_ps(load16(qg + d + kBlock), load16(key + d + kBlock), odd);
+      }
+      if (d < head_dim) even = _mm512_fmadd_ps(load16(qg + d), load16(key + d), even);
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+      scores[g * n + j] = s;
+      out[g * stride + head_dim] = std::max(out[g * stride + head_dim], s);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* acc = out + g * stride;
+    const float m = acc[head_dim];
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = std::exp(scores[g * n + j] - m);
+      scores[g * n + j] = p;
+      sum += p;
+    }
+    acc[head_dim + 1] = sum;
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = values + j * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      float* acc = out + g * stride;
+      const __m512 p = _mm512_set1_ps(scores[g * n + j]);
+      for (int64_t d = 0; d < head_dim; d += kBlock) {
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(p, load16(value + d), _mm512_loadu_ps(acc + d)));
+      }
+    }
+  }
+}
+
+bool has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+#else
+bool has_avx512() { return false; }
+template <typename T>
+void attend_chunk_avx512(const float*, const T*, const T*, int64_t, int64_t, int64_t, float*, float*) {}
+#endif
+
 }  // namespace
 
 bool cpu_decode_attention_supports(const at::Tensor& q, const at::Tensor& keys, const AttentionScores& scores) {
@@ -180,6 +250,7 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
   std::vector<float> partials(tasks.size() * group * stride);
   const float* q_data = queries.data_ptr<float>();
   const bool bf16 = keys.scalar_type() == at::kBFloat16;
+  const bool avx512 = has_avx512();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), kTasksPerThread, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * kChunk), row(head_dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -187,7 +258,15 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
       const int64_t offset = ((rows[task.sequence] * kv_heads + task.kv_head) * tokens + task.first) * head_dim;
       const float* qg = q_data + (task.sequence * heads + task.kv_head * group) * head_dim;
       float* out = partials.data() + t * group * stride;
-      if (bf16) {
+      if (avx512) {
+        if (bf16) {
+          attend_chunk_avx512(qg, keys.const_data_ptr<c10::BFloat16>() + offset, values.const_data_ptr<c10::BFloat16>() + offset,
+                              task.count, head_dim, group, scores.data(), out);
+        } else {
+          attend_chunk_avx512(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset, task.count,
+                              head_dim, group, scores.data(), out);
+        }
+      } else if (bf16) {
         attend_chunk_bf16(qg, keys.const_data_ptr<c10::BFloat16>() + offset, values.const_data_ptr<c10::BFloat16>() + offset,
                           task.count, head_dim, group, scores.data(), row.data(), out);
       } else {
