@@ -8,6 +8,13 @@
 // Every call that may wait on the executor releases the GIL, so other Python threads (and autograd's
 // worker threads) run meanwhile; the Client serializes its calls itself.
 //
+// [GIL-free release]
+// ZeroMQ sends a payload without copying it: its I/O thread drops the last reference to the tensor
+// once the bytes are out. A tensor Python made is tied to its Python object, and dropping the last
+// C++ reference to it then takes the GIL; if the thread holding the GIL waits for that I/O thread
+// meanwhile (closing the client), neither goes on. So a call hands the client a detached alias of
+// its tensor (same storage, no copy, no Python object), and a Client is destroyed without the GIL.
+//
 // Errors: the client throws c10::Error (an executor error, a refused option, a lost connection);
 // here it becomes symbiosis.Error, a RuntimeError whose message is the C++ message without its
 // backtrace, and ResultsLost becomes symbiosis.ResultsLost (a subclass). One place converts them:
@@ -51,6 +58,19 @@ const LayerInfo& layer_by_id(const Client& client, int64_t layer_id) {
   return layer;
 }
 
+// A Client whose destruction runs without the GIL ([GIL-free release]).
+std::shared_ptr<Client> released_without_gil(std::shared_ptr<Client> client) {
+  Client* raw = client.get();
+  return std::shared_ptr<Client>(raw, [owner = std::move(client)](Client*) mutable {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      owner.reset();
+    } else {
+      owner.reset();
+    }
+  });
+}
+
 std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& tenant, const std::string& device,
                                 const std::string& transport, const std::string& expected_model_hash, int timeout_ms,
                                 int connect_timeout_ms, int reconnect_ms, const std::string& latency_class,
@@ -72,8 +92,12 @@ std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& 
   options.executor_key = executor_key;
   options.key_file = key_file;
   options.validate();
-  py::gil_scoped_release no_gil;
-  return Client::connect(options);
+  std::shared_ptr<Client> client;
+  {
+    py::gil_scoped_release no_gil;
+    client = Client::connect(options);
+  }
+  return released_without_gil(std::move(client));
 }
 
 }  // namespace
@@ -127,16 +151,18 @@ PYBIND11_MODULE(_C, m) {
       .def("forward",
            [](Client& c, int64_t layer_id, const at::Tensor& x, bool with_bias) {
              const auto& layer = symbiosis::layer_by_id(c, layer_id);
+             const at::Tensor input = x.detach();  // [GIL-free release]
              py::gil_scoped_release no_gil;
-             return c.forward(layer, x, with_bias);
+             return c.forward(layer, input, with_bias);
            },
            py::arg("layer_id"), py::arg("x"), py::arg("with_bias") = true,
            "x [tokens, in] in the layer's dtype, on this client's device -> x·Wᵀ (+ b)")
       .def("backward_input",
            [](Client& c, int64_t layer_id, const at::Tensor& grad_out) {
              const auto& layer = symbiosis::layer_by_id(c, layer_id);
+             const at::Tensor input = grad_out.detach();  // [GIL-free release]
              py::gil_scoped_release no_gil;
-             return c.backward_input(layer, grad_out);
+             return c.backward_input(layer, input);
            },
            py::arg("layer_id"), py::arg("grad_out"), "grad_out [tokens, out] -> grad_out·W")
       .def("settle", &Client::settle, py::call_guard<py::gil_scoped_release>(),

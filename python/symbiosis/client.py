@@ -55,7 +55,10 @@ class Client:
         an executor serving another model ("" accepts any). latency_class: "finetune", "prefill"
         or "decode". The other options are ClientOptions' (client_runtime/client.h).
         Raises symbiosis.Error naming the problem (unreachable executor, other model, bad option)."""
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise Error(f"client option device '{device}' should be cpu or cuda:N") from None
         native = _C.Client.connect(
             endpoint,
             tenant=tenant,
