@@ -20,8 +20,9 @@
 //
 // Then (--multi-request) the paper's Figure 20 point: requests of --multi-prompt tokens, as many as
 // the host capacity holds on the heterogeneous placement (decode on the CPU) against as many as the
-// GPU's free memory holds on the all-GPU client, all submitted at once and prefilled in one step;
-// requests held and decode tokens/s.
+// GPU's free memory (less --gpu-reserve-bytes) holds on the all-GPU client, all submitted at once
+// and prefilled --multi-prefill-tokens a step; requests held and the decode tokens/s of the steps
+// in which every request decodes.
 //
 // Results: --out/long_context.csv and --out/long_context.md (and stdout). With --device cpu every
 // mode runs on the CPU (the code paths, not the placements): the ctest smoke (long_context_smoke).
@@ -81,7 +82,8 @@ struct Settings {
   int64_t multi_prompt = 1024;
   int64_t multi_new_tokens = 16;
   int64_t multi_max_requests = 0;  // 0: as many as fit
-  int64_t gpu_reserve_bytes = 16LL << 30;  // left free on the GPU for the multi-request prefill's activations
+  int64_t multi_prefill_tokens = 16384;  // prompt tokens a step prefills
+  int64_t gpu_reserve_bytes = 8LL << 30;  // left free on the GPU for the prefill's activations and the executor's buffers
   std::string out = "/tmp/long-context";
 };
 
@@ -245,6 +247,60 @@ void generate(Models& m, const std::string& mode, int64_t requests, int64_t prom
   row.seconds = now_s() - start;
 }
 
+// The multi-request point: `requests` requests of `prompt` tokens, prefilled at most `prefill_tokens`
+// a step (so the prefill's activations stay small beside the caches), each with enough new tokens
+// that all of them decode together for at least `new_tokens` steps; the decode rate counts only
+// those steps (every request in the batch).
+void generate_many(Models& m, const std::string& mode, int64_t requests, int64_t prompt, int64_t new_tokens,
+                   int64_t prefill_tokens, GeneratorOptions options, Row& row) {
+  const double start = now_s();
+  try {
+    const int64_t per_step = std::max<int64_t>(1, prefill_tokens / prompt);
+    const int64_t total_new = new_tokens + (requests + per_step - 1) / per_step + 1;
+    options.max_sequences = requests;
+    options.max_tokens = prompt + total_new;
+    options.max_prefill_tokens = per_step * prompt;
+    auto generator = make_generator(m, mode, options);
+    row.cache_gib = static_cast<double>(generator->cache().bytes()) / (1LL << 30);
+    const int64_t vocab = cached_model(*m.device_lm.module).token_embeddings().size(0);
+    std::string error;
+    for (int64_t r = 0; r < requests; ++r) {
+      generator->submit(make_request(prompt, total_new, vocab, static_cast<uint64_t>(r + 1)), [&](const TokenEvent& event) {
+        if (event.finished && !event.error.empty() && error.empty()) error = event.error;
+      });
+    }
+    const double submitted = now_s();
+    int64_t full_steps = 0;
+    double full_seconds = 0;
+    while (true) {
+      const bool full = generator->running() == requests;  // no slot free: a step of decode alone, every request
+      const double before = now_s();
+      if (!generator->step()) break;
+      if (full) {
+        if (full_steps == 0) row.prefill_s = before - submitted;
+        ++full_steps;
+        full_seconds += now_s() - before;
+      }
+      if (!error.empty()) break;
+    }
+    TORCH_CHECK(error.empty(), error);
+    TORCH_CHECK(full_steps > 0, "no step decoded every request");
+    row.itl_ms = full_seconds / static_cast<double>(full_steps) * 1e3;
+    row.tokens_per_s = static_cast<double>(requests * full_steps) / full_seconds;
+    const double positions = static_cast<double>(requests) * (static_cast<double>(prompt) + total_new / 2.0);
+    row.cache_read_gb_per_s = positions * KvCache::bytes_per_position(m.shape, m.dtype) / (row.itl_ms / 1e3) / 1e9;
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    row.status = does_not_fit(what) ? "does not fit" : "failed";
+    row.reason = first_line(what);
+  } catch (const std::exception& e) {
+    row.status = does_not_fit(e.what()) ? "does not fit" : "failed";
+    row.reason = first_line(e.what());
+  }
+  release_device_memory();
+  row.seconds = now_s() - start;
+}
+
 std::string fixed(double value, int digits) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(digits) << value;
@@ -393,11 +449,18 @@ int run(Settings& s) {
       bandwidth = attention_bandwidth(m, contexts);
     }
     if (s.multi_request) {
-      const int64_t per_request = KvCache::bytes_per_position(m.shape, dtype) * (s.multi_prompt + s.multi_new_tokens);
-      auto limited = [&](int64_t n) { return s.multi_max_requests > 0 ? std::min(n, s.multi_max_requests) : n; };
-      const int64_t on_host = limited(s.host_cache_capacity_bytes / per_request);
+      // A request's cache: its prompt, its new tokens, and the steps it decodes while the others join
+      // (at most one a prefill step: generate_many).
+      const int64_t per_position = KvCache::bytes_per_position(m.shape, dtype);
+      auto requests_in = [&](int64_t bytes) {
+        int64_t n = bytes / (per_position * (s.multi_prompt + s.multi_new_tokens));
+        const int64_t per_step = std::max<int64_t>(1, s.multi_prefill_tokens / s.multi_prompt);
+        n = bytes / (per_position * (s.multi_prompt + s.multi_new_tokens + (n + per_step - 1) / per_step + 1));
+        return s.multi_max_requests > 0 ? std::min(n, s.multi_max_requests) : n;
+      };
+      const int64_t on_host = requests_in(s.host_cache_capacity_bytes);
       const at::Device device(s.device);
-      const int64_t on_device = limited(device.is_cuda() ? (free_device_bytes(device) - s.gpu_reserve_bytes) / per_request : on_host);
+      const int64_t on_device = device.is_cuda() ? requests_in(free_device_bytes(device) - s.gpu_reserve_bytes) : on_host;
       for (const auto& [mode, requests] : {std::pair<std::string, int64_t>{"host", on_host}, {"gpu", on_device}}) {
         Row row;
         row.mode = "multi-" + mode;
@@ -405,9 +468,9 @@ int run(Settings& s) {
         row.requests = requests;
         if (requests < 1) {
           row.status = "does not fit";
-          row.reason = "not one request of " + std::to_string(per_request) + " bytes fits";
+          row.reason = "not one request fits";
         } else {
-          generate(m, mode, requests, s.multi_prompt, s.multi_new_tokens, base, row);
+          generate_many(m, mode, requests, s.multi_prompt, s.multi_new_tokens, s.multi_prefill_tokens, base, row);
         }
         std::cerr << row.mode << " x " << requests << ": " << row.status
                   << (row.status == "ok" ? ", " + fixed(row.tokens_per_s, 1) + " tokens/s" : ": " + row.reason) << std::endl;
@@ -470,7 +533,7 @@ int run(Settings& s) {
   for (const auto& r : rows) any_multi = any_multi || r.mode.rfind("multi-", 0) == 0;
   if (any_multi) {
     md << "\nRequests of " << s.multi_prompt << " prompt tokens and " << s.multi_new_tokens
-       << " new ones, all at once (host capacity " << fixed(static_cast<double>(s.host_cache_capacity_bytes) / (1LL << 30), 1)
+       << " new ones (decoding together), all at once (host capacity " << fixed(static_cast<double>(s.host_cache_capacity_bytes) / (1LL << 30), 1)
        << " GiB; the GPU's free memory less " << fixed(static_cast<double>(s.gpu_reserve_bytes) / (1LL << 30), 1)
        << " GiB):\n\n| placement | requests held | cache | decode tokens/s | ms a step | prefill s |\n"
        << "| --- | --- | --- | --- | --- | --- |\n";
@@ -515,6 +578,7 @@ int main(int argc, char** argv) {
   app.add_option("--multi-request", s.multi_request, "the multi-request point")->capture_default_str();
   app.add_option("--multi-prompt", s.multi_prompt, "its prompt tokens a request")->capture_default_str();
   app.add_option("--multi-new-tokens", s.multi_new_tokens, "its new tokens a request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  app.add_option("--multi-prefill-tokens", s.multi_prefill_tokens, "its prompt tokens prefilled a step")->capture_default_str();
   app.add_option("--multi-max-requests", s.multi_max_requests, "at most this many requests (0: as many as fit)")->capture_default_str();
   app.add_option("--gpu-reserve-bytes", s.gpu_reserve_bytes, "GPU memory left free when counting the GPU client's requests")
       ->capture_default_str();
