@@ -23,10 +23,11 @@ except ImportError as error:  # pragma: no cover - says what is missing instead 
     ) from error
 
 from .client import Client, Error, LayerInfo, ResultsLost  # noqa: E402
-from .virtual import VirtualConv1D, VirtualLinear, is_virtual, virtualize  # noqa: E402
+from .virtual import BaseWeightStandIn, VirtualConv1D, VirtualLinear, is_virtual, virtualize  # noqa: E402
 from .weights import empty_parameters, from_pretrained, load_weights  # noqa: E402
 
 __all__ = [
+    "BaseWeightStandIn",
     "Client",
     "Error",
     "LayerInfo",

@@ -14,10 +14,10 @@ where the checkpoint has one, is the executor's: it adds it in forward, as the C
 Inputs of any leading shape are flattened to [tokens, in] and cast to the layer's dtype (no copy
 when they are contiguous and of that dtype already); results come back in the input's dtype.
 
-`weight` of a virtual layer is a stand-in that carries the replaced weight's shape, dtype and device
-(what PEFT reads to place its adapters) without its data: one NaN, expanded (no memory). Code that
-computes with it gets NaN, and code that writes it (merging an adapter into the base) is refused by
-torch, since the base lies on the executor. model.to(device or dtype) moves the stand-in.
+`weight` of a virtual layer is a BaseWeightStand-in: the replaced weight's shape, dtype and device
+(what PEFT reads to place its adapters), without its data (one NaN element, expanded: no memory).
+Anything that needs the values (merging an adapter into the base, DoRA's weight norm, reading it) is
+refused naming the layer, since the base lies on the executor. model.to(device or dtype) moves it.
 """
 from typing import Callable, Optional
 
@@ -64,6 +64,43 @@ def base_layer(client: Client, layer: LayerInfo, x: torch.Tensor, with_bias: boo
     return y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
 
+class BaseWeightStandIn(torch.Tensor):
+    """A virtual layer's `weight`: what it is (shape, dtype, device) without what it holds, which lies
+    on the executor. Asking what it is works; any computation with it raises symbiosis.Error naming
+    the layer ([Python virtual layers])."""
+
+    # What may be asked of it: facts about the tensor, never its values.
+    _DESCRIBING = {
+        "shape", "dtype", "device", "is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "layout",
+        "ndim", "requires_grad", "is_leaf", "names", "size", "dim", "numel", "element_size", "nelement",
+        "is_floating_point", "is_complex", "is_contiguous", "stride", "__len__", "__format__", "__hash__",
+        "__eq__", "get_device", "itemsize", "nbytes",
+    }
+
+    @staticmethod
+    def make(placeholder: torch.Tensor, shape, layer_name: str) -> "BaseWeightStandIn":
+        stand_in = torch.Tensor._make_subclass(BaseWeightStandIn, placeholder.expand(*shape), False)
+        stand_in.layer_name = layer_name
+        return stand_in
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", repr(func))
+        if name in ("__get__", "__set__"):  # a property of the tensor: its descriptor's name
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name == "__repr__":
+            t = args[0]
+            return (f"BaseWeightStandIn(layer '{t.layer_name}', shape={tuple(t.shape)}, dtype={t.dtype}, "
+                    f"device={t.device}: the weight lies on the executor)")
+        if name in cls._DESCRIBING:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        layer = next((a.layer_name for a in args if isinstance(a, BaseWeightStandIn)), "?")
+        raise Error(f"base layer {layer}: its weight lies on the executor, and '{name}' needs its values, "
+                    f"which this tenant never holds (merging an adapter into the base, DoRA and other "
+                    f"methods that read base weights cannot run on a virtual layer)")
+
+
 def _placeholder(like: Optional[torch.Tensor], client: Client) -> torch.Tensor:
     dtype = like.dtype if like is not None else torch.float32
     device = like.device if like is not None and like.device.type != "meta" else client.device
@@ -86,7 +123,7 @@ class VirtualLinear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.weight_stand_in.expand(self.out_features, self.in_features)
+        return BaseWeightStandIn.make(self.weight_stand_in, (self.out_features, self.in_features), self.layer.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return base_layer(self.client, self.layer, x)
@@ -115,7 +152,7 @@ if _Conv1D is not None:
 
         @property
         def weight(self) -> torch.Tensor:
-            return self.weight_stand_in.expand(self.nx, self.nf)
+            return BaseWeightStandIn.make(self.weight_stand_in, (self.nx, self.nf), self.layer.name)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return base_layer(self.client, self.layer, x)

@@ -1,6 +1,7 @@
 """Refusals reach a Python tenant as symbiosis.Error (a RuntimeError) whose message names what was
 wrong and what was expected: the executor's errors, the client's option checks, virtualize() and
 load_weights()."""
+import peft
 import pytest
 import torch
 import transformers
@@ -90,10 +91,16 @@ def test_what_needs_the_base_weight_is_refused(llama):
     client = symbiosis.Client.connect(executor.endpoint)
     model = symbiosis.from_pretrained(checkpoint, client)
     q_proj = model.model.layers[0].self_attn.q_proj
-    # Merging an adapter writes the base weight, which lies on the executor.
-    with pytest.raises(RuntimeError):
-        q_proj.weight.add_(1)
-    assert torch.isnan(q_proj.weight).all()  # reading it gives NaN, never a plausible number
+    assert q_proj.weight.shape == (q_proj.out_features, q_proj.in_features)  # what it is may be asked
+    # What needs its values (it lies on the executor) is refused naming the layer.
+    refused(lambda: q_proj.weight.add_(1), "model.layers.0.self_attn.q_proj", "lies on the executor", "add_")
+    refused(lambda: q_proj.weight.sum(), "model.layers.0.self_attn.q_proj", "sum")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    refused(lambda: lora.merge_and_unload(), "model.layers.0.self_attn.q_proj", "merging an adapter")
+    dora = peft.LoraConfig(r=4, use_dora=True, target_modules=["q_proj"])
+    refused(lambda: peft.get_peft_model(symbiosis.from_pretrained(checkpoint, client), dora),
+            "model.layers.0.self_attn.q_proj", "DoRA")
+    model = symbiosis.from_pretrained(checkpoint, client)
     # The executor's layers are frozen: a second derivative through them is refused.
     ids = tokens()
     embeddings = model.model.embed_tokens.weight

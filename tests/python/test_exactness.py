@@ -38,9 +38,12 @@ def test_virtualized_holds_no_base_weight(architecture_served):
     for name in served:
         for suffix in (".weight", ".bias"):
             assert name + suffix not in state and (prefix + name + suffix) not in state
-    # Each virtual layer's weight is a stand-in of its shape that holds one element.
+    # Each virtual layer's weight is a stand-in of its shape over one element.
     for m in virtual:
-        assert m.weight.untyped_storage().nbytes() == m.weight.element_size()
+        assert isinstance(m.weight, symbiosis.BaseWeightStandIn) and m.weight_stand_in.numel() == 1
+        layer = m.layer
+        shape = (layer.out_features, layer.in_features) if layer.kind == "Linear" else (layer.in_features, layer.out_features)
+        assert tuple(m.weight.shape) == shape
 
 
 def test_logits_loss_and_lora_gradients(architecture_served):
