@@ -143,3 +143,28 @@ def test_virtualize_in_place_and_under_peft():
             for name, p in trainable(reference).items():
                 assert_close(p.grad, trainable(model)[name].grad, f"gradient of {name}")
         assert copy.deepcopy(plain) is not None  # a virtualized model can be copied (the client is shared)
+
+
+def test_lm_head_served_too():
+    """An executor started with --lm-head serves the output projection as well: it is virtualized
+    like the other base layers, and LoRA on the rest stays exact."""
+    import tempfile
+
+    from conftest import Executor, make_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="symbiosis-py-lm-head-") as checkpoint:
+        make_checkpoint("llama", checkpoint)
+        executor = Executor(checkpoint, ["--lm-head"])
+        try:
+            model, client = virtual_model(checkpoint, executor)
+            assert client.layer("lm_head") is not None and symbiosis.is_virtual(model.lm_head)
+            reference, model = lora(reference_model(checkpoint)), lora(model)
+            ids = tokens()
+            want, got = reference(ids, labels=ids), model(ids, labels=ids)
+            assert_close(want.logits, got.logits, "logits")
+            want.loss.backward()
+            got.loss.backward()
+            for name, p in trainable(reference).items():
+                assert_close(p.grad, trainable(model)[name].grad, f"gradient of {name}")
+        finally:
+            executor.stop()
