@@ -363,6 +363,11 @@ std::shared_ptr<const CapturedCalls> Client::end_capture() {
   return masked;
 }
 
+bool Client::can_capture() const {
+  std::lock_guard<std::mutex> lock(impl_->call_mutex);
+  return impl_->transport && impl_->transport->can_capture();
+}
+
 bool Client::replayable(const CapturedCalls& calls) const { return calls.connection == impl_->connection; }
 
 void Client::replay(const CapturedCalls& calls) {

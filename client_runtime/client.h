@@ -115,6 +115,9 @@ class Client : public LayerBackend {
   // ([Masked captures] in privacy/noise_mask.h).
   void begin_capture();
   std::shared_ptr<const CapturedCalls> end_capture();
+  // Whether begin_capture() would start a capture on the present connection (rather than throw why
+  // not); StepGraph runs the steps of a client that cannot eagerly.
+  bool can_capture() const;
   void replay(const CapturedCalls& calls);
   // [Executor restart]: whether `calls` were captured on the present connection (replay() throws
   // otherwise: the executor restarted since, and the step is to be captured again).

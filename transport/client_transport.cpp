@@ -426,6 +426,8 @@ class PayloadTransport : public ClientTransport {
     return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
   }
 
+  bool can_capture() const override { return ordered_; }
+
   void begin_capture() override {
     TORCH_CHECK(ordered_, kCaptureNeeds, "; this ", kind_, " client's calls are answered ",
                 zmq_control_ ? "over ZeroMQ" : "by reply");

@@ -152,6 +152,8 @@ class ClientTransport {
   // through the control segment, with the operands where they lie, can; others throw naming why.
   virtual void begin_capture();
   virtual std::shared_ptr<const CapturedCalls> end_capture() { return nullptr; }
+  // Whether begin_capture() would start a capture (rather than throw why not).
+  virtual bool can_capture() const { return false; }
   // Pushes a replay's headers, numbered from first_request_id; call it right after launching the
   // replay of the graph that recorded them.
   virtual void replay(const CapturedCalls&, uint64_t /*first_request_id*/) {}

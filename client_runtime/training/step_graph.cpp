@@ -124,7 +124,9 @@ StepGraph::StepGraph(std::function<void()> compute, std::function<void()> apply,
   impl_->client = std::move(client);
   impl_->options = options;
 #ifdef SYMBIOSIS_WITH_CUDA
-  if (device.is_cuda() && options.capture) {
+  // A client that cannot be captured (a tenant on another GPU over NCCL, or over tcp) runs eagerly.
+  impl_->options.capture = options.capture && (!impl_->client || impl_->client->can_capture());
+  if (device.is_cuda() && impl_->options.capture) {
     impl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.has_index() ? device.index() : 0);
   }
 #endif

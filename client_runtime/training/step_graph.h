@@ -20,7 +20,8 @@
 //  - no host synchronization and no host-side decisions on GPU values inside it;
 //  - the optimizer's settings fixed (a learning rate read at the capture stays).
 // The first `warmup` runs are eager (lazy initializations happen outside the capture); the next one
-// captures and replays. On a CPU device, or with capture off, every run is eager.
+// captures and replays. On a CPU device, with capture off, or with a client that cannot be captured
+// (Client::can_capture: a tenant on another GPU over NCCL, or over tcp), every run is eager.
 //
 // Thread safety: one thread runs a StepGraph. Not copyable.
 #include <ATen/ATen.h>

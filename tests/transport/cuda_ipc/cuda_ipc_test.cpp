@@ -99,6 +99,7 @@ TEST_P(CapturedSteps, ReplayedStepsEqualEagerMonolithicSteps) {
                                       "--dtype", dtype_name, "--log-level", "warn"},
                                      testing::temp_dir("captured-executor"));
     client = Client::connect({.endpoint = executor->endpoint, .device = "cuda:0"});
+    EXPECT_TRUE(client->can_capture());
   }
   auto ids = at::randint(0, 200, {2, 24}, at::kLong).to(at::kCUDA);
   auto captured = std::make_unique<testing::CapturedLoraStep>(*checkpoint, client, dtype, ids, true);

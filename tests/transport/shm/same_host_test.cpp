@@ -368,6 +368,7 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
 TEST_F(SameHostTest, ACaptureIsRefusedOffTheGpuNamingWhyAndACpuStepRunsEagerly) {
   for (const std::string transport : {"shm", "tcp"}) {
     auto client = connect(transport);
+    EXPECT_FALSE(client->can_capture()) << transport;
     try {
       client->begin_capture();
       ADD_FAILURE() << transport << ": a capture began";
