@@ -70,7 +70,7 @@ struct Settings {
   std::string executor_device = "cuda:0";
   std::string dtype = "bf16";
   std::string contexts = "4K,8K,16K,32K,64K,128K";
-  std::string modes = "gpu,offload,host";
+  std::string modes = "gpu,host,offload";  // under a budget, the last is skipped first
   int64_t new_tokens = 64;
   int64_t lora_r = 8;
   int threads = 0;  // 0: every core
@@ -380,6 +380,15 @@ int run(Settings& s) {
                                               fs::path(s.out) / "executor", 900);
   std::cerr << "executor ready at " << executor.endpoint << " after " << fixed(now_s() - t0, 1) << " s" << std::endl;
   std::vector<Row> rows;
+  // Each row goes to the CSV as it is measured, so a run stopped early keeps what it measured.
+  std::ofstream csv(fs::path(s.out) / "long_context.csv");
+  csv << "mode,context,requests,status,prefill_s,itl_ms,tokens_per_s,cache_gib,cache_read_gb_per_s,seconds,reason\n";
+  auto record = [&](const Row& r) {
+    rows.push_back(r);
+    csv << r.mode << "," << r.context << "," << r.requests << "," << r.status << "," << r.prefill_s << "," << r.itl_ms << ","
+        << r.tokens_per_s << "," << r.cache_gib << "," << r.cache_read_gb_per_s << "," << r.seconds << ",\""
+        << r.reason << "\"" << std::endl;
+  };
   std::vector<BandwidthRow> bandwidth;
   double sum_gb_per_s = 0, copy_gb_per_s = 0;
   int status = 0;
@@ -441,7 +450,7 @@ int run(Settings& s) {
                   << (row.status == "ok" ? ", " + fixed(row.itl_ms, 2) + " ms a token, prefill " + fixed(row.prefill_s, 2) + " s"
                                          : ": " + row.reason)
                   << " (" << fixed(row.seconds, 1) << " s)" << std::endl;
-        rows.push_back(row);
+        record(row);
       }
     }
     if (s.attention_bandwidth) {
@@ -474,7 +483,7 @@ int run(Settings& s) {
         }
         std::cerr << row.mode << " x " << requests << ": " << row.status
                   << (row.status == "ok" ? ", " + fixed(row.tokens_per_s, 1) + " tokens/s" : ": " + row.reason) << std::endl;
-        rows.push_back(row);
+        record(row);
       }
     }
   } catch (const std::exception& e) {
@@ -484,13 +493,6 @@ int run(Settings& s) {
   bench::stop(executor.pid);
 
   // The results.
-  std::ofstream csv(fs::path(s.out) / "long_context.csv");
-  csv << "mode,context,requests,status,prefill_s,itl_ms,tokens_per_s,cache_gib,cache_read_gb_per_s,seconds,reason\n";
-  for (const auto& r : rows) {
-    csv << r.mode << "," << r.context << "," << r.requests << "," << r.status << "," << r.prefill_s << "," << r.itl_ms << ","
-        << r.tokens_per_s << "," << r.cache_gib << "," << r.cache_read_gb_per_s << "," << r.seconds << ",\""
-        << r.reason << "\"\n";
-  }
   std::ostringstream md;
   md << "Inter-token latency (ms), batch 1, " << s.new_tokens << " new tokens, " << s.dtype << ", client on " << s.device
      << ", executor on " << s.executor_device << ", " << threads << " CPU threads:\n\n"
