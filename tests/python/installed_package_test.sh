@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The installed Python package (cmake --install: PREFIX/lib/python/symbiosis) imports and computes a
+# base layer on an installed executor, without LD_LIBRARY_PATH and without the source tree.
+# Usage: installed_package_test.sh BINARY_DIR PYTHON
+set -euo pipefail
+bin=$1 python=$2
+work=$(mktemp -d /tmp/symbiosis-python-install-XXXXXX)
+executor_pid=""
+trap '[ -n "$executor_pid" ] && kill $executor_pid 2>/dev/null; rm -rf "$work"' EXIT
+
+cmake --install "$bin" --prefix "$work/prefix" > "$work/install.log"
+test -f "$work/prefix/lib/python/symbiosis/__init__.py"
+ls "$work/prefix/lib/python/symbiosis/"_C*.so > /dev/null
+"$work/prefix/bin/symbiosis-make-checkpoint" --preset tiny-llama --out "$work/model" > /dev/null
+"$work/prefix/bin/symbiosis-executor" --model "$work/model" --listen 'tcp://127.0.0.1:*' > "$work/executor.out" 2>/dev/null &
+executor_pid=$!
+for _ in $(seq 100); do grep -q '^ready ' "$work/executor.out" && break; sleep 0.1; done
+endpoint=$(sed -n 's/^ready //p' "$work/executor.out")
+cd "$work"
+env -u LD_LIBRARY_PATH PYTHONPATH="$work/prefix/lib/python" PYTHONDONTWRITEBYTECODE=1 "$python" -c "
+import sys, torch, symbiosis
+assert symbiosis.__file__.startswith('$work/prefix'), symbiosis.__file__
+client = symbiosis.Client.connect('$endpoint', tenant='installed')
+layer = client.layers()[0]
+y = client.forward(layer, torch.ones(3, layer.in_features))
+assert y.shape == (3, layer.out_features), y.shape
+print('installed package: layer', layer.name, 'computed over', client.transport)
+"
