@@ -2,7 +2,8 @@
 (client_runtime/client.h) bound by the extension module. The transports (tcp, shm, cuda-ipc,
 nccl), the handshake, reconnection after an executor restart and the call checks are the C++
 client's; this class only names layers for Python and keeps the connection's device."""
-from typing import List, Optional, Union
+import contextlib
+from typing import Iterator, List, Optional, Union
 
 import torch
 
@@ -116,6 +117,17 @@ class Client:
     @property
     def latency_class(self) -> str:
         return self._native.latency_class
+
+    @contextlib.contextmanager
+    def latency(self, latency_class: str) -> Iterator["Client"]:
+        """Within, this client's calls carry `latency_class` ("decode" for generate(): the executor
+        serves decode calls first, packed across tenants); the previous class after."""
+        previous = self.latency_class
+        self.set_latency_class(latency_class)
+        try:
+            yield self
+        finally:
+            self.set_latency_class(previous)
 
     @property
     def model_hash(self) -> str:

@@ -109,3 +109,19 @@ def test_transformers_trainer_ends_at_the_same_adapter(tenant):
     assert want.keys() == have.keys()
     for name in want:
         assert_close(want[name], have[name], f"adapter {name} after 3 Trainer steps", tolerance=1e-4)
+
+
+def test_generate_as_an_inference_tenant(tenant):
+    """generate() with the client's calls in the decode latency class gives the same tokens; the
+    class is restored after."""
+    checkpoint, client = tenant
+    reference, model = reference_model(checkpoint), virtual(checkpoint, client)
+    prompt = tokens(batch=2, length=4, seed=11)
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        want = reference.generate(input_ids=prompt, **settings)
+        with client.latency("decode"):
+            assert client.latency_class == "decode"
+            have = model.generate(input_ids=prompt, **settings)
+    assert client.latency_class == "finetune"
+    assert want.tolist() == have.tolist()
