@@ -14,7 +14,7 @@ where the checkpoint has one, is the executor's: it adds it in forward, as the C
 Inputs of any leading shape are flattened to [tokens, in] and cast to the layer's dtype (no copy
 when they are contiguous and of that dtype already); results come back in the input's dtype.
 
-`weight` of a virtual layer is a BaseWeightStand-in: the replaced weight's shape, dtype and device
+`weight` of a virtual layer is a BaseWeightStandIn: the replaced weight's shape, dtype and device
 (what PEFT reads to place its adapters), without its data (one NaN element, expanded: no memory).
 Anything that needs the values (merging an adapter into the base, DoRA's weight norm, reading it) is
 refused naming the layer, since the base lies on the executor. model.to(device or dtype) moves it.
@@ -74,7 +74,7 @@ class BaseWeightStandIn(torch.Tensor):
         "shape", "dtype", "device", "is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "layout",
         "ndim", "requires_grad", "is_leaf", "names", "size", "dim", "numel", "element_size", "nelement",
         "is_floating_point", "is_complex", "is_contiguous", "stride", "__len__", "__format__", "__hash__",
-        "__eq__", "get_device", "itemsize", "nbytes",
+        "get_device", "itemsize", "nbytes",
     }
 
     @staticmethod
