@@ -43,13 +43,13 @@ def test_python_and_cpp_tenants_share_one_executor():
                        stdout=subprocess.DEVNULL)
         executor = Executor(checkpoint)
         try:
+            client = symbiosis.Client.connect(executor.endpoint, tenant="python-tenant")
+            model = lora(symbiosis.from_pretrained(checkpoint, client, attn_implementation="eager"))
+            model.train()
             cpp_tenant = subprocess.Popen(
                 [DEMO_CLIENT, "--executor", executor.endpoint, "--model", checkpoint, "--tenant", "cpp-tenant",
                  "--steps", "20", "--seq", "16", "--verify", "--quiet"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            client = symbiosis.Client.connect(executor.endpoint, tenant="python-tenant")
-            model = lora(symbiosis.from_pretrained(checkpoint, client, attn_implementation="eager"))
-            model.train()
             # The Python tenant trains for as long as the C++ tenant runs: the two overlap throughout.
             got = train(model, client, steps=3, until=lambda: cpp_tenant.poll() is not None)
             cpp_output, _ = cpp_tenant.communicate(timeout=600)
