@@ -34,6 +34,19 @@ inline Generated generate(const CausalLM& lm, const std::vector<GenerationReques
   return out;
 }
 
+// The same through a [Host decode] Generator: `prefill` prefills, `decode` (a CPU copy) decodes.
+inline Generated generate_host_decode(const CausalLM& prefill, const CausalLM& decode,
+                                      const std::vector<GenerationRequest>& requests, GeneratorOptions options = {}) {
+  auto log = std::make_shared<LogitsLog>();
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  Generator generator(prefill, decode, options);
+  Generated out;
+  out.results = generator.generate(requests);
+  for (const auto& [id, rows] : *log) out.logits.push_back(rows);
+  EXPECT_EQ(generator.cache().free_slots(), generator.cache().sequences());
+  return out;
+}
+
 inline GenerationRequest request(std::vector<int64_t> prompt, int64_t new_tokens, double temperature = 0.0, int64_t top_k = 0,
                           double top_p = 1.0, uint64_t seed = 0) {
   GenerationRequest r;

@@ -29,18 +29,7 @@ using testing::Generated;
 using testing::mixed_requests;
 using testing::request;
 
-// Generation through a heterogeneous Generator, logging each request's logits as generate() does.
-Generated generate_host_decode(const CausalLM& prefill, const CausalLM& decode, const std::vector<GenerationRequest>& requests,
-                               GeneratorOptions options) {
-  auto log = std::make_shared<testing::LogitsLog>();
-  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
-  Generator generator(prefill, decode, options);
-  Generated out;
-  out.results = generator.generate(requests);
-  for (const auto& [id, rows] : *log) out.logits.push_back(rows);
-  EXPECT_EQ(generator.cache().free_slots(), generator.cache().sequences());
-  return out;
-}
+using testing::generate_host_decode;
 
 // A LoRA like add_test_lora's but drawn from another seed: what the mirror must overwrite.
 void add_other_lora(CausalLM& lm) {
