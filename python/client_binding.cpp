@@ -75,7 +75,9 @@ std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& 
                                 const std::string& transport, const std::string& expected_model_hash, int timeout_ms,
                                 int connect_timeout_ms, int reconnect_ms, const std::string& latency_class,
                                 const std::string& control, bool direct_operands, int spin_us,
-                                const std::string& executor_key, const std::string& key_file) {
+                                const std::string& executor_key, const std::string& key_file, bool mask,
+                                double noise_ratio, uint64_t mask_secret, int64_t mask_bank_rows,
+                                int64_t mask_rotate_after, const std::string& mask_effects_checkpoint) {
   ClientOptions options;
   options.endpoint = endpoint;
   options.tenant = tenant;
@@ -91,6 +93,12 @@ std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& 
   options.spin_us = spin_us;
   options.executor_key = executor_key;
   options.key_file = key_file;
+  options.privacy.mask = mask;
+  options.privacy.noise_ratio = noise_ratio;
+  options.privacy.secret = mask_secret;
+  options.privacy.bank_rows = mask_bank_rows;
+  options.privacy.rotate_after = mask_rotate_after;
+  options.privacy.effects_checkpoint = mask_effects_checkpoint;
   options.validate();
   std::shared_ptr<Client> client;
   {
@@ -146,7 +154,9 @@ PYBIND11_MODULE(_C, m) {
                   py::arg("timeout_ms") = 60000, py::arg("connect_timeout_ms") = 10000,
                   py::arg("reconnect_ms") = 60000, py::arg("latency_class") = "finetune",
                   py::arg("control") = "auto", py::arg("direct_operands") = true, py::arg("spin_us") = -1,
-                  py::arg("executor_key") = "", py::arg("key_file") = "")
+                  py::arg("executor_key") = "", py::arg("key_file") = "", py::arg("mask") = false,
+                  py::arg("noise_ratio") = 4.0, py::arg("mask_secret") = 0, py::arg("mask_bank_rows") = 256,
+                  py::arg("mask_rotate_after") = 0, py::arg("mask_effects_checkpoint") = "")
       .def("layers", &Client::layers, py::return_value_policy::copy)
       .def("forward",
            [](Client& c, int64_t layer_id, const at::Tensor& x, bool with_bias) {
@@ -175,5 +185,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("model_hash", &Client::model_hash)
       .def_property_readonly("transport", &Client::transport)
       .def_property_readonly("calls", &Client::calls)
-      .def_property_readonly("connection", &Client::connection);
+      .def_property_readonly("connection", &Client::connection)
+      .def_property_readonly("masked", [](const Client& c) { return c.noise_mask() != nullptr; });
 }

@@ -47,6 +47,12 @@ class Client:
         spin_us: int = -1,
         executor_key: str = "",
         key_file: str = "",
+        mask: bool = False,
+        noise_ratio: float = 4.0,
+        mask_secret: int = 0,
+        mask_bank_rows: int = 256,
+        mask_rotate_after: int = 0,
+        mask_effects_checkpoint: str = "",
     ) -> "Client":
         """Handshakes with the executor at `endpoint` (its --listen) and fetches its layer table.
 
@@ -54,7 +60,11 @@ class Client:
         decides the transport (shm on the executor's host for a CPU tenant, cuda-ipc on the
         executor's GPU, nccl on another GPU, tcp from another host). expected_model_hash: refuse
         an executor serving another model ("" accepts any). latency_class: "finetune", "prefill"
-        or "decode". The other options are ClientOptions' (client_runtime/client.h).
+        or "decode". mask: [Noise masking] (docs/privacy.md): activations and gradients reach the
+        executor masked with noise only this process knows; noise_ratio, mask_secret,
+        mask_bank_rows, mask_rotate_after and mask_effects_checkpoint are PrivacyOptions'
+        noise_ratio, secret, bank_rows, rotate_after and effects_checkpoint
+        (privacy/noise_mask.h). The other options are ClientOptions' (client_runtime/client.h).
         Raises symbiosis.Error naming the problem (unreachable executor, other model, bad option)."""
         try:
             device = torch.device(device)
@@ -75,6 +85,12 @@ class Client:
             spin_us=spin_us,
             executor_key=executor_key,
             key_file=key_file,
+            mask=mask,
+            noise_ratio=noise_ratio,
+            mask_secret=mask_secret,
+            mask_bank_rows=mask_bank_rows,
+            mask_rotate_after=mask_rotate_after,
+            mask_effects_checkpoint=mask_effects_checkpoint,
         )
         return Client(native, device)
 
@@ -128,6 +144,11 @@ class Client:
             yield self
         finally:
             self.set_latency_class(previous)
+
+    @property
+    def masked(self) -> bool:
+        """Whether this client masks its calls with noise ([Noise masking], docs/privacy.md)."""
+        return self._native.masked
 
     @property
     def model_hash(self) -> str:

@@ -11,10 +11,17 @@ from conftest import assert_close, reference_model, served, tokens
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
-def tenant(request):
-    """(checkpoint, client) of an executor serving a tiny model (Llama: Linear; GPT-2: Conv1D)."""
+def executor_of(request):
+    """(checkpoint, executor) serving a tiny model (Llama: Linear; GPT-2: Conv1D)."""
     with served(request.param) as (checkpoint, executor):
-        yield checkpoint, symbiosis.Client.connect(executor.endpoint, tenant="composition")
+        yield checkpoint, executor
+
+
+@pytest.fixture(scope="module")
+def tenant(executor_of):
+    """(checkpoint, client) of a tenant of that executor."""
+    checkpoint, executor = executor_of
+    return checkpoint, symbiosis.Client.connect(executor.endpoint, tenant="composition")
 
 
 def virtual(checkpoint, client):
@@ -125,3 +132,18 @@ def test_generate_as_an_inference_tenant(tenant):
             have = model.generate(input_ids=prompt, **settings)
     assert client.latency_class == "finetune"
     assert want.tolist() == have.tolist()
+
+
+@pytest.mark.parametrize("effects", ["executor", "tenant"])
+def test_masked_tenant_is_exact(executor_of, effects):
+    """[Noise masking] (docs/privacy.md) from Python: the executor sees only masked activations and
+    gradients, the noise's effects computed by the executor or by this process from the checkpoint;
+    LoRA's logits, loss and gradients stay within 1e-5 of the reference."""
+    from test_exactness import lora
+
+    checkpoint, executor = executor_of
+    client = symbiosis.Client.connect(executor.endpoint, tenant="masked", mask=True, mask_secret=7,
+                                      mask_effects_checkpoint=checkpoint if effects == "tenant" else "")
+    assert client.masked
+    reference, model = lora(reference_model(checkpoint)), lora(virtual(checkpoint, client))
+    assert_same_step(reference, model, client, f"masked ({effects} computes the effects)")

@@ -35,6 +35,7 @@ def test_connect_refusals_name_the_option(llama):
     refused(lambda: symbiosis.Client.connect(executor.endpoint, latency_class="urgent"),
             "urgent", "finetune, prefill, decode")
     refused(lambda: symbiosis.Client.connect(executor.endpoint, timeout_ms=0), "timeout_ms", "positive")
+    refused(lambda: symbiosis.Client.connect(executor.endpoint, mask=True, noise_ratio=-1), "noise_ratio", "positive")
     refused(lambda: symbiosis.Client.connect(executor.endpoint, expected_model_hash="0123abcd"),
             "model mismatch", "0123abcd")
 
