@@ -42,8 +42,9 @@ at::Tensor attention_over(const at::Tensor& q, const at::Tensor& k, const at::Te
 // heads of their group (grouped-query attention), the scores kept in fp32 with the chunk's running
 // maximum and sum, then its values read once; a second pass merges each query head's chunks. So
 // the cache is read once a step, by every core, in its storage dtype (fp32 or bf16, converted to fp32
-// in registers); the inner loops run over fixed blocks of 16 floats, which the compiler vectorizes,
-// and on x86-64 the kernel is compiled for AVX-512, AVX2 and plain x86-64, chosen when loaded. The
+// in registers). Where the cores have AVX-512 (checked once at run time) a chunk runs in its
+// intrinsics; elsewhere in loops over fixed blocks of 16 floats, which the compiler vectorizes
+// (compiled for AVX2 and plain x86-64, chosen when loaded). The
 // softmax and the products are fp32 (LibTorch's math rounds bf16 scores first, so bf16 results may
 // differ by bf16 rounding; fp32 ones by the order of the sums).
 //
