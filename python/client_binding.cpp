@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "client_runtime/client.h"
+#include "common/checkpoint.h"
 
 namespace py = pybind11;
 
@@ -128,6 +129,14 @@ PYBIND11_MODULE(_C, m) {
       py::set_error(error, e.what_without_backtrace());
     }
   });
+
+  m.def(
+      "model_hash",
+      [](const std::string& checkpoint) {
+        py::gil_scoped_release no_gil;  // hashes the weights' bytes once (then cached beside them)
+        return symbiosis::Checkpoint::open(checkpoint)->model_hash();
+      },
+      py::arg("checkpoint"), "the model hash of a checkpoint folder, as an executor serving it reports it");
 
   py::class_<LayerInfo>(m, "LayerInfo", "One row of the executor's layer table")
       .def_readonly("id", &LayerInfo::id)

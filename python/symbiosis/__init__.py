@@ -22,7 +22,7 @@ except ImportError as error:  # pragma: no cover - says what is missing instead 
         f"scripts/setup.sh, which registers it in the project's venv): {error}"
     ) from error
 
-from .client import Client, Error, LayerInfo, ResultsLost  # noqa: E402
+from .client import Client, Error, LayerInfo, ResultsLost, model_hash  # noqa: E402
 from .virtual import BaseWeightStandIn, VirtualConv1D, VirtualLinear, is_virtual, virtualize  # noqa: E402
 from .weights import empty_parameters, from_pretrained, load_weights  # noqa: E402
 
@@ -38,5 +38,6 @@ __all__ = [
     "from_pretrained",
     "is_virtual",
     "load_weights",
+    "model_hash",
     "virtualize",
 ]

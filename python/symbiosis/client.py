@@ -20,6 +20,13 @@ ResultsLost = _C.ResultsLost
 LayerInfo = _C.LayerInfo
 
 
+def model_hash(checkpoint: str) -> str:
+    """The model hash of a checkpoint folder, as an executor serving it reports it (config.json and
+    the weights' bytes; computed once, then cached beside the checkpoint). Pass it to
+    Client.connect(expected_model_hash=...) to refuse an executor serving another model."""
+    return _C.model_hash(checkpoint)
+
+
 class Client:
     """A connection to a base executor. Make one with Client.connect(). Thread-safe: calls are
     serialized by the C++ client, and each call releases the GIL while it waits."""

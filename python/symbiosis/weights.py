@@ -24,7 +24,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-from .client import Client, Error
+from .client import Client, Error, model_hash
 from .virtual import virtualize
 
 
@@ -116,13 +116,22 @@ def from_pretrained(
     *,
     dtype: torch.dtype = torch.float32,
     model_class=None,
+    check_model_hash: bool = True,
     **from_config_kwargs,
 ):
     """A transformers model of `checkpoint` (default class: AutoModelForCausalLM) whose base layers
     are `client`'s executor's, built without ever holding their weights ([Base never in the
-    tenant]); every layer the executor serves must be found in it. Extra keyword arguments go to
-    from_config (e.g. attn_implementation="eager")."""
+    tenant]); every layer the executor serves must be found in it. check_model_hash: refuse unless
+    the executor serves this very checkpoint (its non-base weights would not fit another's base).
+    Extra keyword arguments go to from_config (e.g. attn_implementation="eager")."""
     import transformers
+
+    if check_model_hash:
+        expected = model_hash(checkpoint)
+        if client.model_hash != expected:
+            raise Error(f"from_pretrained: the executor serves model {client.model_hash}, but checkpoint "
+                        f"{checkpoint} is model {expected}: the tenant's non-base weights must come from "
+                        f"the checkpoint the executor serves")
 
     model_class = model_class or transformers.AutoModelForCausalLM
     config = transformers.AutoConfig.from_pretrained(checkpoint)

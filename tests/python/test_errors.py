@@ -119,3 +119,15 @@ def test_a_lost_executor_is_an_error_naming_it():
         executor.stop()
         message = refused(lambda: client.forward(layer, torch.ones(2, layer.in_features)))
         assert "executor" in message, message
+
+
+def test_from_pretrained_refuses_another_checkpoint(llama, tmp_path):
+    from conftest import make_checkpoint
+
+    _, executor = llama
+    other = make_checkpoint("llama", str(tmp_path), seed=1)  # same shapes, other weights
+    client = symbiosis.Client.connect(executor.endpoint)
+    refused(lambda: symbiosis.from_pretrained(other, client), client.model_hash,
+            symbiosis.model_hash(other), "the checkpoint the executor serves")
+    refused(lambda: symbiosis.Client.connect(executor.endpoint, expected_model_hash=symbiosis.model_hash(other)),
+            "model mismatch")
