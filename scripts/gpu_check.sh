@@ -545,7 +545,7 @@ PY
       # multi-request point (~1.5 min). 16 new tokens by default (15 inter-token intervals; each step at long contexts is
       # long and steady); LONG_NEW_TOKENS=64 for the figure, with a longer budget.
       # Where 128K stops fitting: its cache is 64 GiB in bf16 (0.5 MiB a position), so the all-GPU client fails on an
-      # H100 (80 GB: 12.6 GiB of weights in the executor, 64 GiB of cache and the prefill's activations) and fits on an
+      # H100 (80 GB: 12.3 GiB of weights in the executor, 64 GiB of cache and the prefill's activations) and fits on an
       # H200; the offloaded cache and host decode hold it in 64 GiB of page-locked host memory of the 128 GiB (under
       # LONG_HOST_CAP, 80 GiB by default, which leaves the rest to the processes and the page cache; 256K would need
       # 128 GiB and does not fit). The offloaded cache moves the whole 64 GiB over PCIe at each token (~2 s), so its
