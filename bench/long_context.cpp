@@ -369,6 +369,8 @@ int run(Settings& s) {
                                                s.executor_device, "--dtype", s.dtype, "--log-level", "warn",
                                                "--batching", "none", "--max-request-bytes", std::to_string(16LL << 30)},
                                               fs::path(s.out) / "executor", 900);
+  // For whoever must stop a run cut short (scripts/gpu_check.sh long-context under its timeout).
+  std::ofstream(fs::path(s.out) / "executor.pid") << executor.pid << "\n";
   std::cerr << "executor ready at " << executor.endpoint << " after " << fixed(now_s() - t0, 1) << " s" << std::endl;
   std::vector<Row> rows;
   // Each row goes to the CSV as it is measured, so a run stopped early keeps what it measured.
@@ -482,6 +484,7 @@ int run(Settings& s) {
     status = 1;
   }
   bench::stop(executor.pid);
+  fs::remove(fs::path(s.out) / "executor.pid");
 
   // The results.
   std::ostringstream md;

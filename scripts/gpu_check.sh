@@ -539,7 +539,7 @@ PY
     long-context)
       # Issue 28 in one run of symbiosis-bench-long-context against one executor on cuda:0 (its two clients, cuda-ipc
       # and shm, under MPS). The stage must end within about 8 minutes: the checkpoint (~1.5 min, started with the
-      # script), the executor's load and the warm-ups (~1 min), the single-request runs under LONG_BUDGET_S (240 s: a
+      # script), the executor's load and the warm-ups (~1 min), the single-request runs under LONG_BUDGET_S (200 s: a
       # run whose estimate, twice its mode's previous context, would pass the budget is reported "skipped"; modes in
       # the order gpu, host, offload, so the offloaded cache's long contexts go first), then the bandwidth probe and the
       # multi-request point (~1.5 min). 16 new tokens by default (15 inter-token intervals; each step at long contexts is
@@ -552,12 +552,14 @@ PY
       # 128K run is the one the budget skips first.
       wait_7b
       mps_on
-      timeout "${LONG_TIMEOUT_S:-480}" "$B/bench/symbiosis-bench-long-context" --model $model_7b --dtype bf16 --device cuda:0 \
+      timeout "${LONG_TIMEOUT_S:-420}" "$B/bench/symbiosis-bench-long-context" --model $model_7b --dtype bf16 --device cuda:0 \
         --executor-device cuda:0 --contexts "${LONG_CONTEXTS:-4K,8K,16K,32K,64K,128K}" --new-tokens "${LONG_NEW_TOKENS:-16}" \
         --modes "${LONG_MODES:-gpu,host,offload}" --host-cache-capacity-bytes "${LONG_HOST_CAP:-85899345920}" \
-        --budget-s "${LONG_BUDGET_S:-240}" --multi-request "${LONG_MULTI:-true}" --out /tmp/long-context \
+        --budget-s "${LONG_BUDGET_S:-200}" --multi-request "${LONG_MULTI:-true}" --out /tmp/long-context \
         > $logs/long-context.txt 2> $logs/long-context.err
       log "long-context exited $?"
+      # Cut short by the timeout, it leaves its executor running: stop it.
+      kill "$(cat /tmp/long-context/executor.pid 2> /dev/null)" 2> /dev/null
       cat /tmp/long-context/long_context.md 2> /dev/null || cat /tmp/long-context/long_context.csv
       tail -25 $logs/long-context.err
       cp /tmp/long-context/long_context.csv /tmp/long-context/long_context.md $logs/long-context.err "$out/" 2> /dev/null
