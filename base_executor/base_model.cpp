@@ -7,7 +7,6 @@
 #include <set>
 #include <sstream>
 
-#include "common/model_types.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -42,12 +41,11 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   } catch (const std::regex_error& e) {
     TORCH_CHECK(false, "bad base-layer pattern '", rule.pattern, "': ", e.what());
   }
+  // [Any architecture] The executor serves any model_type: its base layers are the 2-D weights
+  // under the rule's names, read as Linear ([out, in]) except GPT-2's Conv1D ([in, out]). The client
+  // runtime's C++ models cover common/model_types.h's types; a Python tenant virtualizes any
+  // transformers model (docs/python.md), and refuses a layer whose kind is not its module's.
   const auto model_type = checkpoint.config_string("model_type").value_or("");
-  // The default rule knows the supported architectures' names and layer kinds; another
-  // architecture's base layers are named by the operator (--layer-pattern) and read as Linear.
-  TORCH_CHECK(rule.pattern != BaseLayerRule::kDefaultPattern || is_supported_model_type(model_type), "checkpoint ",
-              checkpoint.dir(), ": ", unsupported_model_type(model_type),
-              ": name its base layers with --layer-pattern");
   const bool conv1d = model_type == "gpt2";  // GPTBigCode, GPT-2's kin, has Linear layers
   auto model = std::unique_ptr<BaseModel>(new BaseModel());
   model->device_ = device;
@@ -81,8 +79,9 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
     model->layers_.push_back(info);
     model->weights_.push_back(std::move(w));
   }
-  TORCH_CHECK(!model->layers_.empty(), "checkpoint ", checkpoint.dir(), " has no base layers matching '",
-              rule.pattern, "'", rule.lm_head ? " or lm_head" : "");
+  TORCH_CHECK(!model->layers_.empty(), "checkpoint ", checkpoint.dir(), " (model_type '", model_type,
+              "') has no base layers matching '", rule.pattern, "'", rule.lm_head ? " or lm_head" : "",
+              ": name its base layers with --layer-pattern");
   model->add_groups(rule.groups);
 #ifdef SYMBIOSIS_WITH_CUDA
   // The members' weights, copied into their groups', are cached by the allocator: give them back.

@@ -41,7 +41,8 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
 // one input width, dtype and bias, gets the group. Clients call a group instead of its members
 // where their model computes the members from one input (forward_siblings in client_runtime/nn.h).
 struct BaseLayerRule {
-  static constexpr const char* kDefaultPattern = R"(^(model\.layers|transformer\.h|h|model\.decoder\.layers)\.[0-9]+\..+$)";
+  static constexpr const char* kDefaultPattern =
+      R"(^(model\.layers|transformer\.h|h|model\.decoder\.layers|gpt_neox\.layers)\.[0-9]+\..+$)";
   std::string pattern = kDefaultPattern;  // ECMAScript regex over the module name
   bool lm_head = false;
   static constexpr const char* kDefaultGroups = "q_proj,k_proj,v_proj;gate_proj,up_proj";

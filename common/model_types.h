@@ -1,9 +1,9 @@
 #pragma once
-// The architectures Symbiosis supports, by config.json's model_type: the client runtime has a
-// model for each (client_runtime/models/: GPT-2 with GPTBigCode, [GPT-2 family] in gpt2.h, and
-// Llama with Qwen2, Mistral and Gemma 2, [Llama family] in llama.h) and the executor's default
-// base-layer rule covers each (base_executor/base_model.h).
-// Both refuse another model_type with the same words (unsupported_model_type).
+// The architectures the C++ client runtime has a model for, by config.json's model_type
+// (client_runtime/models/: GPT-2 with GPTBigCode, [GPT-2 family] in gpt2.h, and Llama with Qwen2,
+// Mistral and Gemma 2, [Llama family] in llama.h); it refuses another model_type in these words
+// (unsupported_model_type). The executor serves any ([Any architecture] in
+// base_executor/base_model.cpp), for Python tenants (docs/python.md).
 #include <algorithm>
 #include <string>
 #include <vector>

@@ -172,19 +172,32 @@ TEST(ExecutorOptionsTest, OverloadLimitsOutOfRangeAreRefusedNamingTheFlag) {
             "accepted");
 }
 
-TEST(BaseModelTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
-  const auto dir = testing::temp_dir("unsupported-model-type");
-  write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", at::randn({4, 4})}});
+// [Any architecture] (base_model.cpp): a model_type the C++ client runtime has no model for is
+// served by the default rule, its 2-D weights as Linear layers; a checkpoint none of whose names
+// the rule matches is refused, naming its model_type, the pattern and --layer-pattern.
+TEST(BaseModelTest, AnyModelTypeIsServedAndACheckpointWithoutMatchingLayersIsRefused) {
+  const auto dir = testing::temp_dir("other-model-type");
+  write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.qkv_proj.weight", at::randn({12, 4})},
+                                                {"model.layers.0.input_layernorm.weight", at::randn({4})}});
   std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
-  const auto message = testing::error_of([&] { testing::start_executor(dir); });
-  EXPECT_NE(message.find("model_type 'phi3' is not supported "
-                         "(supported: gemma2, gpt2, gpt_bigcode, llama, mistral, qwen2)"),
-            std::string::npos)
-      << message;
-  EXPECT_NE(message.find("--layer-pattern"), std::string::npos) << message;
+  auto executor = testing::start_executor(dir);
+  ASSERT_EQ(executor->model().layers().size(), 1u);
+  const auto& layer = executor->model().layers()[0];
+  EXPECT_EQ(layer.name, "model.layers.0.self_attn.qkv_proj");
+  EXPECT_EQ(layer.kind, LayerKind::kLinear);
+  EXPECT_EQ(layer.in_features, 4);
+  EXPECT_EQ(layer.out_features, 12);
+
+  const auto other = testing::temp_dir("unmatched-layers");
+  write_safetensors(other / "model.safetensors", {{"backbone.blocks.0.mixer.in_proj.weight", at::randn({8, 4})}});
+  std::ofstream(other / "config.json") << R"({"model_type": "mamba"})";
+  const auto message = testing::error_of([&] { testing::start_executor(other); });
+  for (const char* part : {"model_type 'mamba'", "has no base layers matching", "--layer-pattern"}) {
+    EXPECT_NE(message.find(part), std::string::npos) << message;
+  }
   ExecutorOptions named;
-  named.layers.pattern = R"(^model\.layers\.[0-9]+\..+$)";
-  EXPECT_EQ(testing::start_executor(dir, named)->model().layers().size(), 1u);
+  named.layers.pattern = R"(^backbone\.blocks\.[0-9]+\..+$)";
+  EXPECT_EQ(testing::start_executor(other, named)->model().layers().size(), 1u);
 }
 
 // [Inference first]: statistics show the latency classes apart, as each client set its own.

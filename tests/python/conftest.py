@@ -20,10 +20,6 @@ MAKE_CHECKPOINT = os.environ.get("SYMBIOSIS_MAKE_CHECKPOINT", os.path.join(BUILD
 TOLERANCE = 1e-5  # fp32 on CPU (DESIGN.md, invariant 1)
 VOCAB = 128
 
-# The executor's default base-layer rule knows the architectures the C++ client runtime has models
-# for (common/model_types.h); another architecture's base layers are named with --layer-pattern
-# (read as Linear), which is all a Python tenant needs.
-OTHER_ARCHITECTURE_PATTERN = r"^(model\.layers|model\.decoder\.layers|transformer\.h)\.[0-9]+\..+$"
 
 
 def _configs():
@@ -54,7 +50,6 @@ def _configs():
     }
 
 
-SUPPORTED_BY_DEFAULT = {"llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_bigcode"}
 ARCHITECTURES = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "gpt_bigcode", "phi3", "opt", "qwen3", "phi"]
 
 
@@ -116,8 +111,7 @@ def served(architecture, seed=0):
     """(checkpoint directory, executor) for a tiny random model of `architecture`."""
     with tempfile.TemporaryDirectory(prefix=f"symbiosis-py-{architecture}-") as directory:
         make_checkpoint(architecture, directory, seed)
-        extra = [] if architecture in SUPPORTED_BY_DEFAULT else ["--layer-pattern", OTHER_ARCHITECTURE_PATTERN]
-        executor = Executor(directory, extra)
+        executor = Executor(directory)
         try:
             yield directory, executor
         finally:
