@@ -71,6 +71,25 @@ inline float as_float(c10::BFloat16 x) {
   return out;
 }
 
+// A chunk's scores [group, n] become e^(s - m_g), m_g the row's largest (out[g][head_dim]); their
+// sum goes to out[g][head_dim + 1] and out[g][0, head_dim) is zeroed for the values' sum.
+inline __attribute__((always_inline)) void exponentiate_chunk(float* __restrict scores, float* __restrict out,
+                                                              int64_t n, int64_t head_dim, int64_t group) {
+  const int64_t stride = head_dim + 2;
+  for (int64_t g = 0; g < group; ++g) {
+    float* acc = out + g * stride;
+    const float m = acc[head_dim];
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = std::exp(scores[g * n + j] - m);
+      scores[g * n + j] = p;
+      sum += p;
+    }
+    acc[head_dim + 1] = sum;
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0;
+  }
+}
+
 // One chunk of `n` keys and values ([n, head_dim] each) for the `group` query heads q [group,
 // head_dim] (fp32, already scaled): out[g] = {sum_j e^(s_gj - m_g) v_j [head_dim], m_g, sum_j e^(s_gj - m_g)}.
 // scores: room for group x n floats; row: for head_dim floats.
@@ -99,18 +118,7 @@ inline __attribute__((always_inline)) void attend_chunk(const float* __restrict 
       out[g * stride + head_dim] = std::max(out[g * stride + head_dim], s);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* acc = out + g * stride;
-    const float m = acc[head_dim];
-    float sum = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = std::exp(scores[g * n + j] - m);
-      scores[g * n + j] = p;
-      sum += p;
-    }
-    acc[head_dim + 1] = sum;
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0;
-  }
+  exponentiate_chunk(scores, out, n, head_dim, group);
   for (int64_t j = 0; j < n; ++j) {
     const T* value = values + j * head_dim;
     for (int64_t d = 0; d < head_dim; d += kBlock) {
@@ -169,18 +177,7 @@ SYMBIOSIS_AVX512 void attend_chunk_avx512(const float* __restrict q, const T* __
       out[g * stride + head_dim] = std::max(out[g * stride + head_dim], s);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* acc = out + g * stride;
-    const float m = acc[head_dim];
-    float sum = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = std::exp(scores[g * n + j] - m);
-      scores[g * n + j] = p;
-      sum += p;
-    }
-    acc[head_dim + 1] = sum;
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] = 0;
-  }
+  exponentiate_chunk(scores, out, n, head_dim, group);
   for (int64_t j = 0; j < n; ++j) {
     const T* value = values + j * head_dim;
     for (int64_t g = 0; g < group; ++g) {
