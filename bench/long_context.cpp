@@ -36,6 +36,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -195,13 +196,31 @@ std::unique_ptr<Generator> make_generator(Models& m, const std::string& mode, Ge
   return std::make_unique<Generator>(m.device_lm, options);
 }
 
+// Runs `run` (one row's measurement), then gives back the device memory it cached and records its
+// seconds; where it throws, the row's status says why ("does not fit": out of memory) and its
+// reason gives the error's first line.
+void measure(Row& row, const std::function<void()>& run) {
+  const double start = now_s();
+  try {
+    run();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    row.status = does_not_fit(what) ? "does not fit" : "failed";
+    row.reason = first_line(what);
+  } catch (const std::exception& e) {
+    row.status = does_not_fit(e.what()) ? "does not fit" : "failed";
+    row.reason = first_line(e.what());
+  }
+  release_device_memory();
+  row.seconds = now_s() - start;
+}
+
 // One request of `prompt` tokens and `new_tokens` new ones; fills the row's timings, or its status
 // and reason. The inter-token latency leaves out the first three decode steps when there are at
 // least 8 tokens: a captured client's first decode steps are its warm-up and capture
 // ([Captured decode]), which a long generation amortizes.
 void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_tokens, GeneratorOptions options, Row& row) {
-  const double start = now_s();
-  try {
+  measure(row, [&] {
     options.max_sequences = 1;
     options.max_tokens = prompt + new_tokens;
     options.max_prefill_tokens = prompt;
@@ -226,16 +245,7 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
     // A decode step reads the sequence's keys and values: the prompt and, on average, half the new tokens.
     const double positions = static_cast<double>(prompt) + new_tokens / 2.0;
     row.cache_read_gb_per_s = positions * KvCache::bytes_per_position(m.shape, m.dtype) / (row.itl_ms / 1e3) / 1e9;
-  } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    row.status = does_not_fit(what) ? "does not fit" : "failed";
-    row.reason = first_line(what);
-  } catch (const std::exception& e) {
-    row.status = does_not_fit(e.what()) ? "does not fit" : "failed";
-    row.reason = first_line(e.what());
-  }
-  release_device_memory();
-  row.seconds = now_s() - start;
+  });
 }
 
 // The multi-request point: `requests` requests of `prompt` tokens, prefilled at most `prefill_tokens`
@@ -244,8 +254,7 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
 // those steps (every request in the batch).
 void generate_many(Models& m, const std::string& mode, int64_t requests, int64_t prompt, int64_t new_tokens,
                    int64_t prefill_tokens, GeneratorOptions options, Row& row) {
-  const double start = now_s();
-  try {
+  measure(row, [&] {
     const int64_t per_step = std::max<int64_t>(1, prefill_tokens / prompt);
     const int64_t total_new = new_tokens + (requests + per_step - 1) / per_step + 1;
     options.max_sequences = requests;
@@ -280,16 +289,7 @@ void generate_many(Models& m, const std::string& mode, int64_t requests, int64_t
     row.tokens_per_s = static_cast<double>(requests * full_steps) / full_seconds;
     const double positions = static_cast<double>(requests) * (static_cast<double>(prompt) + total_new / 2.0);
     row.cache_read_gb_per_s = positions * KvCache::bytes_per_position(m.shape, m.dtype) / (row.itl_ms / 1e3) / 1e9;
-  } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    row.status = does_not_fit(what) ? "does not fit" : "failed";
-    row.reason = first_line(what);
-  } catch (const std::exception& e) {
-    row.status = does_not_fit(e.what()) ? "does not fit" : "failed";
-    row.reason = first_line(e.what());
-  }
-  release_device_memory();
-  row.seconds = now_s() - start;
+  });
 }
 
 std::string fixed(double value, int digits) {
