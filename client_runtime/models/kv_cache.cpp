@@ -336,14 +336,16 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
   std::vector<at::Tensor> outs;
   int64_t offset = 0;
   for (const auto& s : sequences_) {
-    const auto new_keys = k.narrow(2, offset, s.length), new_values = v.narrow(2, offset, s.length);
+    // The piece's keys and values as the cache stores them, converted once: written, and attended over.
+    const auto new_keys = k.narrow(2, offset, s.length).to(keys.scalar_type());
+    const auto new_values = v.narrow(2, offset, s.length).to(values.scalar_type());
     if (non_blocking && q.is_cuda()) {
       // A pitched copy a tensor ([Offloaded decode]'s copy_rows): LibTorch's copy_ to a view of host
       // memory that is not contiguous would go through a pageable buffer, synchronously.
-      auto write = [&](at::Tensor& cache, const at::Tensor& computed) {
+      auto write = [&](at::Tensor& cache, const at::Tensor& stored) {
         const auto heads = cache.size(1), head_dim = cache.size(3);
         copy_rows(cache.select(0, s.slot).narrow(1, s.start, s.length).view({heads, s.length * head_dim}),
-                  computed[0].to(cache.scalar_type()).contiguous().view({heads, s.length * head_dim}));
+                  stored[0].contiguous().view({heads, s.length * head_dim}));
       };
       write(keys, new_keys);
       write(values, new_values);
@@ -351,11 +353,11 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
       keys.select(0, s.slot).narrow(1, s.start, s.length).copy_(new_keys[0], non_blocking);
       values.select(0, s.slot).narrow(1, s.start, s.length).copy_(new_values[0], non_blocking);
     }
-    auto attended = [&](const at::Tensor& cached, const at::Tensor& computed) {
-      const auto stored = computed.to(cached.scalar_type()).to(q.scalar_type());  // as the cache holds them
-      if (s.start == 0) return stored;
+    auto attended = [&](const at::Tensor& cached, const at::Tensor& stored) {
+      const auto computed = stored.to(q.scalar_type());
+      if (s.start == 0) return computed;
       const auto before = cached.narrow(0, s.slot, 1).narrow(2, 0, s.start).to(q.device(), q.scalar_type());
-      return at::cat({before, stored}, 2);
+      return at::cat({before, computed}, 2);
     };
     auto queries = q.narrow(2, offset, s.length);
     const auto attended_keys = attended(keys, new_keys), attended_values = attended(values, new_values);

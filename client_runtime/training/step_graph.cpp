@@ -134,6 +134,14 @@ StepGraph::StepGraph(std::function<void()> compute, std::function<void()> apply,
 
 StepGraph::~StepGraph() = default;
 
+bool StepGraph::captures() const {
+#ifdef SYMBIOSIS_WITH_CUDA
+  return impl_->stream.has_value();
+#else
+  return false;
+#endif
+}
+
 bool StepGraph::captured() const {
 #ifdef SYMBIOSIS_WITH_CUDA
   return impl_->compute_graph != nullptr;

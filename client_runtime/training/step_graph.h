@@ -51,6 +51,9 @@ class StepGraph {
   // the caller's later work after it. Throws an executor error before apply.
   void run();
   bool captured() const;
+  // Whether run() captures the step after its warm-up: a CUDA device, capture on and a client (if
+  // any) that can be captured.
+  bool captures() const;
 
  private:
   struct Impl;

@@ -350,13 +350,14 @@ class Trainer::Impl {
     g->loss = at::zeros({}, scalar);
     g->grad_norm = at::zeros({}, scalar);
     g->optimizer->set_lr_tensor(g->learning_rate);
-    if (options.capture) {
+    g->graph = std::make_unique<StepGraph>([this] { device_compute(); }, [this] { device_apply(); }, lm.client, device,
+                                           StepGraphOptions{.capture = options.capture});
+    // Only captured steps need one shape: a client that cannot be captured trains unpadded.
+    if (g->graph->captures()) {
       g->shape = FixedShape{options.batching.micro_batch_size, longest_row(data, options.batching)};
       g->padding = collate(data, {}, options.batching, g->shape);
       for (int64_t k = 0; k < options.grad_accum; ++k) g->inputs.push_back(to_device(g->padding));
     }
-    g->graph = std::make_unique<StepGraph>([this] { device_compute(); }, [this] { device_apply(); }, lm.client, device,
-                                           StepGraphOptions{.capture = options.capture});
     return g;
   }
 
