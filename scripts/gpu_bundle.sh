@@ -23,6 +23,15 @@ done
 # The GPU machine lacks SentencePiece: its library goes beside ours, which load it from the library path
 # ([SentencePiece apart] in client_runtime/text/sentencepiece_backend.h).
 cp -L "$(gcc -print-file-name=libsentencepiece.so.0)" "$out/client_runtime/libsentencepiece.so.0"
+# The Python package's extension module for the GPU machine's CPython (3.12; [Extension for another
+# Python] in python/CMakeLists.txt: configure with -DSYMBIOSIS_BUNDLE_PYTHON=<a python3.12> and build
+# symbiosis_python_extension_bundle). gpu_check.sh's Python stages put .gpu-build/python on PYTHONPATH
+# and build it from source there when it is missing or does not import.
+for f in "$BUILD_DIR"/python/symbiosis/_C.cpython-312-*.so; do
+  [ -f "$f" ] || { echo "gpu_bundle: no $BUILD_DIR/python/symbiosis/_C.cpython-312-*.so: the GPU machine builds it (~1 min)"; continue; }
+  mkdir -p "$out/python/symbiosis"
+  strip --strip-debug -o "$out/python/symbiosis/$(basename "$f")" "$f"
+done
 git rev-parse HEAD > "$out/COMMIT"
 git diff --stat HEAD > "$out/DIFF" || true
 echo "bundled $(du -sh "$out" | cut -f1) into $out"

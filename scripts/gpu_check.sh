@@ -64,6 +64,16 @@
 #                  cache, CPU decode) and the offloaded cache at LONG_CONTEXTS (4K..128K) with LONG_NEW_TOKENS (16) new
 #                  tokens; CPU decode attention against the host's memory bandwidth; the multi-request point (1K-token
 #                  requests on the CPU until LONG_HOST_CAP bytes, on the GPU until its memory is full), under MPS
+#   python         Python tenants (docs/python.md): tests/python/test_gpu.py (a tenant on cuda:0 over cuda-ipc and, with
+#                  2 GPUs, one on cuda:1 over nccl, each equal to the same transformers + PEFT model in one process: fp32
+#                  within 1e-5, bf16 within 5e-2), under MPS, then the CPU suite (tests/python, executors on the CPU;
+#                  PYTHON_CPU_SUITE=0 skips it), on pytest-xdist's workers where it is installed
+#   python-13b     issue 29's benchmark (bench/python_tenants.py): Llama-2-13B shape (random, bf16), LoRA r8 on q,k,v,o,
+#                  2 x 512: how many Python tenants (transformers + PEFT over Symbiosis) fit against plain transformers +
+#                  PEFT jobs (the same script with its own base), and their tokens/s against as many C++ tenants; under
+#                  MPS. PY13B_GC=1: gradient checkpointing in every Python job; PY13B_LIMIT (24), PY13B_PLAIN_LIMIT
+#                  (8; 0 skips the plain jobs), PY13B_WINDOW_S (8), PY13B_CPP_GRAPH=1 (captured C++ tenants),
+#                  PY13B_TIMEOUT_S (420: the run is stopped, its clients killed, what it measured written)
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -102,7 +112,7 @@ fi
 gpus=$(nvidia-smi -L | wc -l)
 # The 13B checkpoint takes a minute or two to write: start it now, beside the other stages.
 model_13b=/tmp/llama-13b
-case " $* " in *" capacity-13b"*|*" remote "*|*" remote-13b "*)
+case " $* " in *" capacity-13b"*|*" remote "*|*" remote-13b "*|*" python-13b "*)
   ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
     && mv $model_13b.tmp $model_13b ) & ;;
 esac
@@ -254,6 +264,33 @@ trace_client() {
     || tail -5 $logs/trace-$system.log
   echo "== $system, $batch x $seq"
   python3 bench/trace_summary.py $trace --top 24
+}
+
+# The Python package symbiosis for this machine's python3 (3.12, the bundle's is built for it: [Extension for another
+# Python] in python/CMakeLists.txt): its sources from the tree, its extension module from $B/python, or, where that
+# is missing or does not import, built here from python/client_binding.cpp (~1 min) against this machine's torch and
+# pybind11 and the client library in $B. Exports PYTHONPATH and the programs tests/python's conftest.py runs.
+python_package() {
+  export PYTHONPATH="$root/python:$B/python" PYTHONPYCACHEPREFIX=/tmp/pycache PYTHONUNBUFFERED=1 SYMBIOSIS_BINARY_DIR="$B" \
+    SYMBIOSIS_EXECUTOR="$B/base_executor/symbiosis-executor" SYMBIOSIS_DEMO_CLIENT="$B/examples/symbiosis-demo-client" \
+    SYMBIOSIS_MAKE_CHECKPOINT="$B/tools/symbiosis-make-checkpoint"
+  if python3 -c 'import symbiosis' > $logs/python-import.log 2>&1; then
+    log "symbiosis imports: $(python3 -c 'import symbiosis._C as c; print(c.__file__)')"
+    return 0
+  fi
+  log "the carried symbiosis._C does not import here ($(tail -1 $logs/python-import.log)); building it"
+  local ext=/tmp/symbiosis-python torch_dir="$site/torch"
+  mkdir -p $ext/symbiosis
+  c++ -O2 -fPIC -shared -fvisibility=hidden -std=gnu++20 -I"$root" $(python3 -m pybind11 --includes) \
+    -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include" "$root/python/client_binding.cpp" \
+    -o "$ext/symbiosis/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+    -Wl,--push-state,--no-as-needed "$(c++ -print-file-name=libstdc++.so.6)" -Wl,--pop-state \
+    -L"$B/client_runtime" -L"$B/virt_layer" -L"$torch_dir/lib" -lsymbiosis_client -lsymbiosis_virt_layer \
+    -ltorch_python -ltorch -ltorch_cpu -lc10 > $logs/python-build.log 2>&1 \
+    || { log "building symbiosis._C failed"; grep -m5 -A3 error $logs/python-build.log; return 1; }
+  export PYTHONPATH="$root/python:$ext"
+  python3 -c 'import symbiosis' > $logs/python-import.log 2>&1 || { log "symbiosis does not import: $(tail -3 $logs/python-import.log)"; return 1; }
+  log "symbiosis._C built here"
 }
 
 for stage in "$@"; do
@@ -590,6 +627,46 @@ PY
           [ -s "$f" ] && { echo "== $f"; tail -6 "$f"; }
         done
       fi
+      mps_off
+      ;;
+    python)
+      python_package || continue
+      mps_on
+      ( cd tests/python && timeout 300 python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py ) > $logs/python-gpu.txt 2>&1
+      rc=$?
+      log "python GPU tests exited $rc: $(tail -1 $logs/python-gpu.txt)"
+      grep -E "^(FAILED|ERROR|SKIPPED)|Error:|assert " $logs/python-gpu.txt | head -20
+      [ $rc = 0 ] || cp $logs/python-gpu.txt "$out/"
+      mps_off
+      if [ "${PYTHON_CPU_SUITE:-1}" != 0 ]; then
+        # One test at a time per worker; each starts its own executors on free ports.
+        workers=""
+        python3 -c 'import xdist' 2> /dev/null && workers="-n 8"
+        ( cd tests/python && timeout 420 python3 -m pytest -q -p no:cacheprovider $workers --ignore=test_gpu.py . ) \
+          > $logs/python-cpu.txt 2>&1
+        rc=$?
+        log "python CPU suite exited $rc: $(tail -1 $logs/python-cpu.txt)"
+        grep -E "^(FAILED|ERROR)" $logs/python-cpu.txt | head -20
+        [ $rc = 0 ] || cp $logs/python-cpu.txt "$out/"
+      fi
+      ;;
+    python-13b)
+      python_package || continue
+      wait_13b
+      mps_on
+      gc=""
+      [ "${PY13B_GC:-0}" = 1 ] && gc="--gradient-checkpointing"
+      graph=""
+      [ "${PY13B_CPP_GRAPH:-0}" = 1 ] && graph="--cpp-cuda-graph"
+      timeout "${PY13B_TIMEOUT_S:-420}" python3 bench/python_tenants.py --model $model_13b --build "$B" --out /tmp/python-13b \
+        --device cuda:0 --dtype bf16 --batch 2 --seq 512 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 \
+        --limit "${PY13B_LIMIT:-24}" --plain-limit "${PY13B_PLAIN_LIMIT:-8}" --window-s "${PY13B_WINDOW_S:-8}" $gc $graph \
+        > $logs/python-13b.txt 2> $logs/python-13b.err
+      log "python-13b exited $?"
+      cat $logs/python-13b.txt
+      grep "python_tenants" $logs/python-13b.err | tail -12
+      cp /tmp/python-13b/python_tenants.json "$out/python-13b${gc:+-gc}.json" 2> /dev/null
+      cp $logs/python-13b.err "$out/python-13b${gc:+-gc}.err"
       mps_off
       ;;
     *) log "unknown stage $stage" ;;

@@ -139,5 +139,8 @@ def from_pretrained(
         model = model_class.from_config(config, dtype=dtype, **from_config_kwargs)
     virtualize(model, client, require_all=True)
     load_weights(model, checkpoint, device=client.device)
+    # The buffers __init__ computed (rotary frequencies) were made on the CPU: the whole model on the
+    # client's device, where its activations must be for the executor's transport (cuda-ipc, nccl).
+    model.to(client.device)
     model.eval()
     return model

@@ -72,12 +72,13 @@ def make_checkpoint(architecture, directory, seed=0):
 
 
 class Executor:
-    """A symbiosis-executor process serving `checkpoint` on this machine's CPU, on a free port."""
+    """A symbiosis-executor process serving `checkpoint` on `device` (this machine's CPU unless
+    said otherwise), on a free port."""
 
-    def __init__(self, checkpoint, extra_args=()):
+    def __init__(self, checkpoint, extra_args=(), device="cpu"):
         self.log_path = os.path.join(checkpoint, "executor.log")
         self._log = open(self.log_path, "w")
-        args = [EXECUTOR, "--model", checkpoint, "--device", "cpu", "--listen", "tcp://127.0.0.1:*",
+        args = [EXECUTOR, "--model", checkpoint, "--device", device, "--listen", "tcp://127.0.0.1:*",
                 "--threads", "1", *extra_args]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True)
         line = self._ready_line(timeout_s=60)
