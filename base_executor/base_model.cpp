@@ -33,8 +33,14 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
   return groups;
 }
 
+std::pair<int64_t, int64_t> Shard::rows(int64_t size, int part) const {
+  const int64_t first = size * part / count;
+  return {first, size * (part + 1) / count - first};
+}
+
 std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
-                                           at::Device device, std::optional<at::ScalarType> dtype) {
+                                           at::Device device, std::optional<at::ScalarType> dtype,
+                                           const Shard& shard) {
   std::regex pattern;
   try {
     pattern = std::regex(rule.pattern);
@@ -49,6 +55,7 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   const bool conv1d = model_type == "gpt2";  // GPTBigCode, GPT-2's kin, has Linear layers
   auto model = std::unique_ptr<BaseModel>(new BaseModel());
   model->device_ = device;
+  model->shard_ = shard;
   model->model_hash_ = checkpoint.model_hash();
   const std::string suffix = ".weight";
   for (const auto& name : checkpoint.names()) {
@@ -66,12 +73,18 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
     info.out_features = info.kind == LayerKind::kLinear ? rec.shape[0] : rec.shape[1];
     info.dtype = dtype.value_or(rec.dtype);
     Weights w;
-    // A memory-mapped tensor already in the right place and dtype is used as is (no copy).
-    w.weight = checkpoint.tensor(name).to(device, info.dtype);
+    // A memory-mapped tensor already in the right place and dtype is used as is (no copy). A
+    // shard keeps its rows of the output features alone, in memory of its own ([Parts]).
+    const auto [first, rows] = shard.rows(info.out_features, shard.index);
+    auto held = [&](at::Tensor t, int64_t dim) {
+      if (shard.count == 1) return t.to(device, info.dtype);
+      return t.narrow(dim, first, rows).to(device, info.dtype).clone(at::MemoryFormat::Contiguous);
+    };
+    w.weight = held(checkpoint.tensor(name), info.kind == LayerKind::kLinear ? 0 : 1);
     const std::string bias_name = module + ".bias";
     if (checkpoint.contains(bias_name)) {
       info.bias = true;
-      w.bias = checkpoint.tensor(bias_name, {info.out_features}).to(device, info.dtype);
+      w.bias = held(checkpoint.tensor(bias_name, {info.out_features}), 0);
     }
     // Linear stores [out, in] (y = x·Wᵀ + b); Conv1D stores [in, out] (y = x·W + b).
     w.forward_matrix = info.kind == LayerKind::kLinear ? w.weight.t() : w.weight;
@@ -128,14 +141,16 @@ void BaseModel::add_groups(const std::vector<std::vector<std::string>>& names) {
       info.id = static_cast<uint32_t>(layer_count());
       info.name = parent.empty() ? "{" : parent + ".{";
       info.out_features = 0;
+      int64_t row = 0;  // in the stacked share
       for (size_t i = 0; i < members.size(); ++i) {
         auto& w = weights_[members[i]];
-        const int64_t rows = layers_[members[i]].out_features;
-        w.weight = stacked.weight.narrow(0, info.out_features, rows);
-        if (first.bias) w.bias = stacked.bias.narrow(0, info.out_features, rows);
+        const int64_t rows = w.weight.size(0);
+        w.weight = stacked.weight.narrow(0, row, rows);
+        if (first.bias) w.bias = stacked.bias.narrow(0, row, rows);
         w.forward_matrix = w.weight.t();
         w.backward_matrix = w.weight;
-        info.out_features += rows;
+        row += rows;
+        info.out_features += layers_[members[i]].out_features;
         info.name += (i ? "," : "") + group[i];
         grouped[members[i]] = true;
       }
@@ -157,6 +172,26 @@ size_t BaseModel::weight_bytes() const {
     total += w.weight.nbytes() + (w.bias.defined() ? w.bias.nbytes() : 0);
   }
   return total;
+}
+
+std::vector<ColumnBlock> BaseModel::columns(uint32_t layer_id, int part) const {
+  const auto& info = layer(layer_id);
+  std::vector<ColumnBlock> blocks;
+  int64_t local = 0, global = 0;
+  for (const uint32_t member : info.members.empty() ? std::vector<uint32_t>{layer_id} : info.members) {
+    const int64_t out = layers_[member].out_features;
+    const auto [first, rows] = shard_.rows(out, part);
+    blocks.push_back({local, global + first, rows});
+    local += rows;
+    global += out;
+  }
+  return blocks;
+}
+
+int64_t BaseModel::local_width(uint32_t layer_id, int part) const {
+  int64_t width = 0;
+  for (const auto& block : columns(layer_id, part)) width += block.width;
+  return width;
 }
 
 // The matrix x is multiplied by, and the bias to add (undefined when none or not wanted).

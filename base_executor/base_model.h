@@ -49,11 +49,30 @@ struct BaseLayerRule {
   std::vector<std::vector<std::string>> groups = parse_layer_groups(kDefaultGroups);
 };
 
+// [Parts] (parts.h): the share of every base layer one part of a sharded executor holds, part
+// `index` of `count`: the rows [size * index / count, size * (index + 1) / count) of each layer's
+// output features. {0, 1}: the whole model.
+struct Shard {
+  int index = 0;
+  int count = 1;
+  // The share of `size` rows part `part` holds: {first, rows}.
+  std::pair<int64_t, int64_t> rows(int64_t size, int part) const;
+};
+
+// Where a part's output columns of a layer go in the layer's whole output: `width` columns from
+// `local` in the part's result to `global` in the whole. A layer has one block a part; a group one
+// a member.
+struct ColumnBlock {
+  int64_t local = 0, global = 0, width = 0;
+};
+
 class BaseModel {
  public:
-  // dtype: compute dtype; default the checkpoint's. Throws naming the checkpoint on bad input.
+  // dtype: compute dtype; default the checkpoint's. shard: the share held ([Parts]); by default
+  // all. Throws naming the checkpoint on bad input.
   static std::unique_ptr<BaseModel> load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
-                                         at::Device device, std::optional<at::ScalarType> dtype);
+                                         at::Device device, std::optional<at::ScalarType> dtype,
+                                         const Shard& shard = {});
 
   const std::vector<LayerInfo>& layers() const { return layers_; }
   // [Layer groups]: ids from layers().size() on.
@@ -63,9 +82,16 @@ class BaseModel {
   size_t layer_count() const { return layers_.size() + groups_.size(); }
   const std::string& model_hash() const { return model_hash_; }
   at::Device device() const { return device_; }
-  size_t weight_bytes() const;
+  size_t weight_bytes() const;  // held here: the shard's share
+  const Shard& shard() const { return shard_; }
+  // [Parts]: part `part`'s output columns of a layer (or group) within its whole output, and how
+  // many there are (the width of compute()'s forward result there).
+  std::vector<ColumnBlock> columns(uint32_t layer_id, int part) const;
+  int64_t local_width(uint32_t layer_id, int part) const;
 
   // x: [tokens, in] (FORWARD*) or [tokens, out] (BACKWARD_INPUT), on device(), in the layer dtype.
+  // A shard computes with its share: forward gives its columns ([tokens, local_width]) and
+  // backward-input takes them ([tokens, local_width]) and gives its part of the sum.
   at::Tensor compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const;
   // The same, written into `out` ([tokens, out features], contiguous, on device()): a client's
   // payload buffer receives its result without a copy.
@@ -89,6 +115,7 @@ class BaseModel {
   std::vector<Weights> weights_;  // by id: the layers first, then the groups
   std::string model_hash_;
   at::Device device_{at::kCPU};
+  Shard shard_;
 };
 
 }  // namespace symbiosis

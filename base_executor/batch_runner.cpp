@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 
+#include "base_executor/parts.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/batched_copy.h"
@@ -164,14 +165,28 @@ class ReplayedBatches {
 class ReplayedBatches {};
 #endif
 
-BatchRunner::BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input)
-    : model_(model), statistics_(statistics), on_input_(std::move(on_input)) {
+BatchRunner::BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input, Parts* parts)
+    : model_(model), statistics_(statistics), on_input_(std::move(on_input)), parts_(parts) {
 #ifdef SYMBIOSIS_WITH_CUDA
   if (model.device().is_cuda()) replays_ = std::make_unique<ReplayedBatches>(model);
 #endif
 }
 
 BatchRunner::~BatchRunner() = default;
+
+std::vector<at::Tensor> BatchRunner::read_inputs(CallBatcher::Batch& batch, uint64_t number) {
+  const auto& layer = model_.layer(batch.layer_id);
+  const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+  std::vector<at::Tensor> inputs;
+  for (auto& r : batch.requests) {
+    auto& w = r.payload;
+    inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
+    w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
+    // [Input observer]
+    if (on_input_ && inputs.back().defined()) on_input_(number, r.client_id, layer, batch.op, inputs.back());
+  }
+  return inputs;
+}
 
 // [Batch data path]
 // Inputs: tcp payloads (ZeroMQ frames) and shm buffers are host memory; cuda-ipc buffers and NCCL receives are
@@ -181,60 +196,70 @@ BatchRunner::~BatchRunner() = default;
 // kernel writes each cuda-ipc client's rows into its buffer; host destinations are filled from the
 // GPU by DMA). A batch of one request whose input and destination are both on the executor's
 // device is computed straight from the client's buffer into the client's buffer, with no copy; so
-// is a batch of such requests that are each large (kInPlaceTokens), one GEMM after another.
+// is a batch of such requests that are each large (kInPlaceTokens), one GEMM after another. A
+// sharded executor's batches are always packed: the parts compute them together ([Rounds] in
+// parts.h).
 // Returns each request's result rows (views into the batch result, or its destination).
 std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
+  auto& requests = batch.requests;
+  const uint64_t number = ++batches_;
+  std::vector<int64_t> first_row;
+  at::Tensor y;
+  if (parts_) {
+    const RoundOffer offer{RoundOffer::kBatch, batch.layer_id, batch.op, batch.tokens,
+                           requests[0].payload.header.features};
+    y = parts_->compute(model_, parts_->rank(), offer, [&] { return pack(batch, number, read_inputs(batch, number), first_row); });
+  } else {
+    const at::Device device = model_.device();
+    const auto inputs = read_inputs(batch, number);
+    // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
+    // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
+    // them would add two copies of every row and gain nothing.
+    bool in_place = true;
+    for (size_t i = 0; i < requests.size() && in_place; ++i) {
+      const auto& w = requests[i].payload;
+      in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() &&
+                 inputs[i].device() == device && (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
+    }
+    if (in_place) {
+      std::vector<at::Tensor> rows;
+      for (size_t i = 0; i < requests.size(); ++i) {
+        auto& w = requests[i].payload;
+        const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
+        if (w.channel->compute_replayed(w.header, inputs[i], w.destination, compute)) {
+          statistics_.replayed_calls++;
+        } else {
+          compute();
+        }
+        rows.push_back(w.destination);
+      }
+      return rows;
+    }
+#ifdef SYMBIOSIS_WITH_CUDA
+    if (replays_ && replays_->run(batch, inputs)) {
+      statistics_.replayed_calls += requests.size();
+      std::vector<at::Tensor> rows;
+      for (const auto& r : requests) rows.push_back(r.payload.destination);
+      return rows;
+    }
+#endif
+    y = model_.compute(batch.layer_id, batch.op, pack(batch, number, inputs, first_row));
+  }
+  std::vector<at::Tensor> rows;
+  for (size_t i = 0; i < requests.size(); ++i) rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
+  return rows;
+}
+
+at::Tensor BatchRunner::pack(CallBatcher::Batch& batch, uint64_t number, const std::vector<at::Tensor>& inputs,
+                             std::vector<int64_t>& first_row) {
   const at::Device device = model_.device();
   auto& requests = batch.requests;
   const auto& layer = model_.layer(batch.layer_id);
-  const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
   const int64_t features = requests[0].payload.header.features;
-  const uint64_t number = ++batches_;
-  // Undefined where the channel receives the input straight into the batch (NCCL): only its rows
-  // are known until the batch is allocated.
-  std::vector<at::Tensor> inputs;
-  for (auto& r : requests) {
-    auto& w = r.payload;
-    inputs.push_back(w.channel->input(w.header, layer.dtype, {w.header.tokens, w.header.features}));
-    w.destination = w.channel->destination(w.header, layer.dtype, {w.header.tokens, out_features});
-    // [Input observer]
-    if (on_input_ && inputs.back().defined()) on_input_(number, r.client_id, layer, batch.op, inputs.back());
-  }
   auto on_device = [&](size_t i) { return !inputs[i].defined() || inputs[i].device() == device; };
-  // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
-  // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
-  // them would add two copies of every row and gain nothing.
-  bool in_place = true;
-  for (size_t i = 0; i < requests.size() && in_place; ++i) {
-    const auto& w = requests[i].payload;
-    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() &&
-               inputs[i].device() == device && (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
-  }
-  if (in_place) {
-    std::vector<at::Tensor> rows;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      auto& w = requests[i].payload;
-      const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
-      if (w.channel->compute_replayed(w.header, inputs[i], w.destination, compute)) {
-        statistics_.replayed_calls++;
-      } else {
-        compute();
-      }
-      rows.push_back(w.destination);
-    }
-    return rows;
-  }
-#ifdef SYMBIOSIS_WITH_CUDA
-  if (replays_ && replays_->run(batch, inputs)) {
-    statistics_.replayed_calls += requests.size();
-    std::vector<at::Tensor> rows;
-    for (const auto& r : requests) rows.push_back(r.payload.destination);
-    return rows;
-  }
-#endif
   // Each request's first row in the batch: on a GPU, host inputs come first (one upload), device
   // inputs after them; the order of rows inside a batch is free.
-  std::vector<int64_t> first_row(inputs.size());
+  first_row.assign(inputs.size(), 0);
   std::vector<at::Tensor> host_inputs;
   int64_t host_tokens = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -254,7 +279,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
     x = host_inputs[0].to(device, /*non_blocking=*/true);  // a pinned shm buffer: DMA straight from it
   } else if (!host_inputs.empty()) {
     // ZeroMQ payloads sit in pageable frames: staged through one pinned buffer.
-    auto pinned = at::empty({host_tokens, features}, options.device(at::kCPU).pinned_memory(true));
+    auto pinned = at::empty({host_tokens, features}, options.device(at::kCPU).pinned_memory(device.is_cuda()));
     at::cat_out(pinned, host_inputs, 0);
     x = pinned.to(device, /*non_blocking=*/true);
   }
@@ -283,10 +308,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
     if (!sources.empty()) copy_rows(sources, targets);
     x = packed;
   }
-  auto y = model_.compute(batch.layer_id, batch.op, x);
-  std::vector<at::Tensor> rows;
-  for (size_t i = 0; i < inputs.size(); ++i) rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
-  return rows;
+  return x;
 }
 
 void BatchRunner::refuse(CallBatcher::Batch& batch, const Status& status) {
@@ -338,7 +360,7 @@ void BatchRunner::run(CallBatcher::Batch& batch) {
   try {
     results = compute(batch);
   } catch (const std::exception& e) {
-    failure = status_of_exception(e, StatusCode::kInternal);
+    failure = parts_ && parts_->lost() ? *parts_->lost() : status_of_exception(e, StatusCode::kInternal);
   }
   const auto computed = Statistics::Clock::now();
   try {

@@ -26,19 +26,29 @@ struct Call {
 using CallBatcher = Batcher<Call>;
 
 class ReplayedBatches;  // [Replayed batches], batch_runner.cpp
+class Parts;            // parts.h
 
 class BatchRunner {
  public:
   // on_input: [Input observer] (base_executor/executor.h), called with every call's input; may be empty.
-  BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input = {});
+  // parts: a sharded executor's ([Parts] in parts.h), with whom every batch is computed; null: alone.
+  BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input = {}, Parts* parts = nullptr);
   ~BatchRunner();
+  // With parts, the other parts must be computing this batch with it ([Rounds] in parts.h).
   void run(CallBatcher::Batch& batch);
+  // Answers each of the batch's calls with `status`.
+  void refuse(CallBatcher::Batch& batch, const Status& status);
 
  private:
   // Each call's result rows: views into the batch's result, or its destination.
   std::vector<at::Tensor> compute(CallBatcher::Batch& batch);
+  // Each call's input (undefined where its channel receives it straight into the batch: NCCL), its
+  // destination set; the [Input observer] sees them.
+  std::vector<at::Tensor> read_inputs(CallBatcher::Batch& batch, uint64_t number);
+  // The batch's input rows, packed; first_row[i]: where call i's rows start.
+  at::Tensor pack(CallBatcher::Batch& batch, uint64_t number, const std::vector<at::Tensor>& inputs,
+                  std::vector<int64_t>& first_row);
   void deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& results);
-  void refuse(CallBatcher::Batch& batch, const Status& status);
 
   const BaseModel& model_;
   Statistics& statistics_;
@@ -46,6 +56,7 @@ class BatchRunner {
   uint64_t batches_ = 0;  // run so far: the [Input observer]'s batch numbers
   std::vector<Statistics::BatchCall> calls_;  // the batch's calls, for the statistics (kept: no allocation a batch)
   std::unique_ptr<ReplayedBatches> replays_;  // on a GPU
+  Parts* const parts_;
 };
 
 }  // namespace symbiosis

@@ -187,6 +187,22 @@ class Batcher {
     return take(*oldest);
   }
 
+  // Every pending request, taken out in batches whether ready or not: for a scheduler that can
+  // serve none of them ([Lost part] in parts.h).
+  std::vector<Batch> drain() {
+    std::vector<Batch> batches;
+    for (; !alone_.empty(); alone_.pop_front()) {
+      batches.push_back({alone_.front().layer_id, alone_.front().op, alone_.front().tokens, {}});
+      batches.back().requests.push_back(std::move(alone_.front()));
+    }
+    for (Queue* queue : std::vector<Queue*>(active_)) {
+      while (!queue->requests.empty()) batches.push_back(take(*queue));
+    }
+    total_requests_ = 0;
+    total_tokens_ = 0;
+    return batches;
+  }
+
   // When pop() may next return a batch without another push: the earliest deadline of any
   // queue (TimePoint::max() when nothing waits).
   TimePoint next_deadline(TimePoint now) const {

@@ -81,6 +81,7 @@ void ExecutorOptions::validate() const {
   }
   TORCH_CHECK(stats_interval_seconds >= 0, "executor option --stats-interval must be >= 0");
   batching.validate();
+  parts.validate();
   TORCH_CHECK(threads >= 0, "executor option --threads must be >= 0, got ", threads);
   TORCH_CHECK(spin_us >= -1, "executor option --spin-us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(streams >= 1 && streams <= 32, "executor option --streams must be 1 to 32, got ", streams);
@@ -93,6 +94,7 @@ void ExecutorOptions::validate() const {
 class Executor::Impl {
  public:
   ExecutorOptions options;
+  std::unique_ptr<Parts> parts;  // [Parts]; none when not sharded
   std::unique_ptr<BaseModel> model;
   zmq::context_t context{1};
   std::unique_ptr<Statistics> statistics;
@@ -103,6 +105,9 @@ class Executor::Impl {
   std::thread scheduler_thread;
   std::unique_ptr<MetricsServer> metrics;  // [Metrics]; none without --metrics-listen
   std::atomic<bool> stopping{false};
+
+  mutable std::mutex lost_mutex;
+  std::optional<Status> lost;  // [Lost part]; guarded by lost_mutex
 
   std::mutex done_mutex;
   std::condition_variable done_cv;  // signalled when shutdown completes
@@ -121,7 +126,12 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
   TORCH_CHECK(device.is_cpu() || cuda::cuda_available(), "executor option --device ", options.device,
               ": no CUDA GPU is available here");
   auto checkpoint = Checkpoint::open(options.model_dir);
-  impl->model = BaseModel::load(*checkpoint, options.layers, device, options.dtype);
+  Shard shard;
+  if (options.parts.sharded()) {
+    impl->parts = Parts::join(options.parts, device);
+    shard = {options.parts.rank, options.parts.world_size};
+  }
+  impl->model = BaseModel::load(*checkpoint, options.layers, device, options.dtype, shard);
   proto::Placement placement;
   placement.set_host_id(shm::host_id());
   placement.set_pid(::getpid());
@@ -131,16 +141,22 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
     placement.set_mps(cuda::mps_active());
   }
   const auto& model = *impl->model;
-  spdlog::info("loaded {} base layers and {} layer groups ({:.1f} MiB) of model {} from {} on {}{}",
-               model.layers().size(), model.groups().size(), model.weight_bytes() / 1048576.0, model.model_hash(),
+  spdlog::info("loaded {} base layers and {} layer groups ({:.1f} MiB{}) of model {} from {} on {}{}",
+               model.layers().size(), model.groups().size(), model.weight_bytes() / 1048576.0,
+               impl->parts ? ", the share of " + impl->parts->name() : "", model.model_hash(),
                options.model_dir.string(), options.device,
                device.is_cuda() ? (placement.mps() ? " (NVIDIA MPS active)" : " (no NVIDIA MPS)") : "");
   const auto& kept = impl->options;  // the parts refer to the Impl's copy
   impl->statistics = std::make_unique<Statistics>(model, batching_policy_name(options.batching.policy));
   const std::string replies_endpoint = "inproc://replies-" + std::to_string(reinterpret_cast<uintptr_t>(impl.get()));
   impl->buffers = std::make_unique<BufferBudget>(options.max_buffer_bytes);
+  Impl* raw = impl.get();
   impl->scheduler = std::make_unique<Scheduler>(kept, model, *impl->statistics, *impl->buffers, impl->context,
-                                                replies_endpoint);
+                                                replies_endpoint, impl->parts.get(), [raw](const Status& why) {
+                                                  std::lock_guard<std::mutex> lock(raw->lost_mutex);
+                                                  raw->lost = why;
+                                                  raw->front_door->set_goodbye(why.message());
+                                                });
   impl->front_door = std::make_unique<FrontDoor>(kept, model, placement, *impl->scheduler, *impl->statistics,
                                                  *impl->buffers, impl->context, replies_endpoint);
   if (!options.metrics_listen.empty()) {
@@ -156,7 +172,6 @@ std::unique_ptr<Executor> Executor::start(const ExecutorOptions& options) {
     });
     spdlog::info("metrics at {}", impl->metrics->url());
   }
-  Impl* raw = impl.get();
   impl->front_door_thread = std::thread([raw] { raw->front_door->run(); });
   impl->scheduler_thread = std::thread([raw] { raw->scheduler->run(); });
   spdlog::info("serving on {} (batching: {})", impl->front_door->endpoint(),
@@ -173,7 +188,13 @@ const BaseModel& Executor::model() const { return *impl_->model; }
 ExecutorStats Executor::stats() const {
   const auto& s = *impl_->statistics;
   return {s.clients,        s.same_host_clients, s.requests,         s.errors,         s.tokens,
-          s.compute_nanos * 1e-9, s.direct_calls,   s.concurrent_calls, s.replayed_calls, impl_->buffers->used()};
+          s.compute_nanos * 1e-9, s.direct_calls,   s.concurrent_calls, s.replayed_calls, impl_->buffers->used(),
+          impl_->model->weight_bytes()};
+}
+
+std::optional<Status> Executor::lost() const {
+  std::lock_guard<std::mutex> lock(impl_->lost_mutex);
+  return impl_->lost;
 }
 
 void Executor::shutdown() {

@@ -18,6 +18,7 @@
 
 #include "base_executor/base_model.h"
 #include "base_executor/batching.h"
+#include "base_executor/parts.h"
 
 namespace symbiosis {
 
@@ -92,6 +93,8 @@ struct ExecutorOptions {
   std::string metrics_listen;
   // [Input observer]; empty (the default): nothing is observed, at no cost.
   InputObserver on_input;
+  // [Parts] (parts.h): this executor as one part of a sharded executor; by default not sharded.
+  PartOptions parts;
 
   // Throws naming the field when an option is out of range.
   void validate() const;
@@ -108,6 +111,7 @@ struct ExecutorStats {
   uint64_t concurrent_calls = 0;  // calls run alone on their client's compute stream ([Compute streams])
   uint64_t replayed_calls = 0;    // captured calls whose GEMM was launched as a graph ([Replayed calls])
   uint64_t buffer_bytes = 0;      // shared memory held for clients now ([Buffer budget] in overload.h)
+  uint64_t weight_bytes = 0;      // of the base layers held here (a part's share: [Parts] in parts.h)
 };
 
 class Executor {
@@ -122,8 +126,13 @@ class Executor {
   std::string metrics_url() const;
   const BaseModel& model() const;
   ExecutorStats stats() const;
-  void shutdown();  // idempotent; joins the threads
+  // Idempotent; joins the threads. Clients hear why it stops: `reason` ("it was stopped"), or the
+  // [Lost part]'s.
+  void shutdown();
   void wait();      // blocks until shutdown() has run
+  // [Lost part] (parts.h): why this part of a sharded executor can serve no more, once it cannot
+  // (it refuses every call meanwhile: shut it down); empty while it serves.
+  std::optional<Status> lost() const;
 
   class Impl;
 

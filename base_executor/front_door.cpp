@@ -568,7 +568,10 @@ void FrontDoor::run() {
 // notices to leave; a peer already gone is dropped at once.
 void FrontDoor::tell_clients_goodbye() {
   proto::Envelope notice;
-  notice.mutable_shutting_down()->set_reason("it was stopped");
+  {
+    std::lock_guard<std::mutex> lock(goodbye_mutex_);
+    notice.mutable_shutting_down()->set_reason(goodbye_);
+  }
   for (const auto& [key, record] : registry_.all()) {
     try {
       wire::send_to(router_, key, notice);

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,11 @@ class FrontDoor {
   // The loop; returns once stop() was called.
   void run();
   void stop() { stopping_ = true; }
+  // Any thread: what the [Shutdown notice] tells clients, when not "it was stopped".
+  void set_goodbye(std::string reason) {
+    std::lock_guard<std::mutex> lock(goodbye_mutex_);
+    goodbye_ = std::move(reason);
+  }
   // After run() has returned: lets go of every client (their channels' pending NCCL work).
   void abort_clients();
 
@@ -88,6 +94,8 @@ class FrontDoor {
   zmq::socket_t replies_in_;
   std::string endpoint_;
   std::atomic<bool> stopping_{false};
+  std::mutex goodbye_mutex_;
+  std::string goodbye_ = "it was stopped";  // guarded by goodbye_mutex_
 
   // Owned by the front door's thread.
   ClientRegistry registry_;

@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "base_executor/executor.h"
+#include "base_executor/launch.h"
 #include "common/checkpoint.h"
 
 int main(int argc, char** argv) {
@@ -96,7 +97,30 @@ int main(int argc, char** argv) {
   app.add_option("--stats-interval", options.stats_interval_seconds, "log statistics every N seconds (0: never)")
       ->capture_default_str();
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  // [Parts] (base_executor/parts.h, docs/operating.md): a sharded executor.
+  auto& parts = options.parts;
+  int64_t part_timeout_ms = parts.timeout.count();
+  int launch_parts = 0;
+  std::string launch_gpus;
+  app.add_option("--rank", parts.rank, "this part's rank in a sharded executor (0 to --world-size - 1)")
+      ->capture_default_str();
+  app.add_option("--world-size", parts.world_size, "the parts of a sharded executor, all together")
+      ->capture_default_str();
+  app.add_option("--rendezvous", parts.rendezvous,
+                 "HOST:PORT where the parts of a sharded executor meet (rank 0 listens there); none: not sharded");
+  app.add_option("--part-interface", parts.interface,
+                 "the network interface the parts' connections use (default: loopback for a loopback rendezvous, "
+                 "else the host name's address)");
+  app.add_option("--part-timeout", part_timeout_ms,
+                 "a part waits this long for the others in a collective before it counts them lost (ms)")
+      ->capture_default_str();
+  app.add_option("--parts", launch_parts,
+                 "start a sharded executor of this many parts on this host, one process each (with --device cpu)");
+  app.add_option("--gpus", launch_gpus,
+                 "start a sharded executor of one part per GPU listed (e.g. 0,1,2,3), one process each");
   CLI11_PARSE(app, argc, argv);
+  parts.timeout = std::chrono::milliseconds(part_timeout_ms);
+  if (launch_parts > 0 || !launch_gpus.empty()) return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);
   // Logs go to stderr; stdout carries only the "ready ENDPOINT" line that scripts wait for.
   spdlog::set_default_logger(spdlog::stderr_color_mt("executor"));
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -126,9 +150,17 @@ int main(int argc, char** argv) {
   }
   if (!executor->metrics_url().empty()) std::cout << "metrics " << executor->metrics_url() << std::endl;
   std::cout << "ready " << executor->endpoint() << std::endl;  // scripts wait for this line
-  int signal = 0;
-  sigwait(&stop_signals, &signal);
-  spdlog::info("signal {}: shutting down", signal);
-  executor->shutdown();
-  return 0;
+  // Until a stop signal, or a [Lost part]: then the executor stops, telling its clients why.
+  const timespec tick{0, 100'000'000};
+  while (true) {
+    if (const int signal = sigtimedwait(&stop_signals, nullptr, &tick); signal > 0) {
+      spdlog::info("signal {}: shutting down", signal);
+      executor->shutdown();
+      return 0;
+    }
+    if (executor->lost()) {
+      executor->shutdown();
+      return 3;
+    }
+  }
 }

@@ -15,6 +15,9 @@ namespace symbiosis {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// [Rounds] (parts.h): how long an idle part of a sharded executor waits for work before its next
+// round: a part with work waits up to this for the others.
+constexpr auto kRoundWait = std::chrono::microseconds(500);
 
 LayerOp to_layer_op(int32_t op) {
   switch (op) {
@@ -45,7 +48,8 @@ void warm_up(const BaseModel& model, cuda::ComputeStreams& streams, int count) {
 }  // namespace
 
 Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics,
-                     BufferBudget& buffers, zmq::context_t& context, std::string replies_endpoint)
+                     BufferBudget& buffers, zmq::context_t& context, std::string replies_endpoint, Parts* parts,
+                     std::function<void(const Status&)> on_lost)
     : options_(options),
       model_(model),
       statistics_(statistics),
@@ -53,7 +57,9 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       replies_endpoint_(std::move(replies_endpoint)),
       buffers_(buffers),
       batcher_(options.batching),
-      runner_(model, statistics, options.on_input) {}
+      runner_(model, statistics, options.on_input, parts),
+      parts_(parts),
+      on_lost_(std::move(on_lost)) {}
 
 Scheduler::~Scheduler() {
   // Nothing may wait on a client that is gone (NCCL kernels).
@@ -171,8 +177,9 @@ void Scheduler::answer_error(const std::string& identity, uint64_t client_id, co
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape) {
   const auto refused = refused_.find(channel->client_id());
-  Status status =
-      refused != refused_.end() ? refused->second : check_call(model_, options_.max_request_bytes, *channel, h, shape);
+  Status status = refused != refused_.end() ? refused->second
+                  : lost_                   ? *lost_
+                                            : check_call(model_, options_.max_request_bytes, *channel, h, shape);
   // [Overload]: the calls waiting to be batched stay within --max-queued-tokens.
   const int64_t waiting = batcher_.pending_tokens();
   if (status.is_ok() && waiting > 0 && h.tokens > options_.max_queued_tokens - waiting) {
@@ -193,7 +200,7 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
   queued.latency = wire::latency_from_proto(h.latency_class);
   queued.arrival = Clock::now();
   queued.alone = options_.streams > 1 && options_.concurrent_tokens > 0 && h.tokens >= options_.concurrent_tokens &&
-                 channel->orders_by_flags() && model_.device().is_cuda();
+                 channel->orders_by_flags() && model_.device().is_cuda() && parts_ == nullptr;
   if (batcher_.runs_alone(queued)) statistics_.concurrent_calls++;
   queued.payload.header = h;
   queued.payload.channel = channel;
@@ -232,6 +239,56 @@ void Scheduler::finish_setups() {
   }
 }
 
+// [Rounds] (parts.h). The round's batches run in rank order, each on the first compute stream.
+bool Scheduler::take_part(std::optional<CallBatcher::Batch>& batch) {
+  if (lost_) return false;
+  RoundOffer mine;
+  if (batch) {
+    mine = {RoundOffer::kBatch, batch->layer_id, batch->op, batch->tokens, batch->requests[0].payload.header.features};
+  }
+  bool any = false;
+  try {
+    const auto offers = parts_->exchange(mine);
+    for (size_t part = 0; part < offers.size(); ++part) {
+      if (offers[part].kind == RoundOffer::kLeaving) {
+        lose(Status(StatusCode::kUnavailable, "executor part " + std::to_string(part) + " of " +
+                                                  std::to_string(offers.size()) + " was stopped; " + parts_->name() +
+                                                  " stops with it"));
+        break;
+      }
+    }
+    for (size_t part = 0; part < offers.size() && !lost_; ++part) {
+      if (offers[part].kind != RoundOffer::kBatch) continue;
+      any = true;
+      if (static_cast<int>(part) == parts_->rank()) {
+        runner_.run(*batch);  // refuses the batch's calls itself if the parts are lost meanwhile
+        batch.reset();
+      } else {
+        parts_->compute(model_, static_cast<int>(part), offers[part], {});
+      }
+    }
+  } catch (const std::exception& e) {
+    // Any failure here leaves the parts out of step: none can serve on.
+    if (!lost_) {
+      lose(parts_->lost() ? *parts_->lost()
+                          : Status(StatusCode::kUnavailable, "executor " + parts_->name() + " failed in a round: " +
+                                                                 status_of_exception(e, StatusCode::kInternal).message() +
+                                                                 "; this sharded executor stops"));
+    }
+  }
+  if (parts_->lost() && !lost_) lose(*parts_->lost());
+  if (batch && lost_) runner_.refuse(*batch, *lost_);
+  return any;
+}
+
+void Scheduler::lose(const Status& why) {
+  spdlog::error("{}", why.message());
+  lost_ = why;
+  for (auto& batch : batcher_.drain()) runner_.refuse(batch, why);
+  note_queue();
+  if (on_lost_) on_lost_(why);
+}
+
 void Scheduler::run() {
   // OpenMP's thread count and the current CUDA device are per thread: set them where we compute.
   if (options_.threads > 0) at::set_num_threads(options_.threads);
@@ -264,7 +321,9 @@ void Scheduler::run() {
     const auto now = Clock::now();
     auto batch = batcher_.pop(now);
     note_queue();
-    if (batch) {
+    if (parts_) {
+      if (take_part(batch)) continue;
+    } else if (batch) {
 #ifdef SYMBIOSIS_WITH_CUDA
       if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
         const auto& first = batch->requests[0];
@@ -277,9 +336,12 @@ void Scheduler::run() {
     }
     auto deadline = batcher_.next_deadline(now);
     if (!pending_setups_.empty()) deadline = std::min(deadline, now + std::chrono::milliseconds(1));
+    // [Rounds]: the other parts wait for this one's next offer.
+    if (parts_ && !lost_) deadline = std::min(deadline, now + kRoundWait);
     if (watching) continue;  // a result or an input about to be ready: look again at once
     shm::wait_until(bell, [&] { return bell.current() != seen; }, spin, deadline);
   }
+  if (parts_) parts_->leave();
 }
 
 }  // namespace symbiosis

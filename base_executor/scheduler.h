@@ -10,8 +10,10 @@
 // Thread safety: post(), doorbell() and stop() from any thread; run() on the scheduler's thread.
 #include <atomic>
 #include <map>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "base_executor/batch_runner.h"
 #include "base_executor/executor.h"
 #include "base_executor/overload.h"
+#include "base_executor/parts.h"
 #include "base_executor/statistics.h"
 #include "symbiosis.pb.h"
 #include "transport/channel.h"
@@ -63,8 +66,11 @@ class Scheduler {
  public:
   // replies_endpoint: where answers to set-up messages go (the front door forwards them).
   // buffers: [Buffer budget], which payload buffers a client registers take from.
+  // parts: a sharded executor's ([Parts] in parts.h), whose rounds the loop takes part in; null:
+  // not sharded. on_lost: called once, on the scheduler's thread, when the parts are lost.
   Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics, BufferBudget& buffers,
-            zmq::context_t& context, std::string replies_endpoint);
+            zmq::context_t& context, std::string replies_endpoint, Parts* parts = nullptr,
+            std::function<void(const Status&)> on_lost = {});
   ~Scheduler();
 
   void post(InboxMessage message);
@@ -92,6 +98,10 @@ class Scheduler {
   void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
   // Publishes the Batcher's pending calls and tokens (for post_call and the statistics).
   void note_queue();
+  // [Rounds] (parts.h): one round of the parts, offering `batch`; true when any part had a batch.
+  bool take_part(std::optional<CallBatcher::Batch>& batch);
+  // [Lost part]: refuses every call held, and from now on every new one, with `why`.
+  void lose(const Status& why);
 
   const ExecutorOptions& options_;
   const BaseModel& model_;
@@ -122,6 +132,9 @@ class Scheduler {
   };
   std::vector<PendingSetup> pending_setups_;  // NCCL communicators still joining
   std::unique_ptr<zmq::socket_t> replies_;    // answers to set-up messages, to the front door
+  Parts* const parts_;
+  const std::function<void(const Status&)> on_lost_;
+  std::optional<Status> lost_;  // [Lost part]
 };
 
 }  // namespace symbiosis

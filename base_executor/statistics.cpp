@@ -20,7 +20,8 @@ constexpr size_t kRememberedClients = 1024;
 
 const char* status_code_name(size_t code) {
   static constexpr const char* kNames[kStatusCodes] = {"OK",        "INVALID_ARGUMENT",    "NOT_FOUND", "RESOURCE_EXHAUSTED",
-                                                       "MALFORMED", "FAILED_PRECONDITION", "INTERNAL",  "PERMISSION_DENIED"};
+                                                       "MALFORMED", "FAILED_PRECONDITION", "INTERNAL",  "PERMISSION_DENIED",
+                                                       "UNAVAILABLE"};
   return code < kStatusCodes ? kNames[code] : "UNKNOWN";
 }
 

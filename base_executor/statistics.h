@@ -23,7 +23,7 @@
 namespace symbiosis {
 
 // Error codes as the wire names them (StatusCode's values index it).
-constexpr size_t kStatusCodes = 8;
+constexpr size_t kStatusCodes = 9;
 const char* status_code_name(size_t code);
 
 // Counts of values in fixed buckets (upper bounds, each counting what is <= it; the last bucket,

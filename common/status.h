@@ -21,6 +21,7 @@ enum class StatusCode {
   kFailedPrecondition = 5, // e.g. a request before the handshake, a model hash mismatch
   kInternal = 6,
   kPermissionDenied = 7,   // a key not admitted or revoked; an operator request without an operator key
+  kUnavailable = 8,        // the executor cannot serve: a part of a sharded executor is gone
 };
 
 class [[nodiscard]] Status {

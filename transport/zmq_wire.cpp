@@ -69,6 +69,7 @@ proto::ErrorCode to_proto(StatusCode code) {
     case StatusCode::kFailedPrecondition: return proto::FAILED_PRECONDITION;
     case StatusCode::kInternal: return proto::INTERNAL;
     case StatusCode::kPermissionDenied: return proto::PERMISSION_DENIED;
+    case StatusCode::kUnavailable: return proto::UNAVAILABLE;
   }
   return proto::INTERNAL;
 }

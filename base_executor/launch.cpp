@@ -1,0 +1,121 @@
+#include "base_executor/launch.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+namespace symbiosis {
+namespace {
+
+// A loopback port free now (the rendezvous binds it a moment later).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    throw std::runtime_error("cannot find a free port for the parts' rendezvous");
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// `listen` for part `rank`: a tcp port raised by the rank ("*" stays), an ipc path with "-RANK".
+std::string part_endpoint(const std::string& listen, int rank) {
+  if (listen.rfind("tcp://", 0) == 0) {
+    const auto colon = listen.rfind(':');
+    const std::string port = listen.substr(colon + 1);
+    if (port == "*") return listen;
+    return listen.substr(0, colon + 1) + std::to_string(std::stoi(port) + rank);
+  }
+  return listen + "-" + std::to_string(rank);
+}
+
+std::vector<std::string> parse_gpus(const std::string& gpus) {
+  std::vector<std::string> list;
+  std::stringstream all(gpus);
+  for (std::string gpu; std::getline(all, gpu, ',');) {
+    if (!gpu.empty()) list.push_back(gpu);
+  }
+  return list;
+}
+
+}  // namespace
+
+int launch_parts(int argc, char** argv, const ExecutorOptions& options, int parts, const std::string& gpus) {
+  const auto gpu_list = parse_gpus(gpus);
+  if (!gpu_list.empty()) parts = static_cast<int>(gpu_list.size());
+  if (parts < 1) {
+    spdlog::error("executor option --parts must be >= 1, got {}", parts);
+    return 1;
+  }
+  // The arguments every part shares: ours, less those that differ by part.
+  const std::set<std::string> per_part = {"--parts", "--gpus", "--listen", "--device", "--rank", "--world-size",
+                                          "--rendezvous"};
+  std::vector<std::string> shared;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const std::string flag = arg.substr(0, arg.find('='));
+    if (per_part.count(flag)) {
+      if (arg.find('=') == std::string::npos) ++i;  // its value follows
+      continue;
+    }
+    shared.push_back(arg);
+  }
+  const std::string rendezvous =
+      options.parts.rendezvous.empty() ? "127.0.0.1:" + std::to_string(free_port()) : options.parts.rendezvous;
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < parts; ++rank) {
+    std::vector<std::string> args = {"/proc/self/exe"};
+    args.insert(args.end(), shared.begin(), shared.end());
+    args.insert(args.end(), {"--rank", std::to_string(rank), "--world-size", std::to_string(parts), "--rendezvous",
+                             rendezvous, "--listen", part_endpoint(options.listen, rank), "--device",
+                             gpu_list.empty() ? options.device : "cuda:" + gpu_list[rank]});
+    std::vector<char*> pointers;
+    for (auto& a : args) pointers.push_back(a.data());
+    pointers.push_back(nullptr);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::execv(pointers[0], pointers.data());
+      _exit(127);
+    }
+    children.push_back(pid);
+  }
+  spdlog::info("started {} executor parts (rendezvous {})", parts, rendezvous);
+  // Stop signals go to every part; the launcher stays until all have ended.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGCHLD);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  int failed = 0;
+  size_t running = children.size();
+  while (running > 0) {
+    int status = 0;
+    const pid_t ended = ::waitpid(-1, &status, WNOHANG);
+    if (ended > 0) {
+      running--;
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed++;
+      continue;
+    }
+    const timespec tick{0, 200'000'000};
+    const int signal = sigtimedwait(&signals, nullptr, &tick);
+    if (signal == SIGINT || signal == SIGTERM) {
+      for (const pid_t child : children) ::kill(child, SIGTERM);
+    }
+  }
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace symbiosis
