@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op CPU threads (symbiosis-bench-client's default: many jobs share the host's cores)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--ready-file")
@@ -77,6 +79,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
+    torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
     if device.type == "cuda":

@@ -93,6 +93,8 @@ def start_executor(a, directory):
     args = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--device", a.device,
             "--dtype", a.dtype, "--listen", "tcp://127.0.0.1:*", "--batching", "opportunistic", "--max-wait", "150",
             "--log-level", "warn"]
+    if a.device == "cpu":
+        args += ["--threads", "1"]  # a CPU smoke run: its GEMM threads would take the cores the clients need
     err = open(os.path.join(directory, "executor.err"), "w")
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
     line = [""]
@@ -256,8 +258,9 @@ def table(result):
         rows.append(f"| plain transformers + PEFT jobs | {plain['clients_that_fit']} | "
                     f"{plain['gpu_memory_per_client_mib']:.0f} | {plain['tokens_per_s']:.0f} | {plain['mean_step_s']:.3f} |")
     rows.append("")
-    if "error" in result:
-        rows.append(f"FAILED: {result['error']}")
+    for key in ("error", "cpp_error"):
+        if key in result:
+            rows.append(f"FAILED ({key}): {result[key]}")
     if py and plain and plain["clients_that_fit"]:
         rows.append(f"capacity: {py['clients_that_fit']} / {plain['clients_that_fit']} = "
                     f"{result['capacity_ratio']:.2f}x (target >= 4x; Python tenants stopped because: {py['stopped_because']})")
@@ -328,8 +331,13 @@ def run(a, gpu, result):
                                             a.wave, a.window_s)
         count = result["python_tenants"]["clients_that_fit"]
         if a.cpp and count > 0:
-            result["cpp_tenants"] = cpp_window(a, endpoint, count, a.window_s)
-            result["python_vs_cpp_tokens"] = result["python_tenants"]["tokens_per_s"] / max(result["cpp_tenants"]["tokens_per_s"], 1e-9)
+            try:  # a failure here leaves the plain jobs still to measure
+                result["cpp_tenants"] = cpp_window(a, endpoint, count, a.window_s)
+                result["python_vs_cpp_tokens"] = (result["python_tenants"]["tokens_per_s"]
+                                                  / max(result["cpp_tenants"]["tokens_per_s"], 1e-9))
+            except RuntimeError as error:
+                result["cpp_error"] = str(error)
+                log(f"cpp: {error}")
     finally:
         stop(executor)
     if a.plain_limit > 0:
