@@ -1,12 +1,12 @@
 #include "base_executor/launch.h"
 
-#include <netinet/in.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <iostream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -14,21 +14,6 @@
 
 namespace symbiosis {
 namespace {
-
-// A loopback port free now (the rendezvous binds it a moment later).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    throw std::runtime_error("cannot find a free port for the parts' rendezvous");
-  }
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
 
 // `listen` for part `rank`: a tcp port raised by the rank ("*" stays), an ipc path with "-RANK".
 std::string part_endpoint(const std::string& listen, int rank) {
@@ -39,6 +24,24 @@ std::string part_endpoint(const std::string& listen, int rank) {
     return listen.substr(0, colon + 1) + std::to_string(std::stoi(port) + rank);
   }
   return listen + "-" + std::to_string(rank);
+}
+
+// The lines a part prints up to its "ready ENDPOINT" line, that one included; empty when the part
+// ended before it was ready.
+std::vector<std::string> lines_until_ready(int fd) {
+  std::vector<std::string> lines;
+  std::string line;
+  char c = 0;
+  while (::read(fd, &c, 1) == 1) {
+    if (c != '\n') {
+      line += c;
+      continue;
+    }
+    lines.push_back(line);
+    if (line.rfind("ready ", 0) == 0) return lines;
+    line.clear();
+  }
+  return {};
 }
 
 std::vector<std::string> parse_gpus(const std::string& gpus) {
@@ -73,8 +76,9 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
     shared.push_back(arg);
   }
   const std::string rendezvous =
-      options.parts.rendezvous.empty() ? "127.0.0.1:" + std::to_string(free_port()) : options.parts.rendezvous;
+      options.parts.rendezvous.empty() ? free_loopback_rendezvous() : options.parts.rendezvous;
   std::vector<pid_t> children;
+  std::vector<int> outputs;  // each part's stdout, read until it is ready
   for (int rank = 0; rank < parts; ++rank) {
     std::vector<std::string> args = {"/proc/self/exe"};
     args.insert(args.end(), shared.begin(), shared.end());
@@ -84,14 +88,39 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
     std::vector<char*> pointers;
     for (auto& a : args) pointers.push_back(a.data());
     pointers.push_back(nullptr);
+    int output[2];
+    if (::pipe(output) != 0) throw std::runtime_error("cannot make a pipe for an executor part's output");
     const pid_t pid = ::fork();
     if (pid == 0) {
+      ::dup2(output[1], STDOUT_FILENO);
+      ::close(output[0]);
+      ::close(output[1]);
       ::execv(pointers[0], pointers.data());
       _exit(127);
     }
+    ::close(output[1]);
     children.push_back(pid);
+    outputs.push_back(output[0]);
   }
   spdlog::info("started {} executor parts (rendezvous {})", parts, rendezvous);
+  // Their "ready ENDPOINT" lines, in rank order, once all are ready. (Their pipes stay open: a part
+  // writes nothing to its stdout after that line.)
+  std::vector<std::string> lines;
+  for (int rank = 0; rank < parts; ++rank) {
+    auto part_lines = lines_until_ready(outputs[rank]);
+    if (part_lines.empty()) {
+      spdlog::error("executor part {} of {} ended before it was ready; stopping the others", rank, parts);
+      for (const pid_t child : children) ::kill(child, SIGTERM);
+      break;
+    }
+    lines.insert(lines.end(), part_lines.begin(), part_lines.end());
+  }
+  if (static_cast<int>(std::count_if(lines.begin(), lines.end(), [](const std::string& l) {
+        return l.rfind("ready ", 0) == 0;
+      })) == parts) {
+    for (const auto& line : lines) std::cout << line << "\n";
+    std::cout << std::flush;
+  }
   // Stop signals go to every part; the launcher stays until all have ended.
   sigset_t signals;
   sigemptyset(&signals);
@@ -115,6 +144,7 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
       for (const pid_t child : children) ::kill(child, SIGTERM);
     }
   }
+  for (const int fd : outputs) ::close(fd);
   return failed == 0 ? 0 : 1;
 }
 

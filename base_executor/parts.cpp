@@ -1,6 +1,9 @@
 #include "base_executor/parts.h"
 
 #include <c10/util/Exception.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -33,6 +36,18 @@ bool loopback(const std::string& host) { return host == "localhost" || host == "
 
 }  // namespace
 
+std::string free_loopback_rendezvous() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  const bool bound = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                     ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  if (fd >= 0) ::close(fd);
+  TORCH_CHECK(bound, "cannot find a free loopback port for the parts' rendezvous");
+  return "127.0.0.1:" + std::to_string(ntohs(address.sin_port));
+}
 void PartOptions::validate() const {
   if (!sharded()) return;
   TORCH_CHECK(world_size >= 1, "executor option --world-size must be >= 1, got ", world_size);

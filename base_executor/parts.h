@@ -59,6 +59,10 @@ struct PartOptions {
   void validate() const;
 };
 
+// "127.0.0.1:PORT" with a loopback port free now: a rendezvous for parts started together on this
+// host (the launcher's, the tests').
+std::string free_loopback_rendezvous();
+
 // What one part offers in a round.
 struct RoundOffer {
   enum Kind : int64_t { kNone = 0, kBatch = 1, kLeaving = 2 };

@@ -37,6 +37,7 @@ namespace {
 constexpr auto kRefusedGiveUp = std::chrono::seconds(2);
 constexpr auto kWaitNote = std::chrono::seconds(2);          // while connecting
 constexpr auto kCallWaitNote = std::chrono::seconds(10);     // while a call waits
+constexpr auto kNoticeWait = std::chrono::milliseconds(100);  // for a shutdown notice, once the connection broke
 constexpr int kHandshakeEvents =
     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
 constexpr int kConnectEvents = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
@@ -150,7 +151,9 @@ void ControlSocket::on_event(const zmq::message_t& event) {
   } else if (kind == ZMQ_EVENT_CONNECT_RETRIED) {
     retries_++;
   } else if (kind == ZMQ_EVENT_DISCONNECTED && heard_) {
-    take_waiting();  // what came before the break: a shutdown notice among it says why better
+    // What came before the break: a shutdown notice among it says why better. ZeroMQ may report the
+    // break before it hands over the messages that preceded it: they get a moment.
+    take_waiting(kNoticeWait);
     lose("the connection to the executor at " + endpoint_ + " broke off (it stopped, crashed or is restarting)");
   } else if (kind & kHandshakeEvents) {
     check_handshake(event);
@@ -185,10 +188,11 @@ bool ControlSocket::link_closed() const {
   return ::recv(link_.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
-void ControlSocket::take_waiting() {
+void ControlSocket::take_waiting(std::chrono::milliseconds wait) {
   while (lost_.empty()) {
     zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::chrono::milliseconds(0));
+    zmq::poll(&item, 1, wait);
+    wait = std::chrono::milliseconds(0);  // only the first look waits
     if (!(item.revents & ZMQ_POLLIN)) return;
     auto frames = wire::recv_all(socket_);
     if (!is_shutdown_notice(frames)) held_.push_back(std::move(frames));

@@ -94,8 +94,9 @@ class ControlSocket {
   void monitor(int events);
   // [Shutdown notice]: records it and returns true if `frames` is the executor's.
   bool is_shutdown_notice(const std::vector<zmq::message_t>& frames);
-  // Reads every message waiting now: the shutdown notice is recorded, the others kept for receive().
-  void take_waiting();
+  // Reads every message waiting now (the first after up to `wait`): the shutdown notice is
+  // recorded, the others kept for receive().
+  void take_waiting(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
   // [Executor restart]: records why the connection is lost (the first reason stays).
   void lose(std::string why);
 
