@@ -12,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "base_executor/part_groups.h"
+
 namespace symbiosis {
 namespace {
 
@@ -57,14 +59,7 @@ void PartOptions::validate() const {
   host_and_port(rendezvous);
 }
 
-// The process groups: Gloo between the parts' CPUs (the rounds' offers, and on a CPU executor the
-// activations too), NCCL between their GPUs.
-class Parts::Groups {
- public:
-  c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::Backend> control;  // Gloo
-  c10::intrusive_ptr<c10d::Backend> data;     // NCCL on GPUs; the Gloo group on CPUs
-};
+class Parts::Groups : public PartGroups {};
 
 Parts::Parts(const PartOptions& options, at::Device device)
     : options_(options), device_(device), groups_(std::make_unique<Groups>()) {}
@@ -97,10 +92,9 @@ std::string Parts::name() const {
   return "part " + std::to_string(options_.rank) + " of " + std::to_string(options_.world_size);
 }
 
-std::unique_ptr<Parts> Parts::join(const PartOptions& options, at::Device device) {
+PartGroups PartGroups::join(const PartOptions& options, at::Device device, const std::string& name) {
   options.validate();
-  auto parts = std::unique_ptr<Parts>(new Parts(options, device));
-  auto& groups = *parts->groups_;
+  PartGroups groups;
   const auto [host, port] = host_and_port(options.rendezvous);
   c10d::TCPStoreOptions store_options;
   store_options.port = port;
@@ -111,7 +105,7 @@ std::unique_ptr<Parts> Parts::join(const PartOptions& options, at::Device device
   try {
     groups.store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "executor ", parts->name(), ": the rendezvous at ", options.rendezvous, " failed within ",
+    TORCH_CHECK(false, "executor ", name, ": the rendezvous at ", options.rendezvous, " failed within ",
                 options.timeout.count(), " ms (are all ", options.world_size, " parts started, rank 0 there?): ",
                 e.what());
   }
@@ -134,9 +128,15 @@ std::unique_ptr<Parts> Parts::join(const PartOptions& options, at::Device device
     groups.data = c10::make_intrusive<c10d::ProcessGroupNCCL>(
         c10::make_intrusive<c10d::PrefixStore>("data", groups.store), options.rank, options.world_size, nccl);
 #else
-    TORCH_CHECK(false, "executor ", parts->name(), ": a sharded executor on a GPU needs NCCL, and this build has none");
+    TORCH_CHECK(false, "executor ", name, ": a sharded executor on a GPU needs NCCL, and this build has none");
 #endif
   }
+  return groups;
+}
+
+std::unique_ptr<Parts> Parts::join(const PartOptions& options, at::Device device) {
+  auto parts = std::unique_ptr<Parts>(new Parts(options, device));
+  static_cast<PartGroups&>(*parts->groups_) = PartGroups::join(options, device, parts->name());
   spdlog::info("joined the executor's parts as {} (rendezvous {})", parts->name(), options.rendezvous);
   return parts;
 }
