@@ -14,11 +14,14 @@
 // keys and values a step reads over the inter-token latency) is reported for the offload and host
 // modes: against the host link's rate, and against the host's memory bandwidth.
 //
-// Then (--attention-bandwidth) the host's memory bandwidth, measured here (a sum over a large
-// buffer with every thread; a copy), against [CPU decode attention] over one layer's cache of each
-// context, and LibTorch's scaled_dot_product_attention over the same (the kernel it replaced).
+// First (--attention-bandwidth) the host's memory bandwidth, measured here (a sum over a large
+// buffer with every thread and with one; a copy), against [CPU decode attention] over one layer's
+// cache of each context (with every thread and with one), and LibTorch's
+// scaled_dot_product_attention over the same up to 16K (the kernel it replaced); with the CPUs the
+// process may use (online, affinity mask, CFS quota, NUMA nodes) and the threads it runs.
+// Each host row also gives where its decode step's time goes ([Decode profile], --profile-ops).
 //
-// Then (--multi-request) the paper's Figure 20 point: requests of --multi-prompt tokens, as many as
+// Last (--multi-request) the paper's Figure 20 point: requests of --multi-prompt tokens, as many as
 // the host capacity holds on the heterogeneous placement (decode on the CPU) against as many as the
 // GPU's free memory (less --gpu-reserve-bytes) holds on the all-GPU client, all submitted at once
 // and prefilled --multi-prefill-tokens a step; requests held and the decode tokens/s of the steps
@@ -29,17 +32,23 @@
 // A budget (--budget-s) skips a run whose estimate (twice the same mode's previous context) would
 // pass it, reported "skipped".
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <CLI/CLI.hpp>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -74,7 +83,8 @@ struct Settings {
   std::string modes = "gpu,host,offload";  // under a budget, the last is skipped first
   int64_t new_tokens = 64;
   int64_t lora_r = 8;
-  int threads = 0;  // 0: every core
+  int threads = 0;  // 0: the CPUs this process may use (CpuInfo::usable)
+  int64_t profile_ops = 12;  // host rows: the decode step's top operations ([Decode profile]); 0: none
   int64_t host_cache_capacity_bytes = 100LL << 30;
   double budget_s = 0;  // 0: none
   bool attention_bandwidth = true;
@@ -157,6 +167,124 @@ std::string first_line(const std::string& text) {
   return line.size() > 240 ? line.substr(0, 240) + "..." : line;
 }
 
+// [Decode profile] Where a decode step's CPU time goes, in the spirit of [Op profile]
+// (bench/bench_client.cpp): while recording, every top-level LibTorch operation of the stepping
+// thread is counted and timed from its start to its end, nested operations included: the model's
+// operators, its calls to the executor (symbiosis::executor_call, which wait for the executor) and
+// [CPU decode attention] (symbiosis::cpu_decode_attention). Only the thread that constructs it is
+// observed (a thread-local callback), so the attention's worker threads add nothing of their own.
+class DecodeProfile {
+ public:
+  DecodeProfile() {
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+              auto* self = active();
+              if (self == nullptr || !self->recording || self->depth_++ != 0) return nullptr;
+              auto context = std::make_unique<Started>();
+              context->at = now_s();
+              return context;
+            },
+            [](const at::RecordFunction& fn, at::ObserverContext* context) {
+              auto* self = active();
+              if (self == nullptr) return;
+              if (self->depth_ > 0) --self->depth_;
+              if (context == nullptr) return;
+              auto& op = self->ops_[fn.name()];
+              op.count++;
+              op.seconds += now_s() - static_cast<Started*>(context)->at;
+            })
+            .needsInputs(false));
+    active() = this;
+  }
+  ~DecodeProfile() {
+    at::removeCallback(handle_);
+    active() = nullptr;
+  }
+  DecodeProfile(const DecodeProfile&) = delete;
+  DecodeProfile& operator=(const DecodeProfile&) = delete;
+
+  bool recording = false;  // set from the stepping thread (the generator's token callback)
+
+  struct Op {
+    std::string name;
+    double calls_per_step = 0, ms_per_step = 0;
+  };
+  // The `top` operations that took longest over `steps` steps, per step, the longest first.
+  std::vector<Op> report(int64_t steps, size_t top) const {
+    std::vector<Op> out;
+    for (const auto& [name, op] : ops_) {
+      out.push_back({name, static_cast<double>(op.count) / steps, op.seconds * 1e3 / steps});
+    }
+    std::sort(out.begin(), out.end(), [](const Op& a, const Op& b) { return a.ms_per_step > b.ms_per_step; });
+    if (out.size() > top) out.resize(top);
+    return out;
+  }
+
+ private:
+  struct Started : at::ObserverContext {
+    double at = 0;
+  };
+  struct Counted {
+    int64_t count = 0;
+    double seconds = 0;
+  };
+  static DecodeProfile*& active() {
+    thread_local DecodeProfile* profile = nullptr;
+    return profile;
+  }
+  at::CallbackHandle handle_;
+  int depth_ = 0;
+  std::map<std::string, Counted> ops_;
+};
+
+// The CPUs this process may use, and what LibTorch makes of them: a VM or container may show more
+// CPUs than it may run on (an affinity mask, a CFS quota), and threads beyond those only contend.
+struct CpuInfo {
+  unsigned online = 0;       // std::thread::hardware_concurrency(): the CPUs online
+  int affinity = 0;          // in this process's affinity mask
+  double quota = 0;          // CPUs' worth of the cgroup's CFS quota; 0: none
+  int numa_nodes = 0;        // /sys/devices/system/node/node*
+  // The threads to use by default: the affinity mask's CPUs, no more than the quota allows.
+  int usable() const {
+    int n = affinity > 0 ? affinity : static_cast<int>(online);
+    if (quota > 0) n = std::min(n, std::max(1, static_cast<int>(std::ceil(quota))));
+    return std::max(1, n);
+  }
+  std::string describe() const {
+    std::ostringstream out;
+    out << online << " CPUs online, " << affinity << " in the affinity mask, "
+        << (quota > 0 ? std::to_string(quota).substr(0, 5) + " CPUs of CFS quota" : std::string("no CFS quota")) << ", "
+        << numa_nodes << " NUMA node" << (numa_nodes == 1 ? "" : "s");
+    return out.str();
+  }
+};
+
+CpuInfo cpu_info() {
+  CpuInfo info;
+  info.online = std::thread::hardware_concurrency();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) info.affinity = CPU_COUNT(&set);
+  // cgroup v2 (cpu.max: "QUOTA PERIOD" or "max PERIOD"), else v1.
+  std::ifstream v2("/sys/fs/cgroup/cpu.max");
+  std::string quota;
+  double period = 0;
+  if (v2 >> quota >> period) {
+    if (quota != "max" && period > 0) info.quota = std::stod(quota) / period;
+  } else {
+    std::ifstream q("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), p("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+    double us = 0;
+    if (q >> us && p >> period && us > 0 && period > 0) info.quota = us / period;
+  }
+  std::error_code ignored;
+  for (const auto& entry : fs::directory_iterator("/sys/devices/system/node", ignored)) {
+    const auto name = entry.path().filename().string();
+    if (name.rfind("node", 0) == 0 && name.size() > 4 && std::isdigit(static_cast<unsigned char>(name[4]))) ++info.numa_nodes;
+  }
+  return info;
+}
+
 struct Row {
   std::string mode;
   int64_t context = 0;
@@ -167,6 +295,7 @@ struct Row {
   double cache_gib = 0;               // the cache the run allocated
   double cache_read_gb_per_s = 0;     // bytes of keys and values a decode step reads / inter-token latency
   double seconds = 0;                 // the run's wall time, allocation included
+  std::vector<DecodeProfile::Op> profile;  // host: the decode steps' top operations ([Decode profile])
 };
 
 // The models, their clients and the executor they share.
@@ -219,7 +348,8 @@ void measure(Row& row, const std::function<void()>& run) {
 // and reason. The inter-token latency leaves out the first three decode steps when there are at
 // least 8 tokens: a captured client's first decode steps are its warm-up and capture
 // ([Captured decode]), which a long generation amortizes.
-void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_tokens, GeneratorOptions options, Row& row) {
+void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_tokens, GeneratorOptions options, Row& row,
+              size_t profile_ops = 0) {
   measure(row, [&] {
     options.max_sequences = 1;
     options.max_tokens = prompt + new_tokens;
@@ -229,13 +359,18 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
     const int64_t vocab = cached_model(*m.device_lm.module).token_embeddings().size(0);
     std::vector<double> times;  // each token's arrival
     std::string error;
+    // [Decode profile]: the decode steps, from the first token (the prefill's) to the last.
+    std::optional<DecodeProfile> profile;
+    if (profile_ops > 0) profile.emplace();
     generator->submit(make_request(prompt, new_tokens, vocab, 1), [&](const TokenEvent& event) {
       if (event.token >= 0) times.push_back(now_s());
       if (event.finished && !event.error.empty() && error.empty()) error = event.error;
+      if (profile) profile->recording = !event.finished;
     });
     const double submitted = now_s();
     generator->run();
     TORCH_CHECK(error.empty(), error);
+    if (profile && times.size() >= 2) row.profile = profile->report(static_cast<int64_t>(times.size() - 1), profile_ops);
     TORCH_CHECK(times.size() >= 2, "the request produced ", times.size(), " tokens, expected ", new_tokens);
     row.prefill_s = times.front() - submitted;
     const size_t from = times.size() >= 8 ? 3 : 0;
@@ -301,7 +436,12 @@ std::string fixed(double value, int digits) {
 // [CPU decode attention] against the host's memory bandwidth and LibTorch's attention.
 struct BandwidthRow {
   int64_t context;
-  double bytes, kernel_gb_per_s, sdpa_gb_per_s;
+  double bytes, kernel_gb_per_s, kernel_one_thread_gb_per_s, sdpa_gb_per_s;
+};
+// The host's memory bandwidth: a sum over a large buffer (a read) with every thread and with one,
+// and a copy (a read and a write) with every thread.
+struct MemoryBandwidth {
+  double sum_gb_per_s = 0, sum_one_thread_gb_per_s = 0, copy_gb_per_s = 0;
 };
 
 double timed(const std::function<void()>& run, int repeats) {
@@ -311,31 +451,47 @@ double timed(const std::function<void()>& run, int repeats) {
   return (now_s() - start) / repeats;
 }
 
-std::pair<double, double> memory_bandwidth(int64_t bytes) {
+MemoryBandwidth memory_bandwidth(int64_t bytes) {
   const auto a = at::ones({bytes / 4}, at::kFloat);
   auto b = at::empty_like(a);
-  const double sum_s = timed([&] { (void)a.sum().item<float>(); }, 5);
-  const double copy_s = timed([&] { b.copy_(a); }, 5);
-  return {static_cast<double>(bytes) / sum_s / 1e9, 2.0 * static_cast<double>(bytes) / copy_s / 1e9};
+  MemoryBandwidth out;
+  out.sum_gb_per_s = static_cast<double>(bytes) / timed([&] { (void)a.sum().item<float>(); }, 5) / 1e9;
+  out.copy_gb_per_s = 2.0 * static_cast<double>(bytes) / timed([&] { b.copy_(a); }, 5) / 1e9;
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  out.sum_one_thread_gb_per_s = static_cast<double>(bytes) / timed([&] { (void)a.sum().item<float>(); }, 2) / 1e9;
+  at::set_num_threads(threads);
+  return out;
 }
+
+// LibTorch's sdpa reads a few GB/s: beyond this context it would take longer than the rest.
+constexpr int64_t kSdpaUpTo = 16384;
 
 std::vector<BandwidthRow> attention_bandwidth(const Models& m, const std::vector<int64_t>& contexts) {
   std::vector<BandwidthRow> rows;
   const auto& s = m.shape;
   for (const auto context : contexts) {
-    // One layer's keys and values, one sequence: a layer of a decode step.
+    // One layer's keys and values, one sequence: a layer of a decode step. (Filled, not drawn:
+    // drawing 2 GiB at 128K takes longer than reading it many times.)
     const auto options = at::TensorOptions().dtype(m.dtype);
-    const auto keys = at::randn({1, s.num_key_value_heads, context, s.head_dim}, options);
-    const auto values = at::randn({1, s.num_key_value_heads, context, s.head_dim}, options);
+    const auto keys = at::empty({1, s.num_key_value_heads, context, s.head_dim}, options).fill_(0.01);
+    const auto values = at::empty({1, s.num_key_value_heads, context, s.head_dim}, options).fill_(0.02);
     const auto q = at::randn({1, s.num_attention_heads, s.head_dim}, options);
     const double bytes = 2.0 * static_cast<double>(keys.nbytes());
     const int repeats = std::max<int>(3, static_cast<int>(8e9 / bytes));
-    BandwidthRow row{context, bytes, 0, 0};
+    BandwidthRow row{context, bytes, 0, 0, 0};
     if (symbiosis::detail::cpu_decode_attention_supports(q, keys, {})) {
-      row.kernel_gb_per_s = bytes / timed([&] { symbiosis::detail::cpu_decode_attention(q, keys, values, {0}, {context - 1}); }, repeats) / 1e9;
+      auto attend = [&] { symbiosis::detail::cpu_decode_attention(q, keys, values, {0}, {context - 1}); };
+      row.kernel_gb_per_s = bytes / timed(attend, repeats) / 1e9;
+      const int threads = at::get_num_threads();
+      at::set_num_threads(1);
+      row.kernel_one_thread_gb_per_s = bytes / timed(attend, 1) / 1e9;
+      at::set_num_threads(threads);
     }
-    const auto q4 = q.unsqueeze(2);  // [1, heads, 1, head_dim]
-    row.sdpa_gb_per_s = bytes / timed([&] { symbiosis::detail::attention_over(q4, keys, values, {}); }, std::min(repeats, 5)) / 1e9;
+    if (context <= kSdpaUpTo) {
+      const auto q4 = q.unsqueeze(2);  // [1, heads, 1, head_dim]
+      row.sdpa_gb_per_s = bytes / timed([&] { symbiosis::detail::attention_over(q4, keys, values, {}); }, std::min(repeats, 5)) / 1e9;
+    }
     rows.push_back(row);
   }
   return rows;
@@ -343,8 +499,11 @@ std::vector<BandwidthRow> attention_bandwidth(const Models& m, const std::vector
 
 int run(Settings& s) {
   fs::create_directories(s.out);
-  const int threads = s.threads > 0 ? s.threads : static_cast<int>(std::thread::hardware_concurrency());
+  const auto cpus = cpu_info();
+  const int threads = s.threads > 0 ? s.threads : cpus.usable();
   at::set_num_threads(threads);
+  std::cerr << "CPUs: " << cpus.describe() << "; " << threads << " threads (at::get_num_threads() " << at::get_num_threads()
+            << ")" << std::endl;
   const auto build = bench::build_dir();
   fs::path model = s.model;
   if (model.empty()) {
@@ -383,7 +542,7 @@ int run(Settings& s) {
         << r.reason << "\"" << std::endl;
   };
   std::vector<BandwidthRow> bandwidth;
-  double sum_gb_per_s = 0, copy_gb_per_s = 0;
+  MemoryBandwidth memory;
   int status = 0;
   try {
     Models m;
@@ -424,6 +583,17 @@ int run(Settings& s) {
       generate(m, mode, std::min<int64_t>(512, contexts.front()), 4, base, warm);
       if (warm.status != "ok") std::cerr << "warm-up of " << mode << ": " << warm.status << ": " << warm.reason << std::endl;
     }
+    // The memory's bandwidth and the attention's first (a few seconds): what the rows are read against.
+    if (s.attention_bandwidth) {
+      memory = memory_bandwidth(s.bandwidth_bytes);
+      std::cerr << "host memory: a sum reads " << fixed(memory.sum_gb_per_s, 1) << " GB/s (" << fixed(memory.sum_one_thread_gb_per_s, 1)
+                << " on one thread), a copy moves " << fixed(memory.copy_gb_per_s, 1) << " GB/s" << std::endl;
+      bandwidth = attention_bandwidth(m, contexts);
+      for (const auto& b : bandwidth) {
+        std::cerr << "CPU decode attention " << context_name(b.context) << ": " << fixed(b.kernel_gb_per_s, 1) << " GB/s ("
+                  << fixed(b.kernel_one_thread_gb_per_s, 1) << " on one thread)" << std::endl;
+      }
+    }
     const double start = now_s();
     std::map<std::string, double> previous_seconds;
     for (const auto context : contexts) {
@@ -436,19 +606,20 @@ int run(Settings& s) {
           row.status = "skipped";
           row.reason = "over the time budget (--budget-s " + fixed(s.budget_s, 0) + ")";
         } else {
-          generate(m, mode, context, s.new_tokens, base, row);
+          generate(m, mode, context, s.new_tokens, base, row, mode == "host" ? static_cast<size_t>(s.profile_ops) : 0);
           previous_seconds[mode] = row.seconds;
         }
         std::cerr << mode << " " << context_name(context) << ": " << row.status
                   << (row.status == "ok" ? ", " + fixed(row.itl_ms, 2) + " ms a token, prefill " + fixed(row.prefill_s, 2) + " s"
                                          : ": " + row.reason)
                   << " (" << fixed(row.seconds, 1) << " s)" << std::endl;
+        if (!row.profile.empty()) {  // here too, for a run that a timeout cuts before the markdown
+          std::cerr << "  a decode step, ms by operation:";
+          for (const auto& op : row.profile) std::cerr << " " << op.name << " " << fixed(op.ms_per_step, 2) << " (" << fixed(op.calls_per_step, 0) << ")";
+          std::cerr << std::endl;
+        }
         record(row);
       }
-    }
-    if (s.attention_bandwidth) {
-      std::tie(sum_gb_per_s, copy_gb_per_s) = memory_bandwidth(s.bandwidth_bytes);
-      bandwidth = attention_bandwidth(m, contexts);
     }
     if (s.multi_request) {
       // A request's cache: its prompt, its new tokens, and the steps it decodes while the others join
@@ -514,15 +685,27 @@ int run(Settings& s) {
   for (const auto& r : rows) {
     if (r.status != "ok") md << "- " << r.mode << " " << context_name(r.context) << ": " << r.status << ": " << r.reason << "\n";
   }
+  for (const auto& r : rows) {
+    if (r.profile.empty()) continue;
+    md << "\nA " << r.mode << " decode step at " << context_name(r.context) << " (" << fixed(r.itl_ms, 1)
+       << " ms a token), by top-level operation of the stepping thread, nested ones included ([Decode profile]):\n\n"
+       << "| operation | calls a step | ms a step |\n| --- | --- | --- |\n";
+    for (const auto& op : r.profile) {
+      md << "| " << op.name << " | " << fixed(op.calls_per_step, 1) << " | " << fixed(op.ms_per_step, 2) << " |\n";
+    }
+  }
   if (!bandwidth.empty()) {
-    md << "\nHost memory: a sum reads " << fixed(sum_gb_per_s, 1) << " GB/s, a copy moves " << fixed(copy_gb_per_s, 1)
-       << " GB/s (read + write), " << threads << " threads. One layer's decode attention, one sequence:\n\n"
-       << "| context | layer's keys and values | CPU decode attention | of the sum's bandwidth | LibTorch sdpa |\n"
-       << "| --- | --- | --- | --- | --- |\n";
+    md << "\nCPUs: " << cpus.describe() << "; " << threads << " threads. Host memory: a sum reads "
+       << fixed(memory.sum_gb_per_s, 1) << " GB/s (" << fixed(memory.sum_one_thread_gb_per_s, 1)
+       << " GB/s on one thread), a copy moves " << fixed(memory.copy_gb_per_s, 1)
+       << " GB/s (read + write). One layer's decode attention, one sequence:\n\n"
+       << "| context | layer's keys and values | CPU decode attention | of the sum's bandwidth | on one thread | LibTorch sdpa |\n"
+       << "| --- | --- | --- | --- | --- | --- |\n";
     for (const auto& b : bandwidth) {
       md << "| " << context_name(b.context) << " | " << fixed(b.bytes / (1 << 20), 0) << " MiB | "
-         << fixed(b.kernel_gb_per_s, 1) << " GB/s | " << fixed(100 * b.kernel_gb_per_s / sum_gb_per_s, 0) << "% | "
-         << fixed(b.sdpa_gb_per_s, 1) << " GB/s |\n";
+         << fixed(b.kernel_gb_per_s, 1) << " GB/s | " << fixed(100 * b.kernel_gb_per_s / memory.sum_gb_per_s, 0) << "% | "
+         << fixed(b.kernel_one_thread_gb_per_s, 1) << " GB/s | "
+         << (b.sdpa_gb_per_s > 0 ? fixed(b.sdpa_gb_per_s, 1) + " GB/s" : std::string("-")) << " |\n";
     }
   }
   bool any_multi = false;
@@ -563,7 +746,10 @@ int main(int argc, char** argv) {
   app.add_option("--modes", s.modes, "gpu, offload, host, comma-separated")->capture_default_str();
   app.add_option("--new-tokens", s.new_tokens, "new tokens a request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
   app.add_option("--lora-r", s.lora_r, "a LoRA of this rank on q_proj and v_proj (0: none)")->capture_default_str();
-  app.add_option("--threads", s.threads, "CPU threads (0: every core)")->capture_default_str();
+  app.add_option("--threads", s.threads, "CPU threads (0: the CPUs this process may use: its affinity mask, its CFS quota)")
+      ->capture_default_str();
+  app.add_option("--profile-ops", s.profile_ops, "host rows: the decode step's top operations, this many (0: no profile)")
+      ->capture_default_str();
   app.add_option("--host-cache-capacity-bytes", s.host_cache_capacity_bytes,
                  "host memory a cache may take (offload, host and the multi-request point)")
       ->capture_default_str();

@@ -587,18 +587,24 @@ PY
       # LONG_HOST_CAP, 80 GiB by default, which leaves the rest to the processes and the page cache; 256K would need
       # 128 GiB and does not fit). The offloaded cache moves the whole 64 GiB over PCIe at each token (~2 s), so its
       # 128K run is the one the budget skips first.
+      # The host's CPUs (online, affinity, CFS quota, NUMA nodes), its memory bandwidth and the CPU decode attention's
+      # (every thread and one) come first, in a few seconds; each host row then gives where its decode step's time
+      # goes (the top LONG_PROFILE_OPS operations). The multi-request point decodes LONG_MULTI_NEW_TOKENS (16) steps
+      # with every request (LONG_MULTI_MAX requests at most a placement; 0: as many as fit).
       wait_7b
       mps_on
       timeout "${LONG_TIMEOUT_S:-420}" "$B/bench/symbiosis-bench-long-context" --model $model_7b --dtype bf16 --device cuda:0 \
         --executor-device cuda:0 --contexts "${LONG_CONTEXTS:-4K,8K,16K,32K,64K,128K}" --new-tokens "${LONG_NEW_TOKENS:-16}" \
         --modes "${LONG_MODES:-gpu,host,offload}" --host-cache-capacity-bytes "${LONG_HOST_CAP:-85899345920}" \
-        --budget-s "${LONG_BUDGET_S:-200}" --multi-request "${LONG_MULTI:-true}" --out /tmp/long-context \
+        --budget-s "${LONG_BUDGET_S:-200}" --multi-request "${LONG_MULTI:-true}" \
+        --multi-new-tokens "${LONG_MULTI_NEW_TOKENS:-16}" --multi-max-requests "${LONG_MULTI_MAX:-0}" \
+        --profile-ops "${LONG_PROFILE_OPS:-12}" --out /tmp/long-context \
         > $logs/long-context.txt 2> $logs/long-context.err
       log "long-context exited $?"
       # Cut short by the timeout, it leaves its executor running: stop it.
       kill "$(cat /tmp/long-context/executor.pid 2> /dev/null)" 2> /dev/null
       cat /tmp/long-context/long_context.md 2> /dev/null || cat /tmp/long-context/long_context.csv
-      tail -25 $logs/long-context.err
+      grep -v "^\[W" $logs/long-context.err | tail -40
       cp /tmp/long-context/long_context.csv /tmp/long-context/long_context.md $logs/long-context.err "$out/" 2> /dev/null
       mps_off
       ;;

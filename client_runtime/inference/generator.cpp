@@ -331,6 +331,11 @@ void Generator::decode() {
   }
   if (sequences.empty()) return;
   auto& model = decode_model();
+  // [CPU decode threads] (models/attention.h): a split model's CPU decode step at one LibTorch thread
+  // but for its attention and lm_head. (A monolithic model computes its base layers here: those need
+  // every thread.)
+  const bool on_cpu = model.token_embeddings().device().is_cpu() && !options_.offload_cache;
+  const detail::StepThreads threads(on_cpu && decode_lm().client != nullptr);
   forward_and_choose(decode_lm(), sequences, layout, LatencyClass::kInferenceDecode, [&] {
     if (capture_) return decode_captured(layout, tokens);
     const auto ids = at::tensor(tokens, at::kLong).to(model.token_embeddings().device());
@@ -344,7 +349,11 @@ at::Tensor Generator::forward_eager(const CausalLM& lm, CachedModel& model, cons
   const auto hidden = model.forward_cached(embeddings, step);
   // Logits only where a token is chosen: each sequence's last position (the lm_head, on the
   // executor when split, sees one row a sequence).
-  auto logits = model.logits(hidden.index_select(1, step.last_tokens()))[0];
+  at::Tensor logits;
+  {
+    const detail::WideThreads wide;  // [CPU decode threads]: the lm_head reads the vocabulary's weights
+    logits = model.logits(hidden.index_select(1, step.last_tokens()))[0];
+  }
   lm.settle();
   return logits;
 }

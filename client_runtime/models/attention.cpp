@@ -1,6 +1,7 @@
 #include "client_runtime/models/attention.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -218,6 +219,9 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
               "cpu_decode_attention takes q [B, heads, head_dim] and a contiguous fp32 or bf16 cache [slots, kv_heads, "
               "tokens, head_dim] (head_dim a multiple of 16), got q ", q.sizes(), " and keys ", keys.sizes(), " ",
               keys.scalar_type());
+  // One scope for profilers ([Decode profile] in bench/long_context.cpp): free while none listens.
+  RECORD_FUNCTION("symbiosis::cpu_decode_attention", c10::ArrayRef<const c10::IValue>{});
+  const WideThreads wide;  // [CPU decode threads]
   const int64_t sequences = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = keys.size(1), tokens = keys.size(2), group = heads / kv_heads;
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == sequences && static_cast<int64_t>(positions.size()) == sequences,
@@ -298,6 +302,37 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
     }
   });
   return result.to(q.scalar_type());
+}
+
+namespace {
+thread_local int step_wide_threads = 0;  // [CPU decode threads]: the active StepThreads' wide(), 0 when none
+}  // namespace
+
+StepThreads::StepThreads(bool active) : active_(active) {
+  if (!active_) return;
+  previous_wide_ = step_wide_threads;
+  step_wide_threads = at::get_num_threads();
+  at::set_num_threads(1);
+}
+
+StepThreads::~StepThreads() {
+  if (!active_) return;
+  at::set_num_threads(step_wide_threads);
+  step_wide_threads = previous_wide_;
+}
+
+int StepThreads::wide() { return step_wide_threads; }
+
+WideThreads::WideThreads() {
+  if (step_wide_threads <= 1) return;
+  const int current = at::get_num_threads();
+  if (current == step_wide_threads) return;
+  previous_ = current;
+  at::set_num_threads(step_wide_threads);
+}
+
+WideThreads::~WideThreads() {
+  if (previous_ > 0) at::set_num_threads(previous_);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& additive_mask,

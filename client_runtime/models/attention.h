@@ -60,6 +60,44 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
                                 const std::vector<int64_t>& rows, const std::vector<int64_t>& positions,
                                 int64_t sliding_window = 0, double scale = 0.0);
 
+// [CPU decode threads] A CPU decode step (one token a sequence) is some hundred small operations
+// and two that read much memory: attention over the cache ([CPU decode attention]) and the
+// lm_head's product with the vocabulary. LibTorch forks OpenMP regions for some of the small ones
+// too (indexing, concatenation, bf16 products of a LoRA), and a region waits for its slowest
+// thread: one that is descheduled (another process on its core, or more threads than the process
+// may run) costs a scheduler quantum, milliseconds, where the operation itself takes microseconds
+// (measured on a busy 2-core machine: a rotary step's cos and sin 16 ms at 2 threads, 16 us at one).
+// So a split model's CPU decode step runs LibTorch with one thread (StepThreads around the step),
+// and the wide operations with the threads the step began with (WideThreads around each).
+// Both are per thread (OpenMP's thread count is), for the thread that steps.
+class StepThreads {
+ public:
+  // active: LibTorch at one thread until destroyed; inactive: nothing changes.
+  explicit StepThreads(bool active);
+  ~StepThreads();
+  StepThreads(const StepThreads&) = delete;
+  StepThreads& operator=(const StepThreads&) = delete;
+  // The threads the innermost active StepThreads of this thread began with; 0 when none is active.
+  static int wide();
+
+ private:
+  int previous_wide_ = 0;
+  bool active_ = false;
+};
+
+// Within an active StepThreads: LibTorch at the step's wide() threads until destroyed; elsewhere
+// nothing changes.
+class WideThreads {
+ public:
+  WideThreads();
+  ~WideThreads();
+  WideThreads(const WideThreads&) = delete;
+  WideThreads& operator=(const WideThreads&) = delete;
+
+ private:
+  int previous_ = 0;  // the threads before, when it widened; 0 when it changed nothing
+};
+
 // 0 where `allowed` (bool) is true, the dtype's lowest value where it is false.
 at::Tensor additive_mask(const at::Tensor& allowed, at::ScalarType dtype);
 

@@ -302,6 +302,54 @@ TEST(CpuDecodeAttention, EqualsLibTorchsAttention) {
   EXPECT_FALSE(detail::cpu_decode_attention_supports(at::zeros({1, 4, 24}, at::kHalf), at::zeros({1, 2, 8, 24}, at::kHalf), {}));
 }
 
+// [CPU decode threads] (models/attention.h): inside a StepThreads LibTorch runs at one thread and a
+// WideThreads gives back the step's threads; each puts back what it found; inactive, nothing changes.
+TEST(CpuDecodeThreads, AStepRunsAtOneThreadAndItsWideOperationsAtTheStepsThreads) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  {
+    const detail::StepThreads step(true);
+    EXPECT_EQ(at::get_num_threads(), 1);
+    EXPECT_EQ(detail::StepThreads::wide(), 2);
+    {
+      const detail::WideThreads wide;
+      EXPECT_EQ(at::get_num_threads(), 2);
+    }
+    EXPECT_EQ(at::get_num_threads(), 1);
+  }
+  EXPECT_EQ(at::get_num_threads(), 2);
+  EXPECT_EQ(detail::StepThreads::wide(), 0);
+  {
+    const detail::StepThreads inactive(false);
+    const detail::WideThreads wide;
+    EXPECT_EQ(at::get_num_threads(), 2);
+  }
+  at::set_num_threads(threads);
+}
+
+// A split model's CPU decode steps run at one thread (what the logits observer sees there: it is
+// called inside the step), its prefill steps and a monolithic model's decode steps at all of them;
+// the generator leaves the count as it found it.
+TEST(CpuDecodeThreads, SplitCpuDecodeStepsRunAtOneThread) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  auto served = testing::serve_model("tiny-llama");
+  auto split_lm = open_causal_lm(*served.checkpoint, served.client);
+  auto mono_lm = open_causal_lm(*served.checkpoint);
+  for (auto* lm : {&split_lm, &mono_lm}) {
+    std::vector<int> seen;  // at each token: the prefill's, then the decode steps'
+    GeneratorOptions options = small_options();
+    options.logits_observer = [&](uint64_t, const at::Tensor&) { seen.push_back(at::get_num_threads()); };
+    Generator generator(*lm, options);
+    generator.generate({request({5, 9, 33}, 4)});
+    ASSERT_EQ(seen.size(), 4u);
+    EXPECT_EQ(seen[0], 2);
+    for (size_t i = 1; i < seen.size(); ++i) EXPECT_EQ(seen[i], lm == &split_lm ? 1 : 2) << "token " << i;
+    EXPECT_EQ(at::get_num_threads(), 2);
+  }
+  at::set_num_threads(threads);
+}
+
 std::string model_name(const std::string& preset) {
   auto name = preset.substr(preset.find('-') + 1);
   std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
