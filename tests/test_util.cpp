@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -70,6 +71,22 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
   options.model_dir = model;
   options.listen = "tcp://127.0.0.1:*";
   return Executor::start(options);
+}
+
+std::vector<std::unique_ptr<Executor>> start_parts(const std::filesystem::path& model, int count,
+                                                   ExecutorOptions options, const std::vector<std::string>& devices) {
+  options.parts.rendezvous = free_loopback_rendezvous();
+  options.parts.world_size = count;
+  options.threads = 1;  // the parts share this host's cores
+  std::vector<std::future<std::unique_ptr<Executor>>> starting;
+  for (int rank = 0; rank < count; ++rank) {
+    options.parts.rank = rank;
+    if (rank < static_cast<int>(devices.size())) options.device = devices[rank];
+    starting.push_back(std::async(std::launch::async, [model, options] { return start_executor(model, options); }));
+  }
+  std::vector<std::unique_ptr<Executor>> parts;
+  for (auto& part : starting) parts.push_back(part.get());
+  return parts;
 }
 
 std::shared_ptr<Client> connect(const Executor& executor, ClientOptions options) {

@@ -29,6 +29,12 @@ std::filesystem::path temp_dir(const std::string& prefix);
 // Runs symbiosis-make-checkpoint --preset PRESET (cached per process).
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args = "");
 std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, ExecutorOptions options = {});
+// [Parts] (base_executor/parts.h): `count` executors in this process, the parts of one sharded
+// executor serving `model` (each with one CPU thread a GEMM), started in threads of their own since
+// they join each other; part r on devices[r] where given, else on options.device.
+std::vector<std::unique_ptr<Executor>> start_parts(const std::filesystem::path& model, int count,
+                                                   ExecutorOptions options = {},
+                                                   const std::vector<std::string>& devices = {});
 // A client of `executor`: `options` with the executor's endpoint and, when `checkpoint` is given,
 // its model hash as the expected one.
 std::shared_ptr<Client> connect(const Executor& executor, ClientOptions options = {});

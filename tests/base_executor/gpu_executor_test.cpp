@@ -53,6 +53,44 @@ TEST_P(CpuClientGpuExecutorTest, Bf16IsWithinBf16Tolerance) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values("tcp", "shm"));
 
+// [Parts] (base_executor/parts.h) on GPUs: the parts' activations go over NCCL. One part on cuda:0
+// (a NCCL group of one: every code path a sharded executor takes that one GPU can exercise), then,
+// with two GPUs, two parts on cuda:0 and cuda:1 with clients attached to both: clients on CPU (shm,
+// tcp) and on the GPU (cuda-ipc) fine-tune, each equal to its monolithic run (demo clients with
+// --verify: fp32, 1e-5; the adapters after AdamW's steps 1e-4, as the sharded CPU tests explain).
+void sharded_clients_equal_monolithic(int count) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  ExecutorOptions options;
+  options.device = "cuda:0";
+  options.dtype = at::kFloat;
+  std::vector<std::string> devices;
+  for (int i = 0; i < count; ++i) devices.push_back("cuda:" + std::to_string(i));
+  auto parts = testing::start_parts(dir, count, options, devices);
+  const std::vector<std::string> verify = {"--verify", "--steps", "3", "--tolerance", "5e-5", "--adapter-tolerance", "1e-4"};
+  std::vector<std::vector<std::string>> clients;
+  for (int i = 0; i < count; ++i) {
+    const auto& endpoint = parts[i]->endpoint();
+    clients.push_back(testing::demo_client(endpoint, dir, "cpu", "shm", verify));
+    clients.push_back(testing::demo_client(endpoint, dir, "cpu", "tcp", verify));
+    clients.push_back(testing::demo_client(endpoint, dir, devices[i], "cuda-ipc", verify));
+  }
+  EXPECT_TRUE(testing::run_all(clients));
+  for (const auto& part : parts) {
+    EXPECT_GT(part->stats().requests, 0u);
+    EXPECT_EQ(part->stats().errors, 0u);
+  }
+}
+
+TEST(ShardedGpuTest, OnePartOnOneGpuServesClientsAsMonolithicRunsCompute) {
+  SKIP_WITHOUT_GPUS(1);
+  sharded_clients_equal_monolithic(1);
+}
+
+TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute) {
+  SKIP_WITHOUT_GPUS(2);
+  sharded_clients_equal_monolithic(2);
+}
+
 // [Metrics]: on a GPU the metrics show the GPU memory in tensors, at least the executor's weights
 // (the HTTP endpoint and every other figure are tested on CPU, in metrics_test).
 TEST(GpuMetricsTest, GpuAllocatedBytesHoldTheExecutorsWeights) {

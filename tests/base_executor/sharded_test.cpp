@@ -8,7 +8,6 @@
 #include <sys/wait.h>
 
 #include <fstream>
-#include <future>
 #include <thread>
 
 #include "bench/process.h"
@@ -27,21 +26,7 @@ constexpr double kTolerance = 1e-5;
 // here). A forward keeps each column's whole reduction: generation holds kTolerance.
 constexpr double kGradientTolerance = 5e-5;
 
-// `count` executors in this process, the parts of one sharded executor: each starts in a thread of
-// its own, since they join each other.
-std::vector<std::unique_ptr<Executor>> start_parts(const fs::path& dir, int count, ExecutorOptions options = {}) {
-  options.parts.rendezvous = free_loopback_rendezvous();
-  options.parts.world_size = count;
-  options.threads = 1;  // the parts share this host's cores
-  std::vector<std::future<std::unique_ptr<Executor>>> starting;
-  for (int rank = 0; rank < count; ++rank) {
-    options.parts.rank = rank;
-    starting.push_back(std::async(std::launch::async, [dir, options] { return testing::start_executor(dir, options); }));
-  }
-  std::vector<std::unique_ptr<Executor>> parts;
-  for (auto& part : starting) parts.push_back(part.get());
-  return parts;
-}
+using testing::start_parts;
 
 std::string name_of(const std::string& preset) {
   std::string name;
