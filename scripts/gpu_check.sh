@@ -74,6 +74,9 @@
 #                  MPS. PY13B_GC=1: gradient checkpointing in every Python job; PY13B_LIMIT (24), PY13B_WAVE (4), PY13B_PLAIN_LIMIT
 #                  (8; 0 skips the plain jobs), PY13B_WINDOW_S (6), PY13B_CPP_GRAPH=1 (captured C++ tenants),
 #                  PY13B_TIMEOUT_S (420: the run is stopped, its clients killed, what it measured written)
+#   sharded        the sharded executor ([Parts] in base_executor/parts.h): gpu_executor_test's Sharded* (one part on
+#                  cuda:0; with 2 GPUs two parts, clients on both), then with 2 GPUs symbiosis-bench-shard-split over
+#                  NCCL: Llama-2-13B's layers in bf16, tensor-parallel against FSDP-style calls at SHARD_TOKENS tokens
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -572,6 +575,14 @@ PY
         --transports cuda-ipc --hidden 8192 --iterations 200 > "$logs/roundtrip-ipc-8192.txt" 2>&1
       grep -E "cuda-ipc|tokens" "$logs/roundtrip-ipc-8192.txt" | sed "s/^/[8192 same GPU] /"
       mps_off
+      ;;
+    sharded)
+      run_gtest gpu_executor_test 'Sharded*'
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        "$B/bench/symbiosis-bench-shard-split" --device cuda --parts 2 --dtype bf16 --shapes 5120x5120,13824x5120 \
+          --tokens "${SHARD_TOKENS:-1,16,128,512,2048,4096}" --iterations 20 --out "$out/shard-split.json" 2>&1 \
+          | grep -v '^\[W' | tee "$out/shard-split.txt"
+      fi
       ;;
     long-context)
       # Issue 28 in one run of symbiosis-bench-long-context against one executor on cuda:0 (its two clients, cuda-ipc
