@@ -129,18 +129,22 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
   sigaddset(&signals, SIGCHLD);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   int failed = 0;
+  bool stopping = false;
   size_t running = children.size();
   while (running > 0) {
     int status = 0;
     const pid_t ended = ::waitpid(-1, &status, WNOHANG);
     if (ended > 0) {
       running--;
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed++;
+      // Once stopped, a part that heard another stop first ends as one whose parts were lost (3).
+      const bool lost_while_stopping = stopping && WIFEXITED(status) && WEXITSTATUS(status) == 3;
+      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && !lost_while_stopping) failed++;
       continue;
     }
     const timespec tick{0, 200'000'000};
     const int signal = sigtimedwait(&signals, nullptr, &tick);
     if (signal == SIGINT || signal == SIGTERM) {
+      stopping = true;
       for (const pid_t child : children) ::kill(child, SIGTERM);
     }
   }

@@ -35,6 +35,17 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
 std::vector<std::unique_ptr<Executor>> start_parts(const std::filesystem::path& model, int count,
                                                    ExecutorOptions options = {},
                                                    const std::vector<std::string>& devices = {});
+// [Parts]: a sharded executor started by symbiosis-executor's launcher (`launcher_args` after
+// --model, e.g. {"--parts", "2"} or {"--gpus", "0,1"}; --listen tcp://127.0.0.1:* and a part
+// timeout of 5 s are added), its output in `logs` (out, err): the launcher's pid, its `count` parts'
+// pids and their endpoints in rank order, once all are ready (at most 60 s; fewer where not).
+struct LaunchedParts {
+  pid_t launcher = 0;
+  std::vector<std::string> endpoints;
+  std::vector<pid_t> pids;
+};
+LaunchedParts launch_parts(const std::filesystem::path& model, const std::vector<std::string>& launcher_args, int count,
+                           const std::filesystem::path& logs);
 // A client of `executor`: `options` with the executor's endpoint and, when `checkpoint` is given,
 // its model hash as the expected one.
 std::shared_ptr<Client> connect(const Executor& executor, ClientOptions options = {});

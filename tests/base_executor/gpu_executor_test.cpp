@@ -1,11 +1,14 @@
 // The executor on a GPU with clients on CPU: over TCP (payloads staged through pinned memory) and
 // over same-host shared memory (pinned in place), split equals monolithic. Skipped, with a message
 // saying so, where there is no GPU. The executor's kernels are tested in tests/kernels/.
+#include <signal.h>
+
 #include <limits>
 #include <random>
 #include <thread>
 
 #include "base_executor/metrics.h"
+#include "bench/process.h"
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/training/loss.h"
 #include "kernels/direct_gemm.h"
@@ -54,41 +57,44 @@ TEST_P(CpuClientGpuExecutorTest, Bf16IsWithinBf16Tolerance) {
 INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values("tcp", "shm"));
 
 // [Parts] (base_executor/parts.h) on GPUs: the parts' activations go over NCCL. One part on cuda:0
-// (a NCCL group of one: every code path a sharded executor takes that one GPU can exercise), then,
-// with two GPUs, two parts on cuda:0 and cuda:1 with clients attached to both: clients on CPU (shm,
-// tcp) and on the GPU (cuda-ipc) fine-tune, each equal to its monolithic run (demo clients with
-// --verify: fp32, 1e-5; the adapters after AdamW's steps 1e-4, as the sharded CPU tests explain).
-void sharded_clients_equal_monolithic(int count) {
-  const auto dir = testing::make_checkpoint("tiny-llama");
-  ExecutorOptions options;
-  options.device = "cuda:0";
-  options.dtype = at::kFloat;
-  std::vector<std::string> devices;
-  for (int i = 0; i < count; ++i) devices.push_back("cuda:" + std::to_string(i));
-  auto parts = testing::start_parts(dir, count, options, devices);
+// (a NCCL group of one, in this process: every code path a sharded executor takes that one GPU can
+// exercise), then, with two GPUs, the launcher's two parts on cuda:0 and cuda:1 with clients attached
+// to both: clients on CPU (shm, tcp) and on the parts' GPUs (cuda-ipc) fine-tune, each equal to its
+// monolithic run (demo clients with --verify: fp32, 5e-5 and the adapters 1e-4, as the sharded CPU
+// tests explain).
+std::vector<std::vector<std::string>> clients_of_parts(const std::vector<std::string>& endpoints,
+                                                       const std::filesystem::path& dir) {
   const std::vector<std::string> verify = {"--verify", "--steps", "3", "--tolerance", "5e-5", "--adapter-tolerance", "1e-4"};
   std::vector<std::vector<std::string>> clients;
-  for (int i = 0; i < count; ++i) {
-    const auto& endpoint = parts[i]->endpoint();
-    clients.push_back(testing::demo_client(endpoint, dir, "cpu", "shm", verify));
-    clients.push_back(testing::demo_client(endpoint, dir, "cpu", "tcp", verify));
-    clients.push_back(testing::demo_client(endpoint, dir, devices[i], "cuda-ipc", verify));
+  for (size_t i = 0; i < endpoints.size(); ++i) {
+    clients.push_back(testing::demo_client(endpoints[i], dir, "cpu", "shm", verify));
+    clients.push_back(testing::demo_client(endpoints[i], dir, "cpu", "tcp", verify));
+    clients.push_back(testing::demo_client(endpoints[i], dir, "cuda:" + std::to_string(i), "cuda-ipc", verify));
   }
-  EXPECT_TRUE(testing::run_all(clients));
-  for (const auto& part : parts) {
-    EXPECT_GT(part->stats().requests, 0u);
-    EXPECT_EQ(part->stats().errors, 0u);
-  }
+  return clients;
 }
 
 TEST(ShardedGpuTest, OnePartOnOneGpuServesClientsAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(1);
-  sharded_clients_equal_monolithic(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  ExecutorOptions options;
+  options.device = "cuda:0";
+  options.dtype = at::kFloat;
+  auto parts = testing::start_parts(dir, 1, options);
+  EXPECT_TRUE(testing::run_all(clients_of_parts({parts[0]->endpoint()}, dir)));
+  EXPECT_GT(parts[0]->stats().requests, 0u);
+  EXPECT_EQ(parts[0]->stats().errors, 0u);
 }
 
 TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(2);
-  sharded_clients_equal_monolithic(2);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto logs = testing::temp_dir("sharded-gpus");
+  auto launched = testing::launch_parts(dir, {"--gpus", "0,1", "--dtype", "fp32"}, 2, logs);
+  ASSERT_EQ(launched.endpoints.size(), 2u) << bench::read_file(logs / "err");
+  EXPECT_TRUE(testing::run_all(clients_of_parts(launched.endpoints, dir))) << bench::read_file(logs / "err");
+  ::kill(launched.launcher, SIGTERM);
+  EXPECT_TRUE(testing::exited_ok(launched.launcher)) << bench::read_file(logs / "err");
 }
 
 // [Metrics]: on a GPU the metrics show the GPU memory in tensors, at least the executor's weights

@@ -175,35 +175,6 @@ TEST(ShardedExecutorTest, BadPartOptionsAreRefusedNamingTheFlag) {
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(30));
 }
 
-// The launcher's parts, as processes: their pids (the launcher's children) and endpoints.
-struct LaunchedParts {
-  pid_t launcher = 0;
-  std::vector<std::string> endpoints;
-  std::vector<pid_t> pids;
-};
-
-LaunchedParts launch(const fs::path& dir, int count, const fs::path& logs) {
-  LaunchedParts launched;
-  launched.launcher = bench::spawn({testing::binary("base_executor/symbiosis-executor"), "--model", dir.string(),
-                                    "--parts", std::to_string(count), "--listen", "tcp://127.0.0.1:*",
-                                    "--part-timeout", "5000", "--threads", "1"},
-                                   logs / "out", logs / "err");
-  testing::wait_until(
-      [&] {
-        std::ifstream out(logs / "out");
-        launched.endpoints.clear();
-        for (std::string line; std::getline(out, line);) {
-          if (line.rfind("ready ", 0) == 0) launched.endpoints.push_back(line.substr(6));
-        }
-        return static_cast<int>(launched.endpoints.size()) == count;
-      },
-      std::chrono::seconds(60));
-  std::ifstream children("/proc/" + std::to_string(launched.launcher) + "/task/" + std::to_string(launched.launcher) +
-                         "/children");
-  for (pid_t pid; children >> pid;) launched.pids.push_back(pid);
-  return launched;
-}
-
 // The launcher's exit status within `limit`, or -1 (and it is killed).
 int exit_status_within(pid_t pid, std::chrono::milliseconds limit) {
   int status = 0;
@@ -222,7 +193,7 @@ constexpr auto kStatedTime = std::chrono::seconds(10);
 TEST(ShardedProcessesTest, KillingOnePartFailsEveryClientClearlyAndLeavesNoProcessBehind) {
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto logs = testing::temp_dir("sharded-kill");
-  auto launched = launch(dir, 2, logs);
+  auto launched = testing::launch_parts(dir, {"--parts", "2", "--threads", "1"}, 2, logs);
   ASSERT_EQ(launched.endpoints.size(), 2u) << bench::read_file(logs / "err");
   ASSERT_EQ(launched.pids.size(), 2u);
   std::vector<std::shared_ptr<Client>> clients;
@@ -265,7 +236,7 @@ TEST(ShardedProcessesTest, KillingOnePartFailsEveryClientClearlyAndLeavesNoProce
 TEST(ShardedProcessesTest, StoppingTheLauncherStopsEveryPartAndTheirClientsHearWhy) {
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto logs = testing::temp_dir("sharded-stop");
-  auto launched = launch(dir, 2, logs);
+  auto launched = testing::launch_parts(dir, {"--parts", "2", "--threads", "1"}, 2, logs);
   ASSERT_EQ(launched.endpoints.size(), 2u) << bench::read_file(logs / "err");
   ClientOptions options;
   options.endpoint = launched.endpoints[1];
