@@ -19,8 +19,9 @@
 // [Captured decode] On a GPU, decode steps run from CUDA graphs, one per bucket of batch sizes
 // (powers of two, the last one max_sequences): a step of B sequences runs the graph of the
 // smallest bucket that holds B, its other rows padding that write to a spare slot of the cache and
-// whose logits are dropped. A bucket's graph is captured after `capture_warmup` eager runs of it
-// and replayed after: the step's host work (some thousand kernel launches and, split, its
+// whose logits are dropped (a generator of one sequence has one bucket and no spare slot). A
+// bucket's graph is captured after `capture_warmup` eager runs of it and replayed after: the
+// step's host work (some thousand kernel launches and, split, its
 // base-layer calls: [Captured steps] in training/step_graph.h) becomes one graph launch and the
 // calls' headers. The captured step reads its token ids, cache slots and positions from device
 // tensors filled before each replay and attends over the whole cache, masked to each sequence's

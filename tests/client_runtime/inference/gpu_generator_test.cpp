@@ -60,6 +60,19 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance, cons
   // Monolithic, captured against eager.
   testing::expect_same(testing::generate(mono_lm, testing::mixed_requests(), captured), mono,
                        std::string("cuda monolithic captured ") + c10::toString(dtype), tolerance);
+  // One sequence: one bucket, never padded, so no spare slot ([Captured decode]): the cache holds
+  // max_tokens positions once, and the captured generation is as exact.
+  auto single = captured, single_eager = eager;
+  single.max_sequences = single_eager.max_sequences = 1;
+  {
+    const Generator one(split_lm, single);
+    const auto shape = model_adapter_host(*split_lm.module).model_shape();
+    EXPECT_EQ(one.cache().bytes(), KvCache::bytes_per_position(shape, dtype) * single.max_tokens);
+  }
+  const auto one_split = testing::generate(split_lm, testing::mixed_requests(), single);
+  EXPECT_EQ(one_split.captured, 1);
+  testing::expect_same(one_split, testing::generate(mono_lm, testing::mixed_requests(), single_eager),
+                       std::string("cuda one sequence ") + c10::toString(dtype), tolerance);
   EXPECT_EQ(request_stats(executor.endpoint, 10000).errors(), 0u);
   split_lm = {};
   client.reset();
