@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
 
+#include "client_runtime/cpu_product.h"
 #include "virt_layer/virt_layer_function.h"
 
 namespace symbiosis::nn {
@@ -85,7 +86,7 @@ at::Tensor BaseLayerImpl::base_forward(const at::Tensor& x) {
   if (is_virtual()) return virt_->forward(x);
   TORCH_CHECK(weight.defined(), layer_kind_name(kind_),
               " has no weights: load them from a checkpoint or virtualize the model first");
-  if (kind_ == LayerKind::kLinear) return at::linear(x, weight, bias);
+  if (kind_ == LayerKind::kLinear) return bias.defined() ? at::linear(x, weight, bias) : detail::linear_no_bias(x, weight);
   if (!bias.defined()) return at::matmul(x, weight);
   // Conv1D: x·W + b in one addmm, as transformers' Conv1D and the executor compute it (a product
   // and a separate add round differently).
@@ -98,7 +99,7 @@ at::Tensor BaseLayerImpl::base_forward_no_bias(const at::Tensor& x) {
   if (is_virtual()) return virt_->forward_no_bias(x);
   TORCH_CHECK(weight.defined(), layer_kind_name(kind_),
               " has no weights: load them from a checkpoint or virtualize the model first");
-  return kind_ == LayerKind::kLinear ? at::linear(x, weight) : at::matmul(x, weight);
+  return kind_ == LayerKind::kLinear ? detail::linear_no_bias(x, weight) : at::matmul(x, weight);
 }
 
 at::Tensor BaseLayerImpl::base_bias() {

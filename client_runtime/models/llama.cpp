@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "client_runtime/cpu_product.h"
 #include "client_runtime/models/attention.h"
 #include "client_runtime/models/config_fields.h"
 #include "common/checkpoint.h"
@@ -449,7 +450,8 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::
 // ([Fused cross-entropy] in kernels/cross_entropy.h), which at 1 024 tokens of Llama 3's vocabulary
 // would be 0.5 GB written forward and again backward.
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
-  auto logits = lm_head ? lm_head->forward(hidden) : at::linear(hidden, model->embed_tokens->weight);
+  // Tied to the embeddings: [CPU decode product] where it applies (client_runtime/cpu_product.h), as an lm_head's.
+  auto logits = lm_head ? lm_head->forward(hidden) : nn::detail::linear_no_bias(hidden, model->embed_tokens->weight);
   return detail::soft_cap(logits, config_.final_logit_softcapping);  // [Logit soft-capping]: Gemma 2
 }
 

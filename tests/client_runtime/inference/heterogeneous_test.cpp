@@ -14,6 +14,7 @@
 #include <map>
 #include <sstream>
 
+#include "client_runtime/cpu_product.h"
 #include "client_runtime/inference/generator.h"
 #include "client_runtime/inference/heterogeneous.h"
 #include "client_runtime/models/attention.h"
@@ -348,6 +349,32 @@ TEST(CpuDecodeThreads, SplitCpuDecodeStepsRunAtOneThread) {
     EXPECT_EQ(at::get_num_threads(), 2);
   }
   at::set_num_threads(threads);
+}
+
+// [CPU decode product] (client_runtime/cpu_product.h) against LibTorch's product in fp32 rounded to
+// bf16 once (what its bf16 product computes): a decode step's rows against a weight, AVX-512 or not;
+// what it does not take goes to at::linear.
+TEST(CpuDecodeProduct, EqualsLibTorchsProductRoundedOnce) {
+  at::manual_seed(5);
+  const auto weight = at::randn({1000, 96}).to(at::kBFloat16);
+  for (const int64_t rows : {1, 3, 16}) {
+    const auto x = at::randn({1, rows, 96}).to(at::kBFloat16);
+    ASSERT_TRUE(nn::detail::cpu_decode_product_supports(x, weight));
+    const auto out = nn::detail::cpu_decode_product(x, weight);
+    ASSERT_EQ(out.sizes(), at::IntArrayRef({1, rows, 1000}));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    const auto expected = at::linear(x.to(at::kFloat), weight.to(at::kFloat)).to(at::kBFloat16);
+    // The same fp32 sums in another order, rounded once: equal but where a sum lies at a rounding boundary.
+    EXPECT_LT(testing::relative_error(out.to(at::kFloat), expected.to(at::kFloat)), 1e-2) << rows << " rows";
+    EXPECT_GT(out.eq(expected).to(at::kFloat).mean().item<float>(), 0.99) << rows << " rows";
+  }
+  EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({17, 96}).to(at::kBFloat16), weight));
+  EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({1, 96}), weight));
+  EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({1, 48}).to(at::kBFloat16), weight));
+  EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({1, 96}).to(at::kBFloat16).requires_grad_(), weight));
+  EXPECT_NE(testing::error_of([&] { nn::detail::cpu_decode_product(at::randn({1, 96}), weight); })
+                .find("cpu_decode_product takes x [..., in] and a contiguous weight [out, in], both bf16"),
+            std::string::npos);
 }
 
 std::string model_name(const std::string& preset) {
