@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -123,10 +124,13 @@ PartGroups PartGroups::join(const PartOptions& options, at::Device device, const
   groups.data = groups.control;
   if (device.is_cuda()) {
 #ifdef USE_C10D_NCCL
+    // The group is made, and bound, on the part's own GPU: not on the calling thread's current one.
+    c10::cuda::CUDAGuard on_device(device);
     auto nccl = c10d::ProcessGroupNCCL::Options::create();
     nccl->timeout = options.timeout;
     groups.data = c10::make_intrusive<c10d::ProcessGroupNCCL>(
         c10::make_intrusive<c10d::PrefixStore>("data", groups.store), options.rank, options.world_size, nccl);
+    groups.data->setBoundDeviceId(device);
 #else
     TORCH_CHECK(false, "executor ", name, ": a sharded executor on a GPU needs NCCL, and this build has none");
 #endif
@@ -166,7 +170,9 @@ at::Tensor Parts::compute(const BaseModel& model, int owner, const RoundOffer& b
   at::Tensor x;
   if (mine) {
     try {
-      x = input().contiguous();
+      // On a GPU, in memory of this process's allocator: a same-GPU client's input lies in its own
+      // memory, which NCCL's collectives are not given.
+      x = device_.is_cuda() ? input().clone(at::MemoryFormat::Contiguous) : input().contiguous();
     } catch (...) {
       failure = std::current_exception();
     }

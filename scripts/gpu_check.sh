@@ -8,6 +8,8 @@
 #   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
 #                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   gtest          one test binary, GPU_TEST, with GPU_FILTER (default *); its log printed
+#   shell          GPU_SHELL, a command line run with this script's environment ($B the binaries, $out, the
+#                  loader's paths): a diagnosis that no stage makes
 #   generator      gpu_generator_test alone, under MPS
 #   restart        gpu_restart_test alone (generation and training across an executor killed and restarted)
 #   trainer        gpu_trainer_test alone (the tenant trainer's captured steps, symbiosis-finetune on a GPU), under MPS
@@ -317,6 +319,9 @@ for stage in "$@"; do
       run_gtest "$GPU_TEST" "${GPU_FILTER:-*}"
       cp "$logs/$GPU_TEST.log" "$out/"
       grep -vE "^\[ +(RUN|OK) +\]" "$logs/$GPU_TEST.log" | tail -30
+      ;;
+    shell)
+      B=$B out=$out bash -c "$GPU_SHELL" 2>&1 | tail -80
       ;;
     generator)
       mps_on
