@@ -125,31 +125,10 @@ TEST_P(ShardedGenerationTest, GenerationOnOnePartEqualsMonolithicWhileAnotherPar
   auto parts = start_parts(dir, 2);
   auto run = testing::make_training_run(*checkpoint, testing::connect(*parts[0], *checkpoint),
                                         testing::lora_adapter(testing::test_lora()), {}, 1e-3, 5);
-  const auto ids = at::randint(200, {2, 12}, at::kLong);
-  std::atomic<bool> stop{false};
-  std::atomic<int> trained{0};
-  std::thread fine_tuning([&] {
-    while (!stop || trained == 0) {
-      run.optimizer->zero_grad();
-      causal_lm_loss(run.lm.forward(ids, {}), ids).backward();
-      run.lm.settle();
-      run.optimizer->step();
-      ++trained;
-    }
-  });
-  auto split_lm = open_causal_lm(*checkpoint, testing::connect(*parts[1], *checkpoint));
-  auto mono_lm = open_causal_lm(*checkpoint);
-  testing::add_test_lora(split_lm);
-  testing::add_test_lora(mono_lm);
-  GeneratorOptions options;
-  options.max_sequences = 3;
-  options.max_tokens = 24;
-  const auto split = testing::generate(split_lm, testing::mixed_requests(), options);
-  const auto mono = testing::generate(mono_lm, testing::mixed_requests(), options);
-  stop = true;
-  fine_tuning.join();
+  testing::BackgroundTraining fine_tuning(run, at::randint(200, {2, 12}, at::kLong));
+  const auto [split, mono] = testing::generate_split_and_monolithic(*checkpoint, testing::connect(*parts[1], *checkpoint));
+  EXPECT_GT(fine_tuning.stop(), 0);
   testing::expect_same(split, mono, GetParam());
-  EXPECT_GT(trained.load(), 0);
   for (const auto& part : parts) EXPECT_EQ(part->stats().errors, 0u);
 }
 

@@ -84,16 +84,8 @@ TEST_P(MaskedTenantTest, TrainsAsTheMonolithicModelDoes) {
 TEST_P(MaskedTenantTest, GeneratesWhatTheMonolithicModelGenerates) {
   const auto& [preset, transport, policy] = GetParam();
   auto served = serve_masked(preset, transport, policy, /*rotate_after=*/3);
-  auto split_lm = open_causal_lm(*served.checkpoint, served.client);
-  auto mono_lm = open_causal_lm(*served.checkpoint, nullptr);
-  testing::add_test_lora(split_lm);
-  testing::add_test_lora(mono_lm);
-  GeneratorOptions options;
-  options.max_sequences = 3;
-  options.max_tokens = 24;
-  const auto split = testing::generate(split_lm, testing::mixed_requests(), options);
-  testing::expect_same(split, testing::generate(mono_lm, testing::mixed_requests(), options), preset + " masked",
-                       kTolerance);
+  const auto [split, mono] = testing::generate_split_and_monolithic(*served.checkpoint, served.client);
+  testing::expect_same(split, mono, preset + " masked", kTolerance);
   // Rotated every 3 calls: each layer and direction drew several banks.
   const auto* mask = served.client->noise_mask();
   EXPECT_GT(mask->banks_drawn(), 3 * mask->banks_held());

@@ -3,13 +3,17 @@
 // logits step by step, a LoRA for either model, and the comparison of two generations.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "client_runtime/inference/generator.h"
 #include "client_runtime/peft/lora.h"
+#include "client_runtime/training/loss.h"
 #include "tests/test_util.h"
 
 namespace symbiosis::testing {
@@ -81,6 +85,50 @@ inline void add_test_lora(CausalLM& lm) {
   at::manual_seed(7);
   add_lora(*lm.module, test_lora());
 }
+
+// mixed_requests() with the test LoRA, 3 sequences at once and 24 tokens, through `client` (split)
+// and in this process (monolithic): {split, monolithic}.
+inline std::pair<Generated, Generated> generate_split_and_monolithic(const Checkpoint& checkpoint,
+                                                                      const std::shared_ptr<Client>& client) {
+  auto split_lm = open_causal_lm(checkpoint, client);
+  auto mono_lm = open_causal_lm(checkpoint);
+  add_test_lora(split_lm);
+  add_test_lora(mono_lm);
+  GeneratorOptions options;
+  options.max_sequences = 3;
+  options.max_tokens = 24;
+  auto split = generate(split_lm, mixed_requests(), options);
+  return {std::move(split), generate(mono_lm, mixed_requests(), options)};
+}
+
+// The fine-tuning tenant generation tests run beside: `run` trains on `ids` in a thread of its own
+// from construction until stop(), at least one step. Its adapter and data are drawn before: the
+// thread draws nothing, so what the test draws meanwhile is drawn alike.
+class BackgroundTraining {
+ public:
+  BackgroundTraining(TrainingRun& run, at::Tensor ids)
+      : thread_([this, &run, ids = std::move(ids)] {
+          while (!stop_ || steps_ == 0) {
+            run.optimizer->zero_grad();
+            causal_lm_loss(run.lm.forward(ids, {}), ids).backward();
+            run.lm.settle();
+            run.optimizer->step();
+            ++steps_;
+          }
+        }) {}
+  ~BackgroundTraining() { stop(); }
+  // Joins the thread; the steps it took.
+  int stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    return steps_;
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> steps_{0};
+  std::thread thread_;
+};
 
 inline void expect_same(const Generated& a, const Generated& b, const std::string& what, double tolerance = 1e-5) {
   ASSERT_EQ(a.results.size(), b.results.size());

@@ -228,35 +228,12 @@ TEST_P(SplitGenerationTest, SplitEqualsMonolithicWhileAnotherTenantTrains) {
   executor_options.batching.lockstep_timeout = std::chrono::milliseconds(20);
   auto executor = testing::start_executor(dir, executor_options);
 
-  // The fine-tuning tenant draws its adapter and data here: the thread draws nothing, so the
-  // adapters below are drawn alike.
   auto run = testing::make_training_run(*checkpoint, testing::connect(*executor, *checkpoint),
                                         testing::lora_adapter(test_lora()), {}, 1e-3, 5);
-  const auto ids = at::randint(200, {2, 12}, at::kLong);
-  std::atomic<bool> stop{false};
-  std::atomic<int> trained{0};
-  std::thread fine_tuning([&] {
-    while (!stop || trained == 0) {
-      run.optimizer->zero_grad();
-      causal_lm_loss(run.lm.forward(ids, {}), ids).backward();
-      run.lm.settle();
-      run.optimizer->step();
-      ++trained;
-    }
-  });
-  auto split_lm = open_causal_lm(*checkpoint, testing::connect(*executor, *checkpoint));
-  auto mono_lm = open_causal_lm(*checkpoint);
-  add_test_lora(split_lm);
-  add_test_lora(mono_lm);
-  GeneratorOptions options;
-  options.max_sequences = 3;
-  options.max_tokens = 24;
-  const auto split = generate(split_lm, mixed_requests(), options);
-  const auto mono = generate(mono_lm, mixed_requests(), options);
-  stop = true;
-  fine_tuning.join();
+  testing::BackgroundTraining fine_tuning(run, at::randint(200, {2, 12}, at::kLong));
+  const auto [split, mono] = testing::generate_split_and_monolithic(*checkpoint, testing::connect(*executor, *checkpoint));
+  EXPECT_GT(fine_tuning.stop(), 0);
   expect_same(split, mono, policy);
-  EXPECT_GT(trained.load(), 0);
   EXPECT_EQ(executor->stats().errors, 0u);
   // The runtime set the classes: prefill and decode calls were counted apart from training (a
   // batch is counted just after its replies went out).
