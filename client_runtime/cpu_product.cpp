@@ -115,13 +115,16 @@ at::Tensor cpu_decode_product(const at::Tensor& x, const at::Tensor& weight) {
   const auto* w_data = weight.const_data_ptr<c10::BFloat16>();
   float* out_data = result.data_ptr<float>();
   const bool avx512 = has_avx512();
-  at::parallel_for(0, out, kRowsATask, [&](int64_t first, int64_t last) {
-    if (avx512) {
-      product_rows_avx512(x_data, w_data, m, in, first, last, out_data, out);
-    } else {
-      std::vector<float> row(in);
-      product_rows(x_data, w_data, m, in, first, last, row.data(), out_data, out);
-    }
+  // [Balanced tasks] of kRowsATask rows of W each.
+  balanced_tasks((out + kRowsATask - 1) / kRowsATask, 1, [&] {
+    return [&, row = std::vector<float>(avx512 ? 0 : in)](int64_t task) mutable {
+      const int64_t first = task * kRowsATask, last = std::min(out, first + kRowsATask);
+      if (avx512) {
+        product_rows_avx512(x_data, w_data, m, in, first, last, out_data, out);
+      } else {
+        product_rows(x_data, w_data, m, in, first, last, row.data(), out_data, out);
+      }
+    };
   });
   auto sizes = x.sizes().vec();
   sizes.back() = out;

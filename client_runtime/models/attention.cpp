@@ -1,5 +1,7 @@
 #include "client_runtime/models/attention.h"
 
+#include "client_runtime/cpu_product.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #if defined(__x86_64__)
@@ -274,9 +276,9 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
   const float* q_data = queries.data_ptr<float>();
   const bool bf16 = keys.scalar_type() == at::kBFloat16;
   const bool avx512 = has_avx512();
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), kTasksPerThread, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kChunk), row(head_dim);
-    for (int64_t t = begin; t < end; ++t) {
+  // [Balanced tasks]: each thread its own keys first, then what the others left.
+  nn::detail::balanced_tasks(static_cast<int64_t>(tasks.size()), kTasksPerThread, [&] {
+    return [&, scores = std::vector<float>(group * kChunk), row = std::vector<float>(head_dim)](int64_t t) mutable {
       const auto& task = tasks[t];
       const int64_t offset = ((rows[task.sequence] * kv_heads + task.kv_head) * tokens + task.first) * head_dim;
       const float* qg = q_data + (task.sequence * heads + task.kv_head * group) * head_dim;
@@ -296,7 +298,7 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
         attend_chunk_fp32(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset, task.count,
                           head_dim, group, scores.data(), row.data(), out);
       }
-    }
+    };
   });
   // Each query head's chunks merged, in the order of their keys.
   auto result = at::empty({sequences, heads, head_dim}, at::TensorOptions().dtype(at::kFloat));
