@@ -212,7 +212,12 @@ def worker(local_rank, a, store_path):
     except torch.OutOfMemoryError as error:
         print(f"fsdp_peft rank {rank}: out of memory: {str(error).splitlines()[0]}", file=sys.stderr, flush=True)
         os._exit(OUT_OF_MEMORY)  # the other ranks wait in a collective: the launcher ends them
-    dist.destroy_process_group()
+    # Every rank done (rank 0's results written): end without tearing the process group down, whose
+    # destructors at exit have aborted a Gloo rank ("terminate called without an active exception").
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(a, rank, world, device, mesh):

@@ -1,0 +1,460 @@
+"""Issue 31's sharded-local benchmark: one base model served by a sharded executor over several GPUs
+(one part a GPU, docs/sharding.md) with fine-tuning tenants on every GPU, against PyTorch FSDP jobs
+with transformers + PEFT on the same GPUs (bench/fsdp_peft.py, one job of one rank a GPU per adapter).
+The figure: adapters fine-tuned in the same time, i.e. adapters trained at once and their aggregate
+tokens/s, Symbiosis against FSDP.
+
+  python3 bench/sharded_local.py --model /tmp/llama-13b --build .gpu-build --gpus 0,1 --out /tmp/sharded-13b
+  python3 bench/sharded_local.py --model /tmp/tiny --build build --device cpu --parts 2 --dtype fp32 ...  # smoke
+
+In order:
+1. Symbiosis: `symbiosis-executor --gpus 0,1` (on CPU `--parts N --device cpu`) starts its parts; then
+   for each count in --counts, that many symbiosis-bench-client tenants (LoRA, AdamW, eager steps
+   unless --cuda-graph) start at once, tenant i on part i % parts and that part's GPU (cuda-ipc; shm
+   on CPU), and all step through one common window of --window-s seconds ([Measurement window] in
+   bench/bench_client.cpp), then end. The executor stays up from one count to the next. A count
+   where a tenant fails (out of memory) ends the counts: the count before it is the most that fit.
+2. FSDP: with the executor stopped, FSDP jobs (each over all the GPUs) start in waves: the first
+   alone, to learn its memory, then at most --fsdp-wave at once and no more than the memory left
+   fits by what each running job took, until a job fails (out of memory) or --fsdp-limit run. They
+   step all the while (--stop-file); after each wave every running job steps through one window of
+   --window-s seconds, cut afterwards from each job's step end times.
+Aggregate tokens/s of a window: the tokens of the steps that end inside it over its length. Writes
+OUT/sharded_local.json and OUT/sharded_local.md (a table), and prints the table. A run cut short
+(SIGTERM, e.g. a timeout) still writes what it measured and ends every process it started.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from python_tenants import SPAWNED, MemorySampler, gpu_memory_mib, spawn, tail
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def remove(*paths):
+    """Files of an earlier run in the same --out (a stale ready or go file would start a window early)."""
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def log(message):
+    print(f"[sharded_local {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def descendants(pid):
+    """Every process below `pid` (from /proc), so that a launcher's parts can be ended with it."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
+
+
+def end_process(process, timeout_s=60):
+    """SIGTERM (a launcher passes it on to its parts or ranks), then SIGKILL for it and all below it."""
+    if process.poll() is not None:
+        return
+    below = descendants(process.pid)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class GpuMemory:
+    """Peak memory in use of each GPU (nvidia-smi, every process's) while alive; nothing on CPU."""
+
+    def __init__(self, gpus):
+        self.gpus = gpus
+        self.before = [gpu_memory_mib(g)[0] for g in gpus]
+        self.total = [gpu_memory_mib(g)[1] for g in gpus]
+        self.samplers = [MemorySampler(g) for g in gpus]
+
+    def peaks(self):
+        return [s.peak for s in self.samplers]
+
+    def stop(self):
+        return [s.stop() for s in self.samplers]
+
+    def per_process_and_left(self, running):
+        """(MiB each running process has taken on its busiest GPU, MiB left on the fullest GPU)."""
+        if not self.gpus or running == 0:
+            return 0.0, 0.0
+        taken = max((p - b) / running for p, b in zip(self.peaks(), self.before))
+        left = min(t - p for t, p in zip(self.total, self.peaks()))
+        return taken, left
+
+
+def start_executor(a, directory):
+    """(launcher process, [endpoint of each part in rank order]) once every part is ready."""
+    args = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--dtype", a.dtype,
+            "--listen", "tcp://127.0.0.1:*", "--batching", "opportunistic", "--max-wait", str(a.max_wait_us),
+            "--log-level", "warn"]
+    if a.device == "cpu":
+        # A CPU smoke run: one GEMM thread a part, or their threads take the cores the clients need.
+        args += ["--parts", str(a.parts), "--device", "cpu", "--threads", "1"]
+    else:
+        args += ["--gpus", ",".join(str(g) for g in a.gpus)]
+    out = os.path.join(directory, "executor.out")
+    process = spawn(args, directory, "executor")
+    began = time.time()
+    while True:
+        with open(out) as f:
+            endpoints = [line.split()[1] for line in f.read().splitlines() if line.startswith("ready ")]
+        if len(endpoints) == a.parts:
+            break
+        if process.poll() is not None or time.time() - began > a.start_timeout_s:
+            end_process(process)
+            raise RuntimeError(f"the sharded executor did not start: {tail(os.path.join(directory, 'executor.err'))}")
+        time.sleep(0.2)
+    with open(os.path.join(a.out, "executor.pids"), "w") as f:  # for the caller, should this run be killed
+        f.write(" ".join(str(p) for p in [process.pid] + descendants(process.pid)) + "\n")
+    log(f"sharded executor ready in {time.time() - began:.0f} s: {' '.join(endpoints)}")
+    return process, endpoints
+
+
+def tenant_args(a, index, endpoints, directory, go):
+    part = index % a.parts
+    device = "cpu" if a.device == "cpu" else f"cuda:{a.gpus[part]}"
+    args = [os.path.join(a.build, "bench", "symbiosis-bench-client"), "--executor", endpoints[part],
+            "--model", a.model, "--mode", "finetune", "--batch", str(a.batch), "--seq", str(a.seq),
+            "--rank", str(a.rank), "--targets", a.targets, "--warmup", str(a.warmup), "--device", device,
+            "--dtype", a.dtype, "--transport", "shm" if a.device == "cpu" else "cuda-ipc", "--threads", "1",
+            "--seed", str(index + 1), "--out", os.path.join(directory, f"tenant{index}.json"),
+            "--ready-file", os.path.join(directory, f"tenant{index}.ready"), "--go-file", go]
+    if a.cuda_graph:
+        args.append("--cuda-graph")
+    return args
+
+
+def symbiosis_count(a, endpoints, count):
+    """`count` tenants over one window: the figures, or raises RuntimeError naming the tenant that failed."""
+    directory = os.path.join(a.out, "symbiosis", f"n{count}")
+    os.makedirs(directory, exist_ok=True)
+    go = os.path.join(directory, "go")
+    remove(go, *(os.path.join(directory, f"tenant{i}.{ext}") for i in range(count) for ext in ("ready", "json")))
+    memory = GpuMemory(a.gpus)
+    began = time.time()
+    processes = [spawn(tenant_args(a, i, endpoints, directory, go), directory, f"tenant{i}") for i in range(count)]
+
+    def fail(why):
+        for p in processes:
+            end_process(p, 10)
+        memory.stop()
+        raise RuntimeError(why)
+
+    for i, process in enumerate(processes):
+        while not os.path.exists(os.path.join(directory, f"tenant{i}.ready")):
+            if process.poll() is not None:
+                fail(f"tenant {i} of {count} failed while warming up (exit {process.returncode}): "
+                     f"{tail(os.path.join(directory, f'tenant{i}.err'), 2)}")
+            if time.time() - began > a.start_timeout_s:
+                fail(f"tenant {i} of {count} not warm after {a.start_timeout_s} s")
+            time.sleep(0.1)
+    warm_s = time.time() - began
+    start = time.time() + 0.5
+    with open(go + ".tmp", "w") as f:
+        f.write(f"{start} {start + a.window_s}\n")
+    os.rename(go + ".tmp", go)
+    results = []
+    for i, process in enumerate(processes):
+        try:
+            process.wait(a.window_s + a.start_timeout_s)
+        except subprocess.TimeoutExpired:
+            fail(f"tenant {i} of {count} did not end after the window")
+        if process.returncode != 0:
+            fail(f"tenant {i} of {count} failed in the window (exit {process.returncode}): "
+                 f"{tail(os.path.join(directory, f'tenant{i}.err'), 2)}")
+        with open(os.path.join(directory, f"tenant{i}.json")) as f:
+            results.append(json.load(f))
+    peaks = memory.stop()
+    tokens = sum(r["tokens_per_iteration"] * r["iterations"] for r in results)
+    latencies = [latency for r in results for latency in r["latencies_s"]]
+    figures = {"adapters": count, "tokens_per_s": tokens / a.window_s, "steps_in_window": len(latencies),
+               "mean_step_s": sum(latencies) / len(latencies) if latencies else 0.0, "seconds_to_warm": warm_s,
+               "gpu_memory_peak_mib": peaks, "transport": results[0]["transport"] if results else "",
+               "tenant_gpu_peak_reserved_gib": [round(r.get("gpu_peak_reserved_bytes", 0) / 2**30, 2) for r in results]}
+    figures["tokens_per_s_an_adapter"] = figures["tokens_per_s"] / count
+    log(f"symbiosis: {count} tenants, {figures['tokens_per_s']:.0f} tokens/s, mean step {figures['mean_step_s']:.3f} s, "
+        f"GPU peak {peaks} MiB")
+    return figures
+
+
+def run_symbiosis(a, result):
+    directory = os.path.join(a.out, "symbiosis")
+    os.makedirs(directory, exist_ok=True)
+    before = [gpu_memory_mib(g)[0] for g in a.gpus]
+    executor, endpoints = start_executor(a, directory)
+    section = {"counts": [], "stopped_because": f"reached the last count ({a.counts[-1]})"}
+    result["symbiosis"] = section
+    try:
+        section["executor_gpu_mib"] = [gpu_memory_mib(g)[0] - b for g, b in zip(a.gpus, before)]
+        for count in a.counts:
+            try:
+                section["counts"].append(symbiosis_count(a, endpoints, count))
+            except RuntimeError as error:
+                section["stopped_because"] = str(error)
+                log(f"symbiosis: {error}")
+                break
+            if executor.poll() is not None:
+                section["stopped_because"] = f"the executor ended (exit {executor.returncode}): " \
+                                             f"{tail(os.path.join(directory, 'executor.err'), 2)}"
+                break
+    finally:
+        end_process(executor)
+
+
+def fsdp_args(a, index, directory, stop_file):
+    devices = ",".join(["cpu"] * a.parts if a.device == "cpu" else [f"cuda:{g}" for g in a.gpus])
+    args = [sys.executable, os.path.join(HERE, "fsdp_peft.py"), "--model", a.model, "--devices", devices,
+            "--dtype", a.dtype, "--batch", str(a.fsdp_batch), "--seq", str(a.seq), "--rank", str(a.rank),
+            "--targets", a.targets, "--warmup", str(a.warmup), "--seed", str(index + 1),
+            "--out", os.path.join(directory, f"job{index}.json"),
+            "--ready-file", os.path.join(directory, f"job{index}.ready"), "--stop-file", stop_file]
+    if a.device == "cpu":
+        args += ["--threads", "1"]
+    return args
+
+
+def window_figures(results, start, end):
+    """Aggregate tokens/s of the steps that end in [start, end], and their mean step time."""
+    tokens, latencies = 0.0, []
+    for r in results:
+        for t, latency in zip(r["step_end_epoch_s"], r["latencies_s"]):
+            if start <= t <= end:
+                tokens += r["tokens_per_iteration"]
+                latencies.append(latency)
+    return {"tokens_per_s": tokens / max(end - start, 1e-9), "steps_in_window": len(latencies),
+            "mean_step_s": sum(latencies) / len(latencies) if latencies else 0.0}
+
+
+def run_fsdp(a, result):
+    directory = os.path.join(a.out, "fsdp")
+    os.makedirs(directory, exist_ok=True)
+    stop_file = os.path.join(directory, "stop")
+    remove(stop_file, *(os.path.join(directory, f"job{i}.{ext}") for i in range(a.fsdp_limit) for ext in ("ready", "json")))
+    memory = GpuMemory(a.gpus)
+    section = {"jobs": [], "windows": [], "stopped_because": f"reached the limit of {a.fsdp_limit}",
+               "batch": a.fsdp_batch}
+    result["fsdp"] = section
+    running = []  # (index, process) of the jobs that are warm and stepping
+    began = time.time()
+    try:
+        while len(running) < a.fsdp_limit:
+            size = 1
+            if running:
+                taken, left = memory.per_process_and_left(len(running))
+                size = max(1, min(a.fsdp_wave, int(left / taken))) if taken > 0 else a.fsdp_wave
+            starting = []
+            for index in range(len(running), min(a.fsdp_limit, len(running) + size)):
+                starting.append((index, spawn(fsdp_args(a, index, directory, stop_file), directory, f"job{index}")))
+            failed = ""
+            for index, process in starting:
+                ready = os.path.join(directory, f"job{index}.ready")
+                while not os.path.exists(ready) and process.poll() is None:
+                    if time.time() - began > a.fsdp_deadline_s:
+                        end_process(process, 10)
+                        failed = failed or f"job {index} not warm when --fsdp-deadline-s {a.fsdp_deadline_s:.0f} passed"
+                    time.sleep(0.2)
+                if os.path.exists(ready) and process.poll() is None:
+                    running.append((index, process))
+                elif not failed:
+                    process.wait()
+                    failed = (f"job {index} failed while starting (exit {process.returncode}): "
+                              f"{tail(os.path.join(directory, f'job{index}.err'), 2)}")
+            for _, process in running:
+                if process.poll() is not None and not failed:
+                    failed = f"a running job ended (exit {process.returncode}) while others started"
+            running = [(i, p) for i, p in running if p.poll() is None]
+            log(f"fsdp: {len(running)} jobs running, GPU peak {memory.peaks()} of {memory.total} MiB"
+                + (f"; {failed}" if failed else ""))
+            if running and (len(section["windows"]) == 0 or section["windows"][-1]["jobs"] != [i for i, _ in running]):
+                start = time.time() + 0.5
+                time.sleep(0.5 + a.window_s)
+                section["windows"].append({"jobs": [i for i, _ in running], "start": start, "end": time.time(),
+                                           "gpu_memory_peak_mib": memory.peaks()})
+            if failed:
+                section["stopped_because"] = failed
+                break
+            if time.time() - began > a.fsdp_deadline_s:
+                section["stopped_because"] = f"--fsdp-deadline-s {a.fsdp_deadline_s} passed"
+                break
+    finally:
+        with open(stop_file, "w") as f:
+            f.write("stop\n")
+        results = {}
+        for index, process in running:
+            try:
+                process.wait(120)
+            except subprocess.TimeoutExpired:
+                end_process(process, 10)
+            path = os.path.join(directory, f"job{index}.json")
+            if process.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    results[index] = json.load(f)
+            else:
+                section["stopped_because"] += f"; job {index} failed while running (exit {process.returncode})"
+        section["gpu_memory_total_mib"] = memory.total
+        section["gpu_memory_before_mib"] = memory.before
+        peaks = memory.stop()
+        section["gpu_memory_peak_mib"] = peaks
+        if running and a.gpus:
+            section["gpu_memory_per_job_mib"] = max((p - b) / len(running) for p, b in zip(peaks, memory.before))
+        for window in section["windows"]:
+            measured = [results[i] for i in window["jobs"] if i in results]
+            window.update(window_figures(measured, window["start"], window["end"]))
+            window["adapters"] = len(window["jobs"])
+            window["jobs_measured"] = len(measured)  # a job that failed later has no figures
+            window["tokens_per_s_an_adapter"] = window["tokens_per_s"] / max(len(measured), 1)
+            window["job_gpu_peak_reserved_gib"] = [round(r["gpu_peak_reserved_bytes"] / 2**30, 2) for r in measured]
+            log(f"fsdp: {window['adapters']} jobs, {window['tokens_per_s']:.0f} tokens/s, "
+                f"mean step {window['mean_step_s']:.3f} s")
+
+
+def compare(result):
+    """The largest count each system ran whole, and Symbiosis against FSDP there."""
+    counts = result.get("symbiosis", {}).get("counts", [])
+    windows = [w for w in result.get("fsdp", {}).get("windows", []) if w.get("jobs_measured") == w.get("adapters")]
+    if not counts or not windows or not min(counts[-1]["tokens_per_s"], max(w["tokens_per_s"] for w in windows)):
+        return
+    ours, theirs = counts[-1], max(windows, key=lambda w: (w["adapters"], w["tokens_per_s"]))
+    result["comparison"] = {
+        "symbiosis_adapters": ours["adapters"], "fsdp_adapters": theirs["adapters"],
+        "adapters_ratio": ours["adapters"] / theirs["adapters"],
+        "symbiosis_tokens_per_s": ours["tokens_per_s"], "fsdp_tokens_per_s": theirs["tokens_per_s"],
+        "tokens_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "symbiosis_tokens_per_s_an_adapter": ours["tokens_per_s_an_adapter"],
+        "fsdp_tokens_per_s_an_adapter": theirs["tokens_per_s_an_adapter"]}
+
+
+def table(result):
+    rows = [f"sharded-local against FSDP: {result['hardware']}; {result['shape']}", "",
+            "| system | adapters at once | aggregate tokens/s | tokens/s an adapter | mean step (s) | GPU peak MiB |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for c in result.get("symbiosis", {}).get("counts", []):
+        rows.append(f"| Symbiosis sharded-local ({c['transport']}) | {c['adapters']} | {c['tokens_per_s']:.0f} | "
+                    f"{c['tokens_per_s_an_adapter']:.0f} | {c['mean_step_s']:.3f} | "
+                    f"{' / '.join(f'{m:.0f}' for m in c['gpu_memory_peak_mib']) or '-'} |")
+    for w in result.get("fsdp", {}).get("windows", []):
+        partial = "" if w["jobs_measured"] == w["adapters"] else f" ({w['jobs_measured']} measured)"
+        rows.append(f"| FSDP + PEFT, {result['fsdp']['batch']} sequences a step | {w['adapters']}{partial} | "
+                    f"{w['tokens_per_s']:.0f} | {w['tokens_per_s_an_adapter']:.0f} | {w['mean_step_s']:.3f} | "
+                    f"{' / '.join(f'{m:.0f}' for m in w['gpu_memory_peak_mib']) or '-'} |")
+    rows.append("")
+    if "symbiosis" in result:
+        s = result["symbiosis"]
+        rows.append(f"Symbiosis: executor {' / '.join(f'{m:.0f}' for m in s.get('executor_gpu_mib', [])) or '-'} MiB "
+                    f"a GPU; counts stopped because: {s['stopped_because']}")
+    if "fsdp" in result:
+        f = result["fsdp"]
+        per_job = f" ({f['gpu_memory_per_job_mib']:.0f} MiB a job on its busiest GPU)" if "gpu_memory_per_job_mib" in f else ""
+        rows.append(f"FSDP{per_job}: stopped because: {f['stopped_because']}")
+    if "comparison" in result:
+        c = result["comparison"]
+        rows.append(f"adapters at once: {c['symbiosis_adapters']} / {c['fsdp_adapters']} = {c['adapters_ratio']:.2f}x; "
+                    f"aggregate tokens/s there (adapters fine-tuned in the same time): {c['symbiosis_tokens_per_s']:.0f} / "
+                    f"{c['fsdp_tokens_per_s']:.0f} = {c['tokens_ratio']:.2f}x (target >= 4x); tokens/s an adapter "
+                    f"{c['symbiosis_tokens_per_s_an_adapter']:.0f} / {c['fsdp_tokens_per_s_an_adapter']:.0f}")
+    for key in ("symbiosis_error", "fsdp_error", "error"):
+        if key in result:
+            rows.append(f"FAILED ({key}): {result[key]}")
+    return "\n".join(rows) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="checkpoint directory (symbiosis-make-checkpoint --preset llama-2-13b)")
+    p.add_argument("--build", required=True, help="the build tree holding base_executor/ and bench/ (build, .gpu-build)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--gpus", default="0,1", help="cuda: the GPUs, one executor part and one FSDP rank each")
+    p.add_argument("--parts", type=int, default=2, help="cpu: executor parts and FSDP ranks")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--batch", type=int, default=2, help="sequences a tenant's step")
+    p.add_argument("--fsdp-batch", type=int, default=0,
+                   help="sequences an FSDP job's step, all ranks together (default: --batch, the same step)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-wait-us", type=int, default=150, help="the executor's opportunistic batching wait")
+    p.add_argument("--counts", default="2,4,8,16", help="tenants at once, in order")
+    p.add_argument("--window-s", type=float, default=10.0)
+    p.add_argument("--cuda-graph", action="store_true", help="the tenants replay captured steps")
+    p.add_argument("--fsdp-limit", type=int, default=8, help="most FSDP jobs started (0: none)")
+    p.add_argument("--fsdp-wave", type=int, default=4, help="most FSDP jobs started at once")
+    p.add_argument("--fsdp-deadline-s", type=float, default=360,
+                   help="start no FSDP wave after this many seconds of the FSDP part (a job not warm by then stops)")
+    p.add_argument("--start-timeout-s", type=float, default=300, help="longest an executor or a wave of tenants warms")
+    p.add_argument("--skip-symbiosis", action="store_true")
+    a = p.parse_args()
+    a.counts = [int(c) for c in a.counts.split(",") if c]
+    a.gpus = [] if a.device == "cpu" else [int(g) for g in a.gpus.split(",")]
+    if a.device == "cuda":
+        a.parts = len(a.gpus)
+    a.fsdp_batch = a.fsdp_batch or a.batch
+    os.makedirs(a.out, exist_ok=True)
+
+    if a.gpus:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.splitlines()
+        hardware = f"{len(a.gpus)} x {names[a.gpus[0]].strip() if names else 'GPU'}"
+    else:
+        hardware = f"CPU, {a.parts} parts"
+    result = {"hardware": hardware, "model": a.model,
+              "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens a step, {a.dtype}, AdamW, "
+                       f"{a.window_s:.0f} s windows"}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM (a timeout?)"))
+    failed = False
+    try:
+        if not a.skip_symbiosis:
+            try:
+                run_symbiosis(a, result)
+            except RuntimeError as error:  # the FSDP jobs are still measured
+                result["symbiosis_error"] = str(error)
+                log(f"symbiosis: {error}")
+                failed = True
+        if a.fsdp_limit > 0:
+            run_fsdp(a, result)
+    except (Exception, SystemExit) as error:  # the figures measured so far are still written
+        result["error"] = f"{type(error).__name__}: {error}"
+        log(f"failed: {result['error']}")
+        failed = True
+    finally:
+        for process in SPAWNED:
+            end_process(process, 20)
+    compare(result)
+    with open(os.path.join(a.out, "sharded_local.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    text = table(result)
+    with open(os.path.join(a.out, "sharded_local.md"), "w") as f:
+        f.write(text)
+    print(text)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
