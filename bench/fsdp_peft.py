@@ -119,12 +119,21 @@ def build_model(a, device, mesh):
     """The LoRA model, sharded by FSDP2 over `mesh`, its base weights read from --model, its adapters
     initialized as PEFT does (every rank from the same generator)."""
     import peft
+    from accelerate import init_empty_weights  # a dependency of peft
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(a.model)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(DTYPES[a.dtype])
+    # Parameters on the meta device; buffers computed in __init__ (the rotary embedding's
+    # frequencies) real, on the CPU, and in the dtype transformers' own loading gives them (made
+    # under the model's default dtype, as from_pretrained does).
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[a.dtype])
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(default_dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     lora = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
@@ -132,14 +141,17 @@ def build_model(a, device, mesh):
     # Adapters in the model's dtype, as Symbiosis's tenants keep them (PEFT would upcast to fp32).
     model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
     base = model.get_base_model()
+    buffers = {name: buffer.detach().clone() for name, buffer in base.named_buffers()}
     for layer in base.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(base, mesh=mesh)
-    base.to_empty(device=device)
+    base.to_empty(device=device)  # every parameter and buffer allocated, none set
 
     reader = CheckpointReader(a.model)
     generator = torch.Generator().manual_seed(a.seed)
     with torch.no_grad():
+        for name, buffer in base.named_buffers():
+            buffer.copy_(buffers[name])
         for name, param in base.named_parameters():
             if "lora_" in name:
                 # PEFT's default: A Kaiming-uniform (a = sqrt(5)), B zero, so the adapter starts as nothing.
@@ -147,7 +159,7 @@ def build_model(a, device, mesh):
                 if "lora_A" in name:
                     bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_ with a = sqrt(5)
                     full.uniform_(-bound, bound, generator=generator)
-                copy_into_shard(param, lambda s, e, full=full: full[s:e].to(param.dtype))
+                copy_into_shard(param, lambda s, e, full=full, param=param: full[s:e].to(param.dtype))
                 continue
             key = name.replace(".base_layer.", ".")
             if not reader.has(key) and key == "lm_head.weight" and config.tie_word_embeddings:
@@ -155,13 +167,6 @@ def build_model(a, device, mesh):
             if not reader.has(key):
                 raise RuntimeError(f"{a.model} has no tensor {key} (for parameter {name})")
             copy_into_shard(param, lambda s, e, key=key, param=param: reader.rows(key, s, e).to(param.dtype))
-        # Buffers computed in __init__ (the rotary embedding's frequencies) were made on the meta
-        # device: make them again on this one.
-        for module_name, module in list(base.named_modules()):
-            if type(module).__name__.endswith("RotaryEmbedding"):
-                parent = base.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else base
-                with torch.device(device):
-                    setattr(parent, module_name.rsplit(".", 1)[-1], type(module)(module.config))
     model.train()
     return model
 

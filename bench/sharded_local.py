@@ -302,6 +302,9 @@ def run_fsdp(a, result):
             if time.time() - began > a.fsdp_deadline_s:
                 section["stopped_because"] = f"--fsdp-deadline-s {a.fsdp_deadline_s} passed"
                 break
+    except BaseException as error:  # a timeout's SIGTERM: the windows measured so far still count
+        section["stopped_because"] = f"cut short ({type(error).__name__}: {error})"
+        raise
     finally:
         with open(stop_file, "w") as f:
             f.write("stop\n")
@@ -446,6 +449,11 @@ def main():
     finally:
         for process in SPAWNED:
             end_process(process, 20)
+    # Nothing measured on a side is a failure (a count or a wave that did not fit is not).
+    if not a.skip_symbiosis and not result.get("symbiosis", {}).get("counts"):
+        failed = True
+    if a.fsdp_limit > 0 and not result.get("fsdp", {}).get("windows"):
+        failed = True
     compare(result)
     with open(os.path.join(a.out, "sharded_local.json"), "w") as f:
         json.dump(result, f, indent=2)
