@@ -41,6 +41,7 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -256,6 +257,10 @@ struct CpuInfo {
     out << online << " CPUs online, " << affinity << " in the affinity mask, "
         << (quota > 0 ? std::to_string(quota).substr(0, 5) + " CPUs of CFS quota" : std::string("no CFS quota")) << ", "
         << numa_nodes << " NUMA node" << (numa_nodes == 1 ? "" : "s");
+    // OpenMP's own settings, where the environment gives them (LibTorch's threads are OpenMP's).
+    for (const char* name : {"OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}) {
+      if (const char* value = std::getenv(name)) out << ", " << name << "=" << value;
+    }
     return out.str();
   }
 };
