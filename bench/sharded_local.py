@@ -31,9 +31,28 @@ import subprocess
 import sys
 import time
 
-from python_tenants import SPAWNED, MemorySampler, gpu_memory_mib, spawn, tail
+from python_tenants import MemorySampler, gpu_memory_mib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Every process started (main's finally ends those still running); their ids are also in OUT/pids,
+# for a caller to end should this run be killed past its own clean-up.
+SPAWNED = []
+
+
+def record_pids(out, pids):
+    with open(os.path.join(out, "pids"), "a") as f:
+        f.write("".join(f"{pid}\n" for pid in pids))
+
+
+def spawn(args, directory, name, out):
+    """Starts a process in a session of its own, its output in directory/name.out and .err: a
+    timeout's signal to this run's process group reaches this driver alone, which then closes the
+    windows and ends its processes in order (a job signalled at once would lose its figures)."""
+    with open(os.path.join(directory, name + ".out"), "w") as stdout, open(os.path.join(directory, name + ".err"), "w") as stderr:
+        process = subprocess.Popen(args, stdout=stdout, stderr=stderr, start_new_session=True)
+    SPAWNED.append(process)
+    record_pids(out, [process.pid])
+    return process
 
 
 def remove(*paths):
@@ -41,6 +60,17 @@ def remove(*paths):
     for path in paths:
         if os.path.exists(path):
             os.remove(path)
+
+
+def error_tail(path, lines=3):
+    """The last lines of a process's stderr that are not warnings (what a failure says)."""
+    try:
+        with open(path) as f:
+            kept = [line.strip() for line in f.read().splitlines()
+                    if line.strip() and "warn" not in line.lower() and not line.startswith(("[W", "frame #"))]
+    except OSError:
+        return ""
+    return " | ".join(kept[-lines:])
 
 
 def log(message):
@@ -119,7 +149,7 @@ def start_executor(a, directory):
     else:
         args += ["--gpus", ",".join(str(g) for g in a.gpus)]
     out = os.path.join(directory, "executor.out")
-    process = spawn(args, directory, "executor")
+    process = spawn(args, directory, "executor", a.out)
     began = time.time()
     while True:
         with open(out) as f:
@@ -128,10 +158,9 @@ def start_executor(a, directory):
             break
         if process.poll() is not None or time.time() - began > a.start_timeout_s:
             end_process(process)
-            raise RuntimeError(f"the sharded executor did not start: {tail(os.path.join(directory, 'executor.err'))}")
+            raise RuntimeError(f"the sharded executor did not start: {error_tail(os.path.join(directory, 'executor.err'))}")
         time.sleep(0.2)
-    with open(os.path.join(a.out, "executor.pids"), "w") as f:  # for the caller, should this run be killed
-        f.write(" ".join(str(p) for p in [process.pid] + descendants(process.pid)) + "\n")
+    record_pids(a.out, descendants(process.pid))  # the parts
     log(f"sharded executor ready in {time.time() - began:.0f} s: {' '.join(endpoints)}")
     return process, endpoints
 
@@ -158,7 +187,7 @@ def symbiosis_count(a, endpoints, count):
     remove(go, *(os.path.join(directory, f"tenant{i}.{ext}") for i in range(count) for ext in ("ready", "json")))
     memory = GpuMemory(a.gpus)
     began = time.time()
-    processes = [spawn(tenant_args(a, i, endpoints, directory, go), directory, f"tenant{i}") for i in range(count)]
+    processes = [spawn(tenant_args(a, i, endpoints, directory, go), directory, f"tenant{i}", a.out) for i in range(count)]
 
     def fail(why):
         for p in processes:
@@ -170,7 +199,7 @@ def symbiosis_count(a, endpoints, count):
         while not os.path.exists(os.path.join(directory, f"tenant{i}.ready")):
             if process.poll() is not None:
                 fail(f"tenant {i} of {count} failed while warming up (exit {process.returncode}): "
-                     f"{tail(os.path.join(directory, f'tenant{i}.err'), 2)}")
+                     f"{error_tail(os.path.join(directory, f'tenant{i}.err'))}")
             if time.time() - began > a.start_timeout_s:
                 fail(f"tenant {i} of {count} not warm after {a.start_timeout_s} s")
             time.sleep(0.1)
@@ -187,7 +216,7 @@ def symbiosis_count(a, endpoints, count):
             fail(f"tenant {i} of {count} did not end after the window")
         if process.returncode != 0:
             fail(f"tenant {i} of {count} failed in the window (exit {process.returncode}): "
-                 f"{tail(os.path.join(directory, f'tenant{i}.err'), 2)}")
+                 f"{error_tail(os.path.join(directory, f'tenant{i}.err'))}")
         with open(os.path.join(directory, f"tenant{i}.json")) as f:
             results.append(json.load(f))
     peaks = memory.stop()
@@ -221,7 +250,7 @@ def run_symbiosis(a, result):
                 break
             if executor.poll() is not None:
                 section["stopped_because"] = f"the executor ended (exit {executor.returncode}): " \
-                                             f"{tail(os.path.join(directory, 'executor.err'), 2)}"
+                                             f"{error_tail(os.path.join(directory, 'executor.err'))}"
                 break
     finally:
         end_process(executor)
@@ -270,7 +299,7 @@ def run_fsdp(a, result):
                 size = max(1, min(a.fsdp_wave, int(left / taken))) if taken > 0 else a.fsdp_wave
             starting = []
             for index in range(len(running), min(a.fsdp_limit, len(running) + size)):
-                starting.append((index, spawn(fsdp_args(a, index, directory, stop_file), directory, f"job{index}")))
+                starting.append((index, spawn(fsdp_args(a, index, directory, stop_file), directory, f"job{index}", a.out)))
             failed = ""
             for index, process in starting:
                 ready = os.path.join(directory, f"job{index}.ready")
@@ -284,7 +313,7 @@ def run_fsdp(a, result):
                 elif not failed:
                     process.wait()
                     failed = (f"job {index} failed while starting (exit {process.returncode}): "
-                              f"{tail(os.path.join(directory, f'job{index}.err'), 2)}")
+                              f"{error_tail(os.path.join(directory, f'job{index}.err'))}")
             for _, process in running:
                 if process.poll() is not None and not failed:
                     failed = f"a running job ended (exit {process.returncode}) while others started"
@@ -420,6 +449,7 @@ def main():
         a.parts = len(a.gpus)
     a.fsdp_batch = a.fsdp_batch or a.batch
     os.makedirs(a.out, exist_ok=True)
+    remove(os.path.join(a.out, "pids"))
 
     if a.gpus:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -430,7 +460,11 @@ def main():
     result = {"hardware": hardware, "model": a.model,
               "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens a step, {a.dtype}, AdamW, "
                        f"{a.window_s:.0f} s windows"}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM (a timeout?)"))
+    def cut_short(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up that follows must not be cut short too
+        sys.exit("stopped by SIGTERM (a timeout?)")
+
+    signal.signal(signal.SIGTERM, cut_short)
     failed = False
     try:
         if not a.skip_symbiosis:

@@ -79,6 +79,13 @@
 #   sharded        the sharded executor ([Parts] in base_executor/parts.h): gpu_executor_test's Sharded* (one part on
 #                  cuda:0; with 2 GPUs two parts, clients on both), then with 2 GPUs symbiosis-bench-shard-split over
 #                  NCCL: Llama-2-13B's layers in bf16, tensor-parallel against FSDP-style calls at SHARD_TOKENS tokens
+#   sharded-13b    issue 31's run 2 (bench/sharded_local.py; 2 GPUs): Llama-2-13B shape (random, bf16), LoRA r8 on q,k,v,o,
+#                  2 x 512 a step. Symbiosis sharded-local (one executor part a GPU, tenants on both GPUs, each over cuda-ipc
+#                  to its GPU's part) at SHARDED_COUNTS (2,4,8,16) tenants, against FSDP + PEFT jobs (bench/fsdp_peft.py, each
+#                  over both GPUs) started in waves until one runs out of memory: adapters at once and aggregate tokens/s,
+#                  under MPS (SHARDED_MPS=0: without). SHARDED_WINDOW_S (10), SHARDED_FSDP_BATCH (2: sequences an FSDP step,
+#                  both ranks together), SHARDED_FSDP_LIMIT (8; 0 skips FSDP), SHARDED_SKIP_SYMBIOSIS=1, SHARDED_CUDA_GRAPH=1,
+#                  SHARDED_FSDP_DEADLINE_S (170), SHARDED_TIMEOUT_S (360); PYTORCH_CUDA_ALLOC_CONF reaches every process
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -588,6 +595,41 @@ PY
           --tokens "${SHARD_TOKENS:-1,16,128,512,2048,4096}" --iterations 20 --out "$out/shard-split.json" 2>&1 \
           | grep -v '^\[W' | tee "$out/shard-split.txt"
       fi
+      ;;
+    sharded-13b)
+      # Issue 31's run 2 in one run of bench/sharded_local.py (see its docstring), ~8 minutes: the 13B checkpoint (~1.5-2
+      # min; written here unless an earlier stage wrote it or is writing it), then under SHARDED_TIMEOUT_S the sharded
+      # executor (each part reads its rows) and one window a count with fresh tenants (~2.5 min), then the FSDP jobs: one
+      # alone, then a wave of as many as the memory left fits, a window after each, one more until one fails; no wave
+      # starts after SHARDED_FSDP_DEADLINE_S of the FSDP part. A cut-short run still prints what it measured.
+      if [ "$gpus" -lt 2 ]; then log "sharded-13b needs 2 GPUs, this machine has $gpus"; continue; fi
+      if [ ! -f $model_13b/config.json ] && [ ! -d $model_13b.tmp ]; then
+        "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
+          && mv $model_13b.tmp $model_13b
+      fi
+      wait_13b
+      [ "${SHARDED_MPS:-1}" = 1 ] && mps_on
+      flags=""
+      [ "${SHARDED_CUDA_GRAPH:-0}" = 1 ] && flags="$flags --cuda-graph"
+      [ "${SHARDED_SKIP_SYMBIOSIS:-0}" = 1 ] && flags="$flags --skip-symbiosis"
+      rm -rf /tmp/sharded-13b
+      timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model_13b --build "$B" --out /tmp/sharded-13b \
+        --gpus 0,1 --dtype bf16 --batch 2 --seq 512 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 \
+        --counts "${SHARDED_COUNTS:-2,4,8,16}" --window-s "${SHARDED_WINDOW_S:-10}" --fsdp-batch "${SHARDED_FSDP_BATCH:-2}" \
+        --fsdp-limit "${SHARDED_FSDP_LIMIT:-8}" --fsdp-wave 4 --fsdp-deadline-s "${SHARDED_FSDP_DEADLINE_S:-170}" $flags \
+        > $logs/sharded-13b.txt 2> $logs/sharded-13b.err
+      log "sharded-13b exited $?"
+      # Killed past its own clean-up, it leaves the processes it started: stop them.
+      kill $(cat /tmp/sharded-13b/pids 2> /dev/null) 2> /dev/null
+      cat $logs/sharded-13b.txt
+      grep "^\[sharded_local" $logs/sharded-13b.err | tail -16
+      if grep -q "FAILED" $logs/sharded-13b.txt; then
+        grep -vE "^\[W|^frame #|^Exception raised" /tmp/sharded-13b/symbiosis/executor.err 2> /dev/null | tail -6
+        tail -4 $logs/sharded-13b.err
+      fi
+      cp /tmp/sharded-13b/sharded_local.json "$out/sharded-13b.json" 2> /dev/null
+      cp $logs/sharded-13b.err "$out/sharded-13b.err"
+      [ "${SHARDED_MPS:-1}" = 1 ] && mps_off
       ;;
     long-context)
       # Issue 28 in one run of symbiosis-bench-long-context against one executor on cuda:0 (its two clients, cuda-ipc
