@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,12 +45,12 @@ def record_pids(out, pids):
         f.write("".join(f"{pid}\n" for pid in pids))
 
 
-def spawn(args, directory, name, out):
+def spawn(args, directory, name, out, env=None):
     """Starts a process in a session of its own, its output in directory/name.out and .err: a
     timeout's signal to this run's process group reaches this driver alone, which then closes the
     windows and ends its processes in order (a job signalled at once would lose its figures)."""
     with open(os.path.join(directory, name + ".out"), "w") as stdout, open(os.path.join(directory, name + ".err"), "w") as stderr:
-        process = subprocess.Popen(args, stdout=stdout, stderr=stderr, start_new_session=True)
+        process = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, start_new_session=True)
     SPAWNED.append(process)
     record_pids(out, [process.pid])
     return process
@@ -138,31 +139,56 @@ class GpuMemory:
         return taken, left
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_executor(a, directory):
-    """(launcher process, [endpoint of each part in rank order]) once every part is ready."""
-    args = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--dtype", a.dtype,
-            "--listen", "tcp://127.0.0.1:*", "--batching", "opportunistic", "--max-wait", str(a.max_wait_us),
-            "--log-level", "warn"]
+    """([its processes], [endpoint of each part in rank order]) once every part is ready: the
+    launcher (`--gpus`; on CPU `--parts`), or with --parts-by-hand one process a part, started as
+    docs/operating.md starts a multi-host executor's, each on a GPU seen alone (CUDA_VISIBLE_DEVICES:
+    the part computes on its cuda:0)."""
+    common = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--dtype", a.dtype,
+              "--listen", "tcp://127.0.0.1:*", "--batching", "opportunistic", "--max-wait", str(a.max_wait_us),
+              "--log-level", "warn"]
     if a.device == "cpu":
-        # A CPU smoke run: one GEMM thread a part, or their threads take the cores the clients need.
-        args += ["--parts", str(a.parts), "--device", "cpu", "--threads", "1"]
+        common += ["--threads", "1"]  # a smoke run: a part's GEMM threads would take the cores the clients need
+    if a.parts_by_hand:
+        rendezvous = f"127.0.0.1:{free_port()}"
+        processes, outputs = [], []
+        for rank in range(a.parts):
+            env = dict(os.environ)
+            if a.device == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = str(a.gpus[rank])
+            args = common + ["--device", "cpu" if a.device == "cpu" else "cuda:0", "--rank", str(rank),
+                             "--world-size", str(a.parts), "--rendezvous", rendezvous]
+            processes.append(spawn(args, directory, f"part{rank}", a.out, env))
+            outputs.append(os.path.join(directory, f"part{rank}.out"))
     else:
-        args += ["--gpus", ",".join(str(g) for g in a.gpus)]
-    out = os.path.join(directory, "executor.out")
-    process = spawn(args, directory, "executor", a.out)
+        args = common + (["--parts", str(a.parts), "--device", "cpu"] if a.device == "cpu"
+                         else ["--gpus", ",".join(str(g) for g in a.gpus)])
+        processes = [spawn(args, directory, "executor", a.out)]
+        outputs = [os.path.join(directory, "executor.out")]
     began = time.time()
     while True:
-        with open(out) as f:
-            endpoints = [line.split()[1] for line in f.read().splitlines() if line.startswith("ready ")]
+        endpoints = []
+        for out in outputs:
+            with open(out) as f:
+                endpoints += [line.split()[1] for line in f.read().splitlines() if line.startswith("ready ")]
         if len(endpoints) == a.parts:
             break
-        if process.poll() is not None or time.time() - began > a.start_timeout_s:
-            end_process(process)
-            raise RuntimeError(f"the sharded executor did not start: {error_tail(os.path.join(directory, 'executor.err'))}")
+        if any(p.poll() is not None for p in processes) or time.time() - began > a.start_timeout_s:
+            for p in processes:
+                end_process(p)
+            errors = " / ".join(error_tail(out[:-4] + ".err") for out in outputs)
+            raise RuntimeError(f"the sharded executor did not start: {errors}")
         time.sleep(0.2)
-    record_pids(a.out, descendants(process.pid))  # the parts
+    for p in processes:
+        record_pids(a.out, descendants(p.pid))  # the launcher's parts
     log(f"sharded executor ready in {time.time() - began:.0f} s: {' '.join(endpoints)}")
-    return process, endpoints
+    return processes, endpoints
 
 
 def tenant_args(a, index, endpoints, directory, go):
@@ -200,8 +226,8 @@ def symbiosis_count(a, endpoints, count):
             if process.poll() is not None:
                 fail(f"tenant {i} of {count} failed while warming up (exit {process.returncode}): "
                      f"{error_tail(os.path.join(directory, f'tenant{i}.err'))}")
-            if time.time() - began > a.start_timeout_s:
-                fail(f"tenant {i} of {count} not warm after {a.start_timeout_s} s")
+            if time.time() - began > a.tenant_timeout_s:
+                fail(f"tenant {i} of {count} not warm after {a.tenant_timeout_s:.0f} s")
             time.sleep(0.1)
     warm_s = time.time() - began
     start = time.time() + 0.5
@@ -211,7 +237,7 @@ def symbiosis_count(a, endpoints, count):
     results = []
     for i, process in enumerate(processes):
         try:
-            process.wait(a.window_s + a.start_timeout_s)
+            process.wait(a.window_s + a.tenant_timeout_s)
         except subprocess.TimeoutExpired:
             fail(f"tenant {i} of {count} did not end after the window")
         if process.returncode != 0:
@@ -236,7 +262,7 @@ def run_symbiosis(a, result):
     directory = os.path.join(a.out, "symbiosis")
     os.makedirs(directory, exist_ok=True)
     before = [gpu_memory_mib(g)[0] for g in a.gpus]
-    executor, endpoints = start_executor(a, directory)
+    executor, endpoints = start_executor(a, directory)  # its processes
     section = {"counts": [], "stopped_because": f"reached the last count ({a.counts[-1]})"}
     result["symbiosis"] = section
     try:
@@ -248,12 +274,15 @@ def run_symbiosis(a, result):
                 section["stopped_because"] = str(error)
                 log(f"symbiosis: {error}")
                 break
-            if executor.poll() is not None:
-                section["stopped_because"] = f"the executor ended (exit {executor.returncode}): " \
-                                             f"{error_tail(os.path.join(directory, 'executor.err'))}"
+            ended = [p for p in executor if p.poll() is not None]
+            if ended:
+                logs = [f for f in sorted(os.listdir(directory)) if f.startswith(("executor", "part")) and f.endswith(".err")]
+                section["stopped_because"] = (f"the executor ended (exit {ended[0].returncode}): "
+                                              + " / ".join(error_tail(os.path.join(directory, f)) for f in logs))
                 break
     finally:
-        end_process(executor)
+        for process in executor:
+            end_process(process)
 
 
 def fsdp_args(a, index, directory, stop_file):
@@ -440,7 +469,11 @@ def main():
     p.add_argument("--fsdp-wave", type=int, default=4, help="most FSDP jobs started at once")
     p.add_argument("--fsdp-deadline-s", type=float, default=360,
                    help="start no FSDP wave after this many seconds of the FSDP part (a job not warm by then stops)")
-    p.add_argument("--start-timeout-s", type=float, default=300, help="longest an executor or a wave of tenants warms")
+    p.add_argument("--start-timeout-s", type=float, default=300, help="longest the executor takes to start")
+    p.add_argument("--tenant-timeout-s", type=float, default=150,
+                   help="longest a count's tenants take to warm, and to end after the window (a hung tenant costs no more)")
+    p.add_argument("--parts-by-hand", action="store_true",
+                   help="start each part as its own process (not the --gpus launcher), each GPU seen alone")
     p.add_argument("--skip-symbiosis", action="store_true")
     a = p.parse_args()
     a.counts = [int(c) for c in a.counts.split(",") if c]

@@ -85,7 +85,8 @@
 #                  over both GPUs) started in waves until one runs out of memory: adapters at once and aggregate tokens/s,
 #                  under MPS (SHARDED_MPS=0: without). SHARDED_WINDOW_S (10), SHARDED_FSDP_BATCH (2: sequences an FSDP step,
 #                  both ranks together), SHARDED_FSDP_LIMIT (8; 0 skips FSDP), SHARDED_SKIP_SYMBIOSIS=1, SHARDED_CUDA_GRAPH=1,
-#                  SHARDED_FSDP_DEADLINE_S (170), SHARDED_TIMEOUT_S (360); PYTORCH_CUDA_ALLOC_CONF reaches every process
+#                  SHARDED_FSDP_DEADLINE_S (170), SHARDED_TIMEOUT_S (360); PYTORCH_CUDA_ALLOC_CONF reaches every process;
+#                  SHARDED_PARTS_BY_HAND=1: each part its own process on a GPU seen alone (CUDA_VISIBLE_DEVICES), not --gpus
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -612,6 +613,9 @@ PY
       flags=""
       [ "${SHARDED_CUDA_GRAPH:-0}" = 1 ] && flags="$flags --cuda-graph"
       [ "${SHARDED_SKIP_SYMBIOSIS:-0}" = 1 ] && flags="$flags --skip-symbiosis"
+      # A cuda-ipc tenant of a part on cuda:1 has hung (SH2, SH4 in docs/benchmarks.md): by hand, each part computes on
+      # the cuda:0 of its own CUDA_VISIBLE_DEVICES.
+      [ "${SHARDED_PARTS_BY_HAND:-0}" = 1 ] && flags="$flags --parts-by-hand"
       rm -rf /tmp/sharded-13b
       timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model_13b --build "$B" --out /tmp/sharded-13b \
         --gpus 0,1 --dtype bf16 --batch 2 --seq 512 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 \
@@ -624,7 +628,9 @@ PY
       cat $logs/sharded-13b.txt
       grep "^\[sharded_local" $logs/sharded-13b.err | tail -16
       if grep -q "FAILED" $logs/sharded-13b.txt; then
-        grep -vE "^\[W|^frame #|^Exception raised" /tmp/sharded-13b/symbiosis/executor.err 2> /dev/null | tail -6
+        for f in /tmp/sharded-13b/symbiosis/executor.err /tmp/sharded-13b/symbiosis/part*.err; do
+          [ -s "$f" ] && { echo "== $f"; grep -vE "^\[W|^frame #|^Exception raised" "$f" | tail -4; }
+        done
         tail -4 $logs/sharded-13b.err
       fi
       cp /tmp/sharded-13b/sharded_local.json "$out/sharded-13b.json" 2> /dev/null
