@@ -606,7 +606,7 @@ PY
       if [ "$gpus" -lt 2 ]; then log "sharded-13b needs 2 GPUs, this machine has $gpus"; continue; fi
       if [ ! -f $model_13b/config.json ] && [ ! -d $model_13b.tmp ]; then
         "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
-          && mv $model_13b.tmp $model_13b
+          && mv $model_13b.tmp $model_13b || { log "sharded-13b: writing the 13B checkpoint failed"; rm -rf $model_13b.tmp; continue; }
       fi
       wait_13b
       [ "${SHARDED_MPS:-1}" = 1 ] && mps_on
