@@ -120,10 +120,10 @@ int main(int argc, char** argv) {
                  "start a sharded executor of one part per GPU listed (e.g. 0,1,2,3), one process each");
   CLI11_PARSE(app, argc, argv);
   parts.timeout = std::chrono::milliseconds(part_timeout_ms);
-  if (launch_parts > 0 || !launch_gpus.empty()) return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);
   // Logs go to stderr; stdout carries only the "ready ENDPOINT" line that scripts wait for.
   spdlog::set_default_logger(spdlog::stderr_color_mt("executor"));
   spdlog::set_level(spdlog::level::from_str(log_level));
+  if (launch_parts > 0 || !launch_gpus.empty()) return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);
   options.model_dir = model_dir;
   options.keys_dir = keys_dir;
 
