@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from python_tenants import MemorySampler, gpu_memory_mib
+from python_tenants import MemorySampler, gpu_memory_mib, window_figures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Every process started (main's finally ends those still running); their ids are also in OUT/pids,
@@ -295,18 +295,6 @@ def fsdp_args(a, index, directory, stop_file):
     if a.device == "cpu":
         args += ["--threads", "1"]
     return args
-
-
-def window_figures(results, start, end):
-    """Aggregate tokens/s of the steps that end in [start, end], and their mean step time."""
-    tokens, latencies = 0.0, []
-    for r in results:
-        for t, latency in zip(r["step_end_epoch_s"], r["latencies_s"]):
-            if start <= t <= end:
-                tokens += r["tokens_per_iteration"]
-                latencies.append(latency)
-    return {"tokens_per_s": tokens / max(end - start, 1e-9), "steps_in_window": len(latencies),
-            "mean_step_s": sum(latencies) / len(latencies) if latencies else 0.0}
 
 
 def run_fsdp(a, result):
