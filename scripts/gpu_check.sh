@@ -668,7 +668,8 @@ PY
       # Cut short by the timeout, it leaves its executor running: stop it.
       kill "$(cat /tmp/long-context/executor.pid 2> /dev/null)" 2> /dev/null
       cat /tmp/long-context/long_context.md 2> /dev/null || cat /tmp/long-context/long_context.csv
-      grep -v "^\[W" $logs/long-context.err | tail -40
+      grep -E "^(CPUs|host memory|CPU decode attention)" $logs/long-context.err
+      grep -vE "^(\[W|CPUs|host memory|CPU decode attention)" $logs/long-context.err | tail -40
       cp /tmp/long-context/long_context.csv /tmp/long-context/long_context.md $logs/long-context.err "$out/" 2> /dev/null
       mps_off
       ;;
