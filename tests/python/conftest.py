@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import threading
 
+import peft
 import pytest
 import torch
 
@@ -142,3 +143,14 @@ def assert_close(a, b, what, tolerance=TOLERANCE):
 def tokens(batch=2, length=9, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def lora(model, seed=1):
+    # init_lora_weights=False: B is random too, so that every LoRA gradient is non-zero from the start.
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def trainable(model):
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}

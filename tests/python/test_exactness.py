@@ -7,18 +7,7 @@ import peft
 import torch
 
 import symbiosis
-from conftest import assert_close, reference_model, tokens
-
-
-def lora(model, seed=1):
-    # init_lora_weights=False: B is random too, so that every LoRA gradient is non-zero from the start.
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(model, config)
-
-
-def trainable(model):
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+from conftest import assert_close, lora, reference_model, tokens, trainable
 
 
 def virtual_model(checkpoint, executor, tenant="pytest", transport="auto"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import symbiosis
-from conftest import Executor, assert_close, make_checkpoint, reference_model, tokens
+from conftest import Executor, assert_close, lora, make_checkpoint, reference_model, tokens, trainable
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no GPU here: the Python GPU tests need one (cuda-ipc), two for nccl")
@@ -31,17 +31,6 @@ def gpu_served(architecture, dtype):
             yield checkpoint, executor
         finally:
             executor.stop()
-
-
-def lora(model, seed=1):
-    # init_lora_weights=False: B is random too, so that every LoRA gradient is non-zero from the start.
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(model, config)
-
-
-def trainable(model):
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def models(checkpoint, executor, device, dtype, tenant):
