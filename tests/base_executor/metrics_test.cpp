@@ -93,7 +93,14 @@ TEST_F(MetricsTest, ScrapedCountsEqualWhatEachTenantSentAndBadRequestsShowUnderT
   EXPECT_NE(testing::error_of([&] { bob->forward(unserved, at::randn({2, 4}), false); }).find("NOT_FOUND"),
             std::string::npos);
 
-  auto m = scrape(executor_->metrics_url());
+  // A batch is counted just after its replies went out: the last one may still be on its way.
+  std::map<std::string, double> m;
+  testing::wait_until(
+      [&] {
+        m = scrape(executor_->metrics_url());
+        return m["symbiosis_requests_total"] >= 11;
+      },
+      std::chrono::seconds(5));
   EXPECT_EQ(m["symbiosis_tenant_requests_total{tenant=\"alice\"}"], 7);
   EXPECT_EQ(m["symbiosis_tenant_tokens_total{tenant=\"alice\"}"], 21);
   EXPECT_EQ(m["symbiosis_tenant_requests_total{tenant=\"bob\"}"], 4);
