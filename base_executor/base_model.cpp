@@ -96,6 +96,7 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
               "') has no base layers matching '", rule.pattern, "'", rule.lm_head ? " or lm_head" : "",
               ": name its base layers with --layer-pattern");
   model->add_groups(rule.groups);
+  model->place_columns();
 #ifdef SYMBIOSIS_WITH_CUDA
   // The members' weights, copied into their groups', are cached by the allocator: give them back.
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
@@ -174,24 +175,25 @@ size_t BaseModel::weight_bytes() const {
   return total;
 }
 
-std::vector<ColumnBlock> BaseModel::columns(uint32_t layer_id, int part) const {
-  const auto& info = layer(layer_id);
-  std::vector<ColumnBlock> blocks;
-  int64_t local = 0, global = 0;
-  for (const uint32_t member : info.members.empty() ? std::vector<uint32_t>{layer_id} : info.members) {
-    const int64_t out = layers_[member].out_features;
-    const auto [first, rows] = shard_.rows(out, part);
-    blocks.push_back({local, global + first, rows});
-    local += rows;
-    global += out;
+void BaseModel::place_columns() {
+  columns_.assign(layer_count(), {});
+  widths_.assign(layer_count(), {});
+  for (uint32_t id = 0; id < layer_count(); ++id) {
+    const auto& info = layer(id);
+    for (int part = 0; part < shard_.count; ++part) {
+      std::vector<ColumnBlock> blocks;
+      int64_t local = 0, global = 0;
+      for (const uint32_t member : info.members.empty() ? std::vector<uint32_t>{id} : info.members) {
+        const int64_t out = layers_[member].out_features;
+        const auto [first, rows] = shard_.rows(out, part);
+        blocks.push_back({local, global + first, rows});
+        local += rows;
+        global += out;
+      }
+      columns_[id].push_back(std::move(blocks));
+      widths_[id].push_back(local);
+    }
   }
-  return blocks;
-}
-
-int64_t BaseModel::local_width(uint32_t layer_id, int part) const {
-  int64_t width = 0;
-  for (const auto& block : columns(layer_id, part)) width += block.width;
-  return width;
 }
 
 // The matrix x is multiplied by, and the bias to add (undefined when none or not wanted).

@@ -85,9 +85,9 @@ class BaseModel {
   size_t weight_bytes() const;  // held here: the shard's share
   const Shard& shard() const { return shard_; }
   // [Parts]: part `part`'s output columns of a layer (or group) within its whole output, and how
-  // many there are (the width of compute()'s forward result there).
-  std::vector<ColumnBlock> columns(uint32_t layer_id, int part) const;
-  int64_t local_width(uint32_t layer_id, int part) const;
+  // many there are (the width of compute()'s forward result there). Worked out once, at load.
+  const std::vector<ColumnBlock>& columns(uint32_t layer_id, int part) const { return columns_.at(layer_id).at(part); }
+  int64_t local_width(uint32_t layer_id, int part) const { return widths_.at(layer_id).at(part); }
 
   // x: [tokens, in] (FORWARD*) or [tokens, out] (BACKWARD_INPUT), on device(), in the layer dtype.
   // A shard computes with its share: forward gives its columns ([tokens, local_width]) and
@@ -100,6 +100,8 @@ class BaseModel {
  private:
   // Adds the groups `names` describe, stacking their members' weights.
   void add_groups(const std::vector<std::vector<std::string>>& names);
+  // Fills columns_ and widths_ for every id and part.
+  void place_columns();
   std::pair<const at::Tensor&, const at::Tensor&> operands(uint32_t layer_id, LayerOp op) const;
   // out = x · matrix: on a GPU through cuBLAS directly where it applies ([Direct cuBLAS]).
   static void product_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out);
@@ -116,6 +118,8 @@ class BaseModel {
   std::string model_hash_;
   at::Device device_{at::kCPU};
   Shard shard_;
+  std::vector<std::vector<std::vector<ColumnBlock>>> columns_;  // by id, then part
+  std::vector<std::vector<int64_t>> widths_;                   // by id, then part
 };
 
 }  // namespace symbiosis

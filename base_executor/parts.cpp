@@ -60,10 +60,8 @@ void PartOptions::validate() const {
   host_and_port(rendezvous);
 }
 
-class Parts::Groups : public PartGroups {};
-
 Parts::Parts(const PartOptions& options, at::Device device)
-    : options_(options), device_(device), groups_(std::make_unique<Groups>()) {}
+    : options_(options), device_(device), groups_(std::make_unique<PartGroups>()) {}
 
 Parts::~Parts() = default;
 
@@ -140,7 +138,7 @@ PartGroups PartGroups::join(const PartOptions& options, at::Device device, const
 
 std::unique_ptr<Parts> Parts::join(const PartOptions& options, at::Device device) {
   auto parts = std::unique_ptr<Parts>(new Parts(options, device));
-  static_cast<PartGroups&>(*parts->groups_) = PartGroups::join(options, device, parts->name());
+  *parts->groups_ = PartGroups::join(options, device, parts->name());
   spdlog::info("joined the executor's parts as {} (rendezvous {})", parts->name(), options.rendezvous);
   return parts;
 }
@@ -170,9 +168,7 @@ at::Tensor Parts::compute(const BaseModel& model, int owner, const RoundOffer& b
   at::Tensor x;
   if (mine) {
     try {
-      // On a GPU, in memory of this process's allocator: a same-GPU client's input lies in its own
-      // memory, which NCCL's collectives are not given.
-      x = device_.is_cuda() ? input().clone(at::MemoryFormat::Contiguous) : input().contiguous();
+      x = input().contiguous();
     } catch (...) {
       failure = std::current_exception();
     }
@@ -184,7 +180,7 @@ at::Tensor Parts::compute(const BaseModel& model, int owner, const RoundOffer& b
   from_owner.rootRank = owner;
   finish(groups_->data->broadcast(broadcast, from_owner), "broadcasting a batch's input");
   at::Tensor result;
-  const auto blocks = model.columns(batch.layer_id, rank());
+  const auto& blocks = model.columns(batch.layer_id, rank());
   if (batch.op == LayerOp::kBackwardInput) {
     // 2. Backward-input: each part's rows' share of the sum, summed at the owner.
     std::vector<at::Tensor> pieces;

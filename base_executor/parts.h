@@ -43,6 +43,8 @@ class Work;
 
 namespace symbiosis {
 
+struct PartGroups;  // part_groups.h: the c10d process groups
+
 struct PartOptions {
   int rank = 0;
   int world_size = 1;
@@ -97,7 +99,6 @@ class Parts {
   // [Lost part]: UNAVAILABLE naming what failed, once a collective has; the parts serve no more.
   const std::optional<Status>& lost() const { return lost_; }
 
-  class Groups;  // parts.cpp: the c10d process groups
 
  private:
   Parts(const PartOptions& options, at::Device device);
@@ -107,7 +108,7 @@ class Parts {
 
   PartOptions options_;
   at::Device device_;
-  std::unique_ptr<Groups> groups_;
+  std::unique_ptr<PartGroups> groups_;  // part_groups.h
   std::optional<Status> lost_;
 };
 
