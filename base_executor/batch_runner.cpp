@@ -62,8 +62,8 @@ class ReplayedBatches {
     std::vector<size_t> order(requests.size());
     std::iota(order.begin(), order.end(), size_t{0});
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return inputs[a].data_ptr() < inputs[b].data_ptr(); });
-    void* stream = cuda::current_stream(model_.device().index());
-    Key key{batch.layer_id, static_cast<int>(batch.op), stream, {}};
+    const cuda::Stream stream = cuda::current_stream(model_.device().index());
+    Key key{batch.layer_id, static_cast<int>(batch.op), stream.handle, {}};
     for (size_t i : order) {
       std::get<3>(key).emplace_back(inputs[i].data_ptr(), requests[i].payload.destination.data_ptr(),
                                     requests[i].payload.header.tokens);
@@ -101,7 +101,7 @@ class ReplayedBatches {
   };
 
   bool record(CallBatcher::Batch& batch, const std::vector<at::Tensor>& inputs, const std::vector<size_t>& order,
-              Entry& entry, void* stream) {
+              Entry& entry, cuda::Stream stream) {
     auto& requests = batch.requests;
     const auto& layer = model_.layer(batch.layer_id);
     const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;

@@ -95,7 +95,7 @@ void time_primitives(at::Device device, at::ScalarType type, int64_t hidden, int
   auto out = at::empty({1, hidden}, opts);
   auto buffer = cuda::DeviceBuffer::allocate(index, x.nbytes());
   auto event = cuda::InterprocessEvent::create(index);
-  void* stream = cuda::current_stream(index);
+  const cuda::Stream stream = cuda::current_stream(index);
   std::printf("host time of one operation, median of %d (us):\n", iterations);
   auto measure = [&](const char* what, const std::function<void()>& op) {
     std::vector<double> us;

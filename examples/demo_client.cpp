@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -161,12 +162,14 @@ int main(int argc, char** argv) {
     auto split = train(s, *checkpoint, client);
     if (!s.verify) return 0;
     auto mono = train(Settings(s), *checkpoint, nullptr);
+    // A NaN on either side is the worst difference (std::max would drop it: NaN compares false).
+    auto worst = [](double so_far, double d) { return std::isnan(d) ? INFINITY : std::max(so_far, d); };
     double losses = 0, adapters = 0;
     for (size_t i = 0; i < split.losses.size(); ++i) {
-      losses = std::max(losses, std::abs(split.losses[i] - mono.losses[i]) / std::abs(mono.losses[i]));
+      losses = worst(losses, std::abs(split.losses[i] - mono.losses[i]) / std::abs(mono.losses[i]));
     }
     for (size_t i = 0; i < split.adapter.size(); ++i) {
-      adapters = std::max(adapters, relative_error(split.adapter[i], mono.adapter[i]));
+      adapters = worst(adapters, relative_error(split.adapter[i], mono.adapter[i]));
     }
     const bool exact =
         losses <= s.tolerance && adapters <= (s.adapter_tolerance < 0 ? s.tolerance : s.adapter_tolerance);

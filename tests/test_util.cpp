@@ -7,10 +7,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <future>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -248,6 +250,7 @@ double relative_error(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a64.sizes() == b64.sizes(), "shapes differ: ", a64.sizes(), " vs ", b64.sizes());
   const double scale = b64.abs().max().item<double>();
   const double diff = (a64 - b64).abs().max().item<double>();
+  if (std::isnan(diff) || std::isnan(scale)) return std::numeric_limits<double>::infinity();  // NaN: no match
   return scale == 0 ? diff : diff / scale;
 }
 

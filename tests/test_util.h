@@ -60,7 +60,7 @@ struct ServedModel {
   std::shared_ptr<Client> client;
 };
 ServedModel serve_model(const std::string& preset, const ClientOptions& client_options = {});
-// max|a - b| / max|b|
+// max|a - b| / max|b|; infinity where either holds a NaN
 double relative_error(const at::Tensor& a, const at::Tensor& b);
 // The message (without backtrace) of the c10::Error that f throws, or "(no error)".
 std::string error_of(const std::function<void()>& f);

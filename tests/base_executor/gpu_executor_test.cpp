@@ -97,6 +97,26 @@ TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute)
   EXPECT_TRUE(testing::exited_ok(launched.launcher)) << bench::read_file(logs / "err");
 }
 
+// [Stream's device] (transport/cuda_ipc/cuda_ipc.h): a same-GPU client on a GPU other than the
+// first, whose thread's current device is cuda:0, enqueued its hand-offs on the legacy stream of
+// cuda:0; its losses were NaN (which --verify then let through) or it hung. Clients on cuda:1 of an
+// executor on cuda:1, with the hand-off ordered by flags (direct operands and the payload buffer)
+// and by events (headers over ZeroMQ), each equal their monolithic runs.
+TEST(SecondGpuTest, CudaIpcClientsOnTheSecondGpuMatchMonolithicRuns) {
+  SKIP_WITHOUT_GPUS(2);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  testing::ExecutorProcess executor(dir, {"--device", "cuda:1", "--log-level", "warn"});
+  const std::vector<std::string> verify = {"--verify", "--steps", "3"};
+  std::vector<std::vector<std::string>> clients;
+  for (const std::vector<std::string>& flags :
+       std::vector<std::vector<std::string>>{{}, {"--buffer-copies"}, {"--control", "zmq"}}) {
+    auto extra = verify;
+    extra.insert(extra.end(), flags.begin(), flags.end());
+    clients.push_back(testing::demo_client(executor.endpoint(), dir, "cuda:1", "cuda-ipc", extra));
+  }
+  EXPECT_TRUE(testing::run_all(clients));
+}
+
 // [Metrics]: on a GPU the metrics show the GPU memory in tensors, at least the executor's weights
 // (the HTTP endpoint and every other figure are tested on CPU, in metrics_test).
 TEST(GpuMetricsTest, GpuAllocatedBytesHoldTheExecutorsWeights) {

@@ -85,13 +85,22 @@ class DeviceScope {
  public:
   explicit DeviceScope(int device) {
     SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) SYMBIOSIS_CUDA_CHECK(cudaSetDevice(device));
+    switched_ = previous_ != device;
+    if (switched_) SYMBIOSIS_CUDA_CHECK(cudaSetDevice(device));
   }
-  ~DeviceScope() { SYMBIOSIS_CUDA_WARN(cudaSetDevice(previous_)); }
+  ~DeviceScope() {
+    if (switched_) SYMBIOSIS_CUDA_WARN(cudaSetDevice(previous_));
+  }
 
  private:
   int previous_ = 0;
+  bool switched_ = false;
 };
+
+cudaStream_t cuda_stream(Stream stream) {
+  TORCH_CHECK(stream.valid(), "no CUDA stream");
+  return static_cast<cudaStream_t>(stream.handle);
+}
 
 }  // namespace
 
@@ -168,12 +177,14 @@ std::string InterprocessEvent::ipc_handle() const {
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
-void InterprocessEvent::record(void* stream) const {
-  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_.get()), static_cast<cudaStream_t>(stream)));
+void InterprocessEvent::record(Stream stream) const {
+  DeviceScope scope(stream.device);  // [Stream's device]
+  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_.get()), cuda_stream(stream)));
 }
 
-void InterprocessEvent::make_stream_wait(void* stream) const {
-  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_.get()), 0));
+void InterprocessEvent::make_stream_wait(Stream stream) const {
+  DeviceScope scope(stream.device);
+  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(cuda_stream(stream), static_cast<cudaEvent_t>(event_.get()), 0));
 }
 
 PinnedRange::PinnedRange(void* data, size_t bytes, bool mapped) {
@@ -206,8 +217,9 @@ void ComputeStreams::use(uint64_t key) {
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[next]));
 }
 
-CapturedWork CapturedWork::capture(void* stream, const std::function<void()>& work) {
-  auto s = static_cast<cudaStream_t>(stream);
+CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
+  DeviceScope scope(stream.device);
+  auto s = cuda_stream(stream);
   SYMBIOSIS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   cudaGraph_t graph = nullptr;
   try {
@@ -227,30 +239,37 @@ CapturedWork CapturedWork::capture(void* stream, const std::function<void()>& wo
   return captured;
 }
 
-void CapturedWork::launch(void* stream) const {
-  SYMBIOSIS_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_.get()), static_cast<cudaStream_t>(stream)));
+void CapturedWork::launch(Stream stream) const {
+  DeviceScope scope(stream.device);
+  SYMBIOSIS_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_.get()), cuda_stream(stream)));
 }
 
 void CapturedWork::Destroy::operator()(void* exec) const {
   SYMBIOSIS_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
 }
 
-void* current_stream(int device) { return c10::cuda::getCurrentCUDAStream(device).stream(); }
-
-void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream) {
-  SYMBIOSIS_CUDA_CHECK(
-      cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+Stream current_stream(int device) {
+  return {c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), device};
 }
 
-void synchronize_stream(void* stream) {
-  SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+void copy_on_stream(void* destination, const void* source, size_t bytes, Stream stream) {
+  DeviceScope scope(stream.device);
+  SYMBIOSIS_CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, cuda_stream(stream)));
 }
 
-void stream_after(void* stream, void* earlier) {
+void synchronize_stream(Stream stream) {
+  DeviceScope scope(stream.device);
+  SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(cuda_stream(stream)));
+}
+
+void stream_after(Stream stream, Stream earlier) {
+  TORCH_CHECK(stream.device == earlier.device, "stream_after: streams of cuda:", stream.device, " and cuda:",
+              earlier.device);
+  DeviceScope scope(stream.device);
   cudaEvent_t event;
   SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(event, static_cast<cudaStream_t>(earlier)));
-  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), event, 0));
+  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(event, cuda_stream(earlier)));
+  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(cuda_stream(stream), event, 0));
   SYMBIOSIS_CUDA_CHECK(cudaEventDestroy(event));  // released once the wait is done with it
 }
 
@@ -274,15 +293,15 @@ void check_driver(CUresult status, const char* call) {
 
 }  // namespace
 
-void write_value_on_stream(void* stream, void* word, uint32_t value) {
+void write_value_on_stream(Stream stream, void* word, uint32_t value) {
   memory_ops_on_stream(stream, {{MemoryOp::kWrite, word, value}});
 }
 
-void wait_value_on_stream(void* stream, void* word, uint32_t value) {
+void wait_value_on_stream(Stream stream, void* word, uint32_t value) {
   memory_ops_on_stream(stream, {{MemoryOp::kWaitReached, word, value}});
 }
 
-void memory_ops_on_stream(void* stream, std::initializer_list<MemoryOp> ops) {
+void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops) {
   using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
   static const auto batch = driver_entry<BatchMemOp>("cuStreamBatchMemOp");
   CUstreamBatchMemOpParams params[4] = {};
@@ -302,7 +321,8 @@ void memory_ops_on_stream(void* stream, std::initializer_list<MemoryOp> ops) {
       p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
     }
   }
-  check_driver(batch(static_cast<CUstream>(stream), n, params, 0), "cuStreamBatchMemOp");
+  DeviceScope scope(stream.device);  // [Stream's device]: the legacy stream is the current context's
+  check_driver(batch(static_cast<CUstream>(stream.handle), n, params, 0), "cuStreamBatchMemOp");
 }
 
 #endif  // SYMBIOSIS_WITH_CUDA

@@ -34,6 +34,20 @@ const char* mps_hint();
 
 #ifdef SYMBIOSIS_WITH_CUDA
 
+// [Stream's device]
+// A CUDA stream and the GPU it belongs to. A cudaStream_t alone does not say its GPU: LibTorch's
+// default stream is CUDA's legacy stream, handle 0, which CUDA takes to be the stream of whatever
+// device is current on the calling thread. A tenant on cuda:1 whose thread's current device is
+// cuda:0 (the default) then enqueued its copies, flag writes and waits on cuda:0's stream,
+// unordered with its own work on cuda:1: its losses were NaN, or it hung. Every helper here that
+// enqueues on a stream makes the stream's device current first.
+struct Stream {
+  void* handle = nullptr;  // cudaStream_t
+  int device = -1;         // -1: no stream
+  bool valid() const { return device >= 0; }
+  bool operator==(const Stream&) const = default;
+};
+
 // Device memory released on its own device when the owner goes: the base of DeviceBuffer and
 // MappedDeviceBuffer, which differ only in how the memory is had and given back.
 class DeviceMemory {
@@ -93,9 +107,8 @@ class InterprocessEvent {
   InterprocessEvent() = default;
 
   std::string ipc_handle() const;
-  // stream: a cudaStream_t.
-  void record(void* stream) const;
-  void make_stream_wait(void* stream) const;
+  void record(Stream stream) const;
+  void make_stream_wait(Stream stream) const;
   bool valid() const { return static_cast<bool>(event_); }
 
  private:
@@ -147,8 +160,8 @@ class CapturedWork {
  public:
   CapturedWork() = default;
   // Captures what `work` enqueues on `stream` (it runs nothing); throws, capture ended, when it fails.
-  static CapturedWork capture(void* stream, const std::function<void()>& work);
-  void launch(void* stream) const;
+  static CapturedWork capture(Stream stream, const std::function<void()>& work);
+  void launch(Stream stream) const;
   bool valid() const { return static_cast<bool>(exec_); }
 
  private:
@@ -158,26 +171,26 @@ class CapturedWork {
   UniqueHandle<void*, Destroy> exec_;  // cudaGraphExec_t; [Owned handles]
 };
 
-// The current CUDA stream of `device` (LibTorch's), as a cudaStream_t.
-void* current_stream(int device);
-void synchronize_stream(void* stream);
-// Orders `stream`'s later work after what `earlier` has enqueued so far.
-void stream_after(void* stream, void* earlier);
+// The current CUDA stream of `device` (LibTorch's).
+Stream current_stream(int device);
+void synchronize_stream(Stream stream);
+// Orders `stream`'s later work after what `earlier` has enqueued so far (on the same GPU).
+void stream_after(Stream stream, Stream earlier);
 // [Stream-ordered hand-off]: the driver's 32-bit stream memory operations on a word the GPU
 // addresses (a mapped PinnedRange's device_pointer). The write is fenced after the stream's
 // earlier work; the wait holds the stream until the word reaches `value` (modulo 2^32).
-void write_value_on_stream(void* stream, void* word, uint32_t value);
-void wait_value_on_stream(void* stream, void* word, uint32_t value);
+void write_value_on_stream(Stream stream, void* word, uint32_t value);
+void wait_value_on_stream(Stream stream, void* word, uint32_t value);
 // Several of those in one driver call (cuStreamBatchMemOp), in order; at most 4.
 struct MemoryOp {
   enum Kind { kWrite, kWaitReached } kind;
   void* word;
   uint32_t value;
 };
-void memory_ops_on_stream(void* stream, std::initializer_list<MemoryOp> ops);
+void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops);
 // cudaMemcpyAsync device to device on `stream`: what a payload copy needs, without ATen's
 // per-operation overhead (a few microseconds per call, on every base-layer call).
-void copy_on_stream(void* destination, const void* source, size_t bytes, void* stream);
+void copy_on_stream(void* destination, const void* source, size_t bytes, Stream stream);
 
 #endif  // SYMBIOSIS_WITH_CUDA
 

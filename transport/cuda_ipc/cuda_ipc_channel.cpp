@@ -60,8 +60,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   bool compute_replayed(const shm::CallHeader& h, const at::Tensor& input, const at::Tensor& destination,
                         const std::function<void()>& compute) override {
     if (!recurs(h)) return false;
-    void* stream = cuda::current_stream(device_);
-    const Replay::Key key{h.layer_id, h.op, h.tokens, input.data_ptr(), destination.data_ptr(), stream};
+    const cuda::Stream stream = cuda::current_stream(device_);
+    const Replay::Key key{h.layer_id, h.op, h.tokens, input.data_ptr(), destination.data_ptr(), stream.handle};
     auto& replay = replays_[h.slot];
     if (!replay.work.valid() || replay.key != key) {
       try {
@@ -81,8 +81,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   void finish_writes(const shm::CallHeader& h) override {
     // [Compute streams]: a batch of another client's may have put this call on another stream
     // than the last; results_ready must still count up in order.
-    if (void* now = cuda::current_stream(device_); now != stream_) {
-      if (stream_ != nullptr) cuda::stream_after(now, stream_);
+    if (const cuda::Stream now = cuda::current_stream(device_); now != stream_) {
+      if (stream_.valid()) cuda::stream_after(now, stream_);
       if (std::find(streams_.begin(), streams_.end(), now) == streams_.end()) streams_.push_back(now);
       stream_ = now;
     }
@@ -139,12 +139,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   void synchronize_streams() {
-    for (void* stream : streams_) cuda::synchronize_stream(stream);
+    for (const cuda::Stream& stream : streams_) cuda::synchronize_stream(stream);
   }
 
   int device_;
-  void* stream_ = nullptr;       // cudaStream_t of this client's last call
-  std::vector<void*> streams_;   // every compute stream this client's calls went on (a few at most)
+  cuda::Stream stream_;                // this client's last call's
+  std::vector<cuda::Stream> streams_;  // every compute stream this client's calls went on (a few at most)
   // [Replayed calls]: each captured call's GEMM, by slot, with what it was captured for.
   struct Replay {
     using Key = std::tuple<uint32_t, int32_t, int64_t, const void*, const void*, void*>;

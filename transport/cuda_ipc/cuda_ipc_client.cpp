@@ -83,7 +83,7 @@ class CudaIpcPayload : public RegisteredBuffer {
     if (watching_frees_) SegmentFrees::instance().remove(this);
     // The GPU must be done with the buffer and the flags before they go.
     try {
-      if (stream_ != nullptr) cuda::synchronize_stream(stream_);
+      if (stream_.valid()) cuda::synchronize_stream(stream_);
     } catch (const c10::Error&) {
     }
     // The executor lets go of this client's segments only when it forgets the client, which may
@@ -134,13 +134,13 @@ class CudaIpcPayload : public RegisteredBuffer {
   void send_input(const at::Tensor& x, uint64_t offset) override {
     const at::Device gpu(at::kCUDA, device_);
     const auto input = x.device() == gpu ? x : x.to(gpu);  // contiguous, the layer's dtype (VirtLayer)
-    void* stream = use_stream();
+    const cuda::Stream stream = use_stream();
     cuda::copy_on_stream(static_cast<char*>(buffer_.data()) + offset, input.data_ptr(), input.nbytes(), stream);
     if (inputs_ready_ == nullptr) client_event_.record(stream);
   }
 
   at::Tensor receive_output(uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
-    void* stream = use_stream();
+    const cuda::Stream stream = use_stream();
     if (inputs_ready_ == nullptr) executor_event_.make_stream_wait(stream);
     auto out = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
     cuda::copy_on_stream(out.data_ptr(), static_cast<const char*>(buffer_.data()) + offset, out.nbytes(), stream);
@@ -189,9 +189,9 @@ class CudaIpcPayload : public RegisteredBuffer {
  private:
   // The current stream, ordered after the stream of the previous call if it was another (a call's
   // copies reuse the buffer regions the previous call's copies and flags guard).
-  void* use_stream() {
-    void* stream = cuda::current_stream(device_);
-    if (stream_ != nullptr && stream_ != stream) cuda::stream_after(stream, stream_);
+  cuda::Stream use_stream() {
+    const cuda::Stream stream = cuda::current_stream(device_);
+    if (stream_.valid() && stream_ != stream) cuda::stream_after(stream, stream_);
     stream_ = stream;
     return stream;
   }
@@ -275,7 +275,7 @@ class CudaIpcPayload : public RegisteredBuffer {
   int device_;
   cuda::InterprocessEvent client_event_, executor_event_;
   cuda::DeviceBuffer buffer_, next_;
-  void* stream_ = nullptr;  // cudaStream_t of the last call
+  cuda::Stream stream_;  // the last call's
   cuda::PinnedRange control_pin_;
   shm::ControlBlock* block_ = nullptr;  // the control segment, once ordering through its flags
   void* inputs_ready_ = nullptr;        // GPU addresses of the control block's flags

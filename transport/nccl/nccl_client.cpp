@@ -39,12 +39,12 @@ class NcclPayload : public ClientPayload {
     check_usable();
     // x is freed when the call returns; the caching allocator reuses it only in this stream's order.
     comm_->send(x.device() == at::Device(at::kCUDA, device_) ? x : x.to(at::Device(at::kCUDA, device_)),
-                kExecutorRank, cuda::current_stream(device_));
+                kExecutorRank, cuda::current_stream(device_).handle);
   }
 
   at::Tensor receive_output(uint64_t, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
     auto out = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCUDA, device_));
-    comm_->recv(out, kExecutorRank, cuda::current_stream(device_));
+    comm_->recv(out, kExecutorRank, cuda::current_stream(device_).handle);
     return device == out.device() ? out : out.to(device);
   }
 
