@@ -3,10 +3,14 @@
 // how privately (--executor, --executor-key, --key, --tenant, --connect-timeout-ms, --reconnect-ms,
 // --mask, --mask-effects-here, --noise-ratio, and
 // --monolithic where the program offers it), and the connection options they describe; and how a
-// program reports the error it ends with.
+// program reports the error it ends with, or the crash.
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <execinfo.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <exception>
 #include <iostream>
 #include <string>
@@ -64,9 +68,25 @@ inline ClientOptions client_options(const TenantFlags& flags, const Checkpoint& 
   return options;
 }
 
+// [Crash report]: a tenant that crashes (a segmentation fault, say) prints where, on stderr, before
+// it dies of the signal: the frames as "library(+offset)", which addr2line resolves against the
+// build the binaries came from.
+inline void report_crashes() {
+  static const auto handler = [](int signal) {
+    static const char kHeader[] = "crashed; the stack:\n";
+    [[maybe_unused]] auto written = ::write(STDERR_FILENO, kHeader, sizeof(kHeader) - 1);
+    void* frames[64];
+    ::backtrace_symbols_fd(frames, ::backtrace(frames, 64), STDERR_FILENO);
+    std::signal(signal, SIG_DFL);
+    std::raise(signal);
+  };
+  for (const int signal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE}) std::signal(signal, +handler);
+}
+
 // The program's body, whose error is printed as "[tenant] error: ..." with exit status 2.
 template <typename Body>
 int report_errors(const TenantFlags& flags, Body body) {
+  report_crashes();
   try {
     return body();
   } catch (const c10::Error& e) {

@@ -122,13 +122,14 @@ DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
   return DeviceBuffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaFree(p)); });
 }
 
-std::string memory_ipc_handle(void* base) {
+std::string memory_ipc_handle(int device, void* base) {
+  DeviceScope scope(device);
   cudaIpcMemHandle_t handle;
   SYMBIOSIS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
-std::string DeviceBuffer::ipc_handle() const { return memory_ipc_handle(data()); }
+std::string DeviceBuffer::ipc_handle() const { return memory_ipc_handle(device(), data()); }
 
 MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_handle, size_t bytes) {
   TORCH_CHECK(ipc_handle.size() == sizeof(cudaIpcMemHandle_t), "CUDA IPC memory handle has ", ipc_handle.size(),
@@ -149,6 +150,7 @@ InterprocessEvent InterprocessEvent::create(int device) {
   cudaEvent_t e;
   SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess));
   event.event_ = UniqueHandle<void*, Destroy>(e);
+  event.device_ = device;
   return event;
 }
 
@@ -164,6 +166,7 @@ InterprocessEvent InterprocessEvent::open(int device, const std::string& ipc_han
   TORCH_CHECK(status == cudaSuccess, "cannot open the peer's CUDA IPC event on cuda:", device, ": ",
               cudaGetErrorString(status));
   event.event_ = UniqueHandle<void*, Destroy>(e);
+  event.device_ = device;
   return event;
 }
 
@@ -172,6 +175,7 @@ void InterprocessEvent::Destroy::operator()(void* event) const {
 }
 
 std::string InterprocessEvent::ipc_handle() const {
+  DeviceScope scope(device_);
   cudaIpcEventHandle_t handle;
   SYMBIOSIS_CUDA_CHECK(cudaIpcGetEventHandle(&handle, static_cast<cudaEvent_t>(event_.get())));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));

@@ -85,9 +85,9 @@ class DeviceBuffer : public DeviceMemory {
   using DeviceMemory::DeviceMemory;
 };
 
-// cudaIpcMemHandle_t's bytes for the device allocation that starts at `base` (a cudaMalloc'd
+// cudaIpcMemHandle_t's bytes for the allocation on `device` that starts at `base` (a cudaMalloc'd
 // block: a DeviceBuffer, or a segment of LibTorch's caching allocator).
-std::string memory_ipc_handle(void* base);
+std::string memory_ipc_handle(int device, void* base);
 
 // The executor's mapping of a client's DeviceBuffer, or of a segment of its caching allocator.
 class MappedDeviceBuffer : public DeviceMemory {
@@ -106,7 +106,7 @@ class InterprocessEvent {
   static InterprocessEvent open(int device, const std::string& ipc_handle);
   InterprocessEvent() = default;
 
-  std::string ipc_handle() const;
+  std::string ipc_handle() const;  // on the event's GPU ([Stream's device]: the driver crashed otherwise)
   void record(Stream stream) const;
   void make_stream_wait(Stream stream) const;
   bool valid() const { return static_cast<bool>(event_); }
@@ -116,6 +116,7 @@ class InterprocessEvent {
     void operator()(void* event) const;
   };
   UniqueHandle<void*, Destroy> event_;  // cudaEvent_t; [Owned handles]
+  int device_ = 0;
 };
 
 // Pins (cudaHostRegister) a host range for asynchronous copies; unregisters on destruction.

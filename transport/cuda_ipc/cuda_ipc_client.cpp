@@ -225,7 +225,7 @@ class CudaIpcPayload : public RegisteredBuffer {
       proto::Envelope env;
       auto* add = env.mutable_share_segments()->add_add();
       add->set_bytes(bytes);
-      add->set_cuda_ipc_handle(cuda::memory_ipc_handle(const_cast<char*>(base)));
+      add->set_cuda_ipc_handle(cuda::memory_ipc_handle(device_, const_cast<char*>(base)));
       std::lock_guard<std::mutex> lock(socket_mutex_);
       // Segments shared before that overlap this one were given back to CUDA without a word from
       // the allocator: the executor closes their mappings.
