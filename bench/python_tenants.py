@@ -129,6 +129,17 @@ def python_client(a, index, directory, executor=""):
     return args
 
 
+def wait_for_memory(gpu, baseline_mib, slack_mib=1024, timeout_s=60):
+    """Until the GPU's memory in use is back within slack_mib of baseline_mib (at most timeout_s)."""
+    deadline = time.time() + timeout_s
+    while gpu >= 0 and time.time() < deadline:
+        used = gpu_memory_mib(gpu)[0]
+        if used <= baseline_mib + slack_mib:
+            return
+        time.sleep(0.5)
+    log(f"GPU memory still {gpu_memory_mib(gpu)[0]:.0f} MiB after {timeout_s} s (baseline {baseline_mib:.0f})")
+
+
 def window_figures(results, start, end):
     """Aggregate tokens/s of the steps that end in [start, end], and their mean step time."""
     tokens, latencies = 0.0, []
@@ -331,6 +342,9 @@ def run(a, gpu, result):
                                             a.wave, a.window_s)
         count = result["python_tenants"]["clients_that_fit"]
         if a.cpp and count > 0:
+            # Under MPS an ended tenant's memory comes back a while after its process has gone: C++
+            # tenants started at once ran out of memory beside it (PY3 in docs/benchmarks.md).
+            wait_for_memory(gpu, executor_mib)
             try:  # a failure here leaves the plain jobs still to measure
                 result["cpp_tenants"] = cpp_window(a, endpoint, count, a.window_s)
                 result["python_vs_cpp_tokens"] = (result["python_tenants"]["tokens_per_s"]

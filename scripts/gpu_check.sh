@@ -613,9 +613,7 @@ PY
       flags=""
       [ "${SHARDED_CUDA_GRAPH:-0}" = 1 ] && flags="$flags --cuda-graph"
       [ "${SHARDED_SKIP_SYMBIOSIS:-0}" = 1 ] && flags="$flags --skip-symbiosis"
-      # A cuda-ipc tenant of a part on cuda:1 has hung (SH2, SH4 in docs/benchmarks.md). By hand, each part computes on
-      # the cuda:0 of its own CUDA_VISIBLE_DEVICES; SH5 ran that way from the launcher and the tenant hung all the same,
-      # so neither way is known to run the second GPU's tenants until that is found.
+      # By hand, each part computes on the cuda:0 of its own CUDA_VISIBLE_DEVICES (the launcher's --gpus is the default).
       [ "${SHARDED_PARTS_BY_HAND:-0}" = 1 ] && flags="$flags --parts-by-hand"
       rm -rf /tmp/sharded-13b
       timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model_13b --build "$B" --out /tmp/sharded-13b \
