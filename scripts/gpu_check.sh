@@ -656,7 +656,8 @@ PY
       # with every request (LONG_MULTI_MAX requests at most a placement; 0: as many as fit).
       wait_7b
       mps_on
-      timeout "${LONG_TIMEOUT_S:-420}" "$B/bench/symbiosis-bench-long-context" --model $model_7b --dtype bf16 --device cuda:0 \
+      # [Passive OpenMP] (client_runtime/inference/generator.cpp): what a host-decode tenant is started with.
+      timeout "${LONG_TIMEOUT_S:-420}" env OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" "$B/bench/symbiosis-bench-long-context" --model $model_7b --dtype bf16 --device cuda:0 \
         --executor-device cuda:0 --contexts "${LONG_CONTEXTS:-4K,8K,16K,32K,64K,128K}" --new-tokens "${LONG_NEW_TOKENS:-16}" \
         --modes "${LONG_MODES:-gpu,host,offload}" --host-cache-capacity-bytes "${LONG_HOST_CAP:-85899345920}" \
         --budget-s "${LONG_BUDGET_S:-200}" --multi-request "${LONG_MULTI:-true}" \

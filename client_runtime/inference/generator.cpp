@@ -1,8 +1,14 @@
 #include "client_runtime/inference/generator.h"
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <mutex>
+#include <string>
 
 #include "client_runtime/client.h"
 #include "client_runtime/peft/prompt.h"
@@ -89,6 +95,30 @@ std::shared_ptr<ModelAdapterImpl> model_adapter_of(torch::nn::Module& module) {
   return host ? host->model_adapter() : nullptr;
 }
 
+// [Passive OpenMP]
+// A host-decode step alternates the CPU's parallel work (the attention, the client's products) with
+// calls to the executor, one at a time. OpenMP's idle threads spin a while after each parallel
+// region (libgomp's default), on every core, and the call's own thread and the executor's then
+// wait for a core: on a 16-core H100 host the 128 calls of a Llama-2-7B step took 100 ms where
+// they take 28 with the threads asleep (LC3 and LC4 in docs/benchmarks.md). OpenMP reads its wait
+// policy once, when the process starts, so the library can only say so.
+void warn_of_spinning_threads() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    std::string value = policy ? policy : "";
+    std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::toupper(c); });
+    if (value == "PASSIVE") return;
+    // On stderr: a tenant's standard output is its results (symbiosis-generate's JSON lines).
+    auto log = spdlog::get("symbiosis-client");
+    if (!log) log = spdlog::stderr_color_mt("symbiosis-client");
+    log->warn("host decode: OMP_WAIT_POLICY is {}: idle OpenMP threads spin after each parallel region and delay "
+                 "every executor call (about 0.5 ms each on a 16-core host); start the process with "
+                 "OMP_WAIT_POLICY=PASSIVE",
+                 policy ? policy : "not set");
+  });
+}
+
 }  // namespace
 
 Generator::Generator(CausalLM lm, GeneratorOptions options)
@@ -120,6 +150,7 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
                 "the host-decode model shares the prefill model's client; give it a client of its own (device \"cpu\")");
     TORCH_CHECK(!options_.offload_cache, "offload_cache and a host-decode model are two placements of the cache: choose one");
     adapter_mirror_ = std::make_unique<AdapterMirror>(*lm_.module, *host_decode_->module);
+    warn_of_spinning_threads();
   }
   capture_ = options_.capture_decode && !host_decode_ && !options_.offload_cache && table.device().is_cuda();
   // [Host decode] and [Offloaded decode]: the cache in host memory, page-locked for a GPU to write to
