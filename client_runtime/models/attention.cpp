@@ -158,15 +158,35 @@ SYMBIOSIS_AVX512 inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-// acc[0, 16 x Blocks) = sum_j p[j] values[j x row + 0 .. 16 x Blocks), the sum in registers.
+// [Prefetched rows]
+// A core streams a chunk's keys, then its values, one row (256 bytes: bf16, head_dim 128) after
+// another. On the GPU machine's Intel cores the hardware prefetcher stops at each 4 KiB page, and
+// 16 cores read one 7B layer at 64K at 63.5 GB/s of a host that sums 116 to 122; asking for the
+// row 32 ahead (past the chunk's end too: the next chunk is most often this core's next task,
+// [Balanced tasks]; a prefetch never faults) read 96.0 (SH11 in docs/benchmarks.md). On this
+// project's AMD development VM the same prefetches slowed it (2 threads 27 -> 23 GB/s), so only
+// Intel cores prefetch. The values read are the same either way.
+int64_t prefetch_rows() {
+  static const int64_t rows = __builtin_cpu_is("intel") ? 32 : 0;
+  return rows;
+}
+template <typename T>
+SYMBIOSIS_AVX512 inline void prefetch_row(const T* row, int64_t width) {
+  const auto* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
+// acc[0, 16 x Blocks) = sum_j p[j] values[j x row + 0 .. 16 x Blocks), the sum in registers; the
+// row `ahead` rows on is prefetched ([Prefetched rows]; 0: none).
 template <int Blocks, typename T>
 SYMBIOSIS_AVX512 inline void sum_values(const float* __restrict p, const T* __restrict values, int64_t n, int64_t row,
-                                        float* __restrict acc) {
+                                        int64_t ahead, float* __restrict acc) {
   __m512 sums[Blocks];
   for (int b = 0; b < Blocks; ++b) sums[b] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m512 weight = _mm512_set1_ps(p[j]);
     const T* value = values + j * row;
+    if (ahead > 0) prefetch_row(value + ahead * row, Blocks * kBlock);
     for (int b = 0; b < Blocks; ++b) sums[b] = _mm512_fmadd_ps(weight, load16(value + b * kBlock), sums[b]);
   }
   for (int b = 0; b < Blocks; ++b) _mm512_storeu_ps(acc + b * kBlock, sums[b]);
@@ -177,9 +197,11 @@ SYMBIOSIS_AVX512 void attend_chunk_avx512(const float* __restrict q, const T* __
                                           int64_t n, int64_t head_dim, int64_t group, float* __restrict scores,
                                           float* __restrict out) {
   const int64_t stride = head_dim + 2;
+  const int64_t ahead = prefetch_rows();
   for (int64_t g = 0; g < group; ++g) out[g * stride + head_dim] = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     const T* key = keys + j * head_dim;
+    if (ahead > 0) prefetch_row(key + ahead * head_dim, head_dim);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * head_dim;
       __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
@@ -202,14 +224,14 @@ SYMBIOSIS_AVX512 void attend_chunk_avx512(const float* __restrict q, const T* __
       const float* p = scores + g * n;
       float* acc = out + g * stride + d;
       switch (std::min<int64_t>(8, (head_dim - d) / kBlock)) {
-        case 8: sum_values<8>(p, values + d, n, head_dim, acc); break;
-        case 7: sum_values<7>(p, values + d, n, head_dim, acc); break;
-        case 6: sum_values<6>(p, values + d, n, head_dim, acc); break;
-        case 5: sum_values<5>(p, values + d, n, head_dim, acc); break;
-        case 4: sum_values<4>(p, values + d, n, head_dim, acc); break;
-        case 3: sum_values<3>(p, values + d, n, head_dim, acc); break;
-        case 2: sum_values<2>(p, values + d, n, head_dim, acc); break;
-        default: sum_values<1>(p, values + d, n, head_dim, acc); break;
+        case 8: sum_values<8>(p, values + d, n, head_dim, ahead, acc); break;
+        case 7: sum_values<7>(p, values + d, n, head_dim, ahead, acc); break;
+        case 6: sum_values<6>(p, values + d, n, head_dim, ahead, acc); break;
+        case 5: sum_values<5>(p, values + d, n, head_dim, ahead, acc); break;
+        case 4: sum_values<4>(p, values + d, n, head_dim, ahead, acc); break;
+        case 3: sum_values<3>(p, values + d, n, head_dim, ahead, acc); break;
+        case 2: sum_values<2>(p, values + d, n, head_dim, ahead, acc); break;
+        default: sum_values<1>(p, values + d, n, head_dim, ahead, acc); break;
       }
     }
   }
