@@ -58,8 +58,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values
 
 // [Parts] (base_executor/parts.h) on GPUs: the parts' activations go over NCCL. One part on cuda:0
 // (a NCCL group of one, in this process: every code path a sharded executor takes that one GPU can
-// exercise), then, with two GPUs, the launcher's two parts on cuda:0 and cuda:1 with clients attached
-// to both: clients on CPU (shm, tcp) and on the parts' GPUs (cuda-ipc) fine-tune, each equal to its
+// exercise), then, with two GPUs (and again with four), the launcher's parts, one a GPU, with clients
+// attached to every part: clients on CPU (shm, tcp) and on the parts' GPUs (cuda-ipc) fine-tune, each equal to its
 // monolithic run (demo clients with --verify: fp32, 5e-5 and the adapters 1e-4, as the sharded CPU
 // tests explain).
 std::vector<std::vector<std::string>> clients_of_parts(const std::vector<std::string>& endpoints,
@@ -86,15 +86,28 @@ TEST(ShardedGpuTest, OnePartOnOneGpuServesClientsAsMonolithicRunsCompute) {
   EXPECT_EQ(parts[0]->stats().errors, 0u);
 }
 
-TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute) {
-  SKIP_WITHOUT_GPUS(2);
+// The launcher's parts on the first `gpus` GPUs, clients on every part, each equal to its
+// monolithic run; the launcher then stops cleanly.
+void parts_on_gpus_serve_clients_of_all(int gpus) {
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto logs = testing::temp_dir("sharded-gpus");
-  auto launched = testing::launch_parts(dir, {"--gpus", "0,1", "--dtype", "fp32"}, 2, logs);
-  ASSERT_EQ(launched.endpoints.size(), 2u) << bench::read_file(logs / "err");
+  std::string list;
+  for (int g = 0; g < gpus; ++g) list += (g ? "," : "") + std::to_string(g);
+  auto launched = testing::launch_parts(dir, {"--gpus", list, "--dtype", "fp32"}, gpus, logs);
+  ASSERT_EQ(launched.endpoints.size(), static_cast<size_t>(gpus)) << bench::read_file(logs / "err");
   EXPECT_TRUE(testing::run_all(clients_of_parts(launched.endpoints, dir))) << bench::read_file(logs / "err");
   ::kill(launched.launcher, SIGTERM);
   EXPECT_TRUE(testing::exited_ok(launched.launcher)) << bench::read_file(logs / "err");
+}
+
+TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute) {
+  SKIP_WITHOUT_GPUS(2);
+  parts_on_gpus_serve_clients_of_all(2);
+}
+
+TEST(ShardedGpuTest, FourPartsOnFourGpusServeClientsOfAllAsMonolithicRunsCompute) {
+  SKIP_WITHOUT_GPUS(4);
+  parts_on_gpus_serve_clients_of_all(4);
 }
 
 // [Stream's device] (transport/cuda_ipc/cuda_ipc.h): a same-GPU client on a GPU other than the
