@@ -3,6 +3,7 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -18,6 +19,20 @@
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
+namespace {
+
+// [Client logs on stderr]
+// A tenant's standard output is its own (symbiosis-generate's JSON lines, a script's prints), but
+// spdlog's stock default logger writes to it: the client library's warnings (a reconnection, a
+// transport's fallback, host decode's spinning threads) would land among the results. Where the
+// process has not set a default logger of its own (the stock one has no name), the library's go to
+// stderr, once, when the library is loaded.
+const bool kLogsOnStderr = [] {
+  if (spdlog::default_logger_raw()->name().empty()) spdlog::set_default_logger(spdlog::stderr_color_mt("symbiosis"));
+  return true;
+}();
+
+}  // namespace
 
 void ClientOptions::validate() const {
   const std::string endpoint_wrong = wire::endpoint_problem(endpoint);

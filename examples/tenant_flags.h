@@ -80,6 +80,8 @@ inline void report_crashes() {
     std::signal(signal, SIG_DFL);
     std::raise(signal);
   };
+  void* first[1];
+  ::backtrace(first, 1);  // loads libgcc's unwinder now: a handler must not have to
   for (const int signal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE}) std::signal(signal, +handler);
 }
 

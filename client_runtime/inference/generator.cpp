@@ -1,6 +1,5 @@
 #include "client_runtime/inference/generator.h"
 
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -109,10 +108,7 @@ void warn_of_spinning_threads() {
     std::string value = policy ? policy : "";
     std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::toupper(c); });
     if (value == "PASSIVE") return;
-    // On stderr: a tenant's standard output is its results (symbiosis-generate's JSON lines).
-    auto log = spdlog::get("symbiosis-client");
-    if (!log) log = spdlog::stderr_color_mt("symbiosis-client");
-    log->warn("host decode: OMP_WAIT_POLICY is {}: idle OpenMP threads spin after each parallel region and delay "
+    spdlog::warn("host decode: OMP_WAIT_POLICY is {}: idle OpenMP threads spin after each parallel region and delay "
                  "every executor call (about 0.5 ms each on a 16-core host); start the process with "
                  "OMP_WAIT_POLICY=PASSIVE",
                  policy ? policy : "not set");
