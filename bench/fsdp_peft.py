@@ -115,6 +115,12 @@ class CheckpointReader:
         return self.where[name].get_slice(name)[start:end]
 
 
+def attention(config):
+    """sdpa, except for models that soft-cap attention scores (Gemma 2), which sdpa cannot: transformers
+    refuses it for them, and eager is what it computes them with."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def build_model(a, device, mesh):
     """The LoRA model, sharded by FSDP2 over `mesh`, its base weights read from --model, its adapters
     initialized as PEFT does (every rank from the same generator)."""
@@ -131,7 +137,7 @@ def build_model(a, device, mesh):
     torch.set_default_dtype(DTYPES[a.dtype])
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
     finally:
         torch.set_default_dtype(default_dtype)
     for p in model.parameters():
@@ -174,9 +180,10 @@ def build_model(a, device, mesh):
 def reference_loss(a, ids):
     """The first step's loss of plain transformers + PEFT on one CPU: --verify-loss's reference."""
     import peft
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPES[a.dtype], attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPES[a.dtype], attn_implementation=attention(config))
     lora = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
                            task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)

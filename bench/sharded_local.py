@@ -1,26 +1,30 @@
-"""Issue 31's sharded-local benchmark: one base model served by a sharded executor over several GPUs
-(one part a GPU, docs/sharding.md) with fine-tuning tenants on every GPU, against PyTorch FSDP jobs
-with transformers + PEFT on the same GPUs (bench/fsdp_peft.py, one job of one rank a GPU per adapter).
-The figure: adapters fine-tuned in the same time, i.e. adapters trained at once and their aggregate
-tokens/s, Symbiosis against FSDP.
+"""Issue 31's sharded benchmarks: one base model served by a sharded executor over several GPUs (one
+part a GPU, docs/sharding.md) with fine-tuning tenants on the same GPUs (sharded-local) or on GPUs of
+their own (sharded-remote, --client-gpus), against PyTorch FSDP jobs with transformers + PEFT over
+all the GPUs either uses (bench/fsdp_peft.py, one job of one rank a GPU per adapter). The figure:
+adapters fine-tuned in the same time, i.e. adapters trained at once and their aggregate tokens/s,
+Symbiosis against FSDP.
 
   python3 bench/sharded_local.py --model /tmp/llama-13b --build .gpu-build --gpus 0,1 --out /tmp/sharded-13b
+  python3 bench/sharded_local.py --model /tmp/gemma-27b --build .gpu-build --gpus 0,1 --client-gpus 2,3 ...
   python3 bench/sharded_local.py --model /tmp/tiny --build build --device cpu --parts 2 --dtype fp32 ...  # smoke
 
 In order:
 1. Symbiosis: `symbiosis-executor --gpus 0,1` (on CPU `--parts N --device cpu`) starts its parts; then
    for each count in --counts, that many symbiosis-bench-client tenants (LoRA, AdamW, eager steps
    unless --cuda-graph) start at once, tenant i on part i % parts and that part's GPU (cuda-ipc; shm
-   on CPU), and all step through one common window of --window-s seconds ([Measurement window] in
+   on CPU) or, sharded-remote, on client GPU i % client GPUs (NCCL; --remote on CPU: TCP), and all
+   step through one common window of --window-s seconds ([Measurement window] in
    bench/bench_client.cpp), then end. The executor stays up from one count to the next. A count
    where a tenant fails (out of memory) ends the counts: the count before it is the most that fit.
-2. FSDP: with the executor stopped, FSDP jobs (each over all the GPUs) start in waves: the first
+2. FSDP: with the executor stopped, FSDP jobs (each over all the GPUs, the client GPUs too; on CPU
+   --parts ranks, twice that with --remote) start in waves: the first
    alone, to learn its memory, then at most --fsdp-wave at once and no more than the memory left
    fits by what each running job took, until a job fails (out of memory) or --fsdp-limit run. They
    step all the while (--stop-file); after each wave every running job steps through one window of
    --window-s seconds, cut afterwards from each job's step end times.
 Aggregate tokens/s of a window: the tokens of the steps that end inside it over its length. Writes
-OUT/sharded_local.json and OUT/sharded_local.md (a table), and prints the table. A run cut short
+OUT/sharded_local.json and OUT/sharded_local.md (a table, its placement named), and prints the table. A run cut short
 (SIGTERM, e.g. a timeout) still writes what it measured and ends every process it started.
 """
 import argparse
@@ -191,13 +195,22 @@ def start_executor(a, directory):
     return processes, endpoints
 
 
-def tenant_args(a, index, endpoints, directory, go):
+def tenant_placement(a, index):
+    """(the part tenant `index` attaches to, its device, its transport)."""
     part = index % a.parts
-    device = "cpu" if a.device == "cpu" else f"cuda:{a.gpus[part]}"
+    if a.device == "cpu":
+        return part, "cpu", "tcp" if a.remote else "shm"
+    if a.client_gpus:
+        return part, f"cuda:{a.client_gpus[index % len(a.client_gpus)]}", "nccl"
+    return part, f"cuda:{a.gpus[part]}", "cuda-ipc"
+
+
+def tenant_args(a, index, endpoints, directory, go):
+    part, device, transport = tenant_placement(a, index)
     args = [os.path.join(a.build, "bench", "symbiosis-bench-client"), "--executor", endpoints[part],
             "--model", a.model, "--mode", "finetune", "--batch", str(a.batch), "--seq", str(a.seq),
             "--rank", str(a.rank), "--targets", a.targets, "--warmup", str(a.warmup), "--device", device,
-            "--dtype", a.dtype, "--transport", "shm" if a.device == "cpu" else "cuda-ipc", "--threads", "1",
+            "--dtype", a.dtype, "--transport", transport, "--threads", "1",
             "--seed", str(index + 1), "--out", os.path.join(directory, f"tenant{index}.json"),
             "--ready-file", os.path.join(directory, f"tenant{index}.ready"), "--go-file", go]
     if a.cuda_graph:
@@ -211,7 +224,7 @@ def symbiosis_count(a, endpoints, count):
     os.makedirs(directory, exist_ok=True)
     go = os.path.join(directory, "go")
     remove(go, *(os.path.join(directory, f"tenant{i}.{ext}") for i in range(count) for ext in ("ready", "json")))
-    memory = GpuMemory(a.gpus)
+    memory = GpuMemory(a.gpus + a.client_gpus)
     began = time.time()
     processes = [spawn(tenant_args(a, i, endpoints, directory, go), directory, f"tenant{i}", a.out) for i in range(count)]
 
@@ -285,8 +298,15 @@ def run_symbiosis(a, result):
             end_process(process)
 
 
+def fsdp_devices(a):
+    """One FSDP rank a GPU of either side (on CPU: a rank a part, and as many again with --remote)."""
+    if a.device == "cpu":
+        return ["cpu"] * a.parts * (2 if a.remote else 1)
+    return [f"cuda:{g}" for g in a.gpus + a.client_gpus]
+
+
 def fsdp_args(a, index, directory, stop_file):
-    devices = ",".join(["cpu"] * a.parts if a.device == "cpu" else [f"cuda:{g}" for g in a.gpus])
+    devices = ",".join(fsdp_devices(a))
     args = [sys.executable, os.path.join(HERE, "fsdp_peft.py"), "--model", a.model, "--devices", devices,
             "--dtype", a.dtype, "--batch", str(a.fsdp_batch), "--seq", str(a.seq), "--rank", str(a.rank),
             "--targets", a.targets, "--warmup", str(a.warmup), "--seed", str(index + 1),
@@ -302,7 +322,7 @@ def run_fsdp(a, result):
     os.makedirs(directory, exist_ok=True)
     stop_file = os.path.join(directory, "stop")
     remove(stop_file, *(os.path.join(directory, f"job{i}.{ext}") for i in range(a.fsdp_limit) for ext in ("ready", "json")))
-    memory = GpuMemory(a.gpus)
+    memory = GpuMemory(a.gpus + a.client_gpus)
     section = {"jobs": [], "windows": [], "stopped_because": f"reached the limit of {a.fsdp_limit}",
                "batch": a.fsdp_batch}
     result["fsdp"] = section
@@ -370,7 +390,7 @@ def run_fsdp(a, result):
         section["gpu_memory_before_mib"] = memory.before
         peaks = memory.stop()
         section["gpu_memory_peak_mib"] = peaks
-        if running and a.gpus:
+        if running and memory.gpus:
             section["gpu_memory_per_job_mib"] = max((p - b) / len(running) for p, b in zip(peaks, memory.before))
         for window in section["windows"]:
             measured = [results[i] for i in window["jobs"] if i in results]
@@ -400,11 +420,11 @@ def compare(result):
 
 
 def table(result):
-    rows = [f"sharded-local against FSDP: {result['hardware']}; {result['shape']}", "",
+    rows = [f"{result['placement']} against FSDP: {result['hardware']}; {result['shape']}", "",
             "| system | adapters at once | aggregate tokens/s | tokens/s an adapter | mean step (s) | GPU peak MiB |",
             "| --- | --- | --- | --- | --- | --- |"]
     for c in result.get("symbiosis", {}).get("counts", []):
-        rows.append(f"| Symbiosis sharded-local ({c['transport']}) | {c['adapters']} | {c['tokens_per_s']:.0f} | "
+        rows.append(f"| Symbiosis {result['placement']} ({c['transport']}) | {c['adapters']} | {c['tokens_per_s']:.0f} | "
                     f"{c['tokens_per_s_an_adapter']:.0f} | {c['mean_step_s']:.3f} | "
                     f"{' / '.join(f'{m:.0f}' for m in c['gpu_memory_peak_mib']) or '-'} |")
     for w in result.get("fsdp", {}).get("windows", []):
@@ -425,7 +445,7 @@ def table(result):
         c = result["comparison"]
         rows.append(f"adapters at once: {c['symbiosis_adapters']} / {c['fsdp_adapters']} = {c['adapters_ratio']:.2f}x; "
                     f"aggregate tokens/s there (adapters fine-tuned in the same time): {c['symbiosis_tokens_per_s']:.0f} / "
-                    f"{c['fsdp_tokens_per_s']:.0f} = {c['tokens_ratio']:.2f}x (target >= 4x); tokens/s an adapter "
+                    f"{c['fsdp_tokens_per_s']:.0f} = {c['tokens_ratio']:.2f}x (target >= {result['target']}x); tokens/s an adapter "
                     f"{c['symbiosis_tokens_per_s_an_adapter']:.0f} / {c['fsdp_tokens_per_s_an_adapter']:.0f}")
     for key in ("symbiosis_error", "fsdp_error", "error"):
         if key in result:
@@ -440,11 +460,15 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--gpus", default="0,1", help="cuda: the GPUs, one executor part and one FSDP rank each")
+    p.add_argument("--client-gpus", default="",
+                   help="cuda, sharded-remote: the tenants' GPUs (over NCCL), one FSDP rank each too")
+    p.add_argument("--remote", action="store_true", help="cpu, sharded-remote: tenants over TCP, twice the FSDP ranks")
     p.add_argument("--parts", type=int, default=2, help="cpu: executor parts and FSDP ranks")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--batch", type=int, default=2, help="sequences a tenant's step")
     p.add_argument("--fsdp-batch", type=int, default=0,
-                   help="sequences an FSDP job's step, all ranks together (default: --batch, the same step)")
+                   help="sequences an FSDP job's step, all ranks together (default: --batch, the same step, "
+                        "rounded up to a multiple of the ranks)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
@@ -466,19 +490,25 @@ def main():
     a = p.parse_args()
     a.counts = [int(c) for c in a.counts.split(",") if c]
     a.gpus = [] if a.device == "cpu" else [int(g) for g in a.gpus.split(",")]
+    a.client_gpus = [] if a.device == "cpu" else [int(g) for g in a.client_gpus.split(",") if g]
+    if set(a.gpus) & set(a.client_gpus):
+        p.error(f"--client-gpus {a.client_gpus} share a GPU with --gpus {a.gpus} (sharded-remote keeps them apart)")
+    a.remote = a.remote or bool(a.client_gpus)
     if a.device == "cuda":
         a.parts = len(a.gpus)
-    a.fsdp_batch = a.fsdp_batch or a.batch
+    ranks = len(fsdp_devices(a))
+    a.fsdp_batch = a.fsdp_batch or -(-a.batch // ranks) * ranks
     os.makedirs(a.out, exist_ok=True)
     remove(os.path.join(a.out, "pids"))
 
     if a.gpus:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                                capture_output=True, text=True).stdout.splitlines()
-        hardware = f"{len(a.gpus)} x {names[a.gpus[0]].strip() if names else 'GPU'}"
+        hardware = f"{len(a.gpus + a.client_gpus)} x {names[a.gpus[0]].strip() if names else 'GPU'}"
     else:
         hardware = f"CPU, {a.parts} parts"
-    result = {"hardware": hardware, "model": a.model,
+    result = {"hardware": hardware, "model": a.model, "placement": "sharded-remote" if a.remote else "sharded-local",
+              "target": 3 if a.remote else 4,  # the issue's (the paper's Figures 16 and 17)
               "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens a step, {a.dtype}, AdamW, "
                        f"{a.window_s:.0f} s windows"}
     def cut_short(*_):

@@ -87,6 +87,10 @@
 #                  both ranks together), SHARDED_FSDP_LIMIT (8; 0 skips FSDP), SHARDED_SKIP_SYMBIOSIS=1, SHARDED_CUDA_GRAPH=1,
 #                  SHARDED_FSDP_DEADLINE_S (170), SHARDED_TIMEOUT_S (360); PYTORCH_CUDA_ALLOC_CONF reaches every process;
 #                  SHARDED_PARTS_BY_HAND=1: each part its own process on a GPU seen alone (CUDA_VISIBLE_DEVICES), not --gpus
+#   checkpoint-27b the Gemma-2-27B shape's checkpoint (random, bf16, ~54 GB, ~4 min) for a later call's sharded-remote
+#   sharded-remote issue 31's run 3 (bench/sharded_local.py --client-gpus; 4 GPUs or more): Gemma-2-27B shape, 2 x 64 a
+#                  step, the executor's parts on the first half of the GPUs (at most 4) and their tenants on the second
+#                  half over NCCL, against FSDP + PEFT jobs over all of them; the SHARDED_* settings as sharded-13b
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -134,8 +138,14 @@ case " $* " in *" table5 "*|*" long-context "*)
   ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-7b --dtype bf16 --out $model_7b.tmp > /dev/null \
     && mv $model_7b.tmp $model_7b ) & ;;
 esac
-wait_7b() { while [ ! -f $model_7b/config.json ]; do sleep 1; done; log "7B checkpoint ready"; }
-wait_13b() { while [ ! -f $model_13b/config.json ]; do sleep 1; done; log "13B checkpoint ready"; }
+model_27b=/tmp/gemma-27b
+case " $* " in *" checkpoint-27b "*)
+  ( "$B/tools/symbiosis-make-checkpoint" --preset gemma-2-27b --dtype bf16 --out $model_27b.tmp > /dev/null \
+    && mv $model_27b.tmp $model_27b ) & ;;
+esac
+wait_checkpoint() { while [ ! -f $1/config.json ]; do sleep 1; done; log "$1 ready"; }
+wait_7b() { wait_checkpoint $model_7b; }
+wait_13b() { wait_checkpoint $model_13b; }
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 mps_on() {
@@ -304,6 +314,49 @@ python_package() {
   export PYTHONPATH="$root/python:$ext"
   python3 -c 'import symbiosis' > $logs/python-import.log 2>&1 || { log "symbiosis does not import: $(tail -3 $logs/python-import.log)"; return 1; }
   log "symbiosis._C built here"
+}
+
+# A checkpoint of `preset` at `dir` in bf16, unless an earlier stage wrote it or is writing it (dir.tmp).
+write_checkpoint() {
+  local preset=$1 dir=$2
+  if [ ! -f $dir/config.json ] && [ ! -d $dir.tmp ]; then
+    "$B/tools/symbiosis-make-checkpoint" --preset $preset --dtype bf16 --out $dir.tmp > /dev/null \
+      && mv $dir.tmp $dir || { log "writing the $preset checkpoint failed"; rm -rf $dir.tmp; return 1; }
+  fi
+  wait_checkpoint $dir
+}
+
+# One run of bench/sharded_local.py as `tag` on the checkpoint `model`, its placement and shape in the
+# arguments after them, under SHARDED_TIMEOUT_S (MPS unless SHARDED_MPS=0); prints its table, and
+# what failed where it failed; $out/TAG.json and $out/TAG.err.
+sharded_bench() {
+  local tag=$1 model=$2 run=/tmp/$1
+  shift 2
+  [ "${SHARDED_MPS:-1}" = 1 ] && mps_on
+  local flags=""
+  [ "${SHARDED_CUDA_GRAPH:-0}" = 1 ] && flags="$flags --cuda-graph"
+  [ "${SHARDED_SKIP_SYMBIOSIS:-0}" = 1 ] && flags="$flags --skip-symbiosis"
+  # By hand, each part computes on the cuda:0 of its own CUDA_VISIBLE_DEVICES (the launcher's --gpus is the default).
+  [ "${SHARDED_PARTS_BY_HAND:-0}" = 1 ] && flags="$flags --parts-by-hand"
+  rm -rf $run
+  timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model --build "$B" --out $run \
+    --dtype bf16 --batch 2 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 --window-s "${SHARDED_WINDOW_S:-10}" \
+    --fsdp-limit "${SHARDED_FSDP_LIMIT:-8}" --fsdp-wave 4 --fsdp-deadline-s "${SHARDED_FSDP_DEADLINE_S:-170}" $flags "$@" \
+    > $logs/$tag.txt 2> $logs/$tag.err
+  log "$tag exited $?"
+  # Killed past its own clean-up, it leaves the processes it started: stop them.
+  kill $(cat $run/pids 2> /dev/null) 2> /dev/null
+  cat $logs/$tag.txt
+  grep "^\[sharded_local" $logs/$tag.err | tail -16
+  if grep -q "FAILED" $logs/$tag.txt; then
+    for f in $run/symbiosis/executor.err $run/symbiosis/part*.err; do
+      [ -s "$f" ] && { echo "== $f"; grep -vE "^\[W|^frame #|^Exception raised" "$f" | tail -4; }
+    done
+    tail -4 $logs/$tag.err
+  fi
+  cp $run/sharded_local.json "$out/$tag.json" 2> /dev/null
+  cp $logs/$tag.err "$out/$tag.err"
+  [ "${SHARDED_MPS:-1}" = 1 ] && mps_off
 }
 
 for stage in "$@"; do
@@ -604,37 +657,25 @@ PY
       # alone, then a wave of as many as the memory left fits, a window after each, one more until one fails; no wave
       # starts after SHARDED_FSDP_DEADLINE_S of the FSDP part. A cut-short run still prints what it measured.
       if [ "$gpus" -lt 2 ]; then log "sharded-13b needs 2 GPUs, this machine has $gpus"; continue; fi
-      if [ ! -f $model_13b/config.json ] && [ ! -d $model_13b.tmp ]; then
-        "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
-          && mv $model_13b.tmp $model_13b || { log "sharded-13b: writing the 13B checkpoint failed"; rm -rf $model_13b.tmp; continue; }
-      fi
-      wait_13b
-      [ "${SHARDED_MPS:-1}" = 1 ] && mps_on
-      flags=""
-      [ "${SHARDED_CUDA_GRAPH:-0}" = 1 ] && flags="$flags --cuda-graph"
-      [ "${SHARDED_SKIP_SYMBIOSIS:-0}" = 1 ] && flags="$flags --skip-symbiosis"
-      # By hand, each part computes on the cuda:0 of its own CUDA_VISIBLE_DEVICES (the launcher's --gpus is the default).
-      [ "${SHARDED_PARTS_BY_HAND:-0}" = 1 ] && flags="$flags --parts-by-hand"
-      rm -rf /tmp/sharded-13b
-      timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model_13b --build "$B" --out /tmp/sharded-13b \
-        --gpus 0,1 --dtype bf16 --batch 2 --seq 512 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 \
-        --counts "${SHARDED_COUNTS:-2,4,8,16}" --window-s "${SHARDED_WINDOW_S:-10}" --fsdp-batch "${SHARDED_FSDP_BATCH:-2}" \
-        --fsdp-limit "${SHARDED_FSDP_LIMIT:-8}" --fsdp-wave 4 --fsdp-deadline-s "${SHARDED_FSDP_DEADLINE_S:-170}" $flags \
-        > $logs/sharded-13b.txt 2> $logs/sharded-13b.err
-      log "sharded-13b exited $?"
-      # Killed past its own clean-up, it leaves the processes it started: stop them.
-      kill $(cat /tmp/sharded-13b/pids 2> /dev/null) 2> /dev/null
-      cat $logs/sharded-13b.txt
-      grep "^\[sharded_local" $logs/sharded-13b.err | tail -16
-      if grep -q "FAILED" $logs/sharded-13b.txt; then
-        for f in /tmp/sharded-13b/symbiosis/executor.err /tmp/sharded-13b/symbiosis/part*.err; do
-          [ -s "$f" ] && { echo "== $f"; grep -vE "^\[W|^frame #|^Exception raised" "$f" | tail -4; }
-        done
-        tail -4 $logs/sharded-13b.err
-      fi
-      cp /tmp/sharded-13b/sharded_local.json "$out/sharded-13b.json" 2> /dev/null
-      cp $logs/sharded-13b.err "$out/sharded-13b.err"
-      [ "${SHARDED_MPS:-1}" = 1 ] && mps_off
+      write_checkpoint llama-2-13b $model_13b || continue
+      sharded_bench sharded-13b $model_13b --gpus 0,1 --seq 512 --counts "${SHARDED_COUNTS:-2,4,8,16}" \
+        --fsdp-batch "${SHARDED_FSDP_BATCH:-2}"
+      ;;
+    checkpoint-27b)
+      # The Gemma-2-27B checkpoint alone (~4 min; started with the script), for a later call's sharded-remote.
+      wait_checkpoint $model_27b
+      ;;
+    sharded-remote)
+      # Issue 31's run 3 as sharded-13b runs run 2: Gemma-2-27B shape (random, bf16), LoRA r8 on q,k,v,o, 2 x 64 a step
+      # (the paper's Figure 17). The executor's parts on the first half of the GPUs (at most 4), each part's tenants on a
+      # GPU of the second half over NCCL, at SHARDED_COUNTS (4,8,16,32) tenants, against FSDP jobs over all of them
+      # (SHARDED_FSDP_BATCH: 2 sequences a rank). The paper's run is 4 + 4 GPUs against FSDP over 8.
+      if [ "$gpus" -lt 4 ]; then log "sharded-remote needs 4 GPUs, this machine has $gpus"; continue; fi
+      half=$(( gpus / 2 > 4 ? 4 : gpus / 2 ))
+      write_checkpoint gemma-2-27b $model_27b || continue
+      sharded_bench sharded-remote $model_27b --gpus "$(seq -s, 0 $((half - 1)))" \
+        --client-gpus "$(seq -s, $half $((2 * half - 1)))" --seq 64 --counts "${SHARDED_COUNTS:-4,8,16,32}" \
+        --fsdp-batch "${SHARDED_FSDP_BATCH:-$((4 * half))}"
       ;;
     long-context)
       # Issue 28 in one run of symbiosis-bench-long-context against one executor on cuda:0 (its two clients, cuda-ipc

@@ -332,10 +332,10 @@ ModelSpec gpt_bigcode_spec(const GPT2Shape& s, bool multi_query) {
 const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
                                            "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
                                            "tiny-gpt-bigcode-mha", "llama-3.2-1b", "llama-2-7b", "llama-2-13b",
-                                           "gpt2-xl"};
+                                           "gemma-2-27b", "gpt2-xl"};
 
 // Presets' configs follow the Hub's config.json of each model (meta-llama/Llama-3.2-1B,
-// meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, openai-community/gpt2-xl). layers >= 0
+// meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, google/gemma-2-27b, openai-community/gpt2-xl). layers >= 0
 // overrides the number of layers.
 ModelSpec preset_spec(const std::string& name, int64_t layers) {
   auto n = [&](int64_t preset_layers) { return layers >= 0 ? layers : preset_layers; };
@@ -371,6 +371,12 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
   }
   if (name == "llama-2-7b") return llama_spec({32000, 4096, 11008, n(32), 32, 32, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
   if (name == "llama-2-13b") return llama_spec({32000, 5120, 13824, n(40), 40, 40, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
+  // Sliding windows of 4096 in every other layer, soft caps 50 (scores) and 30 (logits), scores
+  // scaled by 1/sqrt(144) (hidden / heads), not 1/sqrt(head_dim).
+  if (name == "gemma-2-27b") {
+    return gemma2_spec({256000, 4608, 36864, n(46), 32, 16, 8192, 1e-6, 10000.0, nullptr, true, 2, 1},
+                       {128, 4096, 144, 50.0, 30.0});
+  }
   if (name == "gpt2-xl") return gpt2_spec({50257, 1024, 1600, n(48), 25, 50256});
   std::string known;
   for (const auto& p : kPresets) known += (known.empty() ? "" : ", ") + p;

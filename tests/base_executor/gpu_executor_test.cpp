@@ -86,19 +86,22 @@ TEST(ShardedGpuTest, OnePartOnOneGpuServesClientsAsMonolithicRunsCompute) {
   EXPECT_EQ(parts[0]->stats().errors, 0u);
 }
 
-// The launcher's parts on the first `gpus` GPUs, clients on every part, each equal to its
-// monolithic run; the launcher then stops cleanly.
-void parts_on_gpus_serve_clients_of_all(int gpus) {
+// The launcher's parts on the first `gpus` GPUs, the clients `clients_of` gives on every part, each
+// equal to its monolithic run; the launcher then stops cleanly.
+template <typename Clients>
+void parts_on_gpus_serve(int gpus, Clients clients_of) {
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto logs = testing::temp_dir("sharded-gpus");
   std::string list;
   for (int g = 0; g < gpus; ++g) list += (g ? "," : "") + std::to_string(g);
   auto launched = testing::launch_parts(dir, {"--gpus", list, "--dtype", "fp32"}, gpus, logs);
   ASSERT_EQ(launched.endpoints.size(), static_cast<size_t>(gpus)) << bench::read_file(logs / "err");
-  EXPECT_TRUE(testing::run_all(clients_of_parts(launched.endpoints, dir))) << bench::read_file(logs / "err");
+  EXPECT_TRUE(testing::run_all(clients_of(launched.endpoints, dir))) << bench::read_file(logs / "err");
   ::kill(launched.launcher, SIGTERM);
   EXPECT_TRUE(testing::exited_ok(launched.launcher)) << bench::read_file(logs / "err");
 }
+
+void parts_on_gpus_serve_clients_of_all(int gpus) { parts_on_gpus_serve(gpus, clients_of_parts); }
 
 TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(2);
@@ -108,6 +111,22 @@ TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute)
 TEST(ShardedGpuTest, FourPartsOnFourGpusServeClientsOfAllAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(4);
   parts_on_gpus_serve_clients_of_all(4);
+}
+
+// Sharded-remote (the paper's Figure 5): parts on GPUs 0 and 1, each part's clients on a GPU of
+// their own (2 and 3), over NCCL, two a part, each equal to its monolithic run.
+TEST(ShardedGpuTest, TwoPartsServeNcclClientsOnTwoOtherGpusAsMonolithicRunsCompute) {
+  SKIP_WITHOUT_GPUS(4);
+  parts_on_gpus_serve(2, [](const std::vector<std::string>& endpoints, const std::filesystem::path& dir) {
+    const std::vector<std::string> verify = {"--verify", "--steps", "3", "--tolerance", "5e-5", "--adapter-tolerance", "1e-4"};
+    std::vector<std::vector<std::string>> clients;
+    for (size_t i = 0; i < endpoints.size(); ++i) {
+      for (int twice = 0; twice < 2; ++twice) {
+        clients.push_back(testing::demo_client(endpoints[i], dir, "cuda:" + std::to_string(2 + i), "nccl", verify));
+      }
+    }
+    return clients;
+  });
 }
 
 // [Stream's device] (transport/cuda_ipc/cuda_ipc.h): a same-GPU client on a GPU other than the
