@@ -155,7 +155,7 @@ def start_executor(a, directory):
     docs/operating.md starts a multi-host executor's, each on a GPU seen alone (CUDA_VISIBLE_DEVICES:
     the part computes on its cuda:0)."""
     common = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--dtype", a.dtype,
-              "--listen", "tcp://127.0.0.1:*", "--batching", "opportunistic", "--max-wait", str(a.max_wait_us),
+              "--listen", "tcp://127.0.0.1:*", "--batching", a.batching, "--max-wait", str(a.max_wait_us),
               "--log-level", "warn"]
     if a.device == "cpu":
         common += ["--threads", "1"]  # a smoke run: a part's GEMM threads would take the cores the clients need
@@ -473,6 +473,8 @@ def main():
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batching", default="opportunistic", choices=["none", "lockstep", "opportunistic"],
+                   help="the executor's batching policy")
     p.add_argument("--max-wait-us", type=int, default=150, help="the executor's opportunistic batching wait")
     p.add_argument("--counts", default="2,4,8,16", help="tenants at once, in order")
     p.add_argument("--window-s", type=float, default=10.0)
@@ -510,7 +512,8 @@ def main():
     result = {"hardware": hardware, "model": a.model, "placement": "sharded-remote" if a.remote else "sharded-local",
               "target": 3 if a.remote else 4,  # the issue's (the paper's Figures 16 and 17)
               "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens a step, {a.dtype}, AdamW, "
-                       f"{a.window_s:.0f} s windows"}
+                       f"{a.window_s:.0f} s windows; executor batching {a.batching}"
+                       + (f" {a.max_wait_us} us" if a.batching == "opportunistic" else "")}
     def cut_short(*_):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up that follows must not be cut short too
         sys.exit("stopped by SIGTERM (a timeout?)")
