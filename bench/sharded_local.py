@@ -390,8 +390,11 @@ def run_fsdp(a, result):
         section["gpu_memory_before_mib"] = memory.before
         peaks = memory.stop()
         section["gpu_memory_peak_mib"] = peaks
-        if running and memory.gpus:
-            section["gpu_memory_per_job_mib"] = max((p - b) / len(running) for p, b in zip(peaks, memory.before))
+        if section["windows"] and memory.gpus:
+            # From the last window's peak: the overall one also holds what a job that failed to start took.
+            last = section["windows"][-1]
+            section["gpu_memory_per_job_mib"] = max((p - b) / len(last["jobs"])
+                                                    for p, b in zip(last["gpu_memory_peak_mib"], memory.before))
         for window in section["windows"]:
             measured = [results[i] for i in window["jobs"] if i in results]
             window.update(window_figures(measured, window["start"], window["end"]))
