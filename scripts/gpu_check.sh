@@ -87,11 +87,13 @@
 #                  both ranks together), SHARDED_FSDP_LIMIT (8; 0 skips FSDP), SHARDED_SKIP_SYMBIOSIS=1, SHARDED_CUDA_GRAPH=1,
 #                  SHARDED_FSDP_DEADLINE_S (170), SHARDED_TIMEOUT_S (360); PYTORCH_CUDA_ALLOC_CONF reaches every process;
 #                  SHARDED_PARTS_BY_HAND=1: each part its own process on a GPU seen alone (CUDA_VISIBLE_DEVICES), not --gpus;
-#                  SHARDED_BATCHING (opportunistic) and SHARDED_MAX_WAIT_US (150): the executor's batching
+#                  SHARDED_BATCHING (opportunistic), SHARDED_MAX_WAIT_US (150) and SHARDED_ROUND_BATCHES (1): the
+#                  executor's batching and rounds
 #   checkpoint-27b the Gemma-2-27B shape's checkpoint (random, bf16, ~54 GB, ~4 min) for a later call's sharded-remote
 #   sharded-remote issue 31's run 3 (bench/sharded_local.py --client-gpus; 4 GPUs or more): Gemma-2-27B shape, 2 x 64 a
 #                  step, the executor's parts on the first half of the GPUs (at most 4) and their tenants on the second
-#                  half over NCCL, against FSDP + PEFT jobs over all of them; the SHARDED_* settings as sharded-13b
+#                  half over NCCL, against FSDP + PEFT jobs over all of them; the SHARDED_* settings as sharded-13b,
+#                  and SHARDED_27B_LAYERS: a model of that many layers only (quicker, to compare settings)
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -317,11 +319,12 @@ python_package() {
   log "symbiosis._C built here"
 }
 
-# A checkpoint of `preset` at `dir` in bf16, unless an earlier stage wrote it or is writing it (dir.tmp).
+# A checkpoint of `preset` at `dir` in bf16 (the preset's layers, or `layers`), unless an earlier stage
+# wrote it or is writing it (dir.tmp).
 write_checkpoint() {
-  local preset=$1 dir=$2
+  local preset=$1 dir=$2 layers=${3:-}
   if [ ! -f $dir/config.json ] && [ ! -d $dir.tmp ]; then
-    "$B/tools/symbiosis-make-checkpoint" --preset $preset --dtype bf16 --out $dir.tmp > /dev/null \
+    "$B/tools/symbiosis-make-checkpoint" --preset $preset ${layers:+--layers $layers} --dtype bf16 --out $dir.tmp > /dev/null \
       && mv $dir.tmp $dir || { log "writing the $preset checkpoint failed"; rm -rf $dir.tmp; return 1; }
   fi
   wait_checkpoint $dir
@@ -343,7 +346,8 @@ sharded_bench() {
   timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model --build "$B" --out $run \
     --dtype bf16 --batch 2 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 --window-s "${SHARDED_WINDOW_S:-10}" \
     --fsdp-limit "${SHARDED_FSDP_LIMIT:-8}" --fsdp-wave 4 --fsdp-deadline-s "${SHARDED_FSDP_DEADLINE_S:-170}" \
-    --batching "${SHARDED_BATCHING:-opportunistic}" --max-wait-us "${SHARDED_MAX_WAIT_US:-150}" $flags "$@" \
+    --batching "${SHARDED_BATCHING:-opportunistic}" --max-wait-us "${SHARDED_MAX_WAIT_US:-150}" \
+    --round-batches "${SHARDED_ROUND_BATCHES:-1}" $flags "$@" \
     > $logs/$tag.txt 2> $logs/$tag.err
   log "$tag exited $?"
   # Killed past its own clean-up, it leaves the processes it started: stop them.
@@ -674,8 +678,10 @@ PY
       # (SHARDED_FSDP_BATCH: 2 sequences a rank). The paper's run is 4 + 4 GPUs against FSDP over 8.
       if [ "$gpus" -lt 4 ]; then log "sharded-remote needs 4 GPUs, this machine has $gpus"; continue; fi
       half=$(( gpus / 2 > 4 ? 4 : gpus / 2 ))
-      write_checkpoint gemma-2-27b $model_27b || continue
-      sharded_bench sharded-remote $model_27b --gpus "$(seq -s, 0 $((half - 1)))" \
+      # SHARDED_27B_LAYERS: a model of that many of its layers (a quicker run, for comparing settings).
+      model=$model_27b${SHARDED_27B_LAYERS:+-$SHARDED_27B_LAYERS-layers}
+      write_checkpoint gemma-2-27b $model "${SHARDED_27B_LAYERS:-}" || continue
+      sharded_bench sharded-remote $model --gpus "$(seq -s, 0 $((half - 1)))" \
         --client-gpus "$(seq -s, $half $((2 * half - 1)))" --seq 64 --counts "${SHARDED_COUNTS:-4,8,16,32}" \
         --fsdp-batch "${SHARDED_FSDP_BATCH:-$((4 * half))}"
       ;;
