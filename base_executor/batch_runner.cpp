@@ -198,46 +198,53 @@ std::vector<at::Tensor> BatchRunner::read_inputs(CallBatcher::Batch& batch, uint
 // device is computed straight from the client's buffer into the client's buffer, with no copy; so
 // is a batch of such requests that are each large (kInPlaceTokens), one GEMM after another. A
 // sharded executor's batches are always packed: the parts compute them together ([Rounds] in
-// parts.h; run_turn).
+// parts.h).
 // Returns each request's result rows (views into the batch result, or its destination).
 std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
   auto& requests = batch.requests;
   const uint64_t number = ++batches_;
   std::vector<int64_t> first_row;
-  const at::Device device = model_.device();
-  const auto inputs = read_inputs(batch, number);
-  // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
-  // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
-  // them would add two copies of every row and gain nothing.
-  bool in_place = true;
-  for (size_t i = 0; i < requests.size() && in_place; ++i) {
-    const auto& w = requests[i].payload;
-    in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() &&
-               inputs[i].device() == device && (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
-  }
-  if (in_place) {
-    std::vector<at::Tensor> rows;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      auto& w = requests[i].payload;
-      const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
-      if (w.channel->compute_replayed(w.header, inputs[i], w.destination, compute)) {
-        statistics_.replayed_calls++;
-      } else {
-        compute();
-      }
-      rows.push_back(w.destination);
+  at::Tensor y;
+  if (parts_) {
+    const RoundOffer offer{RoundOffer::kBatch, batch.layer_id, batch.op, batch.tokens,
+                           requests[0].payload.header.features};
+    y = parts_->compute(model_, parts_->rank(), offer, [&] { return pack(batch, number, read_inputs(batch, number), first_row); });
+  } else {
+    const at::Device device = model_.device();
+    const auto inputs = read_inputs(batch, number);
+    // Requests that are read and written in place (CUDA IPC buffers) and each large enough to keep
+    // the GPU busy alone run one GEMM each, straight from and into the clients' buffers: packing
+    // them would add two copies of every row and gain nothing.
+    bool in_place = true;
+    for (size_t i = 0; i < requests.size() && in_place; ++i) {
+      const auto& w = requests[i].payload;
+      in_place = w.destination.defined() && w.destination.device() == device && inputs[i].defined() &&
+                 inputs[i].device() == device && (requests.size() == 1 || w.header.tokens >= kInPlaceTokens);
     }
-    return rows;
-  }
+    if (in_place) {
+      std::vector<at::Tensor> rows;
+      for (size_t i = 0; i < requests.size(); ++i) {
+        auto& w = requests[i].payload;
+        const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
+        if (w.channel->compute_replayed(w.header, inputs[i], w.destination, compute)) {
+          statistics_.replayed_calls++;
+        } else {
+          compute();
+        }
+        rows.push_back(w.destination);
+      }
+      return rows;
+    }
 #ifdef SYMBIOSIS_WITH_CUDA
-  if (replays_ && replays_->run(batch, inputs)) {
-    statistics_.replayed_calls += requests.size();
-    std::vector<at::Tensor> rows;
-    for (const auto& r : requests) rows.push_back(r.payload.destination);
-    return rows;
-  }
+    if (replays_ && replays_->run(batch, inputs)) {
+      statistics_.replayed_calls += requests.size();
+      std::vector<at::Tensor> rows;
+      for (const auto& r : requests) rows.push_back(r.payload.destination);
+      return rows;
+    }
 #endif
-  const auto y = model_.compute(batch.layer_id, batch.op, pack(batch, number, inputs, first_row));
+    y = model_.compute(batch.layer_id, batch.op, pack(batch, number, inputs, first_row));
+  }
   std::vector<at::Tensor> rows;
   for (size_t i = 0; i < requests.size(); ++i) rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
   return rows;
@@ -346,10 +353,6 @@ void BatchRunner::deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& re
   }
 }
 
-RoundOffer round_offer(const CallBatcher::Batch& batch) {
-  return {RoundOffer::kBatch, batch.layer_id, batch.op, batch.tokens, batch.requests[0].payload.header.features};
-}
-
 void BatchRunner::run(CallBatcher::Batch& batch) {
   const auto started = Statistics::Clock::now();
   std::vector<at::Tensor> results;
@@ -357,43 +360,9 @@ void BatchRunner::run(CallBatcher::Batch& batch) {
   try {
     results = compute(batch);
   } catch (const std::exception& e) {
-    failure = status_of_exception(e, StatusCode::kInternal);
-  }
-  answer(batch, results, failure, started, Statistics::Clock::now());
-}
-
-void BatchRunner::run_turn(std::vector<CallBatcher::Batch>& batches) {
-  const auto started = Statistics::Clock::now();
-  std::vector<RoundOffer> offers;
-  for (const auto& batch : batches) offers.push_back(round_offer(batch));
-  std::vector<std::vector<int64_t>> first_rows(batches.size());
-  std::vector<at::Tensor> ys;
-  std::optional<Status> failure;
-  try {
-    ys = parts_->compute(model_, parts_->rank(), offers, [&] {
-      std::vector<at::Tensor> inputs;
-      for (size_t i = 0; i < batches.size(); ++i) {
-        const uint64_t number = ++batches_;
-        inputs.push_back(pack(batches[i], number, read_inputs(batches[i], number), first_rows[i]));
-      }
-      return inputs;
-    });
-  } catch (const std::exception& e) {
-    failure = parts_->lost() ? *parts_->lost() : status_of_exception(e, StatusCode::kInternal);
+    failure = parts_ && parts_->lost() ? *parts_->lost() : status_of_exception(e, StatusCode::kInternal);
   }
   const auto computed = Statistics::Clock::now();
-  for (size_t i = 0; i < batches.size(); ++i) {
-    std::vector<at::Tensor> rows;
-    for (size_t j = 0; !failure && j < batches[i].requests.size(); ++j) {
-      rows.push_back(ys[i].narrow(0, first_rows[i][j], batches[i].requests[j].payload.header.tokens));
-    }
-    answer(batches[i], rows, failure, started, computed);
-  }
-}
-
-void BatchRunner::answer(CallBatcher::Batch& batch, std::vector<at::Tensor>& results,
-                         const std::optional<Status>& failure, Statistics::Clock::time_point started,
-                         Statistics::Clock::time_point computed) {
   try {
     if (failure) {
       refuse(batch, *failure);

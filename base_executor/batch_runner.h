@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "base_executor/base_model.h"
@@ -26,9 +25,6 @@ struct Call {
 };
 using CallBatcher = Batcher<Call>;
 
-// [Rounds] (parts.h): what a part offers for `batch`.
-RoundOffer round_offer(const CallBatcher::Batch& batch);
-
 class ReplayedBatches;  // [Replayed batches], batch_runner.cpp
 class Parts;            // parts.h
 
@@ -38,11 +34,8 @@ class BatchRunner {
   // parts: a sharded executor's ([Parts] in parts.h), with whom every batch is computed; null: alone.
   BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input = {}, Parts* parts = nullptr);
   ~BatchRunner();
-  // Computes the batch and answers its calls (without parts).
+  // With parts, the other parts must be computing this batch with it ([Rounds] in parts.h).
   void run(CallBatcher::Batch& batch);
-  // With parts: this part's batches of a round, computed with the other parts ([Rounds] in parts.h)
-  // and answered; refused, each call, should the parts be lost meanwhile.
-  void run_turn(std::vector<CallBatcher::Batch>& batches);
   // Answers each of the batch's calls with `status`.
   void refuse(CallBatcher::Batch& batch, const Status& status);
 
@@ -56,9 +49,6 @@ class BatchRunner {
   at::Tensor pack(CallBatcher::Batch& batch, uint64_t number, const std::vector<at::Tensor>& inputs,
                   std::vector<int64_t>& first_row);
   void deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& results);
-  // Delivers the results, or refuses every call with `failure`, and records the batch.
-  void answer(CallBatcher::Batch& batch, std::vector<at::Tensor>& results, const std::optional<Status>& failure,
-              Statistics::Clock::time_point started, Statistics::Clock::time_point computed);
 
   const BaseModel& model_;
   Statistics& statistics_;

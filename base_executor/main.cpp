@@ -114,10 +114,6 @@ int main(int argc, char** argv) {
   app.add_option("--part-timeout", part_timeout_ms,
                  "a part waits this long for the others in a collective before it counts them lost (ms)")
       ->capture_default_str();
-  app.add_option("--round-batches", parts.round_batches,
-                 "a part offers up to this many batches in one round, their activations moved together "
-                 "(every part the same)")
-      ->capture_default_str();
   app.add_option("--parts", launch_parts,
                  "start a sharded executor of this many parts on this host, one process each (with --device cpu)");
   app.add_option("--gpus", launch_gpus,

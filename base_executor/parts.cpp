@@ -19,7 +19,6 @@ namespace symbiosis {
 namespace {
 
 constexpr int64_t kOfferFields = 5;  // kind, layer, op, tokens, features
-constexpr int kMostRoundBatches = 64;
 
 std::pair<std::string, uint16_t> host_and_port(const std::string& rendezvous) {
   const auto colon = rendezvous.rfind(':');
@@ -58,8 +57,6 @@ void PartOptions::validate() const {
   TORCH_CHECK(rank >= 0 && rank < world_size, "executor option --rank must be 0 to --world-size - 1 (",
               world_size - 1, "), got ", rank);
   TORCH_CHECK(timeout.count() > 0, "executor option --part-timeout must be > 0 ms, got ", timeout.count());
-  TORCH_CHECK(round_batches >= 1 && round_batches <= kMostRoundBatches, "executor option --round-batches must be 1 to ",
-              kMostRoundBatches, ", got ", round_batches);
   host_and_port(rendezvous);
 }
 
@@ -84,7 +81,7 @@ void Parts::finish(const c10::intrusive_ptr<c10d::Work>& work, const char* what)
 void Parts::leave() {
   if (lost_) return;
   try {
-    exchange({{RoundOffer::kLeaving}});
+    exchange({RoundOffer::kLeaving});
   } catch (const std::exception& e) {
     spdlog::warn("executor {} could not tell the other parts it stops: {}", name(), e.what());
   }
@@ -142,147 +139,90 @@ PartGroups PartGroups::join(const PartOptions& options, at::Device device, const
 std::unique_ptr<Parts> Parts::join(const PartOptions& options, at::Device device) {
   auto parts = std::unique_ptr<Parts>(new Parts(options, device));
   *parts->groups_ = PartGroups::join(options, device, parts->name());
-  // Every part's offers must be the same size: all parts agree on --round-batches, or none starts.
-  std::vector<at::Tensor> mine{at::tensor({static_cast<int64_t>(options.round_batches)}, at::kLong)};
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int i = 0; i < options.world_size; ++i) all[0].push_back(at::empty({1}, at::kLong));
-  parts->finish(parts->groups_->control->allgather(all, mine), "agreeing on --round-batches");
-  for (int i = 0; i < options.world_size; ++i) {
-    const auto theirs = all[0][i].item<int64_t>();
-    TORCH_CHECK(theirs == options.round_batches, "executor ", parts->name(), " has --round-batches ",
-                options.round_batches, " but part ", i, " has ", theirs, ": every part must have the same");
-  }
   spdlog::info("joined the executor's parts as {} (rendezvous {})", parts->name(), options.rendezvous);
   return parts;
 }
 
-std::vector<std::vector<RoundOffer>> Parts::exchange(const std::vector<RoundOffer>& mine) {
+std::vector<RoundOffer> Parts::exchange(const RoundOffer& mine) {
   const int n = size();
-  const int64_t slots = options_.round_batches;
-  TORCH_CHECK(static_cast<int64_t>(mine.size()) <= slots, "a part offered ", mine.size(), " batches in a round of at most ",
-              slots);
-  auto input = at::zeros({slots, kOfferFields}, at::kLong);  // kNone in the slots not offered
-  auto* f = input.data_ptr<int64_t>();
-  for (size_t i = 0; i < mine.size(); ++i, f += kOfferFields) {
-    const auto& o = mine[i];
-    f[0] = o.kind, f[1] = o.layer_id, f[2] = static_cast<int64_t>(o.op), f[3] = o.tokens, f[4] = o.features;
-  }
-  std::vector<at::Tensor> inputs{input};
+  std::vector<at::Tensor> input{at::tensor({static_cast<int64_t>(mine.kind), static_cast<int64_t>(mine.layer_id),
+                                            static_cast<int64_t>(mine.op), mine.tokens, mine.features},
+                                           at::kLong)};
   std::vector<std::vector<at::Tensor>> output(1);
-  for (int i = 0; i < n; ++i) output[0].push_back(at::empty({slots, kOfferFields}, at::kLong));
-  finish(groups_->control->allgather(output, inputs), "a round's exchange");
-  std::vector<std::vector<RoundOffer>> offers(n);
+  for (int i = 0; i < n; ++i) output[0].push_back(at::empty({kOfferFields}, at::kLong));
+  finish(groups_->control->allgather(output, input), "a round's exchange");
+  std::vector<RoundOffer> offers(n);
   for (int i = 0; i < n; ++i) {
-    const auto* g = output[0][i].data_ptr<int64_t>();
-    for (int64_t slot = 0; slot < slots; ++slot, g += kOfferFields) {
-      if (g[0] == RoundOffer::kNone) continue;
-      offers[i].push_back({static_cast<RoundOffer::Kind>(g[0]), static_cast<uint32_t>(g[1]), static_cast<LayerOp>(g[2]),
-                           g[3], g[4]});
-    }
+    const auto* f = output[0][i].data_ptr<int64_t>();
+    offers[i] = {static_cast<RoundOffer::Kind>(f[0]), static_cast<uint32_t>(f[1]), static_cast<LayerOp>(f[2]), f[3], f[4]};
   }
   return offers;
 }
 
-std::vector<at::Tensor> Parts::compute(const BaseModel& model, int owner, const std::vector<RoundOffer>& batches,
-                                       const std::function<std::vector<at::Tensor>()>& inputs) {
-  const auto options = at::TensorOptions().dtype(model.layer(batches.at(0).layer_id).dtype).device(device_);
+at::Tensor Parts::compute(const BaseModel& model, int owner, const RoundOffer& batch,
+                          const std::function<at::Tensor()>& input) {
+  const auto& layer = model.layer(batch.layer_id);
+  const auto options = at::TensorOptions().dtype(layer.dtype).device(device_);
   const bool mine = owner == rank();
-  // Where each batch's rows lie in the round's buffers (elements): its input, and its forward
-  // output columns or backward-input share.
-  std::vector<int64_t> input_at, output_at, widest(batches.size(), 0);
-  int64_t input_size = 0, forward_size = 0, backward_size = 0;
-  for (size_t i = 0; i < batches.size(); ++i) {
-    const auto& b = batches[i];
-    TORCH_CHECK(model.layer(b.layer_id).dtype == options.dtype(), "a round's batches must share one dtype");
-    input_at.push_back(input_size);
-    input_size += b.tokens * b.features;
-    if (b.op == LayerOp::kBackwardInput) {  // [tokens, in features]: every part's share of the sum
-      output_at.push_back(backward_size);
-      backward_size += b.tokens * model.layer(b.layer_id).in_features;
-    } else {
-      // Every part sends the widest part's width: the gather wants one size from each.
-      for (int part = 0; part < size(); ++part) widest[i] = std::max(widest[i], model.local_width(b.layer_id, part));
-      output_at.push_back(forward_size);
-      forward_size += b.tokens * widest[i];
-    }
-  }
-  // 1. Every part gets the owner's inputs, in one buffer.
   std::exception_ptr failure;
   at::Tensor x;
   if (mine) {
     try {
-      std::vector<at::Tensor> flat;
-      for (const auto& input : inputs()) flat.push_back(input.contiguous().view(-1));
-      x = flat.size() == 1 ? flat[0] : at::cat(flat);
+      x = input().contiguous();
     } catch (...) {
       failure = std::current_exception();
     }
   }
-  if (!x.defined()) x = mine ? at::zeros({input_size}, options) : at::empty({input_size}, options);
+  if (!x.defined()) x = mine ? at::zeros({batch.tokens, batch.features}, options) : at::empty({batch.tokens, batch.features}, options);
+  // 1. Every part gets the owner's input.
   std::vector<at::Tensor> broadcast{x};
   c10d::BroadcastOptions from_owner;
   from_owner.rootRank = owner;
-  finish(groups_->data->broadcast(broadcast, from_owner), "broadcasting a round's inputs");
-  // 2. Each part's share of every batch: forward columns (padded to the widest part's width) and
-  // backward-input rows' parts of the sum, each kind in one buffer.
-  auto forward = at::empty({forward_size}, options), backward = at::empty({backward_size}, options);
-  for (size_t i = 0; i < batches.size(); ++i) {
-    const auto& b = batches[i];
-    const auto input = x.narrow(0, input_at[i], b.tokens * b.features).view({b.tokens, b.features});
-    if (b.op == LayerOp::kBackwardInput) {
-      const int64_t in = model.layer(b.layer_id).in_features;
-      auto out = backward.narrow(0, output_at[i], b.tokens * in).view({b.tokens, in});
-      std::vector<at::Tensor> pieces;
-      for (const auto& block : model.columns(b.layer_id, rank())) pieces.push_back(input.narrow(1, block.global, block.width));
-      model.compute_into(b.layer_id, b.op, pieces.size() == 1 ? pieces[0] : at::cat(pieces, 1), out);
-      continue;
-    }
-    auto out = forward.narrow(0, output_at[i], b.tokens * widest[i]).view({b.tokens, widest[i]});
-    const int64_t width = model.local_width(b.layer_id, rank());
-    if (width == widest[i]) {
-      model.compute_into(b.layer_id, b.op, input, out);
-    } else {
-      out.narrow(1, 0, width).copy_(model.compute(b.layer_id, b.op, input));
-    }
-  }
-  // 3. The owner gathers every part's columns and sums the parts' shares.
-  std::vector<std::vector<at::Tensor>> gathered(mine ? 1 : 0);  // only the owner receives
-  if (forward_size > 0) {
-    if (mine) {
-      for (int part = 0; part < size(); ++part) gathered[0].push_back(at::empty({forward_size}, options));
-    }
-    std::vector<at::Tensor> sent{forward};
-    c10d::GatherOptions to_owner;
-    to_owner.rootRank = owner;
-    finish(groups_->data->gather(gathered, sent, to_owner), "gathering a round's output columns");
-  }
-  if (backward_size > 0) {
-    std::vector<at::Tensor> sum{backward};
+  finish(groups_->data->broadcast(broadcast, from_owner), "broadcasting a batch's input");
+  at::Tensor result;
+  const auto& blocks = model.columns(batch.layer_id, rank());
+  if (batch.op == LayerOp::kBackwardInput) {
+    // 2. Backward-input: each part's rows' share of the sum, summed at the owner.
+    std::vector<at::Tensor> pieces;
+    for (const auto& b : blocks) pieces.push_back(x.narrow(1, b.global, b.width));
+    auto share = model.compute(batch.layer_id, batch.op, pieces.size() == 1 ? pieces[0] : at::cat(pieces, 1));
+    std::vector<at::Tensor> sum{share};
     c10d::ReduceOptions to_owner;
     to_owner.rootRank = owner;
     to_owner.reduceOp = c10d::ReduceOp::SUM;
-    finish(groups_->data->reduce(sum, to_owner), "summing a round's input gradients");
-  }
-  if (failure) std::rethrow_exception(failure);
-  std::vector<at::Tensor> results;
-  if (!mine) return results;
-  for (size_t i = 0; i < batches.size(); ++i) {
-    const auto& b = batches[i];
-    if (b.op == LayerOp::kBackwardInput) {
-      const int64_t in = model.layer(b.layer_id).in_features;
-      results.push_back(backward.narrow(0, output_at[i], b.tokens * in).view({b.tokens, in}));
-      continue;
+    finish(groups_->data->reduce(sum, to_owner), "summing a batch's input gradients");
+    if (mine) result = share;
+  } else {
+    // 2. Forward: each part's columns, gathered at the owner (every part sends the widest part's
+    // width: the collective wants one size).
+    int64_t widest = 0;
+    for (int part = 0; part < size(); ++part) widest = std::max(widest, model.local_width(batch.layer_id, part));
+    const int64_t width = model.local_width(batch.layer_id, rank());
+    auto padded = width == widest ? at::empty({batch.tokens, widest}, options) : at::zeros({batch.tokens, widest}, options);
+    if (width == widest) {
+      model.compute_into(batch.layer_id, batch.op, x, padded);
+    } else {
+      padded.narrow(1, 0, width).copy_(model.compute(batch.layer_id, batch.op, x));
     }
-    auto result = at::empty({b.tokens, model.layer(b.layer_id).out_features}, options);
-    for (int part = 0; part < size(); ++part) {
-      const auto columns = gathered[0][part].narrow(0, output_at[i], b.tokens * widest[i]).view({b.tokens, widest[i]});
-      for (const auto& block : model.columns(b.layer_id, part)) {
-        result.narrow(1, block.global, block.width).copy_(columns.narrow(1, block.local, block.width));
+    std::vector<std::vector<at::Tensor>> gathered(mine ? 1 : 0);  // only the owner receives
+    if (mine) {
+      for (int part = 0; part < size(); ++part) gathered[0].push_back(at::empty({batch.tokens, widest}, options));
+    }
+    std::vector<at::Tensor> sent{padded};
+    c10d::GatherOptions to_owner;
+    to_owner.rootRank = owner;
+    finish(groups_->data->gather(gathered, sent, to_owner), "gathering a batch's output columns");
+    if (mine) {
+      result = at::empty({batch.tokens, layer.out_features}, options);
+      for (int part = 0; part < size(); ++part) {
+        for (const auto& b : model.columns(batch.layer_id, part)) {
+          result.narrow(1, b.global, b.width).copy_(gathered[0][part].narrow(1, b.local, b.width));
+        }
       }
     }
-    results.push_back(result);
   }
-  return results;
+  if (failure) std::rethrow_exception(failure);
+  return result;
 }
 
 }  // namespace symbiosis

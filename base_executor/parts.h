@@ -8,14 +8,12 @@
 // The parts join through LibTorch's distributed library (c10d): a TCP store for the rendezvous, a
 // Gloo process group between their CPUs, and on GPUs a NCCL process group for the activations.
 //
-// [Rounds] The parts run in rounds. In each, every part offers the batches its Batcher gives (none,
-// one, or up to --round-batches of different layers), and one all-gather over Gloo tells every part
-// what all of them offer. Then, part by part in rank order, each part's batches are computed by
-// all: the owner broadcasts the batches' packed inputs (one buffer), each part multiplies each by
-// its share (forward: its columns of the output, with the full reduction, so a row equals the
-// one-GPU product; backward-input: its rows' part of the sum), and the owner gathers the columns
-// (forward) and sums the parts (backward-input) into the batches' results, one collective for each
-// kind however many batches: a round's cost in collectives does not grow with its batches. Tensor
+// [Rounds] The parts run in rounds. In each, every part offers the batch its Batcher gave (or
+// none), and one all-gather over Gloo tells every part what all of them offer. Then, part by part
+// in rank order, each batch is computed by all: its owner broadcasts the batch's packed input, each
+// part multiplies it by its share (forward: its columns of the output, with the full reduction, so
+// a row equals the one-GPU product; backward-input: its rows' part of the sum), and the owner
+// gathers the columns (forward) or sums the parts (backward-input) into the batch's result. Tensor
 // parallelism, not FSDP's gathered weights: a per-layer call moves its activations (kilobytes to a
 // few megabytes) instead of the layer's weight (tens to hundreds of megabytes); measured in
 // docs/sharding.md. Clients of different parts never wait for each other's batches to fill, and the
@@ -57,8 +55,6 @@ struct PartOptions {
   std::string interface;
   // How long a part waits for the others in a collective before it counts them lost.
   std::chrono::milliseconds timeout{30000};
-  // [Rounds]: the most batches a part offers in one round; the same in every part.
-  int round_batches = 1;
 
   bool sharded() const { return !rendezvous.empty(); }
   // Throws naming the field when an option is out of range.
@@ -90,16 +86,14 @@ class Parts {
   // "part R of N"
   std::string name() const;
 
-  // [Rounds]: every part's offers (at most round_batches, none kNone), by rank. Throws when a part
-  // is lost.
-  std::vector<std::vector<RoundOffer>> exchange(const std::vector<RoundOffer>& mine);
-  // Computes part `owner`'s batches with the others: at the owner, `inputs()` gives each batch's
-  // packed input ([tokens, features] on the model's device) and each batch's result is returned;
-  // elsewhere `inputs` is not called and nothing is returned. Should `inputs()` throw, the owner
-  // still does its part of the collectives (with zeros) and then rethrows. Throws when a part is
-  // lost.
-  std::vector<at::Tensor> compute(const BaseModel& model, int owner, const std::vector<RoundOffer>& batches,
-                                  const std::function<std::vector<at::Tensor>()>& inputs);
+  // [Rounds]: every part's offer, by rank. Throws when a part is lost.
+  std::vector<RoundOffer> exchange(const RoundOffer& mine);
+  // Computes part `owner`'s batch with the others: at the owner, `input()` gives the batch's packed
+  // input ([tokens, features] on the model's device) and the batch's result is returned; elsewhere
+  // `input` is not called and the result is undefined. Should `input()` throw, the owner still does
+  // its part of the collectives (with zeros) and then rethrows. Throws when a part is lost.
+  at::Tensor compute(const BaseModel& model, int owner, const RoundOffer& batch,
+                     const std::function<at::Tensor()>& input);
   // Tells the others, in a last round, that this part stops (they stop too). Never throws.
   void leave();
   // [Lost part]: UNAVAILABLE naming what failed, once a collective has; the parts serve no more.

@@ -239,17 +239,18 @@ void Scheduler::finish_setups() {
   }
 }
 
-// [Rounds] (parts.h). The round's batches run in rank order, each part's together, on the first
-// compute stream.
-bool Scheduler::take_part(std::vector<CallBatcher::Batch>& batches) {
+// [Rounds] (parts.h). The round's batches run in rank order, each on the first compute stream.
+bool Scheduler::take_part(std::optional<CallBatcher::Batch>& batch) {
   if (lost_) return false;
-  std::vector<RoundOffer> mine;
-  for (const auto& batch : batches) mine.push_back(round_offer(batch));
+  RoundOffer mine;
+  if (batch) {
+    mine = {RoundOffer::kBatch, batch->layer_id, batch->op, batch->tokens, batch->requests[0].payload.header.features};
+  }
   bool any = false;
   try {
     const auto offers = parts_->exchange(mine);
     for (size_t part = 0; part < offers.size(); ++part) {
-      if (!offers[part].empty() && offers[part][0].kind == RoundOffer::kLeaving) {
+      if (offers[part].kind == RoundOffer::kLeaving) {
         lose(Status(StatusCode::kUnavailable, "executor part " + std::to_string(part) + " of " +
                                                   std::to_string(offers.size()) + " was stopped; " + parts_->name() +
                                                   " stops with it"));
@@ -257,11 +258,11 @@ bool Scheduler::take_part(std::vector<CallBatcher::Batch>& batches) {
       }
     }
     for (size_t part = 0; part < offers.size() && !lost_; ++part) {
-      if (offers[part].empty() || offers[part][0].kind != RoundOffer::kBatch) continue;
+      if (offers[part].kind != RoundOffer::kBatch) continue;
       any = true;
       if (static_cast<int>(part) == parts_->rank()) {
-        runner_.run_turn(batches);  // refuses the batches' calls itself if the parts are lost meanwhile
-        batches.clear();
+        runner_.run(*batch);  // refuses the batch's calls itself if the parts are lost meanwhile
+        batch.reset();
       } else {
         parts_->compute(model_, static_cast<int>(part), offers[part], {});
       }
@@ -276,9 +277,7 @@ bool Scheduler::take_part(std::vector<CallBatcher::Batch>& batches) {
     }
   }
   if (parts_->lost() && !lost_) lose(*parts_->lost());
-  if (lost_) {
-    for (auto& batch : batches) runner_.refuse(batch, *lost_);
-  }
+  if (batch && lost_) runner_.refuse(*batch, *lost_);
   return any;
 }
 
@@ -320,29 +319,20 @@ void Scheduler::run() {
     finish_setups();
     const bool watching = poll_channels();
     const auto now = Clock::now();
+    auto batch = batcher_.pop(now);
+    note_queue();
     if (parts_) {
-      std::vector<CallBatcher::Batch> batches;  // [Rounds]: up to --round-batches of them
-      while (static_cast<int>(batches.size()) < options_.parts.round_batches) {
-        auto batch = batcher_.pop(now);
-        if (!batch) break;
-        batches.push_back(std::move(*batch));
-      }
-      note_queue();
-      if (take_part(batches)) continue;
-    } else {
-      auto batch = batcher_.pop(now);
-      note_queue();
-      if (batch) {
+      if (take_part(batch)) continue;
+    } else if (batch) {
 #ifdef SYMBIOSIS_WITH_CUDA
-        if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
-          const auto& first = batch->requests[0];
-          const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
-          streams->use(in_place ? first.client_id : 0);
-        }
-#endif
-        runner_.run(*batch);
-        continue;
+      if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
+        const auto& first = batch->requests[0];
+        const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
+        streams->use(in_place ? first.client_id : 0);
       }
+#endif
+      runner_.run(*batch);
+      continue;
     }
     auto deadline = batcher_.next_deadline(now);
     if (!pending_setups_.empty()) deadline = std::min(deadline, now + std::chrono::milliseconds(1));

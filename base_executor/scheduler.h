@@ -98,8 +98,8 @@ class Scheduler {
   void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
   // Publishes the Batcher's pending calls and tokens (for post_call and the statistics).
   void note_queue();
-  // [Rounds] (parts.h): one round of the parts, offering `batches`; true when any part had a batch.
-  bool take_part(std::vector<CallBatcher::Batch>& batches);
+  // [Rounds] (parts.h): one round of the parts, offering `batch`; true when any part had a batch.
+  bool take_part(std::optional<CallBatcher::Batch>& batch);
   // [Lost part]: refuses every call held, and from now on every new one, with `why`.
   void lose(const Status& why);
 

@@ -156,7 +156,6 @@ def start_executor(a, directory):
     the part computes on its cuda:0)."""
     common = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--dtype", a.dtype,
               "--listen", "tcp://127.0.0.1:*", "--batching", a.batching, "--max-wait", str(a.max_wait_us),
-              "--round-batches", str(a.round_batches),
               "--log-level", "warn"]
     if a.device == "cpu":
         common += ["--threads", "1"]  # a smoke run: a part's GEMM threads would take the cores the clients need
@@ -480,7 +479,6 @@ def main():
     p.add_argument("--batching", default="opportunistic", choices=["none", "lockstep", "opportunistic"],
                    help="the executor's batching policy")
     p.add_argument("--max-wait-us", type=int, default=150, help="the executor's opportunistic batching wait")
-    p.add_argument("--round-batches", type=int, default=1, help="the executor's --round-batches ([Rounds])")
     p.add_argument("--counts", default="2,4,8,16", help="tenants at once, in order")
     p.add_argument("--window-s", type=float, default=10.0)
     p.add_argument("--cuda-graph", action="store_true", help="the tenants replay captured steps")
@@ -518,8 +516,7 @@ def main():
               "target": 3 if a.remote else 4,  # the issue's (the paper's Figures 16 and 17)
               "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens a step, {a.dtype}, AdamW, "
                        f"{a.window_s:.0f} s windows; executor batching {a.batching}"
-                       + (f" {a.max_wait_us} us" if a.batching == "opportunistic" else "")
-                       + f", rounds of up to {a.round_batches} batches a part"}
+                       + (f" {a.max_wait_us} us" if a.batching == "opportunistic" else "")}
     def cut_short(*_):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up that follows must not be cut short too
         sys.exit("stopped by SIGTERM (a timeout?)")

@@ -87,8 +87,7 @@
 #                  both ranks together), SHARDED_FSDP_LIMIT (8; 0 skips FSDP), SHARDED_SKIP_SYMBIOSIS=1, SHARDED_CUDA_GRAPH=1,
 #                  SHARDED_FSDP_DEADLINE_S (170), SHARDED_TIMEOUT_S (360); PYTORCH_CUDA_ALLOC_CONF reaches every process;
 #                  SHARDED_PARTS_BY_HAND=1: each part its own process on a GPU seen alone (CUDA_VISIBLE_DEVICES), not --gpus;
-#                  SHARDED_BATCHING (opportunistic), SHARDED_MAX_WAIT_US (150) and SHARDED_ROUND_BATCHES (1): the
-#                  executor's batching and rounds
+#                  SHARDED_BATCHING (opportunistic) and SHARDED_MAX_WAIT_US (150): the executor's batching
 #   checkpoint-27b the Gemma-2-27B shape's checkpoint (random, bf16, ~54 GB, ~4 min) for a later call's sharded-remote
 #   sharded-remote issue 31's run 3 (bench/sharded_local.py --client-gpus; 4 GPUs or more): Gemma-2-27B shape, 2 x 64 a
 #                  step, the executor's parts on the first half of the GPUs (at most 4) and their tenants on the second
@@ -346,8 +345,7 @@ sharded_bench() {
   timeout "${SHARDED_TIMEOUT_S:-360}" python3 bench/sharded_local.py --model $model --build "$B" --out $run \
     --dtype bf16 --batch 2 --rank 8 --targets q_proj,k_proj,v_proj,o_proj --warmup 2 --window-s "${SHARDED_WINDOW_S:-10}" \
     --fsdp-limit "${SHARDED_FSDP_LIMIT:-8}" --fsdp-wave 4 --fsdp-deadline-s "${SHARDED_FSDP_DEADLINE_S:-170}" \
-    --batching "${SHARDED_BATCHING:-opportunistic}" --max-wait-us "${SHARDED_MAX_WAIT_US:-150}" \
-    --round-batches "${SHARDED_ROUND_BATCHES:-1}" $flags "$@" \
+    --batching "${SHARDED_BATCHING:-opportunistic}" --max-wait-us "${SHARDED_MAX_WAIT_US:-150}" $flags "$@" \
     > $logs/$tag.txt 2> $logs/$tag.err
   log "$tag exited $?"
   # Killed past its own clean-up, it leaves the processes it started: stop them.

@@ -8,7 +8,6 @@
 #include <sys/wait.h>
 
 #include <fstream>
-#include <future>
 #include <thread>
 
 #include "bench/process.h"
@@ -64,15 +63,14 @@ TEST(ShardedExecutorTest, EachPartHoldsItsShareOfEveryLayerAndClientsSeeTheWhole
 }
 
 // Clients attached to different parts fine-tune at once, each equal to its monolithic run:
-// `per_part` tenants on each of the parts, each part offering up to `round_batches` batches a round.
+// `per_part` tenants on each of the parts.
 void clients_of_every_part_train_as_monolithic_runs_do(const std::string& preset, int count, const std::string& policy,
-                                                       int per_part = 1, int round_batches = 1) {
+                                                       int per_part = 1) {
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
   ExecutorOptions options;
   options.batching.policy = parse_batching_policy(policy);
   options.batching.lockstep_timeout = std::chrono::milliseconds(20);
-  options.parts.round_batches = round_batches;
   auto parts = start_parts(dir, count, options);
   struct Tenant {
     testing::TrainingRun split, mono;
@@ -111,11 +109,11 @@ TEST_P(ShardedTrainingTest, ClientsOfEveryPartTrainAsMonolithicRunsDo) {
   clients_of_every_part_train_as_monolithic_runs_do(preset, count, policy);
 }
 
-// [Rounds] of several batches: three tenants a part, at different layers (their sequences differ in
-// length), so a part offers batches of several layers in one round, moved in one buffer each way.
-TEST(ShardedRoundsTest, SeveralBatchesARoundTrainAsMonolithicRunsDo) {
-  clients_of_every_part_train_as_monolithic_runs_do("tiny-llama", 2, "none", 3, 4);
-  clients_of_every_part_train_as_monolithic_runs_do("tiny-gpt2", 2, "opportunistic", 3, 8);
+// Three tenants a part, at different layers (their sequences differ in length): each part's
+// batches, of one tenant or packed from several, computed with the other part's in its rounds.
+TEST(ShardedTenantsTest, SeveralTenantsOfEachPartTrainAsMonolithicRunsDo) {
+  clients_of_every_part_train_as_monolithic_runs_do("tiny-llama", 2, "none", 3);
+  clients_of_every_part_train_as_monolithic_runs_do("tiny-gpt2", 2, "opportunistic", 3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Parts, ShardedTrainingTest,
@@ -160,8 +158,6 @@ TEST(ShardedExecutorTest, BadPartOptionsAreRefusedNamingTheFlag) {
   EXPECT_NE(refused({.rank = 2, .world_size = 2, .rendezvous = "127.0.0.1:1"}).find("--rank"), std::string::npos);
   EXPECT_NE(refused({.rank = 0, .world_size = 0, .rendezvous = "127.0.0.1:1"}).find("--world-size"), std::string::npos);
   EXPECT_NE(refused({.rendezvous = "nowhere"}).find("--rendezvous must be HOST:PORT"), std::string::npos);
-  EXPECT_NE(refused({.rendezvous = "127.0.0.1:1", .round_batches = 0}).find("--round-batches must be 1 to 64"),
-            std::string::npos);
   // A part whose others never come gives up after its timeout, saying what it waited for.
   const auto started = std::chrono::steady_clock::now();
   const auto alone = refused({.rank = 1, .world_size = 2, .rendezvous = free_loopback_rendezvous(),
@@ -169,26 +165,6 @@ TEST(ShardedExecutorTest, BadPartOptionsAreRefusedNamingTheFlag) {
   EXPECT_NE(alone.find("rendezvous"), std::string::npos) << alone;
   EXPECT_NE(alone.find("part 1 of 2"), std::string::npos) << alone;
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(30));
-}
-
-// Parts that disagree on --round-batches (their offers would differ in size) refuse to start, each
-// naming the flag.
-TEST(ShardedExecutorTest, PartsOfDifferentRoundBatchesRefuseToStart) {
-  const auto dir = testing::make_checkpoint("tiny-llama");
-  const auto rendezvous = free_loopback_rendezvous();
-  std::vector<std::future<std::string>> errors;
-  for (int rank = 0; rank < 2; ++rank) {
-    errors.push_back(std::async(std::launch::async, [&, rank] {
-      ExecutorOptions options;
-      options.threads = 1;
-      options.parts = {.rank = rank, .world_size = 2, .rendezvous = rendezvous, .round_batches = 1 + 3 * rank};
-      return testing::error_of([&] { testing::start_executor(dir, options); });
-    }));
-  }
-  for (auto& error : errors) {
-    const auto message = error.get();
-    EXPECT_NE(message.find("--round-batches"), std::string::npos) << message;
-  }
 }
 
 // The launcher's exit status within `limit`, or -1 (and it is killed).
