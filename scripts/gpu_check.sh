@@ -92,7 +92,8 @@
 #   sharded-remote issue 31's run 3 (bench/sharded_local.py --client-gpus; 4 GPUs or more): Gemma-2-27B shape, 2 x 64 a
 #                  step, the executor's parts on the first half of the GPUs (at most 4) and their tenants on the second
 #                  half over NCCL, against FSDP + PEFT jobs over all of them; the SHARDED_* settings as sharded-13b,
-#                  and SHARDED_27B_LAYERS: a model of that many layers only (quicker, to compare settings)
+#                  SHARDED_MAX_WAIT_US 2000 by default, and SHARDED_27B_LAYERS: a model of that many layers only
+#                  (quicker, to compare settings)
 #   nccl-tune      NCCL's round trip and remote 1B at N = 8 under the NCCL settings in NCCL_TUNE
 #                  (';'-separated, each a space-separated list of VAR=value; "-" is NCCL's defaults),
 #                  with a [8192, 8192] layer beside the [2048, 2048] one (2 GPUs, MPS)
@@ -679,7 +680,8 @@ PY
       # SHARDED_27B_LAYERS: a model of that many of its layers (a quicker run, for comparing settings).
       model=$model_27b${SHARDED_27B_LAYERS:+-$SHARDED_27B_LAYERS-layers}
       write_checkpoint gemma-2-27b $model "${SHARDED_27B_LAYERS:-}" || continue
-      sharded_bench sharded-remote $model --gpus "$(seq -s, 0 $((half - 1)))" \
+      # The executor's own batching wait (2 ms): 2 x 64 calls gain from packing more (SH14, SH15).
+      SHARDED_MAX_WAIT_US=${SHARDED_MAX_WAIT_US:-2000} sharded_bench sharded-remote $model --gpus "$(seq -s, 0 $((half - 1)))" \
         --client-gpus "$(seq -s, $half $((2 * half - 1)))" --seq 64 --counts "${SHARDED_COUNTS:-4,8,16,32}" \
         --fsdp-batch "${SHARDED_FSDP_BATCH:-$((4 * half))}"
       ;;
