@@ -130,25 +130,17 @@ else
   log "built"
 fi
 gpus=$(nvidia-smi -L | wc -l)
-# The 13B checkpoint takes a minute or two to write: start it now, beside the other stages.
-model_13b=/tmp/llama-13b
-case " $* " in *" capacity-13b"*|*" remote "*|*" remote-13b "*|*" python-13b "*)
-  ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-13b --dtype bf16 --out $model_13b.tmp > /dev/null \
-    && mv $model_13b.tmp $model_13b ) & ;;
-esac
-model_7b=/tmp/llama-7b
-case " $* " in *" table5 "*|*" long-context "*)
-  ( "$B/tools/symbiosis-make-checkpoint" --preset llama-2-7b --dtype bf16 --out $model_7b.tmp > /dev/null \
-    && mv $model_7b.tmp $model_7b ) & ;;
-esac
-model_27b=/tmp/gemma-27b
-case " $* " in *" checkpoint-27b "*)
-  ( "$B/tools/symbiosis-make-checkpoint" --preset gemma-2-27b --dtype bf16 --out $model_27b.tmp > /dev/null \
-    && mv $model_27b.tmp $model_27b ) & ;;
-esac
+# A checkpoint of `preset` (random, bf16; the preset's layers, or `layers`) written to `dir` through
+# dir.tmp, so that dir/config.json means the whole checkpoint is there.
+checkpoint_into() {
+  "$B/tools/symbiosis-make-checkpoint" --preset $1 ${3:+--layers $3} --dtype bf16 --out $2.tmp > /dev/null && mv $2.tmp $2
+}
 wait_checkpoint() { while [ ! -f $1/config.json ]; do sleep 1; done; log "$1 ready"; }
-wait_7b() { wait_checkpoint $model_7b; }
-wait_13b() { wait_checkpoint $model_13b; }
+# The large checkpoints take minutes to write: those the stages need start now, beside the other stages.
+model_7b=/tmp/llama-7b model_13b=/tmp/llama-13b model_27b=/tmp/gemma-27b
+case " $* " in *" capacity-13b"*|*" remote "*|*" remote-13b "*|*" python-13b "*) ( checkpoint_into llama-2-13b $model_13b ) & ;; esac
+case " $* " in *" table5 "*|*" long-context "*) ( checkpoint_into llama-2-7b $model_7b ) & ;; esac
+case " $* " in *" checkpoint-27b "*) ( checkpoint_into gemma-2-27b $model_27b ) & ;; esac
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 mps_on() {
@@ -319,15 +311,12 @@ python_package() {
   log "symbiosis._C built here"
 }
 
-# A checkpoint of `preset` at `dir` in bf16 (the preset's layers, or `layers`), unless an earlier stage
-# wrote it or is writing it (dir.tmp).
+# checkpoint_into, unless an earlier stage wrote it or is writing it (dir.tmp); then waits for it.
 write_checkpoint() {
-  local preset=$1 dir=$2 layers=${3:-}
-  if [ ! -f $dir/config.json ] && [ ! -d $dir.tmp ]; then
-    "$B/tools/symbiosis-make-checkpoint" --preset $preset ${layers:+--layers $layers} --dtype bf16 --out $dir.tmp > /dev/null \
-      && mv $dir.tmp $dir || { log "writing the $preset checkpoint failed"; rm -rf $dir.tmp; return 1; }
+  if [ ! -f $2/config.json ] && [ ! -d $2.tmp ]; then
+    checkpoint_into "$@" || { log "writing the $1 checkpoint failed"; rm -rf $2.tmp; return 1; }
   fi
-  wait_checkpoint $dir
+  wait_checkpoint $2
 }
 
 # One run of bench/sharded_local.py as `tag` on the checkpoint `model`, its placement and shape in the
@@ -527,7 +516,7 @@ PY
       mps_off
       ;;
     table5)
-      wait_7b
+      wait_checkpoint $model_7b
       mps_on
       bench table5 bench/scenarios/gpu_table5_llama7b.json --checkpoint $model_7b
       mps_off
@@ -588,7 +577,7 @@ PY
       bench nomps-128 bench/scenarios/gpu_llama1b_128.json --checkpoint $model_1b --counts 1,8
       ;;
     capacity-13b)
-      wait_13b
+      wait_checkpoint $model_13b
       mps_on
       bench capacity-13b bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
       # The same with PyTorch's expandable segments for every process (HF PEFT's too): less of
@@ -598,7 +587,7 @@ PY
       mps_off
       ;;
     capacity-13b-expandable)
-      wait_13b
+      wait_checkpoint $model_13b
       mps_on
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         bench capacity-13b-expandable bench/scenarios/gpu_llama13b_capacity.json --checkpoint $model_13b
@@ -611,7 +600,7 @@ PY
         bench remote-1b bench/scenarios/gpu_remote_llama1b.json --checkpoint $model_1b --counts "${REMOTE_1B_COUNTS:-1,2,4,8}"
       fi
       if [ $stage != remote-1b ]; then
-        wait_13b
+        wait_checkpoint $model_13b
         bench remote-13b bench/scenarios/gpu_remote_llama13b.json --checkpoint $model_13b --counts "${REMOTE_13B_COUNTS:-1,2,4,8}"
       fi
       mps_off
@@ -703,7 +692,7 @@ PY
       # (every thread and one) come first, in a few seconds; each host row then gives where its decode step's time
       # goes (the top LONG_PROFILE_OPS operations). The multi-request point decodes LONG_MULTI_NEW_TOKENS (16) steps
       # with every request (LONG_MULTI_MAX requests at most a placement; 0: as many as fit).
-      wait_7b
+      wait_checkpoint $model_7b
       mps_on
       # [Passive OpenMP] (client_runtime/inference/generator.cpp): what a host-decode tenant is started with.
       timeout "${LONG_TIMEOUT_S:-420}" env OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" "$B/bench/symbiosis-bench-long-context" --model $model_7b --dtype bf16 --device cuda:0 \
@@ -772,7 +761,7 @@ PY
       ;;
     python-13b)
       python_package || continue
-      wait_13b
+      wait_checkpoint $model_13b
       mps_on
       gc=""
       [ "${PY13B_GC:-0}" = 1 ] && gc="--gradient-checkpointing"
