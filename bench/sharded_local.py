@@ -494,8 +494,12 @@ def main():
     p.add_argument("--skip-symbiosis", action="store_true")
     a = p.parse_args()
     a.counts = [int(c) for c in a.counts.split(",") if c]
+    if a.device == "cpu" and a.client_gpus:
+        p.error("--client-gpus is for --device cuda; on the CPU, --remote puts the tenants on TCP")
+    if a.device == "cuda" and a.remote:
+        p.error("--remote is for --device cpu; on GPUs, --client-gpus names the tenants' GPUs")
     a.gpus = [] if a.device == "cpu" else [int(g) for g in a.gpus.split(",")]
-    a.client_gpus = [] if a.device == "cpu" else [int(g) for g in a.client_gpus.split(",") if g]
+    a.client_gpus = [int(g) for g in a.client_gpus.split(",") if g]
     if set(a.gpus) & set(a.client_gpus):
         p.error(f"--client-gpus {a.client_gpus} share a GPU with --gpus {a.gpus} (sharded-remote keeps them apart)")
     a.remote = a.remote or bool(a.client_gpus)
