@@ -62,9 +62,12 @@ INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values
 // attached to every part: clients on CPU (shm, tcp) and on the parts' GPUs (cuda-ipc) fine-tune, each equal to its
 // monolithic run (demo clients with --verify: fp32, 5e-5 and the adapters 1e-4, as the sharded CPU
 // tests explain).
+const std::vector<std::string> kVerifyAgainstMonolithic = {"--verify", "--steps", "3", "--tolerance", "5e-5",
+                                                           "--adapter-tolerance", "1e-4"};
+
 std::vector<std::vector<std::string>> clients_of_parts(const std::vector<std::string>& endpoints,
                                                        const std::filesystem::path& dir) {
-  const std::vector<std::string> verify = {"--verify", "--steps", "3", "--tolerance", "5e-5", "--adapter-tolerance", "1e-4"};
+  const auto& verify = kVerifyAgainstMonolithic;
   std::vector<std::vector<std::string>> clients;
   for (size_t i = 0; i < endpoints.size(); ++i) {
     clients.push_back(testing::demo_client(endpoints[i], dir, "cpu", "shm", verify));
@@ -101,16 +104,14 @@ void parts_on_gpus_serve(int gpus, Clients clients_of) {
   EXPECT_TRUE(testing::exited_ok(launched.launcher)) << bench::read_file(logs / "err");
 }
 
-void parts_on_gpus_serve_clients_of_all(int gpus) { parts_on_gpus_serve(gpus, clients_of_parts); }
-
 TEST(ShardedGpuTest, TwoPartsOnTwoGpusServeClientsOfBothAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(2);
-  parts_on_gpus_serve_clients_of_all(2);
+  parts_on_gpus_serve(2, clients_of_parts);
 }
 
 TEST(ShardedGpuTest, FourPartsOnFourGpusServeClientsOfAllAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(4);
-  parts_on_gpus_serve_clients_of_all(4);
+  parts_on_gpus_serve(4, clients_of_parts);
 }
 
 // Sharded-remote (the paper's Figure 5): parts on GPUs 0 and 1, each part's clients on a GPU of
@@ -118,11 +119,11 @@ TEST(ShardedGpuTest, FourPartsOnFourGpusServeClientsOfAllAsMonolithicRunsCompute
 TEST(ShardedGpuTest, TwoPartsServeNcclClientsOnTwoOtherGpusAsMonolithicRunsCompute) {
   SKIP_WITHOUT_GPUS(4);
   parts_on_gpus_serve(2, [](const std::vector<std::string>& endpoints, const std::filesystem::path& dir) {
-    const std::vector<std::string> verify = {"--verify", "--steps", "3", "--tolerance", "5e-5", "--adapter-tolerance", "1e-4"};
     std::vector<std::vector<std::string>> clients;
     for (size_t i = 0; i < endpoints.size(); ++i) {
       for (int twice = 0; twice < 2; ++twice) {
-        clients.push_back(testing::demo_client(endpoints[i], dir, "cuda:" + std::to_string(2 + i), "nccl", verify));
+        clients.push_back(
+            testing::demo_client(endpoints[i], dir, "cuda:" + std::to_string(2 + i), "nccl", kVerifyAgainstMonolithic));
       }
     }
     return clients;
