@@ -73,6 +73,13 @@ const Keys::Entry& Keys::lookup(const std::string& public_key) const {
   return it == entries_.end() ? unknown : it->second;
 }
 
+bool Keys::admits_name(const std::string& name) const {
+  for (const auto& [key, entry] : entries_) {
+    if (entry.name == name && (entry.role == Role::kTenant || entry.role == Role::kOperator)) return true;
+  }
+  return false;
+}
+
 void serve_with_keys(zmq::socket_t& socket, const Keys& keys) {
   socket.set(zmq::sockopt::curve_server, true);
   socket.set(zmq::sockopt::curve_secretkey, keys.executor_pair().secret_key);
@@ -84,24 +91,32 @@ ZapHandler::ZapHandler(zmq::context_t& context) : socket_(context, zmq::socket_t
   socket_.bind(kZapEndpoint);
 }
 
-void ZapHandler::answer() {
+ZapHandler::Verdict ZapHandler::answer(const Keys& keys) {
   // ZAP 1.0 (rfc.zeromq.org/spec/27): version, request id, domain, address, identity, mechanism,
-  // then the mechanism's credentials (CURVE: the client's 32-byte public key).
+  // then the mechanism's credentials (CURVE: the client's 32-byte public key). The reply: version,
+  // request id, status code, status text, user id, metadata. ZeroMQ tells the peer the code only.
   auto request = wire::recv_all(socket_);
   auto text = [&](size_t i) {
     return i < request.size() ? std::string(static_cast<const char*>(request[i].data()), request[i].size()) : "";
   };
-  std::string user;
+  Verdict verdict;
   if (text(5) == "CURVE" && request.size() > 6 && request[6].size() == 32) {
     char z85[41];
     zmq_z85_encode(z85, static_cast<const uint8_t*>(request[6].data()), 32);
-    user = z85;
+    verdict.public_key = z85;
+    verdict.role = keys.lookup(verdict.public_key).role;
   }
-  const bool ok = !user.empty();
-  const std::vector<std::string> reply = {"1.0", text(1), ok ? "200" : "400", ok ? "OK" : "no CURVE key", user, ""};
+  verdict.admitted = verdict.role == Role::kTenant || verdict.role == Role::kOperator;
+  const char* status_text = verdict.admitted                  ? "OK"
+                            : verdict.public_key.empty()      ? "no CURVE key"
+                            : verdict.role == Role::kRevoked ? "key revoked"
+                                                              : "key not admitted";
+  const std::vector<std::string> reply = {"1.0", text(1), verdict.admitted ? "200" : "400", status_text,
+                                          verdict.admitted ? verdict.public_key : "", ""};
   for (size_t i = 0; i < reply.size(); ++i) {
     socket_.send(zmq::buffer(reply[i]), i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
   }
+  return verdict;
 }
 
 std::string peer_key(const zmq::message_t& frame) {

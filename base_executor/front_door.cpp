@@ -66,6 +66,8 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
   router_.set(zmq::sockopt::sndhwm, options.max_queued_messages);
   router_.set(zmq::sockopt::rcvhwm, options.max_queued_messages);
   router_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options.message_limit()));
+  // [Admission]: a connection that has not finished its handshake by then is dropped.
+  router_.set(zmq::sockopt::handshake_ivl, static_cast<int>(kHandshakeInterval.count()));
   if (!options.keys_dir.empty()) {
     keys_ = std::make_unique<Keys>(options.keys_dir);
     zap_ = std::make_unique<ZapHandler>(context);
@@ -106,7 +108,7 @@ void FrontDoor::note_bad_input(const std::string& line) {
   if (write) spdlog::warn("{}", line);
 }
 
-void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, const std::string& public_key) {
+void FrontDoor::handle_hello(proto::Hello hello, const std::string& key, const std::string& public_key) {
   auto precondition = [](std::string message) { return Status(StatusCode::kFailedPrecondition, std::move(message)); };
   if (hello.protocol_version() != wire::kProtocolVersion) {
     return refuse(key, 0,
@@ -120,6 +122,23 @@ void FrontDoor::handle_hello(const proto::Hello& hello, const std::string& key, 
                                                      " bytes is over the limit of " + std::to_string(kMaxTenantBytes) +
                                                      " bytes"},
                   false);
+  }
+  if (keys_) {
+    // [Admission]: with keys, a tenant is its key. Its Hello may repeat its key's name or say none;
+    // another admitted key's name is an impersonation, and any other label gives way to the key's.
+    const std::string& own = keys_->lookup(public_key).name;
+    if (!hello.tenant().empty() && hello.tenant() != own) {
+      if (keys_->admits_name(hello.tenant())) {
+        return refuse(key, 0,
+                      denied("refused: this client's Hello says tenant '" + hello.tenant() +
+                             "', the name of another admitted key, but its key is '" + own +
+                             "'; with keys a tenant is named by its key (say tenant '" + own + "', or none)"),
+                      false);
+      }
+      spdlog::info("a client with key '{}' says tenant '{}'; with keys a tenant is named by its key: '{}'", own,
+                   bounded(hello.tenant(), 64), own);
+    }
+    hello.set_tenant(own);
   }
   if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model_.model_hash()) {
     // The checkpoint's directory name says which model this is (its path on the executor's host
@@ -233,7 +252,7 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
   statistics_.client_joined(client.id, client.tenant, kind);
   scheduler_.post(ClientJoined{channel});
   spdlog::info("client {} (tenant '{}'{}, {} on {}) connected", client.id, hello.tenant(),
-               keys_ ? " with key " + keys_->lookup(public_key).name : "", transport_name(kind),
+               keys_ ? ", by its key" : "", transport_name(kind),
                hello.placement().device().empty() ? "?" : bounded(hello.placement().device(), 16));
   proto::Envelope reply;
   auto* welcome = reply.mutable_welcome();
@@ -370,7 +389,7 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
   if (client != nullptr) client->connection = message_connection_;
   switch (env.body_case()) {
     case proto::Envelope::kHello:
-      return handle_hello(env.hello(), key, public_key);
+      return handle_hello(std::move(*env.mutable_hello()), key, public_key);
     case proto::Envelope::kRequest:
       return handle_request(env.request(), client, frames, key);
     case proto::Envelope::kRegisterBuffer:
@@ -531,7 +550,17 @@ void FrontDoor::run() {
         router_.send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
       }
     }
-    if (zap_ && ready(4)) zap_->answer();
+    if (zap_ && ready(4)) {
+      // [Admission]: refused in the handshake itself; counted, and logged within the log budget.
+      const auto verdict = zap_->answer(*keys_);
+      if (!verdict.admitted) {
+        statistics_.record_error(StatusCode::kPermissionDenied);
+        note_bad_input(verdict.public_key.empty() ? std::string("refused a handshake without a CURVE key")
+                       : verdict.role == Role::kRevoked
+                           ? "refused at the handshake the revoked key '" + keys_->lookup(verdict.public_key).name + "'"
+                           : "refused at the handshake a key not admitted (" + verdict.public_key.substr(0, 8) + "...)");
+      }
+    }
     // Proofs and links, before new connections change the lists the items were made from.
     std::vector<UniqueFd> proving;
     for (size_t i = 0; i < first_link - first_unproven; ++i) {

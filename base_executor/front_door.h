@@ -54,7 +54,8 @@ class FrontDoor {
  private:
   using Clock = std::chrono::steady_clock;
   void handle(std::vector<zmq::message_t>& frames);
-  void handle_hello(const proto::Hello& hello, const std::string& key, const std::string& public_key);
+  // [Admission]: with keys, names the tenant by its key (refusing another admitted key's name).
+  void handle_hello(proto::Hello hello, const std::string& key, const std::string& public_key);
   // The handshake's end: the client's channel, its record and its Welcome. `link`: its proven
   // local link, for a same-host transport.
   void admit(const std::string& key, const proto::Hello& hello, TransportKind kind, UniqueFd link,

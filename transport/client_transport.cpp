@@ -1,9 +1,11 @@
 #include "transport/client_transport.h"
 
 #include <c10/util/Exception.h>
+#include <netdb.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,8 +28,9 @@ namespace symbiosis {
 // [No silent waits]
 // A client pointed at the wrong port, or at an executor that is not running, must not sit silent
 // for its call timeout. Until the first answer comes, the socket's monitor reports connections
-// made and retried: where every attempt is refused (nothing listens there) the client gives up
-// after kRefusedGiveUp, naming the endpoint; where attempts neither succeed nor fail (a host that
+// made, retried and broken off ([Handshake diagnosis] says what a failed handshake was): where
+// every attempt is refused (nothing listens there) the client gives up after kRefusedGiveUp,
+// naming the endpoint; where attempts neither succeed nor fail (a host that
 // drops packets) it waits up to the connect timeout. Meanwhile it says every kWaitNote what it
 // waits for. Once the executor has answered, the monitor watches failed handshakes and broken-off
 // connections only (other events would pile up unread while the client is idle), and an executor
@@ -42,6 +45,127 @@ constexpr int kHandshakeEvents =
     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
 constexpr int kConnectEvents = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
 constexpr int kConnectedEvents = kHandshakeEvents | ZMQ_EVENT_DISCONNECTED;
+
+// [Handshake diagnosis]
+// A failed handshake says what was seen, never a guess. ZeroMQ's monitor is precise about some
+// failures: the executor refused this client's key (HANDSHAKE_FAILED_AUTH, with the ZAP status:
+// [Admission] in base_executor/admission.h), or the two ends ask for different security
+// mechanisms (HANDSHAKE_FAILED_PROTOCOL, mechanism mismatch: keys on one end only). Others it
+// reports only as a connection that ended during the handshake, and there an executor that
+// refuses a keyless client, one that cannot decrypt what was encrypted for another key, and a
+// program that is no executor at all (its metrics port, a web server) look alike. So the client
+// looks once more, by hand (probe_greeting): a plain connection, the first 11 bytes of a ZeroMQ 3
+// greeting, and what comes back within kProbeWait. A ZeroMQ peer answers with its own greeting,
+// which names its mechanism (an executor asks for CURVE with --keys, NULL without); anything else
+// is not an executor. Only that evidence makes the client say that the executor "admits only
+// tenants with keys" or that the key it was given "is not that executor's". The same look tells a
+// peer that accepted the connection but never answered (not even ZeroMQ's greeting) from an
+// executor slow to answer. An answer that comes but is not a symbiosis message is named so.
+constexpr auto kProbeWait = std::chrono::milliseconds(500);
+
+struct PeerGreeting {
+  enum class Seen {
+    kUnknown,    // could not look (detail: why)
+    kRefused,    // nothing listens there now
+    kSilent,     // it accepted the connection and sent nothing within kProbeWait
+    kClosed,     // it closed the connection without a byte
+    kNotZeroMQ,  // its first bytes are not ZeroMQ's (detail: them, printable)
+    kZeroMQ,     // a ZeroMQ greeting (detail: the mechanism it asks for, "" where none is named)
+  };
+  Seen seen = Seen::kUnknown;
+  std::string detail;
+};
+
+// What `bytes` begin with, as text: its first line, at most 40 characters, other bytes as '.'.
+std::string printable_start(const unsigned char* bytes, size_t size) {
+  std::string text;
+  for (size_t i = 0; i < size && text.size() < 40 && bytes[i] != '\r' && bytes[i] != '\n'; ++i) {
+    text += bytes[i] >= 0x20 && bytes[i] < 0x7f ? static_cast<char>(bytes[i]) : '.';
+  }
+  return text;
+}
+
+// [Handshake diagnosis]: looks at what answers at `endpoint` (tcp:// or ipc://).
+PeerGreeting probe_greeting(const std::string& endpoint, std::chrono::milliseconds wait) {
+  using Seen = PeerGreeting::Seen;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + wait;
+  auto left_ms = [&] {
+    return static_cast<int>(std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
+  };
+  sockaddr_storage address{};
+  socklen_t length = 0;
+  const auto scheme_end = endpoint.find("://");
+  if (scheme_end == std::string::npos) return {Seen::kUnknown, "no scheme"};
+  const std::string scheme = endpoint.substr(0, scheme_end);
+  const std::string rest = endpoint.substr(scheme_end + 3);
+  if (scheme == "tcp") {
+    const std::string target = rest.substr(rest.find(';') + 1);  // past a source address, if any
+    const auto colon = target.rfind(':');
+    if (colon == std::string::npos) return {Seen::kUnknown, "no port"};
+    std::string host = target.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (::getaddrinfo(host.c_str(), target.substr(colon + 1).c_str(), &hints, &found) != 0 || found == nullptr) {
+      return {Seen::kUnknown, "cannot resolve " + host};
+    }
+    std::memcpy(&address, found->ai_addr, found->ai_addrlen);
+    length = found->ai_addrlen;
+    ::freeaddrinfo(found);
+  } else if (scheme == "ipc") {
+    sockaddr_un local{};
+    if (rest.empty() || rest.size() >= sizeof(local.sun_path)) return {Seen::kUnknown, "path too long"};
+    local.sun_family = AF_UNIX;
+    std::memcpy(local.sun_path, rest.data(), rest.size());
+    const bool abstract = rest[0] == '@';
+    if (abstract) local.sun_path[0] = '\0';
+    length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + rest.size() + (abstract ? 0 : 1));
+    std::memcpy(&address, &local, sizeof(local));
+  } else {
+    return {Seen::kUnknown, "cannot look at a " + scheme + " endpoint"};
+  }
+  UniqueFd fd(::socket(address.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd) return {Seen::kUnknown, std::strerror(errno)};
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) {
+    if (errno == ECONNREFUSED || errno == ENOENT) return {Seen::kRefused, ""};
+    if (errno != EINPROGRESS) return {Seen::kUnknown, std::strerror(errno)};
+    pollfd item{fd.get(), POLLOUT, 0};
+    if (::poll(&item, 1, left_ms()) <= 0) return {Seen::kUnknown, "no connection within the wait"};
+    int error = 0;
+    socklen_t size = sizeof(error);
+    ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &size);
+    if (error == ECONNREFUSED) return {Seen::kRefused, ""};
+    if (error != 0) return {Seen::kUnknown, std::strerror(error)};
+  }
+  // A ZeroMQ 3 greeting's signature and major version: a ZeroMQ peer answers with its greeting,
+  // the mechanism's name at bytes 12 to 31.
+  const unsigned char start[11] = {0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3};
+  (void)!::send(fd.get(), start, sizeof(start), MSG_NOSIGNAL);
+  unsigned char answer[64];
+  size_t got = 0;
+  bool closed = false;
+  while (got < sizeof(answer) && !(got > 0 && answer[0] != 0xff && got >= 40)) {
+    pollfd item{fd.get(), POLLIN, 0};
+    if (::poll(&item, 1, left_ms()) <= 0) break;
+    const ssize_t n = ::recv(fd.get(), answer + got, sizeof(answer) - got, 0);
+    if (n < 0 && errno == EAGAIN) continue;
+    if (n <= 0) {
+      closed = true;
+      break;
+    }
+    got += static_cast<size_t>(n);
+  }
+  if (got == 0) return {closed ? Seen::kClosed : Seen::kSilent, ""};
+  if (answer[0] != 0xff || (got >= 10 && (answer[9] & 1) == 0)) {
+    return {Seen::kNotZeroMQ, printable_start(answer, got)};
+  }
+  if (got < 32 || answer[10] < 3) return {Seen::kZeroMQ, ""};  // no mechanism named (yet, or before ZeroMQ 3)
+  const auto* name = reinterpret_cast<const char*>(answer + 12);
+  return {Seen::kZeroMQ, std::string(name, ::strnlen(name, 20))};
+}
 }  // namespace
 
 ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const ClientKeys& keys,
@@ -60,7 +184,7 @@ ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const 
   }
   // The monitor tells a refused handshake from an executor that is not there, and a port where
   // nothing listens from an executor that is slow to answer ([No silent waits]).
-  monitor(kHandshakeEvents | kConnectEvents);
+  monitor(kHandshakeEvents | kConnectEvents | ZMQ_EVENT_DISCONNECTED);
   try {
     socket_.connect(endpoint);
   } catch (const zmq::error_t& e) {
@@ -127,6 +251,18 @@ std::vector<zmq::message_t> ControlSocket::receive(const char* waiting_for) {
     TORCH_CHECK(!connecting || connected_ || retries_ == 0 || now - start < kRefusedGiveUp, "no executor answers at ",
                 endpoint_, ": connections to it are refused (tried for ", waited_s,
                 " s; is the executor running, and is this the right port?)");
+    if (connecting && connected_ && !greeted_ && now >= deadline) {
+      // [Handshake diagnosis]: a peer that accepted the connection but never finished ZeroMQ's
+      // handshake; an executor says its greeting at once.
+      const auto greeting = probe_greeting(endpoint_, kProbeWait);
+      TORCH_CHECK(greeting.seen != PeerGreeting::Seen::kSilent, "the peer at ", endpoint_,
+                  " accepted the connection but did not answer ", waiting_for, " within ", limit_ms,
+                  " ms, not even with ZeroMQ's greeting: it is not a symbiosis executor (is this the right port?)");
+      TORCH_CHECK(greeting.seen != PeerGreeting::Seen::kNotZeroMQ, "the peer at ", endpoint_,
+                  " is not a symbiosis executor: it did not answer ", waiting_for, " within ", limit_ms,
+                  " ms, and it answers a new connection with bytes that are not ZeroMQ (\"", greeting.detail,
+                  "\"); is this the right port?");
+    }
     TORCH_CHECK(now < deadline, "executor at ", endpoint_, " did not answer ", waiting_for, " within ", limit_ms,
                 " ms (is it running and reachable?)");
     if (now >= next_note) {
@@ -148,6 +284,12 @@ void ControlSocket::on_event(const zmq::message_t& event) {
   std::memcpy(&kind, event.data(), 2);
   if (kind == ZMQ_EVENT_CONNECTED || kind == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
     connected_ = true;
+    if (kind == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) greeted_ = true;
+  } else if (kind == ZMQ_EVENT_DISCONNECTED && !heard_) {
+    // [Handshake diagnosis]: before the first answer.
+    TORCH_CHECK(!greeted_, "the connection to the executor at ", endpoint_,
+                " broke off before it answered (it stopped, crashed or is restarting)");
+    handshake_broke_off("the connection ended during the handshake");
   } else if (kind == ZMQ_EVENT_CONNECT_RETRIED) {
     retries_++;
   } else if (kind == ZMQ_EVENT_DISCONNECTED && heard_) {
@@ -223,25 +365,93 @@ void ControlSocket::check_handshake(const zmq::message_t& event) {
   if (event.size() < 6) return;
   std::memcpy(&kind, event.data(), 2);
   std::memcpy(&value, static_cast<const char*>(event.data()) + 2, 4);
+  // [Handshake diagnosis]
   if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
-    TORCH_CHECK(false, "executor at ", endpoint_, " refused this client's key (status ", value, ")");
+    heard_ = true;  // the executor's answer: trying again gets the same ([Executor restart])
+    TORCH_CHECK(false, "the executor at ", endpoint_, " refused this client's key at the handshake (ZAP ", value,
+                value == 400 ? ": not admitted or revoked" : "",
+                "): its operator admits a tenant by copying its NAME.pub into the executor's keys folder, tenants/ "
+                "(and not revoked/); docs/operating.md, Keys");
   }
-  // A mechanism mismatch is reported as such, or, when the executor closed first, as a handshake
-  // broken off; a keyless client meets either only at an executor that wants keys.
-  const bool mismatch =
-      kind == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH;
-  TORCH_CHECK(with_keys_, "executor at ", endpoint_,
-              " admits only tenants with keys: give the client the executor's public key and this tenant's key "
-              "pair (ClientOptions::executor_key and key_file; docs/operating.md)");
-  TORCH_CHECK(!mismatch, "executor at ", endpoint_,
-              " takes no keys (it was started without --keys), but this client was given some");
-  TORCH_CHECK(false, "executor at ", endpoint_,
-              " broke off the encrypted handshake: the executor key this client was given is not that executor's (or "
-              "the executor takes no keys)");
+  if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+    TORCH_CHECK(with_keys_, "executor at ", endpoint_,
+                " admits only tenants with keys: give the client the executor's public key and this tenant's key "
+                "pair (ClientOptions::executor_key and key_file; docs/operating.md)");
+    TORCH_CHECK(false, "executor at ", endpoint_,
+                " takes no keys (it was started without --keys), but this client was given some");
+  }
+  if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
+    char code[16];
+    std::snprintf(code, sizeof(code), "0x%08x", value);
+    handshake_broke_off(std::string("the handshake broke off (ZeroMQ protocol error ") + code + ")");
+  }
+  handshake_broke_off(std::string("the connection ended during the handshake (") +
+                      (value != 0 ? std::strerror(static_cast<int>(value)) : "no detail") + ")");
+}
+
+void ControlSocket::handshake_broke_off(const std::string& how) {
+  // [Handshake diagnosis]: what answers there now says which it was.
+  const auto took_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count();
+  const auto greeting = probe_greeting(endpoint_, kProbeWait);
+  using Seen = PeerGreeting::Seen;
+  const std::string not_executor = "the peer at " + endpoint_ + " is not a symbiosis executor: " + how;
+  switch (greeting.seen) {
+    case Seen::kZeroMQ:
+      if (greeting.detail == "CURVE") {
+        TORCH_CHECK(with_keys_, "executor at ", endpoint_,
+                    " admits only tenants with keys: give the client the executor's public key and this tenant's key "
+                    "pair (ClientOptions::executor_key and key_file; docs/operating.md)");
+        TORCH_CHECK(took_ms >= 1000, "executor at ", endpoint_, " broke off the encrypted handshake (", how,
+                    "): the executor key this client was given is not that executor's");
+        TORCH_CHECK(false, "executor at ", endpoint_, " broke off the encrypted handshake after ", took_ms, " ms (",
+                    how,
+                    "): the executor key this client was given is not that executor's, or the executor did not "
+                    "finish the handshake within its handshake interval (is it overloaded?)");
+      }
+      TORCH_CHECK(greeting.detail != "NULL" || !with_keys_, "executor at ", endpoint_,
+                  " takes no keys (it was started without --keys), but this client was given some");
+      TORCH_CHECK(false, "the ZeroMQ peer at ", endpoint_, " ended the handshake (", how, "); it asks for ",
+                  greeting.detail.empty() ? std::string("no security mechanism by name")
+                                          : "security mechanism " + greeting.detail,
+                  ", and this client ", with_keys_ ? "encrypts with keys" : "has no keys",
+                  ": it is not a symbiosis executor, or it stopped meanwhile (is this the right port?)");
+    case Seen::kNotZeroMQ:
+      TORCH_CHECK(false, not_executor, ", and it answers a new connection with bytes that are not ZeroMQ (\"",
+                  greeting.detail, "\"); is this the right port? (an executor's metrics port, for one, speaks HTTP)");
+    case Seen::kClosed:
+      TORCH_CHECK(false, not_executor, ", and it closes a new connection without a byte (is this the right port?)");
+    case Seen::kSilent:
+      TORCH_CHECK(false, not_executor,
+                  ", and it says nothing on a new connection, not even ZeroMQ's greeting (is this the right port?)");
+    case Seen::kRefused:
+      TORCH_CHECK(false, "the peer at ", endpoint_, ": ", how,
+                  ", and it now refuses connections: it stopped (is the executor restarting?)");
+    case Seen::kUnknown:
+      break;
+  }
+  TORCH_CHECK(false, "the peer at ", endpoint_, ": ", how, " (what answers there could not be told: ",
+              greeting.detail, ")");
+}
+
+proto::Envelope ControlSocket::handshake_answer(const proto::Envelope& hello) {
+  send(hello);
+  const auto frames = receive("the handshake");
+  // [Handshake diagnosis]: an answer that is not a symbiosis message comes from something else.
+  proto::Envelope env;
+  if (frames.empty() || !wire::parse(frames[0], &env) || env.body_case() == proto::Envelope::BODY_NOT_SET) {
+    const size_t size = frames.empty() ? 0 : frames[0].size();
+    TORCH_CHECK(false, "the peer at ", endpoint_, " is not a symbiosis executor: it answered the handshake with ",
+                frames.size(), " frame(s) that are not a symbiosis message (the first of ", size, " bytes: \"",
+                frames.empty() ? std::string()
+                               : printable_start(static_cast<const unsigned char*>(frames[0].data()), size),
+                "\"); is this the right endpoint?");
+  }
+  return parse_or_throw(frames);
 }
 
 proto::Welcome ControlSocket::handshake(proto::Envelope hello) {
-  auto answer = exchange(hello, "the handshake");
+  auto answer = handshake_answer(hello);
   if (answer.has_prove_host()) {
     auto link = local::prove(answer.prove_host(), timeout_ms_);
     if (link.is_ok()) {
@@ -254,7 +464,7 @@ proto::Welcome ControlSocket::handshake(proto::Envelope hello) {
                   ", but this client could not prove it shares the executor's host: ", link.status().message());
       spdlog::warn("executor at {}: no same-host transport, using tcp: {}", endpoint_, link.status().message());
       hello.mutable_hello()->set_transport("tcp");
-      answer = exchange(hello, "the handshake");
+      answer = handshake_answer(hello);
     }
   }
   TORCH_CHECK(answer.has_welcome(), "executor answered the handshake with something other than Welcome");

@@ -86,8 +86,14 @@ class ControlSocket {
   int timeout_ms() const { return timeout_ms_; }
 
  private:
-  // Throws naming why, if the monitor reports a failed handshake.
+  // Throws naming why, if the monitor reports a failed handshake ([Handshake diagnosis] in
+  // client_transport.cpp).
   void check_handshake(const zmq::message_t& event);
+  // [Handshake diagnosis]: throws what the connection's end during the handshake (`how`) was,
+  // by what answers at the endpoint now.
+  [[noreturn]] void handshake_broke_off(const std::string& how);
+  // Sends the Hello and returns the answer; one that is not a symbiosis message throws naming it.
+  proto::Envelope handshake_answer(const proto::Envelope& hello);
   // A monitor event: a failed handshake throws; connections made or retried are counted.
   void on_event(const zmq::message_t& event);
   // Watches `events` of the socket (replacing the watch before, if any).
@@ -107,6 +113,8 @@ class ControlSocket {
   bool with_keys_;
   bool heard_ = false;       // an answer came: the connection is up, the monitor watches handshakes and breaks only
   bool connected_ = false;   // a connection was made (before the first answer)
+  bool greeted_ = false;     // ZeroMQ's handshake succeeded (before the first answer)
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();  // the socket's making
   int retries_ = 0;          // connections refused or broken off before the first answer
   int monitors_ = 0;         // monitor endpoints used, for a fresh name each
   std::string lost_;         // [Executor restart]: why the connection is lost; every call throws it since

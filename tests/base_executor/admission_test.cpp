@@ -4,19 +4,25 @@
 // never echoed or logged whole.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <spdlog/sinks/base_sink.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
 
+#include "base_executor/admission.h"
 #include "base_executor/executor.h"
 #include "client_runtime/client.h"
+#include "common/checkpoint.h"
 #include "tests/test_util.h"
 #include "transport/client_transport.h"
 #include "transport/keys.h"
@@ -114,12 +120,12 @@ TEST_F(AdmissionTest, OnlyListedKeysAreServedAndEveryOtherPeerIsToldWhy) {
     error = testing::error_of([&] { Client::connect(wrong_server); });
     EXPECT_TRUE(contains(error, "the executor key this client was given is not that executor's")) << error;
   }
-  // A key nobody listed, and a revoked one.
-  error = testing::error_of([&] { Client::connect(as("mallory")); });
-  EXPECT_TRUE(contains(error, "PERMISSION_DENIED")) << error;
-  EXPECT_TRUE(contains(error, "refused: this client's key is not admitted here")) << error;
-  error = testing::error_of([&] { Client::connect(as("bob")); });
-  EXPECT_TRUE(contains(error, "refused: this client's key was revoked")) << error;
+  // A key nobody listed, and a revoked one: refused in the handshake itself ([Admission]).
+  for (const char* name : {"mallory", "bob"}) {
+    error = testing::error_of([&] { Client::connect(as(name)); });
+    EXPECT_TRUE(contains(error, "refused this client's key at the handshake (ZAP 400: not admitted or revoked)"))
+        << error;
+  }
 
   // Statistics are an operator's: a tenant is refused, an operator answered.
   error = testing::error_of([&] {
@@ -396,6 +402,435 @@ TEST_F(AdmissionTest, NothingAStrangerSendsIsEchoedOrLoggedWholeAndBadInputLogsA
   options.timeout_ms = 5000;
   auto client = Client::connect(options);
   expect_exact(*client);
+}
+
+// ---- [Admission]: strangers cost nothing, a tenant is its key ----
+
+// The resident memory of this process (the executor runs in it), from /proc/self/status.
+int64_t resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// Peers with keys nobody admitted, each sending frames of `frame_bytes` (the largest the executor
+// takes) on a connection, and again on a fresh one once refused, until destroyed. Every frame is
+// one read-only mapping of zero pages (ZeroMQ copies none of it), so that what the strangers
+// cost this process is not mistaken for what they cost the executor.
+class Strangers {
+ public:
+  Strangers(const std::string& endpoint, const std::string& executor_key, int count, size_t frame_bytes)
+      : frame_bytes_(frame_bytes),
+        frames_(::mmap(nullptr, frame_bytes, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)) {
+    EXPECT_NE(frames_, MAP_FAILED);
+    for (int i = 0; i < count; ++i) threads_.emplace_back([=, this] { run(endpoint, executor_key, i); });
+  }
+  ~Strangers() {
+    stop_ = true;
+    for (auto& thread : threads_) thread.join();
+    ::munmap(frames_, frame_bytes_);
+  }
+  int refused() const { return refused_; }    // handshakes refused with ZAP 400, as the strangers saw them
+  int admitted() const { return admitted_; }  // handshakes that succeeded (none should)
+  int64_t frames_sent() const { return sent_; }
+
+ private:
+  void run(const std::string& endpoint, const std::string& executor_key, int index) {
+    const auto pair = keys::generate();
+    for (int attempt = 0; !stop_; ++attempt) {
+      zmq::socket_t socket(context_, zmq::socket_type::dealer);
+      socket.set(zmq::sockopt::linger, 0);
+      socket.set(zmq::sockopt::curve_serverkey, executor_key);
+      socket.set(zmq::sockopt::curve_publickey, pair.public_key);
+      socket.set(zmq::sockopt::curve_secretkey, pair.secret_key);
+      const std::string watch = "inproc://stranger-" + std::to_string(index) + "-" + std::to_string(attempt);
+      ASSERT_EQ(zmq_socket_monitor(socket.handle(), watch.c_str(),
+                                   ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_SUCCEEDED),
+                0);
+      zmq::socket_t monitor(context_, zmq::socket_type::pair);
+      monitor.set(zmq::sockopt::rcvtimeo, 2000);
+      monitor.connect(watch);
+      socket.connect(endpoint);
+      for (int i = 0; i < 4; ++i) {
+        zmq::message_t frame(frames_, frame_bytes_, nullptr, nullptr);
+        if (socket.send(frame, zmq::send_flags::dontwait)) sent_++;
+      }
+      zmq::message_t event;
+      if (!monitor.recv(event) || event.size() < 6) continue;
+      uint16_t kind = 0;
+      uint32_t value = 0;
+      std::memcpy(&kind, event.data(), sizeof(kind));
+      std::memcpy(&value, static_cast<const char*>(event.data()) + sizeof(kind), sizeof(value));
+      if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH && value == 400) refused_++;
+      if (kind == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) admitted_++;
+    }
+  }
+
+  const size_t frame_bytes_;
+  void* const frames_;
+  zmq::context_t context_{1};
+  std::atomic<bool> stop_{false};
+  std::atomic<int> refused_{0}, admitted_{0};
+  std::atomic<int64_t> sent_{0};
+  std::vector<std::thread> threads_;
+};
+
+// What an executor running in this test's process may hold for eight strangers at once: ZeroMQ's
+// per-connection buffers are kilobytes ([Admission]); a frame of theirs taken in would be 257 MiB.
+constexpr int64_t kStrangersBound = int64_t{64} << 20;
+
+// Issue 44: eight peers whose keys are not admitted, each sending frames as large as the executor
+// takes (--max-message-bytes), again and again, beside an honest keyed tenant that trains over
+// tcp. The executor refuses them in the handshake, so it never takes in a frame of theirs: it
+// stays alive, holds less than kStrangersBound more meanwhile, and the tenant's training equals a
+// monolithic run step for step.
+TEST_F(AdmissionTest, StrangersWithTheirLargestFramesCostNothingAndAnHonestTenantStaysExact) {
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  ExecutorOptions options;
+  options.keys_dir = keys_;
+  executor_ = testing::start_executor(dir, options);
+  auto alice = testing::connect(*executor_, *checkpoint, as("alice"));
+  LoraConfig lora;
+  lora.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "down_proj"};
+  lora.init_b_zero = false;
+  auto split = testing::make_training_run(*checkpoint, alice, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  at::manual_seed(7);
+  const auto ids = at::randint(0, 200, {2, 12}, at::kLong);
+  testing::expect_same_training(split, mono, ids, 1, 1e-5);  // what training holds anyway, held before
+  const auto errors_before = executor_->stats().errors;
+  const int64_t before = resident_bytes();
+  std::atomic<int64_t> peak{before};
+  std::atomic<bool> sampling{true};
+  std::thread sampler([&] {
+    while (sampling) {
+      peak = std::max<int64_t>(peak, resident_bytes());
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  {
+    Strangers strangers(executor_->endpoint(), keys::public_key((keys_ / "executor.pub").string()), 8,
+                        options.message_limit());
+    testing::expect_same_training(split, mono, ids, 5, 1e-5);
+    // Each stranger was refused a few times over (their monitors saw ZAP 400), and none got in.
+    EXPECT_TRUE(testing::wait_until([&] { return strangers.refused() >= 8 * 3; }, std::chrono::seconds(30)))
+        << strangers.refused() << " refusals";
+    EXPECT_EQ(strangers.admitted(), 0);
+    EXPECT_GE(strangers.frames_sent(), 8 * 3 * 4);
+    sampling = false;
+    sampler.join();
+    // The operator sees them counted as refusals.
+    EXPECT_GE(executor_->stats().errors - errors_before, static_cast<uint64_t>(strangers.refused()));
+    std::printf("[ measured ] %d refused handshakes of 8 strangers, %lld frames of %zu bytes queued; the executor's "
+                "process grew by at most %lld KiB (bound: %lld KiB)\n",
+                strangers.refused(), static_cast<long long>(strangers.frames_sent()), options.message_limit(),
+                static_cast<long long>((peak - before) >> 10), static_cast<long long>(kStrangersBound >> 10));
+  }
+  EXPECT_LT(peak - before, kStrangersBound);
+  // Alive, and the tenant trains on, exact; a newcomer with an admitted key is served.
+  testing::expect_same_training(split, mono, ids, 1, 1e-5);
+  EXPECT_EQ(testing::connect(*executor_, *checkpoint, as("ops"))->model_hash(), checkpoint->model_hash());
+}
+
+// Collects the log lines the executor writes.
+class CollectingSink : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  std::string text() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return text_;
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& message) override {
+    text_.append(message.payload.data(), message.payload.size()).append("\n");
+  }
+  void flush_() override {}
+
+ private:
+  std::string text_;  // guarded by the sink's mutex (base_sink locks it around sink_it_)
+};
+
+// [Admission]: an unknown key and a revoked one are refused in the handshake, the client told so
+// at once (not at its timeout), and the executor's log names the revoked key; a key revoked
+// while its tenant is connected is refused at the tenant's next call, and at the handshake when
+// it comes back.
+TEST_F(AdmissionTest, UnknownAndRevokedKeysAreRefusedAtTheHandshakeNamingTheRefusal) {
+  start();
+  auto sink = std::make_shared<CollectingSink>();
+  spdlog::default_logger()->sinks().push_back(sink);
+  for (const char* name : {"mallory", "bob"}) {
+    const auto started = std::chrono::steady_clock::now();
+    const auto error = testing::error_of([&] { Client::connect(as(name)); });
+    EXPECT_TRUE(contains(error, "the executor at " + executor_->endpoint() +
+                                    " refused this client's key at the handshake (ZAP 400: not admitted or revoked)"))
+        << error;
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(4));  // well within the 5 s timeout
+  }
+  // An operator's request with a key that is not one's is refused the same way.
+  auto error = testing::error_of([&] {
+    request_stats(executor_->endpoint(), 5000, {keys::public_key((keys_ / "executor.pub").string()),
+                                                keys::read(keys_ / "people" / "mallory.key", true)});
+  });
+  EXPECT_TRUE(contains(error, "refused this client's key at the handshake")) << error;
+  EXPECT_EQ(executor_->stats().clients, 0u);
+
+  auto alice = Client::connect(as("alice"));
+  expect_exact(*alice);
+  list("alice", "revoked");
+  error = first_error(*alice);
+  EXPECT_TRUE(contains(error, "refused: this client's key was revoked")) << error;
+  error = testing::error_of([&] { Client::connect(as("alice")); });
+  EXPECT_TRUE(contains(error, "refused this client's key at the handshake (ZAP 400")) << error;
+  spdlog::default_logger()->sinks().pop_back();
+  const auto log = sink->text();
+  EXPECT_TRUE(contains(log, "refused at the handshake the revoked key 'bob'")) << log;
+  EXPECT_TRUE(contains(log, "refused at the handshake the revoked key 'alice'")) << log;
+  EXPECT_TRUE(contains(log, "refused at the handshake a key not admitted")) << log;
+}
+
+// The body of an HTTP GET of `url` (http://127.0.0.1:PORT/PATH), by hand.
+std::string http_get(const std::string& url) {
+  const auto host_at = url.find("://") + 3;
+  const auto path_at = url.find('/', host_at);
+  const auto port = std::stoi(url.substr(url.rfind(':', path_at) + 1, path_at));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  std::string answer;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
+    const std::string request = "GET " + url.substr(path_at) + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    (void)!::write(fd, request.data(), request.size());
+    char buffer[65536];
+    ssize_t got = 0;
+    while ((got = ::read(fd, buffer, sizeof(buffer))) > 0) answer.append(buffer, static_cast<size_t>(got));
+  }
+  ::close(fd);
+  const auto body = answer.find("\r\n\r\n");
+  return body == std::string::npos ? "" : answer.substr(body + 4);
+}
+
+// Issue 44: with keys, a tenant is its key. A Hello that claims another admitted key's name is
+// refused naming both; any other label gives way to the key's name, which is what statistics,
+// metrics and logs count.
+TEST_F(AdmissionTest, WithKeysATenantIsNamedByItsKeyAndCannotClaimAnothersName) {
+  list("mallory", "tenants");
+  ExecutorOptions options;
+  options.keys_dir = keys_;
+  options.metrics_listen = "127.0.0.1:0";
+  executor_ = testing::start_executor(checkpoint_->dir, options);
+  auto sink = std::make_shared<CollectingSink>();
+  spdlog::default_logger()->sinks().push_back(sink);
+
+  auto impostor = as("mallory");
+  impostor.tenant = "alice";
+  const auto error = testing::error_of([&] { Client::connect(impostor); });
+  EXPECT_TRUE(contains(error, "PERMISSION_DENIED")) << error;
+  EXPECT_TRUE(contains(error, "Hello says tenant 'alice', the name of another admitted key, but its key is 'mallory'"))
+      << error;
+
+  auto labelled = as("mallory");
+  labelled.tenant = "team-m";
+  auto mallory = Client::connect(labelled);
+  auto unnamed = as("alice");
+  unnamed.tenant = "";
+  auto alice = Client::connect(unnamed);
+  auto alice_again = Client::connect(as("alice"));  // says its own name: fine
+  expect_exact(*mallory);
+  expect_exact(*alice);
+  expect_exact(*alice_again);
+  expect_exact(*alice_again);
+
+  std::string metrics;
+  EXPECT_TRUE(testing::wait_until(
+      [&] {
+        metrics = http_get(executor_->metrics_url());
+        return contains(metrics, "symbiosis_tenant_requests_total{tenant=\"alice\"} 3\n") &&
+               contains(metrics, "symbiosis_tenant_requests_total{tenant=\"mallory\"} 1\n");
+      },
+      std::chrono::seconds(10)))
+      << metrics;
+  EXPECT_FALSE(contains(metrics, "team-m")) << metrics;
+  spdlog::default_logger()->sinks().pop_back();
+  const auto log = sink->text();
+  EXPECT_TRUE(contains(log, "a client with key 'mallory' says tenant 'team-m'; with keys a tenant is named by its "
+                            "key: 'mallory'"))
+      << log;
+  EXPECT_TRUE(contains(log, "(tenant 'mallory', by its key")) << log;
+  EXPECT_FALSE(contains(log, "(tenant 'team-m'")) << log;
+}
+
+// [Admission]: a connection that never finishes its handshake is dropped after the handshake
+// interval, whatever it does (here: nothing), and the executor serves on.
+TEST_F(AdmissionTest, AConnectionThatNeverFinishesItsHandshakeIsDropped) {
+  start();
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port_of(executor_->endpoint())));
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  bool closed = false;
+  const auto deadline = std::chrono::steady_clock::now() + kHandshakeInterval + std::chrono::seconds(5);
+  while (!closed && std::chrono::steady_clock::now() < deadline) {
+    pollfd item{fd, POLLIN, 0};
+    if (::poll(&item, 1, 100) <= 0) continue;
+    char buffer[256];
+    closed = ::read(fd, buffer, sizeof(buffer)) <= 0;  // the executor's greeting comes first
+  }
+  ::close(fd);
+  EXPECT_TRUE(closed) << "the executor kept a connection that never finished its handshake";
+  expect_exact(*Client::connect(as("alice")));
+}
+
+// Something at an endpoint that is not an executor: a TCP listener that closes every connection
+// at once, says nothing on it, or answers as a web server does.
+class NotAnExecutor {
+ public:
+  enum class Behaviour { kCloses, kSilent, kWebServer };
+  explicit NotAnExecutor(Behaviour behaviour) : behaviour_(behaviour) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&address), length), 0);
+    EXPECT_EQ(::listen(listener_, 16), 0);
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~NotAnExecutor() {
+    ::shutdown(listener_, SHUT_RDWR);
+    thread_.join();
+    ::close(listener_);
+    for (const int fd : held_) ::close(fd);
+  }
+  std::string endpoint() const { return "tcp://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void run() {
+    while (true) {
+      const int connection = ::accept(listener_, nullptr, nullptr);
+      if (connection < 0) return;
+      if (behaviour_ == Behaviour::kSilent) {
+        held_.push_back(connection);
+        continue;
+      }
+      if (behaviour_ == Behaviour::kWebServer) {
+        pollfd item{connection, POLLIN, 0};
+        char request[256];
+        if (::poll(&item, 1, 1000) > 0) (void)!::read(connection, request, sizeof(request));
+        const std::string answer = "HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n";
+        (void)!::write(connection, answer.data(), answer.size());
+      }
+      ::close(connection);
+    }
+  }
+
+  const Behaviour behaviour_;
+  int listener_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+  std::vector<int> held_;  // the silent one's connections; the thread's until it is joined
+};
+
+// A ZeroMQ peer that answers every message with bytes that are not a symbiosis message.
+class GarbageAnswerer {
+ public:
+  GarbageAnswerer() {
+    socket_.set(zmq::sockopt::linger, 0);
+    socket_.bind("tcp://127.0.0.1:*");
+    endpoint_ = socket_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+        zmq::poll(&item, 1, std::chrono::milliseconds(50));
+        if (!(item.revents & ZMQ_POLLIN)) continue;
+        auto frames = wire::recv_all(socket_);
+        socket_.send(frames.at(0), zmq::send_flags::sndmore);
+        socket_.send(zmq::str_buffer("\xde\xad not a symbiosis message"), zmq::send_flags::none);
+      }
+    });
+  }
+  ~GarbageAnswerer() {
+    stop_ = true;
+    thread_.join();
+  }
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  zmq::context_t context_{1};
+  zmq::socket_t socket_{context_, zmq::socket_type::router};
+  std::string endpoint_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Issue 44: a client pointed at something that is not an executor is told what was seen there (no
+// answer, an answer that is not a symbiosis message, a connection closed, a web server), never
+// that an executor wants keys; only an executor that does is said to.
+TEST_F(AdmissionTest, TheHandshakeErrorAtSomethingThatIsNotAnExecutorSaysWhatWasSeen) {
+  auto keyless = [](const std::string& endpoint) {
+    ClientOptions options;
+    options.endpoint = endpoint;
+    options.transport = "tcp";
+    options.timeout_ms = 5000;
+    options.connect_timeout_ms = 1500;
+    return options;
+  };
+  auto expect_seen = [&](const std::string& endpoint, const ClientOptions& options, const std::string& seen) {
+    const auto error = testing::error_of([&] { Client::connect(options); });
+    EXPECT_TRUE(contains(error, endpoint)) << error;
+    EXPECT_TRUE(contains(error, seen)) << error;
+    EXPECT_TRUE(contains(error, "it is not a symbiosis executor") || contains(error, "is not a symbiosis executor:"))
+        << error;
+    EXPECT_FALSE(contains(error, "admits only tenants with keys")) << error;
+    EXPECT_FALSE(contains(error, "is not that executor's")) << error;
+  };
+  {
+    GarbageAnswerer garbage;
+    expect_seen(garbage.endpoint(), keyless(garbage.endpoint()),
+                "it answered the handshake with 1 frame(s) that are not a symbiosis message");
+  }
+  {
+    NotAnExecutor closes(NotAnExecutor::Behaviour::kCloses);
+    expect_seen(closes.endpoint(), keyless(closes.endpoint()), "closes a new connection without a byte");
+    // With keys, the same: no talk of the wrong executor key.
+    expect_seen(closes.endpoint(), as("alice", closes.endpoint()), "closes a new connection without a byte");
+  }
+  {
+    NotAnExecutor silent(NotAnExecutor::Behaviour::kSilent);
+    expect_seen(silent.endpoint(), keyless(silent.endpoint()),
+                "accepted the connection but did not answer the handshake within 1500 ms, not even with ZeroMQ's "
+                "greeting");
+  }
+  {
+    NotAnExecutor web(NotAnExecutor::Behaviour::kWebServer);
+    expect_seen(web.endpoint(), keyless(web.endpoint()),
+                "answers a new connection with bytes that are not ZeroMQ (\"HTTP/1.0 400 Bad Request\")");
+    expect_seen(web.endpoint(), as("alice", web.endpoint()), "bytes that are not ZeroMQ");
+  }
+  // An executor's own metrics port (HTTP), as a user might mistake it for the executor's.
+  ExecutorOptions options;
+  options.metrics_listen = "127.0.0.1:0";
+  executor_ = testing::start_executor(checkpoint_->dir, options);
+  const auto url = executor_->metrics_url();
+  const auto metrics_port = "tcp://127.0.0.1:" + url.substr(url.rfind(':') + 1, url.find('/', 7) - url.rfind(':') - 1);
+  expect_seen(metrics_port, keyless(metrics_port), "");
+  // And the executor itself, with keys, keyless clients are told it wants keys (its greeting says CURVE).
+  executor_.reset();
+  start();
+  for (int i = 0; i < 5; ++i) {
+    const auto error = testing::error_of([&] { Client::connect(keyless(executor_->endpoint())); });
+    EXPECT_TRUE(contains(error, "admits only tenants with keys")) << error;
+  }
 }
 
 }  // namespace
