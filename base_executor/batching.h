@@ -122,6 +122,7 @@ class Batcher {
     if (dropped_.erase(request.client_id)) clients_.insert(request.client_id);  // back in lockstep
     total_requests_++;
     total_tokens_ += request.tokens;
+    client_tokens_[request.client_id] += request.tokens;
     const Key key{request.layer_id, static_cast<int>(request.op)};
     auto& track = tracks_[request.client_id];
     if (track.last_queue) track.next_after[*track.last_queue] = key;
@@ -146,6 +147,8 @@ class Batcher {
   size_t pending() const { return total_requests_; }
   // The tokens of the requests pending ([Overload]: --max-queued-tokens).
   int64_t pending_tokens() const { return total_tokens_; }
+  // The same by client, clients with none left out ([Fair shares] in overload.h).
+  const std::map<uint64_t, int64_t>& pending_tokens_by_client() const { return client_tokens_; }
   // Whether push() will run `request` by itself: marked alone, and not under lockstep.
   bool runs_alone(const Request& request) const {
     return request.alone && options_.policy != BatchingPolicy::kLockstep;
@@ -181,6 +184,7 @@ class Batcher {
       alone_.pop_front();
       total_requests_--;
       total_tokens_ -= batch.tokens;
+      count_out(batch.requests);
       return batch;
     }
     if (oldest == nullptr) return std::nullopt;
@@ -200,6 +204,7 @@ class Batcher {
     }
     total_requests_ = 0;
     total_tokens_ = 0;
+    client_tokens_.clear();
     return batches;
   }
 
@@ -342,8 +347,17 @@ class Batcher {
     }
     total_requests_ -= batch.requests.size();
     total_tokens_ -= batch.tokens;
+    count_out(batch.requests);
     if (requests.empty()) std::erase(active_, &queue);
     return batch;
+  }
+
+  // Takes `requests`, which leave the Batcher, out of their clients' pending tokens.
+  void count_out(const std::vector<Request>& requests) {
+    for (const auto& r : requests) {
+      const auto it = client_tokens_.find(r.client_id);
+      if (it != client_tokens_.end() && (it->second -= r.tokens) <= 0) client_tokens_.erase(it);
+    }
   }
 
   BatchingOptions options_;
@@ -355,6 +369,7 @@ class Batcher {
   std::map<uint64_t, ClientTrack> tracks_;  // opportunistic: each client's learnt path
   size_t total_requests_ = 0;
   int64_t total_tokens_ = 0;
+  std::map<uint64_t, int64_t> client_tokens_;  // total_tokens_ by client ([Fair shares])
   int decode_streak_ = 0;  // [Inference first]: batches in a row that overtook older work
 };
 

@@ -56,6 +56,7 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       context_(context),
       replies_endpoint_(std::move(replies_endpoint)),
       buffers_(buffers),
+      queue_shares_(options.max_queued_tokens),
       batcher_(options.batching),
       runner_(model, statistics, options.on_input, parts),
       parts_(parts),
@@ -85,18 +86,14 @@ int64_t claimed_tokens(const CallArrived& call) {
 }  // namespace
 
 Status Scheduler::post_call(CallArrived call) {
-  const int64_t tokens = claimed_tokens(call);
-  const int64_t queued = inbox_tokens_.load() + batched_tokens_.load();
-  if (queued > 0 && tokens > options_.max_queued_tokens - queued) {  // [Overload]: into an empty queue, any call
-    return queue_full(call.header.request_id, tokens, queued, options_.max_queued_tokens);
-  }
-  inbox_tokens_ += tokens;
-  post(std::move(call));
-  return Status::ok();
+  // [Fair shares]: counted while it waits in the inbox; into an empty share, any call.
+  auto admitted = queue_shares_.admit(call.channel->client_id(), call.header.request_id, claimed_tokens(call));
+  if (admitted.is_ok()) post(std::move(call));
+  return admitted;
 }
 
 void Scheduler::note_queue() {
-  batched_tokens_ = batcher_.pending_tokens();
+  queue_shares_.note_batched(batcher_.pending_tokens_by_client());
   statistics_.queue_depth = batcher_.pending();
   statistics_.queued_tokens = batcher_.pending_tokens();
 }
@@ -130,9 +127,9 @@ void Scheduler::handle(ClientRefused& message) {
 }
 
 void Scheduler::handle(CallArrived& message) {
-  inbox_tokens_ -= claimed_tokens(message);
+  queue_shares_.leave_inbox(message.channel->client_id(), claimed_tokens(message));
   if (message.channel->payload_in_frames()) message.channel->receive_frames(message.header, std::move(message.frames));
-  accept(message.channel, message.header, message.shape);
+  accept(message.channel, message.header, message.shape, /*admitted=*/true);
 }
 
 void Scheduler::handle(SetupArrived& message) {
@@ -142,10 +139,13 @@ void Scheduler::handle(SetupArrived& message) {
   try {
     proto::Envelope answer;
     if (env.has_register_buffer()) {
-      // [Buffer budget]: the new buffer replaces the client's last; only what it adds is taken.
+      // [Buffer budget]: the new buffer replaces the client's last; only what it adds is taken, by
+      // [Fair shares] among the clients holding payload buffers.
       const uint64_t bytes = env.register_buffer().bytes(), held = buffer_bytes_[id];
       const uint64_t more = bytes > held ? bytes - held : 0;
-      if (auto status = buffers_.take(more, "registering a payload buffer"); !status.is_ok()) {
+      PoolShare share{held, 1};
+      for (const auto& [other, other_bytes] : buffer_bytes_) share.holders += other != id && other_bytes > 0;
+      if (auto status = buffers_.take(more, "registering a payload buffer", share); !status.is_ok()) {
         return answer_error(message.identity, id, status);
       }
       try {
@@ -175,16 +175,16 @@ void Scheduler::answer_error(const std::string& identity, uint64_t client_id, co
   wire::send_to(*replies_, identity, wire::error_envelope(0, status, /*as_reply=*/false));
 }
 
-void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape) {
+void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape,
+                       bool admitted) {
   const auto refused = refused_.find(channel->client_id());
   Status status = refused != refused_.end() ? refused->second
                   : lost_                   ? *lost_
                                             : check_call(model_, options_.max_request_bytes, *channel, h, shape);
-  // [Overload]: the calls waiting to be batched stay within --max-queued-tokens.
-  const int64_t waiting = batcher_.pending_tokens();
-  if (status.is_ok() && waiting > 0 && h.tokens > options_.max_queued_tokens - waiting) {
-    status = queue_full(h.request_id, h.tokens, waiting, options_.max_queued_tokens);
-  }
+  // [Fair shares] (overload.h): a call through a channel is refused when the queue is full and it
+  // would take its client past its share; for cuda-ipc with [Stream-ordered hand-off] the refusal
+  // reaches the client only at its next call, and voids this call's result.
+  if (status.is_ok() && !admitted) status = queue_shares_.check(channel->client_id(), h.request_id, h.tokens);
   if (!status.is_ok()) {
     statistics_.record_error(status.code(), channel->client_id(),
                              h.layer_id < model_.layer_count() ? std::optional<uint32_t>(h.layer_id) : std::nullopt);

@@ -75,7 +75,8 @@ class Scheduler {
 
   void post(InboxMessage message);
   // Posts a call that came over ZeroMQ, unless its tokens would bring the calls waiting (in the
-  // inbox and the Batcher) past --max-queued-tokens: then it returns the refusal and posts nothing.
+  // inbox and the Batcher) past --max-queued-tokens and its client past its share of them ([Fair
+  // shares] in overload.h): then it returns the refusal and posts nothing.
   Status post_call(CallArrived call);
   // The doorbell's segment, for the Welcome of a client of this host.
   int doorbell_descriptor() const { return doorbell_.descriptor(); }
@@ -89,14 +90,16 @@ class Scheduler {
   void handle(ClientRefused& message);
   void handle(CallArrived& message);
   void handle(SetupArrived& message);
-  // Checks a call and queues it, or refuses it through its channel.
-  void accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape);
+  // Checks a call and queues it, or refuses it through its channel. `admitted`: post_call() has
+  // counted its tokens already ([Fair shares]); a call through a channel is checked against them here.
+  void accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape,
+              bool admitted = false);
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
   void finish_setups();
   void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
-  // Publishes the Batcher's pending calls and tokens (for post_call and the statistics).
+  // Publishes the Batcher's pending calls and tokens (for the queue's shares and the statistics).
   void note_queue();
   // [Rounds] (parts.h): one round of the parts, offering `batch`; true when any part had a batch.
   bool take_part(std::optional<CallBatcher::Batch>& batch);
@@ -115,10 +118,10 @@ class Scheduler {
 
   std::mutex inbox_mutex_;
   std::vector<InboxMessage> inbox_;  // guarded by inbox_mutex_
-  // [Overload]: tokens of the CallArrived in the inbox (post_call adds, the scheduler subtracts),
-  // and of the calls in the Batcher (written by the scheduler's thread alone).
-  std::atomic<int64_t> inbox_tokens_{0};
-  std::atomic<int64_t> batched_tokens_{0};
+  // [Fair shares] (overload.h): tokens of the CallArrived in the inbox by client (post_call
+  // admits, the scheduler takes them out), and of the calls in the Batcher (published by the
+  // scheduler's thread alone, in note_queue).
+  QueueShares queue_shares_;
 
   // Owned by the scheduler's thread.
   CallBatcher batcher_;

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <unordered_map>
 
@@ -75,6 +76,28 @@ constexpr auto kFirstPause = std::chrono::milliseconds(100);
 constexpr auto kLongestPause = std::chrono::seconds(2);
 constexpr int kStepTries = 3;  // redo_if_results_lost
 
+// [Back-pressure]
+// An executor whose queue is full refuses a call with RESOURCE_EXHAUSTED when the call's client
+// holds at least its fair share of the queue ([Fair shares] in base_executor/overload.h): that is
+// back-pressure, not an error, and the client sends the call again after a pause, from
+// kFirstBusyPause doubling to kLongestBusyPause, each drawn at random between half and all of it (so
+// that clients refused together do not come back together), until the call timeout
+// (ClientOptions::timeout_ms) has passed since its first sending; then the call fails naming the
+// overload, how long and how many times it was sent, and the executor's last refusal. A call over
+// the executor's --max-request-bytes (the Welcome's max_request_bytes) is refused with the same code
+// for good: it fails at once. Each sending is a new request (a new id), so a late answer to an
+// earlier one is never taken for it. Covered: calls answered by reply, which the transport can send
+// again (ExecutorBusy in transport/client_transport.h): tcp, and shm and cuda-ipc without
+// [Stream-ordered hand-off] (shm always; cuda-ipc with control "zmq"). Not covered: a cuda-ipc call
+// ordered on the GPU has returned before its refusal comes back; the refusal voids its result and
+// is thrown at the client's next call or settle(), as before. Nor nccl: a refused call aborts its
+// communicator, and the error is as before. A Client waits for each call's result before it sends
+// the next, so under the executor's rule its calls go into an empty share and are not refused for
+// the queue at all: the retries are for an executor that refuses them anyway (one older than the
+// rule, whose queue was one pool for everyone).
+constexpr auto kFirstBusyPause = std::chrono::microseconds(250);
+constexpr auto kLongestBusyPause = std::chrono::milliseconds(32);
+
 // A layer table as bytes, to tell an executor that came back serving other layers.
 std::string table_of(const proto::Welcome& welcome) {
   std::string table;
@@ -103,6 +126,7 @@ class Client::Impl {
   std::string transport_name;
   uint64_t client_id = 0;
   std::string model_hash;
+  uint64_t max_request_bytes = 0;  // the Welcome's: a call past it is refused for good ([Back-pressure])
   std::vector<LayerInfo> layers;
   std::unordered_map<std::string, size_t> by_name;
   std::vector<LayerInfo> groups;
@@ -113,6 +137,7 @@ class Client::Impl {
   std::atomic<uint64_t> calls{0};  // sent: a capture's recordings count when a replay sends them
   bool capturing = false;          // guarded by call_mutex
   std::unique_ptr<NoiseMask> mask;  // [Noise masking], when the client asked for it
+  std::minstd_rand jitter{std::random_device{}()};  // [Back-pressure]'s pauses; guarded by call_mutex
 
   // [Noise masking] with effects computed here: the base weights of a layer or group from the
   // checkpoint the options name, which must be the executor's model, rounded as the executor
@@ -180,6 +205,7 @@ class Client::Impl {
                   ", other --layer-pattern, --layer-groups or --dtype?); connect a new Client");
     }
     client_id = welcome.client_id();
+    max_request_bytes = welcome.max_request_bytes();
     const auto kind = parse_transport(welcome.transport().empty() ? "tcp" : welcome.transport());
     TORCH_CHECK(kind, "executor chose transport '", welcome.transport(), "', which this client does not know (it knows ",
                 transport_names(), ")");
@@ -278,9 +304,44 @@ class Client::Impl {
     // Every payload reads the input's rows as they lie in memory.
     const at::Tensor input = x.contiguous();
     return survive_restarts([&] {
-      CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
-      return live_transport().call(spec, input);
+      return send_until_taken(layer, input, [&] {
+        CallSpec spec{&layer, op, next_request_id++, latency.load(), backward ? layer.in_features : layer.out_features};
+        return live_transport().call(spec, input);
+      });
     });
+  }
+
+  // [Back-pressure]: runs `send` (one sending of a call of `input` to `layer`) again after a pause
+  // while the executor refuses it for overload, until the call timeout. Holds call_mutex.
+  template <typename Send>
+  at::Tensor send_until_taken(const LayerInfo& layer, const at::Tensor& input, Send&& send) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    const auto deadline = start + std::chrono::milliseconds(options.timeout_ms);
+    // As the executor compares (base_executor/call_check.cpp): by rows, so nothing overflows.
+    const uint64_t row_bytes = static_cast<uint64_t>(input.size(1)) * input.element_size();
+    const bool oversized = max_request_bytes > 0 && row_bytes > 0 &&
+                           static_cast<uint64_t>(input.size(0)) > max_request_bytes / row_bytes;
+    auto pause = std::chrono::duration_cast<Clock::duration>(kFirstBusyPause);
+    for (int sendings = 1;; ++sendings) {
+      try {
+        return send();
+      } catch (const ExecutorBusy& busy) {
+        if (oversized) throw;
+        const auto drawn = std::uniform_int_distribution<Clock::rep>(pause.count() / 2, pause.count())(jitter);
+        const auto nap = Clock::duration(drawn);
+        const auto now = Clock::now();
+        if (now + nap >= deadline) {
+          const auto retried = std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count();
+          TORCH_CHECK(false, "the executor at ", options.endpoint, " is overloaded: it refused the call on layer '",
+                      layer.name, "' (", input.size(0), " tokens) ", sendings, " times over ", retried,
+                      " ms of retries, until the call timeout of ", options.timeout_ms,
+                      " ms (client option timeout_ms) passed; its last refusal: ", busy.msg());
+        }
+        std::this_thread::sleep_for(nap);
+        pause = std::min<Clock::duration>(pause * 2, kLongestBusyPause);
+      }
+    }
   }
 };
 

@@ -513,8 +513,13 @@ proto::Envelope ControlSocket::exchange(const proto::Envelope& envelope, const c
   return parse_or_throw(receive(waiting_for));
 }
 
-[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message) {
-  TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(code), ") on layer '", layer.name, "': ", message);
+[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message,
+                                       bool can_send_again) {
+  std::string what = "executor error (" + proto::ErrorCode_Name(code) + ") on layer '" + layer.name + "': " + message;
+  if (code == proto::RESOURCE_EXHAUSTED && can_send_again) {
+    throw ExecutorBusy({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(what));
+  }
+  TORCH_CHECK(false, what);
 }
 
 // A call's Request header (its payload, if any, follows in a frame of its own).
@@ -635,7 +640,9 @@ class PayloadTransport : public ClientTransport {
     const auto [code, message] = zmq_control_ ? exchange_over_zmq(spec, x, h) : exchange_over_shm(spec, record);
     if (code != proto::OK) {
       payload_->abandon_output();
-      throw_executor_error(*spec.layer, code, message);
+      // [Back-pressure]: a refused call may be sent again, but for nccl: its abandoned send aborted
+      // the communicator (transport/nccl/nccl_client.cpp), so the refusal stays an error there.
+      throw_executor_error(*spec.layer, code, message, kind_ != transport_name(TransportKind::kNccl));
     }
     return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
   }

@@ -37,6 +37,15 @@ class ExecutorLost : public c10::Error {
   using c10::Error::Error;
 };
 
+// [Back-pressure] (client_runtime/client.cpp): the executor refused this call with
+// RESOURCE_EXHAUSTED, and the transport can send it again (the refusal left it usable). A Client
+// sends the call again after a pause while the refusal is for overload; a c10::Error, so callers
+// that do not retry see it as any other.
+class ExecutorBusy : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
+
 // [Admission keys] (transport/keys.h): what a client needs for an executor started with keys.
 struct ClientKeys {
   std::string executor_key;  // the executor's public key (Z85); empty: no keys
@@ -176,7 +185,10 @@ proto::Envelope request_envelope(const CallSpec& spec, const at::Tensor& x);
 // The executor's Reply to this call over ZeroMQ, its frames in `frames`; skips late answers to
 // calls that timed out.
 proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vector<zmq::message_t>& frames);
-[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message);
+// Throws the executor's answer to a call on `layer` as a c10::Error; RESOURCE_EXHAUSTED as
+// ExecutorBusy where `can_send_again` (the transport survives the refusal: [Back-pressure]).
+[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message,
+                                       bool can_send_again = true);
 
 // Asks the executor at `endpoint` for its statistics, an operator request (with keys, `keys` must
 // be an operator's). Throws the executor's refusal, or a timeout naming it.
