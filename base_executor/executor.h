@@ -53,15 +53,16 @@ struct ExecutorOptions {
   int max_queued_messages = 32;
   // Clients connected at once; a Hello past it is refused.
   size_t max_clients = 1024;
-  // Tokens of the calls waiting to be batched, every client's together (the scheduler's queue and
-  // the calls on their way to it). A call that would bring them past this is refused; the client
-  // may send it again once the queue drains. An empty queue takes any call (one call is bounded by
-  // max_request_bytes), so a call larger than this is served when it comes alone. The default lets
-  // 64 clients each keep a 4096-token call waiting (16 batches of --max-batch-tokens' default).
+  // Tokens of the calls waiting to be batched (the scheduler's queue and the calls on their way to
+  // it), shared fairly ([Fair shares] in overload.h): a client alone may use it all; under
+  // contention a call past it is refused only when its client holds more than its share, and the
+  // client runtime sends it again after a pause ([Back-pressure] in client_runtime/client.cpp). A
+  // client with nothing queued may queue one call of any size (bounded by max_request_bytes). The
+  // default lets 64 clients each keep a 4096-token call waiting (16 batches of --max-batch-tokens').
   int64_t max_queued_tokens = 262144;
-  // [Buffer budget] (overload.h): bytes of shared memory held for clients, every client's together:
-  // each same-host client's control segment and the payload buffers clients register (RegisterBuffer,
-  // shm and cuda-ipc). A handshake or a registration past it is refused.
+  // [Buffer budget] (overload.h): bytes of shared memory held for clients: each same-host client's
+  // control segment and the payload buffers clients register (RegisterBuffer, shm and cuda-ipc),
+  // payload buffers shared fairly as queued tokens are. A handshake or registration past it is refused.
   uint64_t max_buffer_bytes = uint64_t{16} << 30;
 
   // max_message_bytes as it applies (its default resolved).
@@ -72,7 +73,7 @@ struct ExecutorOptions {
   int threads = 0;
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
   // Same-host clients: how long the scheduler thread spins for new work before sleeping on its
-  // doorbell (see [Spin, then sleep] in transport/shared_memory.h); -1: 1000 on a GPU, 50 on CPU.
+  // wake sockets (see [Wake sockets] in transport/call_ring.h); -1: 1000 on a GPU, 50 on CPU.
   int spin_us = -1;
   // A GPU executor computes on this many CUDA streams: a same-GPU request computed alone, in
   // place, on its client's; every other batch on the first (see [Compute streams] in

@@ -235,7 +235,11 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
   if (link) {
     proto::Envelope proven;
     std::vector<int> descriptors;
-    if (!zmq_control) descriptors = {channel->control_descriptor(), scheduler_.doorbell_descriptor()};
+    UniqueFd wake_writer;  // [Wake sockets] (transport/call_ring.h): the client's alone; closed here once sent
+    if (!zmq_control) {
+      wake_writer = channel->take_wake_writer();
+      descriptors = {channel->control_descriptor(), wake_writer.get()};
+    }
     proven.mutable_proven()->set_descriptors(static_cast<uint32_t>(descriptors.size()));
     try {
       local::send(link.get(), proven, descriptors);

@@ -4,7 +4,11 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <sys/prctl.h>
+
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <iostream>
 
 #include "base_executor/executor.h"
@@ -44,8 +48,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-clients", options.max_clients, "clients connected at once; more are refused")
       ->capture_default_str();
   app.add_option("--max-queued-tokens", options.max_queued_tokens,
-                 "tokens of the calls waiting to be batched, all clients together; a call past it is refused "
-                 "(RESOURCE_EXHAUSTED) and may be sent again")
+                 "tokens of the calls waiting to be batched, shared fairly among the clients with calls waiting; a "
+                 "call past its client's share is refused (RESOURCE_EXHAUSTED), and the client runtime sends it again")
       ->capture_default_str();
   app.add_option("--max-buffer-bytes", options.max_buffer_bytes,
                  "shared memory held for clients, all together: same-host clients' control segments and registered "
@@ -123,6 +127,10 @@ int main(int argc, char** argv) {
   // Logs go to stderr; stdout carries only the "ready ENDPOINT" line that scripts wait for.
   spdlog::set_default_logger(spdlog::stderr_color_mt("executor"));
   spdlog::set_level(spdlog::level::from_str(log_level));
+  // [Not dumpable] (docs/operating.md, Threats): another process of this user can then neither
+  // open this one's segments through /proc/PID/fd nor read its memory nor attach to it; root
+  // still can. It also means no core dump.
+  if (::prctl(PR_SET_DUMPABLE, 0) != 0) spdlog::warn("could not make the executor non-dumpable: {}", std::strerror(errno));
   if (launch_parts > 0 || !launch_gpus.empty()) return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);
   options.model_dir = model_dir;
   options.keys_dir = keys_dir;

@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 
@@ -72,7 +73,13 @@ void Scheduler::post(InboxMessage message) {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     inbox_.push_back(std::move(message));
   }
-  doorbell_.word().notify();
+  wake_if_sleeping();
+}
+
+void Scheduler::wake_if_sleeping() {
+  posts_.fetch_add(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // [Wake sockets]: the post before the look
+  if (sleeping_.load(std::memory_order_seq_cst)) shm::wake(inbox_wake_.writer());
 }
 
 namespace {
@@ -100,7 +107,7 @@ void Scheduler::note_queue() {
 
 void Scheduler::stop() {
   stopping_ = true;
-  doorbell_.word().notify();
+  wake_if_sleeping();
 }
 
 void Scheduler::handle(ClientJoined& message) {
@@ -129,6 +136,11 @@ void Scheduler::handle(ClientRefused& message) {
 void Scheduler::handle(CallArrived& message) {
   queue_shares_.leave_inbox(message.channel->client_id(), claimed_tokens(message));
   if (message.channel->payload_in_frames()) message.channel->receive_frames(message.header, std::move(message.frames));
+  // [No waits on a client] (transport/cuda_ipc/cuda_ipc_channel.cpp): held until its input is written.
+  if (!message.channel->input_written(message.header)) {
+    held_calls_.push_back(std::move(message));
+    return;
+  }
   accept(message.channel, message.header, message.shape, /*admitted=*/true);
 }
 
@@ -210,6 +222,19 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
 
 bool Scheduler::poll_channels() {
   bool holding = false;
+  // [No waits on a client]: calls over ZeroMQ whose input was not written yet, in arrival order.
+  for (auto it = held_calls_.begin(); it != held_calls_.end();) {
+    auto& call = *it;
+    if (call.channel->broken() || !channels_.count(call.channel->client_id())) {
+      it = held_calls_.erase(it);  // its client left
+    } else if (!call.channel->input_written(call.header)) {
+      holding = true;
+      ++it;
+    } else {
+      accept(call.channel, call.header, call.shape, /*admitted=*/true);
+      it = held_calls_.erase(it);
+    }
+  }
   for (auto it = channels_.begin(); it != channels_.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
@@ -217,7 +242,16 @@ bool Scheduler::poll_channels() {
     // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it.
     while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
     holding = channel->waiting() || holding;
-    it = channel->broken() ? channels_.erase(it) : std::next(it);
+    if (!channel->broken()) {
+      ++it;
+      continue;
+    }
+    if (channel->faulted()) {
+      spdlog::warn("client {}: a touch of the memory it shares with the executor faulted ([Fault guard]); dropping "
+                   "the client",
+                   channel->client_id());
+    }
+    it = channels_.erase(it);
   }
   return holding;
 }
@@ -306,10 +340,9 @@ void Scheduler::run() {
   replies_->connect(replies_endpoint_);
   const auto spin = std::chrono::microseconds(
       options_.spin_us >= 0 ? options_.spin_us : shm::default_spin_us(model_.device().is_cuda()));
-  auto& bell = doorbell_.word();
   while (!stopping_) {
-    // Anything that happens after this read rings the doorbell, so the wait below cannot miss it.
-    const uint32_t seen = bell.current();
+    // Anything posted after this read wakes the wait below ([Wake sockets]).
+    const uint32_t seen = posts_.load();
     std::vector<InboxMessage> messages;
     {
       std::lock_guard<std::mutex> lock(inbox_mutex_);
@@ -339,9 +372,59 @@ void Scheduler::run() {
     // [Rounds]: the other parts wait for this one's next offer.
     if (parts_ && !lost_) deadline = std::min(deadline, now + kRoundWait);
     if (watching) continue;  // a result or an input about to be ready: look again at once
-    shm::wait_until(bell, [&] { return bell.current() != seen; }, spin, deadline);
+    wait_for_work(seen, spin, deadline);
   }
   if (parts_) parts_->leave();
+}
+
+// [Wake sockets] (transport/call_ring.h)
+void Scheduler::wait_for_work(uint32_t seen_posts, std::chrono::nanoseconds spin, Clock::time_point deadline) {
+  auto work_came = [&] {
+    if (posts_.load() != seen_posts || stopping_) return true;
+    for (const auto& [id, channel] : channels_) {
+      if (channel->has_request()) return true;
+    }
+    return false;
+  };
+  const auto spin_until = std::min(deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(spin));
+  for (uint32_t i = 0;; ++i) {
+    if (work_came()) return;
+    if ((i & 63) == 0 && Clock::now() >= spin_until) break;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  if (Clock::now() >= deadline) return;
+  // Every waker hears that the scheduler sleeps before it looks once more.
+  sleeping_.store(true, std::memory_order_seq_cst);
+  for (const auto& [id, channel] : channels_) channel->executor_sleeps(true);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!work_came()) {
+    sleep_fds_.assign({{inbox_wake_.reader(), POLLIN, 0}});
+    sleep_channels_.assign({nullptr});
+    for (const auto& [id, channel] : channels_) {
+      if (channel->wake_descriptor() < 0) continue;
+      sleep_fds_.push_back({channel->wake_descriptor(), POLLIN, 0});
+      sleep_channels_.push_back(channel.get());
+    }
+    // At most a second at a time: nothing depends on it, but a stuck sleep would show as one.
+    const auto left = std::clamp<Clock::duration>(deadline - Clock::now(), Clock::duration::zero(), std::chrono::seconds(1));
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    const timespec timeout{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    if (::ppoll(sleep_fds_.data(), sleep_fds_.size(), &timeout, nullptr) > 0) {
+      for (size_t i = 0; i < sleep_fds_.size(); ++i) {
+        const short woken = sleep_fds_[i].revents;
+        if (woken == 0) continue;
+        shm::drain(sleep_fds_[i].fd);  // so that the next sleep sleeps
+        // A client that closed its end would wake every sleep from now on: it is polled no more.
+        if ((woken & (POLLERR | POLLHUP | POLLNVAL)) != 0 && sleep_channels_[i] != nullptr) {
+          sleep_channels_[i]->stop_wakes();
+        }
+      }
+    }
+  }
+  sleeping_.store(false, std::memory_order_seq_cst);
+  for (const auto& [id, channel] : channels_) channel->executor_sleeps(false);
 }
 
 }  // namespace symbiosis

@@ -5,10 +5,12 @@
 // clients on this host come straight through their channels' rings, which it polls
 // ([Shared-memory control channel] in transport/call_ring.h). Each turn of its loop it empties
 // the inbox, polls the channels, finishes NCCL set-ups, and runs the next batch the Batcher gives
-// ([Opportunistic batching]) through the BatchRunner; with nothing to do it spins, then sleeps on
-// its doorbell ([Spin, then sleep] in transport/shared_memory.h), which clients and post() ring.
-// Thread safety: post(), doorbell() and stop() from any thread; run() on the scheduler's thread.
+// ([Opportunistic batching]) through the BatchRunner; with nothing to do it spins, then sleeps in
+// poll() on its inbox's socket and every same-host client's ([Wake sockets] in transport/call_ring.h).
+// Thread safety: post() and stop() from any thread; run() on the scheduler's thread.
 #include <atomic>
+#include <deque>
+#include <chrono>
 #include <map>
 #include <functional>
 #include <memory>
@@ -18,6 +20,7 @@
 #include <variant>
 #include <vector>
 
+#include <poll.h>
 #include <zmq.hpp>
 
 #include "base_executor/base_model.h"
@@ -78,8 +81,6 @@ class Scheduler {
   // inbox and the Batcher) past --max-queued-tokens and its client past its share of them ([Fair
   // shares] in overload.h): then it returns the refusal and posts nothing.
   Status post_call(CallArrived call);
-  // The doorbell's segment, for the Welcome of a client of this host.
-  int doorbell_descriptor() const { return doorbell_.descriptor(); }
   // The loop; returns once stop() was called.
   void run();
   void stop();
@@ -98,6 +99,11 @@ class Scheduler {
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
   void finish_setups();
+  // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
+  // a call, then sleeps in poll() until then; returns by `deadline` at the latest.
+  void wait_for_work(uint32_t seen_posts, std::chrono::nanoseconds spin, std::chrono::steady_clock::time_point deadline);
+  // Wakes the inbox's socket if the scheduler sleeps (after posts_ changed).
+  void wake_if_sleeping();
   void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
   // Publishes the Batcher's pending calls and tokens (for the queue's shares and the statistics).
   void note_queue();
@@ -112,7 +118,10 @@ class Scheduler {
   zmq::context_t& context_;
   const std::string replies_endpoint_;
   std::atomic<bool> stopping_{false};
-  Doorbell doorbell_;
+  // [Wake sockets]: post() counts what it posts and sends to inbox_wake_ while the scheduler sleeps.
+  std::atomic<uint32_t> posts_{0};
+  std::atomic<bool> sleeping_{false};
+  shm::WakeSocket inbox_wake_;
 
   BufferBudget& buffers_;
 
@@ -134,6 +143,11 @@ class Scheduler {
     std::string identity;  // the client's ZeroMQ routing id
   };
   std::vector<PendingSetup> pending_setups_;  // NCCL communicators still joining
+  // [No waits on a client] (transport/cuda_ipc/cuda_ipc_channel.cpp): calls over ZeroMQ whose input
+  // the client has not written yet, oldest first.
+  std::deque<CallArrived> held_calls_;
+  std::vector<pollfd> sleep_fds_;             // [Wake sockets]: kept between sleeps
+  std::vector<Channel*> sleep_channels_;      // the channel of each of sleep_fds_ (the inbox's: none)
   std::unique_ptr<zmq::socket_t> replies_;    // answers to set-up messages, to the front door
   Parts* const parts_;
   const std::function<void(const Status&)> on_lost_;

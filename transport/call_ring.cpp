@@ -1,6 +1,12 @@
 #include "transport/call_ring.h"
 
+#include <c10/util/Exception.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 namespace symbiosis::shm {
 
@@ -40,6 +46,30 @@ std::optional<CallRecord> CallRing::pop_untrusted(uint64_t* next_read, bool* cor
   ++*next_read;
   tail_.store(*next_read, std::memory_order_release);
   return record;
+}
+
+WakeSocket::WakeSocket() {
+  int ends[2];
+  TORCH_CHECK(::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, ends) == 0,
+              "cannot make a wake socket: ", std::strerror(errno));
+  reader_ = UniqueFd(ends[0]);
+  writer_ = UniqueFd(ends[1]);
+}
+
+void drain(int reader) {
+  char bytes[64];
+  for (int i = 0; i < 1024 && ::recv(reader, bytes, sizeof bytes, MSG_DONTWAIT) >= 0; ++i) {
+  }
+}
+
+void wake(int writer) {
+  const char byte = 1;
+  [[maybe_unused]] const auto sent = ::send(writer, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+void wake_executor(const ControlBlock& block, int writer) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // [Wake sockets]: the push before the look
+  if (block.executor_sleeping.load(std::memory_order_seq_cst) != 0) wake(writer);
 }
 
 }  // namespace symbiosis::shm

@@ -8,10 +8,26 @@
 // registered payload buffer (host shared memory, a CUDA IPC device buffer) at the offsets the
 // record names, or move over NCCL.
 //
-// Waking: a client pushes a request and notifies the executor's doorbell (one WaitWord in a
-// segment every same-host client maps), on which the executor's scheduler thread sleeps when idle;
-// the executor pushes a reply and notifies the ring's own WaitWord, on which the client sleeps.
-// Both spin briefly first ([Spin, then sleep]).
+// Waking: a client pushes a request and wakes the executor through its own wake socket, if the
+// executor sleeps ([Wake sockets]); the executor pushes a reply and notifies the ring's own
+// WaitWord, on which the client sleeps. Both spin briefly first ([Spin, then sleep]).
+//
+// [Wake sockets]
+// Nothing a client can write is read by the executor for another client: each same-host client
+// wakes the executor's scheduler through a socket pair of its own (Unix datagrams), whose one end
+// the executor hands it with its control segment and whose other end the executor keeps. When the
+// scheduler has spun without work, it sets executor_sleeping in every client's control block,
+// looks at every ring once more, and sleeps in poll() on every socket (and its own inbox's); a
+// client pushes its request, then sends one byte if it sees executor_sleeping set. Both sides
+// fence between their store and their load (the Dekker pattern), so a request is either seen by
+// the scheduler's last look or wakes it. A client that lies about the flag, or never sends, only
+// delays its own calls; one that sends without end only wakes the scheduler, as calls would, and
+// its socket's buffer fills (its sends then fail, with no effect on anyone else); one that closes
+// its end is no longer polled (its calls are then found by the scheduler's spin alone). A socket,
+// not a pipe: a send to an executor that died fails instead of raising SIGPIPE in the client
+// (MSG_NOSIGNAL), and the ends are separate files, so no flag the client sets on its end changes
+// the executor's. The shared doorbell this replaces was one futex word every client could write,
+// so one client could make the executor sleep through the others' calls.
 //
 // [Stream-ordered hand-off]
 // A cuda-ipc client with this channel orders a call's two hand-offs on the GPU instead of through
@@ -54,6 +70,7 @@
 #include <optional>
 #include <string>
 
+#include "common/unique_fd.h"
 #include "transport/shared_memory.h"
 
 namespace symbiosis::shm {
@@ -100,6 +117,8 @@ class CallRing {
   // Consumer side, trusting the producer (a client reading the executor's replies).
   std::optional<CallRecord> pop();
   bool empty() const { return head_.load(std::memory_order_acquire) == tail_.load(std::memory_order_acquire); }
+  // Consumer side, not trusting the producer: whether the producer claims records past next_read.
+  bool has_after(uint64_t next_read) const { return head_.load(std::memory_order_acquire) != next_read; }
   // Consumer side, not trusting the producer: `next_read` is the consumer's private position.
   // Returns nullopt when empty; sets *corrupt when the shared head is impossible.
   std::optional<CallRecord> pop_untrusted(uint64_t* next_read, bool* corrupt);
@@ -129,20 +148,37 @@ struct ControlBlock {
   // [Stream-ordered hand-off]: written by the GPUs, read by the executor's host and the client's GPU.
   alignas(64) std::atomic<uint32_t> inputs_ready{0};
   alignas(64) std::atomic<uint32_t> results_ready{0};
+  // [Wake sockets]: set by the executor while its scheduler sleeps; read by the client.
+  alignas(64) std::atomic<uint32_t> executor_sleeping{0};
   alignas(64) CallSlot slots[kCallSlots + 1];  // [Captured calls]: slot 0 is never used
 };
 
 // Whether a word that counts calls modulo 2^32 has reached `sequence`.
 inline bool reached(uint32_t word, uint32_t sequence) { return static_cast<int32_t>(word - sequence) >= 0; }
 
-// The executor's doorbell segment: one WaitWord every same-host client notifies.
-struct DoorbellBlock {
-  static constexpr uint64_t kMagic = 0x53594d42444f4f52ull;  // "SYMBDOOR"
-  uint64_t magic = 0;
-  alignas(64) WaitWord doorbell;
+// [Wake sockets]: a connected pair of Unix datagram sockets, both non-blocking and close-on-exec.
+class WakeSocket {
+ public:
+  WakeSocket();
+  int reader() const { return reader_.get(); }
+  int writer() const { return writer_.get(); }
+  // The writing end, to hand to a client (the executor keeps no copy once it is handed over).
+  UniqueFd take_writer() { return std::move(writer_); }
+
+ private:
+  UniqueFd reader_, writer_;
 };
 
-// Maps a control or doorbell segment made by the executor; throws naming it when it is not one.
+// [Wake sockets]: the writer's side. wake() sends one byte and never blocks or raises a signal (a
+// full socket already wakes its reader; a reader gone is the executor gone, which the client
+// learns otherwise); wake_executor() does so after a request was pushed to `block`, if the
+// executor sleeps.
+void wake(int writer);
+void wake_executor(const ControlBlock& block, int writer);
+// The reader's side: reads what was sent (the end is non-blocking), so that poll() sleeps again.
+void drain(int reader);
+
+// Maps a control segment made by the executor; throws naming it when it is not one.
 template <typename Block>
 Block* map_block(SharedMemory& memory) {
   auto* block = static_cast<Block*>(memory.data());

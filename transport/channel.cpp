@@ -16,6 +16,17 @@ Channel::Channel(TransportKind kind, uint64_t client_id, bool with_control_segme
   control_ = shm::SharedMemory::create("control", sizeof(shm::ControlBlock));
   block_ = new (control_.data()) shm::ControlBlock();
   block_->magic = shm::ControlBlock::kMagic;
+  wake_.emplace();
+}
+
+UniqueFd Channel::take_wake_writer() { return wake_ ? wake_->take_writer() : UniqueFd(); }
+
+bool Channel::has_request() const {
+  return block_ != nullptr && zmq_context_ == nullptr && !broken() && block_->requests.has_after(next_read_);
+}
+
+void Channel::executor_sleeps(bool sleeping) {
+  if (block_ != nullptr && zmq_context_ == nullptr) block_->executor_sleeping.store(sleeping ? 1 : 0);
 }
 
 Channel::~Channel() = default;
@@ -41,7 +52,7 @@ void Channel::deliver(const shm::CallHeader&, const at::Tensor&) {
 }
 
 std::optional<shm::CallHeader> Channel::next_request() {
-  if (broken_ || block_ == nullptr || zmq_context_ != nullptr) return std::nullopt;
+  if (broken() || block_ == nullptr || zmq_context_ != nullptr) return std::nullopt;
   // Held calls are bounded like the ring: a client runs at most twice its capacity ahead of its GPU.
   while (waiting_.size() < shm::CallRing::kCapacity) {
     bool corrupt = false;
@@ -156,7 +167,6 @@ Status RegisteredBufferChannel::check_payload(const shm::CallHeader& h, uint64_t
 }
 
 at::Tensor RegisteredBufferChannel::input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) {
-  before_read(h);
   return view(region(h.in_segment), h.in_offset, dtype, shape);
 }
 
@@ -173,12 +183,6 @@ RegisteredBufferChannel::Region RegisteredBufferChannel::region(uint32_t segment
 at::Tensor RegisteredBufferChannel::view(Region region, uint64_t offset, at::ScalarType dtype,
                                          at::IntArrayRef shape) const {
   return at::from_blob(const_cast<char*>(region.base) + offset, shape, view_options().dtype(dtype));
-}
-
-Doorbell::Doorbell() {
-  memory_ = shm::SharedMemory::create("doorbell", sizeof(shm::DoorbellBlock));
-  block_ = new (memory_.data()) shm::DoorbellBlock();
-  block_->magic = shm::DoorbellBlock::kMagic;
 }
 
 }  // namespace symbiosis

@@ -44,6 +44,9 @@ class Channel {
   // The control segment's descriptor, to hand to the proven client ([Proven placement] in
   // transport/local_socket.h); -1 for a channel without one (tcp).
   int control_descriptor() const { return control_.mapped() ? control_.descriptor() : -1; }
+  // [Wake sockets] (transport/call_ring.h): the client's end of its wake socket, to hand over with
+  // the control segment (once; the channel keeps no copy); none for a channel without a segment.
+  UniqueFd take_wake_writer();
   // Front door, at the handshake: headers come over ZeroMQ (the front door hands them to the scheduler
   // thread), and replies go to the client `identity` names through a socket of the channel's own
   // connected to the front door's `replies_endpoint`. The control segment is not used.
@@ -75,9 +78,23 @@ class Channel {
   // client's GPU has written its input, and the calls after it wait behind it. After a corrupt
   // ring, broken() is true (any thread may ask; the front door then forgets the client).
   std::optional<shm::CallHeader> next_request();
+  // Whether the client has written the input of call `h` ([No waits on a client] in
+  // transport/cuda_ipc/cuda_ipc_channel.cpp: asked from the host; never waits).
+  bool input_written(const shm::CallHeader& h) const { return input_ready(h); }
   // Calls pushed but not yet handed out: their inputs are about to be written.
   bool waiting() const { return !waiting_.empty(); }
-  bool broken() const { return broken_; }
+  // A corrupt ring, a reply ring that stays full, or shared memory that faulted ([Fault guard] in
+  // transport/shared_memory.h).
+  bool broken() const { return broken_ || faulted(); }
+  bool faulted() const { return control_.faulted() || memory_faulted(); }
+  // [Wake sockets]: whether the client claims requests the scheduler has not taken (next_request()
+  // then looks); the executor's end, which the scheduler polls while it sleeps (-1: none);
+  // telling the client that the scheduler sleeps.
+  bool has_request() const;
+  int wake_descriptor() const { return wake_ ? wake_->reader() : -1; }
+  void executor_sleeps(bool sleeping);
+  // The client closed its end: the scheduler polls this channel's socket no more.
+  void stop_wakes() { wake_.reset(); }
   // Whether this transport answers a numbered call (sequence != 0) by its flag, not by a reply.
   virtual bool orders_by_flags() const { return false; }
   // Any thread: the payload's connection reports the client gone (NCCL to a peer that died).
@@ -128,6 +145,8 @@ class Channel {
   // with_control_segment: whether the client may use the shared-memory control channel (every
   // transport but tcp); a channel whose headers come over ZeroMQ lets the segment go.
   Channel(TransportKind kind, uint64_t client_id, bool with_control_segment = true);
+  // [Fault guard]: whether a touch of the client's payload memory faulted.
+  virtual bool memory_faulted() const { return false; }
   // refuse() has answered: what the transport must do about the call's payload.
   virtual void after_refusal(const shm::CallHeader&) {}
   // Whether the client's GPU has written the input of call `h`.
@@ -149,6 +168,7 @@ class Channel {
   uint64_t client_id_;
   shm::SharedMemory control_;
   shm::ControlBlock* block_ = nullptr;
+  std::optional<shm::WakeSocket> wake_;  // [Wake sockets]: with the control segment
   uint64_t next_read_ = 0;
   std::atomic<bool> broken_{false};
   std::deque<shm::CallHeader> waiting_;  // calls taken from the ring, not yet handed out; oldest first
@@ -182,26 +202,11 @@ class RegisteredBufferChannel : public Channel {
   // [Direct operands]: a segment the client shared (id > 0), or an empty Region.
   virtual Region shared_segment(uint32_t) const { return {}; }
   virtual at::TensorOptions view_options() const = 0;
-  // Before an input is read: order the compute stream after the client's writes, if needed.
-  virtual void before_read(const shm::CallHeader&) {}
 
  private:
   Region region(uint32_t segment) const;
   at::Tensor view(Region region, uint64_t offset, at::ScalarType dtype, at::IntArrayRef shape) const;
   uint64_t generation_ = 0;  // of the buffer mapped now
-};
-
-// The executor's doorbell ([Shared-memory control channel]): clients and the front door notify it,
-// the scheduler sleeps on it.
-class Doorbell {
- public:
-  Doorbell();
-  int descriptor() const { return memory_.descriptor(); }
-  shm::WaitWord& word() { return block_->doorbell; }
-
- private:
-  shm::SharedMemory memory_;
-  shm::DoorbellBlock* block_ = nullptr;
 };
 
 }  // namespace symbiosis

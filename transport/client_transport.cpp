@@ -572,11 +572,10 @@ class PayloadTransport : public ClientTransport {
     if (!zmq_control_) {
       auto descriptors = socket.take_descriptors();
       TORCH_CHECK(descriptors.size() == 2, "executor named a control channel but handed over ", descriptors.size(),
-                  " descriptors (expected the control segment and the doorbell)");
+                  " descriptors (expected the control segment and the wake socket)");
       control_memory_ = shm::SharedMemory::map_descriptor(std::move(descriptors[0]), sizeof(shm::ControlBlock), "control");
-      doorbell_memory_ = shm::SharedMemory::map_descriptor(std::move(descriptors[1]), sizeof(shm::DoorbellBlock), "doorbell");
       control_ = shm::map_block<shm::ControlBlock>(control_memory_);
-      doorbell_ = shm::map_block<shm::DoorbellBlock>(doorbell_memory_);
+      wake_ = std::move(descriptors[1]);  // [Wake sockets] (transport/call_ring.h)
     }
     payload_ = make_payload();
     spin_ = std::chrono::microseconds(options_.spin_us >= 0 ? options_.spin_us
@@ -797,7 +796,7 @@ class PayloadTransport : public ClientTransport {
     const bool pushed = spin_then_sleep([&] { return control_->requests.push(record); });
     TORCH_CHECK(pushed, "executor at ", socket_.endpoint(), " did not take request ", record.header.request_id,
                 " for layer id ", record.header.layer_id, " within ", socket_.timeout_ms(), " ms (is it running?)");
-    doorbell_->doorbell.notify();
+    shm::wake_executor(*control_, wake_.get());
   }
 
   Answer exchange_over_shm(const CallSpec& spec, const shm::CallRecord& record) {
@@ -850,9 +849,9 @@ class PayloadTransport : public ClientTransport {
   ClientEndOptions options_;
   std::string kind_;
   bool zmq_control_;
-  shm::SharedMemory control_memory_, doorbell_memory_;
+  shm::SharedMemory control_memory_;
   shm::ControlBlock* control_ = nullptr;
-  shm::DoorbellBlock* doorbell_ = nullptr;
+  UniqueFd wake_;  // [Wake sockets]: this client's end of its wake socket
   std::unique_ptr<ClientPayload> payload_;
   std::chrono::microseconds spin_{0};
   std::atomic<bool> broken_{false};

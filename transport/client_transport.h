@@ -67,7 +67,7 @@ class ControlSocket {
   void send_setup(const proto::Envelope& envelope, int descriptor = -1);
   // The same, returning the answer (which comes over ZeroMQ).
   proto::Envelope exchange_setup(const proto::Envelope& envelope, const char* waiting_for, int descriptor = -1);
-  // The descriptors the proof brought: the control segment, then the doorbell. Taken once.
+  // The descriptors the proof brought: the control segment, then the wake socket ([Wake sockets] in transport/call_ring.h). Taken once.
   std::vector<UniqueFd> take_descriptors() { return std::move(descriptors_); }
   // Sends a header frame, then the tensor's bytes as a second frame when given (CPU, contiguous).
   void send(const proto::Envelope& envelope, const at::Tensor* payload = nullptr);

@@ -7,7 +7,8 @@
 // token); the client connects, sends Prove with the token, and the kernel tells the executor the
 // connecting process (SO_PEERCRED): it must be the Hello's pid. Then, and only then, the Welcome
 // follows, and the connection becomes the client's local link:
-//  - executor to client, with Proven: the control segment and the doorbell, as file descriptors;
+//  - executor to client, with Proven: the control segment and the writing end of the client's wake
+//    pipe ([Wake sockets] in transport/call_ring.h), as file descriptors;
 //  - client to executor: every set-up message (RegisterBuffer with its segment as a descriptor,
 //    ShareSegments, NcclSetup); the executor takes none over ZeroMQ from such a client;
 //  - its end is the client's end.

@@ -7,38 +7,87 @@
 // its file descriptor to the other side on the executor's local socket, which only the process the
 // client proved to be can use ([Proven placement] in transport/local_socket.h). The memory goes
 // away with the last mapping and descriptor, even if both processes are killed.
+//
+// [Sealed segments]
+// A process that shares a memfd can shrink it (ftruncate) under the other's mapping, which then
+// dies of SIGBUS at its next touch of the lost pages. So every segment is sealed before it is
+// handed over: create() seals it against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW) and
+// against further seals (F_SEAL_SEAL), and map_descriptor() refuses a segment that does not carry
+// F_SEAL_SHRINK, naming the seal. The kernel then refuses the peer's ftruncate, whoever made the
+// segment. Each mapping is also watched by a [Fault guard], in case something the seals do not
+// cover faults all the same.
+//
+// [Fault guard]
+// Defence in depth: a touch of shared memory that faults (SIGBUS) must cost the peer that shares
+// it, never the process. Every SharedMemory mapping is listed in a process-wide table; a SIGBUS
+// handler that finds the faulting address in a listed mapping puts anonymous zero pages in its
+// place (mmap MAP_FIXED over the whole mapping) and marks it faulted, so the faulting instruction
+// runs again on zeros and the thread goes on, whatever thread it was (an OpenMP worker in a GEMM
+// included). The owner asks faulted() and drops its peer (the executor's channels say broken()).
+// A fault anywhere else goes to the handler that was there before, or kills the process as it
+// would have. This is how Wayland compositors survive clients that shrink their shared pools.
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/unique_fd.h"
 #include "common/unique_handle.h"
 
 namespace symbiosis::shm {
 
+// [Fault guard]: one mapping listed in the process's table while this lives (RAII, move only).
+class FaultGuard {
+ public:
+  FaultGuard() = default;
+  // Lists [data, data + bytes); installs the SIGBUS handler the first time. A full table (more
+  // than kMaxGuarded mappings) leaves the mapping unguarded, with a warning.
+  FaultGuard(void* data, size_t bytes);
+  FaultGuard(FaultGuard&& other) noexcept : slot_(std::exchange(other.slot_, -1)) {}
+  FaultGuard& operator=(FaultGuard&& other) noexcept;
+  FaultGuard(const FaultGuard&) = delete;
+  FaultGuard& operator=(const FaultGuard&) = delete;
+  ~FaultGuard() { release(); }
+
+  bool faulted() const;
+  static constexpr int kMaxGuarded = 8192;
+
+ private:
+  void release();
+  int slot_ = -1;
+};
+
 class SharedMemory {
  public:
-  // A new segment of `bytes` (zero-filled); `purpose` names it in /proc and in errors.
+  // A new segment of `bytes` (zero-filled), sealed ([Sealed segments]); `purpose` names it in /proc
+  // and in errors.
   static SharedMemory create(const std::string& purpose, size_t bytes);
-  // Maps the segment a peer handed over; throws when it is smaller than `bytes`. The mapping keeps
-  // the descriptor, so it can be handed on.
+  // Maps the segment a peer handed over; throws when it is smaller than `bytes` or not sealed
+  // against shrinking ([Sealed segments]). The mapping keeps the descriptor, so it can be handed on.
   static SharedMemory map_descriptor(UniqueFd descriptor, size_t bytes, const std::string& purpose);
 
   SharedMemory() = default;
+  SharedMemory(SharedMemory&&) = default;
+  // Member by member: the guard lets go of the old mapping before it is unmapped.
+  SharedMemory& operator=(SharedMemory&&) = default;
+  ~SharedMemory() { guard_ = FaultGuard(); }
 
   void* data() const { return mapping_.get(); }
   size_t size() const { return mapping_.releaser().size; }
   // The segment's descriptor, to hand to a peer (SCM_RIGHTS copies it).
   int descriptor() const { return descriptor_.get(); }
   bool mapped() const { return static_cast<bool>(mapping_); }
+  // [Fault guard]: whether a touch of this mapping faulted (it holds zeros since). Any thread.
+  bool faulted() const { return guard_.faulted(); }
 
  private:
   struct Unmap {
     size_t size = 0;
     void operator()(void* data) const;
   };
+  FaultGuard guard_;  // before mapping_, and let go first in the destructor: unlisted, then unmapped
   UniqueHandle<void*, Unmap> mapping_;  // [Owned handles]
   UniqueFd descriptor_;
 };

@@ -17,8 +17,9 @@
 
 namespace symbiosis::wire {
 
-constexpr uint32_t kProtocolVersion = 4;  // 2: captured calls (slots in the control segment); 3: layer groups;
-                                          // 4: proven placement (ProveHost, the local link)
+constexpr uint32_t kProtocolVersion = 5;  // 2: captured calls (slots in the control segment); 3: layer groups;
+                                          // 4: proven placement (ProveHost, the local link);
+                                          // 5: wake sockets in place of the doorbell, sealed segments
 
 proto::DType to_proto(at::ScalarType dtype);
 // Throws naming the value when the dtype is not one this project carries.

@@ -1,11 +1,19 @@
-// The shared-memory control channel's pieces: segments, the call ring (including a producer that
-// corrupts it), and a consumer in another process that sleeps and is woken.
+// The shared-memory control channel's pieces: segments (sealed, and guarded against faults), the
+// call ring (including a producer that corrupts it), wake sockets, and a consumer in another process
+// that sleeps and is woken.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 #include <chrono>
 #include <filesystem>
+#include <memory>
 #include <new>
 #include <thread>
 
@@ -51,6 +59,91 @@ TEST(SharedMemoryTest, AHandedOverDescriptorSeesWhatCreateWroteAndNothingHasANam
   // process could open by name.
   const auto target = std::filesystem::read_symlink("/proc/self/fd/" + std::to_string(created.descriptor()));
   EXPECT_EQ(target.string().rfind("/memfd:symbiosis-test", 0), 0u) << target;
+}
+
+// [Sealed segments]: the peer that shares a segment cannot shrink it (the executor would die of
+// SIGBUS at its next touch), and one that comes without the seal is refused, naming the seal.
+TEST(SharedMemoryTest, SegmentsAreSealedAgainstShrinkingAndAnUnsealedOneIsRefusedNamingTheSeal) {
+  auto created = SharedMemory::create("test", 4096);
+  EXPECT_NE(::ftruncate(created.descriptor(), 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::ftruncate(created.descriptor(), 1 << 20), 0) << "the segment grew";
+  const int seals = ::fcntl(created.descriptor(), F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  for (const unsigned flags : {0u, static_cast<unsigned>(MFD_ALLOW_SEALING)}) {  // unsealable, and not sealed
+    UniqueFd unsealed(::memfd_create("unsealed", MFD_CLOEXEC | flags));
+    ASSERT_TRUE(unsealed);
+    ASSERT_EQ(::ftruncate(unsealed.get(), 4096), 0);
+    try {
+      SharedMemory::map_descriptor(std::move(unsealed), 4096, "payload");
+      FAIL() << "a segment its peer could shrink was mapped";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the payload segment handed over is not sealed against shrinking"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("F_SEAL_SHRINK"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// [Fault guard]: memory that a peer shrank anyway (here, a mapping of an unsealed memfd, which the
+// executor never makes) faults; the touch reads zeros instead of killing the process, on any
+// thread, and the guard says so. A fault outside every guarded mapping is not swallowed.
+TEST(SharedMemoryTest, ATouchOfShrunkMemoryReadsZerosAndIsReportedInsteadOfKillingTheProcess) {
+  constexpr size_t kBytes = 3 * 4096;
+  UniqueFd fd(::memfd_create("shrinkable", MFD_CLOEXEC));
+  ASSERT_EQ(::ftruncate(fd.get(), kBytes), 0);
+  auto* data = static_cast<volatile char*>(::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+  ASSERT_NE(data, MAP_FAILED);
+  data[5000] = 9;
+  {
+    FaultGuard guard(const_cast<char*>(data), kBytes);
+    EXPECT_FALSE(guard.faulted());
+    ASSERT_EQ(::ftruncate(fd.get(), 0), 0);  // what a hostile peer did to an unsealed segment
+    char seen = 1;
+    std::thread([&] { seen = data[5000]; }).join();  // not the thread that made the guard
+    EXPECT_EQ(seen, 0);
+    EXPECT_TRUE(guard.faulted());
+    data[100] = 3;  // writable zeros: whoever writes a result there goes on
+    EXPECT_EQ(data[100], 3);
+  }
+  ::munmap(const_cast<char*>(data), kBytes);
+  // Unguarded, the same touch still kills (in a child, where it may).
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    UniqueFd other(::memfd_create("unguarded", MFD_CLOEXEC));
+    if (::ftruncate(other.get(), 4096) != 0) ::_exit(2);
+    auto* page = static_cast<volatile char*>(::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, other.get(), 0));
+    if (::ftruncate(other.get(), 0) != 0) ::_exit(2);
+    ::_exit(page[10] + 3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS) << "status " << status;
+}
+
+// [Wake sockets]: a writer wakes a reader that polls only when told the reader sleeps; a writer
+// that writes without end fills its socket and never blocks; one whose executor is gone gets no
+// SIGPIPE.
+TEST(WakeSocketTest, AClientWakesOnlyASleepingExecutorAndAFloodNeverBlocks) {
+  RingInSharedMemory shared;
+  auto socket = std::make_unique<WakeSocket>();
+  UniqueFd writer = socket->take_writer();
+  EXPECT_FALSE(socket->take_writer());
+  pollfd reader{socket->reader(), POLLIN, 0};
+  wake_executor(*shared.block, writer.get());
+  EXPECT_EQ(::poll(&reader, 1, 0), 0) << "woke an executor that does not sleep";
+  shared.block->executor_sleeping.store(1);
+  wake_executor(*shared.block, writer.get());
+  EXPECT_EQ(::poll(&reader, 1, 0), 1);
+  drain(socket->reader());
+  EXPECT_EQ(::poll(&reader, 1, 0), 0) << "a drained pipe still wakes";
+  for (int i = 0; i < 200000; ++i) wake(writer.get());  // past the socket's capacity: returns at once
+  EXPECT_EQ(::poll(&reader, 1, 0), 1);
+  drain(socket->reader());
+  socket.reset();  // the executor's end gone: a wake neither blocks nor kills this process
+  wake(writer.get());
 }
 
 TEST(CallRingTest, DeliversInOrderAndRefusesWhenFull) {

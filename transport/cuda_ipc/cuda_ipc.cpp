@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <dirent.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -189,6 +190,16 @@ void InterprocessEvent::record(Stream stream) const {
 void InterprocessEvent::make_stream_wait(Stream stream) const {
   DeviceScope scope(stream.device);
   SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(cuda_stream(stream), static_cast<cudaEvent_t>(event_.get()), 0));
+}
+
+bool InterprocessEvent::completed() const {
+  DeviceScope scope(device_);
+  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event_.get()));
+  if (status == cudaSuccess) return true;
+  (void)cudaGetLastError();  // the peer's, not ours: cleared
+  if (status == cudaErrorNotReady) return false;
+  spdlog::warn("a peer's CUDA IPC event cannot be queried ({}); counted as completed", cudaGetErrorString(status));
+  return true;
 }
 
 PinnedRange::PinnedRange(void* data, size_t bytes, bool mapped) {

@@ -109,6 +109,10 @@ class InterprocessEvent {
   std::string ipc_handle() const;  // on the event's GPU ([Stream's device]: the driver crashed otherwise)
   void record(Stream stream) const;
   void make_stream_wait(Stream stream) const;
+  // Whether the work the event's last record followed is done, asked from the host (never
+  // blocks). An event CUDA cannot query (its error is logged and cleared) counts as completed:
+  // nothing waits on it.
+  bool completed() const;
   bool valid() const { return static_cast<bool>(event_); }
 
  private:

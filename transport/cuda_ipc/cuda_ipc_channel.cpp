@@ -21,9 +21,15 @@ namespace {
 // "cuda-ipc": the client's device buffer on the executor's GPU, mapped through CUDA IPC. A call
 // the client numbered is ordered through the control segment's flags ([Stream-ordered hand-off]
 // in transport/call_ring.h): it is taken up once its input is written, and the executor's stream
-// writes results_ready after its result. Otherwise (headers over ZeroMQ) the executor's stream
-// waits on the client's event before reading an input, and records the executor's event after
-// writing results; the client's stream waits on that before reading.
+// writes results_ready after its result. Otherwise (headers over ZeroMQ) it is taken up once the
+// client's event has completed, and the executor records its own event after writing results;
+// the client's stream waits on that before reading.
+//
+// [No waits on a client] The executor's streams never wait for anything a client controls: a
+// client's event, or a flag its GPU writes, is asked from the executor's host, and a call is taken
+// up only once they say its input is written. So a client whose GPU never gets there (a kernel that
+// spins, a stream waiting on a flag no one sets, an event it destroyed) holds back its own calls
+// and nobody else's; a stream wait on its event would stall every batch on that stream.
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
   CudaIpcChannel(uint64_t client_id, at::Device device)
@@ -113,15 +119,14 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     return {static_cast<const char*>(it->second.data()), it->second.size()};
   }
   at::TensorOptions view_options() const override { return at::TensorOptions().device(at::kCUDA, device_); }
-  void before_read(const shm::CallHeader& h) override {
-    if (h.sequence == 0) client_event_.make_stream_wait(cuda::current_stream(device_));
-  }
+  // [No waits on a client]
   bool input_ready(const shm::CallHeader& h) const override {
     if (h.slot != 0) {  // [Captured calls]; a slot out of range is handed out to be refused
       const auto* slot = captured_slot(h);
       return slot == nullptr || slot->input_ready.load(std::memory_order_acquire) != 0;
     }
-    return h.sequence == 0 || shm::reached(control_block()->inputs_ready.load(std::memory_order_acquire), h.sequence);
+    if (h.sequence == 0) return !client_event_.valid() || client_event_.completed();
+    return shm::reached(control_block()->inputs_ready.load(std::memory_order_acquire), h.sequence);
   }
   void taken(const shm::CallHeader& h) override {
     if (auto* slot = captured_slot(h)) slot->input_ready.store(0, std::memory_order_release);

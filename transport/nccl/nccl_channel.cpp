@@ -8,7 +8,11 @@
 // never holds up the batches of other clients behind it. A receive lands straight in the client's
 // rows of the batch.
 #include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <mutex>
 #include <optional>
 
@@ -18,8 +22,11 @@
 #ifdef SYMBIOSIS_WITH_NCCL
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
+#include "common/cuda_check.h"
 #include "transport/nccl/nccl_comm.h"
 #endif
 
@@ -32,6 +39,70 @@ constexpr int kClientRank = 0;
 // Joining and connecting run on the communicator's own thread, so a generous limit costs nothing
 // while clients start many at once.
 constexpr std::chrono::milliseconds kConnectTimeout{30000};
+// [NCCL transfer watchdog]: how long one transfer may wait for the client's side of it.
+constexpr std::chrono::seconds kTransferLimit{10};
+
+// [NCCL transfer watchdog]
+// A client that never posts its side of a transfer (the send of a call's input, the receive of its
+// result), or aborts in the middle of one, leaves NCCL's kernel for it waiting on the executor's
+// GPU: the channel's side stream stops, and the compute stream, which waits for a receive before
+// the batch that reads it, stops every batch behind it. The front door asks failed() of every
+// client five times a second ([Disconnected peers] in base_executor/front_door.cpp); a transfer
+// that has waited kTransferLimit counts as a client gone, which the front door forgets and aborts,
+// so its kernels end and the streams go on. So a tenant that withholds a transfer stalls the
+// executor's GPU once, for at most kTransferLimit, and is dropped, with the reason in the log.
+// Transfers complete in order on the side stream: each started one records an event in a ring,
+// with its start time, and the watch looks for the oldest not yet complete. A slot reused before it
+// was looked at holds a later transfer, whose completion implies the earlier one's.
+class TransferWatch {
+ public:
+  explicit TransferWatch(int device) {
+    c10::cuda::CUDAGuard guard(device);
+    for (auto& slot : slots_) SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming));
+  }
+  ~TransferWatch() {
+    for (auto& slot : slots_) SYMBIOSIS_CUDA_WARN(cudaEventDestroy(slot.event));
+  }
+  TransferWatch(const TransferWatch&) = delete;
+  TransferWatch& operator=(const TransferWatch&) = delete;
+
+  // The scheduler's thread: a transfer was just enqueued on `stream`.
+  void started(cudaStream_t stream) {
+    const uint64_t transfer = issued_.load(std::memory_order_relaxed) + 1;
+    auto& slot = slots_[transfer % kSlots];
+    slot.started.store(Clock::now().time_since_epoch().count());
+    SYMBIOSIS_CUDA_CHECK(cudaEventRecord(slot.event, stream));
+    issued_.store(transfer, std::memory_order_release);
+  }
+
+  // Any thread: whether the oldest transfer not yet complete started more than kTransferLimit ago.
+  bool stuck() const {
+    std::lock_guard<std::mutex> lock(check_mutex_);
+    const uint64_t issued = issued_.load(std::memory_order_acquire);
+    if (issued - checked_ > kSlots) checked_ = issued - kSlots;
+    for (; checked_ < issued; ++checked_) {
+      const auto& slot = slots_[(checked_ + 1) % kSlots];
+      const cudaError_t status = cudaEventQuery(slot.event);
+      if (status == cudaSuccess) continue;
+      (void)cudaGetLastError();  // not ready is no error of this thread's
+      const auto waited = Clock::now() - Clock::time_point(Clock::duration(slot.started.load()));
+      return status == cudaErrorNotReady && waited > kTransferLimit;
+    }
+    return false;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static constexpr uint64_t kSlots = 64;
+  struct Slot {
+    cudaEvent_t event = nullptr;
+    std::atomic<Clock::rep> started{0};
+  };
+  std::array<Slot, kSlots> slots_;
+  std::atomic<uint64_t> issued_{0};  // transfers started; written by the scheduler's thread
+  mutable std::mutex check_mutex_;
+  mutable uint64_t checked_ = 0;  // transfers seen complete; guarded by check_mutex_
+};
 
 class NcclChannel : public Channel {
  public:
@@ -39,6 +110,7 @@ class NcclChannel : public Channel {
       : Channel(TransportKind::kNccl, client_id),
         device_(device.has_index() ? device.index() : 0),
         side_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_)),
+        transfers_(device_),
         gpu_clients_(gpu_clients ? std::move(gpu_clients) : std::make_shared<std::atomic<int>>(0)) {
     ++*gpu_clients_;
   }
@@ -74,6 +146,7 @@ class NcclChannel : public Channel {
     compute_done_.record(compute);
     compute_done_.block(side_stream_);
     comm_->recv(rows, kClientRank, side_stream_.stream());
+    transfers_.started(side_stream_.stream());
     received_.record(side_stream_);
     received_.block(compute);
   }
@@ -84,6 +157,7 @@ class NcclChannel : public Channel {
     compute_done_.record(c10::cuda::getCurrentCUDAStream(device_));
     compute_done_.block(side_stream_);
     comm_->send(rows, kClientRank, side_stream_.stream());
+    transfers_.started(side_stream_.stream());
     c10::cuda::CUDACachingAllocator::recordStream(rows.storage().data_ptr(), side_stream_);
   }
 
@@ -95,8 +169,17 @@ class NcclChannel : public Channel {
   }
 
   bool failed() const override {
-    std::lock_guard<std::mutex> lock(comm_mutex_);
-    return comm_ && comm_->failed();
+    {
+      std::lock_guard<std::mutex> lock(comm_mutex_);
+      if (comm_ && comm_->failed()) return true;
+    }
+    if (!transfers_.stuck()) return false;
+    if (!reported_stuck_.exchange(true)) {
+      spdlog::warn("client {}: an NCCL transfer has waited {} s for the client's side of it (it never posted its "
+                   "send or receive, or aborted in the middle); dropping the client ([NCCL transfer watchdog])",
+                   client_id(), kTransferLimit.count());
+    }
+    return true;
   }
 
   void abort() override {
@@ -126,6 +209,8 @@ class NcclChannel : public Channel {
   c10::cuda::CUDAStream side_stream_;
   // Reused for every call (a wait takes the event as last recorded): no event is made per call.
   at::cuda::CUDAEvent compute_done_, received_;
+  TransferWatch transfers_;  // [NCCL transfer watchdog]
+  mutable std::atomic<bool> reported_stuck_{false};
   std::shared_ptr<std::atomic<int>> gpu_clients_;
   std::optional<shm::CallHeader> held_reply_;
   mutable std::mutex comm_mutex_;  // guards comm_ being set (scheduler thread) against abort() (front door)

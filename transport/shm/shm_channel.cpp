@@ -34,6 +34,7 @@ class HostShmChannel : public RegisteredBufferChannel {
 #endif
     memory_ = std::move(memory);
   }
+  bool memory_faulted() const override { return memory_.faulted(); }
   void* base() const override { return memory_.data(); }
   size_t size() const override { return memory_.size(); }
   at::TensorOptions view_options() const override { return at::TensorOptions(); }

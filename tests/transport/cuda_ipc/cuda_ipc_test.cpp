@@ -410,10 +410,8 @@ TEST_F(GpuExecutorWithClientProcesses, ACapturedCallWithABadSlotIsRefusedNamingT
   auto raw = raw_client();
   auto control_memory =
       shm::SharedMemory::map_descriptor(std::move(raw->peer.descriptors.at(0)), sizeof(shm::ControlBlock), "control");
-  auto doorbell_memory =
-      shm::SharedMemory::map_descriptor(std::move(raw->peer.descriptors.at(1)), sizeof(shm::DoorbellBlock), "doorbell");
+  const UniqueFd wake = std::move(raw->peer.descriptors.at(1));  // [Wake sockets]
   auto* control = shm::map_block<shm::ControlBlock>(control_memory);
-  auto* doorbell = shm::map_block<shm::DoorbellBlock>(doorbell_memory);
   const auto& layer = raw->welcome.welcome().layers(0);
   // Pushes a call of layer 0 naming `slot` with `sequence`; its reply must be an error containing `part`.
   auto expect_refused = [&](uint32_t slot, uint32_t sequence, const std::string& part) {
@@ -428,7 +426,7 @@ TEST_F(GpuExecutorWithClientProcesses, ACapturedCallWithABadSlotIsRefusedNamingT
     h.sequence = sequence;
     h.slot = slot;
     ASSERT_TRUE(control->requests.push(record));
-    doorbell->doorbell.notify();
+    shm::wake_executor(*control, wake.get());
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     std::optional<shm::CallRecord> reply;
     while (!(reply = control->replies.pop()) && std::chrono::steady_clock::now() < deadline) {

@@ -1,11 +1,16 @@
 // Same-host clients ([Shared-memory control channel]): the transport chosen by placement, exact
 // results over shared memory, payload buffers that grow, a precise error for every bad call
 // header, and an executor that survives clients that corrupt their ring or die mid-request.
+#include <fcntl.h>
+#include <linux/capability.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -70,10 +75,9 @@ proto::Envelope shm_hello(pid_t pid, const std::string& control = "auto") {
 struct RawShmPeer {
   zmq::context_t context{1};
   zmq::socket_t socket{context, zmq::socket_type::dealer};
-  shm::SharedMemory control, doorbell, payload;
-  UniqueFd link;
+  shm::SharedMemory control, payload;
+  UniqueFd link, wake;  // wake: [Wake sockets]
   shm::ControlBlock* block = nullptr;
-  shm::DoorbellBlock* bell = nullptr;
 
   // control "zmq": headers go over ZeroMQ, and there is no control segment to map.
   explicit RawShmPeer(const std::string& endpoint, const std::string& control = "auto") {
@@ -88,9 +92,8 @@ struct RawShmPeer {
     link = std::move(peer.link);
     if (control != "zmq") {
       this->control = shm::SharedMemory::map_descriptor(std::move(peer.descriptors.at(0)), sizeof(shm::ControlBlock), "control");
-      doorbell = shm::SharedMemory::map_descriptor(std::move(peer.descriptors.at(1)), sizeof(shm::DoorbellBlock), "doorbell");
+      wake = std::move(peer.descriptors.at(1));
       block = shm::map_block<shm::ControlBlock>(this->control);
-      bell = shm::map_block<shm::DoorbellBlock>(doorbell);
     }
     payload = shm::SharedMemory::create("test-payload", 4096);
     auto registered = register_buffer(1);
@@ -125,7 +128,7 @@ struct RawShmPeer {
     h.buffer_generation = 1;
     edit(h);
     EXPECT_TRUE(block->requests.push(r));
-    bell->doorbell.notify();
+    shm::wake_executor(*block, wake.get());
     EXPECT_TRUE(shm::wait_until(
         block->replies.wait(), [&] { return !block->replies.empty(); }, std::chrono::microseconds(50),
         Clock::now() + std::chrono::seconds(10)));
@@ -476,7 +479,7 @@ TEST_F(SameHostTest, ACorruptRingDropsOnlyThatClient) {
   {
     RawShmPeer peer(executor_->endpoint());
     reinterpret_cast<std::atomic<uint64_t>*>(&peer.block->requests)->store(1000);  // head far past capacity
-    peer.bell->doorbell.notify();
+    shm::wake_executor(*peer.block, peer.wake.get());
     EXPECT_TRUE(testing::same_host_clients_become(*executor_, 1)) << "the executor kept the client that corrupted its ring";
   }
   const auto* q = good->find_layer("model.layers.0.self_attn.q_proj");
@@ -499,7 +502,7 @@ TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
                   .latency_class = proto::FINE_TUNING, .tokens = 40, .features = 4, .in_offset = 0,
                   .out_offset = 1024, .buffer_generation = 1};
       peer.block->requests.push(r);
-      peer.bell->doorbell.notify();
+      shm::wake_executor(*peer.block, peer.wake.get());
       ::raise(SIGKILL);
     }
     int status = 0;
@@ -604,6 +607,108 @@ TEST_F(SameHostTest, AProcessRacingForAnHonestClientsSegmentsGetsNothingAndTheCl
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the honest client's split run left its monolithic run";
   EXPECT_GT(attempts, 0);
   EXPECT_TRUE(named.empty()) << "a segment had a name in /dev/shm: " << *named.begin();
+}
+
+// Issue 44's first finding: a proven tenant shrank a segment the executor had mapped (its payload
+// buffer, its control segment, or the doorbell every same-host client shared) and the executor
+// died of SIGBUS. Now every segment is sealed ([Sealed segments] in transport/shared_memory.h), an
+// unsealed one is refused naming the seal, and each client wakes the executor through a pipe of its
+// own ([Wake sockets] in transport/call_ring.h), which it may flood, close or lie about to no one's
+// cost but its own: honest tenants over shm and tcp (other processes, fine-tuning with --verify
+// against their monolithic runs) finish exact during and after the attacks.
+TEST_F(SameHostTest, NoTenantCanShrinkWhatTheExecutorMapsOrKeepItAsleepAndHonestTenantsStayExact) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  executor_ = testing::start_executor(model);
+  auto honest = [&](const std::string& transport) {
+    return testing::spawn({testing::binary("examples/symbiosis-demo-client"), "--executor", executor_->endpoint(),
+                           "--model", model.string(), "--transport", transport, "--steps", "6", "--verify", "--quiet"});
+  };
+  const pid_t during_shm = honest("shm"), during_tcp = honest("tcp");
+  {
+    RawShmPeer attacker(executor_->endpoint());
+    EXPECT_NE(::ftruncate(attacker.control.descriptor(), 0), 0) << "the control segment shrank";
+    EXPECT_EQ(errno, EPERM);
+    EXPECT_NE(::ftruncate(attacker.payload.descriptor(), 0), 0) << "the registered payload buffer shrank";
+    EXPECT_EQ(errno, EPERM);
+    EXPECT_NE(::ftruncate(attacker.wake.get(), 0), 0) << "the wake socket is not a pipe";
+    // An unsealed buffer is refused, naming the seal; the one registered before stays.
+    UniqueFd unsealed(::memfd_create("unsealed", MFD_CLOEXEC));
+    ASSERT_EQ(::ftruncate(unsealed.get(), 4096), 0);
+    proto::Envelope registration;
+    registration.mutable_register_buffer()->set_generation(2);
+    registration.mutable_register_buffer()->set_bytes(4096);
+    const auto refused = testing::setup_exchange(attacker.socket, attacker.link.get(), registration, unsealed.get());
+    ASSERT_TRUE(refused.has_error()) << refused.DebugString();
+    EXPECT_NE(refused.error().message().find("not sealed against shrinking"), std::string::npos)
+        << refused.error().message();
+    EXPECT_NE(refused.error().message().find("F_SEAL_SHRINK"), std::string::npos) << refused.error().message();
+    // Flooding its own pipe and clearing the flag that says the executor sleeps, while honest
+    // tenants train.
+    for (int round = 0; round < 2000; ++round) {
+      for (int i = 0; i < 100; ++i) shm::wake(attacker.wake.get());
+      attacker.block->executor_sleeping.store(0);
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+    // Its end of the wake socket closed: the scheduler polls it no more, and serves on.
+    attacker.wake.reset();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_TRUE(executor_->stats().clients >= 1);
+  }
+  EXPECT_TRUE(testing::exited_ok(during_shm)) << "an honest shm tenant left its monolithic run during the attacks";
+  EXPECT_TRUE(testing::exited_ok(during_tcp)) << "an honest tcp tenant left its monolithic run during the attacks";
+  const pid_t after = honest("shm");
+  EXPECT_TRUE(testing::exited_ok(after)) << "an honest tenant left its monolithic run after the attacks";
+}
+
+// Issue 44's fifth finding: a process of the executor's user opened its memfds through
+// /proc/PID/fd and rewrote a tenant's payload. The executor is now non-dumpable ([Not dumpable] in
+// base_executor/main.cpp), so such a process cannot open its descriptors, while it can open those
+// of a dumpable process of the same user (which shows the test can fail). Run as root, every
+// process here goes without CAP_SYS_PTRACE, the one power by which root alone passes that check
+// (and the attacker holds no capability its targets lack, which the kernel also asks).
+TEST_F(SameHostTest, AProcessOfTheExecutorsUserCannotOpenItsDescriptors) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  const auto log = testing::temp_dir("not-dumpable") / "executor.out";
+  const std::string without_ptrace = ::geteuid() == 0 ? "setpriv --bounding-set=-sys_ptrace " : "";
+  const pid_t executor = testing::spawn(
+      {"/bin/sh", "-c",
+       "exec " + without_ptrace + testing::binary("base_executor/symbiosis-executor") + " --model " + model.string() +
+           " --listen 'tcp://127.0.0.1:*' --device cpu > " + log.string() + " 2>&1"});
+  const pid_t dumpable = testing::spawn({"/bin/sh", "-c", "exec " + without_ptrace + "sleep 60"});
+  const bool ready = testing::wait_until(
+      [&] {
+        std::ifstream in(log);
+        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        return text.find("ready ") != std::string::npos;
+      },
+      std::chrono::seconds(60));
+  // Whether a process of this user, without CAP_SYS_PTRACE, reaches a descriptor of process `pid`.
+  auto can_open = [&](pid_t pid) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+      __user_cap_data_struct caps[2] = {};
+      if (::syscall(SYS_capget, &header, caps) != 0) ::_exit(2);
+      caps[0].effective &= ~(1u << CAP_SYS_PTRACE);
+      caps[0].permitted &= ~(1u << CAP_SYS_PTRACE);
+      if (::syscall(SYS_capset, &header, caps) != 0) ::_exit(2);
+      // Where the descriptor leads: the kernel's same check as for opening it, whatever it is.
+      const std::string fd = "/proc/" + std::to_string(pid) + "/fd/0";
+      char target[256];
+      ::_exit(::readlink(fd.c_str(), target, sizeof target) >= 0 ? 1 : 0);
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  const int executor_open = can_open(executor), dumpable_open = can_open(dumpable);
+  ::kill(executor, SIGTERM);
+  ::kill(dumpable, SIGKILL);
+  testing::exited_ok(executor);
+  testing::exited_ok(dumpable);
+  ASSERT_TRUE(ready) << "the executor did not start";
+  EXPECT_EQ(executor_open, 0) << "a process of the executor's user opened its descriptors";
+  EXPECT_EQ(dumpable_open, 1) << "the same process could not open a dumpable one's either: the test proves nothing";
 }
 
 // A client that cannot prove it runs where it says (here, in a PID namespace of its own, as in a
