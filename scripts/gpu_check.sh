@@ -122,7 +122,7 @@ else
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSYMBIOSIS_PYTHON=python3 > "$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$B" --target symbiosis-executor symbiosis-demo-client symbiosis-make-checkpoint symbiosis-bench \
-    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss symbiosis-soak symbiosis-soak-client gpu_executor_test kernels_test cuda_ipc_test nccl_test runtime_binding_test \
+    symbiosis-bench-client symbiosis-bench-roundtrip symbiosis-bench-loss symbiosis-soak symbiosis-soak-client gpu_executor_test kernels_test cuda_ipc_test nccl_test hostile_gpu_tenant runtime_binding_test \
     gpu_generator_test gpu_trainer_test gpu_privacy_test symbiosis-finetune symbiosis-generate symbiosis-bench-long-context \
     > "$out/build.log" 2>&1 \
     || { grep -B2 -A8 -m3 "error" "$out/build.log"; exit 1; }

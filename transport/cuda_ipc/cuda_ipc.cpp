@@ -132,6 +132,26 @@ std::string memory_ipc_handle(int device, void* base) {
 
 std::string DeviceBuffer::ipc_handle() const { return memory_ipc_handle(device(), data()); }
 
+namespace {
+
+// Driver functions (stream memory operations, address ranges), found through the runtime (so that nothing links
+// libcuda, which a machine without a GPU lacks).
+template <typename Function>
+Function driver_entry(const char* symbol) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  SYMBIOSIS_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &function, 12000, cudaEnableDefault, &found));
+  TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr, "the CUDA driver has no ", symbol,
+              " (a driver for CUDA 12 or later is needed)");
+  return reinterpret_cast<Function>(function);
+}
+
+void check_driver(CUresult status, const char* call) {
+  TORCH_CHECK(status == CUDA_SUCCESS, call, " failed: CUDA driver error ", static_cast<int>(status));
+}
+
+}  // namespace
+
 MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_handle, size_t bytes) {
   TORCH_CHECK(ipc_handle.size() == sizeof(cudaIpcMemHandle_t), "CUDA IPC memory handle has ", ipc_handle.size(),
               " bytes, expected ", sizeof(cudaIpcMemHandle_t));
@@ -140,9 +160,24 @@ MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_h
   std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
   void* data = nullptr;
   const cudaError_t status = cudaIpcOpenMemHandle(&data, handle, cudaIpcMemLazyEnablePeerAccess);
-  TORCH_CHECK(status == cudaSuccess, "cannot open the client's CUDA IPC memory on cuda:", device, ": ",
-              cudaGetErrorString(status), " (is the client on this executor's GPU, in another process?)");
-  return MappedDeviceBuffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaIpcCloseMemHandle(p)); });
+  if (status != cudaSuccess) {
+    // The client's bad handle, not an error of this thread's next launch: cleared, or the next
+    // batch of any client would fail with it ([No waits on a client]'s review, issue 44).
+    (void)cudaGetLastError();
+    TORCH_CHECK(false, "cannot open the client's CUDA IPC memory on cuda:", device, ": ", cudaGetErrorString(status),
+                " (is the client on this executor's GPU, in another process?)");
+  }
+  MappedDeviceBuffer mapped(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaIpcCloseMemHandle(p)); });
+  // A client that says its memory is larger than what the handle names would have the executor
+  // read and write past it.
+  using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static const auto address_range = driver_entry<AddressRange>("cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  check_driver(address_range(&base, &size, reinterpret_cast<CUdeviceptr>(data)), "cuMemGetAddressRange");
+  const size_t usable = size - (reinterpret_cast<CUdeviceptr>(data) - base);
+  TORCH_CHECK(bytes <= usable, "the client's CUDA IPC memory has ", usable, " bytes, but it says ", bytes);
+  return mapped;
 }
 
 InterprocessEvent InterprocessEvent::create(int device) {
@@ -164,6 +199,7 @@ InterprocessEvent InterprocessEvent::open(int device, const std::string& ipc_han
   InterprocessEvent event;
   cudaEvent_t e;
   const cudaError_t status = cudaIpcOpenEventHandle(&e, handle);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // the peer's bad handle: no error of the next launch
   TORCH_CHECK(status == cudaSuccess, "cannot open the peer's CUDA IPC event on cuda:", device, ": ",
               cudaGetErrorString(status));
   event.event_ = UniqueHandle<void*, Destroy>(e);
@@ -288,25 +324,6 @@ void stream_after(Stream stream, Stream earlier) {
   SYMBIOSIS_CUDA_CHECK(cudaEventDestroy(event));  // released once the wait is done with it
 }
 
-namespace {
-
-// The driver's stream memory operations, found through the runtime (so that nothing links
-// libcuda, which a machine without a GPU lacks).
-template <typename Function>
-Function driver_entry(const char* symbol) {
-  void* function = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  SYMBIOSIS_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &function, 12000, cudaEnableDefault, &found));
-  TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr, "the CUDA driver has no ", symbol,
-              " (stream memory operations need a driver for CUDA 12 or later)");
-  return reinterpret_cast<Function>(function);
-}
-
-void check_driver(CUresult status, const char* call) {
-  TORCH_CHECK(status == CUDA_SUCCESS, call, " failed: CUDA driver error ", static_cast<int>(status));
-}
-
-}  // namespace
 
 void write_value_on_stream(Stream stream, void* word, uint32_t value) {
   memory_ops_on_stream(stream, {{MemoryOp::kWrite, word, value}});
