@@ -134,14 +134,20 @@ void Scheduler::handle(ClientRefused& message) {
 }
 
 void Scheduler::handle(CallArrived& message) {
-  queue_shares_.leave_inbox(message.channel->client_id(), claimed_tokens(message));
+  const uint64_t client_id = message.channel->client_id();
+  const int64_t tokens = claimed_tokens(message);
   if (message.channel->payload_in_frames()) message.channel->receive_frames(message.header, std::move(message.frames));
   // [No waits on a client] (transport/cuda_ipc/cuda_ipc_channel.cpp): held until its input is written.
   if (!message.channel->input_written(message.header)) {
+    queue_shares_.leave_inbox(client_id, tokens);
     held_calls_.push_back(std::move(message));
     return;
   }
+  // [Fair shares]: the call leaves the inbox's count only once the Batcher's count holds it
+  // (accept() publishes it), so that the front door never sees its client hold nothing meanwhile
+  // and lets a call past its share in.
   accept(message.channel, message.header, message.shape, /*admitted=*/true);
+  queue_shares_.leave_inbox(client_id, tokens);
 }
 
 void Scheduler::handle(SetupArrived& message) {

@@ -137,6 +137,14 @@ AddAdapter lora_adapter(const LoraConfig& lora) {
   return [lora](torch::nn::Module& model) { return add_lora(model, lora); };
 }
 
+LoraConfig moving_lora() {
+  LoraConfig lora;
+  lora.r = 4;
+  lora.target_modules = {"q_proj", "v_proj", "down_proj"};
+  lora.init_b_zero = false;
+  return lora;
+}
+
 TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
                               const AddAdapter& add_adapter, const CausalLMOptions& options, double lr, uint64_t seed) {
   TrainingRun run;

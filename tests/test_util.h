@@ -74,6 +74,9 @@ struct TrainingRun {
 // Attaches an adapter to the model and returns its trainable tensors.
 using AddAdapter = std::function<std::vector<at::Tensor>(torch::nn::Module&)>;
 AddAdapter lora_adapter(const LoraConfig& lora);
+// A small LoRA with a non-zero B, so that its first steps already move the loss: rank 4 on
+// q_proj, v_proj and down_proj.
+LoraConfig moving_lora();
 // The adapter's initialization is drawn from `seed`, so split and monolithic runs start equal.
 TrainingRun make_training_run(const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
                               const AddAdapter& add_adapter, const CausalLMOptions& options, double lr, uint64_t seed);

@@ -227,19 +227,25 @@ TEST_F(AdmissionTest, WithoutKeysTheExecutorListensOnLoopbackOnlyUnlessToldInsec
   }
 }
 
+// A TCP socket listening on a free loopback port (its number in *port), with `backlog`.
+int listen_on_loopback(int backlog, int* port) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), length), 0);
+  EXPECT_EQ(::listen(listener, backlog), 0);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  *port = ntohs(address.sin_port);
+  return listener;
+}
+
 // A TCP relay between a client and the executor that keeps every byte it passes on.
 class Relay {
  public:
   explicit Relay(int executor_port) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&address), length), 0);
-    EXPECT_EQ(::listen(listener_, 4), 0);
-    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
+    listener_ = listen_on_loopback(4, &port_);
     thread_ = std::thread([this, executor_port] { run(executor_port); });
   }
   ~Relay() {
@@ -695,15 +701,7 @@ class NotAnExecutor {
  public:
   enum class Behaviour { kCloses, kSilent, kWebServer };
   explicit NotAnExecutor(Behaviour behaviour) : behaviour_(behaviour) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof(address);
-    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&address), length), 0);
-    EXPECT_EQ(::listen(listener_, 16), 0);
-    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
+    listener_ = listen_on_loopback(16, &port_);
     thread_ = std::thread([this] { run(); });
   }
   ~NotAnExecutor() {

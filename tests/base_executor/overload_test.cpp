@@ -368,14 +368,6 @@ class Flooder {
   std::thread thread_;
 };
 
-LoraConfig lora() {
-  LoraConfig lora;
-  lora.r = 4;
-  lora.target_modules = {"q_proj", "v_proj", "down_proj"};
-  lora.init_b_zero = false;
-  return lora;
-}
-
 // A tenant floods the executor over tcp, many calls past its share of a small --max-queued-tokens,
 // while two honest tenants fine-tune, one over tcp and one over shm: both finish, every loss, logit
 // and gradient equal to their monolithic runs'; the executor refuses the flooder, and only the
@@ -427,10 +419,10 @@ TEST(OverloadTest, AFloodingTenantIsRefusedWhileHonestTenantsTrainExactlyAsAlone
     client_options.timeout_ms = 60000;
     Honest h{tenant, transport, testing::connect(*executor, *checkpoint, client_options), nullptr, nullptr};
     ASSERT_EQ(h.client->transport(), transport);
+    const auto adapter = testing::lora_adapter(testing::moving_lora());
     h.split = std::make_unique<testing::TrainingRun>(
-        testing::make_training_run(*checkpoint, h.client, testing::lora_adapter(lora()), {}, 1e-2, 1234));
-    h.mono = std::make_unique<testing::TrainingRun>(
-        testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora()), {}, 1e-2, 1234));
+        testing::make_training_run(*checkpoint, h.client, adapter, {}, 1e-2, 1234));
+    h.mono = std::make_unique<testing::TrainingRun>(testing::make_training_run(*checkpoint, nullptr, adapter, {}, 1e-2, 1234));
     honest.push_back(std::move(h));
   }
   at::manual_seed(7);

@@ -33,14 +33,6 @@ ClientOptions client_options(const ExecutorProcess& executor, const std::string&
   return options;
 }
 
-LoraConfig lora() {
-  LoraConfig lora;
-  lora.r = 4;
-  lora.target_modules = {"q_proj", "v_proj", "down_proj"};
-  lora.init_b_zero = false;
-  return lora;
-}
-
 class RestartTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 // The steps before the restart, the one that meets it, and those after: every loss, logit and
@@ -52,8 +44,9 @@ TEST_P(RestartTest, FineTuningAcrossARestartEqualsARunWithout) {
   ExecutorProcess executor(dir);
   auto client = Client::connect(client_options(executor, transport));
   ASSERT_EQ(client->transport(), transport);
-  auto split = testing::make_training_run(*checkpoint, client, testing::lora_adapter(lora()), {}, 1e-2, 1234);
-  auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora()), {}, 1e-2, 1234);
+  const auto adapter = testing::lora_adapter(testing::moving_lora());
+  auto split = testing::make_training_run(*checkpoint, client, adapter, {}, 1e-2, 1234);
+  auto mono = testing::make_training_run(*checkpoint, nullptr, adapter, {}, 1e-2, 1234);
   at::manual_seed(7);
   const auto ids = at::randint(0, 200, {2, 12}, at::kLong);
   testing::expect_same_training(split, mono, ids, 3, kTolerance);
