@@ -82,7 +82,7 @@ constexpr int kStepTries = 3;  // redo_if_results_lost
 // back-pressure, not an error, and the client sends the call again after a pause, from
 // kFirstBusyPause doubling to kLongestBusyPause, each drawn at random between half and all of it (so
 // that clients refused together do not come back together), until the call timeout
-// (ClientOptions::timeout_ms) has passed since its first sending; then the call fails naming the
+// (ClientOptions::timeout_ms) has passed since its first refusal; then the call fails naming the
 // overload, how long and how many times it was sent, and the executor's last refusal. A call over
 // the executor's --max-request-bytes (the Welcome's max_request_bytes) is refused with the same code
 // for good: it fails at once. Each sending is a new request (a new id), so a late answer to an
@@ -316,18 +316,23 @@ class Client::Impl {
   template <typename Send>
   at::Tensor send_until_taken(const LayerInfo& layer, const at::Tensor& input, Send&& send) {
     using Clock = std::chrono::steady_clock;
-    const auto start = Clock::now();
-    const auto deadline = start + std::chrono::milliseconds(options.timeout_ms);
-    // As the executor compares (base_executor/call_check.cpp): by rows, so nothing overflows.
-    const uint64_t row_bytes = static_cast<uint64_t>(input.size(1)) * input.element_size();
-    const bool oversized = max_request_bytes > 0 && row_bytes > 0 &&
-                           static_cast<uint64_t>(input.size(0)) > max_request_bytes / row_bytes;
+    // Every call comes here, hundreds an iteration: nothing is computed until a refusal.
+    Clock::time_point start, deadline;
     auto pause = std::chrono::duration_cast<Clock::duration>(kFirstBusyPause);
     for (int sendings = 1;; ++sendings) {
       try {
         return send();
       } catch (const ExecutorBusy& busy) {
-        if (oversized) throw;
+        if (sendings == 1) {
+          // As the executor compares (base_executor/call_check.cpp): by rows, so nothing overflows.
+          const uint64_t row_bytes = static_cast<uint64_t>(input.size(1)) * input.element_size();
+          if (max_request_bytes > 0 && row_bytes > 0 &&
+              static_cast<uint64_t>(input.size(0)) > max_request_bytes / row_bytes) {
+            throw;  // over --max-request-bytes: refused for good
+          }
+          start = Clock::now();
+          deadline = start + std::chrono::milliseconds(options.timeout_ms);
+        }
         const auto drawn = std::uniform_int_distribution<Clock::rep>(pause.count() / 2, pause.count())(jitter);
         const auto nap = Clock::duration(drawn);
         const auto now = Clock::now();
