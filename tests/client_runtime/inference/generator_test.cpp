@@ -18,6 +18,7 @@
 #include "client_runtime/peft/adapter.h"
 #include "transport/client_transport.h"
 #include "tests/client_runtime/inference/generation_util.h"
+#include "tests/python_reference.h"
 #include "tests/test_util.h"
 
 namespace symbiosis {
@@ -303,13 +304,10 @@ TEST_P(HfGenerateTest, GreedyEqualsTransformersPeftGenerate) {
   write_safetensors(work / "inputs.safetensors", inputs);
   constexpr int64_t kNewTokens = 8;
   auto served = testing::serve_model(preset);
-  const auto script = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "peft_generate.py";
-  const int status = testing::shell("'" + std::string(SYMBIOSIS_PYTHON) + "' '" + script.string() + "' --checkpoint '" +
-                                    served.dir.string() + "' --inputs '" + (work / "inputs.safetensors").string() +
-                                    "' --output '" + (work / "hf.safetensors").string() + "' --new-tokens " +
-                                    std::to_string(kNewTokens) +
-                                    (method == "none" ? "" : " --method " + method + " --adapter '" + (work / "adapter").string() + "'") +
-                                    " > '" + (work / "python.log").string() + "' 2>&1");
+  std::vector<std::string> args{"--checkpoint", served.dir.string(), "--inputs", (work / "inputs.safetensors").string(),
+                                "--output", (work / "hf.safetensors").string(), "--new-tokens", std::to_string(kNewTokens)};
+  if (method != "none") args.insert(args.end(), {"--method", method, "--adapter", (work / "adapter").string()});
+  const int status = testing::run_reference("peft_generate.py", args, work / "python.log");
   if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << SYMBIOSIS_PYTHON;
   ASSERT_EQ(status, 0) << "see " << work / "python.log";
   std::vector<GenerationRequest> requests;

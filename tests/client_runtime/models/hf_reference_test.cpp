@@ -19,6 +19,7 @@
 #include "client_runtime/models/model_io.h"
 #include "client_runtime/training/loss.h"
 #include "common/checkpoint.h"
+#include "tests/python_reference.h"
 #include "tests/test_util.h"
 
 namespace symbiosis {
@@ -28,7 +29,6 @@ namespace fs = std::filesystem;
 
 const std::string kPython = SYMBIOSIS_PYTHON;
 const fs::path kTool = fs::path(SYMBIOSIS_BINARY_DIR) / "tools" / "symbiosis-make-checkpoint";
-const fs::path kReferenceScript = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "hf_logits.py";
 
 struct Batch {
   at::Tensor input_ids;       // [B,T] int64
@@ -53,7 +53,7 @@ class HfReferenceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new fs::path(fs::temp_directory_path() / ("symbiosis_hf_reference_" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
-    have_transformers_ = testing::shell("'" + kPython + "' -c 'import transformers, safetensors, torch' > /dev/null 2>&1") == 0;
+    have_transformers_ = testing::run_reference("probe.py", {"transformers", "safetensors", "torch"}, *dir_ / "probe.log") == 0;
   }
   static void TearDownTestSuite() {
     std::error_code ec;
@@ -80,9 +80,10 @@ class HfReferenceTest : public ::testing::Test {
     write_safetensors(inputs, {{"input_ids", batch.input_ids.to(at::kFloat)},
                                {"attention_mask", batch.attention_mask.to(at::kFloat)},
                                {"labels", batch.labels.to(at::kFloat)}});
-    const std::string cmd = "'" + kPython + "' '" + kReferenceScript.string() + "' --checkpoint '" + ckpt.string() +
-                            "' --inputs '" + inputs.string() + "' --output '" + output.string() + "'";
-    EXPECT_EQ(testing::shell(cmd), 0) << cmd;
+    const fs::path log = *dir_ / (ckpt.filename().string() + "_reference.log");
+    EXPECT_EQ(testing::run_reference("hf_logits.py", {"--checkpoint", ckpt.string(), "--inputs", inputs.string(),
+                                                      "--output", output.string()}, log), 0)
+        << "see " << log;
     return {testing::read_safetensors_f32(output, "logits"), testing::read_safetensors_f32(output, "loss")};
   }
 

@@ -13,6 +13,7 @@
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/peft/adapter.h"
 #include "client_runtime/training/loss.h"
+#include "tests/python_reference.h"
 #include "tests/test_util.h"
 
 namespace symbiosis {
@@ -23,7 +24,6 @@ using testing::relative_error;
 constexpr double kTolerance = 1e-4;
 
 const std::string kPython = SYMBIOSIS_PYTHON;
-const fs::path kScript = fs::path(SYMBIOSIS_SOURCE_DIR) / "tests" / "reference" / "peft_interop.py";
 
 struct Method {
   std::string name;
@@ -160,10 +160,11 @@ class PeftInteropTest : public ::testing::TestWithParam<Param> {
   // The logits of real (unpadded) positions: padded rows' tails differ only in masked garbage.
   at::Tensor real(const at::Tensor& logits) { return logits.masked_select(mask_.to(at::kBool).unsqueeze(-1)); }
 
-  int python(const std::string& args) {
-    return testing::shell("'" + kPython + "' '" + kScript.string() + "' " + args + " --checkpoint '" + checkpoint_dir_.string() +
-               "' --inputs '" + (dir_ / "inputs.safetensors").string() + "' --output '" +
-               (dir_ / "peft_logits.safetensors").string() + "' > '" + (dir_ / "python.log").string() + "' 2>&1");
+  // peft_interop.py MODE ARGS... on our checkpoint and inputs, its logits to peft_logits.safetensors.
+  int python(std::vector<std::string> args) {
+    args.insert(args.end(), {"--checkpoint", checkpoint_dir_.string(), "--inputs", (dir_ / "inputs.safetensors").string(),
+                             "--output", (dir_ / "peft_logits.safetensors").string()});
+    return testing::run_reference("peft_interop.py", args, dir_ / "python.log");
   }
 
   Method method_;
@@ -184,7 +185,7 @@ TEST_P(PeftInteropTest, SavedHereLoadsInPeftWithTheSameLogits) {
   }
   const auto adapter = dir_ / "ours";
   method_.save(*lm.module, adapter);
-  const int status = python("run --adapter '" + adapter.string() + "'");
+  const int status = python({"run", "--adapter", adapter.string()});
   if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << kPython;
   ASSERT_EQ(status, 0) << "see " << dir_ / "python.log";
   auto theirs = testing::read_safetensors_f32(dir_ / "peft_logits.safetensors", "logits");
@@ -194,7 +195,7 @@ TEST_P(PeftInteropTest, SavedHereLoadsInPeftWithTheSameLogits) {
 
 TEST_P(PeftInteropTest, SavedByPeftLoadsHereWithTheSameLogits) {
   const auto adapter = dir_ / "peft";
-  const int status = python("make --method " + method_.name + " --adapter '" + adapter.string() + "'");
+  const int status = python({"make", "--method", method_.name, "--adapter", adapter.string()});
   if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << kPython;
   ASSERT_EQ(status, 0) << "see " << dir_ / "python.log";
   auto theirs = testing::read_safetensors_f32(dir_ / "peft_logits.safetensors", "logits");
