@@ -254,7 +254,7 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
   client.link = std::move(link);
   client.public_key = public_key;
   statistics_.client_joined(client.id, client.tenant, kind);
-  scheduler_.post(ClientJoined{channel});
+  scheduler_.post(ClientJoined{channel, keys_ ? hello.tenant() : std::string()});
   spdlog::info("client {} (tenant '{}'{}, {} on {}) connected", client.id, hello.tenant(),
                keys_ ? ", by its key" : "", transport_name(kind),
                hello.placement().device().empty() ? "?" : bounded(hello.placement().device(), 16));

@@ -22,9 +22,9 @@ namespace {
 // What a refusal says of the client's share: why this client, and not another, was refused.
 std::string share_text(const PoolShare& share, uint64_t limit, const char* unit, const char* holders_are) {
   const uint64_t holders = std::max<uint64_t>(share.holders, 1);
-  return "; this client holds " + std::to_string(share.held) + " " + unit + ", and its fair share is " +
+  return "; this client's tenant holds " + std::to_string(share.held) + " " + unit + ", and its fair share is " +
          std::to_string(limit / holders) + " (the limit shared among " + std::to_string(holders) + " " +
-         (holders == 1 ? "client" : "clients") + " " + holders_are + ")";
+         (holders == 1 ? "tenant" : "tenants") + " " + holders_are + ")";
 }
 
 }  // namespace
@@ -71,16 +71,42 @@ Status queue_full(uint64_t request_id, int64_t tokens, int64_t queued, int64_t l
               "; send it again once this client's calls drain"};
 }
 
-// [Fair shares] of the queue. Callers hold mutex_.
+void QueueShares::join(uint64_t client_id, const std::string& tenant) {
+  if (tenant.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto [it, added] = tenants_.try_emplace(tenant, next_tenant_, 0);
+  if (added) ++next_tenant_;
+  ++it->second.second;
+  tenant_[client_id] = it->second.first;
+}
+
+void QueueShares::leave(uint64_t client_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto joined = tenant_.find(client_id);
+  if (joined == tenant_.end()) return;
+  for (auto it = tenants_.begin(); it != tenants_.end(); ++it) {
+    if (it->second.first == joined->second && --it->second.second == 0) {
+      tenants_.erase(it);
+      break;
+    }
+  }
+  tenant_.erase(joined);
+}
+
+uint64_t QueueShares::tenant_of(uint64_t client_id) const {
+  const auto it = tenant_.find(client_id);
+  return it != tenant_.end() ? it->second : client_id;
+}
+
+// [Fair shares] of the queue, by tenant. Callers hold mutex_.
 Status QueueShares::verdict(uint64_t client_id, uint64_t request_id, int64_t tokens) const {
-  // The clients holding tokens in the inbox, the Batcher or both, this one counted.
-  uint64_t holders = inbox_.size();
-  for (const auto& [id, batched] : batched_) holders += inbox_.count(id) == 0;
-  const auto in_inbox = inbox_.find(client_id);
-  const auto in_batcher = batched_.find(client_id);
-  const int64_t held = (in_inbox != inbox_.end() ? in_inbox->second : 0) +
-                       (in_batcher != batched_.end() ? in_batcher->second : 0);
-  const PoolShare share{static_cast<uint64_t>(held), holders + (held == 0 ? 1 : 0)};
+  // What each tenant's clients hold in the inbox and the Batcher together.
+  std::map<uint64_t, int64_t> by_tenant;
+  for (const auto& [id, queued] : inbox_) by_tenant[tenant_of(id)] += queued;
+  for (const auto& [id, queued] : batched_) by_tenant[tenant_of(id)] += queued;
+  const auto mine = by_tenant.find(tenant_of(client_id));
+  const int64_t held = mine != by_tenant.end() ? mine->second : 0;
+  const PoolShare share{static_cast<uint64_t>(held), by_tenant.size() + (held == 0 ? 1 : 0)};
   const int64_t used = inbox_total_ + batched_total_;
   // A negative count is the call check's to refuse, naming the shape.
   if (tokens < 0 || fair_share_allows(static_cast<uint64_t>(limit_), static_cast<uint64_t>(used),

@@ -22,8 +22,10 @@
 // queued tokens stay within twice --max-queued-tokens plus one call per client (each bounded by
 // --max-request-bytes, the clients by --max-clients); buffer bytes within twice --max-buffer-bytes
 // (plus the control segments, which the front door takes at the handshake from the pool alone).
-// Shares are per client (one connection), not per tenant name: a tenant's several connections hold
-// a share each, bounded by --max-clients. The client runtime takes a queue refusal as
+// Shares are per tenant where the executor knows who the tenant is: under --keys a tenant is its key
+// ([Admission]), and its connections hold one share together, so that opening more connections buys
+// no more of a pool. Without keys a tenant's name is only its claim, and every client (connection)
+// holds a share of its own (bounded by --max-clients). The client runtime takes a queue refusal as
 // back-pressure, and sends the call again ([Back-pressure] in client_runtime/client.cpp).
 //
 // [Buffer budget]
@@ -48,10 +50,10 @@
 
 namespace symbiosis {
 
-// [Fair shares]: what a client holds of a pool, and how many clients hold some of it.
+// [Fair shares]: what a client's tenant holds of a pool, and how many tenants hold some of it.
 struct PoolShare {
-  uint64_t held = 0;     // the client's part of the pool now
-  uint64_t holders = 1;  // clients holding some of the pool, the client itself counted
+  uint64_t held = 0;     // the tenant's part of the pool now (its clients' together)
+  uint64_t holders = 1;  // tenants holding some of the pool, the client's own counted
 };
 
 // [Fair shares]: whether a client holding `share` may take `more` of a pool of `limit` of which
@@ -96,6 +98,10 @@ class QueueShares {
   QueueShares(const QueueShares&) = delete;
   QueueShares& operator=(const QueueShares&) = delete;
 
+  // [Fair shares]: the client's calls count for `tenant` (its key's name) beside the tenant's other
+  // clients; a client that never joined, or joined with no tenant, is a tenant of its own.
+  void join(uint64_t client_id, const std::string& tenant);
+  void leave(uint64_t client_id);
   // A call over ZeroMQ: counted as waiting in the inbox, or refused (nothing counted).
   Status admit(uint64_t client_id, uint64_t request_id, int64_t tokens);
   // The scheduler took a call that admit() counted out of its inbox (to queue it, or to refuse it).
@@ -106,13 +112,17 @@ class QueueShares {
   // The Batcher's pending tokens by client (clients with none left out).
   void note_batched(const std::map<uint64_t, int64_t>& by_client);
   int64_t queued() const;                    // every client's, inbox and Batcher
-  int64_t queued(uint64_t client_id) const;  // one client's
+  int64_t queued(uint64_t client_id) const;  // one client's (its own, not its tenant's)
   int64_t limit() const { return limit_; }
 
  private:
   Status verdict(uint64_t client_id, uint64_t request_id, int64_t tokens) const;  // under mutex_
+  uint64_t tenant_of(uint64_t client_id) const;                                    // under mutex_
   const int64_t limit_;
-  mutable std::mutex mutex_;               // guards the four below
+  mutable std::mutex mutex_;               // guards the seven below
+  std::map<uint64_t, uint64_t> tenant_;    // joined clients' tenants, by number
+  std::map<std::string, std::pair<uint64_t, int>> tenants_;  // a tenant's number and its joined clients
+  uint64_t next_tenant_ = uint64_t{1} << 63;  // tenants' numbers lie past every client id, which numbers a client's own
   std::map<uint64_t, int64_t> inbox_;      // admitted calls' tokens not yet taken out, by client (none: absent)
   std::map<uint64_t, int64_t> batched_;    // the Batcher's, by client (none: absent)
   int64_t inbox_total_ = 0;

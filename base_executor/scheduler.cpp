@@ -69,6 +69,9 @@ Scheduler::~Scheduler() {
 }
 
 void Scheduler::post(InboxMessage message) {
+  // [Fair shares]: a client's calls count for its tenant from the first, which post_call() may
+  // admit before this thread handles the join.
+  if (auto* joined = std::get_if<ClientJoined>(&message)) queue_shares_.join(joined->channel->client_id(), joined->tenant);
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     inbox_.push_back(std::move(message));
@@ -113,6 +116,7 @@ void Scheduler::stop() {
 void Scheduler::handle(ClientJoined& message) {
   const uint64_t id = message.channel->client_id();
   channels_[id] = std::move(message.channel);
+  tenants_[id] = std::move(message.tenant);
   batcher_.add_client(id);
 }
 
@@ -121,6 +125,8 @@ void Scheduler::handle(ClientLeft& message) {
   batcher_.remove_client(id);  // lockstep queues may be ready now
   channels_.erase(id);
   refused_.erase(id);
+  tenants_.erase(id);
+  queue_shares_.leave(id);
   if (const auto it = buffer_bytes_.find(id); it != buffer_bytes_.end()) {
     buffers_.give_back(it->second);
     buffer_bytes_.erase(it);
@@ -150,6 +156,22 @@ void Scheduler::handle(CallArrived& message) {
   queue_shares_.leave_inbox(client_id, tokens);
 }
 
+PoolShare Scheduler::buffer_share(uint64_t client_id) const {
+  // A client without a tenant (no --keys) is one of its own.
+  auto tenant_of = [this](uint64_t id) {
+    const auto it = tenants_.find(id);
+    return it != tenants_.end() && !it->second.empty() ? std::pair<std::string, uint64_t>{it->second, 0}
+                                                       : std::pair<std::string, uint64_t>{"", id};
+  };
+  std::map<std::pair<std::string, uint64_t>, uint64_t> by_tenant;
+  for (const auto& [id, bytes] : buffer_bytes_) {
+    if (bytes > 0) by_tenant[tenant_of(id)] += bytes;
+  }
+  const auto mine = by_tenant.find(tenant_of(client_id));
+  const uint64_t held = mine != by_tenant.end() ? mine->second : 0;
+  return {held, by_tenant.size() + (held == 0 ? 1 : 0)};
+}
+
 void Scheduler::handle(SetupArrived& message) {
   auto& channel = *message.channel;
   const auto& env = message.envelope;
@@ -158,12 +180,10 @@ void Scheduler::handle(SetupArrived& message) {
     proto::Envelope answer;
     if (env.has_register_buffer()) {
       // [Buffer budget]: the new buffer replaces the client's last; only what it adds is taken, by
-      // [Fair shares] among the clients holding payload buffers.
+      // [Fair shares] among the tenants holding payload buffers.
       const uint64_t bytes = env.register_buffer().bytes(), held = buffer_bytes_[id];
       const uint64_t more = bytes > held ? bytes - held : 0;
-      PoolShare share{held, 1};
-      for (const auto& [other, other_bytes] : buffer_bytes_) share.holders += other != id && other_bytes > 0;
-      if (auto status = buffers_.take(more, "registering a payload buffer", share); !status.is_ok()) {
+      if (auto status = buffers_.take(more, "registering a payload buffer", buffer_share(id)); !status.is_ok()) {
         return answer_error(message.identity, id, status);
       }
       try {

@@ -37,6 +37,7 @@ namespace symbiosis {
 // What the front door posts to the scheduler.
 struct ClientJoined {
   std::shared_ptr<Channel> channel;
+  std::string tenant;  // [Fair shares] (overload.h): its key's name under --keys; "" (a tenant of its own) without
 };
 struct ClientLeft {
   uint64_t client_id;
@@ -91,6 +92,9 @@ class Scheduler {
   void handle(ClientRefused& message);
   void handle(CallArrived& message);
   void handle(SetupArrived& message);
+  // [Fair shares] of the buffer budget: what the client's tenant holds of it, among the tenants
+  // holding payload buffers.
+  PoolShare buffer_share(uint64_t client_id) const;
   // Checks a call and queues it, or refuses it through its channel. `admitted`: post_call() has
   // counted its tokens already ([Fair shares]); a call through a channel is checked against them here.
   void accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape,
@@ -138,6 +142,7 @@ class Scheduler {
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
   std::map<uint64_t, Status> refused_;                      // ClientRefused: why, by client id
   std::map<uint64_t, uint64_t> buffer_bytes_;               // [Buffer budget]: each client's registered buffer
+  std::map<uint64_t, std::string> tenants_;                 // [Fair shares]: ClientJoined's tenant, by client id
   struct PendingSetup {
     std::shared_ptr<Channel> channel;
     std::string identity;  // the client's ZeroMQ routing id

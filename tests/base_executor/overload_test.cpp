@@ -42,8 +42,8 @@ TEST(OverloadTest, AClientAloneMayFillTheWholeQueue) {
   const auto refused = queue.admit(1, 4, 10);
   ASSERT_EQ(refused.code(), StatusCode::kResourceExhausted);
   for (const char* part : {"request 4 of 10 tokens", "to 110 tokens", "limit of 100", "max_queued_tokens",
-                           "--max-queued-tokens", "this client holds 100 tokens", "fair share is 100",
-                           "among 1 client with calls waiting", "send it again"}) {
+                           "--max-queued-tokens", "this client's tenant holds 100 tokens", "fair share is 100",
+                           "among 1 tenant with calls waiting", "send it again"}) {
     EXPECT_TRUE(contains(refused.message(), part)) << part << " not in: " << refused.message();
   }
   EXPECT_EQ(queue.queued(), 100);  // nothing of the refused call is counted
@@ -64,12 +64,12 @@ TEST(OverloadTest, UnderContentionEachClientKeepsItsShareAndTheOneHoldingMoreIsR
   EXPECT_TRUE(queue.admit(2, 2, 20).is_ok());   // 50: within its share of 100 / 2
   const auto past_share = queue.admit(2, 3, 1);
   ASSERT_EQ(past_share.code(), StatusCode::kResourceExhausted);
-  for (const char* part : {"this client holds 50 tokens", "fair share is 50", "among 2 clients"}) {
+  for (const char* part : {"this client's tenant holds 50 tokens", "fair share is 50", "among 2 tenants"}) {
     EXPECT_TRUE(contains(past_share.message(), part)) << part << " not in: " << past_share.message();
   }
   const auto flooder = queue.admit(1, 2, 1);
   ASSERT_EQ(flooder.code(), StatusCode::kResourceExhausted);
-  EXPECT_TRUE(contains(flooder.message(), "this client holds 100 tokens")) << flooder.message();
+  EXPECT_TRUE(contains(flooder.message(), "this client's tenant holds 100 tokens")) << flooder.message();
   EXPECT_EQ(queue.queued(1), 100);
   EXPECT_EQ(queue.queued(2), 50);
   // A third client comes: its share is a third, 33 tokens.
@@ -82,6 +82,35 @@ TEST(OverloadTest, UnderContentionEachClientKeepsItsShareAndTheOneHoldingMoreIsR
   EXPECT_TRUE(queue.admit(1, 3, 17).is_ok());  // the queue's room
   EXPECT_TRUE(queue.admit(1, 4, 16).is_ok());  // 33: its share of 100 / 3
   EXPECT_FALSE(queue.admit(1, 5, 1).is_ok());
+}
+
+// Under --keys a tenant is its key, and its connections hold one share together: a second
+// connection buys no more of the queue. Clients without a tenant (no keys) hold a share each.
+TEST(OverloadTest, ATenantsConnectionsHoldOneShareTogether) {
+  QueueShares queue(90);
+  queue.join(1, "mallory");
+  queue.join(2, "mallory");
+  queue.join(3, "alice");
+  ASSERT_TRUE(queue.admit(1, 1, 60).is_ok());  // mallory's first connection fills two thirds
+  ASSERT_TRUE(queue.admit(3, 1, 30).is_ok());  // alice the rest
+  // Mallory's second connection holds nothing itself, but its tenant holds 60, past 90 / 2.
+  const auto refused = queue.admit(2, 1, 1);
+  ASSERT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  for (const char* part : {"this client's tenant holds 60 tokens", "fair share is 45", "among 2 tenants"}) {
+    EXPECT_TRUE(contains(refused.message(), part)) << part << " not in: " << refused.message();
+  }
+  EXPECT_TRUE(queue.admit(3, 2, 15).is_ok());  // alice, within her share
+  EXPECT_EQ(queue.queued(2), 0);
+  // Without tenants the second connection is a tenant of its own: into its empty share, any call.
+  QueueShares apart(90);
+  ASSERT_TRUE(apart.admit(1, 1, 60).is_ok());
+  ASSERT_TRUE(apart.admit(3, 1, 30).is_ok());
+  EXPECT_TRUE(apart.admit(2, 1, 1).is_ok());
+  // A tenant's clients that leave stop counting for it: a new connection of mallory's starts afresh.
+  queue.leave(1);
+  queue.leave(2);
+  queue.join(4, "mallory");
+  EXPECT_TRUE(queue.admit(4, 1, 1).is_ok());
 }
 
 // The calls in the Batcher count for their clients as those in the inbox do, and a call through a
@@ -110,7 +139,7 @@ TEST(OverloadTest, PayloadBuffersAreSharedTheSameWay) {
   const auto refused = budget.take(20, "registering a payload buffer", {40, 2});
   ASSERT_EQ(refused.code(), StatusCode::kResourceExhausted);
   for (const char* part : {"registering a payload buffer of 20 bytes", "limit of 100 bytes", "max_buffer_bytes",
-                           "--max-buffer-bytes", "this client holds 40 bytes", "fair share is 50"}) {
+                           "--max-buffer-bytes", "this client's tenant holds 40 bytes", "fair share is 50"}) {
     EXPECT_TRUE(contains(refused.message(), part)) << part << " not in: " << refused.message();
   }
   EXPECT_FALSE(budget.take(1, "registering a payload buffer", {100, 2}).is_ok());
