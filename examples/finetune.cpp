@@ -5,13 +5,19 @@
 // training/trainer.h). Text is tokenized with the checkpoint's tokenizer ([Text examples] in
 // training/dataset.h). Flags map one to one onto TrainerOptions, MicroBatchOptions and the methods'
 // configs (peft/). Progress goes to stderr; a summary line per evaluation and at the end to stdout.
-// Checkpoints land in --save-dir as checkpoint-<step>/ (adapter/ inside is the PEFT adapter to
-// serve); --resume continues one exactly, with the adapter as it was saved: a method flag given
+// Checkpoints land in --save-dir (by default a new folder under symbiosis-runs/) as
+// checkpoint-<step>/ (adapter/ inside is the PEFT adapter to serve), latest/ linking to the newest;
+// the first SIGINT or SIGTERM saves one and stops ([Stopping]); --resume continues one exactly, with the adapter as it was saved: a method flag given
 // with --resume must agree with it, and --steps or --epochs may extend the run.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <ctime>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -40,7 +46,7 @@ struct Settings {
   std::string train_file, eval_file;
   std::string method = "lora";
   LoraConfig lora;
-  std::string lora_targets = "q_proj,v_proj";
+  std::string lora_targets;  // none: PEFT's defaults for the model's type
   AdaLoraConfig adalora;
   int64_t virtual_tokens = 20;
   bool prefix_projection = false;
@@ -105,17 +111,25 @@ struct Adapter {
   std::shared_ptr<AdaLoraAllocator> allocator;
 };
 
+// --lora-targets, each of which must name a layer, or PEFT's defaults for the model's type.
+std::vector<std::string> lora_targets(const Settings& s, torch::nn::Module& model) {
+  if (s.lora_targets.empty()) return default_lora_targets(model);
+  const auto targets = split_list(s.lora_targets);
+  require_every_lora_target_matches(model, targets);
+  return targets;
+}
+
 // A new adapter of the method the flags name.
 Adapter new_adapter(Settings& s, const CausalLM& lm, int64_t total_steps) {
   auto module = lm.module;
   Adapter a{.method = s.method};
   if (s.method == "lora" || s.method == "dora") {
-    s.lora.target_modules = split_list(s.lora_targets);
+    s.lora.target_modules = lora_targets(s, *module);
     s.lora.use_dora = s.method == "dora";
     s.lora.validate();
     a.parameters = add_lora(*module, s.lora);
   } else if (s.method == "adalora") {
-    s.adalora.target_modules = split_list(s.lora_targets);
+    s.adalora.target_modules = lora_targets(s, *module);
     s.adalora.total_step = total_steps;
     s.adalora.validate();
     a.parameters = add_adalora(*module, s.adalora);
@@ -154,6 +168,43 @@ void attach_saving(Adapter& a, const Settings& s, const CausalLM& lm, const fs::
   } else {
     a.save = [module](const fs::path& dir) { save_prompt_learning(*module, dir); };
   }
+  // The base it was trained on, as PEFT records it: AutoPeftModelForCausalLM.from_pretrained(adapter)
+  // then finds it (null sent it to the Hub for a model named None).
+  auto base = fs::absolute(s.model).lexically_normal();
+  if (!base.has_filename()) base = base.parent_path();  // "dir/"
+  a.save = [save = std::move(a.save), base = base.string()](const fs::path& dir) {
+    save(dir);
+    record_base_model(dir, base);
+  };
+}
+
+// [Stopping]: the first SIGINT or SIGTERM asks the trainer to stop after the step in progress,
+// saving its checkpoint; the handlers then go, so that a second ends the program at once.
+std::atomic<bool> stop_requested{false};
+std::atomic<int> stopped_by{0};
+
+extern "C" void on_stop_signal(int signal) {
+  stopped_by.store(signal);
+  stop_requested.store(true);
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+  constexpr char kSaid[] = "symbiosis-finetune: stopping after this step, with a checkpoint (again to stop at once)\n";
+  [[maybe_unused]] const auto written = ::write(STDERR_FILENO, kSaid, sizeof(kSaid) - 1);
+}
+
+void on_stop_signals() {
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+}
+
+// Where a run without --save-dir saves: a new folder of this one, named by the local time.
+fs::path default_save_dir() {
+  const std::time_t now = std::time(nullptr);
+  char name[32];
+  std::strftime(name, sizeof(name), "%Y%m%d-%H%M%S", std::localtime(&now));
+  fs::path dir = fs::path("symbiosis-runs") / name;
+  for (int i = 2; fs::exists(dir); ++i) dir = fs::path("symbiosis-runs") / (std::string(name) + "-" + std::to_string(i));
+  return dir;
 }
 
 int run(Settings& s, const CLI::App& app) {
@@ -205,19 +256,23 @@ int run(Settings& s, const CLI::App& app) {
   std::fprintf(stderr, "[%s] %s on %s (%s), %zu trainable tensors, %lld steps, %s\n", s.connection.tenant.c_str(),
                s.connection.monolithic ? "monolithic" : ("split on " + s.connection.executor).c_str(), s.device.c_str(),
                s.dtype.c_str(), adapter.parameters.size(), (long long)trainer.total_steps(), adapter.method.c_str());
+  std::fprintf(stderr, "[%s] checkpoints go to %s (a first Ctrl-C or SIGTERM saves one and stops; a second stops at once)\n",
+               s.connection.tenant.c_str(), s.trainer.save_dir.c_str());
   const auto ran = trainer.train();
   for (const auto& step : ran) {
     if (step.eval_loss) std::printf("step %lld eval_loss %.6f\n", (long long)step.step, *step.eval_loss);
   }
   TORCH_CHECK(!trainer.history().empty(), "no step was run");
   const auto& last = trainer.history().back();
-  std::printf("done: step %lld loss %.6f", (long long)last.step, last.loss);
+  const int signal = trainer.done() ? 0 : stopped_by.load();
+  std::printf("%s: step %lld loss %.6f", signal != 0 ? "stopped" : "done", (long long)last.step, last.loss);
   if (last.eval_loss) std::printf(" eval_loss %.6f", *last.eval_loss);
-  if (!s.trainer.save_dir.empty()) {
-    std::printf(" checkpoint %s", (s.trainer.save_dir / ("checkpoint-" + std::to_string(last.step))).c_str());
-  }
-  std::printf("\n");
-  return 0;
+  std::printf(" checkpoint %s\n", (s.trainer.save_dir / ("checkpoint-" + std::to_string(last.step))).c_str());
+  if (signal == 0) return 0;
+  std::fprintf(stderr, "[%s] stopped by %s at step %lld of %lld; --resume %s goes on\n", s.connection.tenant.c_str(),
+               signal == SIGINT ? "SIGINT" : "SIGTERM", (long long)last.step, (long long)trainer.total_steps(),
+               s.trainer.save_dir.c_str());
+  return 128 + signal;  // as a shell reports a program the signal ended
 }
 
 }  // namespace
@@ -240,7 +295,9 @@ int main(int argc, char** argv) {
   app.add_option("--lora-r", s.lora.r, "LoRA rank")->capture_default_str();
   app.add_option("--lora-alpha", s.lora.alpha, "LoRA alpha")->capture_default_str();
   app.add_option("--lora-dropout", s.lora.dropout, "LoRA dropout")->capture_default_str();
-  app.add_option("--lora-targets", s.lora_targets, "comma-separated target modules, or all-linear")->capture_default_str();
+  app.add_option("--lora-targets", s.lora_targets,
+                 "comma-separated target modules, or all-linear (default: PEFT's for the model type: q_proj,v_proj for "
+                 "the Llama family, c_attn for GPT-2 and StarCoder)");
   app.add_flag("--rslora", s.lora.use_rslora, "scale by alpha/sqrt(r)");
   app.add_option("--adalora-init-r", s.adalora.init_r, "AdaLoRA: every layer's starting rank")->capture_default_str();
   app.add_option("--adalora-target-r", s.adalora.target_r, "AdaLoRA: the average rank the budget ends at")
@@ -269,12 +326,18 @@ int main(int argc, char** argv) {
   app.add_option("--eval-every", t.eval_every, "evaluate every N steps (and at the end)")->capture_default_str();
   app.add_option("--save-every", t.save_every, "checkpoint every N steps (and at the end)")->capture_default_str();
   std::string save_dir;
-  app.add_option("--save-dir", save_dir, "checkpoints go here as checkpoint-<step>/");
+  app.add_option("--save-dir", save_dir,
+                 "checkpoints go here as checkpoint-<step>/, with latest/ linking to the newest (default: "
+                 "symbiosis-runs/<date>-<time>/ in this folder)");
+  app.add_option("--save-total-limit", t.save_total_limit, "keep only the newest N checkpoints (0: all)")
+      ->capture_default_str();
   app.add_option("--resume", s.resume, "a checkpoint, or a --save-dir (its newest checkpoint), to continue exactly");
   app.add_flag("--no-progress", s.no_progress, "no progress display");
   app.add_option("--threads", s.threads, "CPU threads of this process")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  t.save_dir = save_dir;
+  t.save_dir = save_dir.empty() ? default_save_dir() : fs::path(save_dir);
+  t.stop = &stop_requested;
+  on_stop_signals();
   at::set_num_threads(s.threads);
   return examples::report_errors(s.connection, [&] { return run(s, app); });
 }

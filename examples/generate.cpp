@@ -42,6 +42,7 @@
 #include <symbiosis/models.h>
 #include <symbiosis/peft.h>
 #include <symbiosis/text.h>
+#include <symbiosis/training.h>
 
 #include "examples/tenant_flags.h"
 
@@ -169,6 +170,7 @@ int run(Settings& s) {
     client = Client::connect(options);
   }
   auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(s.dtype), at::Device(s.device)});
+  if (!s.adapter.empty()) s.adapter = adapter_in(s.adapter).string();  // a checkpoint or a run folder too
   if (!s.adapter.empty()) load_peft_adapter(*lm.module, s.adapter);
   const auto tokenizer = Tokenizer::in_directory(checkpoint->dir());
   s.sampling.stop_tokens = parse_ids(s.stop_tokens);
@@ -242,7 +244,8 @@ int main(int argc, char** argv) {
   CLI::App app{"symbiosis-generate: generate from a model and its adapter, against a shared executor"};
   app.add_option("--model", s.model, "the checkpoint directory (the executor serves the same)")->required();
   examples::add_tenant_flags(app, s.connection, /*monolithic_flag=*/true);
-  app.add_option("--adapter", s.adapter, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)");
+  app.add_option("--adapter", s.adapter, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), a symbiosis-finetune "
+                 "checkpoint, or its --save-dir (the newest checkpoint's adapter)");
   app.add_option("--device", s.device, "where this client's model and cache live: cpu or cuda:N")->capture_default_str();
   app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--prompt", s.prompt, "one prompt of text: the reply is streamed to stdout as text");

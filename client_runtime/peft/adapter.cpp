@@ -1,5 +1,7 @@
 #include "client_runtime/peft/adapter.h"
 
+#include <fstream>
+
 #include "client_runtime/peft/files.h"
 
 namespace symbiosis {
@@ -34,6 +36,12 @@ std::vector<at::Tensor> adapter_parameters(torch::nn::Module& model) {
     if (under_adapter && item.value().requires_grad()) params.push_back(item.value());
   }
   return params;
+}
+
+void record_base_model(const std::filesystem::path& dir, const std::string& base) {
+  auto config = peft::read_config(dir);
+  config["base_model_name_or_path"] = base;
+  std::ofstream(dir / "adapter_config.json") << config.dump(2) << "\n";
 }
 
 }  // namespace symbiosis

@@ -30,6 +30,11 @@ struct LoadedAdapter {
 // attaching it when the model has none.
 LoadedAdapter load_peft_adapter(torch::nn::Module& model, const std::filesystem::path& dir);
 
+// Records in DIR's adapter_config.json the base model the adapter was trained on, as PEFT does
+// (base_model_name_or_path: the directory or Hub name the base was loaded from), so that PEFT's
+// AutoPeftModelForCausalLM.from_pretrained(DIR) loads the base without being told.
+void record_base_model(const std::filesystem::path& dir, const std::string& base);
+
 // Every adapter parameter of the model (under a child module named "adapter"), in module order.
 std::vector<at::Tensor> adapter_parameters(torch::nn::Module& model);
 

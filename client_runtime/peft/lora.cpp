@@ -11,6 +11,7 @@
 
 #include "client_runtime/peft/dora.h"
 #include "client_runtime/peft/files.h"
+#include "client_runtime/peft/model_adapter.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/lora.h"
@@ -292,6 +293,29 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& mo
     }
   }
   return state;
+}
+
+std::vector<std::string> default_lora_targets(torch::nn::Module& model) {
+  auto* host = dynamic_cast<ModelAdapterHost*>(&model);
+  const std::string type = host ? host->model_shape().model_type : "";
+  if (type == "llama" || type == "mistral" || type == "qwen2" || type == "gemma2") return {"q_proj", "v_proj"};
+  if (type == "gpt2" || type == "gpt_bigcode") return {"c_attn"};
+  TORCH_CHECK(false, "the model (", model.name(), ", model_type '", type,
+              "') has no default LoRA targets in PEFT: name them (target_modules, --lora-targets)");
+}
+
+void require_every_lora_target_matches(torch::nn::Module& model, const std::vector<std::string>& targets) {
+  for (const auto& target : targets) {
+    if (target == "all-linear") continue;
+    bool matched = false;
+    for (const auto& item : model.named_modules("", false)) {
+      if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get()) != nullptr && peft::matches_module(item.key(), {target})) {
+        matched = true;
+        break;
+      }
+    }
+    TORCH_CHECK(matched, peft::no_layer_matched(model, "the LoRA target_modules entry", {target}));
+  }
 }
 
 void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir) {

@@ -62,6 +62,15 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
 // base_model.model.<layer>.lora_magnitude_vector).
 std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& model);
 
+// What PEFT targets when LoraConfig.target_modules is None: its defaults for the model's type
+// (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: q_proj and v_proj for the Llama family,
+// c_attn for GPT-2 and StarCoder). Throws naming the model when PEFT has none for it.
+std::vector<std::string> default_lora_targets(torch::nn::Module& model);
+// Throws naming the first entry of `targets` that names no base layer of the model ("all-linear"
+// aside) and the names its base layers have. PEFT accepts such an entry silently when another
+// matches; the tenant tools refuse it (a typo would train fewer layers than asked).
+void require_every_lora_target_matches(torch::nn::Module& model, const std::vector<std::string>& targets);
+
 void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir);
 LoraConfig read_lora_config(const std::filesystem::path& dir);
 // Attaches adapters as the saved config says (when the model has none yet) and loads their weights.

@@ -44,6 +44,7 @@ void TrainerOptions::validate() const {
   TORCH_CHECK(eval_every >= 0, "eval_every is ", eval_every, ", expected >= 0");
   TORCH_CHECK(save_every >= 0, "save_every is ", save_every, ", expected >= 0");
   TORCH_CHECK(save_every == 0 || !save_dir.empty(), "save_every is ", save_every, " but save_dir is empty");
+  TORCH_CHECK(save_total_limit >= 0, "save_total_limit is ", save_total_limit, ", expected >= 0 (0: keep every checkpoint)");
 }
 
 double warmup_cosine_learning_rate(int64_t step, int64_t total, int64_t warmup, double peak, double min) {
@@ -155,6 +156,22 @@ void write_text(const fs::path& file, const std::string& text) {
   std::ofstream out(file);
   out << text;
   TORCH_CHECK(out.good(), file.string(), ": write failed");
+}
+
+}  // namespace
+
+namespace {
+
+// [Checkpoints]: `latest` beside the numbered checkpoints links to the newest (replaced in one
+// rename), and past `limit` (> 0) the oldest go.
+void keep_checkpoints(const fs::path& save_dir, int64_t limit) {
+  const auto found = checkpoints_in(save_dir);
+  if (found.empty()) return;
+  const fs::path link = save_dir / "latest", made = save_dir / "latest.partial";
+  fs::remove(made);
+  fs::create_directory_symlink(found.back().filename(), made);
+  fs::rename(made, link);
+  for (size_t i = 0; limit > 0 && i + static_cast<size_t>(limit) < found.size(); ++i) fs::remove_all(found[i]);
 }
 
 }  // namespace
@@ -569,7 +586,8 @@ class Trainer::Impl {
     while (steps_done < last) {
       auto stats = step();
       tokens += stats.tokens;
-      const bool end = steps_done == last;
+      const bool stopped = options.stop != nullptr && options.stop->load();
+      const bool end = steps_done == last || stopped;
       if (eval_data && ((options.eval_every > 0 && steps_done % options.eval_every == 0) || end)) {
         stats.eval_loss = evaluate(*eval_data);
         history.back().eval_loss = stats.eval_loss;
@@ -578,8 +596,10 @@ class Trainer::Impl {
       if (display) display->update(stats, elapsed, tokens);
       if (!options.save_dir.empty() && ((options.save_every > 0 && steps_done % options.save_every == 0) || end)) {
         save(options.save_dir / ("checkpoint-" + std::to_string(steps_done)));
+        keep_checkpoints(options.save_dir, options.save_total_limit);
       }
       ran.push_back(stats);
+      if (stopped) break;
     }
     return ran;
   }
@@ -631,21 +651,37 @@ int64_t Trainer::total_steps() const { return impl_->total; }
 const std::vector<StepStats>& Trainer::history() const { return impl_->history; }
 const std::vector<at::Tensor>& Trainer::parameters() const { return impl_->params; }
 
-fs::path latest_checkpoint(const fs::path& save_dir) {
-  if (fs::exists(save_dir / "trainer_state.json")) return save_dir;
-  TORCH_CHECK(fs::is_directory(save_dir), save_dir.string(), ": no such checkpoint directory");
+std::vector<fs::path> checkpoints_in(const fs::path& save_dir) {
   static const std::regex name("checkpoint-([0-9]+)");
-  fs::path best;
-  int64_t best_step = -1;
+  std::vector<std::pair<int64_t, fs::path>> found;
   for (const auto& entry : fs::directory_iterator(save_dir)) {
     std::smatch m;
     const auto file = entry.path().filename().string();
     if (!std::regex_match(file, m, name) || !fs::exists(entry.path() / "trainer_state.json")) continue;
-    const int64_t step = std::stoll(m[1]);
-    if (step > best_step) best_step = step, best = entry.path();
+    found.emplace_back(std::stoll(m[1]), entry.path());
   }
-  TORCH_CHECK(best_step >= 0, save_dir.string(), ": holds no trainer checkpoint (checkpoint-<step>/trainer_state.json)");
-  return best;
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> paths;
+  for (auto& [step, path] : found) paths.push_back(std::move(path));
+  return paths;
+}
+
+fs::path adapter_in(const fs::path& path) {
+  if (fs::exists(path / "adapter_config.json")) return path;
+  if (fs::exists(path / "adapter" / "adapter_config.json")) return path / "adapter";
+  const auto found = fs::is_directory(path) ? checkpoints_in(path) : std::vector<fs::path>{};
+  TORCH_CHECK(!found.empty() && fs::exists(found.back() / "adapter" / "adapter_config.json"), path.string(),
+              ": not a PEFT adapter; expected a folder with adapter_config.json, a checkpoint of "
+              "symbiosis-finetune (its adapter/), or a run's --save-dir (its newest checkpoint's adapter/)");
+  return found.back() / "adapter";
+}
+
+fs::path latest_checkpoint(const fs::path& save_dir) {
+  if (fs::exists(save_dir / "trainer_state.json")) return save_dir;
+  TORCH_CHECK(fs::is_directory(save_dir), save_dir.string(), ": no such checkpoint directory");
+  const auto found = checkpoints_in(save_dir);
+  TORCH_CHECK(!found.empty(), save_dir.string(), ": holds no trainer checkpoint (checkpoint-<step>/trainer_state.json)");
+  return found.back();
 }
 
 }  // namespace symbiosis

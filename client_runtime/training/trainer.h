@@ -41,6 +41,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <atomic>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -71,6 +72,12 @@ struct TrainerOptions {
   int64_t eval_every = 0;          // evaluate every N steps (and at the end); 0: only at the end
   int64_t save_every = 0;          // train(): checkpoint every N steps (and at the end) into save_dir
   std::filesystem::path save_dir;  // empty: train() writes no checkpoints
+  // train(): keep only the newest N checkpoints in save_dir (transformers' save_total_limit); 0: all.
+  // Beside them, `latest` links to the newest.
+  int64_t save_total_limit = 0;
+  // train(): once it turns true (a signal handler's flag), the step in progress is the last, and
+  // its checkpoint is saved as at the end.
+  const std::atomic<bool>* stop = nullptr;
   bool progress = true;            // train(): the progress display on stderr
   bool capture = true;             // on a CUDA device: captured steps ([Training on a GPU])
   // The base model's hash (Checkpoint::model_hash), recorded in checkpoints: resuming on another
@@ -153,6 +160,12 @@ class Trainer {
   std::unique_ptr<Impl> impl_;
 };
 
+// The "checkpoint-<step>" directories under save_dir that hold a whole checkpoint, oldest first.
+std::vector<std::filesystem::path> checkpoints_in(const std::filesystem::path& save_dir);
+// The PEFT adapter folder `path` names: the folder itself when it holds adapter_config.json, a
+// trainer checkpoint's adapter/, or a run's (a --save-dir's) newest checkpoint's adapter/; throws
+// naming the path and the three forms when it is none of them.
+std::filesystem::path adapter_in(const std::filesystem::path& path);
 // The newest "checkpoint-<step>" directory under save_dir, or save_dir itself when it holds a
 // trainer_state.json; throws when there is none.
 std::filesystem::path latest_checkpoint(const std::filesystem::path& save_dir);

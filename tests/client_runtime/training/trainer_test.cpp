@@ -4,12 +4,16 @@
 // symbiosis-finetune program end to end.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
-#include <sys/wait.h>
+#include <thread>
 
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/peft/adapter.h"
@@ -18,6 +22,7 @@
 #include "client_runtime/text/tokenizer.h"
 #include "client_runtime/training/trainer.h"
 #include "tests/client_runtime/text/reference_tokenizers.h"
+#include "tests/python_reference.h"
 #include "tests/test_util.h"
 
 namespace symbiosis {
@@ -393,8 +398,9 @@ struct ProgramRun {
 
 ProgramRun run_finetune(const std::string& args, const fs::path& dir, const std::string& name) {
   const auto out = dir / (name + ".out"), err = dir / (name + ".err");
-  const std::string command =
-      testing::binary("examples/symbiosis-finetune") + " " + args + " > " + out.string() + " 2> " + err.string();
+  // In `dir`: a run without --save-dir saves under its working folder.
+  const std::string command = "cd " + dir.string() + " && " + testing::binary("examples/symbiosis-finetune") + " " +
+                              args + " > " + out.string() + " 2> " + err.string();
   ProgramRun run;
   const int status = std::system(command.c_str());
   run.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -442,6 +448,93 @@ TEST(FinetuneProgramTest, EveryMethodTrainsSplitAsMonolithicAndSavesItsAdapter) 
     EXPECT_EQ(loaded.peft_type, peft_type);
     EXPECT_FALSE(loaded.parameters.empty());
   }
+}
+
+// PEFT's defaults and files: without --lora-targets a model gets PEFT's targets for its type
+// (c_attn on GPT-2, where the old default for every model, q_proj,v_proj, matched nothing), an entry
+// that names no layer is refused naming it, and the adapter saved records its base as PEFT does, so
+// that PEFT's AutoPeftModelForCausalLM loads it with its base, untold.
+TEST(FinetuneProgramTest, LoraTargetsDefaultAsPeftsAndTheAdapterNamesItsBase) {
+  const auto model = testing::make_checkpoint("tiny-gpt2");
+  const auto dir = testing::temp_dir("finetune-peft-defaults");
+  const auto train = write_file(dir, "train.jsonl", ids_jsonl(random_examples(4, 47)));
+  const std::string common = "--monolithic --model " + model.string() + " --train " + train.string() +
+                             " --steps 2 --micro-batch 2 --no-progress";
+  const auto save = dir / "run";
+  const auto trained = run_finetune(common + " --save-dir " + save.string(), dir, "defaults");
+  ASSERT_EQ(trained.status, 0) << trained.err;
+  const auto adapter = save / "checkpoint-2" / "adapter";
+  std::ifstream in(adapter / "adapter_config.json");
+  const auto config = nlohmann::json::parse(in);
+  EXPECT_EQ(config["target_modules"], nlohmann::json::array({"c_attn"}));
+  EXPECT_EQ(config["base_model_name_or_path"], fs::absolute(model).lexically_normal().string());
+  const int loaded = testing::run_reference("peft_auto_load.py", {"--adapter", adapter.string()}, dir / "auto.log");
+  if (loaded != 3) EXPECT_EQ(loaded, 0) << "PEFT's AutoPeftModelForCausalLM did not load it: see " << dir / "auto.log";
+
+  const auto bogus = run_finetune(common + " --lora-targets c_attn,bogus", dir, "bogus");
+  EXPECT_NE(bogus.status, 0);
+  for (const char* part : {"the LoRA target_modules entry (bogus) matched no base layer", "c_attn"}) {
+    EXPECT_NE(bogus.err.find(part), std::string::npos) << part << " not in: " << bogus.err;
+  }
+}
+
+// [Stopping]: a SIGINT to a running symbiosis-finetune ends it after the step in progress with a
+// checkpoint (exit status 130, "stopped"), `latest` links to it, --save-total-limit kept only the
+// newest two, --adapter-style lookups find its adapter, and --resume goes on from it. A run without
+// --save-dir saves too: in a new folder under symbiosis-runs/ of its working folder, named at start.
+TEST(FinetuneProgramTest, ASignalSavesACheckpointAndStopsAndEveryRunSaves) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  const auto dir = testing::temp_dir("finetune-stop");
+  const auto train = write_file(dir, "train.jsonl", ids_jsonl(random_examples(6, 53)));
+  const std::string common = "--monolithic --model " + model.string() + " --train " + train.string() +
+                             " --micro-batch 2 --lr 1e-2 --min-lr 1e-2 --seed 3 --no-progress";
+  const auto save = dir / "run";
+  const pid_t pid = testing::spawn({"/bin/sh", "-c",
+                                    "exec " + testing::binary("examples/symbiosis-finetune") + " " + common +
+                                        " --steps 1000000 --save-every 1 --save-total-limit 2 --save-dir " +
+                                        save.string() + " > " + (dir / "stop.out").string() + " 2> " +
+                                        (dir / "stop.err").string()});
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(save / "checkpoint-3" / "trainer_state.json") && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  std::ifstream out_file(dir / "stop.out"), err_file(dir / "stop.err");
+  const std::string out(std::istreambuf_iterator<char>(out_file), {}), err(std::istreambuf_iterator<char>(err_file), {});
+  ASSERT_TRUE(WIFEXITED(status)) << err;
+  EXPECT_EQ(WEXITSTATUS(status), 130) << err;
+  ASSERT_EQ(out.rfind("stopped: step ", 0), 0u) << out << err;
+  const int64_t step = std::stoll(out.substr(std::string("stopped: step ").size()));
+  EXPECT_GE(step, 3);
+  EXPECT_LT(step, 1000000);
+  EXPECT_NE(err.find("stopped by SIGINT at step " + std::to_string(step)), std::string::npos) << err;
+  const auto kept = checkpoints_in(save);
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_EQ(kept.back().filename(), "checkpoint-" + std::to_string(step));
+  EXPECT_EQ(fs::read_symlink(save / "latest"), "checkpoint-" + std::to_string(step));
+  EXPECT_EQ(adapter_in(save), kept.back() / "adapter");
+  EXPECT_EQ(adapter_in(kept.back()), kept.back() / "adapter");
+  auto lm = open_causal_lm(*Checkpoint::open(model), nullptr);
+  EXPECT_EQ(load_peft_adapter(*lm.module, adapter_in(save)).peft_type, "LORA");
+  const auto resumed =
+      run_finetune(common + " --steps " + std::to_string(step + 2) + " --resume " + save.string(), dir, "resumed");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("done: step " + std::to_string(step + 2)), std::string::npos) << resumed.out;
+
+  // No --save-dir: the run saves in symbiosis-runs/<date>-<time>/ of its working folder, and says so.
+  const auto work = dir / "work";
+  fs::create_directories(work);
+  const int plain = testing::shell("cd " + work.string() + " && " + testing::binary("examples/symbiosis-finetune") +
+                                   " " + common + " --steps 2 > plain.out 2> plain.err");
+  ASSERT_EQ(plain, 0);
+  ASSERT_TRUE(fs::is_directory(work / "symbiosis-runs"));
+  const auto run = fs::directory_iterator(work / "symbiosis-runs")->path();
+  EXPECT_TRUE(fs::exists(run / "checkpoint-2" / "adapter" / "adapter_config.json"));
+  std::ifstream plain_err(work / "plain.err");
+  const std::string said(std::istreambuf_iterator<char>(plain_err), {});
+  EXPECT_NE(said.find("checkpoints go to symbiosis-runs/" + run.filename().string()), std::string::npos) << said;
 }
 
 // --resume keeps the saved adapter and base model: a method flag that disagrees with the adapter,
