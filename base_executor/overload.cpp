@@ -100,6 +100,10 @@ uint64_t QueueShares::tenant_of(uint64_t client_id) const {
 
 // [Fair shares] of the queue, by tenant. Callers hold mutex_.
 Status QueueShares::verdict(uint64_t client_id, uint64_t request_id, int64_t tokens) const {
+  const int64_t used = inbox_total_ + batched_total_;
+  // A negative count is the call check's to refuse, naming the shape. While the pool has room (the
+  // common case: this runs for every per-layer call), no share is computed.
+  if (tokens < 0 || tokens <= limit_ - std::min(used, limit_)) return Status::ok();
   // What each tenant's clients hold in the inbox and the Batcher together.
   std::map<uint64_t, int64_t> by_tenant;
   for (const auto& [id, queued] : inbox_) by_tenant[tenant_of(id)] += queued;
@@ -107,10 +111,8 @@ Status QueueShares::verdict(uint64_t client_id, uint64_t request_id, int64_t tok
   const auto mine = by_tenant.find(tenant_of(client_id));
   const int64_t held = mine != by_tenant.end() ? mine->second : 0;
   const PoolShare share{static_cast<uint64_t>(held), by_tenant.size() + (held == 0 ? 1 : 0)};
-  const int64_t used = inbox_total_ + batched_total_;
-  // A negative count is the call check's to refuse, naming the shape.
-  if (tokens < 0 || fair_share_allows(static_cast<uint64_t>(limit_), static_cast<uint64_t>(used),
-                                      static_cast<uint64_t>(tokens), share, /*empty_share_takes_any=*/true)) {
+  if (fair_share_allows(static_cast<uint64_t>(limit_), static_cast<uint64_t>(used), static_cast<uint64_t>(tokens),
+                        share, /*empty_share_takes_any=*/true)) {
     return Status::ok();
   }
   return queue_full(request_id, tokens, used, limit_, share);
