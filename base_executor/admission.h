@@ -23,13 +23,11 @@
 // eight strangers of AdmissionTest.StrangersWithTheirLargestFramesCostNothingAndAnHonestTenant-
 // StaysExact, each queueing frames of --max-message-bytes on connection after connection (some
 // 200 refusals in a run), grew the executor's process by 4 MiB (the test checks 64 MiB).
-// Not bounded by this design: ZeroMQ decodes handshake commands under the socket's
-// ZMQ_MAXMSGSIZE (--max-message-bytes), so a hand-made peer that announces one huge handshake
-// command holds what it manages to send of it, up to --max-message-bytes, until the command ends
-// (and is refused) or the interval passes (measured: two such peers on loopback, 510 MiB for the
-// 5 s); and the number of connections in handshake is not capped (ZeroMQ has no such option; the
-// process's descriptor limit caps it). Closing that needs a small frame limit before admission,
-// so payloads sent in bounded frames (docs/operating.md, Keys).
+// Bounded since: ZeroMQ decodes handshake commands under the socket's ZMQ_MAXMSGSIZE, so the
+// executor's frame limit is small (1 MiB + 64 KiB: payloads travel in frames of 1 MiB, [Bounded
+// frames] in transport/zmq_wire.h), and a hand-made peer that announces a huge handshake command is
+// cut at the announcement; connections in handshake are capped (--max-handshakes, [Connections in
+// handshake] in front_door.cpp). Before, two such peers on loopback held 510 MiB for the 5 s.
 //
 // Identity is the key: with keys, a tenant is named by its key's file stem in statistics, metrics
 // and logs (Keys::Entry::name); a Hello whose tenant names another admitted key is refused, and

@@ -30,6 +30,10 @@ void BatchingOptions::validate() const {
   TORCH_CHECK(decode_wait.count() >= 0 && prefill_wait.count() >= 0 && fine_tuning_wait.count() >= 0 &&
                   per_token_wait.count() >= 0,
               "batching wait budgets must be >= 0");
+  TORCH_CHECK(judge_window.count() >= 0, "executor option --judge-window must be >= 0, got ", judge_window.count(),
+              " ms");
+  TORCH_CHECK(judge_explore_every >= 2, "batching option judge_explore_every must be >= 2, got ",
+              judge_explore_every);
   TORCH_CHECK(decode_first_streak >= 0, "executor option --decode-first-streak must be >= 0, got ", decode_first_streak);
 }
 

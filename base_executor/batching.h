@@ -33,6 +33,16 @@
 //    step for the others; the others wait for nobody who is not decoding. The wait should be at
 //    least half a step: two tenants whose phases differ by more than the wait can miss each other
 //    at every rendezvous.
+//    [Paying waits]: whether decode requests should wait for companions at all is not known in
+//    advance: packing reads a layer's weights once for many tenants, but tenants held in step also
+//    run their own kernels at the same moments instead of beside each other's GEMMs, and a packed
+//    call waits for the slowest tenant of its batch (measured on GPUs: tenants in step decoded
+//    slower than tenants that never waited). So the WaitJudge measures it: over windows of
+//    judge_window, it counts the decode requests served per second with decode waits on (the
+//    budgets and the rendezvous above) and with them off (a decode request is ready at once; what
+//    is queued together is still packed, which `none` never does), keeps the better, and tries the
+//    other one window in judge_explore_every, so the choice follows the workload. The first part
+//    of a window after a switch, while the tenants fall into or out of step, is not counted.
 // Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
 // among ready queues the one whose oldest request is oldest runs first, so no queue starves.
 // [Inference first]: except that when ready work holds an inference decode request and other ready
@@ -74,9 +84,80 @@ struct BatchingOptions {
   std::chrono::microseconds companion_window{20000};        // opportunistic: companions must have been active this recently
   std::chrono::microseconds decode_align_wait{20000};       // opportunistic: [Decode alignment]; 0: none
   int decode_first_streak = 4;                              // [Inference first]; 0: strictly oldest first
+  std::chrono::milliseconds judge_window{250};              // opportunistic: [Paying waits]; 0: decode always waits
+  int judge_explore_every = 10;                             // ... one window in this many tries the other way
 
   void validate() const;  // throws naming the field
   std::chrono::nanoseconds budget(LatencyClass latency, int64_t tokens) const;
+};
+
+// [Paying waits]: whether decode requests wait for companions, judged by the decode requests
+// served per second each way. Plain data with an explicit clock, as the Batcher.
+class WaitJudge {
+ public:
+  using TimePoint = std::chrono::steady_clock::time_point;
+  explicit WaitJudge(const BatchingOptions& options)
+      : window_(options.judge_window), explore_every_(std::max(2, options.judge_explore_every)) {}
+
+  bool waits() const { return window_.count() == 0 || waits_now_; }
+  // The way that served more decode requests a second, once both were measured.
+  std::optional<bool> better() const {
+    if (!measured_[0] || !measured_[1]) return std::nullopt;
+    return rate_[1] >= rate_[0];
+  }
+  // Decode requests served per second with waits off (false) and on (true); 0 until measured.
+  double rate(bool waits) const { return rate_[waits ? 1 : 0]; }
+
+  // At every pop(): `served` decode requests left the Batcher at `now`.
+  void tick(TimePoint now, size_t served) {
+    if (window_.count() == 0) return;
+    if (!started_) {
+      started_ = true;
+      window_start_ = now;
+    }
+    const auto elapsed = now - window_start_;
+    if (settling_) {
+      if (elapsed < window_ / 2) return;  // the tenants are still falling into or out of step
+      settling_ = false;
+      window_start_ = now;
+      served_ = 0;
+      return;
+    }
+    served_ += served;
+    if (elapsed < window_) return;
+    if (served_ > 0) {
+      const double per_second = static_cast<double>(served_) / std::chrono::duration<double>(elapsed).count();
+      const int way = waits_now_ ? 1 : 0;
+      rate_[way] = measured_[way] ? (rate_[way] + per_second) / 2 : per_second;
+      measured_[way] = true;
+      windows_++;
+    }
+    served_ = 0;
+    window_start_ = now;
+    bool next = waits_now_;
+    if (!measured_[1]) {
+      next = true;
+    } else if (!measured_[0]) {
+      next = false;
+    } else {
+      next = *better();
+      if (windows_ % explore_every_ == 0) next = !next;  // try the other way
+    }
+    if (next != waits_now_) {
+      waits_now_ = next;
+      settling_ = true;
+    }
+  }
+
+ private:
+  std::chrono::milliseconds window_;
+  int explore_every_;
+  bool started_ = false, settling_ = false, waits_now_ = true;
+  TimePoint window_start_{};
+  size_t served_ = 0;
+  uint64_t windows_ = 0;  // windows measured, either way
+  double rate_[2] = {0, 0};
+  bool measured_[2] = {false, false};
 };
 
 template <typename Payload>
@@ -104,9 +185,10 @@ class Batcher {
     std::vector<Request> requests;
   };
 
-  explicit Batcher(BatchingOptions options) : options_(std::move(options)) { options_.validate(); }
+  explicit Batcher(BatchingOptions options) : options_(std::move(options)), judge_(options_) { options_.validate(); }
 
   const BatchingOptions& options() const { return options_; }
+  const WaitJudge& judge() const { return judge_; }  // [Paying waits]
 
   // Clients known to the executor: the lockstep set, and "everyone who could still come".
   void add_client(uint64_t client_id) { clients_.insert(client_id); }
@@ -132,7 +214,7 @@ class Batcher {
     if (!track.first_queue) track.first_queue = key;
     track.visited.insert(key);
     request.starts_step = request.latency == LatencyClass::kInferenceDecode && key == *track.first_queue &&
-                          options_.decode_align_wait.count() > 0;
+                          options_.decode_align_wait.count() > 0 && decode_waits();
     track.alone = runs_alone(request);
     if (track.alone) {
       alone_.push_back(std::move(request));
@@ -156,6 +238,44 @@ class Batcher {
 
   // The batch to run now, if any queue is ready at `now`.
   std::optional<Batch> pop(TimePoint now) {
+    auto batch = next_batch(now);
+    size_t decode = 0;
+    if (batch) {
+      for (const auto& r : batch->requests) decode += r.latency == LatencyClass::kInferenceDecode;
+    }
+    if (options_.policy == BatchingPolicy::kOpportunistic) judge_.tick(now, decode);
+    return batch;
+  }
+
+  // Every pending request, taken out in batches whether ready or not: for a scheduler that can
+  // serve none of them ([Lost part] in parts.h).
+  std::vector<Batch> drain() {
+    std::vector<Batch> batches;
+    for (; !alone_.empty(); alone_.pop_front()) {
+      batches.push_back({alone_.front().layer_id, alone_.front().op, alone_.front().tokens, {}});
+      batches.back().requests.push_back(std::move(alone_.front()));
+    }
+    for (Queue* queue : std::vector<Queue*>(active_)) {
+      while (!queue->requests.empty()) batches.push_back(take(*queue));
+    }
+    total_requests_ = 0;
+    total_tokens_ = 0;
+    client_tokens_.clear();
+    return batches;
+  }
+
+  // When pop() may next return a batch without another push: the earliest deadline of any
+  // queue (TimePoint::max() when nothing waits).
+  TimePoint next_deadline(TimePoint now) const {
+    if (!alone_.empty()) return now;
+    TimePoint next = TimePoint::max();
+    for (const Queue* queue : active_) next = std::min(next, deadline(*queue, now));
+    return next;
+  }
+
+ private:
+  // pop()'s choice.
+  std::optional<Batch> next_batch(TimePoint now) {
     // The oldest ready work, and the oldest ready work that holds a decode request.
     Queue* oldest = nullptr;
     Queue* oldest_decode = nullptr;
@@ -191,33 +311,6 @@ class Batcher {
     return take(*oldest);
   }
 
-  // Every pending request, taken out in batches whether ready or not: for a scheduler that can
-  // serve none of them ([Lost part] in parts.h).
-  std::vector<Batch> drain() {
-    std::vector<Batch> batches;
-    for (; !alone_.empty(); alone_.pop_front()) {
-      batches.push_back({alone_.front().layer_id, alone_.front().op, alone_.front().tokens, {}});
-      batches.back().requests.push_back(std::move(alone_.front()));
-    }
-    for (Queue* queue : std::vector<Queue*>(active_)) {
-      while (!queue->requests.empty()) batches.push_back(take(*queue));
-    }
-    total_requests_ = 0;
-    total_tokens_ = 0;
-    client_tokens_.clear();
-    return batches;
-  }
-
-  // When pop() may next return a batch without another push: the earliest deadline of any
-  // queue (TimePoint::max() when nothing waits).
-  TimePoint next_deadline(TimePoint now) const {
-    if (!alone_.empty()) return now;
-    TimePoint next = TimePoint::max();
-    for (const Queue* queue : active_) next = std::min(next, deadline(*queue, now));
-    return next;
-  }
-
- private:
   using Key = std::pair<uint32_t, int>;  // (layer id, op)
   struct Queue {
     Key key;
@@ -238,6 +331,8 @@ class Batcher {
       return it == next_after.end() ? std::nullopt : std::optional<Key>(it->second);
     }
   };
+
+  bool decode_waits() const { return options_.policy != BatchingPolicy::kOpportunistic || judge_.waits(); }
 
   static bool holds_decode(const Queue& queue) {
     return std::any_of(queue.requests.begin(), queue.requests.end(),
@@ -302,6 +397,7 @@ class Batcher {
       case BatchingPolicy::kOpportunistic: {
         TimePoint earliest = TimePoint::max();
         for (const auto& r : queue.requests) {
+          if (r.latency == LatencyClass::kInferenceDecode && !decode_waits()) return r.arrival;  // [Paying waits]
           const auto budget = r.starts_step ? options_.decode_align_wait : options_.budget(r.latency, r.tokens);
           earliest = std::min(earliest, r.arrival + std::chrono::duration_cast<Clock::duration>(budget));
         }
@@ -371,6 +467,7 @@ class Batcher {
   int64_t total_tokens_ = 0;
   std::map<uint64_t, int64_t> client_tokens_;  // total_tokens_ by client ([Fair shares])
   int decode_streak_ = 0;  // [Inference first]: batches in a row that overtook older work
+  WaitJudge judge_;        // [Paying waits]
 };
 
 }  // namespace symbiosis

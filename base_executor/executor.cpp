@@ -54,6 +54,10 @@ void log_protobuf(google::protobuf::LogLevel level, const char*, int, const std:
 
 }  // namespace
 
+size_t ExecutorOptions::message_limit() const {
+  return max_message_bytes > 0 ? max_message_bytes : wire::kPayloadFrameBytes + (size_t{64} << 10);
+}
+
 void ExecutorOptions::validate() const {
   TORCH_CHECK(!model_dir.empty(), "executor option --model is required (a Hugging Face checkpoint directory)");
   const std::string listen_wrong = wire::endpoint_problem(listen, /*allow_inproc=*/true);
@@ -62,10 +66,11 @@ void ExecutorOptions::validate() const {
               " is reachable from other hosts, and without keys anyone there could use this executor and read its "
               "traffic: give --keys DIR (docs/operating.md), listen on tcp://127.0.0.1, or pass --insecure");
   TORCH_CHECK(max_request_bytes > 0, "executor option --max-request-bytes must be positive");
-  TORCH_CHECK(max_message_bytes == 0 || max_message_bytes > max_request_bytes,
-              "executor option --max-message-bytes (", max_message_bytes,
-              ") must be larger than --max-request-bytes (", max_request_bytes, "), or 0 for that + 1 MiB");
+  TORCH_CHECK(max_message_bytes == 0 || max_message_bytes >= wire::kPayloadFrameBytes,
+              "executor option --max-message-bytes (", max_message_bytes, ") must be at least a payload frame (",
+              wire::kPayloadFrameBytes, " bytes), or 0 for that + 64 KiB");
   TORCH_CHECK(max_message_bytes <= size_t{INT64_MAX}, "executor option --max-message-bytes is too large");
+  TORCH_CHECK(max_handshakes >= 1, "executor option --max-handshakes must be >= 1, got ", max_handshakes);
   TORCH_CHECK(max_queued_messages >= 1, "executor option --max-queued-messages must be >= 1, got ",
               max_queued_messages);
   TORCH_CHECK(max_clients >= 1, "executor option --max-clients must be >= 1, got ", max_clients);

@@ -44,8 +44,9 @@ struct ExecutorOptions {
   size_t max_request_bytes = size_t{256} << 20;  // larger payloads are refused
   // [Overload] (docs/operating.md): what one peer, or all of them, may make the executor hold. Past a
   // limit the peer is refused with RESOURCE_EXHAUSTED naming the limit and its flag; the others go on.
-  // The largest ZeroMQ frame the executor reads (ZMQ_MAXMSGSIZE): a peer that sends a larger one is
-  // disconnected before it is read. 0: max_request_bytes + 1 MiB (a call's payload and its header).
+  // The largest ZeroMQ frame the executor reads (ZMQ_MAXMSGSIZE): a peer that sends a larger one,
+  // handshake commands included, is disconnected before it is read ([Bounded frames] in
+  // transport/zmq_wire.h). 0: a payload frame (1 MiB) and 64 KiB for a header.
   size_t max_message_bytes = 0;
   // ZeroMQ messages queued for one peer each way (the ROUTER's ZMQ_SNDHWM and ZMQ_RCVHWM). Replies
   // to a peer that does not read them past this many are dropped (the ROUTER's way; the peer stays
@@ -53,6 +54,9 @@ struct ExecutorOptions {
   int max_queued_messages = 32;
   // Clients connected at once; a Hello past it is refused.
   size_t max_clients = 1024;
+  // ZeroMQ connections in handshake at once (accepted, no message read yet): past it the oldest is
+  // cut ([Connections in handshake] in front_door.cpp). Each may hold up to a frame (message_limit).
+  size_t max_handshakes = 256;
   // Tokens of the calls waiting to be batched (the scheduler's queue and the calls on their way to
   // it), shared fairly ([Fair shares] in overload.h): a client alone may use it all; under
   // contention a call past it is refused only when its client holds more than its share, and the
@@ -66,7 +70,7 @@ struct ExecutorOptions {
   uint64_t max_buffer_bytes = uint64_t{16} << 30;
 
   // max_message_bytes as it applies (its default resolved).
-  size_t message_limit() const { return max_message_bytes > 0 ? max_message_bytes : max_request_bytes + (size_t{1} << 20); }
+  size_t message_limit() const;
   BatchingOptions batching;                      // see [Opportunistic batching]
   // CPU threads of each GEMM on a CPU device; 0: LibTorch's default (all cores). When clients
   // share the host, fewer avoids OpenMP threads spinning against them (measured in bench/).

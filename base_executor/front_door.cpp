@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <cstring>
@@ -82,7 +83,7 @@ FrontDoor::FrontDoor(const ExecutorOptions& options, const BaseModel& model, pro
   replies_in_.bind(replies_endpoint_);
   // [Disconnected peers]
   const std::string monitor = replies_endpoint_ + "-connections";
-  if (zmq_socket_monitor(router_.handle(), monitor.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+  if (zmq_socket_monitor(router_.handle(), monitor.c_str(), ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0) {
     TORCH_CHECK(false, "cannot watch the executor's connections: ", zmq_strerror(zmq_errno()));
   }
   connection_events_.connect(monitor);
@@ -390,6 +391,7 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
   }
   ClientRecord* client = registry_.seen(key);
   message_connection_ = frames[1].get(ZMQ_SRCFD);  // [Disconnected peers]
+  if (!in_handshake_.empty()) std::erase(in_handshake_, message_connection_);  // [Connections in handshake]
   if (client != nullptr) client->connection = message_connection_;
   switch (env.body_case()) {
     case proto::Envelope::kHello:
@@ -464,6 +466,17 @@ void FrontDoor::check_liveness() {
 // hears of the close first, so the events are read before each message: a late event never
 // forgets the new peer of a reused descriptor. Same-host clients with a local link are watched
 // by the link.
+//
+// [Connections in handshake]
+// ZeroMQ caps no number of connections in handshake, and each may hold a frame of up to the
+// executor's limit (message_limit: [Bounded frames] in transport/zmq_wire.h) until
+// kHandshakeInterval drops it. So the front door counts them: a connection is in handshake from
+// its ACCEPTED event until its first message is read (ZMQ_SRCFD) or it closes; past
+// --max-handshakes the oldest is cut, by shutting its descriptor down (ZeroMQ, which owns it, sees
+// the connection end and closes it). A stranger thus makes the executor hold at most
+// max_handshakes frames of message_limit (256 x 1.06 MiB by default), and for no longer than the
+// handshake interval; a flood of them slows honest newcomers (whose handshakes take milliseconds,
+// and whose ZeroMQ sockets connect again when cut) but never reaches those admitted.
 void FrontDoor::read_connection_events() {
   zmq::message_t event;
   while (connection_events_.recv(event, zmq::recv_flags::dontwait)) {
@@ -475,7 +488,13 @@ void FrontDoor::read_connection_events() {
     int32_t descriptor = -1;
     std::memcpy(&kind, event.data(), sizeof kind);
     std::memcpy(&descriptor, static_cast<const char*>(event.data()) + sizeof kind, sizeof descriptor);
-    if (kind != ZMQ_EVENT_DISCONNECTED || descriptor < 0) continue;
+    if (descriptor < 0) continue;
+    if (kind == ZMQ_EVENT_ACCEPTED) {
+      in_handshake_.push_back(descriptor);
+      continue;
+    }
+    if (kind != ZMQ_EVENT_DISCONNECTED) continue;
+    std::erase(in_handshake_, descriptor);
     std::vector<std::string> closed;
     for (const auto& [key, record] : registry_.all()) {
       if (record.connection == descriptor && !record.link) closed.push_back(key);
@@ -485,6 +504,13 @@ void FrontDoor::read_connection_events() {
       spdlog::info("client {} (tenant '{}') disconnected; releasing what it held", client->id, client->tenant);
       forget(key);
     }
+  }
+  // Every event read first, so that no descriptor cut here was closed and reused meanwhile.
+  while (in_handshake_.size() > options_.max_handshakes) {
+    ::shutdown(in_handshake_.front(), SHUT_RDWR);
+    in_handshake_.pop_front();
+    note_bad_input("more than " + std::to_string(options_.max_handshakes) +
+                   " connections in handshake at once: cut the oldest (max_handshakes; raise it with --max-handshakes)");
   }
 }
 

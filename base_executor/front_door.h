@@ -11,6 +11,7 @@
 // Thread safety: construct, then run() on one thread; stop() from any thread.
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -101,6 +102,7 @@ class FrontDoor {
   // Owned by the front door's thread.
   ClientRegistry registry_;
   int message_connection_ = -1;  // [Disconnected peers]: the descriptor the message being handled came on
+  std::deque<int> in_handshake_;  // [Connections in handshake]: descriptors, oldest first
   local::Listener listener_;
   struct PendingProof {
     std::string key;  // the ZeroMQ peer that said Hello

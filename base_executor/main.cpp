@@ -39,7 +39,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   // [Overload] (docs/operating.md)
   app.add_option("--max-message-bytes", options.max_message_bytes,
-                 "disconnect a peer that sends a ZeroMQ frame larger than this (0: --max-request-bytes + 1 MiB)")
+                 "disconnect a peer that sends a ZeroMQ frame larger than this, handshake included (0: a 1 MiB payload frame + 64 KiB)")
+      ->capture_default_str();
+  app.add_option("--max-handshakes", options.max_handshakes,
+                 "connections in handshake at once (accepted, nothing read yet); past it the oldest is cut")
       ->capture_default_str();
   app.add_option("--max-queued-messages", options.max_queued_messages,
                  "ZeroMQ messages queued for one peer each way; replies past it to a peer that does not read are "
@@ -62,6 +65,7 @@ int main(int argc, char** argv) {
   int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
   int64_t companion_window_us = options.batching.companion_window.count();
   int64_t decode_align_wait_us = options.batching.decode_align_wait.count();
+  int64_t judge_window_ms = options.batching.judge_window.count();
   app.add_option("--batching", policy, "batching policy: none, lockstep or opportunistic")->capture_default_str();
   app.add_option("--max-wait", max_wait_us, "opportunistic: longest a request waits for companions (us)")
       ->capture_default_str();
@@ -70,6 +74,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--decode-align-wait", decode_align_wait_us,
                  "opportunistic: a decode step's first call waits this long for the other decode tenants (us; 0: not)")
+      ->capture_default_str();
+  app.add_option("--judge-window", judge_window_ms,
+                 "opportunistic: measure decode throughput with and without decode waits over windows this long, "
+                 "and keep the better (ms; 0: decode always waits)")
       ->capture_default_str();
   app.add_option("--max-batch-tokens", options.batching.max_batch_tokens, "a batch closes at this many tokens")
       ->capture_default_str();
@@ -150,6 +158,7 @@ int main(int argc, char** argv) {
     options.batching.max_wait = std::chrono::microseconds(max_wait_us);
     options.batching.companion_window = std::chrono::microseconds(companion_window_us);
     options.batching.decode_align_wait = std::chrono::microseconds(decode_align_wait_us);
+    options.batching.judge_window = std::chrono::milliseconds(judge_window_ms);
     options.batching.lockstep_timeout = std::chrono::milliseconds(lockstep_timeout_ms);
     executor = symbiosis::Executor::start(options);
   } catch (const c10::Error& e) {

@@ -108,6 +108,16 @@ void Scheduler::note_queue() {
   statistics_.queued_tokens = batcher_.pending_tokens();
 }
 
+void Scheduler::note_judge() {
+  const auto better = batcher_.judge().better();
+  if (!better || better == judged_) return;
+  judged_ = better;
+  const auto& judge = batcher_.judge();
+  spdlog::info("decode calls now {} for companions: {:.0f} decode calls a second were served with waits, {:.0f} "
+               "without ([Paying waits])",
+               *better ? "wait" : "do not wait", judge.rate(true), judge.rate(false));
+}
+
 void Scheduler::stop() {
   stopping_ = true;
   wake_if_sleeping();
@@ -380,6 +390,7 @@ void Scheduler::run() {
     const auto now = Clock::now();
     auto batch = batcher_.pop(now);
     note_queue();
+    note_judge();
     if (parts_) {
       if (take_part(batch)) continue;
     } else if (batch) {

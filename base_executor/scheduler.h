@@ -111,6 +111,9 @@ class Scheduler {
   void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
   // Publishes the Batcher's pending calls and tokens (for the queue's shares and the statistics).
   void note_queue();
+  // [Paying waits] (batching.h): the judge's verdict, logged when it changes.
+  void note_judge();
+  std::optional<bool> judged_;
   // [Rounds] (parts.h): one round of the parts, offering `batch`; true when any part had a batch.
   bool take_part(std::optional<CallBatcher::Batch>& batch);
   // [Lost part]: refuses every call held, and from now on every new one, with `why`.

@@ -208,7 +208,14 @@ void ControlSocket::send(const proto::Envelope& envelope, const at::Tensor* payl
   // executor has stopped reading.
   const auto more = payload ? zmq::send_flags::sndmore : zmq::send_flags::none;
   bool sent = socket_.send(wire::serialize(envelope), more | zmq::send_flags::dontwait).has_value();
-  if (sent && payload) sent = socket_.send(wire::tensor_frame(*payload), zmq::send_flags::dontwait).has_value();
+  if (sent && payload) {
+    // Once a message's first frame is queued, ZeroMQ takes the rest of it.
+    auto frames = wire::tensor_frames(*payload);
+    for (size_t i = 0; sent && i < frames.size(); ++i) {
+      const auto last = i + 1 == frames.size() ? zmq::send_flags::none : zmq::send_flags::sndmore;
+      sent = socket_.send(frames[i], last | zmq::send_flags::dontwait).has_value();
+    }
+  }
   if (!sent && executor_gone()) check_not_gone();  // no peer to queue for: the connection broke off
   TORCH_CHECK(sent, "executor at ", endpoint_, " is not taking messages (its queue to us is full)");
 }

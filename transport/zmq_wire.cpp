@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -148,22 +149,40 @@ shm::CallHeader call_header(const proto::Request& r) {
   return h;
 }
 
-zmq::message_t tensor_frame(const at::Tensor& t) {
+std::vector<zmq::message_t> tensor_frames(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "tensor frames need contiguous CPU tensors");
-  auto* keep = new at::Tensor(t);
-  return zmq::message_t(t.data_ptr(), t.nbytes(), [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); },
-                        keep);
+  std::vector<zmq::message_t> frames;
+  auto* bytes = static_cast<char*>(t.data_ptr());
+  const size_t total = t.nbytes();
+  size_t offset = 0;
+  do {
+    const size_t size = std::min(kPayloadFrameBytes, total - offset);
+    auto* keep = new at::Tensor(t);
+    frames.emplace_back(bytes + offset, size, [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); }, keep);
+    offset += size;
+  } while (offset < total);
+  return frames;
 }
 
-at::Tensor frame_to_tensor(zmq::message_t&& frame, at::ScalarType dtype, at::IntArrayRef shape) {
+size_t frame_bytes(const std::vector<zmq::message_t>& frames) {
+  size_t total = 0;
+  for (const auto& frame : frames) total += frame.size();
+  return total;
+}
+
+at::Tensor frames_to_tensor(std::vector<zmq::message_t>&& frames, at::ScalarType dtype, at::IntArrayRef shape) {
   auto options = at::TensorOptions().dtype(dtype);
-  if (reinterpret_cast<uintptr_t>(frame.data()) % 16 != 0) {
-    auto out = at::empty(shape, options);
-    std::memcpy(out.data_ptr(), frame.data(), frame.size());
-    return out;
+  if (frames.size() == 1 && reinterpret_cast<uintptr_t>(frames[0].data()) % 16 == 0) {
+    auto owner = std::make_shared<zmq::message_t>(std::move(frames[0]));
+    return at::from_blob(owner->data(), shape, [owner](void*) mutable { owner.reset(); }, options);
   }
-  auto owner = std::make_shared<zmq::message_t>(std::move(frame));
-  return at::from_blob(owner->data(), shape, [owner](void*) mutable { owner.reset(); }, options);
+  auto out = at::empty(shape, options);
+  auto* into = static_cast<char*>(out.data_ptr());
+  for (const auto& frame : frames) {
+    std::memcpy(into, frame.data(), frame.size());
+    into += frame.size();
+  }
+  return out;
 }
 
 std::vector<zmq::message_t> recv_all(zmq::socket_t& socket) {

@@ -1,7 +1,8 @@
 #pragma once
-// The ZeroMQ TCP transport's wire form: one Envelope frame, then raw tensor payload frames.
-// Tensors travel by value without copies: a frame borrows the tensor's memory until ZeroMQ has
-// sent it, and a received frame becomes a tensor that owns the frame.
+// The ZeroMQ TCP transport's wire form: one Envelope frame, then a tensor's payload in raw frames of
+// at most kPayloadFrameBytes each ([Bounded frames]). Tensors go out without copies: a frame
+// borrows its part of the tensor's memory until ZeroMQ has sent it; a payload received in one frame
+// becomes a tensor that owns the frame, one in several is gathered into a tensor of its own.
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -17,9 +18,20 @@
 
 namespace symbiosis::wire {
 
-constexpr uint32_t kProtocolVersion = 5;  // 2: captured calls (slots in the control segment); 3: layer groups;
+constexpr uint32_t kProtocolVersion = 6;  // 2: captured calls (slots in the control segment); 3: layer groups;
                                           // 4: proven placement (ProveHost, the local link);
-                                          // 5: wake sockets in place of the doorbell, sealed segments
+                                          // 5: wake sockets in place of the doorbell, sealed segments;
+                                          // 6: payloads in bounded frames
+
+// [Bounded frames]
+// ZeroMQ holds a frame whole before anyone reads it, and it decodes a CURVE peer's handshake
+// commands under the same per-frame limit (ZMQ_MAXMSGSIZE) as the messages that come after. So
+// the executor's frame limit is what a stranger, whose key is refused only at the handshake's
+// last step, can make it hold per connection. Payloads therefore travel in frames of at most
+// kPayloadFrameBytes, and the executor reads no frame larger than that plus room for a header
+// (ExecutorOptions::message_limit): a request of any size within --max-request-bytes passes, and a
+// hand-made peer's huge handshake command is cut off at the limit.
+constexpr size_t kPayloadFrameBytes = size_t{1} << 20;
 
 proto::DType to_proto(at::ScalarType dtype);
 // Throws naming the value when the dtype is not one this project carries.
@@ -50,10 +62,15 @@ std::string endpoint_problem(const std::string& endpoint, bool allow_inproc = fa
 // it. Unchecked: [Call check] (base_executor/call_check.h) checks it.
 shm::CallHeader call_header(const proto::Request& request);
 
-// A frame that borrows t's memory (t is kept alive until ZeroMQ is done). t must be contiguous, CPU.
-zmq::message_t tensor_frame(const at::Tensor& t);
-// A tensor over the frame's bytes (owned by the tensor), or a copy if they are misaligned.
-at::Tensor frame_to_tensor(zmq::message_t&& frame, at::ScalarType dtype, at::IntArrayRef shape);
+// t's bytes as frames of at most kPayloadFrameBytes that borrow its memory (t is kept alive until
+// ZeroMQ is done with each); one frame for an empty tensor. t must be contiguous, on the CPU.
+std::vector<zmq::message_t> tensor_frames(const at::Tensor& t);
+// The payload in `frames` as a tensor: over the bytes of a lone frame (owned by the tensor), or
+// gathered into a new one from several frames or a misaligned one. The frames' sizes must sum
+// to the shape's bytes (the caller checked).
+at::Tensor frames_to_tensor(std::vector<zmq::message_t>&& frames, at::ScalarType dtype, at::IntArrayRef shape);
+// The bytes of `frames` together.
+size_t frame_bytes(const std::vector<zmq::message_t>& frames);
 
 // Receives every frame of one multipart message (non-blocking caller must have polled first).
 std::vector<zmq::message_t> recv_all(zmq::socket_t& socket);

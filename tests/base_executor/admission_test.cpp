@@ -11,7 +11,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -347,7 +349,9 @@ class CountingSink : public spdlog::sinks::base_sink<std::mutex> {
 };
 
 TEST_F(AdmissionTest, NothingAStrangerSendsIsEchoedOrLoggedWholeAndBadInputLogsAreRateLimited) {
-  start(/*with_keys=*/false);
+  ExecutorOptions large_frames;
+  large_frames.max_message_bytes = size_t{32} << 20;  // lets the 16 MB Hello be read, to be refused
+  executor_ = testing::start_executor(checkpoint_->dir, large_frames);
   zmq::context_t context(1);
   zmq::socket_t socket(context, zmq::socket_type::dealer);
   socket.set(zmq::sockopt::linger, 0);
@@ -674,14 +678,22 @@ TEST_F(AdmissionTest, WithKeysATenantIsNamedByItsKeyAndCannotClaimAnothersName) 
 
 // [Admission]: a connection that never finishes its handshake is dropped after the handshake
 // interval, whatever it does (here: nothing), and the executor serves on.
-TEST_F(AdmissionTest, AConnectionThatNeverFinishesItsHandshakeIsDropped) {
-  start();
+// A plain TCP connection to the executor's port, as a hand-made peer would open; -1 on failure.
+int connect_raw(const std::string& endpoint) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = htons(static_cast<uint16_t>(port_of(executor_->endpoint())));
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  address.sin_port = htons(static_cast<uint16_t>(port_of(endpoint)));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) return fd;
+  ::close(fd);
+  return -1;
+}
+
+TEST_F(AdmissionTest, AConnectionThatNeverFinishesItsHandshakeIsDropped) {
+  start();
+  const int fd = connect_raw(executor_->endpoint());
+  ASSERT_GE(fd, 0);
   bool closed = false;
   const auto deadline = std::chrono::steady_clock::now() + kHandshakeInterval + std::chrono::seconds(5);
   while (!closed && std::chrono::steady_clock::now() < deadline) {
@@ -692,6 +704,82 @@ TEST_F(AdmissionTest, AConnectionThatNeverFinishesItsHandshakeIsDropped) {
   }
   ::close(fd);
   EXPECT_TRUE(closed) << "the executor kept a connection that never finished its handshake";
+  expect_exact(*Client::connect(as("alice")));
+}
+
+// Issue 44, [Bounded frames] (transport/zmq_wire.h): a hand-made peer, no key needed, sends a CURVE
+// greeting and then announces a 64 MiB handshake command and sends it. ZeroMQ decodes handshake
+// commands under the executor's frame limit (1 MiB + 64 KiB), so the connection is cut at the
+// announcement: the peer gets little of it across (what the kernel's socket buffers took), the
+// executor holds none of it, and it serves on. With a frame limit as large as a request, the
+// executor took in all 64 MiB and held it until the handshake interval passed.
+TEST_F(AdmissionTest, AHandMadePeersHugeHandshakeCommandIsCutOffAtTheFrameLimit) {
+  start();
+  const int fd = connect_raw(executor_->endpoint());
+  ASSERT_GE(fd, 0);
+  // ZMTP 3.0: signature, version, mechanism (20 bytes), as-server, filler; then a long command frame.
+  std::vector<uint8_t> greeting(64, 0);
+  greeting[0] = 0xff;
+  greeting[9] = 0x7f;
+  greeting[10] = 3;
+  std::memcpy(&greeting[12], "CURVE", 5);
+  constexpr uint64_t kAnnounced = uint64_t{64} << 20;
+  std::vector<uint8_t> header = {0x06};  // a command, with an 8-byte size
+  for (int shift = 56; shift >= 0; shift -= 8) header.push_back(static_cast<uint8_t>(kAnnounced >> shift));
+  ASSERT_EQ(::send(fd, greeting.data(), greeting.size(), MSG_NOSIGNAL), 64);
+  ASSERT_EQ(::send(fd, header.data(), header.size(), MSG_NOSIGNAL), 9);
+  const int64_t before = resident_bytes();
+  const std::vector<char> chunk(size_t{64} << 10, 'x');
+  uint64_t sent = 0;
+  bool cut = false;
+  const auto deadline = std::chrono::steady_clock::now() + kHandshakeInterval + std::chrono::seconds(5);
+  while (!cut && sent < kAnnounced && std::chrono::steady_clock::now() < deadline) {
+    pollfd item{fd, POLLOUT, 0};
+    if (::poll(&item, 1, 100) <= 0) continue;
+    const ssize_t n = ::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) sent += static_cast<uint64_t>(n);
+    cut = n < 0 && errno != EAGAIN && errno != EWOULDBLOCK;
+  }
+  const int64_t grown = resident_bytes() - before;
+  ::close(fd);
+  std::printf("[ measured ] the hand-made peer got %llu of its announced %llu bytes across before the cut; the "
+              "executor's process grew by %lld KiB\n",
+              static_cast<unsigned long long>(sent), static_cast<unsigned long long>(kAnnounced),
+              static_cast<long long>(grown >> 10));
+  EXPECT_TRUE(cut) << "the executor took " << sent << " bytes of a handshake command over its frame limit";
+  EXPECT_LT(sent, uint64_t{16} << 20);
+  EXPECT_LT(grown, kStrangersBound);
+  expect_exact(*Client::connect(as("alice")));
+}
+
+// Issue 44, [Connections in handshake] (base_executor/front_door.cpp): past --max-handshakes, the
+// oldest connection still in handshake is cut, with a line in the log; the executor serves on.
+TEST_F(AdmissionTest, PastMaxHandshakesTheOldestConnectionInHandshakeIsCut) {
+  ExecutorOptions options;
+  options.keys_dir = keys_;
+  options.max_handshakes = 4;
+  executor_ = testing::start_executor(checkpoint_->dir, options);
+  auto sink = std::make_shared<CollectingSink>();
+  spdlog::default_logger()->sinks().push_back(sink);
+  std::vector<int> connections;
+  for (int i = 0; i < 10; ++i) {
+    connections.push_back(connect_raw(executor_->endpoint()));
+    ASSERT_GE(connections.back(), 0);
+  }
+  auto closed = [](int fd) {
+    pollfd item{fd, POLLIN, 0};
+    char buffer[256];
+    while (::poll(&item, 1, 0) > 0) {
+      if (::read(fd, buffer, sizeof(buffer)) <= 0) return true;  // past the executor's greeting
+    }
+    return false;
+  };
+  // The first six went past the limit of four (the handshake interval would cut all ten, later).
+  EXPECT_TRUE(testing::wait_until(
+      [&] { return std::all_of(connections.begin(), connections.begin() + 6, closed); }, std::chrono::seconds(10)));
+  spdlog::default_logger()->sinks().pop_back();
+  for (const int fd : connections) ::close(fd);
+  EXPECT_TRUE(contains(sink->text(), "more than 4 connections in handshake at once: cut the oldest")) << sink->text();
   expect_exact(*Client::connect(as("alice")));
 }
 

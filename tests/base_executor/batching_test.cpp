@@ -1,8 +1,14 @@
 // The batching policies' decisions, driven by a fake clock (explicit time points): budgets and
 // --max-wait are respected, a small request is not held behind a large one, lockstep survives a
 // client that leaves or stalls, the token cap splits batches, no queue starves, and a request
-// marked alone neither waits nor is packed (but under lockstep).
+// marked alone neither waits nor is packed (but under lockstep); and the [Paying waits] judge keeps
+// decode waits where they pay and drops them where they cost (simulated tenants).
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <vector>
 
 #include "base_executor/batching.h"
 
@@ -37,6 +43,7 @@ BatchingOptions opportunistic() {
   o.fine_tuning_wait = 500us;
   o.per_token_wait = 1000ns;
   o.max_batch_tokens = 4096;
+  o.judge_window = 0ms;  // decode always waits: these tests hold the waits themselves ([Paying waits] below)
   return o;
 }
 
@@ -431,6 +438,124 @@ TEST(BatchingTest, OptionsAreValidatedWithTheFieldNamed) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("--decode-first-streak must be >= 0, got -1"), std::string::npos);
   }
+  BatchingOptions judge;
+  judge.judge_window = std::chrono::milliseconds(-5);
+  try {
+    TestBatcher b(judge);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--judge-window must be >= 0, got -5 ms"), std::string::npos);
+  }
+}
+
+// ---- [Paying waits] ----
+
+// An executor and its decode tenants in simulated time. Each tenant walks `layers` layers, one
+// decode call each, and between a call's answer and its next call runs its own work for
+// think[i]; the executor runs one batch at a time, for fixed + per_request x its requests.
+struct Tenants {
+  std::vector<std::chrono::microseconds> think;
+  std::chrono::microseconds fixed, per_request;
+  uint32_t layers = 8;
+};
+
+struct Outcome {
+  double per_second = 0;  // decode requests served per second over the measured span
+  std::optional<bool> waits_better;  // the judge's verdict at the end
+};
+
+// Runs `tenants` against a Batcher of `options` for `span` of simulated time, measuring the last half.
+Outcome simulate(const Tenants& tenants, const BatchingOptions& options, std::chrono::seconds span = 8s) {
+  TestBatcher b(options);
+  const size_t n = tenants.think.size();
+  for (size_t i = 0; i < n; ++i) b.add_client(i + 1);
+  std::vector<TimePoint> due(n, t0);  // when each tenant's next call comes
+  std::vector<bool> in_flight(n, false);
+  std::vector<uint32_t> layer(n, 0);
+  const TimePoint end = t0 + span, measured_from = t0 + span / 2;
+  size_t served = 0;
+  TimePoint now = t0;
+  while (now < end) {
+    for (size_t i = 0; i < n; ++i) {
+      if (in_flight[i] || due[i] > now) continue;
+      b.push(request(i + 1, layer[i], 1, due[i], LatencyClass::kInferenceDecode));
+      in_flight[i] = true;
+    }
+    if (auto batch = b.pop(now)) {
+      const TimePoint done = now + tenants.fixed + tenants.per_request * static_cast<int64_t>(batch->requests.size());
+      for (const auto& r : batch->requests) {
+        const size_t i = r.client_id - 1;
+        in_flight[i] = false;
+        layer[i] = (layer[i] + 1) % tenants.layers;
+        due[i] = done + tenants.think[i];
+        if (done >= measured_from) served++;
+      }
+      now = done;
+      continue;
+    }
+    TimePoint next = b.next_deadline(now);
+    for (size_t i = 0; i < n; ++i) {
+      if (!in_flight[i]) next = std::min(next, due[i]);
+    }
+    now = std::max(next, now + 1us);
+  }
+  return {static_cast<double>(served) / std::chrono::duration<double>(span / 2).count(), b.judge().better()};
+}
+
+BatchingOptions judged() {
+  BatchingOptions o;  // the executor's defaults: opportunistic, judged over 250 ms windows
+  return o;
+}
+BatchingOptions always_waiting() {
+  BatchingOptions o;
+  o.judge_window = 0ms;
+  return o;
+}
+BatchingOptions never_waiting() {  // what the judge's "waits off" does, as fixed options
+  BatchingOptions o;
+  o.judge_window = 0ms;
+  o.decode_wait = 0us;
+  o.per_token_wait = 0ns;
+  o.decode_align_wait = 0us;
+  return o;
+}
+BatchingOptions none() {
+  BatchingOptions o;
+  o.policy = BatchingPolicy::kNone;
+  return o;
+}
+
+// Tenants of different speeds, each GEMM cheap: a rendezvous holds every tenant to the slowest's
+// pace and saves little. The judge turns decode waits off, and opportunistic keeps up with the
+// better fixed way and with `none`.
+TEST(BatchingTest, TheJudgeTurnsDecodeWaitsOffWhenTheyCostMoreThanPackingSaves) {
+  const Tenants tenants{{100us, 150us, 300us, 600us}, 5us, 1us};
+  const auto judge = simulate(tenants, judged());
+  const auto waiting = simulate(tenants, always_waiting()), never = simulate(tenants, never_waiting()),
+             alone = simulate(tenants, none());
+  std::printf("[ simulated ] decode requests/s: judged %.0f, always waiting %.0f, never waiting %.0f, none %.0f\n",
+              judge.per_second, waiting.per_second, never.per_second, alone.per_second);
+  ASSERT_TRUE(judge.waits_better.has_value());
+  EXPECT_FALSE(*judge.waits_better);
+  EXPECT_GT(never.per_second, 1.3 * waiting.per_second);  // the case is the one described
+  EXPECT_GE(judge.per_second, 0.9 * never.per_second);
+  EXPECT_GE(judge.per_second, 0.9 * alone.per_second);
+}
+
+// Tenants of nearly one speed, each GEMM dear: without waits they drift apart and every call
+// reads the weights alone; waits keep them in step, one GEMM for all. The judge keeps the waits.
+TEST(BatchingTest, TheJudgeKeepsDecodeWaitsWhenPackingPays) {
+  const Tenants tenants{{50us, 60us, 70us, 80us}, 200us, 5us};
+  const auto judge = simulate(tenants, judged());
+  const auto waiting = simulate(tenants, always_waiting()), never = simulate(tenants, never_waiting()),
+             alone = simulate(tenants, none());
+  std::printf("[ simulated ] decode requests/s: judged %.0f, always waiting %.0f, never waiting %.0f, none %.0f\n",
+              judge.per_second, waiting.per_second, never.per_second, alone.per_second);
+  ASSERT_TRUE(judge.waits_better.has_value());
+  EXPECT_TRUE(*judge.waits_better);
+  EXPECT_GT(waiting.per_second, 1.3 * never.per_second);
+  EXPECT_GE(judge.per_second, 0.9 * waiting.per_second);
+  EXPECT_GE(judge.per_second, alone.per_second);
 }
 
 }  // namespace

@@ -145,9 +145,9 @@ TEST(ExecutorOptionsTest, OverloadLimitsOutOfRangeAreRefusedNamingTheFlag) {
             std::string::npos);
   EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_queued_messages = 0; }).find("--max-queued-messages must be >= 1"),
             std::string::npos);
-  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_message_bytes = 1024; }).find("must be larger than --max-request-bytes"),
+  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_message_bytes = 1024; }).find("must be at least a payload frame"),
             std::string::npos);
-  EXPECT_EQ(options.message_limit(), options.max_request_bytes + (size_t{1} << 20));
+  EXPECT_EQ(options.message_limit(), wire::kPayloadFrameBytes + (size_t{64} << 10));
   EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_queued_tokens = 0; }).find("--max-queued-tokens must be >= 1, got 0"),
             std::string::npos);
   EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_buffer_bytes = 0; }).find("--max-buffer-bytes must be >= 1, got 0"),
@@ -255,6 +255,20 @@ TEST_F(ExecutorTest, ComputesForwardBackwardAndNoBiasExactly) {
   auto g = at::randn({5, 6});
   EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_bias(), x, up_weight().t())), 1e-6);
   EXPECT_LT(relative_error(client->forward(up, x, false), at::mm(x, up_weight().t())), 1e-6);
+  EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_weight())), 1e-6);
+}
+
+// [Bounded frames] (transport/zmq_wire.h): a tcp call's payload and its result larger than one
+// frame travel in several, each within the executor's frame limit, and compute as one.
+TEST_F(ExecutorTest, APayloadLargerThanAFrameTravelsInBoundedFramesAndComputesAsOne) {
+  ExecutorOptions options;
+  executor_ = testing::start_executor(checkpoint_->dir, options);
+  auto client = connect();
+  const auto& up = *client->find_layer("model.layers.0.mlp.up_proj");
+  auto x = at::randn({100000, 4});  // 1.6 MB in, 2.4 MB out: two and three frames
+  ASSERT_GT(x.nbytes(), options.message_limit());
+  EXPECT_LT(relative_error(client->forward(up, x, true), at::addmm(up_bias(), x, up_weight().t())), 1e-6);
+  auto g = at::randn({100000, 6});
   EXPECT_LT(relative_error(client->backward_input(up, g), at::mm(g, up_weight())), 1e-6);
 }
 
@@ -500,9 +514,12 @@ TEST_F(ExecutorTest, EveryBadRequestGetsAnErrorNamingTheProblem) {
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2000, 4}, {32000}).find("exceed the executor's limit of 4096"),
             std::string::npos);
-  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {}).find("expected exactly one payload frame"),
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {}).find("expected the payload in frames after the "
+                                                                       "header, got none"),
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {31}).find("payload has 31 bytes, expected 32"),
+            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {16, 8, 9}).find("payload has 33 bytes, expected 32"),
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::OP_UNSPECIFIED, F32, {2, 4}, {32}).find("is not FORWARD"),
             std::string::npos);
@@ -512,7 +529,7 @@ TEST_F(ExecutorTest, EveryBadRequestGetsAnErrorNamingTheProblem) {
   ASSERT_TRUE(env.has_error());
   EXPECT_EQ(env.error().code(), proto::MALFORMED);
   EXPECT_NE(env.error().message().find("is not a symbiosis Envelope"), std::string::npos);
-  EXPECT_EQ(executor_->stats().errors, 9u);
+  EXPECT_EQ(executor_->stats().errors, 10u);
   expect_still_serving();
 }
 
@@ -610,7 +627,7 @@ TEST_F(ExecutorTest, AHugeTenantNameIsRefusedNamingTheFieldAndTheLimit) {
 }
 
 TEST_F(ExecutorTest, MessagesLargerThanMaxMessageBytesDropTheirSenderNotTheExecutor) {
-  RawPeer peer(executor_->endpoint());  // max_message_bytes: 4096 + 1 MiB
+  RawPeer peer(executor_->endpoint());  // max_message_bytes: 1 MiB + 64 KiB
   proto::Envelope hello;
   hello.mutable_hello()->set_protocol_version(wire::kProtocolVersion);
   hello.mutable_hello()->set_tenant(std::string(size_t{2} << 20, 't'));

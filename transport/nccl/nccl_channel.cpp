@@ -13,8 +13,10 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "transport/channel.h"
 #include "transport/transport.h"
@@ -41,16 +43,19 @@ constexpr int kClientRank = 0;
 constexpr std::chrono::milliseconds kConnectTimeout{30000};
 // [NCCL transfer watchdog]: how long one transfer may wait for the client's side of it.
 constexpr std::chrono::seconds kTransferLimit{10};
+constexpr std::chrono::milliseconds kWatchInterval{200};
 
 // [NCCL transfer watchdog]
 // A client that never posts its side of a transfer (the send of a call's input, the receive of its
 // result), or aborts in the middle of one, leaves NCCL's kernel for it waiting on the executor's
 // GPU: the channel's side stream stops, and the compute stream, which waits for a receive before
-// the batch that reads it, stops every batch behind it. The front door asks failed() of every
-// client five times a second ([Disconnected peers] in base_executor/front_door.cpp); a transfer
-// that has waited kTransferLimit counts as a client gone, which the front door forgets and aborts,
-// so its kernels end and the streams go on. So a tenant that withholds a transfer stalls the
-// executor's GPU once, for at most kTransferLimit, and is dropped, with the reason in the log.
+// the batch that reads it, stops every batch behind it. A thread of the channel's own looks five
+// times a second; a transfer that has waited kTransferLimit aborts the client's communicator, so
+// its kernels end and the streams go on, and counts as a client gone (failed()), which the front
+// door forgets. The watch needs a thread of its own: whatever else waits for the stalled GPU (the
+// scheduler's thread, or the front door giving back a leaving tenant's pinned buffer) cannot be
+// the one to end the stall. So a tenant that withholds a transfer stalls the executor's GPU once,
+// for at most kTransferLimit, and is dropped, with the reason in the log.
 // Transfers complete in order on the side stream: each started one records an event in a ring,
 // with its start time, and the watch looks for the oldest not yet complete. A slot reused before it
 // was looked at holds a later transfer, whose completion implies the earlier one's.
@@ -114,7 +119,17 @@ class NcclChannel : public Channel {
         gpu_clients_(gpu_clients ? std::move(gpu_clients) : std::make_shared<std::atomic<int>>(0)) {
     ++*gpu_clients_;
   }
-  ~NcclChannel() override { --*gpu_clients_; }
+  ~NcclChannel() override {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(watch_mutex_);
+        closing_ = true;
+      }
+      watch_wake_.notify_all();
+      watchdog_.join();
+    }
+    --*gpu_clients_;
+  }
 
   proto::BufferRegistered register_buffer(const proto::RegisterBuffer&, UniqueFd) override {
     TORCH_CHECK(false, "an nccl client registers no payload buffer (send NcclSetup)");
@@ -123,8 +138,11 @@ class NcclChannel : public Channel {
   void setup_nccl(const proto::NcclSetup& setup) override {
     TORCH_CHECK(comm_ == nullptr, "NCCL is already set up for this client");
     auto comm = std::make_shared<nccl::Communicator>(setup.unique_id(), /*rank=*/1, device_, kClientRank, kConnectTimeout);
-    std::lock_guard<std::mutex> lock(comm_mutex_);
-    comm_ = std::move(comm);
+    {
+      std::lock_guard<std::mutex> lock(comm_mutex_);
+      comm_ = std::move(comm);
+    }
+    watchdog_ = std::thread([this] { watch(); });
   }
 
   // Joined and connected, on the communicator's own thread ([NCCL blocking mode]): never blocks.
@@ -169,17 +187,9 @@ class NcclChannel : public Channel {
   }
 
   bool failed() const override {
-    {
-      std::lock_guard<std::mutex> lock(comm_mutex_);
-      if (comm_ && comm_->failed()) return true;
-    }
-    if (!transfers_.stuck()) return false;
-    if (!reported_stuck_.exchange(true)) {
-      spdlog::warn("client {}: an NCCL transfer has waited {} s for the client's side of it (it never posted its "
-                   "send or receive, or aborted in the middle); dropping the client ([NCCL transfer watchdog])",
-                   client_id(), kTransferLimit.count());
-    }
-    return true;
+    if (stuck_.load()) return true;
+    std::lock_guard<std::mutex> lock(comm_mutex_);
+    return comm_ && comm_->failed();
   }
 
   void abort() override {
@@ -205,16 +215,35 @@ class NcclChannel : public Channel {
   }
 
  private:
+  // [NCCL transfer watchdog]: the watchdog_ thread's loop, until the channel closes or a transfer is stuck.
+  void watch() {
+    SYMBIOSIS_CUDA_WARN(cudaSetDevice(device_));
+    std::unique_lock<std::mutex> lock(watch_mutex_);
+    while (!watch_wake_.wait_for(lock, kWatchInterval, [&] { return closing_; })) {
+      if (!transfers_.stuck()) continue;
+      spdlog::warn("client {}: an NCCL transfer has waited {} s for the client's side of it (it never posted its "
+                   "send or receive, or aborted in the middle); dropping the client ([NCCL transfer watchdog])",
+                   client_id(), kTransferLimit.count());
+      stuck_.store(true);
+      abort();
+      return;
+    }
+  }
+
   int device_;
   c10::cuda::CUDAStream side_stream_;
   // Reused for every call (a wait takes the event as last recorded): no event is made per call.
   at::cuda::CUDAEvent compute_done_, received_;
   TransferWatch transfers_;  // [NCCL transfer watchdog]
-  mutable std::atomic<bool> reported_stuck_{false};
+  std::atomic<bool> stuck_{false};
   std::shared_ptr<std::atomic<int>> gpu_clients_;
   std::optional<shm::CallHeader> held_reply_;
   mutable std::mutex comm_mutex_;  // guards comm_ being set (scheduler thread) against abort() (front door)
   std::shared_ptr<nccl::Communicator> comm_;  // set once; the scheduler thread reads it without the lock
+  std::mutex watch_mutex_;  // guards closing_
+  std::condition_variable watch_wake_;
+  bool closing_ = false;
+  std::thread watchdog_;  // started with the communicator; joined before the members it reads go
 };
 
 }  // namespace

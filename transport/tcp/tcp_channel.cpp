@@ -1,5 +1,6 @@
-// The executor's end of the "tcp" transport: a call's payload comes in the frame after its
-// Request header, and its result goes back in a frame after the Reply. The channel keeps each
+// The executor's end of the "tcp" transport: a call's payload comes in the frames after its
+// Request header, and its result goes back in frames after the Reply ([Bounded frames] in
+// transport/zmq_wire.h). The channel keeps each
 // call's frame from its arrival to its batch, and its result from the batch to the reply, under a
 // number of its own that it writes into the call's in_offset and out_offset (a tcp call names no
 // offsets otherwise), so a client that repeats a request id only confuses itself.
@@ -32,13 +33,12 @@ class TcpChannel : public Channel {
 
   Status check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t) const override {
     const auto it = frames_.find(h.in_offset);
-    const size_t count = it == frames_.end() ? 0 : it->second.size();
-    if (count != 1) {
-      return {StatusCode::kMalformed,
-              "expected exactly one payload frame after the header, got " + std::to_string(count)};
+    if (it == frames_.end() || it->second.empty()) {
+      return {StatusCode::kMalformed, "expected the payload in frames after the header, got none"};
     }
-    if (it->second[0].size() != in_bytes) {
-      return {StatusCode::kMalformed, "payload has " + std::to_string(it->second[0].size()) + " bytes, expected " +
+    const size_t bytes = wire::frame_bytes(it->second);
+    if (bytes != in_bytes) {
+      return {StatusCode::kMalformed, "payload has " + std::to_string(bytes) + " bytes, expected " +
                                           std::to_string(in_bytes) + " for its shape and dtype"};
     }
     return Status::ok();
@@ -47,7 +47,7 @@ class TcpChannel : public Channel {
   at::Tensor input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) override {
     auto frames = frames_.extract(h.in_offset);
     TORCH_CHECK(!frames.empty(), "internal: tcp call ", h.request_id, " has no payload frame");
-    return wire::frame_to_tensor(std::move(frames.mapped()[0]), dtype, shape);
+    return wire::frames_to_tensor(std::move(frames.mapped()), dtype, shape);
   }
 
   // Host memory for the reply's frame; pinned on a GPU executor, so the result comes down by DMA.
@@ -65,7 +65,7 @@ class TcpChannel : public Channel {
     reply.set_dtype(wire::to_proto(rows.scalar_type()));
     reply.add_shape(rows.size(0));
     reply.add_shape(rows.size(1));
-    payload.push_back(wire::tensor_frame(rows));
+    payload = wire::tensor_frames(rows);
   }
 
   void after_refusal(const shm::CallHeader& h) override {

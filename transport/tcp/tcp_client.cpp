@@ -1,5 +1,6 @@
 // The client's end of the "tcp" transport: a call's header and payload in ZeroMQ frames on the
-// Client's control socket; the reply brings the result in a frame. Tensors on a GPU are staged
+// Client's control socket; the reply brings the result in frames ([Bounded frames] in
+// transport/zmq_wire.h). Tensors on a GPU are staged
 // through host memory.
 #include <c10/util/Exception.h>
 
@@ -21,10 +22,13 @@ class TcpTransport : public ClientTransport {
     if (reply.has_error() && reply.error().code() != proto::OK) {
       throw_executor_error(*spec.layer, reply.error().code(), reply.error().message());
     }
-    TORCH_CHECK(frames.size() == 2 && reply.shape_size() == 2, "executor reply to request ", spec.request_id,
-                " lacks its payload");
-    auto out = wire::frame_to_tensor(std::move(frames[1]), wire::from_proto(reply.dtype()),
-                                     {reply.shape(0), reply.shape(1)});
+    frames.erase(frames.begin());  // the Reply's
+    const auto dtype = wire::from_proto(reply.dtype());
+    TORCH_CHECK(!frames.empty() && reply.shape_size() == 2 && reply.shape(0) >= 0 && reply.shape(1) >= 0 &&
+                    wire::frame_bytes(frames) == static_cast<size_t>(reply.shape(0) * reply.shape(1)) *
+                                                     at::elementSize(dtype),
+                "executor reply to request ", spec.request_id, " lacks its payload");
+    auto out = wire::frames_to_tensor(std::move(frames), dtype, {reply.shape(0), reply.shape(1)});
     return x.device().is_cpu() ? out : out.to(x.device());
   }
 
