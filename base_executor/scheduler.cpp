@@ -37,10 +37,12 @@ void warm_up(const BaseModel& model, cuda::ComputeStreams& streams, int count) {
   const auto& layer = model.layer(0);
   // More rows than the few-row kernel takes (kernels/few_rows_gemm.h), so the GEMM library runs.
   const auto x = at::zeros({16, layer.in_features}, at::TensorOptions().dtype(layer.dtype).device(model.device()));
-  for (int i = 0; i < count; ++i) {
-    streams.use(i);
-    model.compute(0, LayerOp::kForward, x);
-    cuda::synchronize_stream(cuda::current_stream(model.device().index()));
+  for (const bool yield : {false, true}) {
+    for (int i = 0; i < count; ++i) {
+      streams.use(i, yield);
+      model.compute(0, LayerOp::kForward, x);
+      cuda::synchronize_stream(cuda::current_stream(model.device().index()));
+    }
   }
   streams.use(0);
 }
@@ -398,7 +400,7 @@ void Scheduler::run() {
       if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
         const auto& first = batch->requests[0];
         const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
-        streams->use(in_place ? first.client_id : 0);
+        streams->use(in_place ? first.client_id : 0, in_place && first.latency == LatencyClass::kFineTuning);
       }
 #endif
       runner_.run(*batch);

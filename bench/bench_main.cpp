@@ -259,6 +259,9 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   if (ex.contains("decode_align_wait_us")) {
     args.insert(args.end(), {"--decode-align-wait", std::to_string(ex["decode_align_wait_us"].get<int64_t>())});
   }
+  if (ex.contains("judge_window_ms")) {
+    args.insert(args.end(), {"--judge-window", std::to_string(ex["judge_window_ms"].get<int64_t>())});
+  }
   if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});

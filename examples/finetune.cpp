@@ -19,6 +19,7 @@
 #include <csignal>
 #include <ctime>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
@@ -335,6 +336,10 @@ int main(int argc, char** argv) {
   app.add_flag("--no-progress", s.no_progress, "no progress display");
   app.add_option("--threads", s.threads, "CPU threads of this process")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  // [Inference first on the GPU] (client_runtime/training/step_graph.cpp): under MPS, this job's
+  // kernels yield to inference tenants' (MPS client priority, read when CUDA starts; one set in the
+  // environment wins).
+  ::setenv("CUDA_MPS_CLIENT_PRIORITY", "1", /*overwrite=*/0);
   t.save_dir = save_dir.empty() ? default_save_dir() : fs::path(save_dir);
   t.stop = &stop_requested;
   on_stop_signals();

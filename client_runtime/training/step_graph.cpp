@@ -127,7 +127,11 @@ StepGraph::StepGraph(std::function<void()> compute, std::function<void()> apply,
   // A client that cannot be captured (a tenant on another GPU over NCCL, or over tcp) runs eagerly.
   impl_->options.capture = options.capture && (!impl_->client || impl_->client->can_capture());
   if (device.is_cuda() && impl_->options.capture) {
-    impl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.has_index() ? device.index() : 0);
+    // [Inference first on the GPU]: a step with nothing to apply is a decode step; its kernels go on a
+    // high-priority stream, so that the GPU starts their blocks before those of training work queued
+    // beside them (under MPS, other processes' too).
+    const bool decode = !impl_->apply;
+    impl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/decode, device.has_index() ? device.index() : 0);
   }
 #endif
 }

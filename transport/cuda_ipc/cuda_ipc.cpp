@@ -257,12 +257,15 @@ ComputeStreams::ComputeStreams(int device, int count) {
   const auto index = static_cast<c10::DeviceIndex>(device);
   c10::cuda::set_device(index);
   // The pool hands its 32 streams of a priority out in turn: consecutive ones are distinct.
-  for (int i = 0; i < count; ++i) streams_.push_back(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index));
+  for (const bool high : {true, false}) {
+    for (int i = 0; i < count; ++i) streams_.push_back(c10::cuda::getStreamFromPool(high, index));
+  }
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[0]));
 }
 
-void ComputeStreams::use(uint64_t key) {
-  const size_t next = key % streams_.size();
+void ComputeStreams::use(uint64_t key, bool yield) {
+  const size_t count = streams_.size() / 2;
+  const size_t next = key % count + (yield ? count : 0);
   if (next == current_) return;
   current_ = next;
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[next]));

@@ -141,19 +141,23 @@ class PinnedRange {
 
 // [Compute streams]
 // Makes `device` the calling thread's current device and gives the thread `count` high-priority
-// streams of its own (LibTorch's pool; no implicit syncs with the legacy stream). use(key) makes
-// stream key % count current. The executor's scheduler thread puts a batch of one same-GPU request,
-// computed in place in the client's memory, on the client's stream, so that the small GEMMs of
-// different clients run side by side instead of one after another; every other batch (packed rows,
-// host rows, NCCL receives), whose buffers come from the allocator, goes on the first stream, so
-// that the executor keeps one set of such buffers, as with one stream.
+// streams of its own (LibTorch's pool; no implicit syncs with the legacy stream), and as many of
+// normal priority. use(key) makes stream key % count current. The executor's scheduler thread puts
+// a batch of one same-GPU request, computed in place in the client's memory, on the client's
+// stream, so that the small GEMMs of different clients run side by side instead of one after
+// another; every other batch (packed rows, host rows, NCCL receives), whose buffers come from the
+// allocator, goes on the first stream, so that the executor keeps one set of such buffers, as with
+// one stream. [Inference first on the GPU]: a fine-tuning request computed in place goes on the
+// client's normal-priority stream (use(key, /*yield=*/true)), so the GPU starts the blocks of
+// inference batches, on high-priority streams, before those of fine-tuning GEMMs queued beside
+// them: a decode call waits behind at most the fine-tuning blocks already running.
 class ComputeStreams {
  public:
   ComputeStreams(int device, int count);
-  void use(uint64_t key);
+  void use(uint64_t key, bool yield = false);
 
  private:
-  std::vector<c10::Stream> streams_;
+  std::vector<c10::Stream> streams_;  // count high-priority streams, then count of normal priority
   size_t current_ = 0;
 };
 // [Replayed calls]
