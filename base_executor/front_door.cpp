@@ -438,11 +438,45 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
 void FrontDoor::forget(const std::string& key) {
   auto record = registry_.remove(key);
   if (!record) return;
-  record->channel->abort();  // nothing may wait on a client that is gone (NCCL kernels)
   if (record->link) links_.erase(record->link.get());
   if (record->transport != TransportKind::kTcp) buffers_.give_back(kControlSegmentBytes);
   statistics_.client_left(record->id);
   scheduler_.post(ClientLeft{record->id});
+  // Aborted there at once: nothing may wait on a client that is gone (NCCL kernels).
+  teardown_.hand_over(std::move(record->channel));
+}
+
+Teardown::Teardown() : thread_([this] { run(); }) {}
+
+Teardown::~Teardown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_one();
+  thread_.join();
+}
+
+void Teardown::hand_over(std::shared_ptr<Channel> channel) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    channels_.push_back(std::move(channel));
+  }
+  wake_.notify_one();
+}
+
+void Teardown::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    wake_.wait(lock, [&] { return stopping_ || !channels_.empty(); });
+    if (channels_.empty()) return;  // stopping, and nothing left
+    auto channel = std::move(channels_.front());
+    channels_.pop_front();
+    lock.unlock();
+    channel->abort();
+    channel.reset();
+    lock.lock();
+  }
 }
 
 void FrontDoor::check_liveness() {

@@ -76,8 +76,11 @@ class MixedPlacements : public RemoteGpuClients, public ::testing::WithParamInte
 TEST_P(MixedPlacements, NcclCudaIpcShmAndTcpClientsShareOneExecutorEachExact) {
   SKIP_WITHOUT_NCCL();
   start(GetParam());
+  // Losses to 1e-5; adapters to 1e-4, as in gpu_executor_test: while the GPU is stalled, the honest
+  // tenants' calls queue up and run packed together, and a packed fp32 GEMM's rows may round apart
+  // from a lone one's (seen: 1.02e-5 after 4 steps).
   auto exact = [](std::vector<std::string> extra) {
-    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5"});
+    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5", "--adapter-tolerance", "1e-4"});
     return extra;
   };
   EXPECT_TRUE(testing::run_all({
@@ -151,8 +154,11 @@ TEST_P(HostileNcclTenant, HonestTenantsFinishExactAndTheAttackerIsDroppedWithARe
   testing::HostileTenant attacker(executor_->endpoint(), attack,
                                   withholds ? std::vector<std::string>{"--hold", "600"} : std::vector<std::string>{});
   ASSERT_TRUE(attacker.ready()) << "the hostile tenant could not set up (its output is above)";
+  // Losses to 1e-5; adapters to 1e-4, as in gpu_executor_test: while the GPU is stalled, the honest
+  // tenants' calls queue up and run packed together, and a packed fp32 GEMM's rows may round apart
+  // from a lone one's (seen: 1.02e-5 after 4 steps).
   auto exact = [](std::vector<std::string> extra) {
-    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5"});
+    extra.insert(extra.end(), {"--verify", "--steps", "4", "--tolerance", "1e-5", "--adapter-tolerance", "1e-4"});
     return extra;
   };
   const auto requests = executor_->stats().requests;
