@@ -42,8 +42,8 @@
 //    on the tenants' streams). So the WaitJudge measures it: over windows of judge_window, it
 //    counts the decode requests served per second with decode waits on (the budgets and the
 //    rendezvous above) and with them off (decode runs as under `none`: at once, a request a batch),
-//    keeps the better, and tries the other one window in judge_explore_every (four times as seldom
-//    while the other is behind by a fifth or more), so the choice follows the workload. The first
+//    keeps the better, and tries the other one window in judge_explore_every (eight times as seldom
+//    while the other is behind by a fifth or more: each try of a far worse way costs throughput), so the choice follows the workload. The first
 //    part of a window after a switch, while the tenants fall into or out of step, is not counted.
 // Every policy: a batch takes requests oldest first up to max_batch_tokens (at least one), and
 // among ready queues the one whose oldest request is oldest runs first, so no queue starves.
@@ -145,7 +145,7 @@ class WaitJudge {
       next = *better();
       // Try the other way now and then; seldom while it is far behind.
       const double behind = std::min(rate_[0], rate_[1]) / std::max(rate_[0], rate_[1]);
-      const uint64_t every = behind < 0.8 ? 4 * explore_every_ : explore_every_;
+      const uint64_t every = behind < 0.8 ? 8 * explore_every_ : explore_every_;
       if (windows_ % every == 0) next = !next;
     }
     if (next != waits_now_) {
