@@ -57,7 +57,7 @@ struct Result {
 };
 
 Result train(const Settings& s, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client) {
-  const at::Device device(s.device);
+  const at::Device device = examples::require_device(s.device);
   auto lm = open_causal_lm(checkpoint, client, {parse_dtype_name(s.dtype), device});
   LoraConfig lora;
   lora.r = s.rank;

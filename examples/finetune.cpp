@@ -209,8 +209,8 @@ fs::path default_save_dir() {
 }
 
 int run(Settings& s, const CLI::App& app) {
+  const at::Device device = examples::require_device(s.device);
   auto checkpoint = Checkpoint::open(s.model);
-  const at::Device device(s.device);
   std::shared_ptr<Client> client;
   if (!s.connection.monolithic) {
     auto options = examples::client_options(s.connection, *checkpoint);

@@ -10,7 +10,7 @@
 // "top_k", "top_p", "seed", "stop_tokens" and "logprobs" in place of the flags'. Output (stdout):
 // one JSON line per request, as each finishes: {"index": line number from 1, "prompt_ids",
 // "output_ids", "text" (the output decoded, when the checkpoint has a tokenizer), "finish_reason"
-// ("stop", "length", "error"), "logprobs" when asked}. A line that is refused (not JSON, a field
+// ("stop", "length", "cancelled", "error"), "logprobs" when asked}. A line that is refused (not JSON, a field
 // of the wrong type, a value outside its range) gets {"index", "error"} naming the field, and the
 // other requests go on; the exit status is then 1.
 //
@@ -23,6 +23,10 @@
 // in host memory, each layer's keys and values copied to the GPU at each decode step, the next
 // layer's while one computes ([Offloaded decode] in models/kv_cache.h; transformers' OffloadedCache).
 //
+// [Interrupted generation]: the first SIGINT or SIGTERM ends every request at the next step, each
+// answered with what it produced so far (finish_reason "cancelled"; --prompt: the text so far, then
+// a new line), and the exit status is 130 (143); a second signal ends the program at once.
+//
 // With a tokenizer, its EOS token ends a request (as transformers' generate stops at it), unless
 // --stop names the stop tokens. A model's vocabulary may be larger than its tokenizer's (padded to a
 // multiple of 64, say): a token outside the tokenizer's has no text, and is left out of the text as
@@ -31,6 +35,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -143,6 +151,34 @@ const Tokenizer* tokenizer_for_prompt(const Tokenizer* tokenizer, const Checkpoi
   return tokenizer;
 }
 
+// [Interrupted generation]
+std::atomic<int> interrupted_by{0};
+
+extern "C" void on_interrupt(int signal) {
+  interrupted_by.store(signal);
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
+  constexpr char kSaid[] = "symbiosis-generate: ending every request with what it has (again to stop at once)\n";
+  [[maybe_unused]] const auto written = ::write(STDERR_FILENO, kSaid, sizeof(kSaid) - 1);
+}
+
+// Steps `generator` until it is done; once a signal came, cancels the requests in `ids` (each then
+// answered with what it has). The exit status: 0, or 128 + the signal.
+int run_until_done_or_interrupted(Generator& generator, const std::vector<uint64_t>& ids) {
+  bool cancelled = false;
+  while (true) {
+    if (!cancelled && interrupted_by.load() != 0) {
+      for (const uint64_t id : ids) generator.cancel(id);
+      cancelled = true;
+    }
+    if (generator.step()) continue;
+    generator.run();  // returns at once: nothing is left (no other thread submits)
+    break;
+  }
+  const int signal = interrupted_by.load();
+  return signal == 0 ? 0 : 128 + signal;
+}
+
 // --prompt: the reply's text on stdout as its tokens arrive.
 int stream_prompt(const Settings& s, const Tokenizer& tokenizer, Generator& generator) {
   GenerationRequest request;
@@ -150,18 +186,19 @@ int stream_prompt(const Settings& s, const Tokenizer& tokenizer, Generator& gene
   request.sampling = s.sampling;
   StreamingDecoder text(tokenizer);
   std::string error;
-  generator.submit(std::move(request), [&](const TokenEvent& event) {
+  const uint64_t id = generator.submit(std::move(request), [&](const TokenEvent& event) {
     if (event.token >= 0 && event.token < tokenizer.vocab_size()) std::cout << text.push(event.token) << std::flush;
     if (!event.finished) return;
     std::cout << text.finish() << std::endl;
     if (!event.error.empty()) error = event.error;
   });
-  generator.run();
+  const int status = run_until_done_or_interrupted(generator, {id});
   TORCH_CHECK(error.empty(), error);
-  return 0;
+  return status;
 }
 
 int run(Settings& s) {
+  examples::require_device(s.device);
   auto checkpoint = Checkpoint::open(s.model);
   std::shared_ptr<Client> client;
   if (!s.connection.monolithic) {
@@ -203,6 +240,7 @@ int run(Settings& s) {
   bool refused = false;
   auto emit = [](const json& line) { std::cout << line.dump() << std::endl; };
   int64_t index = 0;
+  std::vector<uint64_t> ids;
   for (std::string text; std::getline(in, text);) {
     ++index;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -213,7 +251,7 @@ int run(Settings& s) {
       const bool logprobs = request.sampling.logprobs;
       if (logprobs) (*reply)["logprobs"] = json::array();
       const Tokenizer* text_of = tokenizer.get();
-      generator.submit(std::move(request), [reply, logprobs, emit, text_of](const TokenEvent& event) {
+      ids.push_back(generator.submit(std::move(request), [reply, logprobs, emit, text_of](const TokenEvent& event) {
         if (event.token >= 0) {
           (*reply)["output_ids"].push_back(event.token);
           if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
@@ -225,14 +263,14 @@ int run(Settings& s) {
         (*reply)["finish_reason"] = to_string(*event.finished);
         if (!event.error.empty()) (*reply)["error"] = event.error;
         emit(*reply);
-      });
+      }));
     } catch (const c10::Error& e) {
       refused = true;
       emit({{"index", index}, {"error", e.what_without_backtrace()}});
     }
   }
-  generator.run();
-  return refused ? 1 : 0;
+  const int status = run_until_done_or_interrupted(generator, ids);
+  return status != 0 ? status : refused ? 1 : 0;
 }
 
 }  // namespace
@@ -275,5 +313,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   g.capture_decode = !eager;
   at::set_num_threads(s.threads);
+  std::signal(SIGINT, on_interrupt);  // [Interrupted generation]
+  std::signal(SIGTERM, on_interrupt);
   return examples::report_errors(s.connection, [&] { return run(s); });
 }

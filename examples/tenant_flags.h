@@ -6,6 +6,7 @@
 // program reports the error it ends with, or the crash.
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 
 #include <execinfo.h>
 #include <unistd.h>
@@ -20,6 +21,17 @@
 #include "common/checkpoint.h"
 
 namespace symbiosis::examples {
+
+// --device as the program was given it: "cpu", or "cuda:N" where this host has that GPU; refused
+// naming the flag (as the executor refuses its own) rather than with the driver's message.
+inline at::Device require_device(const std::string& name) {
+  const at::Device device(name);
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  TORCH_CHECK(!device.is_cuda() || gpus > 0, "--device ", name, ": no CUDA GPU is available here");
+  TORCH_CHECK(!device.is_cuda() || device.index() < gpus, "--device ", name, ": this host has ", gpus,
+              " CUDA GPU(s), cuda:0 to cuda:", gpus - 1);
+  return device;
+}
 
 struct TenantFlags {
   std::string executor = "tcp://127.0.0.1:5555";

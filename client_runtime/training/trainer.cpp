@@ -246,6 +246,36 @@ class Trainer::Impl {
     return mb;
   }
 
+  // [Lost executor]
+  // A step that fails (its executor gone for good: stopped and not back within the client's
+  // reconnect_ms, or unreachable) has updated nothing: the client settles before the update. What
+  // it moved is the data's position and the generators' draws, so those go back to the step's
+  // start, and a run that saves checkpoints saves one there before the error goes on (naming it),
+  // so that nothing trained is lost and --resume goes on exactly.
+  StepStats step_or_save() {
+    const int64_t steps_before = steps_done, epoch_before = epoch;
+    const size_t next_before = next_micro_batch;
+    const auto generators_before = generator_states();
+    try {
+      return step();
+    } catch (const std::exception& e) {
+      if (options.save_dir.empty() || steps_done == 0 || steps_done != steps_before) throw;
+      if (epoch != epoch_before) plans = epoch_before == 0 ? std::vector<MicroBatchPlan>{} : plan_epoch(epoch_before);
+      epoch = epoch_before;
+      next_micro_batch = next_before;
+      set_generator_states(generators_before);
+      const auto dir = options.save_dir / ("checkpoint-" + std::to_string(steps_done));
+      if (!fs::exists(dir / "trainer_state.json")) {
+        save(dir);
+        keep_checkpoints(options.save_dir, options.save_total_limit);
+      }
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      TORCH_CHECK(false, error ? error->what_without_backtrace() : e.what(), "\n(step ", steps_done + 1,
+                  " failed; the training of the ", steps_done, " steps before it is saved in ", dir.string(),
+                  ", which --resume ", options.save_dir.string(), " goes on from)");
+    }
+  }
+
   StepStats step() {
     TORCH_CHECK(steps_done < total, "Trainer: all ", total, " steps are done");
     const auto start = std::chrono::steady_clock::now();
@@ -584,7 +614,7 @@ class Trainer::Impl {
     const auto start = std::chrono::steady_clock::now();
     int64_t tokens = 0;
     while (steps_done < last) {
-      auto stats = step();
+      auto stats = step_or_save();
       tokens += stats.tokens;
       const bool stopped = options.stop != nullptr && options.stop->load();
       const bool end = steps_done == last || stopped;

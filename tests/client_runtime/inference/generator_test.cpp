@@ -5,6 +5,8 @@
 // equals its monolithic run; greedy generation equals Hugging Face transformers + PEFT `generate`
 // for each adapter kind; bad requests are refused naming the field and the others go on.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <csignal>
 
 #include <algorithm>
 #include <atomic>
@@ -13,6 +15,7 @@
 #include <cctype>
 #include <map>
 #include <thread>
+#include <torch/cuda.h>
 
 #include "client_runtime/inference/generator.h"
 #include "client_runtime/peft/adapter.h"
@@ -388,6 +391,75 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
             std::string::npos);
   EXPECT_NE(lines["split"][6]["error"].get<std::string>().find("field 'max_tokens' is unknown, expected only prompt_ids"),
             std::string::npos);
+}
+
+// A tool given --device cuda:0 on a host without a GPU says so, naming the flag (as the executor
+// does), not with the driver's message.
+TEST(GenerateCli, ACudaDeviceOnAHostWithoutAGpuIsRefusedNamingTheFlag) {
+  if (torch::cuda::device_count() > 0) GTEST_SKIP() << "this host has a CUDA GPU";
+  const auto model = testing::make_checkpoint("tiny-llama");
+  const auto work = testing::temp_dir("symbiosis-no-gpu");
+  for (const std::string tool : {"symbiosis-generate --prompt hi", "symbiosis-finetune --train /dev/null"}) {
+    const auto err = work / "err.log";
+    const int status = testing::shell(testing::binary("examples/" + tool.substr(0, tool.find(' '))) + tool.substr(tool.find(' ')) +
+                                      " --monolithic --device cuda:0 --model " + model.string() + " > /dev/null 2> " +
+                                      err.string());
+    EXPECT_EQ(status, 2) << tool;
+    std::ifstream in(err);
+    const std::string said(std::istreambuf_iterator<char>(in), {});
+    EXPECT_NE(said.find("--device cuda:0: no CUDA GPU is available here"), std::string::npos) << tool << ": " << said;
+  }
+}
+
+// [Interrupted generation] (examples/generate.cpp): a SIGINT to symbiosis-generate ends every
+// request with what it produced so far: one line each, finish_reason "cancelled", its output a
+// prefix of what it would have produced, and the exit status 130.
+TEST(GenerateCli, ASignalAnswersEveryRequestWithWhatItHas) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  const auto work = testing::temp_dir("symbiosis-generate-signal");
+  {
+    std::ofstream input(work / "requests.jsonl");
+    for (int i = 0; i < 3; ++i) input << R"({"stop_tokens": [], "prompt_ids": [5, 9, )" << 30 + i << "]}\n";
+  }
+  const std::string command = testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
+                              " --max-new-tokens 100000 --max-tokens 100010 --max-sequences 3 --input " +
+                              (work / "requests.jsonl").string();
+  const pid_t pid = testing::spawn({"/bin/sh", "-c", "exec " + command + " > " + (work / "out.jsonl").string() +
+                                                         " 2> " + (work / "err.log").string()});
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // loaded, and decoding (100 000 tokens take minutes)
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 130);
+  std::ifstream in(work / "out.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string text; std::getline(in, text);) lines.push_back(nlohmann::json::parse(text));
+  ASSERT_EQ(lines.size(), 3u) << "see " << work;
+  for (const auto& line : lines) {
+    EXPECT_EQ(line.at("finish_reason"), "cancelled") << line.dump();
+    EXPECT_LT(line.at("output_ids").size(), 100000u);
+  }
+  // What a request had is what it would have produced: a prefix of its run to as many tokens.
+  const auto& first = lines[0];
+  const auto produced = first.at("output_ids").size();
+  if (produced > 0) {
+    const auto again = work / "again.jsonl";
+    {
+      std::ofstream one(work / "one.jsonl");
+      one << nlohmann::json{{"prompt_ids", first.at("prompt_ids")}, {"max_new_tokens", produced}, {"stop_tokens", nlohmann::json::array()}}
+                 .dump()
+          << "\n";
+    }
+    ASSERT_EQ(testing::shell(testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
+                             " --max-tokens 100010 --max-sequences 1 --input " + (work / "one.jsonl").string() + " > " +
+                             again.string()),
+              0);
+    std::ifstream again_in(again);
+    std::string text;
+    std::getline(again_in, text);
+    EXPECT_EQ(nlohmann::json::parse(text).at("output_ids"), first.at("output_ids"));
+  }
 }
 
 }  // namespace

@@ -495,7 +495,13 @@ TEST(FinetuneProgramTest, ASignalSavesACheckpointAndStopsAndEveryRunSaves) {
                                         save.string() + " > " + (dir / "stop.out").string() + " 2> " +
                                         (dir / "stop.err").string()});
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(save / "checkpoint-3" / "trainer_state.json") && std::chrono::steady_clock::now() < give_up) {
+  // Three steps in: checkpoint-3 or a later one (--save-total-limit may have pruned checkpoint-3 already).
+  auto three_steps_in = [&] {
+    if (!fs::exists(save)) return false;
+    const auto found = checkpoints_in(save);
+    return !found.empty() && std::stoll(found.back().filename().string().substr(11)) >= 3;
+  };
+  while (!three_steps_in() && std::chrono::steady_clock::now() < give_up) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_EQ(::kill(pid, SIGINT), 0);
@@ -535,6 +541,53 @@ TEST(FinetuneProgramTest, ASignalSavesACheckpointAndStopsAndEveryRunSaves) {
   std::ifstream plain_err(work / "plain.err");
   const std::string said(std::istreambuf_iterator<char>(plain_err), {});
   EXPECT_NE(said.find("checkpoints go to symbiosis-runs/" + run.filename().string()), std::string::npos) << said;
+}
+
+// [Lost executor] (client_runtime/training/trainer.cpp): the executor goes for good in the middle
+// of a run that saves no periodic checkpoint. symbiosis-finetune ends with the error, naming the
+// checkpoint of the steps it had done, which holds them, and --resume goes on from it to the loss
+// of a whole run as long (monolithic both; the split steps equal monolithic ones within 1e-5).
+TEST(FinetuneProgramTest, AnExecutorLostForGoodLeavesACheckpointOfTheStepsDone) {
+  const auto model = testing::make_checkpoint("tiny-llama");
+  const auto dir = testing::temp_dir("finetune-lost");
+  const auto train = write_file(dir, "train.jsonl", ids_jsonl(random_examples(6, 61)));
+  const std::string common = " --model " + model.string() + " --train " + train.string() +
+                             " --micro-batch 2 --lr 1e-2 --min-lr 1e-2 --seed 5 --no-progress";
+  auto executor = testing::start_executor(model);
+  const auto save = dir / "run";
+  const auto requests = executor->stats().requests;
+  const pid_t pid = testing::spawn(
+      {"/bin/sh", "-c",
+       "exec " + testing::binary("examples/symbiosis-finetune") + common + " --executor " + executor->endpoint() +
+           " --reconnect-ms 500 --steps 1000000 --save-dir " + save.string() + " > " + (dir / "lost.out").string() +
+           " 2> " + (dir / "lost.err").string()});
+  // A few steps in (a step of the tiny model is dozens of calls), the executor stops for good.
+  EXPECT_TRUE(testing::wait_until([&] { return executor->stats().requests > requests + 300; }, std::chrono::seconds(120)));
+  executor.reset();
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  std::ifstream err_file(dir / "lost.err");
+  const std::string err(std::istreambuf_iterator<char>(err_file), {});
+  ASSERT_TRUE(WIFEXITED(status)) << err;
+  EXPECT_EQ(WEXITSTATUS(status), 2) << err;
+  const std::string said = "failed; the training of the ";
+  const auto at = err.find(said);
+  ASSERT_NE(at, std::string::npos) << err;
+  const int64_t steps = std::stoll(err.substr(at + said.size()));
+  EXPECT_GE(steps, 1);
+  const auto checkpoint = save / ("checkpoint-" + std::to_string(steps));
+  EXPECT_NE(err.find("is saved in " + checkpoint.string()), std::string::npos) << err;
+  std::ifstream state_file(checkpoint / "trainer_state.json");
+  ASSERT_TRUE(state_file) << err;
+  EXPECT_EQ(nlohmann::json::parse(state_file).at("step").get<int64_t>(), steps);
+  const std::string length = " --steps " + std::to_string(steps + 2);
+  const auto resumed = run_finetune("--monolithic" + common + length + " --resume " + save.string(), dir, "resumed");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  const auto whole = run_finetune("--monolithic" + common + length, dir, "whole");
+  ASSERT_EQ(whole.status, 0) << whole.err;
+  auto final_loss = [](const std::string& out) { return std::stod(out.substr(out.find(" loss ") + 6)); };
+  EXPECT_NEAR(final_loss(resumed.out), final_loss(whole.out), 1e-4 * std::abs(final_loss(whole.out))) << resumed.out
+                                                                                                       << whole.out;
 }
 
 // --resume keeps the saved adapter and base model: a method flag that disagrees with the adapter,
