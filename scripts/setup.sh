@@ -57,15 +57,13 @@ if ! TORCH_PREFIX=$("$VENV/bin/python" -c "$FAST_PROBE" 2>/dev/null); then
   TORCH_PREFIX=$("$VENV/bin/python" -c "$IMPORT_PROBE")
 fi
 
-# The Python package symbiosis (docs/python.md) in the venv: its sources and the build's extension
-# module, by a .pth file (the package joins the two folders); written only when it changes.
+# The Python package symbiosis is this build's own ([This build's Python], python/CMakeLists.txt:
+# BUILD_DIR/venv). A symbiosis.pth in the shared venv, which earlier versions wrote, named one
+# checkout for all of them: it goes.
 SITE_PACKAGES=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-case $BUILD_DIR in /*) BUILD_PATH=$BUILD_DIR ;; *) BUILD_PATH=$PWD/$BUILD_DIR ;; esac
-PTH_WANTED="$PWD/python
-$BUILD_PATH/python"
-if [ "$(cat "$SITE_PACKAGES/symbiosis.pth" 2>/dev/null)" != "$PTH_WANTED" ]; then
-  log "registering the Python package symbiosis in $VENV ($SITE_PACKAGES/symbiosis.pth)"
-  printf '%s\n' "$PTH_WANTED" > "$SITE_PACKAGES/symbiosis.pth"
+if [ -f "$SITE_PACKAGES/symbiosis.pth" ]; then
+  log "removing $SITE_PACKAGES/symbiosis.pth (each build has its own: $BUILD_DIR/venv)"
+  rm -f "$SITE_PACKAGES/symbiosis.pth"
 fi
 
 # 3. Configure (only when not configured, or configured with other values), then build.

@@ -19,7 +19,7 @@ except ImportError as error:  # pragma: no cover - says what is missing instead 
     raise ImportError(
         "symbiosis: the extension module symbiosis._C is not built or not on sys.path "
         "(build the target symbiosis_python_extension and put build/python on PYTHONPATH, or run "
-        f"scripts/setup.sh, which registers it in the project's venv): {error}"
+        f"make build and use build/venv/bin/python, the build's own environment): {error}"
     ) from error
 
 from .client import Client, Error, LayerInfo, ResultsLost, model_hash  # noqa: E402
