@@ -1,5 +1,6 @@
 #include "base_executor/batch_runner.h"
 
+#include <ATen/Parallel.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <optional>
 #include <tuple>
 
+#include "base_executor/cpu_threads.h"
 #include "base_executor/parts.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -202,6 +204,12 @@ std::vector<at::Tensor> BatchRunner::read_inputs(CallBatcher::Batch& batch, uint
 // Returns each request's result rows (views into the batch result, or its destination).
 std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
   auto& requests = batch.requests;
+  if (cpu_cores_ > 0) {  // [CPU threads]
+    const auto& layer = model_.layer(batch.layer_id);
+    const int team = cpu_threads_for(batch.tokens, layer.in_features, layer.out_features,
+                                     static_cast<int64_t>(c10::elementSize(layer.dtype)), cpu_cores_);
+    if (team != at::get_num_threads()) at::set_num_threads(team);
+  }
   const uint64_t number = ++batches_;
   std::vector<int64_t> first_row;
   at::Tensor y;

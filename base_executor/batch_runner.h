@@ -38,6 +38,9 @@ class BatchRunner {
   void run(CallBatcher::Batch& batch);
   // Answers each of the batch's calls with `status`.
   void refuse(CallBatcher::Batch& batch, const Status& status);
+  // [CPU threads] (cpu_threads.h): from now on the calling thread's OpenMP team is sized for each
+  // batch, up to `cores`. Call on the thread that runs batches.
+  void size_cpu_teams(int cores) { cpu_cores_ = cores; }
 
  private:
   // Each call's result rows: views into the batch's result, or its destination.
@@ -57,6 +60,7 @@ class BatchRunner {
   std::vector<Statistics::BatchCall> calls_;  // the batch's calls, for the statistics (kept: no allocation a batch)
   std::unique_ptr<ReplayedBatches> replays_;  // on a GPU
   Parts* const parts_;
+  int cpu_cores_ = 0;  // [CPU threads]: 0: the team is left as it is
 };
 
 }  // namespace symbiosis

@@ -72,8 +72,8 @@ struct ExecutorOptions {
   // max_message_bytes as it applies (its default resolved).
   size_t message_limit() const;
   BatchingOptions batching;                      // see [Opportunistic batching]
-  // CPU threads of each GEMM on a CPU device; 0: LibTorch's default (all cores). When clients
-  // share the host, fewer avoids OpenMP threads spinning against them (measured in bench/).
+  // CPU threads of each GEMM on a CPU device; 0: each batch's, sized from its work, up to the
+  // cores LibTorch would use ([CPU threads] in cpu_threads.h).
   int threads = 0;
   int stats_interval_seconds = 0;                // log statistics this often; 0: never
   // Same-host clients: how long the scheduler thread spins for new work before sleeping on its

@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   app.add_option("--decode-first-streak", options.batching.decode_first_streak,
                  "decode work overtakes older ready work at most this many batches in a row (0: oldest first)")
       ->capture_default_str();
-  app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: all cores)")
+  app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: sized from each batch's work, up to all cores)")
       ->capture_default_str();
   app.add_option("--spin-us", options.spin_us,
                  "same-host clients: how long the scheduler thread spins for new work before sleeping (us; "

@@ -363,7 +363,11 @@ void Scheduler::lose(const Status& why) {
 
 void Scheduler::run() {
   // OpenMP's thread count and the current CUDA device are per thread: set them where we compute.
-  if (options_.threads > 0) at::set_num_threads(options_.threads);
+  if (options_.threads > 0) {
+    at::set_num_threads(options_.threads);
+  } else if (model_.device().is_cpu()) {
+    runner_.size_cpu_teams(at::get_num_threads());  // [CPU threads]
+  }
 #ifdef SYMBIOSIS_WITH_CUDA
   std::optional<cuda::ComputeStreams> streams;
   if (model_.device().is_cuda()) {

@@ -244,6 +244,12 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
   return result;
 }
 
+// The executor's --threads: a number (0: [CPU threads]' choice per batch), or "all" (the host's cores).
+std::string executor_threads(const json& threads) {
+  if (threads.is_string() && threads.get<std::string>() == "all") return std::to_string(std::thread::hardware_concurrency());
+  return std::to_string(threads.get<int>());
+}
+
 std::vector<std::string> executor_args(const json& scenario, const fs::path& model, const std::string& policy) {
   const json& ex = scenario.value("executor", json::object());
   std::vector<std::string> args = {"--model", model.string(),
@@ -252,7 +258,7 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    "--batching", policy,
                                    "--max-wait", std::to_string(ex.value("max_wait_us", 2000)),
                                    "--lockstep-timeout", std::to_string(ex.value("lockstep_timeout_ms", 1000)),
-                                   "--threads", std::to_string(ex.value("threads", 1)),
+                                   "--threads", executor_threads(ex.value("threads", json(1))),
                                    "--spin-us", std::to_string(ex.value("spin_us", -1)),
                                    "--log-level", "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
@@ -473,12 +479,19 @@ int main(int argc, char** argv) {
       const std::string tag = count > 0 ? "n" + std::to_string(count) : "all";
       std::vector<json> runs;
       for (const auto& variant : variants) {
-        json variant_defaults = defaults;
-        variant_defaults.update(variant);
+        // A variant's "executor" settings replace the scenario's for its runs; the rest are client settings.
+        json variant_scenario = scenario, variant_defaults = defaults, settings = variant;
+        if (settings.contains("executor")) {
+          json& executor = variant_scenario["executor"];
+          if (executor.is_null()) executor = json::object();
+          executor.update(settings["executor"]);
+          settings.erase("executor");
+        }
+        variant_defaults.update(settings);
         const std::string name = variant.value("name", "");
         for (const auto& policy : policies) {
           std::cerr << "symbiosis-bench: " << clients.size() << " clients " << name << ", policy " << policy << std::endl;
-          runs.push_back(run_symbiosis(scenario, clients, model, variant_defaults, policy,
+          runs.push_back(run_symbiosis(variant_scenario, clients, model, variant_defaults, policy,
                                        out / tag / (name.empty() ? policy : name + "-" + policy), window_s, gpu));
           if (!name.empty()) runs.back()["system"] = "symbiosis/" + name;
         }

@@ -1,7 +1,7 @@
 #pragma once
 // The architectures the C++ client runtime has a model for, by config.json's model_type
 // (client_runtime/models/: GPT-2 with GPTBigCode, [GPT-2 family] in gpt2.h, and Llama with Qwen2,
-// Mistral and Gemma 2, [Llama family] in llama.h); it refuses another model_type in these words
+// Qwen3, Mistral and Gemma 2, [Llama family] in llama.h); it refuses another model_type in these words
 // (unsupported_model_type). The executor serves any ([Any architecture] in
 // base_executor/base_model.cpp), for Python tenants (docs/python.md).
 #include <algorithm>
@@ -12,7 +12,7 @@ namespace symbiosis {
 
 inline const std::vector<std::string>& supported_model_types() {
   static const std::vector<std::string> types = {"gemma2", "gpt2", "gpt_bigcode", "llama", "mistral",
-                                                 "qwen2"};
+                                                 "qwen2", "qwen3"};
   return types;
 }
 

@@ -7,7 +7,8 @@
 //
 // Otherwise, input (--input, "-" for stdin): JSON Lines, one request a line: {"prompt_ids": [...]}
 // or {"prompt": "text"} and, optionally, the request's own "max_new_tokens", "temperature",
-// "top_k", "top_p", "seed", "stop_tokens" and "logprobs" in place of the flags'. Output (stdout):
+// "top_k", "top_p", "seed", "stop" (a string or a list of them), "stop_token_ids" and "logprobs" in
+// place of the flags'. Output (stdout):
 // one JSON line per request, as each finishes: {"index": line number from 1, "prompt_ids",
 // "output_ids", "text" (the output decoded, when the checkpoint has a tokenizer), "finish_reason"
 // ("stop", "length", "cancelled", "error"), "logprobs" when asked}. A line that is refused (not JSON, a field
@@ -28,9 +29,11 @@
 // a new line), and the exit status is 130 (143); a second signal ends the program at once.
 //
 // With a tokenizer, its EOS token ends a request (as transformers' generate stops at it), unless
-// --stop names the stop tokens. A model's vocabulary may be larger than its tokenizer's (padded to a
-// multiple of 64, say): a token outside the tokenizer's has no text, and is left out of the text as
-// Hugging Face tokenizers' decode leaves it out.
+// --stop-token-ids names the stop tokens. --stop TEXT (vLLM's `stop`; repeatable) ends a request
+// with the token that completes TEXT, and the text stops before it ([Stop strings] in
+// client_runtime/text/stop_strings.h). A model's vocabulary may be larger than its tokenizer's
+// (padded to a multiple of 64, say): a token outside the tokenizer's has no text, and is left out of
+// the text as Hugging Face tokenizers' decode leaves it out.
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -67,7 +70,8 @@ struct Settings {
   std::string dtype = "fp32";
   std::string input = "-";
   std::string prompt;  // --prompt: one request of text, streamed
-  std::string stop_tokens;
+  std::string stop_token_ids;
+  std::vector<std::string> stop;  // [Stop strings]
   SamplingParams sampling;
   GeneratorOptions generator;
   bool host_decode = false;
@@ -85,7 +89,30 @@ T field(const json& line, const char* name, const T& fallback, const char* expec
   }
 }
 
-GenerationRequest parse_request(const std::string& text, const SamplingParams& defaults, const Tokenizer* tokenizer) {
+// A request's text as it is produced: `on_text` gets each final piece, and a stop string of `stop`
+// ends the request ([Stop strings]). Null without a tokenizer (then there is no text, and no stop
+// string may be given).
+std::shared_ptr<StopStrings> follow_text(GenerationRequest& request, const Tokenizer* tokenizer, std::vector<std::string> stop,
+                                         std::function<void(const std::string&)> on_text) {
+  if (tokenizer == nullptr) {
+    TORCH_CHECK(stop.empty(), "stop strings need the checkpoint's tokenizer (tokenizer.json or tokenizer.model beside ",
+                "config.json); give stop token ids instead");
+    return nullptr;
+  }
+  auto text = std::make_shared<StopStrings>(*tokenizer, std::move(stop));
+  request.stop_after = [text, on_text = std::move(on_text)](int64_t token) {
+    on_text(text->push(token));
+    return text->stopped();
+  };
+  return text;
+}
+
+struct ParsedRequest {
+  GenerationRequest request;
+  std::vector<std::string> stop;
+};
+
+ParsedRequest parse_request(const std::string& text, const Settings& defaults, const Tokenizer* tokenizer) {
   json line;
   try {
     line = json::parse(text);
@@ -96,12 +123,13 @@ GenerationRequest parse_request(const std::string& text, const SamplingParams& d
   TORCH_CHECK(line.contains("prompt_ids") != line.contains("prompt"),
               "expected one of 'prompt_ids' (a list of token ids) and 'prompt' (text)");
   static const std::set<std::string> known = {"prompt_ids", "prompt", "max_new_tokens", "temperature", "top_k",
-                                              "top_p",      "seed",   "stop_tokens",    "logprobs"};
+                                              "top_p", "seed", "stop", "stop_token_ids", "logprobs"};
   for (const auto& [key, value] : line.items()) {
     TORCH_CHECK(known.count(key), "field '", key.substr(0, 64), "' is unknown, expected only prompt_ids, prompt, "
-                "max_new_tokens, temperature, top_k, top_p, seed, stop_tokens and logprobs");
+                "max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids and logprobs");
   }
-  GenerationRequest request;
+  ParsedRequest parsed;
+  auto& request = parsed.request;
   if (line.contains("prompt")) {
     TORCH_CHECK(tokenizer, "field 'prompt' is text, which needs the checkpoint's tokenizer (tokenizer.json or ",
                 "tokenizer.model beside config.json); give 'prompt_ids' instead");
@@ -110,15 +138,18 @@ GenerationRequest parse_request(const std::string& text, const SamplingParams& d
     request.prompt_ids = field<std::vector<int64_t>>(line, "prompt_ids", {}, "a list of integer token ids");
   }
   auto& s = request.sampling;
-  s = defaults;
+  s = defaults.sampling;
   s.max_new_tokens = field<int64_t>(line, "max_new_tokens", s.max_new_tokens, "an integer");
   s.temperature = field<double>(line, "temperature", s.temperature, "a number");
   s.top_k = field<int64_t>(line, "top_k", s.top_k, "an integer");
   s.top_p = field<double>(line, "top_p", s.top_p, "a number");
   s.seed = field<uint64_t>(line, "seed", s.seed, "a non-negative integer");
-  s.stop_tokens = field<std::vector<int64_t>>(line, "stop_tokens", s.stop_tokens, "a list of integer token ids");
+  s.stop_tokens = field<std::vector<int64_t>>(line, "stop_token_ids", s.stop_tokens, "a list of integer token ids");
   s.logprobs = field<bool>(line, "logprobs", s.logprobs, "true or false");
-  return request;
+  parsed.stop = line.contains("stop") && line.at("stop").is_string()
+                    ? std::vector<std::string>{line.at("stop").get<std::string>()}
+                    : field<std::vector<std::string>>(line, "stop", defaults.stop, "a string or a list of strings");
+  return parsed;
 }
 
 std::vector<int64_t> parse_ids(const std::string& text) {
@@ -131,16 +162,8 @@ std::vector<int64_t> parse_ids(const std::string& text) {
       out.push_back(std::stoll(item, &used));
     } catch (const std::exception&) {
     }
-    TORCH_CHECK(used == item.size() && used > 0, "--stop: '", item, "' is not a token id, expected integers separated by commas");
-  }
-  return out;
-}
-
-// The tokens of `ids` that the tokenizer has text for.
-std::vector<int64_t> with_text(const Tokenizer& tokenizer, const std::vector<int64_t>& ids) {
-  std::vector<int64_t> out;
-  for (auto id : ids) {
-    if (id < tokenizer.vocab_size()) out.push_back(id);
+    TORCH_CHECK(used == item.size() && used > 0, "--stop-token-ids: '", item,
+                "' is not a token id, expected integers separated by commas (stop text: --stop)");
   }
   return out;
 }
@@ -184,12 +207,11 @@ int stream_prompt(const Settings& s, const Tokenizer& tokenizer, Generator& gene
   GenerationRequest request;
   request.prompt_ids = tokenizer.encode(s.prompt);
   request.sampling = s.sampling;
-  StreamingDecoder text(tokenizer);
+  const auto text = follow_text(request, &tokenizer, s.stop, [](const std::string& piece) { std::cout << piece << std::flush; });
   std::string error;
   const uint64_t id = generator.submit(std::move(request), [&](const TokenEvent& event) {
-    if (event.token >= 0 && event.token < tokenizer.vocab_size()) std::cout << text.push(event.token) << std::flush;
     if (!event.finished) return;
-    std::cout << text.finish() << std::endl;
+    std::cout << text->finish() << std::endl;
     if (!event.error.empty()) error = event.error;
   });
   const int status = run_until_done_or_interrupted(generator, {id});
@@ -210,8 +232,8 @@ int run(Settings& s) {
   if (!s.adapter.empty()) s.adapter = adapter_in(s.adapter).string();  // a checkpoint or a run folder too
   if (!s.adapter.empty()) load_peft_adapter(*lm.module, s.adapter);
   const auto tokenizer = Tokenizer::in_directory(checkpoint->dir());
-  s.sampling.stop_tokens = parse_ids(s.stop_tokens);
-  if (s.stop_tokens.empty() && tokenizer && tokenizer->eos_token_id()) s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
+  s.sampling.stop_tokens = parse_ids(s.stop_token_ids);
+  if (s.stop_token_ids.empty() && tokenizer && tokenizer->eos_token_id()) s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
   s.generator.max_waiting = std::numeric_limits<int64_t>::max();  // the whole file is queued at once
   std::unique_ptr<Generator> host_decoding;
   if (s.host_decode) {
@@ -245,21 +267,20 @@ int run(Settings& s) {
     ++index;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     try {
-      auto request = parse_request(text, s.sampling, tokenizer.get());
+      auto [request, stop] = parse_request(text, s, tokenizer.get());
       auto reply = std::make_shared<json>(json{{"index", index}, {"prompt_ids", request.prompt_ids}});
       (*reply)["output_ids"] = json::array();
       const bool logprobs = request.sampling.logprobs;
       if (logprobs) (*reply)["logprobs"] = json::array();
-      const Tokenizer* text_of = tokenizer.get();
-      ids.push_back(generator.submit(std::move(request), [reply, logprobs, emit, text_of](const TokenEvent& event) {
+      auto said = std::make_shared<std::string>();
+      const auto text_of = follow_text(request, tokenizer.get(), std::move(stop), [said](const std::string& piece) { *said += piece; });
+      ids.push_back(generator.submit(std::move(request), [reply, logprobs, emit, text_of, said](const TokenEvent& event) {
         if (event.token >= 0) {
           (*reply)["output_ids"].push_back(event.token);
           if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
         }
         if (!event.finished) return;
-        if (text_of) {
-          (*reply)["text"] = text_of->decode(with_text(*text_of, (*reply)["output_ids"].get<std::vector<int64_t>>()), true);
-        }
+        if (text_of) (*reply)["text"] = *said + text_of->finish();
         (*reply)["finish_reason"] = to_string(*event.finished);
         if (!event.error.empty()) (*reply)["error"] = event.error;
         emit(*reply);
@@ -295,7 +316,9 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", p.top_p, "sample among the most likely tokens whose probability reaches p, in (0, 1]")
       ->capture_default_str();
   app.add_option("--seed", p.seed, "each request's random stream (a request's own \"seed\" overrides)")->capture_default_str();
-  app.add_option("--stop", s.stop_tokens, "comma-separated token ids that end a request (default: the tokenizer's EOS)");
+  app.add_option("--stop", s.stop, "text that ends a request, left out of its text (vLLM's stop; repeatable)");
+  app.add_option("--stop-token-ids", s.stop_token_ids, "comma-separated token ids that end a request, kept in its output "
+                 "(default: the tokenizer's EOS)");
   app.add_flag("--logprobs", p.logprobs, "report each produced token's log-probability");
   app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")->capture_default_str();
   app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();

@@ -138,6 +138,30 @@ ModelSpec qwen2_spec(const LlamaShape& s, int64_t sliding_window, int64_t max_wi
   return m;
 }
 
+// Qwen3 (Qwen3ForCausalLM): Llama's tensors with a head_dim of its own, plus each attention's q_norm
+// and k_norm ([head_dim]); no biases (attention_bias false). Its config.json as Qwen/Qwen3-0.6B
+// writes it; sliding_window as Qwen2's.
+ModelSpec qwen3_spec(const LlamaShape& s, int64_t head_dim, int64_t sliding_window, int64_t max_window_layers) {
+  ModelSpec m = llama_spec(s, head_dim);
+  m.config = qwen2_spec(s, sliding_window, max_window_layers).config;
+  m.config["architectures"] = {"Qwen3ForCausalLM"};
+  m.config["model_type"] = "qwen3";
+  m.config["attention_bias"] = false;
+  m.config["head_dim"] = head_dim;
+  m.config["transformers_version"] = "4.51.0";
+  std::vector<TensorSpec> tensors;
+  for (const auto& t : m.tensors) {
+    tensors.push_back(t);
+    const auto at = t.name.find(".self_attn.k_proj.weight");
+    if (at == std::string::npos) continue;
+    const std::string attention = t.name.substr(0, at) + ".self_attn.";
+    tensors.push_back({attention + "q_norm.weight", {head_dim}, Init::kNorm});
+    tensors.push_back({attention + "k_norm.weight", {head_dim}, Init::kNorm});
+  }
+  m.tensors = std::move(tensors);
+  return m;
+}
+
 // Mistral (MistralForCausalLM): Llama's tensors, attention over at most sliding_window tokens.
 // Its config.json as mistralai/Mistral-7B-v0.1 writes it.
 ModelSpec mistral_spec(const LlamaShape& s, int64_t sliding_window) {
@@ -330,7 +354,7 @@ ModelSpec gpt_bigcode_spec(const GPT2Shape& s, bool multi_query) {
 }
 
 const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
-                                           "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
+                                           "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
                                            "tiny-gpt-bigcode-mha", "llama-3.2-1b", "llama-2-7b", "llama-2-13b",
                                            "gemma-2-27b", "gpt2-xl"};
 
@@ -354,6 +378,11 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
   // Tied like Qwen2-0.5B; layer 0 attends fully, the layers after it over a window of 5 tokens.
   if (name == "tiny-qwen2") {
     return qwen2_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 1000000.0, nullptr, true, 1, 2}, 5, 1);
+  }
+  // Qwen3's head_dim (32) is not hidden / heads (16), as Qwen3-0.6B's 128 is not 1024 / 16; untied,
+  // and, as tiny-qwen2, layer 0 attends fully and the layers after it over a window of 5 tokens.
+  if (name == "tiny-qwen3") {
+    return qwen3_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 1000000.0, nullptr, false, 1, 2}, 32, 5, 1);
   }
   // A window of 4 tokens: the tests' sequences are longer, so the window matters.
   if (name == "tiny-mistral") {

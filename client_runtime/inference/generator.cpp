@@ -53,12 +53,14 @@ struct Generator::Sequence {
   explicit Sequence(Submitted submitted)
       : id(submitted.id),
         callback(std::move(submitted.on_token)),
+        stop_after(std::move(submitted.request.stop_after)),
         params(submitted.request.sampling),
         sampler(params) {
     result.prompt_ids = std::move(submitted.request.prompt_ids);
   }
   uint64_t id;
   TokenCallback callback;
+  std::function<bool(int64_t)> stop_after;
   SamplingParams params;
   TokenSampler sampler;
   GenerationResult result;
@@ -467,7 +469,8 @@ void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequenc
     s.cached += layout[i].length;
     s.next_token = token;
     const auto& stops = s.params.stop_tokens;
-    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+    const bool stopped_after = s.stop_after && s.stop_after(token);  // sees every token
+    if (stopped_after || std::find(stops.begin(), stops.end(), token) != stops.end()) {
       event.finished = FinishReason::kStop;
     } else if (static_cast<int64_t>(s.result.output_ids.size()) >= s.params.max_new_tokens) {
       event.finished = FinishReason::kLength;

@@ -10,7 +10,7 @@
 //  1. the new requests' prompts (and their adapter's virtual tokens) are prefilled together as one
 //     packed forward, which also gives each its first token;
 //  2. every running request decodes one token, all in one forward.
-// A request leaves as soon as it is done (a stop token, max_new_tokens, cancelled) and its slot
+// A request leaves as soon as it is done (a stop token or stop_after, max_new_tokens, cancelled) and its slot
 // takes the next waiting request at the next boundary, so a tenant serving many users keeps its
 // batch full. Prefill calls carry the latency class kInferencePrefill and decode calls
 // kInferenceDecode (the executor serves decode first: [Inference first] in
@@ -54,6 +54,10 @@ namespace symbiosis {
 struct GenerationRequest {
   std::vector<int64_t> prompt_ids;
   SamplingParams sampling;
+  // Called on the stepping thread with each token the request produces, before its callback: true
+  // ends the request with that token, as a stop token does (finish reason kStop). What decides on
+  // more than one token, such as [Stop strings] (text/stop_strings.h), keeps its state here. Optional.
+  std::function<bool(int64_t token)> stop_after;
 };
 
 enum class FinishReason { kStop, kLength, kCancelled, kError };

@@ -46,7 +46,7 @@ CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Clie
   if (type == "gpt2" || type == "gpt_bigcode") {  // [GPT-2 family]
     return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
   }
-  // [Llama family]: llama, qwen2, mistral, gemma2.
+  // [Llama family]: llama, qwen2, qwen3, mistral, gemma2.
   return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
 }
 

@@ -139,11 +139,12 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   const auto where = ckpt.dir() / "config.json";
   LlamaConfig c;
   c.model_type = ckpt.config_string("model_type").value_or("llama");
-  const bool known = c.model_type == "llama" || c.model_type == "qwen2" || c.model_type == "mistral" ||
-                     c.model_type == "gemma2";
+  const bool known = c.model_type == "llama" || c.model_type == "qwen2" || c.model_type == "qwen3" ||
+                     c.model_type == "mistral" || c.model_type == "gemma2";
   TORCH_CHECK(known, where, ": model_type is '", c.model_type,
-              "', expected 'llama', 'qwen2', 'mistral' or 'gemma2' for the Llama family");
+              "', expected 'llama', 'qwen2', 'qwen3', 'mistral' or 'gemma2' for the Llama family");
   const bool gemma2 = c.model_type == "gemma2";
+  const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3";
   c.vocab_size = required_int(ckpt, "vocab_size");
   c.hidden_size = required_int(ckpt, "hidden_size");
   c.intermediate_size = required_int(ckpt, "intermediate_size");
@@ -156,9 +157,10 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(gemma2);
   c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2Attention: q, k and v with biases, o without
+  c.qk_norm = c.model_type == "qwen3";    // [Qwen3]: Qwen3Attention's q_norm and k_norm (biases: attention_bias)
   c.mlp_bias = !gemma2 && ckpt.config_bool("mlp_bias").value_or(false);  // Gemma2MLP has none
   // [Sliding window], as transformers' configs read it: Mistral's every layer when sliding_window
-  // is set; Qwen2's layers from max_window_layers on when use_sliding_window; Gemma 2's even
+  // is set; Qwen2's and Qwen3's layers from max_window_layers on when use_sliding_window; Gemma 2's even
   // layers (a window of 4096 unless given); or, any of them, the layer_types that transformers 5
   // writes.
   if (gemma2) c.sliding_window = 4096;
@@ -167,7 +169,7 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
     TORCH_CHECK(c.sliding_window > 0, where, ": field 'sliding_window' is ", c.sliding_window,
                 ", expected a positive number of tokens or null");
   }
-  if (c.model_type == "qwen2" && !ckpt.config_bool("use_sliding_window").value_or(false)) c.sliding_window = 0;
+  if (qwen && !ckpt.config_bool("use_sliding_window").value_or(false)) c.sliding_window = 0;
   if (c.sliding_window > 0) {
     if (ckpt.config_has("layer_types")) {
       for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -178,7 +180,7 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
         c.layer_types.push_back(*type);
       }
     } else {
-      const int64_t first_sliding = c.model_type == "qwen2" ? optional_int(ckpt, "max_window_layers", 28) : 0;
+      const int64_t first_sliding = qwen ? optional_int(ckpt, "max_window_layers", 28) : 0;
       for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
         const bool sliding = gemma2 ? i % 2 == 0 : i >= first_sliding;
         c.layer_types.push_back(sliding ? "sliding_attention" : "full_attention");
@@ -313,6 +315,10 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
   k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
   v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
   o_proj = register_module("o_proj", nn::Linear(q_out, c.hidden_size, c.attention_bias, materialize_base));
+  if (c.qk_norm) {  // [Qwen3]
+    q_norm = register_module("q_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps));
+    k_norm = register_module("k_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps));
+  }
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -321,8 +327,14 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   const int64_t batch = x.size(0), length = x.size(1);
   // [Layer groups]: q, k and v read x, and are one product where they can be.
   const auto qkv = nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
-  auto q = qkv[0].view({batch, length, num_heads_, head_dim_}).transpose(1, 2);
-  auto k = qkv[1].view({batch, length, num_kv_heads_, head_dim_}).transpose(1, 2);
+  auto q = qkv[0].view({batch, length, num_heads_, head_dim_});
+  auto k = qkv[1].view({batch, length, num_kv_heads_, head_dim_});
+  if (q_norm) {  // [Qwen3]: over each head's features, before the rotary embedding (and the cache)
+    q = q_norm->forward(q);
+    k = k_norm->forward(k);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
   // Where qkv are column slices of the group's one result, attention would keep that result whole
   // for its backward through v (q and k are rotated into tensors of their own): while training, v
   // becomes its own copy, so only its columns stay (Llama-2-13B: 20 MiB a layer at 1 024 tokens).

@@ -48,7 +48,7 @@ class Checkpoint;
 // The fields of a Llama (or Qwen2, Mistral, Gemma 2: [Llama family]) config.json that the forward
 // pass depends on.
 struct LlamaConfig {
-  std::string model_type = "llama";  // "llama", "qwen2", "mistral" or "gemma2"
+  std::string model_type = "llama";  // "llama", "qwen2", "qwen3", "mistral" or "gemma2"
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -68,6 +68,7 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // biases on q, k, v and o (Llama's attention_bias)
   bool qkv_bias = false;        // biases on q, k and v only (Qwen2)
+  bool qk_norm = false;         // [Qwen3]: each head's q and k RMS-normalized before the rotary embedding
   bool mlp_bias = false;
   // [Sliding window]: the window in tokens, 0 for none, and each layer's attention,
   // "full_attention" or "sliding_attention" (transformers' layer_types); empty: every layer full.
@@ -123,6 +124,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
                      const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
                      const CachedLayer* cache = nullptr);
   nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // [Qwen3] only: over head_dim, the tenant's weights
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;

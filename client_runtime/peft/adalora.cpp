@@ -15,7 +15,7 @@ std::vector<std::string> resolved_targets(torch::nn::Module& model, const AdaLor
   auto* host = dynamic_cast<ModelAdapterHost*>(&model);
   const std::string type = host ? host->model_shape().model_type : "";
   // PEFT's defaults (TRANSFORMERS_MODELS_TO_ADALORA_TARGET_MODULES_MAPPING, which has no mistral).
-  if (type == "llama" || type == "qwen2" || type == "gemma2") return {"q_proj", "v_proj"};
+  if (type == "llama" || type == "qwen2" || type == "qwen3" || type == "gemma2") return {"q_proj", "v_proj"};
   if (type == "gpt2" || type == "gpt_bigcode") return {"c_attn"};
   TORCH_CHECK(false, "AdaLoRA field 'target_modules' is empty and the model (", model.name(),
               ") has no PEFT default targets: name them");

@@ -42,7 +42,7 @@ IA3Config IA3Config::resolved_for(torch::nn::Module& model) const {
   if (type == "llama" || type == "mistral") {
     c.target_modules = {"k_proj", "v_proj", "down_proj"};
     c.feedforward_modules = {"down_proj"};
-  } else if (type == "qwen2" || type == "gemma2") {
+  } else if (type == "qwen2" || type == "qwen3" || type == "gemma2") {
     c.target_modules = {"q_proj", "v_proj", "down_proj"};
     c.feedforward_modules = {"down_proj"};
   } else if (type == "gpt2" || type == "gpt_bigcode") {

@@ -298,7 +298,9 @@ std::vector<std::pair<std::string, at::Tensor>> lora_state(torch::nn::Module& mo
 std::vector<std::string> default_lora_targets(torch::nn::Module& model) {
   auto* host = dynamic_cast<ModelAdapterHost*>(&model);
   const std::string type = host ? host->model_shape().model_type : "";
-  if (type == "llama" || type == "mistral" || type == "qwen2" || type == "gemma2") return {"q_proj", "v_proj"};
+  if (type == "llama" || type == "mistral" || type == "qwen2" || type == "qwen3" || type == "gemma2") {
+    return {"q_proj", "v_proj"};
+  }
   if (type == "gpt2" || type == "gpt_bigcode") return {"c_attn"};
   TORCH_CHECK(false, "the model (", model.name(), ", model_type '", type,
               "') has no default LoRA targets in PEFT: name them (target_modules, --lora-targets)");

@@ -2,7 +2,8 @@
 // --max-wait are respected, a small request is not held behind a large one, lockstep survives a
 // client that leaves or stalls, the token cap splits batches, no queue starves, and a request
 // marked alone neither waits nor is packed (but under lockstep); and the [Paying waits] judge keeps
-// decode waits where they pay and drops them where they cost (simulated tenants).
+// decode waits where they pay and drops them where they cost (simulated tenants). [CPU threads]: a
+// CPU executor's team for a batch, from its work.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "base_executor/batching.h"
+#include "base_executor/cpu_threads.h"
 
 namespace symbiosis {
 namespace {
@@ -532,6 +534,21 @@ TEST(BatchingTest, TheJudgeTurnsDecodeWaitsOffWhenTheyCostMoreThanPackingSaves) 
 // reads the weights alone; waits keep them in step, one GEMM for all. The judge keeps the waits.
 TEST(BatchingTest, TheJudgeKeepsDecodeWaitsWhenPackingPays) {
   expect_the_judge_picks({{50us, 60us, 70us, 80us}, 200us, 5us}, /*waits_pay=*/true);
+}
+
+// [CPU threads]: a small model's calls run on one thread; a large model's training and prefill calls
+// on every core; a few rows of a large layer (decode) on a thread per MiB of its weights; never more
+// than the host's cores, never fewer than one.
+TEST(CpuThreads, ATeamIsSizedFromItsBatchsWork) {
+  constexpr int kCores = 16;
+  EXPECT_EQ(cpu_threads_for(/*rows=*/64, 64, 64, /*fp32*/ 4, kCores), 1);             // tiny-llama q_proj
+  EXPECT_EQ(cpu_threads_for(128, 64, 128, 4, kCores), 1);                              // its MLP, two tenants' batch
+  EXPECT_EQ(cpu_threads_for(2048, 64, 128, 4, kCores), 4);                             // 16 Mi multiply-adds
+  EXPECT_EQ(cpu_threads_for(512, 2048, 2048, /*bf16*/ 2, kCores), kCores);             // Llama-3.2-1B prefill
+  EXPECT_EQ(cpu_threads_for(1, 2048, 2048, 2, kCores), 8);                             // its decode: 8 MiB of weights
+  EXPECT_EQ(cpu_threads_for(1, 2048, 8192, 2, kCores), kCores);                        // its MLP's decode: 32 MiB
+  EXPECT_EQ(cpu_threads_for(8, 2048, 2048, 2, /*cores=*/4), 4);
+  EXPECT_EQ(cpu_threads_for(8, 2048, 2048, 2, /*cores=*/0), 1);
 }
 
 }  // namespace

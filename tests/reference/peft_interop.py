@@ -19,7 +19,7 @@ from reference import inputs_and_model, missing, reference_parser
 
 
 def make_config(peft, method, model_type):
-    llama_family = model_type in ("llama", "qwen2", "mistral", "gemma2")
+    llama_family = model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma2")
     attention = ["q_proj", "v_proj"] if llama_family else ["c_attn"]
     if method == "lora":
         return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention,

@@ -30,7 +30,8 @@ def preload():
     (they exit 3, and the test skips)."""
     modules = ("torch", "safetensors.torch", "transformers", "peft", "tokenizers", "sentencepiece",
                "google.protobuf", "transformers.models.llama.modeling_llama",
-               "transformers.models.qwen2.modeling_qwen2", "transformers.models.mistral.modeling_mistral",
+               "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
+               "transformers.models.mistral.modeling_mistral",
                "transformers.models.gemma2.modeling_gemma2", "transformers.models.gpt2.modeling_gpt2",
                "transformers.models.gpt_bigcode.modeling_gpt_bigcode")
     for name in modules:

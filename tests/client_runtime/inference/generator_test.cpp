@@ -21,6 +21,7 @@
 #include "client_runtime/peft/adapter.h"
 #include "transport/client_transport.h"
 #include "tests/client_runtime/inference/generation_util.h"
+#include "tests/client_runtime/text/reference_tokenizers.h"
 #include "tests/python_reference.h"
 #include "tests/test_util.h"
 
@@ -215,8 +216,8 @@ std::string model_name(const std::string& preset) {
 // Qwen2 and Mistral attend over sliding windows ([Sliding window] in models/llama.h) that these
 // requests outgrow, in prefill and in decode.
 INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest,
-                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2",
-                                           "tiny-gpt-bigcode"),
+                         ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
+                                           "tiny-gpt2", "tiny-gpt-bigcode"),
                          [](const auto& info) { return model_name(info.param); });
 
 // Split equals monolithic under each batching policy, with a fine-tuning client training on the
@@ -344,7 +345,7 @@ INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
 // new tokens outgrow their sliding windows (5, 4 and 4 tokens), so transformers' sliding-window cache
 // is held to ours, and Gemma 2's soft caps hold in the cached decode.
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, HfGenerateTest,
-                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral", "tiny-gemma2"),
+                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
                                             ::testing::Values("none", "lora")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
@@ -359,7 +360,7 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
           << R"({"prompt_ids": [7, 7], "top_p": 2.0})" << "\n"
           << R"({"prompt_ids": "seven"})" << "\n"
           << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n"
-          << R"({"prompt_ids": [1, 2], "stop_tokens": ["eos"]})" << "\n"
+          << R"({"prompt_ids": [1, 2], "stop_token_ids": ["eos"]})" << "\n"
           << R"({"prompt_ids": [1, 2], "max_tokens": 3})" << "\n";
   }
   std::map<std::string, std::map<int64_t, nlohmann::json>> lines;  // by run, by index
@@ -387,10 +388,56 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
             std::string::npos);
   EXPECT_EQ(lines["split"][4]["output_ids"].size(), 6u);
   EXPECT_NE(lines["split"][5]["error"].get<std::string>().find(
-                "field 'stop_tokens' is [\"eos\"], expected a list of integer token ids"),
+                "field 'stop_token_ids' is [\"eos\"], expected a list of integer token ids"),
             std::string::npos);
   EXPECT_NE(lines["split"][6]["error"].get<std::string>().find("field 'max_tokens' is unknown, expected only prompt_ids"),
             std::string::npos);
+}
+
+// [Stop strings] through symbiosis-generate (a tiny Llama with a SentencePiece tokenizer): a stop
+// string taken from a reply's text ends the same request with finish_reason "stop", its text the
+// reply's up to the stop string, its tokens a prefix of the reply's; --prompt streams the same text;
+// a stop that is not text is refused naming the field.
+TEST(GenerateCli, AStopStringEndsTheRequestBeforeItsText) {
+  std::string why;
+  const auto* reference = testing::reference_tokenizers(why);
+  if (!reference) GTEST_SKIP() << why;
+  const auto work = testing::temp_dir("symbiosis-generate-stop");
+  const auto model = testing::with_tokenizer(*reference, "spm_unigram", testing::make_checkpoint("tiny-llama"), work / "model");
+  const std::string generate = testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
+                               " --max-new-tokens 40 --stop-token-ids ''";
+  auto reply_to = [&](const nlohmann::json& request, const std::string& name, int status) {
+    std::ofstream(work / (name + ".jsonl")) << request.dump() << "\n";
+    EXPECT_EQ(testing::shell(generate + " --input " + (work / (name + ".jsonl")).string() + " > " +
+                             (work / (name + ".out")).string()), status) << name;
+    std::ifstream in(work / (name + ".out"));
+    std::string line;
+    std::getline(in, line);
+    return nlohmann::json::parse(line);
+  };
+  const auto whole = reply_to({{"prompt", "hello world"}}, "whole", 0);
+  const std::string text = whole.at("text");
+  ASSERT_GE(text.size(), 6u) << whole.dump();
+  size_t begin = text.size() / 2, end = begin + 2;
+  while ((static_cast<unsigned char>(text[begin]) & 0xC0) == 0x80) ++begin;
+  while (end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) ++end;
+  const std::string stop = text.substr(begin, end - begin);
+
+  const auto stopped = reply_to({{"prompt", "hello world"}, {"stop", stop}}, "stopped", 0);
+  EXPECT_EQ(stopped.at("finish_reason"), "stop") << stopped.dump();
+  EXPECT_EQ(stopped.at("text"), text.substr(0, text.find(stop))) << "stop " << nlohmann::json(stop).dump();
+  const auto ids = stopped.at("output_ids").get<std::vector<int64_t>>(), all = whole.at("output_ids").get<std::vector<int64_t>>();
+  ASSERT_LT(ids.size(), all.size());
+  EXPECT_TRUE(std::equal(ids.begin(), ids.end(), all.begin()));
+
+  const auto streamed = work / "streamed.txt";
+  ASSERT_EQ(testing::shell(generate + " --prompt 'hello world' --stop '" + stop + "' > " + streamed.string()), 0);
+  std::ifstream streamed_in(streamed);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(streamed_in), {}), stopped.at("text").get<std::string>() + "\n");
+
+  const auto bad = reply_to({{"prompt", "hello world"}, {"stop", 5}}, "bad", 1);
+  EXPECT_NE(bad.at("error").get<std::string>().find("field 'stop' is 5, expected a string or a list of strings"),
+            std::string::npos) << bad.dump();
 }
 
 // A tool given --device cuda:0 on a host without a GPU says so, naming the flag (as the executor
@@ -419,7 +466,7 @@ TEST(GenerateCli, ASignalAnswersEveryRequestWithWhatItHas) {
   const auto work = testing::temp_dir("symbiosis-generate-signal");
   {
     std::ofstream input(work / "requests.jsonl");
-    for (int i = 0; i < 3; ++i) input << R"({"stop_tokens": [], "prompt_ids": [5, 9, )" << 30 + i << "]}\n";
+    for (int i = 0; i < 3; ++i) input << R"({"stop_token_ids": [], "prompt_ids": [5, 9, )" << 30 + i << "]}\n";
   }
   const std::string command = testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
                               " --max-new-tokens 100000 --max-tokens 100010 --max-sequences 3 --input " +
@@ -447,7 +494,7 @@ TEST(GenerateCli, ASignalAnswersEveryRequestWithWhatItHas) {
     const auto again = work / "again.jsonl";
     {
       std::ofstream one(work / "one.jsonl");
-      one << nlohmann::json{{"prompt_ids", first.at("prompt_ids")}, {"max_new_tokens", produced}, {"stop_tokens", nlohmann::json::array()}}
+      one << nlohmann::json{{"prompt_ids", first.at("prompt_ids")}, {"max_new_tokens", produced}, {"stop_token_ids", nlohmann::json::array()}}
                  .dump()
           << "\n";
     }

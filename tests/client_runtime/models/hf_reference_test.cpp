@@ -247,6 +247,26 @@ TEST_F(HfReferenceTest, TinyQwen2MatchesTransformers) {
   expect_window_matters(model, ckpt, 5);
 }
 
+// [Qwen3]: each head's q and k RMS-normalized before the rotary embedding (the tenant's q_norm and
+// k_norm), a head_dim (32) that is not hidden / heads, no biases, untied; its second layer attends
+// over a sliding window of 5, as Qwen2's.
+TEST_F(HfReferenceTest, TinyQwen3MatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-qwen3", "tiny-qwen3");
+  auto model = load_llama(ckpt);
+  EXPECT_EQ(model->config().model_type, "qwen3");
+  EXPECT_EQ(model->config().resolved_head_dim(), 32);
+  EXPECT_EQ(model->config().window_of(0), 0);
+  EXPECT_EQ(model->config().window_of(1), 5);
+  auto* attention = model->model->layers->ptr<LlamaDecoderLayerImpl>(0)->self_attn.get();
+  ASSERT_TRUE(attention->q_norm && attention->k_norm);
+  EXPECT_EQ(attention->q_norm->weight.sizes(), at::IntArrayRef({32}));
+  EXPECT_FALSE(attention->q_proj->has_bias() || attention->o_proj->has_bias());
+  EXPECT_TRUE(model->lm_head);
+  expect_matches_reference(model, ckpt);
+  expect_window_matters(model, ckpt, 5);
+}
+
 // [Llama family]: Mistral, every layer attending over a sliding window of 4, a third of the batch's
 // 12 tokens.
 TEST_F(HfReferenceTest, TinyMistralMatchesTransformers) {
@@ -363,7 +383,7 @@ TEST_F(HfReferenceTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes
   std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
   const auto message = testing::error_of([&] { open_causal_lm(*Checkpoint::open(dir)); });
   EXPECT_NE(message.find("model_type 'phi3' is not supported "
-                         "(supported: gemma2, gpt2, gpt_bigcode, llama, mistral, qwen2)"),
+                         "(supported: gemma2, gpt2, gpt_bigcode, llama, mistral, qwen2, qwen3)"),
             std::string::npos)
       << message;
   EXPECT_NE(message.find((dir / "config.json").string()), std::string::npos) << message;

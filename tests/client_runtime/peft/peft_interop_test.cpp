@@ -218,10 +218,11 @@ INSTANTIATE_TEST_SUITE_P(Methods, PeftInteropTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Range(0, 9)),
                          param_name);
 
-// [Llama family]: Qwen2 (q, k and v biases; PEFT's own IA3 targets for it), Mistral and Gemma 2
-// (soft caps, scaled embeddings), whose sliding windows the batch outgrows, with every method.
+// [Llama family]: Qwen2 (q, k and v biases; PEFT's own IA3 targets for it), Qwen3 (q and k norms),
+// Mistral and Gemma 2 (soft caps, scaled embeddings), whose sliding windows the batch outgrows, with
+// every method.
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-mistral", "tiny-gemma2"),
+                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
                                             ::testing::Range(0, 9)),
                          param_name);
 

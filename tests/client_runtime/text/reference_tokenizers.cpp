@@ -15,6 +15,16 @@
 
 namespace symbiosis::testing {
 
+std::filesystem::path with_tokenizer(const ReferenceTokenizers& reference, const std::string& family,
+                                     const std::filesystem::path& checkpoint, const std::filesystem::path& out) {
+  namespace fs = std::filesystem;
+  fs::copy(checkpoint, out, fs::copy_options::recursive);
+  for (const auto& file : {"tokenizer.json", "tokenizer.model", "tokenizer_config.json"}) {
+    if (fs::exists(reference.dir / family / file)) fs::copy(reference.dir / family / file, out / file);
+  }
+  return out;
+}
+
 std::filesystem::path new_temp_dir(const std::string& prefix) {
   std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
   const char* made = mkdtemp(pattern.data());

@@ -39,6 +39,11 @@ class WithReferenceTokenizers : public Base {
   const ReferenceTokenizers* reference_ = nullptr;
 };
 
+// A copy of `checkpoint` at `out` with the reference tokenizer of `family` beside its config.json
+// (the family's tokenizer files and tokenizer_config.json): a model whose tools read and write text.
+std::filesystem::path with_tokenizer(const ReferenceTokenizers& reference, const std::string& family,
+                                     const std::filesystem::path& checkpoint, const std::filesystem::path& out);
+
 // A new empty directory under the system's temporary one.
 std::filesystem::path new_temp_dir(const std::string& prefix);
 // The message of the exception that f throws (c10::Error's without its backtrace), or "(no error)".

@@ -1,6 +1,8 @@
 // StreamingDecoder: ids pushed one at a time give back text that adds up to Tokenizer::decode of them all, for
 // every family, with and without special tokens, on the corpus and on random ids (halves of characters among
-// them); a character split over several byte tokens comes out whole, once its last byte arrives.
+// them); a character split over several byte tokens comes out whole, once its last byte arrives. StopStrings
+// ([Stop strings]) ends at the token that completes a stop string, gives back the text before it, and holds
+// back a tail that may begin one.
 #include <gtest/gtest.h>
 
 #include <symbiosis/text.h>
@@ -86,6 +88,66 @@ TEST_P(StreamingDecoderTest, TextArrivesWithoutDelay) {
       }
     }
   }
+}
+
+// The byte offset of the character boundary at or after `at` in UTF-8 `text`.
+size_t character_boundary(const std::string& text, size_t at) {
+  while (at < text.size() && (static_cast<unsigned char>(text[at]) & 0xC0) == 0x80) ++at;
+  return at;
+}
+
+// [Stop strings]: a stop string taken from the middle of the decoded text ends the stream at the first id whose
+// text completes its first occurrence, and what was given back is the text before that occurrence.
+TEST_P(StreamingDecoderTest, AStopStringEndsAtTheIdThatCompletesItAndIsLeftOut) {
+  int stopped = 0;
+  for (const json& c : expected_->at("cases")) {
+    const auto ids = c.at("ids").get<std::vector<int64_t>>();
+    const auto pieces = stream(ids, true);
+    const std::string full = joined(pieces);
+    const size_t begin = character_boundary(full, full.size() / 2);
+    const size_t end = character_boundary(full, begin + 2);
+    if (full.size() < 8 || end > full.size() || full.find("\xEF\xBF\xBD") != std::string::npos) continue;
+    const std::string stop = full.substr(begin, end - begin);
+    // Where it must end: the first id after which the text so far holds the stop string.
+    size_t last = 0;
+    for (std::string so_far; last < ids.size(); ++last) {
+      so_far += pieces[last];
+      if (so_far.find(stop) != std::string::npos) break;
+    }
+    if (last == ids.size()) continue;  // held until finish() (a run of byte-fallback tokens at the end)
+    StopStrings text(*tokenizer_, {"never \x01 seen", stop});
+    std::string given;
+    size_t n = 0;
+    for (; n < ids.size() && !text.stopped(); ++n) given += text.push(ids[n]);
+    EXPECT_TRUE(text.stopped()) << "stop " << json(stop).dump() << " in " << json(full).dump();
+    EXPECT_EQ(n, last + 1) << "stop " << json(stop).dump() << " in " << json(full).dump();
+    EXPECT_EQ(given + text.finish(), full.substr(0, full.find(stop))) << "stop " << json(stop).dump();
+    EXPECT_EQ(text.push(ids[0]), "");  // nothing after the end
+    ++stopped;
+  }
+  EXPECT_GE(stopped, 10);
+}
+
+// [Stop strings]: a tail of the text that begins a stop string is held back until finish() (the request ended
+// otherwise); with no stop string seen, the pieces add up to decode, as StreamingDecoder's do.
+TEST_P(StreamingDecoderTest, TextThatMayBeginAStopStringIsHeldBackUntilTheEnd) {
+  for (const json& c : expected_->at("cases")) {
+    const auto ids = c.at("ids").get<std::vector<int64_t>>();
+    const std::string full = joined(stream(ids, true));
+    if (full.size() < 4 || full.find("\xEF\xBF\xBD") != std::string::npos) continue;
+    const size_t tail = character_boundary(full, full.size() - 3);
+    const std::string stop = full.substr(tail) + "\x01 never";  // begins with the text's last characters
+    StopStrings text(*tokenizer_, {stop});
+    std::string given;
+    for (const int64_t id : ids) given += text.push(id);
+    EXPECT_FALSE(text.stopped());
+    // The decoder may hold more (a run of byte-fallback tokens at the end), never less.
+    EXPECT_LE(given.size(), tail) << json(full).dump();
+    EXPECT_EQ(full.compare(0, given.size(), given), 0) << json(full).dump();
+    EXPECT_EQ(given + text.finish(), full) << json(full).dump();
+  }
+  EXPECT_NE(testing::error_message([&] { StopStrings(*tokenizer_, {"ok", ""}); }).find("stop string 1 is empty"),
+            std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, StreamingDecoderTest, ::testing::ValuesIn(testing::kTokenizerFamilies),

@@ -640,11 +640,7 @@ TEST(FinetuneProgramTest, TrainsOnTextAndGeneratesText) {
   const auto* reference = testing::reference_tokenizers(why);
   if (!reference) GTEST_SKIP() << why;
   const auto dir = testing::temp_dir("finetune-text");
-  const auto model = dir / "model";
-  fs::copy(testing::make_checkpoint("tiny-llama"), model, fs::copy_options::recursive);
-  for (const auto& file : {"tokenizer.model", "tokenizer_config.json"}) {
-    fs::copy(reference->dir / "spm_unigram" / file, model / file);
-  }
+  const auto model = testing::with_tokenizer(*reference, "spm_unigram", testing::make_checkpoint("tiny-llama"), dir / "model");
   const auto tokenizer = Tokenizer::from_directory(model);
   ASSERT_LE(tokenizer->vocab_size(), 256);  // within the tiny model's vocabulary
 
