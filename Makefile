@@ -9,7 +9,7 @@ ifeq ($(shell command -v nvcc),)
   endif
 endif
 
-.PHONY: build demo test clean
+.PHONY: build demo test check clean
 
 # Install what is missing (apt, the venv), configure if needed, build.
 build:
@@ -20,6 +20,11 @@ demo: build
 
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(CTEST_JOBS) --timeout $(CTEST_TIMEOUT) --no-tests=error
+
+# The fast set: the unit-labelled tests ([Test labels] in tests/CMakeLists.txt), no end-to-end
+# runs, benchmarks, Python or fuzz replays.
+check: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(CTEST_JOBS) --timeout $(CTEST_TIMEOUT) -L unit --no-tests=error
 
 # The build folder only; the venv (~/.cache/symbiosis/venv) stays.
 clean:
