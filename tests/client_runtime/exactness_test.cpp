@@ -56,7 +56,7 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-mistral",
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",
                                                               "tiny-gemma2", "tiny-gpt2", "tiny-gpt2-hub",
                                                               "tiny-gpt-bigcode"),
                                             ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
