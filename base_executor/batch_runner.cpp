@@ -1,6 +1,7 @@
 #include "base_executor/batch_runner.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "base_executor/cpu_threads.h"
 #include "base_executor/parts.h"
+#include "base_executor/tracing.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/batched_copy.h"
@@ -362,6 +364,13 @@ void BatchRunner::deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& re
 }
 
 void BatchRunner::run(CallBatcher::Batch& batch) {
+  // [Traces] (tracing.h): the batch's scope names its calls; built only while a profiler listens.
+  std::string scope;
+  at::RecordFunction guard(at::RecordScope::USER_SCOPE);
+  if (guard.isActive()) {
+    scope = batch_scope_name(batch, model_.layer(batch.layer_id).name);
+    guard.before(scope);
+  }
   const auto started = Statistics::Clock::now();
   std::vector<at::Tensor> results;
   std::optional<Status> failure;

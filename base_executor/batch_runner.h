@@ -41,6 +41,7 @@ class BatchRunner {
   // [CPU threads] (cpu_threads.h): from now on the calling thread's OpenMP team is sized for each
   // batch, up to `cores`. Call on the thread that runs batches.
   void size_cpu_teams(int cores) { cpu_cores_ = cores; }
+  uint64_t batches() const { return batches_; }  // run so far
 
  private:
   // Each call's result rows: views into the batch's result, or its destination.

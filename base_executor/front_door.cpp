@@ -426,11 +426,16 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
       *reply.mutable_stats() = statistics_.snapshot();
       return wire::send_to(router_, key, reply);
     }
+    case proto::Envelope::kTraceRequest:  // [Traces]: answered by the scheduler, where the batches run
+      if (role != Role::kOperator) {
+        return refuse(key, 0, denied("refused: traces are for operators, and this client's key is a tenant's"), false);
+      }
+      return scheduler_.post(TraceArrived{env.trace_request(), key});
     default:
       return refuse(key, 0,
                     {StatusCode::kMalformed,
                      "unexpected message: the executor takes Hello, Request, RegisterBuffer, ShareSegments, "
-                     "NcclSetup, Goodbye and StatsRequest"},
+                     "NcclSetup, Goodbye, StatsRequest and TraceRequest"},
                     false);
   }
 }

@@ -220,6 +220,25 @@ void Scheduler::handle(SetupArrived& message) {
   }
 }
 
+// [Traces]: on this thread, where the batches run.
+void Scheduler::handle(TraceArrived& message) {
+  const auto& request = message.request;
+  proto::Envelope answer;
+  try {
+    if (request.start()) {
+      tracer_.start(request.path(), model_.device().is_cuda(), runner_.batches());
+      answer.mutable_trace_written()->set_path(request.path());
+    } else {
+      answer.mutable_trace_written()->set_path(tracer_.path());
+      answer.mutable_trace_written()->set_batches(tracer_.stop(runner_.batches()));
+    }
+  } catch (const std::exception& e) {
+    // An operator's mistake, not a tenant's call: not counted among the errors.
+    answer = wire::error_envelope(0, status_of_exception(e, StatusCode::kFailedPrecondition), /*as_reply=*/false);
+  }
+  wire::send_to(*replies_, message.identity, answer);
+}
+
 void Scheduler::answer_error(const std::string& identity, uint64_t client_id, const Status& status) {
   statistics_.record_error(status.code(), client_id);
   wire::send_to(*replies_, identity, wire::error_envelope(0, status, /*as_reply=*/false));
@@ -418,6 +437,13 @@ void Scheduler::run() {
     wait_for_work(seen, spin, deadline);
   }
   if (parts_) parts_->leave();
+  if (tracer_.active()) {  // [Traces]: stopping the executor loses no trace
+    try {
+      tracer_.stop(runner_.batches());
+    } catch (const std::exception& e) {
+      spdlog::error("writing the trace to {} failed: {}", tracer_.path(), e.what());
+    }
+  }
 }
 
 // [Wake sockets] (transport/call_ring.h)

@@ -29,6 +29,7 @@
 #include "base_executor/overload.h"
 #include "base_executor/parts.h"
 #include "base_executor/statistics.h"
+#include "base_executor/tracing.h"
 #include "symbiosis.pb.h"
 #include "transport/channel.h"
 
@@ -64,7 +65,12 @@ struct SetupArrived {
   std::string identity;
   UniqueFd segment;  // "shm": the RegisterBuffer's segment, from the client's local link
 };
-using InboxMessage = std::variant<ClientJoined, ClientLeft, ClientRefused, CallArrived, SetupArrived>;
+// [Traces] (tracing.h): an operator's TraceRequest, answered to `identity`.
+struct TraceArrived {
+  proto::TraceRequest request;
+  std::string identity;
+};
+using InboxMessage = std::variant<ClientJoined, ClientLeft, ClientRefused, CallArrived, SetupArrived, TraceArrived>;
 
 class Scheduler {
  public:
@@ -92,6 +98,7 @@ class Scheduler {
   void handle(ClientRefused& message);
   void handle(CallArrived& message);
   void handle(SetupArrived& message);
+  void handle(TraceArrived& message);
   // [Fair shares] of the buffer budget: what the client's tenant holds of it, among the tenants
   // holding payload buffers.
   PoolShare buffer_share(uint64_t client_id) const;
@@ -160,6 +167,7 @@ class Scheduler {
   Parts* const parts_;
   const std::function<void(const Status&)> on_lost_;
   std::optional<Status> lost_;  // [Lost part]
+  Tracer tracer_;               // [Traces]
 };
 
 }  // namespace symbiosis

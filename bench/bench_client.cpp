@@ -185,8 +185,12 @@ int main(int argc, char** argv) {
                "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h); generate: the "
                "decode steps ([Captured decode] in client_runtime/inference/generator.h)");
   std::string trace;
-  app.add_option("--trace", trace, "after warm-up, write a Chrome trace of 3 iterations here (LibTorch's Kineto "
-                 "profiler: host operations and GPU kernels; bench/trace_summary.py sums the kernels)");
+  int trace_iterations = 3;
+  app.add_option("--trace", trace, "write a Chrome trace of --trace-iterations iterations here (LibTorch's Kineto "
+                 "profiler: host operations and GPU kernels; bench/trace_summary.py sums the kernels): after "
+                 "warm-up, or with --go-file the window's first ones, beside the other clients' (then FILE.done "
+                 "is written after it; bench/merge_traces.py merges them, docs/tracing.md)");
+  app.add_option("--trace-iterations", trace_iterations, "iterations --trace covers")->capture_default_str();
   int op_profile = 0;
   app.add_option("--op-profile", op_profile, "after warm-up, profile this many iterations' host time by operation "
                  "(see [Op profile]) into the results");
@@ -280,15 +284,22 @@ int main(int argc, char** argv) {
       if (device.is_cuda()) torch::cuda::synchronize(device.index());
     };
     for (int i = 0; i < warmup; ++i) iteration();
-    if (!trace.empty()) {
+    // --trace: `iterations` of them traced (in the window, its first, with the other clients').
+    auto traced = [&](auto&& iterations) {
       namespace profiler = torch::autograd::profiler;
       using torch::profiler::impl::ActivityType;
       const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
       const std::set<ActivityType> activities = {ActivityType::CPU, ActivityType::CUDA};
       profiler::prepareProfiler(config, activities);
       profiler::enableProfiler(config, activities);
-      for (int i = 0; i < 3; ++i) iteration();
+      iterations();
       profiler::disableProfiler()->save(trace);
+      std::ofstream(trace + ".done") << "written\n";
+    };
+    if (!trace.empty() && go_file.empty()) {
+      traced([&] {
+        for (int i = 0; i < trace_iterations; ++i) iteration();
+      });
     }
     nlohmann::json profile;
     if (op_profile > 0) {
@@ -313,6 +324,11 @@ int main(int argc, char** argv) {
       while (!std::filesystem::exists(go_file)) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the writer has finished
       std::ifstream(go_file) >> start >> end;
+      if (!trace.empty()) {
+        traced([&] {
+          for (int i = 0; i < trace_iterations; ++i) iteration();
+        });
+      }
       while (epoch_seconds() < end) {
         const double t0 = epoch_seconds();
         iteration();

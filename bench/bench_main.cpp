@@ -9,6 +9,8 @@
 // another until one fails (out of memory) and reports how many ran at once, for each system.
 // Writes OUT/results.json and, when Python with matplotlib is there, OUT/results.png.
 //   symbiosis-bench --scenario bench/scenarios/table5_cpu.json --out /tmp/bench
+// With --trace, each run also writes trace.json in its folder: the executor and every client on one
+// timeline, each call linked to its batch ([Traced runs] below; docs/tracing.md).
 #include <CLI/CLI.hpp>
 #include <signal.h>
 #include <sys/wait.h>
@@ -38,6 +40,13 @@ namespace {
 // the plot); compiled in, overridable on the command line (a build carried to another machine).
 std::string python = SYMBIOSIS_PYTHON;
 std::string source_dir = SYMBIOSIS_SOURCE_DIR;
+
+// [Traced runs] --trace N: the clients of our systems each trace their first N iterations of the
+// window (bench_client's --trace); a Symbiosis run's executor traces from before the window opens
+// until every client has written its trace ([Traces] in base_executor/tracing.h). Then
+// bench/merge_traces.py puts them on one timeline, trace.json, and prints where each call's time
+// went. Tracing slows what it traces: a traced run's figures say where time goes, not how fast.
+int trace_iterations = 0;  // 0: no traces
 
 double epoch_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -148,6 +157,22 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
   return args;
 }
 
+// [Traced runs]: merges the run's traces in `dir` into dir/trace.json; returns the summary that
+// bench/merge_traces.py wrote (where each call's time went).
+json merge_traces(const fs::path& dir, size_t clients, bool with_executor) {
+  std::string command = python + " " + source_dir + "/bench/merge_traces.py --out " + (dir / "trace.json").string() +
+                        " --summary " + (dir / "trace_summary.json").string();
+  if (with_executor) command += " executor=" + (dir / "executor.trace.json").string();
+  for (size_t i = 0; i < clients; ++i) {
+    const std::string name = "client" + std::to_string(i);
+    command += " " + name + "=" + (dir / (name + ".trace.json")).string();
+  }
+  command += " > " + (dir / "trace_summary.txt").string();
+  if (std::system(command.c_str()) != 0) throw std::runtime_error("merging the traces failed: " + command);
+  std::cerr << read_file(dir / "trace_summary.txt");
+  return json::parse(read_file(dir / "trace_summary.json"));
+}
+
 // Samples the GPU's memory in use (MiB, nvidia-smi) while alive; peak() is the largest reading.
 class GpuMemorySampler {
  public:
@@ -180,6 +205,7 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
   fs::create_directories(dir);
   const double idle_mib = gpu_memory_mib(gpu);
   GpuMemorySampler sampler(gpu);
+  const bool traced = trace_iterations > 0 && system != "hf_peft" && window_s > 0;
   std::vector<pid_t> pids;
   const fs::path go = dir / "go";
   fs::remove(go);
@@ -192,6 +218,11 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
       args.insert(args.end(), {"--ready-file", (dir / (name + ".ready")).string(), "--go-file", go.string()});
     }
     if (system == "symbiosis") args.insert(args.end(), {"--executor", executor});
+    if (traced) {
+      fs::remove(dir / (name + ".trace.json.done"));
+      args.insert(args.end(), {"--trace", (dir / (name + ".trace.json")).string(), "--trace-iterations",
+                               std::to_string(trace_iterations)});
+    }
     pids.push_back(spawn(args, dir / (name + ".out"), dir / (name + ".err")));
   }
   auto fail = [&](const std::string& why) {
@@ -210,9 +241,21 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     }
+    if (traced && !executor.empty()) symbiosis::request_trace(executor, 10000, true, fs::absolute(dir / "executor.trace.json"));
     const double start = epoch_seconds() + 0.5;
     std::ofstream(dir / "go.tmp") << std::to_string(start) << " " << std::to_string(start + window_s) << "\n";
     fs::rename(dir / "go.tmp", go);
+  }
+  if (traced) {
+    // [Traced runs]: the executor's trace ends once every client's is written (or it ended).
+    for (size_t i = 0; i < clients.size(); ++i) {
+      const auto done = dir / ("client" + std::to_string(i) + ".trace.json.done");
+      siginfo_t exited{};
+      while (!fs::exists(done) && waitid(P_PID, pids[i], &exited, WEXITED | WNOHANG | WNOWAIT) == 0 && exited.si_pid == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+    if (!executor.empty()) symbiosis::request_trace(executor, 600000, false);
   }
   bool ok = true;
   for (pid_t pid : pids) ok = wait_ok(pid) && ok;
@@ -237,6 +280,7 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
     c.erase("latencies_s");
     result["clients"].push_back(c);
   }
+  if (traced) result["trace"] = merge_traces(dir, clients.size(), !executor.empty());
   result["clients_peak_rss_bytes_total"] = rss;
   result["clients_gpu_peak_reserved_bytes_total"] = gpu_reserved;
   result["gpu_memory_used_peak_mib"] = sampler.peak_mib();
@@ -416,6 +460,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", checkpoint_override, "use this checkpoint instead of the scenario's model");
   app.add_option("--counts", counts_override, "client counts instead of the scenario's (comma-separated)")
       ->delimiter(',');
+  app.add_option("--trace", trace_iterations, "trace this many iterations of each client in the window, with the "
+                 "executor, into each run's trace.json (see [Traced runs]; a scenario with a window_s)");
   CLI11_PARSE(app, argc, argv);
   try {
     const json scenario = json::parse(read_file(scenario_file));

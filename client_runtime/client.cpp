@@ -73,6 +73,20 @@ void ClientOptions::validate() const {
 // replayed (StepGraph captures again).
 namespace {
 constexpr auto kFirstPause = std::chrono::milliseconds(100);
+
+// An op as the executor's trace names it ([Traces] in base_executor/tracing.h).
+const char* op_name(proto::Op op) {
+  switch (op) {
+    case proto::FORWARD:
+      return "forward";
+    case proto::BACKWARD_INPUT:
+      return "backward";
+    case proto::FORWARD_NO_BIAS:
+      return "forward_no_bias";
+    default:
+      return "?";
+  }
+}
 constexpr auto kLongestPause = std::chrono::seconds(2);
 constexpr int kStepTries = 3;  // redo_if_results_lost
 
@@ -290,8 +304,6 @@ class Client::Impl {
   }
 
   at::Tensor call(const LayerInfo& layer, proto::Op op, const at::Tensor& x) {
-    // One scope per call for profilers (LibTorch's RecordFunction): free while none listens.
-    RECORD_FUNCTION("symbiosis::executor_call", c10::ArrayRef<const c10::IValue>{});
     // Checked here as the executor would, for every transport: the refusal of a call ordered on
     // the GPU ([Stream-ordered hand-off]) would reach the caller only at its next call.
     const bool backward = op == proto::BACKWARD_INPUT;
@@ -300,6 +312,15 @@ class Client::Impl {
                 backward ? "backward" : "forward", ") takes [tokens, ", features, "] in ", layer.dtype, ", got ",
                 x.sizes(), " in ", x.scalar_type());
     std::lock_guard<std::mutex> lock(call_mutex);
+    // One scope per call for profilers, naming it as the executor's batch does ([Traces] in
+    // base_executor/tracing.h); built only while one listens.
+    std::string scope;
+    at::RecordFunction guard(at::RecordScope::USER_SCOPE);
+    if (guard.isActive()) {
+      scope = "symbiosis::call c" + std::to_string(client_id) + ":r" + std::to_string(next_request_id) + " " +
+              layer.name + " " + op_name(op);
+      guard.before(scope);
+    }
     if (!capturing) calls++;
     // Every payload reads the input's rows as they lie in memory.
     const at::Tensor input = x.contiguous();
@@ -460,6 +481,14 @@ void Client::replay(const CapturedCalls& calls) {
     const uint64_t first = impl_->next_request_id;
     impl_->next_request_id += calls.records.size();
     impl_->calls += calls.records.size();
+    // [Traces] (base_executor/tracing.h): the replayed calls' request ids, for a profiler.
+    std::string scope;
+    at::RecordFunction guard(at::RecordScope::USER_SCOPE);
+    if (guard.isActive() && !calls.records.empty()) {
+      scope = "symbiosis::replay c" + std::to_string(impl_->client_id) + ":r" + std::to_string(first) + "-r" +
+              std::to_string(first + calls.records.size() - 1);
+      guard.before(scope);
+    }
     // A loss here leaves the replay's calls without results: ResultsLost, after reconnecting.
     impl_->survive_restarts([&] { impl_->live_transport().replay(calls, first); }, /*retry=*/false);
   }

@@ -1,9 +1,12 @@
 // symbiosis-ctl: asks a running executor about itself, and makes keys for it.
 //   symbiosis-ctl stats --executor tcp://HOST:PORT [--json] [--executor-key FILE --key FILE]
+//   symbiosis-ctl trace start --out PATH --executor tcp://HOST:PORT   the executor traces its batches
+//   symbiosis-ctl trace stop --executor tcp://HOST:PORT                 ... and writes PATH ([Traces])
 //   symbiosis-ctl keygen NAME      writes NAME.key (the pair; keep it secret) and NAME.pub
 //   symbiosis-ctl top --metrics http://HOST:PORT [--interval S] [--once]
 //                                  per-tenant and per-layer rates from the executor's metrics
-// ([Admission keys] in transport/keys.h; [Metrics] in base_executor/metrics.h; docs/operating.md.)
+// ([Admission keys] in transport/keys.h; [Metrics] in base_executor/metrics.h; [Traces] in
+// base_executor/tracing.h; docs/operating.md, docs/tracing.md.)
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -251,12 +254,22 @@ int main(int argc, char** argv) {
   bool json = false;
   int timeout_ms = 5000;
   std::string executor_key, key_file, name;
+  // The options of a request to the executor.
+  const auto asks_the_executor = [&](CLI::App* command) {
+    command->add_option("--executor", endpoint, "the executor's endpoint")->capture_default_str();
+    command->add_option("--timeout", timeout_ms, "milliseconds to wait for the answer")->capture_default_str();
+    command->add_option("--executor-key", executor_key, "an executor with keys: its public key (executor.pub)");
+    command->add_option("--key", key_file, "an executor with keys: an operator's key pair (NAME.key)");
+  };
   auto* stats = app.add_subcommand("stats", "batching and compute statistics, overall and per layer");
-  stats->add_option("--executor", endpoint, "the executor's endpoint")->capture_default_str();
-  stats->add_option("--timeout", timeout_ms, "milliseconds to wait for the answer")->capture_default_str();
+  asks_the_executor(stats);
   stats->add_flag("--json", json, "print JSON instead of a table");
-  stats->add_option("--executor-key", executor_key, "an executor with keys: its public key (executor.pub)");
-  stats->add_option("--key", key_file, "an executor with keys: an operator's key pair (NAME.key)");
+  std::string action, trace_path;
+  auto* trace = app.add_subcommand("trace", "start the executor's trace (a Chrome trace of its batches' host "
+                                            "operations and GPU kernels), or stop it and have it written");
+  asks_the_executor(trace);
+  trace->add_option("action", action, "start or stop")->required()->check(CLI::IsMember({"start", "stop"}));
+  trace->add_option("--out", trace_path, "start: the trace file to write, on the executor's host");
   auto* keygen = app.add_subcommand("keygen", "write a CURVE key pair: NAME.key (keep it secret) and NAME.pub");
   keygen->add_option("name", name, "path and name of the pair, e.g. keys/executor or alice")->required();
   std::string metrics_url = "http://127.0.0.1:9100";
@@ -281,6 +294,16 @@ int main(int argc, char** argv) {
     symbiosis::ClientKeys keys;
     if (!executor_key.empty()) {
       keys = {symbiosis::keys::public_key(executor_key), symbiosis::keys::read(key_file, /*need_secret=*/true)};
+    }
+    if (trace->parsed()) {
+      if (action == "start" && trace_path.empty()) throw std::runtime_error("trace start needs --out PATH");
+      const auto written = symbiosis::request_trace(endpoint, timeout_ms, action == "start", trace_path, keys);
+      if (action == "start") {
+        std::cout << "tracing; `symbiosis-ctl trace stop` writes " << written.path() << "\n";
+      } else {
+        std::cout << "wrote " << written.path() << " (" << written.batches() << " batches)\n";
+      }
+      return 0;
     }
     s = symbiosis::request_stats(endpoint, timeout_ms, keys);
   } catch (const c10::Error& e) {

@@ -515,6 +515,17 @@ proto::Stats request_stats(const std::string& endpoint, int timeout_ms, const Cl
   return answer.stats();
 }
 
+proto::TraceWritten request_trace(const std::string& endpoint, int timeout_ms, bool start, const std::string& path,
+                                  const ClientKeys& keys) {
+  ControlSocket socket(endpoint, timeout_ms, keys);
+  proto::Envelope request;
+  request.mutable_trace_request()->set_start(start);
+  request.mutable_trace_request()->set_path(path);
+  auto answer = socket.exchange(request, start ? "the start of a trace" : "the written trace");
+  TORCH_CHECK(answer.has_trace_written(), "executor answered a trace request with something else");
+  return answer.trace_written();
+}
+
 proto::Envelope ControlSocket::exchange(const proto::Envelope& envelope, const char* waiting_for) {
   send(envelope);
   return parse_or_throw(receive(waiting_for));

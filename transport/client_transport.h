@@ -194,6 +194,12 @@ proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vecto
 // be an operator's). Throws the executor's refusal, or a timeout naming it.
 proto::Stats request_stats(const std::string& endpoint, int timeout_ms, const ClientKeys& keys = {});
 
+// [Traces] (base_executor/tracing.h): starts the executor's trace, to be written to `path` on its
+// host (start), or stops it (start false, path unused) and returns where it was written. An operator
+// request, as request_stats; throws the executor's refusal.
+proto::TraceWritten request_trace(const std::string& endpoint, int timeout_ms, bool start, const std::string& path = "",
+                                  const ClientKeys& keys = {});
+
 // Where this process runs, for the Hello.
 proto::Placement local_placement(const std::string& device);
 

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 
@@ -223,6 +224,42 @@ TEST_F(ExecutorTest, StatisticsShowTheLatencyClassesApart) {
   EXPECT_EQ(seen[proto::INFERENCE_DECODE], std::make_pair(uint64_t{3}, uint64_t{3}));
   EXPECT_EQ(seen[proto::FINE_TUNING], std::make_pair(uint64_t{1}, uint64_t{5}));
   EXPECT_EQ(seen.count(proto::INFERENCE_PREFILL), 0u);
+}
+
+// [Traces] (base_executor/tracing.h): an operator's trace names each batch's calls by client and
+// request, as the client's own trace names them; a mistaken request is refused naming the problem.
+TEST_F(ExecutorTest, ATraceNamesEachBatchsCallsAndMistakesAreRefusedClearly) {
+  const auto dir = testing::temp_dir("executor-trace");
+  const auto path = (dir / "executor.trace.json").string();
+  const auto endpoint = executor_->endpoint();
+  const auto refused = [&](bool start, const std::string& where, const std::string& why) {
+    const auto message = testing::error_of([&] { request_trace(endpoint, 10000, start, where); });
+    EXPECT_NE(message.find(why), std::string::npos) << message;
+  };
+  refused(false, "", "no trace is running");
+  refused(true, (dir / "no/such/dir/t.json").string(), "cannot write the trace file");
+  EXPECT_EQ(request_trace(endpoint, 10000, true, path).path(), path);
+  refused(true, path, "a trace is running already");
+  auto client = connect();
+  const auto* q = client->find_layer("model.layers.0.self_attn.q_proj");
+  for (int i = 0; i < 3; ++i) client->forward(*q, at::randn({2, 4}), true);
+  const auto written = request_trace(endpoint, 10000, false);
+  EXPECT_EQ(written.path(), path);
+  EXPECT_EQ(written.batches(), 3u);
+  std::ifstream file(path);
+  const auto trace = nlohmann::json::parse(file);
+  std::set<std::string> batches;
+  for (const auto& event : trace.at("traceEvents")) {
+    const std::string name = event.value("name", "");
+    if (name.rfind("symbiosis::batch ", 0) == 0) batches.insert(name);
+  }
+  std::set<std::string> expected;
+  for (int request = 1; request <= 3; ++request) {
+    expected.insert("symbiosis::batch model.layers.0.self_attn.q_proj forward 2t c" +
+                    std::to_string(client->client_id()) + ":r" + std::to_string(request));
+  }
+  EXPECT_EQ(batches, expected);
+  EXPECT_EQ(executor_->stats().errors, 0u);  // an operator's mistakes are not the tenants' errors
 }
 
 TEST_F(ExecutorTest, HandshakeReturnsOnlyTheBaseLayers) {
