@@ -8,6 +8,8 @@ import collections
 import json
 import re
 
+from merge_traces import union_us
+
 
 def family(name):
     """A kernel's name without template arguments and launch details: one line per kind of kernel."""
@@ -30,16 +32,7 @@ def main():
         entry = by_family[family(e["name"]) if e["cat"] == "kernel" else e["cat"]]
         entry[0] += e["dur"]
         entry[1] += 1
-    # Busy time: the union of the kernels' intervals.
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
-    busy, end = 0.0, None
-    for start, stop in spans:
-        if end is None or start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
+    busy = union_us((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     n = args.iterations
     total = sum(v[0] for v in by_family.values())
     print(f"{len(kernels) / n:.0f} GPU operations per iteration, {total / n / 1e3:.2f} ms of kernel time, "
