@@ -16,9 +16,15 @@ when they are contiguous and of that dtype already); results come back in the in
 
 `weight` of a virtual layer is a BaseWeightStandIn: the replaced weight's shape, dtype and device
 (what PEFT reads to place its adapters), without its data (one NaN element, expanded: no memory).
-Anything that needs the values (merging an adapter into the base, DoRA's weight norm, reading it) is
-refused naming the layer, since the base lies on the executor. model.to(device or dtype) moves it.
+Anything that needs the values (merging an adapter into the base, reading it) is refused naming the
+layer, since the base lies on the executor. model.to(device or dtype) moves it.
+
+PEFT's DoRA, which reads W for its weight norm, runs on a virtual layer all the same: building the
+first virtual layer hooks PEFT's DoraLinearLayer (where PEFT is installed) so that, for a virtual
+base layer only, it computes the norm and the base term through the executor instead
+([DoRA on Python virtual layers], dora.py).
 """
+import importlib.util
 from typing import Callable, Optional
 
 import torch
@@ -97,8 +103,24 @@ class BaseWeightStandIn(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         layer = next((a.layer_name for a in args if isinstance(a, BaseWeightStandIn)), "?")
         raise Error(f"base layer {layer}: its weight lies on the executor, and '{name}' needs its values, "
-                    f"which this tenant never holds (merging an adapter into the base, DoRA and other "
-                    f"methods that read base weights cannot run on a virtual layer)")
+                    f"which this tenant never holds (merging an adapter into the base and other methods "
+                    f"that read base weights cannot run on a virtual layer)")
+
+
+_peft_dora_hooked = False
+
+
+def _hook_peft_dora() -> None:
+    """Where PEFT is installed, teaches its DoRA to run on virtual layers ([DoRA on Python virtual
+    layers]); once, when the first virtual layer is built, so that importing symbiosis alone does not
+    import PEFT."""
+    global _peft_dora_hooked
+    if not _peft_dora_hooked:
+        if importlib.util.find_spec("peft") is not None:
+            from .dora import hook_peft_dora
+
+            hook_peft_dora()
+        _peft_dora_hooked = True
 
 
 def _placeholder(like: Optional[torch.Tensor], client: Client) -> torch.Tensor:
@@ -114,6 +136,7 @@ class VirtualLinear(nn.Linear):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate the weight
         if layer.kind != "Linear":
             raise Error(f"layer {layer.name} is a {layer.kind}, not a Linear")
+        _hook_peft_dora()
         self.in_features = layer.in_features
         self.out_features = layer.out_features
         self.register_parameter("bias", None)  # the executor adds it
@@ -143,6 +166,7 @@ if _Conv1D is not None:
             nn.Module.__init__(self)  # not Conv1D's: it would allocate the weight
             if layer.kind != "Conv1D":
                 raise Error(f"layer {layer.name} is a {layer.kind}, not a Conv1D")
+            _hook_peft_dora()
             self.nx = layer.in_features
             self.nf = layer.out_features
             self.register_parameter("bias", None)
