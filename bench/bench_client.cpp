@@ -191,6 +191,10 @@ int main(int argc, char** argv) {
                  "warm-up, or with --go-file the window's first ones, beside the other clients' (then FILE.done "
                  "is written after it; bench/merge_traces.py merges them, docs/tracing.md)");
   app.add_option("--trace-iterations", trace_iterations, "iterations --trace covers")->capture_default_str();
+  int mps_thread_percentage = 0;
+  app.add_option("--mps-thread-percentage", mps_thread_percentage, "under MPS, the share of the GPU's SMs this "
+                 "process's own kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: all")
+      ->check(CLI::Range(0, 100));
   int op_profile = 0;
   app.add_option("--op-profile", op_profile, "after warm-up, profile this many iterations' host time by operation "
                  "(see [Op profile]) into the results");
@@ -198,6 +202,7 @@ int main(int argc, char** argv) {
   // [Inference first on the GPU]: under MPS, a fine-tuning tenant's kernels yield to inference's
   // (MPS client priority, read when CUDA starts; one set in the environment wins).
   if (mode == "finetune") ::setenv("CUDA_MPS_CLIENT_PRIORITY", "1", /*overwrite=*/0);
+  if (mps_thread_percentage > 0) ::setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(mps_thread_percentage).c_str(), 1);
   at::set_num_threads(threads);
   try {
     const at::Device device(device_name);

@@ -138,6 +138,9 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
     if (get("cuda_graph").get<bool>()) args.push_back("--cuda-graph");
     if (system != "monolithic" && get("mask").get<bool>()) args.push_back("--mask");
     if (system != "monolithic" && get("mask_effects_here").get<bool>()) args.push_back("--mask-effects-here");
+    if (c.contains("mps_thread_percentage")) {
+      args.insert(args.end(), {"--mps-thread-percentage", std::to_string(c["mps_thread_percentage"].get<int>())});
+    }
   }
   std::vector<std::string> common = {"--model", model.string(),
                                      "--mode", get("mode").get<std::string>(),

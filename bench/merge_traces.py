@@ -10,10 +10,13 @@ One row per process: each input's processes and GPU streams are renamed after it
 ("client0: GPU 0 stream 7"), as two processes' GPU rows would otherwise share the GPU's number.
 One arrow per hand-off: a client's call scope ("symbiosis::call c3:r17 ...") is linked to the
 executor's batch that computed it ("symbiosis::batch ... c3:r17 ..."), and that batch back to the
-call's end; a replay of captured calls ("symbiosis::replay c3:r100-r164") to each of its batches.
-The summary splits each linked call into to the batch (send, and the wait in the executor's queue),
-the batch (its GEMM and the delivery of every result in it) and back (the reply and the client's
-resume), by client and in all; and gives, over the span every trace covers, each process's GPU
+call's end when the call waited for it; a replay of captured calls ("symbiosis::replay
+c3:r100-r164") to each of its batches. A call ordered on the GPU ([Stream-ordered hand-off] in
+transport/call_ring.h) returns before its batch runs: it is linked to its batch, with no arrow back.
+The summary splits each linked call that waited into to the batch (send, and the wait in the
+executor's queue), the batch (its GEMM and the delivery of results, up to its own or the batch's
+end) and back (the reply and the client's resume), and gives a call ordered on the GPU its time to the batch only, by
+client and in all; and gives, over the span every trace covers, each process's GPU
 busy time (the union of its kernels) and the executor's batches: how many, of how many calls.
 """
 import argparse
@@ -88,7 +91,7 @@ def link(merged, scopes):
         elif m := CALL.match(name):
             calls.append((label, e, int(m.group(1)), int(m.group(2)), m.group(4)))
         elif m := REPLAY.match(name):
-            replays.append((e, int(m.group(1)), int(m.group(2)), int(m.group(3))))
+            replays.append((label, e, int(m.group(1)), int(m.group(2)), int(m.group(3))))
     for events in batches.values():
         events.sort(key=lambda e: e["ts"])
 
@@ -111,22 +114,31 @@ def link(merged, scopes):
     linked, unlinked = [], 0
     for label, call, client, request, op in calls:
         batch = batch_of(client, request, call["ts"])
-        end = call["ts"] + call["dur"]
-        if batch is None or batch["ts"] > end:
+        if batch is None:
             unlinked += 1
             continue
         arrow(call, call["ts"], batch, batch["ts"], "call")
-        batch_end = batch["ts"] + batch["dur"]
-        arrow(batch, batch_end - min(batch["dur"], 0.001), call, min(end, max(batch_end, call["ts"])), "result")
-        linked.append((label, op, batch["ts"] - call["ts"], batch["dur"], end - batch_end))
+        end, batch_end = call["ts"] + call["dur"], batch["ts"] + batch["dur"]
+        if end < batch["ts"]:  # ordered on the GPU: the call did not wait for its batch
+            linked.append((label, op, batch["ts"] - call["ts"], None, None))
+            continue
+        # The batch answers each call as it delivers it, so a call may end inside its batch.
+        answered = min(end, batch_end)
+        arrow(batch, answered - min(answered - batch["ts"], 0.001), call, end, "result")
+        linked.append((label, op, batch["ts"] - call["ts"], answered - batch["ts"], end - answered))
+    # A replay's calls follow each other: from one's batch to the next's is what a call costs there.
+    intervals = collections.defaultdict(list)  # label -> us between the batches of consecutive calls
     replayed = 0
-    for replay, client, first, last in replays:
+    for label, replay, client, first, last in replays:
+        starts = []
         for request in range(first, last + 1):
             batch = batch_of(client, request, replay["ts"])
             if batch is not None:
                 arrow(replay, replay["ts"], batch, batch["ts"], "replayed call")
-                replayed += 1
-    return linked, unlinked, replayed
+                starts.append(batch["ts"])
+        intervals[label] += [b - a for a, b in zip(starts, starts[1:])]
+        replayed += len(starts)
+    return linked, unlinked, replayed, intervals
 
 
 def union_us(spans):
@@ -172,21 +184,25 @@ def activity(inputs, merged, scopes):
 
 
 def figures(values):
-    values = sorted(values)
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
     return {"p50_us": statistics.median(values), "p90_us": values[int(0.9 * (len(values) - 1))],
             "mean_us": statistics.fmean(values)}
 
 
-def summarize(linked, unlinked, replayed):
+def summarize(linked, unlinked, replayed, intervals):
     groups = collections.defaultdict(list)
     for label, op, to_batch, batch, back in linked:
         groups["all"].append((to_batch, batch, back))
         groups[label].append((to_batch, batch, back))
     summary = {"linked_calls": len(linked), "unlinked_calls": unlinked, "linked_replayed_calls": replayed,
+               "replayed_call_interval_us": {label: figures(v) for label, v in sorted(intervals.items()) if v},
                "by_client": {}}
     for name, rows in groups.items():
         parts = {part: figures([row[i] for row in rows]) for i, part in enumerate(("to_batch", "batch", "back"))}
         parts["calls"] = len(rows)
+        parts["calls_ordered_on_the_gpu"] = sum(row[1] is None for row in rows)
         if name == "all":
             summary["all"] = parts
         else:
@@ -207,27 +223,32 @@ def main():
             sys.exit(f"'{item}': each trace is LABEL=PATH (e.g. executor=executor.trace.json)")
         inputs.append((label, path))
     merged, scopes = merge(inputs)
-    linked, unlinked, replayed = link(merged, scopes)
+    linked, unlinked, replayed, intervals = link(merged, scopes)
     origin = min((e["ts"] for e in merged if "ts" in e), default=0.0)
     for e in merged:
         if "ts" in e:
             e["ts"] = round(e["ts"] - origin, 3)
     with open(args.out, "w") as f:
         json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
-    summary = summarize(linked, unlinked, replayed)
+    summary = summarize(linked, unlinked, replayed, intervals)
     summary.update(activity(inputs, merged, scopes))
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f, indent=2)
-    print(f"merged {len(inputs)} traces into {args.out}: {len(linked)} calls linked to their batches, "
-          f"{unlinked} not, {replayed} replayed calls linked")
+    ordered = sum(row[3] is None for row in linked)
+    print(f"merged {len(inputs)} traces into {args.out}: {len(linked)} calls linked to their batches "
+          f"({ordered} ordered on the GPU), {unlinked} not, {summary['linked_replayed_calls']} replayed calls linked")
     print(f"{'calls of':<12} {'calls':>7}  {'to batch p50/p90 us':>20}  {'batch p50/p90 us':>18}  {'back p50/p90 us':>17}")
     rows = [("all", summary.get("all"))] + sorted(summary["by_client"].items())
     for name, parts in rows:
         if parts is None:
             continue
-        cells = [f"{parts[p]['p50_us']:.1f} / {parts[p]['p90_us']:.1f}" for p in ("to_batch", "batch", "back")]
+        cells = [f"{parts[p]['p50_us']:.1f} / {parts[p]['p90_us']:.1f}" if parts[p] else "-"
+                 for p in ("to_batch", "batch", "back")]
         print(f"{name:<12} {parts['calls']:>7}  {cells[0]:>20}  {cells[1]:>18}  {cells[2]:>17}")
+    for label, f in summary["replayed_call_interval_us"].items():
+        print(f"{label:<12} replayed calls: from one call's batch to the next's p50 {f['p50_us']:.1f} / "
+              f"p90 {f['p90_us']:.1f} us")
     if "common_span_ms" in summary:
         print(f"over the {summary['common_span_ms']:.1f} ms every trace covers:", end="")
         if "executor_batches" in summary:
