@@ -739,7 +739,38 @@ class JsonTokenizer : public Tokenizer {
   int64_t vocab_size_ = 0;
 };
 
-JsonTokenizer::JsonTokenizer(const json& file, const std::string& where, const TokenizerConfig& config) {
+// [Tokenizer classes]
+// transformers 5 loads a tokenizer.json as written unless tokenizer_config.json names a class that
+// builds its pipeline itself: it then keeps the file's vocabulary, merges, post-processor and added
+// tokens and makes the rest as the class says. Of those, LlamaTokenizer (and LlamaTokenizerFast, the
+// same class) is what Llama 2 and Mistral checkpoints name:
+//   model          BPE with fuse_unk and byte_fallback, no unk_token, none of the file's other options;
+//   normalizer     none (the file's Prepend and Replace, if any, are dropped);
+//   pre_tokenizer  Metaspace("▁", split false), prepending "▁" to the text's start ("first"), to every
+//                  piece between added tokens when `legacy` is true ("always"), or never when
+//                  add_prefix_space is false (legacy defaults to false, add_prefix_space to true);
+//   decoder        Replace("▁", " "), ByteFallback, Fuse, and Strip(" ", 1 from the left) with the prefix.
+// This returns the file as transformers builds it, so that the rest reads it as any other.
+json as_transformers_builds(json file, const TokenizerConfig& config) {
+  const bool llama = config.tokenizer_class == "LlamaTokenizer" || config.tokenizer_class == "LlamaTokenizerFast";
+  if (!llama || !file.contains("model") || file["model"].value("type", "BPE") != "BPE") return file;
+  const json& model = file["model"];
+  file["model"] = {{"type", "BPE"}, {"vocab", model.value("vocab", json::object())},
+                   {"merges", model.value("merges", json::array())}, {"fuse_unk", true}, {"byte_fallback", true}};
+  const bool prefix = config.add_prefix_space.value_or(true);
+  file["normalizer"] = nullptr;
+  file["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"split", false},
+                           {"prepend_scheme", !prefix ? "never" : config.legacy.value_or(false) ? "always" : "first"}};
+  json decoders = json::array({{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+                               {{"type", "ByteFallback"}},
+                               {{"type", "Fuse"}}});
+  if (prefix) decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+  file["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
+  return file;
+}
+
+JsonTokenizer::JsonTokenizer(const json& written, const std::string& where, const TokenizerConfig& config) {
+  const json file = as_transformers_builds(written, config);
   const json& model = field(file, "model", where);
   const std::string model_type = model.contains("type") ? type_of(model, where + ": model") : "BPE";
   TORCH_CHECK_NOT_IMPLEMENTED(model_type == "BPE", where, ": model.type '", model_type,
@@ -877,8 +908,15 @@ TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
   };
   config.bos_token = token("bos_token");
   config.eos_token = token("eos_token");
+  if (root.contains("tokenizer_class") && !root["tokenizer_class"].is_null()) {
+    TORCH_CHECK(root["tokenizer_class"].is_string(), where, ": tokenizer_class should be a string, got ",
+                root["tokenizer_class"].dump());
+    config.tokenizer_class = root["tokenizer_class"].get<std::string>();
+  }
   for (const auto& [name, slot] : {std::pair{"add_bos_token", &config.add_bos_token},
-                                   std::pair{"add_eos_token", &config.add_eos_token}}) {
+                                   std::pair{"add_eos_token", &config.add_eos_token},
+                                   std::pair{"legacy", &config.legacy},
+                                   std::pair{"add_prefix_space", &config.add_prefix_space}}) {
     if (!root.contains(name) || root[name].is_null()) continue;
     TORCH_CHECK(root[name].is_boolean(), where, ": ", name, " should be true or false, got ", root[name].dump());
     *slot = root[name].get<bool>();

@@ -19,10 +19,14 @@
 namespace symbiosis::text {
 
 // What tokenizer_config.json adds to the tokenizer files: the names of BOS and EOS, whether to add them
-// (SentencePiece models), and added tokens (added_tokens_decoder). Fields absent stay unset.
+// (SentencePiece models), added tokens (added_tokens_decoder), and the tokenizer class with the options
+// by which transformers builds some classes' pipelines itself ([Tokenizer classes] in tokenizer_json.cpp).
+// Fields absent stay unset.
 struct TokenizerConfig {
   std::optional<std::string> bos_token, eos_token;
   std::optional<bool> add_bos_token, add_eos_token;
+  std::optional<std::string> tokenizer_class;
+  std::optional<bool> legacy, add_prefix_space;
   struct AddedToken {
     int64_t id;
     std::string content;

@@ -14,15 +14,19 @@ Trains, on a small built-in corpus, one tokenizer per family, configured as that
   starcoder  tokenizer.json: Digits(individual_digits) + ByteLevel, <|endoftext|>, <fim_prefix>, ...
   spm_bpe    tokenizer.model: SentencePiece BPE with byte fallback (Llama 2, Mistral), add_bos_token
   spm_unigram tokenizer.model: SentencePiece unigram (T5-like models; Gemma's kind of model file)
-  llama2_json tokenizer.json: what transformers converts spm_bpe's model to (Metaspace, BPE with byte fallback)
-  llama2_legacy_json  the same with the Prepend/Replace normalizer of Llama 2's checkpoints on the Hub
+  llama2_json tokenizer.json: what transformers converts spm_bpe's model to (Metaspace, BPE with byte fallback),
+             LlamaTokenizer with legacy false
+  llama2_legacy_json  the same with the Prepend/Replace normalizer of Llama 2's checkpoints on the Hub, and
+             legacy true
 each with tokenizer_config.json. DIR/expected.json holds, per family, the cases
   {"text", "ids" (tokenizer(text) as transformers adds special tokens), "ids_plain" (add_special_tokens=False),
    "decoded" (decode(ids)), "decoded_skip" (decode(ids, skip_special_tokens=True))}
 for every corpus text, and decode-only cases {"ids", "decoded", "decoded_skip"} of random ids (pieces of UTF-8
 characters among them), with "bos", "eos" and "vocab_size".
-The tokenizer.json families' reference is the `tokenizers` package (what transformers' fast tokenizers run); the
-SentencePiece ones' is the `sentencepiece` package with the rule in spm_encode below.
+The tokenizer.json families' reference is transformers' AutoTokenizer (which runs the file as written for
+PreTrainedTokenizerFast, and builds LlamaTokenizer's pipeline itself: [Tokenizer classes] in
+client_runtime/text/tokenizer_json.cpp); the SentencePiece ones' is the `sentencepiece` package with the rule in
+spm_encode below.
 Exit status 3 when a Python package is missing (the C++ test then skips).
 """
 import argparse
@@ -74,6 +78,9 @@ CORPUS = [
     "punctuation!!! ??? ... --- ___ ***",
     "zero\u200bwidth and non\u00a0breaking and ideographic\u3000space",
     "unknown scripts: ᚠᛇᚻ ꦧꦱꦗ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀",
+    "  two leading",
+    "İstanbul İ ı ǅ ẞ ﬁ",  # special casing
+    "mixed scripts: abcабвαβγ日本ab12",
 ]
 
 
@@ -109,6 +116,9 @@ def special_cases(specials):
         f"{a}{b}{a}",
         f"text{a}\n{b}\n\nmore text {a}",
         f"  {a}  spaced  {b}  ",
+        f" {b} ",
+        f"x{b}y",
+        f"{b}  two leading",
     ]
 
 
@@ -180,16 +190,22 @@ def train_byte_level(name, out_dir):
     config.update({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False})
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    return auto_tokenizer(out_dir, specials)
+
+
+def auto_tokenizer(out_dir, specials):
+    """What transformers' AutoTokenizer makes of the checkpoint's tokenizer files: the reference."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(out_dir)
 
     def encode(text, add_special_tokens):
-        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(ids, skip):
         return tok.decode(ids, skip_special_tokens=skip)
 
-    bos, eos = config["bos_token"], config["eos_token"]
-    return (encode, decode, specials, tok.token_to_id(bos) if bos else None, tok.token_to_id(eos),
-            tok.get_vocab_size(with_added_tokens=True))
+    return encode, decode, specials, tok.bos_token_id, tok.eos_token_id, len(tok)
 
 
 def train_sentencepiece(model_type, out_dir, work_dir):
@@ -251,10 +267,10 @@ def train_sentencepiece(model_type, out_dir, work_dir):
 
 def converted_llama2(spm_dir, out_dir, legacy):
     """The tokenizer.json transformers writes for the SentencePiece BPE model (Metaspace with prepend_scheme
-    "first", BPE with byte fallback, the Replace/ByteFallback/Fuse/Strip decoders); with `legacy`, the normalizer
-    of the Llama 2 checkpoints on the Hub instead (Prepend("▁") and Replace(" ", "▁"), no pre-tokenizer)."""
+    "first", BPE with byte fallback, the Replace/ByteFallback/Fuse/Strip decoders), its tokenizer_config.json's
+    legacy false; with `legacy`, the normalizer of the Llama 2 checkpoints on the Hub instead (Prepend("▁") and
+    Replace(" ", "▁"), no pre-tokenizer) and legacy true. What AutoTokenizer makes of them is the reference."""
     import transformers
-    from tokenizers import Tokenizer
 
     converted = transformers.AutoTokenizer.from_pretrained(spm_dir)
     converted.save_pretrained(out_dir)
@@ -268,16 +284,13 @@ def converted_llama2(spm_dir, out_dir, legacy):
         file["pre_tokenizer"] = None
         with open(path, "w") as f:
             json.dump(file, f, ensure_ascii=False)
-    tok = Tokenizer.from_file(path)
-
-    def encode(text, add_special_tokens):
-        return tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(ids, skip):
-        return tok.decode(ids, skip_special_tokens=skip)
-
-    return (encode, decode, ["<s>", "</s>"], converted.bos_token_id, converted.eos_token_id,
-            tok.get_vocab_size(with_added_tokens=True))
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["legacy"] = legacy
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=1)
+    return auto_tokenizer(out_dir, ["<s>", "</s>"])
 
 
 def main() -> int:
