@@ -110,6 +110,9 @@ std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& 
 }
 
 }  // namespace
+
+void bind_generator(py::module_& m);  // generator_binding.cpp
+
 }  // namespace symbiosis
 
 PYBIND11_MODULE(_C, m) {
@@ -196,4 +199,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("calls", &Client::calls)
       .def_property_readonly("connection", &Client::connection)
       .def_property_readonly("masked", [](const Client& c) { return c.noise_mask() != nullptr; });
+
+  symbiosis::bind_generator(m);
 }

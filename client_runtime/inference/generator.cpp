@@ -307,19 +307,27 @@ void Generator::run() {
 std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRequest>& requests) {
   std::vector<GenerationResult> results(requests.size());
   std::vector<uint64_t> ids;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    auto& result = results[i];
-    result.prompt_ids = requests[i].prompt_ids;
-    ids.push_back(submit(requests[i], [&result](const TokenEvent& event) {
-      if (event.token >= 0) {
-        result.output_ids.push_back(event.token);
-        result.logprobs.push_back(event.logprob);
-      }
-      if (event.finished) {
-        result.finish_reason = *event.finished;
-        result.error = event.error;
-      }
-    }));
+  try {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      auto& result = results[i];
+      result.prompt_ids = requests[i].prompt_ids;
+      ids.push_back(submit(requests[i], [&result](const TokenEvent& event) {
+        if (event.token >= 0) {
+          result.output_ids.push_back(event.token);
+          result.logprobs.push_back(event.logprob);
+        }
+        if (event.finished) {
+          result.finish_reason = *event.finished;
+          result.error = event.error;
+        }
+      }));
+    }
+  } catch (...) {
+    // A refused request refuses the batch: the ones submitted before it leave now, while the
+    // results their callbacks write to still exist.
+    for (const uint64_t id : ids) cancel(id);
+    run();
+    throw;
   }
   run();
   for (size_t i = 0; i < requests.size(); ++i) {

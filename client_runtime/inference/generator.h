@@ -132,7 +132,8 @@ class Generator {
   bool step();
   // Steps until no request is running or waiting.
   void run();
-  // Submits every request, runs, and returns their results in order (what a batch job wants).
+  // Submits every request, runs, and returns their results in order (what a batch job wants). A
+  // request submit() refuses throws its error, and none of them runs.
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
 
   int64_t running() const;  // requests holding a cache slot

@@ -23,6 +23,7 @@ except ImportError as error:  # pragma: no cover - says what is missing instead 
     ) from error
 
 from .client import Client, Error, LayerInfo, ResultsLost, model_hash  # noqa: E402
+from .generation import Generation, Generator  # noqa: E402
 from .virtual import BaseWeightStandIn, VirtualConv1D, VirtualLinear, is_virtual, virtualize  # noqa: E402
 from .weights import empty_parameters, from_pretrained, load_weights  # noqa: E402
 
@@ -30,6 +31,8 @@ __all__ = [
     "BaseWeightStandIn",
     "Client",
     "Error",
+    "Generation",
+    "Generator",
     "LayerInfo",
     "ResultsLost",
     "VirtualConv1D",
