@@ -51,6 +51,8 @@
 #                  bench/bench_main.cpp, docs/tracing.md): decode at N = 1 and 8 (or TRACE_COUNTS) with the
 #                  monolithic baseline, and the mixed workload with each group alone; each run's trace_summary
 #                  and the merged traces that fit go back in traces.tgz (open them in ui.perfetto.dev)
+#   python-generate  a Python tenant's generation, symbiosis.Generator (split and monolithic) against transformers +
+#                  PEFT generate (bench/python_generate.py: Llama-3.2-1B, bf16, 8 prompts of 512 + 128 tokens), under MPS
 #   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
 #   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
@@ -304,7 +306,7 @@ python_package() {
   local ext=/tmp/symbiosis-python torch_dir="$site/torch"
   mkdir -p $ext/symbiosis
   c++ -O2 -fPIC -shared -fvisibility=hidden -std=gnu++20 -I"$root" $(python3 -m pybind11 --includes) \
-    -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include" "$root/python/client_binding.cpp" \
+    -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include" "$root/python/client_binding.cpp" "$root/python/generator_binding.cpp" \
     -o "$ext/symbiosis/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
     -Wl,--push-state,--no-as-needed "$(c++ -print-file-name=libstdc++.so.6)" -Wl,--pop-state \
     -L"$B/client_runtime" -L"$B/virt_layer" -L"$torch_dir/lib" -lsymbiosis_client -lsymbiosis_virt_layer \
@@ -757,6 +759,16 @@ PY
           [ -s "$f" ] && { echo "== $f"; tail -6 "$f"; }
         done
       fi
+      mps_off
+      ;;
+    python-generate)
+      python_package || continue
+      mps_on
+      python3 bench/python_generate.py --build "$B" --preset llama-3.2-1b --dtype bf16 --device cuda:0 \
+        --prompts "${PYGEN_PROMPTS:-8}" --prompt-tokens 512 --new-tokens 128 --out "$out/python-generate.json" \
+        > $logs/python-generate.txt 2>&1
+      log "python-generate exited $?"
+      grep -E "tokens/s|Error|error" $logs/python-generate.txt | tail -8
       mps_off
       ;;
     python)
