@@ -57,8 +57,10 @@ function(symbiosis_precompiled_headers)
   foreach(target ${targets})
     get_target_property(type ${target} TYPE)
     get_target_property(sources ${target} SOURCES)
-    # Not the Python module (a MODULE, of its own visibility) nor targets of CUDA sources (nvcc).
-    if(target MATCHES "^symbiosis_pch_" OR NOT sources OR sources MATCHES "\\.cu(;|$)"
+    # Not the Python module (a MODULE, of its own visibility). A target's CUDA sources get no
+    # precompiled header (CMake gives them none; nvcc takes none), its C++ sources do ([Torch-free
+    # kernels] in kernels/launch.h).
+    if(target MATCHES "^symbiosis_pch_" OR NOT sources
        OR NOT type MATCHES "^(EXECUTABLE|STATIC_LIBRARY|SHARED_LIBRARY|OBJECT_LIBRARY)$")
       continue()
     endif()

@@ -1,16 +1,20 @@
-#include "kernels/cross_entropy.h"
+// [Torch-free kernels] (kernels/launch.h): [Fused cross-entropy]'s kernels;
+// kernels/cross_entropy.cpp checks and launches.
+#include "kernels/cross_entropy_launch.h"
 
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/macros/Macros.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
 
-#include <limits>
+// As LibTorch's CUDA_KERNEL_ASSERT: a device-side assertion, checked with NDEBUG too.
+#define SYMBIOSIS_KERNEL_ASSERT(cond)                                                \
+  do {                                                                               \
+    if (__builtin_expect(!(cond), 0)) {                                              \
+      __assert_fail(#cond, __FILE__, static_cast<unsigned int>(__LINE__), __func__); \
+    }                                                                                \
+  } while (0)
 
-#include "kernels/device_guard.h"
-
-namespace symbiosis::kernels {
+namespace symbiosis::kernels::device {
 namespace {
 
 constexpr int kThreads = 512;
@@ -75,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
     losses[row] = 0.f;
     return;
   }
-  CUDA_KERNEL_ASSERT(label >= 0 && label < vocab && "cross-entropy label outside the vocabulary");
+  SYMBIOSIS_KERNEL_ASSERT(label >= 0 && label < vocab && "cross-entropy label outside the vocabulary");
   losses[row] = lse - static_cast<float>(x[label]);
 }
 
@@ -104,9 +108,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // Whole 16-byte vectors a row where the rows allow it, single elements otherwise.
 template <typename T, typename Launch>
-void with_width(const at::Tensor& logits, Launch&& launch) {
+void with_width(const T* logits, int64_t vocab, Launch&& launch) {
   constexpr int kVector = 16 / sizeof(T);
-  const bool vectors = logits.size(1) % kVector == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  const bool vectors = vocab % kVector == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vectors) {
     launch(std::integral_constant<int, kVector>{});
   } else {
@@ -114,66 +118,34 @@ void with_width(const at::Tensor& logits, Launch&& launch) {
   }
 }
 
-template <typename Launch>
-void with_type(const at::Tensor& logits, Launch&& launch) {
-  switch (logits.scalar_type()) {
-    case at::kFloat: return with_width<float>(logits, [&](auto w) { launch(float{}, w); });
-    case at::kBFloat16: return with_width<__nv_bfloat16>(logits, [&](auto w) { launch(__nv_bfloat16{}, w); });
-    case at::kHalf: return with_width<__half>(logits, [&](auto w) { launch(__half{}, w); });
-    default: TORCH_CHECK(false, "cross-entropy: logits of dtype ", logits.scalar_type(), ", expected fp32, bf16 or fp16");
-  }
-}
-
-void check_operands(const at::Tensor& logits, const at::Tensor& labels) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0 &&
-                  logits.size(0) <= std::numeric_limits<int32_t>::max(),
-              "cross-entropy: logits must be a contiguous CUDA tensor [tokens, vocab], got ", logits.sizes(), " on ",
-              logits.device());
-  TORCH_CHECK(labels.device() == logits.device() && labels.scalar_type() == at::kLong && labels.dim() == 1 &&
-                  labels.size(0) == logits.size(0) && labels.is_contiguous(),
-              "cross-entropy: labels must be int64 [", logits.size(0), "] on ", logits.device(), ", got ",
-              labels.scalar_type(), " ", labels.sizes(), " on ", labels.device());
-}
-
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& labels,
-                                                        int64_t ignore_index) {
-  const auto device_guard = on_device_of(logits);  // [Operands' device]
-  check_operands(logits, labels);
-  const auto rows = logits.size(0);
-  auto losses = at::empty({rows}, logits.options().dtype(at::kFloat));
-  auto lse = at::empty({rows}, logits.options().dtype(at::kFloat));
-  if (rows == 0) return {losses, lse};
-  with_type(logits, [&](auto type, auto width) {
-    using T = decltype(type);
-    forward_kernel<T, decltype(width)::value><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        static_cast<const T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), logits.size(1), ignore_index,
-        lse.data_ptr<float>(), losses.data_ptr<float>());
+template <typename T>
+cudaError_t cross_entropy_forward(const T* logits, const int64_t* labels, int64_t rows, int64_t vocab,
+                                  int64_t ignore_index, float* lse, float* losses, cudaStream_t stream) {
+  with_width(logits, vocab, [&](auto width) {
+    forward_kernel<T, decltype(width)::value><<<rows, kThreads, 0, stream>>>(logits, labels, vocab, ignore_index, lse,
+                                                                             losses);
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {losses, lse};
+  return cudaGetLastError();
 }
 
-at::Tensor cross_entropy_backward(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
-                                  const at::Tensor& scale, int64_t ignore_index) {
-  const auto device_guard = on_device_of(logits);  // [Operands' device]
-  check_operands(logits, labels);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.numel() == logits.size(0) && lse.is_contiguous() &&
-                  lse.device() == logits.device(),
-              "cross-entropy backward: lse must be fp32 [", logits.size(0), "] on ", logits.device());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1 && scale.device() == logits.device(),
-              "cross-entropy backward: scale must be one fp32 value on ", logits.device());
-  auto grad = at::empty_like(logits);
-  if (logits.size(0) == 0) return grad;
-  with_type(logits, [&](auto type, auto width) {
-    using T = decltype(type);
-    backward_kernel<T, decltype(width)::value><<<logits.size(0), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        static_cast<const T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), lse.data_ptr<float>(),
-        scale.data_ptr<float>(), logits.size(1), ignore_index, static_cast<T*>(grad.data_ptr()));
+template <typename T>
+cudaError_t cross_entropy_backward(const T* logits, const int64_t* labels, const float* lse, const float* scale,
+                                   int64_t rows, int64_t vocab, int64_t ignore_index, T* grad, cudaStream_t stream) {
+  with_width(logits, vocab, [&](auto width) {
+    backward_kernel<T, decltype(width)::value><<<rows, kThreads, 0, stream>>>(logits, labels, lse, scale, vocab,
+                                                                              ignore_index, grad);
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return grad;
+  return cudaGetLastError();
 }
 
-}  // namespace symbiosis::kernels
+#define SYMBIOSIS_INSTANTIATE(T)                                                                                     \
+  template cudaError_t cross_entropy_forward<T>(const T*, const int64_t*, int64_t, int64_t, int64_t, float*, float*, \
+                                                cudaStream_t);                                                       \
+  template cudaError_t cross_entropy_backward<T>(const T*, const int64_t*, const float*, const float*, int64_t,      \
+                                                 int64_t, int64_t, T*, cudaStream_t);
+SYMBIOSIS_FOR_KERNEL_TYPES(SYMBIOSIS_INSTANTIATE)
+#undef SYMBIOSIS_INSTANTIATE
+
+}  // namespace symbiosis::kernels::device

@@ -1,43 +1,29 @@
-#include "kernels/decode_attention.h"
-
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
+// [Torch-free kernels] (kernels/launch.h): [Fused decode attention]'s kernels;
+// kernels/decode_attention.cpp checks, allocates and launches.
+#include "kernels/decode_attention_launch.h"
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
+#include <cstdint>
 
-#include "kernels/device_guard.h"
-
-namespace symbiosis::kernels {
+namespace symbiosis::kernels::device {
 namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kChunk = 128;           // keys a block takes: the chunks of one (sequence, kv head) run side by side
-constexpr int kUnroll = 4;            // keys a warp loads before it uses the first: loads in flight hide their latency
-constexpr int kMaxGroup = 8;          // query heads per kv head
-constexpr int kMaxGroupDims = 512;    // group x head_dim: the warps' partial sums fit shared memory
+constexpr int kUnroll = 4;  // keys a warp loads before it uses the first: loads in flight hide their latency
+// The header's names, as the kernels use them.
+constexpr int kChunk = kAttentionChunk;
+constexpr int kMaxGroup = kAttentionMaxGroup;
+constexpr int kMaxGroupDims = kAttentionMaxGroupDims;
+using Rows = AttentionRows;
+using Partials = AttentionPartials;
 
 __device__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
-
-// Strides of a [B, heads, head_dim] operand whose last dimension is contiguous.
-struct Rows {
-  int64_t sequence, head;
-};
-
-// Where a block leaves its chunk's result for merge_kernel: per (sequence, query head, chunk), the
-// maximum score m, the sum l of e^(score - m) and the sum acc of e^(score - m) value, in fp32.
-struct Partials {
-  float* m;    // [B, heads, chunks]
-  float* l;    // [B, heads, chunks]
-  float* acc;  // [B, heads, chunks, head_dim]
-  int chunks;
-};
 
 // One block per (sequence b, kv head h, chunk c of kChunk keys); each lane holds kPerLane
 // consecutive elements of a row. Chunks past the sequence's position leave m = -inf.
@@ -164,82 +150,39 @@ __global__ void merge_kernel(Partials partials, T* out, int dim) {
 }
 
 template <typename T, int kPerLane>
-void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values,
-            const at::Tensor& slots, const at::Tensor& positions, at::Tensor& out, int group) {
-  const int64_t sequences = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2), tokens = keys.size(2);
-  // As many chunks as the cache's capacity needs: the grid must not depend on the positions, which
-  // a captured step reads on the device only.
-  const int chunks = static_cast<int>((tokens + kChunk - 1) / kChunk);
-  const auto floats = q.options().dtype(at::kFloat);
-  const auto m = at::empty({sequences, heads, chunks}, floats), l = at::empty({sequences, heads, chunks}, floats);
-  const auto acc = at::empty({sequences, heads, chunks, dim}, floats);
-  const Partials partials{m.data_ptr<float>(), l.data_ptr<float>(), acc.data_ptr<float>(), chunks};
-  const dim3 grid(static_cast<unsigned>(sequences), static_cast<unsigned>(kv_heads), static_cast<unsigned>(chunks));
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  decode_attention_kernel<T, kPerLane><<<grid, kThreads, 0, stream>>>(
-      q.data_ptr<T>(), {q.stride(0), q.stride(1)}, k.data_ptr<T>(), {k.stride(0), k.stride(1)}, v.data_ptr<T>(),
-      {v.stride(0), v.stride(1)}, keys.data_ptr<T>(), values.data_ptr<T>(), slots.data_ptr<int64_t>(),
-      positions.data_ptr<int64_t>(), partials, kv_heads, group, tokens, scale);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  merge_kernel<T><<<static_cast<unsigned>(sequences * heads), static_cast<unsigned>(dim), 0, stream>>>(
-      partials, out.data_ptr<T>(), static_cast<int>(dim));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+cudaError_t launch(const AttentionOperands<T>& o, Partials partials, cudaStream_t stream) {
+  const int group = static_cast<int>(o.heads / o.kv_heads);
+  const dim3 grid(static_cast<unsigned>(o.sequences), static_cast<unsigned>(o.kv_heads),
+                  static_cast<unsigned>(partials.chunks));
+  const float scale = 1.f / std::sqrt(static_cast<float>(o.dim));
+  decode_attention_kernel<T, kPerLane><<<grid, kThreads, 0, stream>>>(o.q, o.q_rows, o.k, o.k_rows, o.v, o.v_rows,
+                                                                      o.keys, o.values, o.slots, o.positions, partials,
+                                                                      o.kv_heads, group, o.tokens, scale);
+  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  merge_kernel<T><<<static_cast<unsigned>(o.sequences * o.heads), static_cast<unsigned>(o.dim), 0, stream>>>(
+      partials, o.out, static_cast<int>(o.dim));
+  return cudaGetLastError();
 }
 
 }  // namespace
 
-bool decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim, at::ScalarType dtype) {
-  const bool dtype_ok = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
-  return dtype_ok && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && head_dim % 32 == 0 &&
-         head_dim >= 32 && head_dim <= 256 && heads / kv_heads * head_dim <= kMaxGroupDims;
+template <typename T>
+cudaError_t decode_attention(const AttentionOperands<T>& operands, AttentionPartials partials, cudaStream_t stream) {
+  switch (operands.dim / 32) {
+    case 1: return launch<T, 1>(operands, partials, stream);
+    case 2: return launch<T, 2>(operands, partials, stream);
+    case 3: return launch<T, 3>(operands, partials, stream);
+    case 4: return launch<T, 4>(operands, partials, stream);
+    case 5: return launch<T, 5>(operands, partials, stream);
+    case 6: return launch<T, 6>(operands, partials, stream);
+    case 7: return launch<T, 7>(operands, partials, stream);
+    default: return launch<T, 8>(operands, partials, stream);
+  }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& keys,
-                            at::Tensor& values, const at::Tensor& slots, const at::Tensor& positions) {
-  const auto device_guard = on_device_of(q);  // [Operands' device]
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(2) == k.size(2) && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-              "decode_attention: q must be [B, heads, head_dim] and k, v [B, kv_heads, head_dim], the last dimension "
-              "contiguous, got ",
-              q.sizes(), ", ", k.sizes(), " and ", v.sizes());
-  const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
-  TORCH_CHECK(decode_attention_supports(heads, kv_heads, dim, q.scalar_type()),
-              "decode_attention: ", heads, " heads over ", kv_heads, " kv heads of ", dim, " in ", q.scalar_type(),
-              " are not supported (see decode_attention_supports)");
-  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous() &&
-                  keys.size(1) == kv_heads && keys.size(3) == dim,
-              "decode_attention: the cache must be two contiguous [slots, ", kv_heads, ", tokens, ", dim,
-              "] tensors, got ", keys.sizes(), " and ", values.sizes());
-  TORCH_CHECK(slots.dim() == 1 && positions.dim() == 1 && slots.size(0) == q.size(0) && positions.size(0) == q.size(0) &&
-                  slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
-              "decode_attention: slots and positions must be [", q.size(0), "] int64, got ", slots.sizes(), " ",
-              slots.scalar_type(), " and ", positions.sizes(), " ", positions.scalar_type());
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &keys, &values, &slots, &positions}) {
-    TORCH_CHECK(t->device() == q.device(), "decode_attention: every operand must be on ", q.device(), ", one is on ",
-                t->device());
-  }
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &keys, &values}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "decode_attention: every operand must be ", q.scalar_type(),
-                ", one is ", t->scalar_type());
-  }
-  TORCH_CHECK(q.is_cuda(), "decode_attention: the operands must be on a GPU, got ", q.device());
-  auto out = at::empty({q.size(0), heads, dim}, q.options());
-  if (q.size(0) == 0) return out;
-  const int group = static_cast<int>(heads / kv_heads);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    switch (dim / 32) {
-      case 1: return launch<scalar_t, 1>(q, k, v, keys, values, slots, positions, out, group);
-      case 2: return launch<scalar_t, 2>(q, k, v, keys, values, slots, positions, out, group);
-      case 3: return launch<scalar_t, 3>(q, k, v, keys, values, slots, positions, out, group);
-      case 4: return launch<scalar_t, 4>(q, k, v, keys, values, slots, positions, out, group);
-      case 5: return launch<scalar_t, 5>(q, k, v, keys, values, slots, positions, out, group);
-      case 6: return launch<scalar_t, 6>(q, k, v, keys, values, slots, positions, out, group);
-      case 7: return launch<scalar_t, 7>(q, k, v, keys, values, slots, positions, out, group);
-      default: return launch<scalar_t, 8>(q, k, v, keys, values, slots, positions, out, group);
-    }
-  });
-  return out;
-}
+#define SYMBIOSIS_INSTANTIATE(T)                                                                          \
+  template cudaError_t decode_attention<T>(const AttentionOperands<T>&, AttentionPartials, cudaStream_t);
+SYMBIOSIS_FOR_KERNEL_TYPES(SYMBIOSIS_INSTANTIATE)
+#undef SYMBIOSIS_INSTANTIATE
 
-}  // namespace symbiosis::kernels
+}  // namespace symbiosis::kernels::device

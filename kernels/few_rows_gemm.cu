@@ -1,16 +1,11 @@
-#include "kernels/few_rows_gemm.h"
+// [Torch-free kernels] (kernels/launch.h): [Few-row GEMM]'s kernel; kernels/few_rows_gemm.cpp
+// checks and launches.
+#include "kernels/few_rows_gemm_launch.h"
 
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+#include <cstdint>
 #include <type_traits>
 
-#include "kernels/device_guard.h"
-#include "kernels/gemm_operands.h"
-
-namespace symbiosis::kernels {
+namespace symbiosis::kernels::device {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;  // one output column each
@@ -99,24 +94,14 @@ __global__ void few_rows_kernel(const T* __restrict__ x, const T* __restrict__ w
   }
 }
 
-// Rows of `k` elements of this size, starting at `data`, are whole 16-byte vectors.
-bool whole_vectors(const void* data, int64_t k, int64_t element_size) {
-  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && (k * element_size) % 16 == 0;
-}
+}  // namespace
 
 template <typename T>
-void launch(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
-  const int64_t n = matrix.size(1);
-  const int rows = static_cast<int>(x.size(0));
+cudaError_t few_rows_gemm(const T* x, const T* weight, T* out, int rows, int64_t n, int64_t k, cudaStream_t stream) {
   const dim3 blocks(static_cast<unsigned>((n + kWarpsPerBlock - 1) / kWarpsPerBlock)), threads(kWarpsPerBlock * 32);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto* x_data = static_cast<const T*>(x.data_ptr());
-  const auto* weight = static_cast<const T*>(matrix.data_ptr());
-  auto* out_data = static_cast<T*>(out.data_ptr());
   // The kernel for the smallest bound that holds `rows`.
   auto run = [&](auto bound) {
-    few_rows_kernel<T, decltype(bound)::value><<<blocks, threads, 0, stream>>>(x_data, weight, out_data, rows, n,
-                                                                                x.size(1));
+    few_rows_kernel<T, decltype(bound)::value><<<blocks, threads, 0, stream>>>(x, weight, out, rows, n, k);
   };
   if (rows == 1) {
     run(std::integral_constant<int, 1>{});
@@ -125,26 +110,12 @@ void launch(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   } else {
     run(std::integral_constant<int, kFewRowsMax>{});
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
-}  // namespace
+#define SYMBIOSIS_INSTANTIATE(T)                                                                      \
+  template cudaError_t few_rows_gemm<T>(const T*, const T*, T*, int, int64_t, int64_t, cudaStream_t);
+SYMBIOSIS_FOR_KERNEL_TYPES(SYMBIOSIS_INSTANTIATE)
+#undef SYMBIOSIS_INSTANTIATE
 
-bool few_rows_gemm(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
-  const auto device_guard = on_device_of(x);  // [Operands' device]
-  if (!gemm_operands(x, matrix, out)) return false;
-  const int64_t m = x.size(0), k = x.size(1), n = matrix.size(1);
-  if (m < 1 || m > kFewRowsMax || n < 1) return false;
-  // matrix is Wᵀ for a row-major W [n, k]: its rows are W's columns, one stride apart.
-  if (matrix.stride(0) != 1 || matrix.stride(1) != k) return false;
-  const auto element = x.element_size();
-  if (!whole_vectors(x.data_ptr(), k, element) || !whole_vectors(matrix.data_ptr(), k, element)) return false;
-  switch (x.scalar_type()) {
-    case at::kFloat: launch<float>(x, matrix, out); break;
-    case at::kBFloat16: launch<__nv_bfloat16>(x, matrix, out); break;
-    default: launch<__half>(x, matrix, out); break;
-  }
-  return true;
-}
-
-}  // namespace symbiosis::kernels
+}  // namespace symbiosis::kernels::device

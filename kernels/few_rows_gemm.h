@@ -14,11 +14,9 @@
 
 #include <cstdint>
 
-namespace symbiosis::kernels {
+#include "kernels/few_rows_gemm_launch.h"  // kFewRowsMax
 
-// Up to here the kernel's GPU time is about cuBLAS's (H200, [2048, 2048] bf16: 4.4, 5.5 and 6.4 µs
-// for 1, 2 and 4 rows against cuBLAS's 6.0); at 8 rows it took 10.2, so more rows go to cuBLAS.
-constexpr int64_t kFewRowsMax = 4;
+namespace symbiosis::kernels {
 
 // out = x · matrix on the current CUDA stream, for x [M, K] contiguous with M ≤ kFewRowsMax, matrix
 // [K, N] the transpose of a contiguous W [N, K] (a Linear's forward operand), out [M, N]

@@ -13,6 +13,8 @@
 
 #include <vector>
 
+#include "kernels/lora_launch.h"  // kLoraMaxMembers, kLoraMaxRankTotal
+
 namespace symbiosis::kernels {
 
 // One adapted member of a group: its columns [column, column + width) of the stacked output, its
@@ -25,9 +27,6 @@ struct LoraMember {
   int64_t h_column = 0;
   double scaling = 1.0;
 };
-
-constexpr int kLoraMaxMembers = 4;
-constexpr int64_t kLoraMaxRankTotal = 256;  // the members' ranks added up
 
 // base: [rows, C] (last dimension contiguous), h: [rows, R] contiguous, both of one floating dtype
 // on one GPU; members (1 to kLoraMaxMembers, their ranks adding up to at most kLoraMaxRankTotal)

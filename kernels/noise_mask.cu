@@ -1,18 +1,19 @@
-#include "kernels/noise_mask.h"
+// [Torch-free kernels] (kernels/launch.h): [Fused noise masking]'s kernels;
+// kernels/noise_mask.cpp checks, allocates and launches. The noise choice, which the host shares
+// (privacy/noise_choice.h), is the one use of LibTorch here: ATen's header-only Philox generator,
+// whose header uses AT_ASSERT without including c10/util/Exception.h.
+#include "kernels/noise_mask_launch.h"
 
-#include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
 
-#include "kernels/device_guard.h"
 #include "privacy/noise_choice.h"
 
-namespace symbiosis::kernels {
+namespace symbiosis::kernels::device {
 namespace {
 
 constexpr int kThreads = 256;
@@ -124,91 +125,48 @@ bool vectorizable(int64_t features, std::initializer_list<int64_t> strides, std:
   return true;
 }
 
-void check_rows(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1), "noise mask: ", what,
-              " must be a [rows, features] GPU tensor with contiguous rows, got ", t.sizes(), " on ", t.device());
-}
-
-void check_table(const at::Tensor& table, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(table.is_contiguous() && table.device() == like.device() && table.scalar_type() == like.scalar_type() &&
-                  table.dim() == 2 && table.size(1) == like.size(1),
-              "noise mask: ", what, " must be [bank_rows, ", like.size(1), "] in ", like.scalar_type(), " on ",
-              like.device(), ", got ", table.sizes(), " in ", table.scalar_type(), " on ", table.device());
-}
-
 }  // namespace
 
-MaskedRows mask_rows(const at::Tensor& x, const at::Tensor& bank, const at::Tensor& call, uint64_t secret, int64_t mix,
-                     double ratio) {
-  check_rows(x, "x");
-  check_table(bank, x, "the bank");
-  TORCH_CHECK(call.device() == x.device() && call.scalar_type() == at::kLong && call.numel() == 1,
-              "noise mask: the call number must be one int64 on ", x.device());
-  TORCH_CHECK(mix >= 1 && mix <= kMaxNoiseMix, "noise mask: mix must be in [1, ", kMaxNoiseMix, "], got ", mix);
-  const auto device_guard = on_device_of(x);  // [Operands' device]
-  const int64_t rows = x.size(0), features = x.size(1);
-  MaskedRows result{at::empty({rows, features}, x.options()), at::empty({rows, mix}, x.options().dtype(at::kInt)),
-                    // s = ratio × RMS(x) = factor × ‖x‖, the norm left on the GPU
-                    at::linalg_vector_norm(x, 2, std::nullopt, false, at::kFloat),
-                    x.numel() > 0 ? ratio / std::sqrt(static_cast<double>(x.numel())) : 0.0};
-  if (rows == 0 || features == 0) return result;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mask_rows", [&] {
-    using T = scalar_t;
-    const T *in = x.data_ptr<T>(), *table = bank.data_ptr<T>();
-    T* out = result.masked.data_ptr<T>();
-    auto launch = [&](auto vec) {
-      mask_kernel<T, decltype(vec)::value><<<rows, kThreads, 0, stream>>>(
-          in, x.stride(0), table, features, bank.size(0), static_cast<int>(mix), call.data_ptr<int64_t>(), secret,
-          result.norm.data_ptr<float>(), static_cast<float>(result.factor), out, result.choices.data_ptr<int32_t>());
-    };
-    constexpr int kVec = 16 / sizeof(T);
-    if (vectorizable<kVec, T>(features, {x.stride(0)}, {in, table, out})) {
-      launch(std::integral_constant<int, kVec>());
-    } else {
-      launch(std::integral_constant<int, 1>());
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return result;
+template <typename T>
+cudaError_t mask_rows(const T* x, int64_t x_stride, const T* bank, int64_t rows, int64_t features, int64_t bank_rows,
+                      int mix, const int64_t* call, uint64_t secret, const float* norm, float factor, T* out,
+                      int32_t* choices, cudaStream_t stream) {
+  auto launch = [&](auto vec) {
+    mask_kernel<T, decltype(vec)::value><<<rows, kThreads, 0, stream>>>(x, x_stride, bank, features, bank_rows, mix,
+                                                                        call, secret, norm, factor, out, choices);
+  };
+  constexpr int kVec = 16 / sizeof(T);
+  if (vectorizable<kVec, T>(features, {x_stride}, {x, bank, out})) {
+    launch(std::integral_constant<int, kVec>());
+  } else {
+    launch(std::integral_constant<int, 1>());
+  }
+  return cudaGetLastError();
 }
 
-at::Tensor unmask_rows(const at::Tensor& y, const at::Tensor& effect, const MaskedRows& masked, const at::Tensor& bias,
-                       const at::Tensor& call) {
-  check_rows(y, "y");
-  check_table(effect, y, "the effects");
-  const int64_t rows = y.size(0), features = y.size(1), mix = masked.choices.size(1);
-  TORCH_CHECK(rows == masked.choices.size(0), "noise mask: y has ", rows, " rows, the masked call ",
-              masked.choices.size(0));
-  TORCH_CHECK(!bias.defined() || (bias.is_contiguous() && bias.scalar_type() == at::kFloat &&
-                                  bias.device() == y.device() && bias.numel() == features),
-              "noise mask: the bias must be [", features, "] fp32 on ", y.device());
-  TORCH_CHECK(call.device() == y.device() && call.scalar_type() == at::kLong && call.numel() == 1,
-              "noise mask: the call number must be one int64 on ", y.device());
-  const auto device_guard = on_device_of(y);  // [Operands' device]
-  auto out = at::empty({rows, features}, y.options());
-  if (rows == 0) return out;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const float* bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "unmask_rows", [&] {
-    using T = scalar_t;
-    const T *in = y.data_ptr<T>(), *table = effect.data_ptr<T>();
-    T* result = out.data_ptr<T>();
-    auto launch = [&](auto vec) {
-      unmask_kernel<T, decltype(vec)::value><<<rows, kThreads, 0, stream>>>(
-          in, y.stride(0), table, features, static_cast<int>(mix), masked.choices.data_ptr<int32_t>(),
-          masked.norm.data_ptr<float>(), static_cast<float>(masked.factor), bias_data, result,
-          call.data_ptr<int64_t>());
-    };
-    constexpr int kVec = 16 / sizeof(T);
-    if (features > 0 && vectorizable<kVec, T>(features, {y.stride(0)}, {in, table, result})) {
-      launch(std::integral_constant<int, kVec>());
-    } else {
-      launch(std::integral_constant<int, 1>());
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+template <typename T>
+cudaError_t unmask_rows(const T* y, int64_t y_stride, const T* effect, int64_t rows, int64_t features, int mix,
+                        const int32_t* choices, const float* norm, float factor, const float* bias, T* out,
+                        int64_t* call, cudaStream_t stream) {
+  auto launch = [&](auto vec) {
+    unmask_kernel<T, decltype(vec)::value><<<rows, kThreads, 0, stream>>>(y, y_stride, effect, features, mix, choices,
+                                                                          norm, factor, bias, out, call);
+  };
+  constexpr int kVec = 16 / sizeof(T);
+  if (features > 0 && vectorizable<kVec, T>(features, {y_stride}, {y, effect, out})) {
+    launch(std::integral_constant<int, kVec>());
+  } else {
+    launch(std::integral_constant<int, 1>());
+  }
+  return cudaGetLastError();
 }
 
-}  // namespace symbiosis::kernels
+#define SYMBIOSIS_INSTANTIATE(T)                                                                                 \
+  template cudaError_t mask_rows<T>(const T*, int64_t, const T*, int64_t, int64_t, int64_t, int, const int64_t*, \
+                                    uint64_t, const float*, float, T*, int32_t*, cudaStream_t);                  \
+  template cudaError_t unmask_rows<T>(const T*, int64_t, const T*, int64_t, int64_t, int, const int32_t*,        \
+                                      const float*, float, const float*, T*, int64_t*, cudaStream_t);
+SYMBIOSIS_FOR_FLOATING_TYPES(SYMBIOSIS_INSTANTIATE)
+#undef SYMBIOSIS_INSTANTIATE
+
+}  // namespace symbiosis::kernels::device

@@ -1,34 +1,15 @@
-#include "kernels/swiglu.h"
-
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// [Torch-free kernels] (kernels/launch.h): [Fused SwiGLU]'s kernels; kernels/swiglu.cpp checks and launches.
+#include "kernels/swiglu_launch.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <utility>
 
-#include "kernels/device_guard.h"
-
-namespace symbiosis::kernels {
+namespace symbiosis::kernels::device {
 namespace {
 
 constexpr int kThreads = 256;
-
-// A [rows, n] matrix whose rows lie `stride` elements apart, its last dimension contiguous.
-template <typename T>
-struct Matrix {
-  T* data;
-  int64_t stride;
-  __device__ T& at(int64_t row, int64_t column) const { return data[row * stride + column]; }
-};
-
-template <typename T>
-Matrix<T> matrix(const at::Tensor& t, const char* what) {
-  const auto rows = t.view({-1, t.size(-1)});  // throws where the rows do not lie at one stride
-  TORCH_CHECK(rows.stride(1) == 1 || rows.size(1) == 1, "swiglu: ", what, "'s last dimension must be contiguous");
-  return {static_cast<T*>(rows.data_ptr()), rows.stride(0)};
-}
 
 __device__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
 
@@ -99,68 +80,48 @@ bool vectorizable(int64_t n, std::initializer_list<std::pair<const void*, int64_
   return true;
 }
 
-void check(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.is_cuda() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
-                  t.device() == like.device(),
-              "swiglu: ", what, " must be ", like.sizes(), " in ", like.scalar_type(), " on ", like.device(), ", got ",
-              t.sizes(), " in ", t.scalar_type(), " on ", t.device());
-}
-
 int blocks_for(int64_t elements) {
   return static_cast<int>(std::min<int64_t>((elements + kThreads - 1) / kThreads, 65535));
 }
 
 }  // namespace
 
-at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
-  const auto device_guard = on_device_of(gate);  // [Operands' device]
-  TORCH_CHECK(gate.is_cuda() && gate.dim() >= 1, "swiglu: gate must be a CUDA tensor, got ", gate.sizes(), " on ",
-              gate.device());
-  check(up, gate, "up");
-  auto out = at::empty(gate.sizes(), gate.options());
-  const int64_t n = gate.size(-1), elements = gate.numel();
-  if (elements == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "swiglu_forward", [&] {
-    const auto g = matrix<const scalar_t>(gate, "gate"), u = matrix<const scalar_t>(up, "up");
-    const auto o = matrix<scalar_t>(out, "out");
-    const auto stream = at::cuda::getCurrentCUDAStream();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vectorizable<scalar_t>(n, {{g.data, g.stride}, {u.data, u.stride}, {o.data, o.stride}})) {
-      forward_kernel<scalar_t, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(g, u, o, n, elements / kVec);
-    } else {
-      forward_kernel<scalar_t, 1><<<blocks_for(elements), kThreads, 0, stream>>>(g, u, o, n, elements);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return out;
-}
-
-void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& grad_gate,
-                     const at::Tensor& grad_up) {
-  const auto device_guard = on_device_of(gate);  // [Operands' device]
-  TORCH_CHECK(gate.is_cuda() && gate.dim() >= 1, "swiglu: gate must be a CUDA tensor, got ", gate.sizes(), " on ",
-              gate.device());
-  for (const auto& [t, what] : {std::pair{&grad, "grad"}, {&up, "up"}, {&grad_gate, "grad_gate"}, {&grad_up, "grad_up"}}) {
-    check(*t, gate, what);
+template <typename T>
+cudaError_t swiglu_forward(Matrix<const T> gate, Matrix<const T> up, Matrix<T> out, int64_t n, int64_t elements,
+                           cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vectorizable<T>(n, {{gate.data, gate.stride}, {up.data, up.stride}, {out.data, out.stride}})) {
+    forward_kernel<T, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(gate, up, out, n, elements / kVec);
+  } else {
+    forward_kernel<T, 1><<<blocks_for(elements), kThreads, 0, stream>>>(gate, up, out, n, elements);
   }
-  const int64_t n = gate.size(-1), elements = gate.numel();
-  if (elements == 0) return;
-  const auto dy = grad.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "swiglu_backward", [&] {
-    const auto d = matrix<const scalar_t>(dy, "grad"), g = matrix<const scalar_t>(gate, "gate");
-    const auto u = matrix<const scalar_t>(up, "up");
-    const auto dg = matrix<scalar_t>(grad_gate, "grad_gate"), du = matrix<scalar_t>(grad_up, "grad_up");
-    const auto stream = at::cuda::getCurrentCUDAStream();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vectorizable<scalar_t>(
-            n, {{d.data, d.stride}, {g.data, g.stride}, {u.data, u.stride}, {dg.data, dg.stride}, {du.data, du.stride}})) {
-      backward_kernel<scalar_t, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(d, g, u, dg, du, n,
-                                                                                           elements / kVec);
-    } else {
-      backward_kernel<scalar_t, 1><<<blocks_for(elements), kThreads, 0, stream>>>(d, g, u, dg, du, n, elements);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  return cudaGetLastError();
 }
 
-}  // namespace symbiosis::kernels
+template <typename T>
+cudaError_t swiglu_backward(Matrix<const T> grad, Matrix<const T> gate, Matrix<const T> up, Matrix<T> grad_gate,
+                            Matrix<T> grad_up, int64_t n, int64_t elements, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vectorizable<T>(n, {{grad.data, grad.stride},
+                          {gate.data, gate.stride},
+                          {up.data, up.stride},
+                          {grad_gate.data, grad_gate.stride},
+                          {grad_up.data, grad_up.stride}})) {
+    backward_kernel<T, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(grad, gate, up, grad_gate, grad_up,
+                                                                                  n, elements / kVec);
+  } else {
+    backward_kernel<T, 1><<<blocks_for(elements), kThreads, 0, stream>>>(grad, gate, up, grad_gate, grad_up, n,
+                                                                        elements);
+  }
+  return cudaGetLastError();
+}
+
+#define SYMBIOSIS_INSTANTIATE(T)                                                                                   \
+  template cudaError_t swiglu_forward<T>(Matrix<const T>, Matrix<const T>, Matrix<T>, int64_t, int64_t,            \
+                                         cudaStream_t);                                                            \
+  template cudaError_t swiglu_backward<T>(Matrix<const T>, Matrix<const T>, Matrix<const T>, Matrix<T>, Matrix<T>, \
+                                          int64_t, int64_t, cudaStream_t);
+SYMBIOSIS_FOR_FLOATING_TYPES(SYMBIOSIS_INSTANTIATE)
+#undef SYMBIOSIS_INSTANTIATE
+
+}  // namespace symbiosis::kernels::device
