@@ -154,3 +154,23 @@ def lora(model, seed=1):
 
 def trainable(model):
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def train(model, client, steps, record=lambda out, model: out.loss.detach()):
+    """`steps` AdamW steps (lr 1e-2) on tokens(seed=step) as their own labels, the same dropout masks
+    in every run; a split model's client settles before each update. Returns record(output, model)
+    of each step, taken before its update."""
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    records = []
+    for step in range(steps):
+        ids = tokens(seed=step)
+        torch.manual_seed(100 + step)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        if client is not None:
+            client.settle()  # every base-layer call has its result before the adapters change
+        records.append(record(out, model))
+        optimizer.step()
+        optimizer.zero_grad()
+    return records

@@ -10,7 +10,7 @@ import torch
 
 import symbiosis
 import symbiosis.dora
-from conftest import assert_close, reference_model, served, tokens, trainable
+from conftest import assert_close, reference_model, served, tokens, train, trainable
 
 
 @pytest.fixture(scope="module", params=["qwen2", "gpt2"])
@@ -57,23 +57,10 @@ def test_training_matches_the_local_model(dora_served, dropout):
     model, client = virtual_model(checkpoint, executor)
     model = dora(model, dropout)
     assert trainable(model).keys() == trainable(reference).keys()
-    runs = []
-    for m in (reference, model):
-        m.train()
-        optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        steps = []
-        for step in range(3):
-            ids = tokens(seed=step)
-            torch.manual_seed(100 + step)  # the same dropout masks in both runs
-            out = m(ids, labels=ids)
-            out.loss.backward()
-            if m is model:
-                client.settle()
-            steps.append((out.logits.detach(), out.loss.detach(),
-                          {name: p.grad.clone() for name, p in trainable(m).items()}))
-            optimizer.step()
-            optimizer.zero_grad()
-        runs.append(steps)
+    def record(out, m):
+        return out.logits.detach(), out.loss.detach(), {name: p.grad.clone() for name, p in trainable(m).items()}
+
+    runs = [train(reference, None, 3, record), train(model, client, 3, record)]
     (want_logits, _, want_grads), (have_logits, _, have_grads) = runs[0][0], runs[1][0]
     assert_close(want_logits, have_logits, f"{what}: logits")
     for name in want_grads:

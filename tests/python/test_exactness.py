@@ -7,7 +7,7 @@ import peft
 import torch
 
 import symbiosis
-from conftest import assert_close, lora, reference_model, tokens, trainable
+from conftest import assert_close, lora, reference_model, tokens, train, trainable
 
 
 def virtual_model(checkpoint, executor, tenant="pytest", transport="auto"):
@@ -61,21 +61,7 @@ def test_peft_training_loop_ends_at_the_same_adapter(architecture_served):
     reference = lora(reference_model(checkpoint))
     model, client = virtual_model(checkpoint, executor)
     model = lora(model)
-    runs = []
-    for m in (reference, model):
-        m.train()
-        optimizer = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        losses = []
-        for step in range(4):
-            ids = tokens(seed=step)
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            if m is model:
-                client.settle()  # every base-layer call has its result before the adapters change
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        runs.append(losses)
+    runs = [train(reference, None, 4), train(model, client, 4)]
     for step, (want, have) in enumerate(zip(*runs)):
         assert_close(want, have, f"{architecture} loss at step {step}")
     want = peft.get_peft_model_state_dict(reference)
