@@ -73,6 +73,8 @@ void ClientOptions::validate() const {
 // replayed (StepGraph captures again).
 namespace {
 constexpr auto kFirstPause = std::chrono::milliseconds(100);
+constexpr auto kLongestPause = std::chrono::seconds(2);
+constexpr int kStepTries = 3;  // redo_if_results_lost
 
 // An op as the executor's trace names it ([Traces] in base_executor/tracing.h).
 const char* op_name(proto::Op op) {
@@ -87,8 +89,6 @@ const char* op_name(proto::Op op) {
       return "?";
   }
 }
-constexpr auto kLongestPause = std::chrono::seconds(2);
-constexpr int kStepTries = 3;  // redo_if_results_lost
 
 // [Back-pressure]
 // An executor whose queue is full refuses a call with RESOURCE_EXHAUSTED when the call's client
