@@ -122,11 +122,44 @@ std::string normalize(std::string_view s, NormalForm form) {
   return out;
 }
 
+namespace {
+
+// [Full lowercase] The tokenizers' Lowercase (and BertNormalizer's lowercase) is Rust's char::to_lowercase, code
+// point by code point: Unicode's full lower-case mapping without context. It differs from utf8proc's simple mapping
+// in one code point, U+0130 (İ), which SpecialCasing.txt lowers to two, "i" and U+0307 (combining dot above); final
+// sigma, being conditional, is not applied (Σ is always σ). And tokenizers' Rust knows Unicode 17, utf8proc 2.8
+// Unicode 15: the upper-case letters given lower-case partners since are mapped here (found by comparing every code
+// point with the tokenizers package; tests/reference/tokenizers_reference.py's "lowercase" family holds it).
+char32_t lower_case_since_unicode_15(char32_t c) {
+  switch (c) {
+    case 0x1C89: return 0x1C8A;
+    case 0xA7CB: return 0x0264;
+    case 0xA7CC: return 0xA7CD;
+    case 0xA7CE: return 0xA7CF;
+    case 0xA7D2: return 0xA7D3;
+    case 0xA7D4: return 0xA7D5;
+    case 0xA7DA: return 0xA7DB;
+    case 0xA7DC: return 0x019B;
+    default: break;
+  }
+  if (c >= 0x10D50 && c <= 0x10D65) return c + 0x20;  // Garay
+  if (c >= 0x16EA0 && c <= 0x16EB8) return c + 0x1B;  // Beria Erfe
+  return c;
+}
+
+}  // namespace
+
 std::string lowercase(std::string_view s) {
   std::string out;
   out.reserve(s.size());
   for (size_t pos = 0; pos < s.size();) {
-    append_utf8(out, static_cast<char32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(next_code_point(s, pos)))));
+    const char32_t c = next_code_point(s, pos);
+    if (c == 0x130) {
+      out.append("i\xCC\x87");  // U+0130: "i" and U+0307
+      continue;
+    }
+    const char32_t newer = lower_case_since_unicode_15(c);
+    append_utf8(out, newer != c ? newer : static_cast<char32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c))));
   }
   return out;
 }

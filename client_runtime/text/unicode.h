@@ -28,7 +28,8 @@ size_t utf8_length(unsigned char lead);
 enum class NormalForm { kNfc, kNfd, kNfkc, kNfkd };
 // `s` (valid UTF-8) in the normal form.
 std::string normalize(std::string_view s, NormalForm form);
-// `s` (valid UTF-8) lower-cased code point by code point (the tokenizers' Lowercase normalizer).
+// `s` (valid UTF-8) lower-cased code point by code point, as the tokenizers' Lowercase normalizer does ([Full lowercase]
+// in unicode.cpp: İ becomes "i" and U+0307).
 std::string lowercase(std::string_view s);
 
 // A compiled regular expression over UTF-8 text with Unicode properties; safe to share between threads.

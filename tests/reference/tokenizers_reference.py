@@ -12,6 +12,7 @@ Trains, on a small built-in corpus, one tokenizer per family, configured as that
   qwen2      tokenizer.json: NFC normalizer, Split (Qwen2's regex, single digits) + ByteLevel(use_regex=false),
              <|endoftext|>, <|im_start|>, <|im_end|>
   starcoder  tokenizer.json: Digits(individual_digits) + ByteLevel, <|endoftext|>, <fim_prefix>, ...
+  lowercase  tokenizer.json: NFKC and Lowercase normalizers, ByteLevel (special casing: İ, final sigma, ǅ)
   spm_bpe    tokenizer.model: SentencePiece BPE with byte fallback (Llama 2, Mistral), add_bos_token
   spm_unigram tokenizer.model: SentencePiece unigram (T5-like models; Gemma's kind of model file)
   llama2_json tokenizer.json: what transformers converts spm_bpe's model to (Metaspace, BPE with byte fallback),
@@ -80,8 +81,20 @@ CORPUS = [
     "unknown scripts: ᚠᛇᚻ ꦧꦱꦗ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀",
     "  two leading",
     "İstanbul İ ı ǅ ẞ ﬁ",  # special casing
+    "ΟΔΥΣΣΕΥΣ ὈΔΥΣΣΕΎΣ Σ. ΆΣ! İİ İ\u0307 ǅǈǋǲ ẞSS Ꞵ ᾈᾼ ǰ ŉ",  # final sigma, titlecase digraphs, İ twice
     "mixed scripts: abcабвαβγ日本ab12",
 ]
+
+
+def cased_texts():
+    """Every code point that the tokenizers' Lowercase or Python's str.lower changes, 48 to a text: lower-casing
+    held to the tokenizers' own code point by code point ([Full lowercase] in client_runtime/text/unicode.cpp)."""
+    from tokenizers import normalizers
+
+    lowercase = normalizers.Lowercase()
+    cased = [chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000
+             and (lowercase.normalize_str(chr(c)) != chr(c) or chr(c).lower() != chr(c))]
+    return [" ".join(cased[i:i + 48]) for i in range(0, len(cased), 48)]
 
 
 def random_texts(specials, count, seed):
@@ -151,6 +164,11 @@ def byte_level_family(name, tokenizers):
         ])
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    elif name == "lowercase":
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        specials = ["<|endoftext|>"]
     elif name == "starcoder":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -186,7 +204,8 @@ def train_byte_level(name, out_dir):
     config = {"gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
               "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
               "qwen2": {"bos_token": None, "eos_token": "<|endoftext|>"},
-              "starcoder": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}}[name]
+              "starcoder": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+              "lowercase": {"bos_token": None, "eos_token": "<|endoftext|>"}}[name]
     config.update({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False})
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1)
@@ -306,7 +325,7 @@ def main() -> int:
         return missing(e)
 
     expected = {}
-    for family in ("gpt2", "llama3", "qwen2", "starcoder", "spm_bpe", "spm_unigram", "llama2_json", "llama2_legacy_json"):
+    for family in ("gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe", "spm_unigram", "llama2_json", "llama2_legacy_json"):
         out_dir = os.path.join(args.output, family)
         if family.startswith("llama2_"):
             made = converted_llama2(os.path.join(args.output, "spm_bpe"), out_dir, "legacy" in family)
@@ -316,7 +335,7 @@ def main() -> int:
             made = train_byte_level(family, out_dir)
         encode, decode, specials, bos, eos, vocab_size = made
         cases = []
-        for text in CORPUS + special_cases(specials) + random_texts(specials, 150, len(family)):
+        for text in CORPUS + cased_texts() + special_cases(specials) + random_texts(specials, 150, len(family)):
             ids = encode(text, True)
             cases.append({"text": text, "ids": ids, "ids_plain": encode(text, False),
                           "decoded": decode(ids, False), "decoded_skip": decode(ids, True)})
