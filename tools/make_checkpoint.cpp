@@ -190,6 +190,215 @@ ModelSpec mistral_spec(const LlamaShape& s, int64_t sliding_window) {
   return m;
 }
 
+// Phi-3 (Phi3ForCausalLM): Llama's tensors with each attention's q, k and v fused into qkv_proj
+// (rows q, then k, then v) and each MLP's gate and up into gate_up_proj (gate, then up). Its
+// config.json as microsoft/Phi-3-mini-4k-instruct writes it (a window over every layer), with
+// Phi-4-mini's partial_rotary_factor.
+ModelSpec phi3_spec(const LlamaShape& s, int64_t sliding_window, double partial_rotary_factor) {
+  ModelSpec m = llama_spec(s);
+  m.config = {{"architectures", {"Phi3ForCausalLM"}},
+              {"model_type", "phi3"},
+              {"attention_bias", false},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", s.bos},
+              {"embd_pdrop", 0.0},
+              {"eos_token_id", s.eos},
+              {"hidden_act", "silu"},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"max_position_embeddings", s.max_positions},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"num_key_value_heads", s.kv_heads},
+              {"original_max_position_embeddings", s.max_positions},
+              {"pad_token_id", 0},
+              {"partial_rotary_factor", partial_rotary_factor},
+              {"resid_pdrop", 0.0},
+              {"rms_norm_eps", s.rms_eps},
+              {"rope_scaling", nullptr},
+              {"rope_theta", s.rope_theta},
+              {"sliding_window", sliding_window},
+              {"tie_word_embeddings", s.tied},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  std::vector<TensorSpec> tensors;
+  for (auto t : m.tensors) {
+    const auto fuse = [&](const std::string& first, const std::string& fused, int64_t rows) {
+      const auto at = t.name.find(first);
+      if (at != std::string::npos) t = {t.name.substr(0, at) + fused + ".weight", {rows, s.hidden}, Init::kMatrix};
+      return at != std::string::npos;
+    };
+    const int64_t head_dim = s.hidden / s.heads;
+    if (t.name.find(".k_proj.") != std::string::npos || t.name.find(".v_proj.") != std::string::npos ||
+        t.name.find(".up_proj.") != std::string::npos) {
+      continue;  // in the fused layer
+    }
+    if (!fuse("q_proj.weight", "qkv_proj", (s.heads + 2 * s.kv_heads) * head_dim)) {
+      fuse("gate_proj.weight", "gate_up_proj", 2 * s.intermediate);
+    }
+    tensors.push_back(t);
+  }
+  m.tensors = std::move(tensors);
+  return m;
+}
+
+// A LayerNorm's weight and bias.
+void layer_norm(std::vector<TensorSpec>& t, const std::string& name, int64_t size) {
+  t.push_back({name + ".weight", {size}, Init::kNorm});
+  t.push_back({name + ".bias", {size}, Init::kBias});
+}
+
+// A Linear layer's weight [out, in] and bias [out].
+void linear(std::vector<TensorSpec>& t, const std::string& name, int64_t in, int64_t out) {
+  t.push_back({name + ".weight", {out, in}, Init::kMatrix});
+  t.push_back({name + ".bias", {out}, Init::kBias});
+}
+
+struct LayerNormShape {
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads, max_positions;
+};
+
+// OPT (OPTForCausalLM): learned positions (offset by 2), pre-layer norms, q, k, v and out_proj with
+// biases, a ReLU MLP of fc1 and fc2 in the layer itself, the head tied. Its config.json as
+// facebook/opt-125m writes it.
+ModelSpec opt_spec(const LayerNormShape& s) {
+  ModelSpec m;
+  m.config = {{"architectures", {"OPTForCausalLM"}},
+              {"model_type", "opt"},
+              {"_remove_final_layer_norm", false},
+              {"activation_dropout", 0.0},
+              {"activation_function", "relu"},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", 2},
+              {"do_layer_norm_before", true},
+              {"dropout", 0.1},
+              {"enable_bias", true},
+              {"eos_token_id", 2},
+              {"ffn_dim", s.intermediate},
+              {"hidden_size", s.hidden},
+              {"init_std", 0.02},
+              {"layer_norm_elementwise_affine", true},
+              {"layerdrop", 0.0},
+              {"max_position_embeddings", s.max_positions},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"pad_token_id", 1},
+              {"prefix", "</s>"},
+              {"tie_word_embeddings", true},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab},
+              {"word_embed_proj_dim", s.hidden}};
+  auto& t = m.tensors;
+  t.push_back({"model.decoder.embed_tokens.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  t.push_back({"model.decoder.embed_positions.weight", {s.max_positions + 2, s.hidden}, Init::kMatrix});
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.decoder.layers." + std::to_string(i) + ".";
+    for (const char* proj : {"k_proj", "v_proj", "q_proj", "out_proj"}) linear(t, p + "self_attn." + proj, s.hidden, s.hidden);
+    layer_norm(t, p + "self_attn_layer_norm", s.hidden);
+    linear(t, p + "fc1", s.hidden, s.intermediate);
+    linear(t, p + "fc2", s.intermediate, s.hidden);
+    layer_norm(t, p + "final_layer_norm", s.hidden);
+  }
+  layer_norm(t, "model.decoder.final_layer_norm", s.hidden);
+  return m;
+}
+
+// GPT-NeoX (GPTNeoXForCausalLM, Pythia): RoPE over rotary_pct of each head, q, k and v in one
+// query_key_value layer (each head's q, k and v side by side), attention and MLP in parallel from
+// two layer norms (use_parallel_residual), exact GELU, an untied embed_out. Its config.json as
+// EleutherAI/pythia-70m writes it.
+ModelSpec gpt_neox_spec(const LayerNormShape& s, double rotary_pct, bool parallel_residual) {
+  ModelSpec m;
+  m.config = {{"architectures", {"GPTNeoXForCausalLM"}},
+              {"model_type", "gpt_neox"},
+              {"attention_bias", true},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", 0},
+              {"classifier_dropout", 0.1},
+              {"eos_token_id", 0},
+              {"hidden_act", "gelu"},
+              {"hidden_dropout", 0.0},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"layer_norm_eps", 1e-5},
+              {"max_position_embeddings", s.max_positions},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"rope_scaling", nullptr},
+              {"rotary_emb_base", 10000},
+              {"rotary_pct", rotary_pct},
+              {"tie_word_embeddings", false},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"use_parallel_residual", parallel_residual},
+              {"vocab_size", s.vocab}};
+  auto& t = m.tensors;
+  t.push_back({"gpt_neox.embed_in.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "gpt_neox.layers." + std::to_string(i) + ".";
+    layer_norm(t, p + "input_layernorm", s.hidden);
+    layer_norm(t, p + "post_attention_layernorm", s.hidden);
+    linear(t, p + "attention.query_key_value", s.hidden, 3 * s.hidden);
+    linear(t, p + "attention.dense", s.hidden, s.hidden);
+    linear(t, p + "mlp.dense_h_to_4h", s.hidden, s.intermediate);
+    linear(t, p + "mlp.dense_4h_to_h", s.intermediate, s.hidden);
+  }
+  layer_norm(t, "gpt_neox.final_layer_norm", s.hidden);
+  t.push_back({"embed_out.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  return m;
+}
+
+// Phi (PhiForCausalLM, phi-1 and phi-2): RoPE over partial_rotary_factor of each head, q, k, v and
+// dense with biases, attention and a gelu_new MLP (fc1, fc2) in parallel from one layer norm, an
+// untied lm_head with a bias. Its config.json as microsoft/phi-2 writes it.
+ModelSpec phi_spec(const LayerNormShape& s, double partial_rotary_factor) {
+  ModelSpec m;
+  m.config = {{"architectures", {"PhiForCausalLM"}},
+              {"model_type", "phi"},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", 1},
+              {"embd_pdrop", 0.0},
+              {"eos_token_id", 2},
+              {"hidden_act", "gelu_new"},
+              {"hidden_size", s.hidden},
+              {"initializer_range", 0.02},
+              {"intermediate_size", s.intermediate},
+              {"layer_norm_eps", 1e-5},
+              {"max_position_embeddings", s.max_positions},
+              {"num_attention_heads", s.heads},
+              {"num_hidden_layers", s.layers},
+              {"num_key_value_heads", s.kv_heads},
+              {"partial_rotary_factor", partial_rotary_factor},
+              {"qk_layernorm", false},
+              {"resid_pdrop", 0.1},
+              {"rope_scaling", nullptr},
+              {"rope_theta", 10000.0},
+              {"tie_word_embeddings", false},
+              {"transformers_version", "4.45.0"},
+              {"use_cache", true},
+              {"vocab_size", s.vocab}};
+  const int64_t head_dim = s.hidden / s.heads;
+  auto& t = m.tensors;
+  t.push_back({"model.embed_tokens.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    layer_norm(t, p + "input_layernorm", s.hidden);
+    linear(t, p + "self_attn.q_proj", s.hidden, s.heads * head_dim);
+    linear(t, p + "self_attn.k_proj", s.hidden, s.kv_heads * head_dim);
+    linear(t, p + "self_attn.v_proj", s.hidden, s.kv_heads * head_dim);
+    linear(t, p + "self_attn.dense", s.heads * head_dim, s.hidden);
+    linear(t, p + "mlp.fc1", s.hidden, s.intermediate);
+    linear(t, p + "mlp.fc2", s.intermediate, s.hidden);
+  }
+  layer_norm(t, "model.final_layernorm", s.hidden);
+  linear(t, "lm_head", s.hidden, s.vocab);
+  return m;
+}
+
 struct Gemma2Settings {
   int64_t head_dim, sliding_window;
   int64_t query_pre_attn_scalar;  // an integer: transformers' Gemma2Config refuses another number
@@ -355,6 +564,7 @@ ModelSpec gpt_bigcode_spec(const GPT2Shape& s, bool multi_query) {
 
 const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
                                            "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
+                                           "tiny-phi3", "tiny-opt", "tiny-gpt-neox", "tiny-gpt-neox-sequential", "tiny-phi",
                                            "tiny-gpt-bigcode-mha", "llama-3.2-1b", "llama-2-7b", "llama-2-13b",
                                            "gemma-2-27b", "gpt2-xl"};
 
@@ -384,6 +594,17 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
   if (name == "tiny-qwen3") {
     return qwen3_spec({256, 64, 128, n(2), 4, 2, 256, 1e-6, 1000000.0, nullptr, false, 1, 2}, 32, 5, 1);
   }
+  // Phi-3 with grouped-query attention (Phi-3-medium's), Phi-4-mini's partial rotary (12 of 16
+  // features) and a window of 5 tokens in every layer.
+  if (name == "tiny-phi3") {
+    return phi3_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, nullptr, false, 1, 2}, 5, 0.75);
+  }
+  if (name == "tiny-opt") return opt_spec({256, 64, 128, n(2), 4, 4, 128});
+  // Pythia's rotary_pct (a quarter: 4 of 16 features); also with attention and MLP in sequence.
+  if (name == "tiny-gpt-neox") return gpt_neox_spec({256, 64, 256, n(2), 4, 4, 256}, 0.25, true);
+  if (name == "tiny-gpt-neox-sequential") return gpt_neox_spec({256, 64, 256, n(2), 4, 4, 256}, 0.25, false);
+  // phi-2's partial rotary (half: 8 of 16 features), with grouped-query attention (2 key/value heads).
+  if (name == "tiny-phi") return phi_spec({256, 64, 128, n(2), 4, 2, 256}, 0.5);
   // A window of 4 tokens: the tests' sequences are longer, so the window matters.
   if (name == "tiny-mistral") {
     return mistral_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, nullptr, false, 1, 2}, 4);

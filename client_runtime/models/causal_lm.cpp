@@ -1,6 +1,7 @@
 #include "client_runtime/models/causal_lm.h"
 
 #include "client_runtime/models/gpt2.h"
+#include "client_runtime/models/gpt_neox.h"
 #include "client_runtime/models/llama.h"
 #include "client_runtime/models/model_io.h"
 #include "client_runtime/virtualize.h"
@@ -46,7 +47,11 @@ CausalLM open_causal_lm(const Checkpoint& checkpoint, const std::shared_ptr<Clie
   if (type == "gpt2" || type == "gpt_bigcode") {  // [GPT-2 family]
     return finish(GPT2LMHeadModel(GPT2Config::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
   }
-  // [Llama family]: llama, qwen2, qwen3, mistral, gemma2.
+  if (type == "gpt_neox" || type == "phi" || type == "opt") {  // [GPT-NeoX family]
+    return finish(GPTNeoXForCausalLM(GPTNeoXConfig::from_checkpoint(checkpoint), materialize), checkpoint, client,
+                  options);
+  }
+  // [Llama family]: llama, qwen2, qwen3, mistral, gemma2, phi3.
   return finish(LlamaForCausalLM(LlamaConfig::from_checkpoint(checkpoint), materialize), checkpoint, client, options);
 }
 

@@ -1,6 +1,7 @@
 #pragma once
-// A causal language model of a checkpoint's family (Llama, Qwen2, Mistral, Gemma 2, GPT-2 or
-// GPTBigCode, from config.json's model_type; another is refused naming it and the supported ones),
+// A causal language model of a checkpoint's family (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Phi-3,
+// GPT-2, GPTBigCode, GPT-NeoX, Phi or OPT, from config.json's model_type: common/model_types.h;
+// another is refused naming it and the supported ones),
 // built either split (base layers virtualized on an executor, never allocated here) or monolithic (base layers
 // computed in-process: the reference and the baseline).
 #include <torch/nn/module.h>

@@ -128,6 +128,10 @@ class Rotary : public torch::autograd::Function<Rotary> {
 
 namespace detail {
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t turned = cos.size(-1);
+  if (turned < x.size(-1)) {  // partial rotary: the first `turned` features, then the rest as they are
+    return at::cat({apply_rotary(x.narrow(-1, 0, turned), cos, sin), x.narrow(-1, turned, x.size(-1) - turned)}, -1);
+  }
   if (at::GradMode::is_enabled() && x.requires_grad()) return Rotary::apply(x, cos, sin);
   return rotary(x, cos, sin, /*backward=*/false);
 }
@@ -140,9 +144,9 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   LlamaConfig c;
   c.model_type = ckpt.config_string("model_type").value_or("llama");
   const bool known = c.model_type == "llama" || c.model_type == "qwen2" || c.model_type == "qwen3" ||
-                     c.model_type == "mistral" || c.model_type == "gemma2";
+                     c.model_type == "mistral" || c.model_type == "gemma2" || c.model_type == "phi3";
   TORCH_CHECK(known, where, ": model_type is '", c.model_type,
-              "', expected 'llama', 'qwen2', 'qwen3', 'mistral' or 'gemma2' for the Llama family");
+              "', expected 'llama', 'qwen2', 'qwen3', 'mistral', 'gemma2' or 'phi3' for the Llama family");
   const bool gemma2 = c.model_type == "gemma2";
   const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3";
   c.vocab_size = required_int(ckpt, "vocab_size");
@@ -159,6 +163,7 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2Attention: q, k and v with biases, o without
   c.qk_norm = c.model_type == "qwen3";    // [Qwen3]: Qwen3Attention's q_norm and k_norm (biases: attention_bias)
   c.mlp_bias = !gemma2 && ckpt.config_bool("mlp_bias").value_or(false);  // Gemma2MLP has none
+  c.fused_projections = c.model_type == "phi3";  // [Phi-3]: qkv_proj and gate_up_proj, no biases
   // [Sliding window], as transformers' configs read it: Mistral's every layer when sliding_window
   // is set; Qwen2's and Qwen3's layers from max_window_layers on when use_sliding_window; Gemma 2's even
   // layers (a window of 4096 unless given); or, any of them, the layer_types that transformers 5
@@ -208,6 +213,8 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   // rope_theta next to an optional rope_scaling {rope_type (or "type"), factor, ...}.
   const std::string rope = ckpt.config_has("rope_parameters") ? "rope_parameters" : "rope_scaling";
   c.rope_theta = ckpt.config_number(rope + ".rope_theta").value_or(ckpt.config_number("rope_theta").value_or(10000.0));
+  c.partial_rotary_factor = ckpt.config_number(rope + ".partial_rotary_factor")
+                                .value_or(ckpt.config_number("partial_rotary_factor").value_or(1.0));
   if (ckpt.config_has(rope)) {
     c.rope_type = ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
     if (c.rope_type == "llama3") {
@@ -235,7 +242,10 @@ void LlamaConfig::validate() const {
               ") must be a positive multiple of num_key_value_heads (", num_key_value_heads, ")");
   TORCH_CHECK(head_dim > 0 || hidden_size % num_attention_heads == 0, "Llama config: hidden_size (", hidden_size,
               ") is not divisible by num_attention_heads (", num_attention_heads, ") and no head_dim is given");
-  TORCH_CHECK(resolved_head_dim() % 2 == 0, "Llama config: head_dim ", resolved_head_dim(), " must be even for RoPE");
+  TORCH_CHECK(partial_rotary_factor > 0 && partial_rotary_factor <= 1, "Llama config: partial_rotary_factor is ",
+              partial_rotary_factor, ", expected more than 0 and at most 1");
+  TORCH_CHECK(rotary_dim() % 2 == 0, "Llama config: RoPE's dimension ", rotary_dim(), " (head_dim ", resolved_head_dim(),
+              " x partial_rotary_factor ", partial_rotary_factor, ") must be even");
   TORCH_CHECK(rope_type == "default" || rope_type == "llama3", "Llama config: rope type '", rope_type,
               "' is not supported (expected 'default' or 'llama3')");
   TORCH_CHECK(rope_type != "llama3" || rope_high_freq_factor != rope_low_freq_factor,
@@ -267,11 +277,21 @@ AttentionScores LlamaConfig::attention_scores() const {
 
 namespace detail {
 
-at::Tensor llama_inv_freq(const LlamaConfig& config) {
-  const int64_t dim = config.resolved_head_dim();
+at::Tensor rotary_inv_freq(int64_t dim, double theta) {
   // Same operations, in fp32, as transformers' _compute_default_rope_parameters.
   auto exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
-  auto inv_freq = at::pow(config.rope_theta, exponent).reciprocal();
+  return at::pow(theta, exponent).reciprocal();
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                 at::ScalarType dtype) {
+  auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;
+  auto emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+at::Tensor llama_inv_freq(const LlamaConfig& config) {
+  auto inv_freq = rotary_inv_freq(config.rotary_dim(), config.rope_theta);
   if (config.rope_type != "llama3") return inv_freq;
   // _compute_llama3_parameters.
   const double factor = config.rope_factor;
@@ -311,9 +331,13 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
   const int64_t q_out = num_heads_ * head_dim_;
   const int64_t kv_out = num_kv_heads_ * head_dim_;
   const bool qkv_bias = c.attention_bias || c.qkv_bias;  // base weights: served with the layer
-  q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, qkv_bias, materialize_base));
-  k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
-  v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
+  if (c.fused_projections) {  // [Phi-3]
+    qkv_proj = register_module("qkv_proj", nn::Linear(c.hidden_size, q_out + 2 * kv_out, qkv_bias, materialize_base));
+  } else {
+    q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, qkv_bias, materialize_base));
+    k_proj = register_module("k_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
+    v_proj = register_module("v_proj", nn::Linear(c.hidden_size, kv_out, qkv_bias, materialize_base));
+  }
   o_proj = register_module("o_proj", nn::Linear(q_out, c.hidden_size, c.attention_bias, materialize_base));
   if (c.qk_norm) {  // [Qwen3]
     q_norm = register_module("q_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps));
@@ -325,8 +349,10 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
                                        const at::Tensor& additive_mask, const PastKeyValue* past,
                                        const CachedLayer* cache) {
   const int64_t batch = x.size(0), length = x.size(1);
-  // [Layer groups]: q, k and v read x, and are one product where they can be.
-  const auto qkv = nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  // [Layer groups]: q, k and v read x, and are one product where they can be; [Phi-3]: one layer.
+  const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
+  const auto qkv = qkv_proj ? qkv_proj->forward(x).split({q_out, kv_out, kv_out}, -1)
+                            : nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
   auto q = qkv[0].view({batch, length, num_heads_, head_dim_});
   auto k = qkv[1].view({batch, length, num_kv_heads_, head_dim_});
   if (q_norm) {  // [Qwen3]: over each head's features, before the rotary embedding (and the cache)
@@ -355,14 +381,26 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : gelu_(c.hidden_act == "gelu_pytorch_tanh") {
-  gate_proj = register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
-  up_proj = register_module("up_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+  if (c.fused_projections) {  // [Phi-3]
+    gate_up_proj = register_module("gate_up_proj",
+                                   nn::Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, materialize_base));
+  } else {
+    gate_proj = register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+    up_proj = register_module("up_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+  }
   down_proj = register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
   at::Tensor stacked;  // [Layer groups]: gate and up side by side, when nothing changed them apart
-  const auto gate_up = nn::forward_siblings({gate_proj.get(), up_proj.get()}, x, &stacked);
+  std::vector<at::Tensor> gate_up;
+  if (gate_up_proj) {  // [Phi-3]: one layer gives them side by side
+    stacked = gate_up_proj->forward(x);
+    const auto [gate, up] = halves(stacked);
+    gate_up = {gate, up};
+  } else {
+    gate_up = nn::forward_siblings({gate_proj.get(), up_proj.get()}, x, &stacked);
+  }
   const auto &gate = gate_up[0], &up = gate_up[1];
   if (gelu_) return down_proj->forward(at::gelu(gate, "tanh") * up);  // GeGLU ([Gemma 2]), left to autograd
   const bool differentiable = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
@@ -441,9 +479,7 @@ at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const Ca
 std::pair<at::Tensor, at::Tensor> LlamaModelImpl::rotary_angles(const at::Tensor& positions, at::ScalarType dtype) {
   // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
   if (inv_freq_.device() != positions.device()) inv_freq_ = inv_freq_.to(positions.device());
-  auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq_;
-  auto emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  return detail::rotary_cos_sin(positions, inv_freq_, dtype);
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {

@@ -28,6 +28,13 @@
 // query_pre_attn_scalar^-1/2 and soft-capped, the logits soft-capped ([Logit soft-capping] in
 // models/attention.h); sliding windows in the layers layer_types names (by default the even ones);
 // the head tied to the embeddings.
+//
+// [Phi-3] Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4-mini) is Llama with fused projections: each
+// attention's q, k and v are one base layer, qkv_proj (its output q, then k, then v), and each MLP's
+// gate and up are one, gate_up_proj (gate, then up): LlamaConfig::fused_projections. These fused
+// layers are the base layers the executor serves and PEFT's adapters target by those names; RoPE
+// may turn only the first partial_rotary_factor of each head's features (Phi-4-mini: 0.75), and
+// every layer attends over sliding_window tokens when it is set, as Mistral's.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -35,6 +42,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "client_runtime/models/kv_cache.h"
@@ -48,7 +56,7 @@ class Checkpoint;
 // The fields of a Llama (or Qwen2, Mistral, Gemma 2: [Llama family]) config.json that the forward
 // pass depends on.
 struct LlamaConfig {
-  std::string model_type = "llama";  // "llama", "qwen2", "qwen3", "mistral" or "gemma2"
+  std::string model_type = "llama";  // "llama", "qwen2", "qwen3", "mistral", "gemma2" or "phi3"
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -65,11 +73,15 @@ struct LlamaConfig {
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position_embeddings = 8192;
+  // RoPE turns the first rotary_dim() = head_dim x partial_rotary_factor features of each head and
+  // passes the rest ([Phi-3]'s Phi-4-mini: 0.75).
+  double partial_rotary_factor = 1.0;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // biases on q, k, v and o (Llama's attention_bias)
   bool qkv_bias = false;        // biases on q, k and v only (Qwen2)
   bool qk_norm = false;         // [Qwen3]: each head's q and k RMS-normalized before the rotary embedding
   bool mlp_bias = false;
+  bool fused_projections = false;  // [Phi-3]: qkv_proj for q, k and v; gate_up_proj for gate and up
   // [Sliding window]: the window in tokens, 0 for none, and each layer's attention,
   // "full_attention" or "sliding_attention" (transformers' layer_types); empty: every layer full.
   int64_t sliding_window = 0;
@@ -90,6 +102,8 @@ struct LlamaConfig {
   // rope_parameters); throws naming the field for a missing or unsupported value.
   static LlamaConfig from_checkpoint(const Checkpoint& ckpt);
   int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  // As transformers computes it: int(head_dim * partial_rotary_factor).
+  int64_t rotary_dim() const { return static_cast<int64_t>(resolved_head_dim() * partial_rotary_factor); }
   // Layer `layer`'s attention window in tokens ([Sliding window]), 0 when it attends fully.
   int64_t window_of(int64_t layer) const;
   // How every layer's attention forms its scores.
@@ -123,7 +137,8 @@ class LlamaAttentionImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
                      const CachedLayer* cache = nullptr);
-  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  // q_proj, k_proj and v_proj, or, with fused_projections ([Phi-3]), qkv_proj alone.
+  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, qkv_proj{nullptr}, o_proj{nullptr};
   LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // [Qwen3] only: over head_dim, the tenant's weights
 
  private:
@@ -136,7 +151,8 @@ class LlamaMLPImpl : public torch::nn::Module {
  public:
   LlamaMLPImpl(const LlamaConfig& config, bool materialize_base);
   at::Tensor forward(const at::Tensor& x);  // down(silu(gate(x)) * up(x)), or gelu_tanh for GeGLU
-  nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  // gate_proj and up_proj, or, with fused_projections ([Phi-3]), gate_up_proj alone.
+  nn::Linear gate_proj{nullptr}, up_proj{nullptr}, gate_up_proj{nullptr}, down_proj{nullptr};
 
  private:
   bool gelu_;  // GeGLU ([Gemma 2]) rather than SwiGLU
@@ -219,9 +235,17 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost, 
 TORCH_MODULE(LlamaForCausalLM);
 
 namespace detail {
-// RoPE inverse frequencies as transformers computes them ("default" or "llama3"). fp32 [head_dim/2].
+// RoPE inverse frequencies as transformers computes them ("default" or "llama3"). fp32 [rotary_dim/2].
 at::Tensor llama_inv_freq(const LlamaConfig& config);
+// The default RoPE's inverse frequencies over `dim` features: theta^-(2i/dim), fp32 [dim/2].
+at::Tensor rotary_inv_freq(int64_t dim, double theta);
+// RoPE's cos and sin [..., 2 x inv_freq] in `dtype` for int64 positions [...]: the angles in fp32,
+// as transformers' rotary embeddings compute them.
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq,
+                                                 at::ScalarType dtype);
 // RoPE on x [..., head_dim]: x·cos + rotate_half(x)·sin, one autograd node when x takes a gradient.
+// When cos and sin are narrower than x (partial rotary), only x's first cos.size(-1) features turn;
+// the rest pass as they are.
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 }  // namespace detail
 

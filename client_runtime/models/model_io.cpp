@@ -192,4 +192,9 @@ GPT2LMHeadModel load_gpt2(const std::filesystem::path& dir, bool materialize_bas
   return load_model<GPT2LMHeadModel, GPT2Config>(dir, materialize_base, dtype, device);
 }
 
+GPTNeoXForCausalLM load_gpt_neox(const std::filesystem::path& dir, bool materialize_base, at::ScalarType dtype,
+                                 at::Device device) {
+  return load_model<GPTNeoXForCausalLM, GPTNeoXConfig>(dir, materialize_base, dtype, device);
+}
+
 }  // namespace symbiosis

@@ -35,6 +35,7 @@
 #include <string>
 
 #include "client_runtime/models/gpt2.h"
+#include "client_runtime/models/gpt_neox.h"
 #include "client_runtime/models/llama.h"
 
 namespace symbiosis {
@@ -60,10 +61,13 @@ void load_weights(torch::nn::Module& model, const Checkpoint& ckpt);
 // Opens the checkpoint, builds the model from its config.json in `dtype` on `device`, loads it.
 // materialize_base=false: base layers stay without weights (virtualize the model next); the
 // checkpoint must still hold them, since the tensor table is checked whole. load_llama loads the
-// [Llama family] (Llama, Qwen2, Mistral, Gemma 2), load_gpt2 the [GPT-2 family] (GPT-2, GPTBigCode).
+// [Llama family] (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Phi-3), load_gpt2 the [GPT-2 family] (GPT-2,
+// GPTBigCode), load_gpt_neox the [GPT-NeoX family] (GPT-NeoX, Phi, OPT).
 LlamaForCausalLM load_llama(const std::filesystem::path& dir, bool materialize_base = true,
                             at::ScalarType dtype = at::kFloat, at::Device device = at::kCPU);
 GPT2LMHeadModel load_gpt2(const std::filesystem::path& dir, bool materialize_base = true,
                           at::ScalarType dtype = at::kFloat, at::Device device = at::kCPU);
+GPTNeoXForCausalLM load_gpt_neox(const std::filesystem::path& dir, bool materialize_base = true,
+                                 at::ScalarType dtype = at::kFloat, at::Device device = at::kCPU);
 
 }  // namespace symbiosis

@@ -17,6 +17,8 @@ std::vector<std::string> resolved_targets(torch::nn::Module& model, const AdaLor
   // PEFT's defaults (TRANSFORMERS_MODELS_TO_ADALORA_TARGET_MODULES_MAPPING, which has no mistral).
   if (type == "llama" || type == "qwen2" || type == "qwen3" || type == "gemma2") return {"q_proj", "v_proj"};
   if (type == "gpt2" || type == "gpt_bigcode") return {"c_attn"};
+  if (type == "opt") return {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"};
+  if (type == "gpt_neox") return {"query_key_value"};
   TORCH_CHECK(false, "AdaLoRA field 'target_modules' is empty and the model (", model.name(),
               ") has no PEFT default targets: name them");
 }

@@ -48,7 +48,16 @@ IA3Config IA3Config::resolved_for(torch::nn::Module& model) const {
   } else if (type == "gpt2" || type == "gpt_bigcode") {
     c.target_modules = {"c_attn", "mlp.c_proj"};
     c.feedforward_modules = {"mlp.c_proj"};
-  } else {
+  } else if (type == "opt") {
+    c.target_modules = {"q_proj", "k_proj", "fc2"};
+    c.feedforward_modules = {"fc2"};
+  } else if (type == "gpt_neox") {
+    c.target_modules = {"query_key_value", "dense_4h_to_h"};
+    c.feedforward_modules = {"dense_4h_to_h"};
+  } else if (type == "phi") {
+    c.target_modules = {"q_proj", "v_proj", "fc2"};
+    c.feedforward_modules = {"fc2"};
+  } else {  // none for phi3 in PEFT either
     TORCH_CHECK(false, "IA3 field 'target_modules' is empty and the model (", model.name(),
                 ") has no PEFT default targets: name them");
   }

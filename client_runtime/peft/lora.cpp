@@ -20,10 +20,12 @@
 namespace symbiosis {
 namespace {
 
-// PEFT's matching (peft::matches_module), where "all-linear" names every base layer but lm_head.
+// PEFT's matching (peft::matches_module), where "all-linear" names every base layer but the output
+// head (get_output_embeddings: lm_head, GPT-NeoX's embed_out).
 bool targeted(const std::string& path, const LoraConfig& config) {
   const auto& targets = config.target_modules;
-  if (path != "lm_head" && std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) return true;
+  const bool head = path == "lm_head" || path == "embed_out";
+  if (!head && std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) return true;
   return peft::matches_module(path, targets);
 }
 
@@ -302,6 +304,10 @@ std::vector<std::string> default_lora_targets(torch::nn::Module& model) {
     return {"q_proj", "v_proj"};
   }
   if (type == "gpt2" || type == "gpt_bigcode") return {"c_attn"};
+  // PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; it has none for phi3.
+  if (type == "opt") return {"q_proj", "v_proj"};
+  if (type == "gpt_neox") return {"query_key_value"};
+  if (type == "phi") return {"q_proj", "v_proj", "fc1", "fc2"};
   TORCH_CHECK(false, "the model (", model.name(), ", model_type '", type,
               "') has no default LoRA targets in PEFT: name them (target_modules, --lora-targets)");
 }

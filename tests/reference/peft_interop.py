@@ -18,9 +18,13 @@ import sys
 from reference import inputs_and_model, missing, reference_parser
 
 
+# Each architecture's attention layers, and an MLP layer, as the C++ tests name them.
+ATTENTION = {"gpt2": ["c_attn"], "gpt_bigcode": ["c_attn"], "gpt_neox": ["query_key_value"], "phi3": ["qkv_proj"]}
+MLP = {"gpt2": ["c_fc"], "gpt_bigcode": ["c_fc"], "gpt_neox": ["dense_4h_to_h"], "opt": ["fc2"], "phi": ["fc2"]}
+
+
 def make_config(peft, method, model_type):
-    llama_family = model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma2")
-    attention = ["q_proj", "v_proj"] if llama_family else ["c_attn"]
+    attention = ATTENTION.get(model_type, ["q_proj", "v_proj"])
     if method == "lora":
         return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention,
                                init_lora_weights=False)
@@ -30,13 +34,16 @@ def make_config(peft, method, model_type):
                                rank_pattern={"v_proj": 2, "c_fc": 6},
                                alpha_pattern={r"layers\.1\.mlp\.down_proj": 3, r"h\.0\.attn\.c_attn": 5})
     if method == "lora_dora":
-        mlp = ["down_proj"] if llama_family else ["c_fc"]
+        mlp = MLP.get(model_type, ["down_proj"])
         return peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=attention + mlp,
                                use_dora=True, init_lora_weights=False)
     if method == "adalora":
         return peft.AdaLoraConfig(task_type="CAUSAL_LM", init_r=6, target_r=2, lora_alpha=8, target_modules=attention,
                                   init_lora_weights=False, total_step=2)
     if method == "ia3":
+        if model_type == "phi3":  # PEFT has no default IA3 targets for it
+            return peft.IA3Config(task_type="CAUSAL_LM", init_ia3_weights=False, target_modules=["qkv_proj", "down_proj"],
+                                  feedforward_modules=["down_proj"])
         return peft.IA3Config(task_type="CAUSAL_LM", init_ia3_weights=False)
     if method == "prompt_tuning":
         return peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5)

@@ -1,5 +1,6 @@
 // The client runtime's model definitions against transformers: tiny random checkpoints written by
-// symbiosis-make-checkpoint (Llama, Qwen2, Mistral, Gemma 2, GPT-2 also named as the Hub's, GPTBigCode) give the same
+// symbiosis-make-checkpoint (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2 also named as the Hub's, GPTBigCode,
+// GPT-NeoX, Phi, OPT) give the same
 // logits (and loss) in our monolithic C++ models as in transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
 // the loader's errors name the tensor at fault.
 #include <gtest/gtest.h>
@@ -12,9 +13,12 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/models/gpt2.h"
+#include "client_runtime/models/gpt_neox.h"
 #include "client_runtime/models/llama.h"
 #include "client_runtime/models/model_io.h"
 #include "client_runtime/training/loss.h"
@@ -36,12 +40,14 @@ struct Batch {
   at::Tensor labels;          // input_ids, -100 where padded
 };
 
-Batch make_batch(int64_t vocab) {
+// left_padded: row 1's first three tokens are padding instead of its last three.
+Batch make_batch(int64_t vocab, bool left_padded = false) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
   Batch b;
   b.input_ids = at::randint(vocab, {2, 12}, gen, at::kLong);
   b.attention_mask = at::ones({2, 12}, at::kLong);
-  b.attention_mask.index_put_({1, at::indexing::Slice(9, at::indexing::None)}, 0);
+  using at::indexing::Slice;
+  b.attention_mask.index_put_({1, left_padded ? Slice(0, 3) : Slice(9, at::indexing::None)}, 0);
   b.labels = b.input_ids.masked_fill(b.attention_mask == 0, kIgnoreIndex);
   return b;
 }
@@ -93,8 +99,7 @@ class HfReferenceTest : public ::testing::Test {
 
   // Our logits agree with transformers' within 1e-4 of the logits' scale; so does the loss.
   template <typename Model>
-  void expect_matches_reference(Model model, const fs::path& ckpt) {
-    const Batch batch = make_batch(256);
+  void expect_matches_reference(Model model, const fs::path& ckpt, const Batch& batch = make_batch(256)) {
     auto [ref_logits, ref_loss] = reference(ckpt, batch);
     at::Tensor logits;
     {
@@ -113,11 +118,12 @@ class HfReferenceTest : public ::testing::Test {
   }
 
   // The logits of the batch from the checkpoint's model with its config changed by `change`.
-  static at::Tensor logits_with(const LlamaConfig& config, const fs::path& ckpt,
-                                const std::function<void(LlamaConfig&)>& change) {
+  template <typename Config>
+  static at::Tensor logits_with(const Config& config, const fs::path& ckpt, const std::function<void(Config&)>& change) {
     auto changed = config;
     change(changed);
-    LlamaForCausalLM model(changed, /*materialize_base=*/false);
+    typename std::conditional_t<std::is_same_v<Config, LlamaConfig>, LlamaForCausalLM, GPTNeoXForCausalLM> model(
+        changed, /*materialize_base=*/false);
     load_weights(*model, *Checkpoint::open(ckpt));
     at::NoGradGuard no_grad;
     return model->forward(make_batch(256).input_ids);
@@ -126,8 +132,8 @@ class HfReferenceTest : public ::testing::Test {
   // [Sliding window]: without its window the model computes other logits, from token `window` on
   // (before it, the window cuts nothing off), so matching transformers proves the window's effect.
   static void expect_window_matters(LlamaForCausalLM windowed, const fs::path& ckpt, int64_t window) {
-    const auto expected = logits_with(windowed->config(), ckpt, [](LlamaConfig&) {});
-    const auto full = logits_with(windowed->config(), ckpt, [](LlamaConfig& c) {
+    const auto expected = logits_with<LlamaConfig>(windowed->config(), ckpt, [](LlamaConfig&) {});
+    const auto full = logits_with<LlamaConfig>(windowed->config(), ckpt, [](LlamaConfig& c) {
       c.sliding_window = 0;
       c.layer_types.clear();
     });
@@ -147,11 +153,24 @@ class HfReferenceTest : public ::testing::Test {
     return Checkpoint::open(dir);
   }
 
-  // What LlamaConfig::from_checkpoint says of such a copy.
+  // What Config::from_checkpoint says of such a copy.
+  template <typename Config = LlamaConfig>
   static std::string refusal(const fs::path& source, const std::string& name,
                              const std::function<void(nlohmann::json&)>& edit) {
     const auto ckpt = with_config(source, name, edit);
-    return testing::error_of([&] { LlamaConfig::from_checkpoint(*ckpt); });
+    return testing::error_of([&] { Config::from_checkpoint(*ckpt); });
+  }
+
+  // Each setting, changed as `settings` says, changes the logits: matching transformers proves each.
+  template <typename Config>
+  static void expect_settings_matter(const Config& config, const fs::path& ckpt,
+                                     const std::vector<std::pair<std::string, std::function<void(Config&)>>>& settings) {
+    const at::Tensor expected = logits_with<Config>(config, ckpt, [](Config&) {});
+    const double scale = expected.abs().max().item<double>();
+    for (const auto& [name, change] : settings) {
+      EXPECT_GT(max_abs_diff(logits_with<Config>(config, ckpt, change), expected), 1e-3 * scale)
+          << name << " changes nothing";
+    }
   }
 
   static fs::path* dir_;
@@ -306,16 +325,138 @@ TEST_F(HfReferenceTest, TinyGemma2MatchesTransformers) {
                         Checkpoint::open(ckpt)->tensor("model.layers.1.post_feedforward_layernorm.weight")));
   expect_matches_reference(model, ckpt);
   expect_window_matters(model, ckpt, 4);
-  const auto expected = logits_with(config, ckpt, [](LlamaConfig&) {});
-  const double scale = expected.abs().max().item<double>();
-  const std::vector<std::pair<std::string, std::function<void(LlamaConfig&)>>> settings = {
-      {"query_pre_attn_scalar", [](LlamaConfig& c) { c.query_pre_attn_scalar = 0; }},
-      {"attn_logit_softcapping", [](LlamaConfig& c) { c.attn_logit_softcapping = 0; }},
-      {"final_logit_softcapping", [](LlamaConfig& c) { c.final_logit_softcapping = 0; }},
-      {"scale_embeddings", [](LlamaConfig& c) { c.scale_embeddings = false; }}};
-  for (const auto& [name, change] : settings) {
-    EXPECT_GT(max_abs_diff(logits_with(config, ckpt, change), expected), 1e-3 * scale) << name << " changes nothing";
+  expect_settings_matter<LlamaConfig>(
+      config, ckpt,
+      {{"query_pre_attn_scalar", [](LlamaConfig& c) { c.query_pre_attn_scalar = 0; }},
+       {"attn_logit_softcapping", [](LlamaConfig& c) { c.attn_logit_softcapping = 0; }},
+       {"final_logit_softcapping", [](LlamaConfig& c) { c.final_logit_softcapping = 0; }},
+       {"scale_embeddings", [](LlamaConfig& c) { c.scale_embeddings = false; }}});
+}
+
+// [Phi-3]: q, k and v one base layer (qkv_proj), gate and up one (gate_up_proj), grouped-query
+// attention split out of the fused output, RoPE over 12 of each head's 16 features (Phi-4-mini's
+// partial_rotary_factor 0.75), every layer attending over a window of 5.
+TEST_F(HfReferenceTest, TinyPhi3MatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-phi3", "tiny-phi3");
+  auto model = load_llama(ckpt);
+  const auto& config = model->config();
+  EXPECT_EQ(config.model_type, "phi3");
+  EXPECT_TRUE(config.fused_projections);
+  EXPECT_EQ(config.rotary_dim(), 12);
+  EXPECT_EQ(config.window_of(0), 5);
+  EXPECT_EQ(config.window_of(1), 5);
+  const auto layer = model->model->layers->ptr<LlamaDecoderLayerImpl>(0);
+  ASSERT_TRUE(layer->self_attn->qkv_proj && layer->mlp->gate_up_proj);
+  EXPECT_FALSE(layer->self_attn->q_proj || layer->self_attn->k_proj || layer->mlp->gate_proj || layer->mlp->up_proj);
+  EXPECT_EQ(layer->self_attn->qkv_proj->weight.sizes(), at::IntArrayRef({64 + 2 * 32, 64}));
+  EXPECT_EQ(layer->mlp->gate_up_proj->weight.sizes(), at::IntArrayRef({2 * 128, 64}));
+  expect_matches_reference(model, ckpt);
+  expect_window_matters(model, ckpt, 5);
+  expect_settings_matter<LlamaConfig>(config, ckpt,
+                                      {{"partial_rotary_factor", [](LlamaConfig& c) { c.partial_rotary_factor = 1.0; }}});
+}
+
+// [GPT-NeoX family]: GPT-NeoX (Pythia's shapes in small): RoPE over a quarter of each head, each
+// head's q, k and v side by side in query_key_value, exact GELU, an untied embed_out; attention and
+// MLP in parallel (use_parallel_residual) and in sequence.
+TEST_F(HfReferenceTest, TinyGPTNeoXMatchesTransformers) {
+  require_transformers();
+  for (const std::string preset : {"tiny-gpt-neox", "tiny-gpt-neox-sequential"}) {
+    SCOPED_TRACE(preset);
+    const auto ckpt = checkpoint(preset, preset);
+    auto model = load_gpt_neox(ckpt);
+    const auto& config = model->config();
+    EXPECT_EQ(config.model_type, "gpt_neox");
+    EXPECT_EQ(config.parallel_residual, preset == "tiny-gpt-neox");
+    EXPECT_EQ(config.rotary_dim(), 4);
+    EXPECT_EQ(config.hidden_act, "gelu");
+    const auto params = model->named_parameters();
+    EXPECT_TRUE(params.contains("gpt_neox.layers.1.attention.query_key_value.bias"));
+    EXPECT_TRUE(params.contains("gpt_neox.layers.1.mlp.dense_4h_to_h.weight"));
+    EXPECT_TRUE(params.contains("embed_out.weight"));
+    expect_matches_reference(model, ckpt);
+    expect_settings_matter<GPTNeoXConfig>(
+        config, ckpt,
+        {{"partial_rotary_factor", [](GPTNeoXConfig& c) { c.partial_rotary_factor = 0.5; }},
+         {"parallel_residual", [](GPTNeoXConfig& c) { c.parallel_residual = !c.parallel_residual; }},
+         {"hidden_act", [](GPTNeoXConfig& c) { c.hidden_act = "relu"; }}});
   }
+}
+
+// [GPT-NeoX family]: Phi (phi-2's shapes in small): q, k and v of their own with biases and two
+// key/value heads, attention and a gelu_new MLP in parallel from one layer norm, RoPE over half of
+// each head, lm_head with a bias.
+TEST_F(HfReferenceTest, TinyPhiMatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-phi", "tiny-phi");
+  auto model = load_gpt_neox(ckpt);
+  const auto& config = model->config();
+  EXPECT_EQ(config.model_type, "phi");
+  EXPECT_EQ(config.num_key_value_heads, 2);
+  EXPECT_EQ(config.rotary_dim(), 8);
+  EXPECT_EQ(model->model_shape().num_key_value_heads, 2);
+  const auto params = model->named_parameters();
+  EXPECT_TRUE(params.contains("model.layers.0.self_attn.dense.bias"));
+  EXPECT_TRUE(params.contains("model.layers.0.mlp.fc1.weight"));
+  EXPECT_TRUE(params.contains("model.final_layernorm.weight"));
+  ASSERT_TRUE(model->head);
+  EXPECT_TRUE(model->head->has_bias());
+  EXPECT_FALSE(model->model->layers->ptr<GPTNeoXLayerImpl>(0)->mlp_norm);
+  expect_matches_reference(model, ckpt);
+  expect_settings_matter<GPTNeoXConfig>(
+      config, ckpt, {{"partial_rotary_factor", [](GPTNeoXConfig& c) { c.partial_rotary_factor = 1.0; }}});
+}
+
+// [GPT-NeoX family]: OPT: learned positions offset by 2, counted over the mask's tokens (a
+// left-padded row starts at position 0, as transformers counts it), ReLU, the head tied.
+TEST_F(HfReferenceTest, TinyOPTMatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-opt", "tiny-opt");
+  auto model = load_gpt_neox(ckpt);
+  EXPECT_EQ(model->config().model_type, "opt");
+  EXPECT_TRUE(model->config().learned_positions());
+  EXPECT_FALSE(model->head);
+  EXPECT_EQ(model->max_positions(), 128);
+  const auto params = model->named_parameters();
+  EXPECT_TRUE(params.contains("model.decoder.embed_positions.weight"));
+  EXPECT_TRUE(params.contains("model.decoder.layers.1.fc2.bias"));
+  EXPECT_TRUE(params.contains("model.decoder.layers.1.self_attn.out_proj.weight"));
+  EXPECT_TRUE(params.contains("model.decoder.final_layer_norm.bias"));
+  expect_matches_reference(model, ckpt);
+  expect_matches_reference(model, ckpt, make_batch(256, /*left_padded=*/true));
+}
+
+// What the [GPT-NeoX family] cannot compute is refused naming the field: OPT-350m's post-layer
+// norms and embedding projections, Phi's qk_layernorm, RoPE scaling.
+TEST_F(HfReferenceTest, GPTNeoXFamilyRefusesWhatItCannotComputeNamingTheField) {
+  const auto opt = checkpoint("tiny-opt", "tiny-opt");
+  const auto phi = checkpoint("tiny-phi", "tiny-phi");
+  const auto neox = checkpoint("tiny-gpt-neox", "tiny-gpt-neox");
+  const std::vector<std::tuple<fs::path, std::string, std::function<void(nlohmann::json&)>, std::string>> cases = {
+      {opt, "opt-post-norm", [](nlohmann::json& c) { c["do_layer_norm_before"] = false; },
+       "do_layer_norm_before=false (OPT-350m's post-layer norms) is not supported"},
+      {opt, "opt-projected", [](nlohmann::json& c) { c["word_embed_proj_dim"] = 32; },
+       "word_embed_proj_dim 32 differs from hidden_size 64"},
+      {opt, "opt-gelu", [](nlohmann::json& c) { c["activation_function"] = "silu"; },
+       "activation 'silu' is not supported (expected 'gelu', 'gelu_new' or 'relu')"},
+      {phi, "phi-qk-norm", [](nlohmann::json& c) { c["qk_layernorm"] = true; }, "qk_layernorm=true is not supported"},
+      {neox, "neox-scaled-rope", [](nlohmann::json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; },
+       "rope type 'linear' is not supported (expected 'default')"},
+      {neox, "neox-no-hidden", [](nlohmann::json& c) { c.erase("hidden_size"); }, "missing field 'hidden_size'"},
+  };
+  for (const auto& [source, name, edit, expected] : cases) {
+    const auto message = refusal<GPTNeoXConfig>(source, name, edit);
+    EXPECT_NE(message.find(expected), std::string::npos) << name << ": " << message;
+  }
+  // transformers 5's rope_parameters are read as transformers 4's fields are.
+  const auto v5 = GPTNeoXConfig::from_checkpoint(*with_config(neox, "neox-rope-parameters", [](nlohmann::json& c) {
+    c.erase("rotary_pct");
+    c.erase("rotary_emb_base");
+    c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500.0}, {"partial_rotary_factor", 0.5}};
+  }));
+  EXPECT_DOUBLE_EQ(v5.rope_theta, 500.0);
+  EXPECT_EQ(v5.rotary_dim(), 8);
 }
 
 // [Gemma 2] settings read from config.json: transformers' defaults where a field is missing, null
@@ -377,13 +518,13 @@ TEST_F(HfReferenceTest, SlidingWindowFieldsAreReadAndBadOnesNamed) {
 
 // An architecture the client has no model for is refused naming its model_type and the supported ones.
 TEST_F(HfReferenceTest, UnsupportedModelTypeIsRefusedNamingItAndTheSupportedOnes) {
-  const fs::path dir = *dir_ / "phi3";
+  const fs::path dir = *dir_ / "bloom";
   fs::create_directories(dir);
   write_safetensors(dir / "model.safetensors", {{"model.embed_tokens.weight", at::zeros({4, 2})}});
-  std::ofstream(dir / "config.json") << R"({"model_type": "phi3"})";
+  std::ofstream(dir / "config.json") << R"({"model_type": "bloom"})";
   const auto message = testing::error_of([&] { open_causal_lm(*Checkpoint::open(dir)); });
-  EXPECT_NE(message.find("model_type 'phi3' is not supported "
-                         "(supported: gemma2, gpt2, gpt_bigcode, llama, mistral, qwen2, qwen3)"),
+  EXPECT_NE(message.find("model_type 'bloom' is not supported (supported: gemma2, gpt2, gpt_bigcode, gpt_neox, "
+                         "llama, mistral, opt, phi, phi3, qwen2, qwen3)"),
             std::string::npos)
       << message;
   EXPECT_NE(message.find((dir / "config.json").string()), std::string::npos) << message;

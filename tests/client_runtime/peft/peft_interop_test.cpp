@@ -1,5 +1,5 @@
 // Adapter files interoperate with Hugging Face PEFT (CPU, from PyPI), for every method and every
-// architecture (Llama, Qwen2, Mistral, Gemma 2, GPT-2, GPTBigCode): an adapter
+// architecture (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, GPTBigCode, GPT-NeoX, Phi, OPT): an adapter
 // saved here and loaded by PEFT on the same random checkpoint gives the same logits (1e-4
 // relative), and an adapter made and saved by PEFT, loaded here, gives PEFT's logits. Skipped when
 // the Python packages are missing.
@@ -36,7 +36,7 @@ LoraConfig lora_plain() {
   LoraConfig c;
   c.r = 4;
   c.alpha = 8;
-  c.target_modules = {"q_proj", "v_proj", "c_attn"};
+  c.target_modules = {"q_proj", "v_proj", "c_attn", "query_key_value", "qkv_proj"};  // each architecture's
   c.init_b_zero = false;
   return c;
 }
@@ -52,7 +52,8 @@ LoraConfig lora_rslora_patterns() {
 
 LoraConfig lora_dora() {
   LoraConfig c = lora_plain();
-  c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+  c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc", "query_key_value", "qkv_proj", "dense_4h_to_h",
+                      "fc2"};
   c.use_dora = true;
   return c;
 }
@@ -71,9 +72,20 @@ AdaLoraConfig adalora_config() {
   AdaLoraConfig c;
   c.init_r = 6;
   c.target_r = 2;
-  c.target_modules = {"q_proj", "v_proj", "c_attn"};
+  c.target_modules = {"q_proj", "v_proj", "c_attn", "query_key_value", "qkv_proj"};
   c.init_lora_weights = false;
   c.total_step = 2;
+  return c;
+}
+
+// PEFT's default targets, but for Phi-3, which has none in PEFT: its fused qkv_proj, and down_proj.
+IA3Config ia3_config(torch::nn::Module& model) {
+  IA3Config c;
+  c.init_ia3_weights = false;
+  if (model_adapter_host(model).model_shape().model_type == "phi3") {
+    c.target_modules = {"qkv_proj", "down_proj"};
+    c.feedforward_modules = {"down_proj"};
+  }
   return c;
 }
 
@@ -104,11 +116,9 @@ std::vector<Method> methods() {
        [](torch::nn::Module& m, const fs::path& d) { save_lora(m, lora_rslora_patterns(), d); }},
       {"ia3",
        [](torch::nn::Module& m) {
-         IA3Config c;
-         c.init_ia3_weights = false;
-         add_ia3(m, c);
+         add_ia3(m, ia3_config(m));
        },
-       [](torch::nn::Module& m, const fs::path& d) { save_ia3(m, IA3Config{}, d); }},
+       [](torch::nn::Module& m, const fs::path& d) { save_ia3(m, ia3_config(m), d); }},
       {"prompt_tuning", [](torch::nn::Module& m) { add_prompt_tuning(m, PromptTuningConfig{5}); }, prompt_save},
       {"p_tuning",
        [](torch::nn::Module& m) {
@@ -223,6 +233,19 @@ INSTANTIATE_TEST_SUITE_P(Methods, PeftInteropTest,
 // every method.
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, PeftInteropTest,
                          ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
+                                            ::testing::Range(0, 9)),
+                         param_name);
+
+// [Phi-3] (a setting of [Llama family]): adapters on the fused qkv_proj and gate_up_proj's sibling
+// down_proj, as PEFT names them, with every method.
+INSTANTIATE_TEST_SUITE_P(Phi3, PeftInteropTest, ::testing::Combine(::testing::Values("tiny-phi3"), ::testing::Range(0, 9)),
+                         param_name);
+
+// [GPT-NeoX family]: GPT-NeoX (query_key_value, each head's q, k and v side by side; embed_out, not
+// an all-linear target), Phi (grouped-query attention, lm_head with a bias) and OPT (learned
+// positions, the layer's own fc1 and fc2; PEFT's IA3 targets for each), with every method.
+INSTANTIATE_TEST_SUITE_P(GPTNeoXFamily, PeftInteropTest,
+                         ::testing::Combine(::testing::Values("tiny-gpt-neox", "tiny-phi", "tiny-opt"),
                                             ::testing::Range(0, 9)),
                          param_name);
 
