@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "client_runtime/text/sentencepiece_tokenizer.h"
+#include "client_runtime/text/sentencepiece_model.h"
 #include "client_runtime/text/tokenizer_json.h"
 
 namespace symbiosis {
@@ -21,7 +21,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_directory(const std::filesystem::path
       if (!has_model) throw;
     }
   }
-  if (has_model) return text::open_sentencepiece(model_file, config);
+  if (has_model) return text::open_sentencepiece_model(model_file, config);
   TORCH_CHECK(false, "tokenizer: no tokenizer in ", dir.string(),
               ": looked for tokenizer.json (Hugging Face tokenizers) and tokenizer.model (SentencePiece)");
 }

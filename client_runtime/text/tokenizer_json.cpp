@@ -752,8 +752,7 @@ class JsonTokenizer : public Tokenizer {
 //   decoder        Replace("▁", " "), ByteFallback, Fuse, and Strip(" ", 1 from the left) with the prefix.
 // This returns the file as transformers builds it, so that the rest reads it as any other.
 json as_transformers_builds(json file, const TokenizerConfig& config) {
-  const bool llama = config.tokenizer_class == "LlamaTokenizer" || config.tokenizer_class == "LlamaTokenizerFast";
-  if (!llama || !file.contains("model") || file["model"].value("type", "BPE") != "BPE") return file;
+  if (!builds_llama_pipeline(config) || !file.contains("model") || file["model"].value("type", "BPE") != "BPE") return file;
   const json& model = file["model"];
   file["model"] = {{"type", "BPE"}, {"vocab", model.value("vocab", json::object())},
                    {"merges", model.value("merges", json::array())}, {"fuse_unk", true}, {"byte_fallback", true}};
@@ -877,6 +876,10 @@ std::string JsonTokenizer::decode(const std::vector<int64_t>& ids, bool skip_spe
 
 }  // namespace
 
+bool builds_llama_pipeline(const TokenizerConfig& config) {
+  return config.tokenizer_class == "LlamaTokenizer" || config.tokenizer_class == "LlamaTokenizerFast";
+}
+
 namespace {
 
 json read_json(const std::filesystem::path& file) {
@@ -942,6 +945,10 @@ TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
 
 std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file, const TokenizerConfig& config) {
   return std::make_unique<JsonTokenizer>(read_json(file), file.string(), config);
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer_json(const json& file, const std::string& where, const TokenizerConfig& config) {
+  return std::make_unique<JsonTokenizer>(file, where, config);
 }
 
 }  // namespace symbiosis::text

@@ -11,6 +11,8 @@
 //   post_processor ByteLevel, TemplateProcessing, Sequence
 //   decoder        ByteLevel, ByteFallback, Fuse, Replace, Strip, Sequence
 // Any other is refused with c10::NotImplementedError naming it (from_directory then tries tokenizer.model).
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <memory>
 
@@ -38,5 +40,10 @@ struct TokenizerConfig {
 TokenizerConfig read_tokenizer_config(const std::filesystem::path& file);
 
 std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file, const TokenizerConfig& config);
+// The tokenizer of a tokenizer.json document (`where` names it in errors), as open_tokenizer_json.
+std::unique_ptr<Tokenizer> make_tokenizer_json(const nlohmann::json& file, const std::string& where,
+                                               const TokenizerConfig& config);
+// Whether transformers builds the pipeline of LlamaTokenizer for this config ([Tokenizer classes]).
+bool builds_llama_pipeline(const TokenizerConfig& config);
 
 }  // namespace symbiosis::text

@@ -14,7 +14,9 @@ Trains, on a small built-in corpus, one tokenizer per family, configured as that
   starcoder  tokenizer.json: Digits(individual_digits) + ByteLevel, <|endoftext|>, <fim_prefix>, ...
   lowercase  tokenizer.json: NFKC and Lowercase normalizers, ByteLevel (special casing: İ, final sigma, ǅ)
   spm_bpe    tokenizer.model: SentencePiece BPE with byte fallback (Llama 2, Mistral), add_bos_token
-  spm_unigram tokenizer.model: SentencePiece unigram (T5-like models; Gemma's kind of model file)
+  spm_bpe_legacy  the same trained with user-defined pieces (<sep>, <|user|>), legacy true
+  spm_bpe_no_prefix  the same with add_prefix_space false
+  spm_unigram tokenizer.model: SentencePiece unigram, named LlamaTokenizer (transformers makes BPE of it)
   llama2_json tokenizer.json: what transformers converts spm_bpe's model to (Metaspace, BPE with byte fallback),
              LlamaTokenizer with legacy false
   llama2_legacy_json  the same with the Prepend/Replace normalizer of Llama 2's checkpoints on the Hub, and
@@ -24,10 +26,10 @@ each with tokenizer_config.json. DIR/expected.json holds, per family, the cases
    "decoded" (decode(ids)), "decoded_skip" (decode(ids, skip_special_tokens=True))}
 for every corpus text, and decode-only cases {"ids", "decoded", "decoded_skip"} of random ids (pieces of UTF-8
 characters among them), with "bos", "eos" and "vocab_size".
-The tokenizer.json families' reference is transformers' AutoTokenizer (which runs the file as written for
+Every family's reference is transformers' AutoTokenizer (which runs the file as written for
 PreTrainedTokenizerFast, and builds LlamaTokenizer's pipeline itself: [Tokenizer classes] in
-client_runtime/text/tokenizer_json.cpp); the SentencePiece ones' is the `sentencepiece` package with the rule in
-spm_encode below.
+client_runtime/text/tokenizer_json.cpp); a tokenizer.model alone is converted by AutoTokenizer too
+([SentencePiece conversion] in client_runtime/text/sentencepiece_model.h).
 Exit status 3 when a Python package is missing (the C++ test then skips).
 """
 import argparse
@@ -80,6 +82,7 @@ CORPUS = [
     "zero\u200bwidth and non\u00a0breaking and ideographic\u3000space",
     "unknown scripts: ᚠᛇᚻ ꦧꦱꦗ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀",
     "  two leading",
+    "a<sep>b <sep> c  <sep>  d<sep><|user|>\n<|user|> x",  # user-defined pieces mid-text
     "İstanbul İ ı ǅ ẞ ﬁ",  # special casing
     "ΟΔΥΣΣΕΥΣ ὈΔΥΣΣΕΎΣ Σ. ΆΣ! İİ İ\u0307 ǅǈǋǲ ẞSS Ꞵ ᾈᾼ ǰ ŉ",  # final sigma, titlecase digraphs, İ twice
     "mixed scripts: abcабвαβγ日本ab12",
@@ -227,7 +230,10 @@ def auto_tokenizer(out_dir, specials):
     return encode, decode, specials, tok.bos_token_id, tok.eos_token_id, len(tok)
 
 
-def train_sentencepiece(model_type, out_dir, work_dir):
+def train_sentencepiece(model_type, out_dir, work_dir, config=None, user_defined=()):
+    """A SentencePiece model alone (no tokenizer.json), with tokenizer_config.json's LlamaTokenizer updated by
+    `config` (legacy, add_prefix_space); the reference is what AutoTokenizer converts it to
+    ([SentencePiece conversion] in client_runtime/text/sentencepiece_model.h)."""
     import sentencepiece as spm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -243,45 +249,15 @@ def train_sentencepiece(model_type, out_dir, work_dir):
                    unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
     if model_type == "bpe":
         options["byte_fallback"] = True
+    if user_defined:
+        options["user_defined_symbols"] = list(user_defined)
     spm.SentencePieceTrainer.train(**options)
     os.rename(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
     os.remove(prefix + ".vocab")
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-                   "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f, indent=1)
-    sp = spm.SentencePieceProcessor(model_file=os.path.join(out_dir, "tokenizer.model"))
-    specials = ["<s>", "</s>"]
-    split_out = ["<unk>"] + specials
-
-    def encode(text, add_special_tokens):
-        # The special tokens' text is split out first (as transformers does); each piece of text between them is
-        # encoded alone (SentencePiece's dummy prefix on each: transformers' legacy behaviour).
-        ids, rest = [], text
-        while rest:
-            cut = min(((rest.find(s), -len(s), s) for s in split_out if s in rest), default=None)
-            if cut is None:
-                ids += sp.encode(rest)
-                break
-            if cut[0] > 0:
-                ids += sp.encode(rest[:cut[0]])
-            ids.append(sp.piece_to_id(cut[2]))
-            rest = rest[cut[0] + len(cut[2]):]
-        return ([sp.bos_id()] if add_special_tokens else []) + ids
-
-    def decode(ids, skip):
-        # Control tokens as their text unless skipped; the runs between them decoded by SentencePiece.
-        out, run = "", []
-        for i in ids:
-            if sp.is_control(i):
-                out += sp.decode(run)
-                run = []
-                if not skip:
-                    out += sp.id_to_piece(i)
-            else:
-                run.append(i)
-        return out + sp.decode(run)
-
-    return encode, decode, specials, sp.bos_id(), sp.eos_id(), sp.get_piece_size()
+                   "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **(config or {})}, f, indent=1)
+    return auto_tokenizer(out_dir, ["<s>", "</s>"])
 
 
 def converted_llama2(spm_dir, out_dir, legacy):
@@ -325,10 +301,15 @@ def main() -> int:
         return missing(e)
 
     expected = {}
-    for family in ("gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe", "spm_unigram", "llama2_json", "llama2_legacy_json"):
+    for family in ("gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe", "spm_bpe_legacy", "spm_bpe_no_prefix",
+                   "spm_unigram", "llama2_json", "llama2_legacy_json"):
         out_dir = os.path.join(args.output, family)
         if family.startswith("llama2_"):
             made = converted_llama2(os.path.join(args.output, "spm_bpe"), out_dir, "legacy" in family)
+        elif family == "spm_bpe_legacy":
+            made = train_sentencepiece("bpe", out_dir, args.output, {"legacy": True}, ["<sep>", "<|user|>"])
+        elif family == "spm_bpe_no_prefix":
+            made = train_sentencepiece("bpe", out_dir, args.output, {"add_prefix_space": False})
         elif family.startswith("spm_"):
             made = train_sentencepiece(family[4:], out_dir, args.output)
         else:

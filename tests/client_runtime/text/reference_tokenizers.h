@@ -11,7 +11,8 @@
 
 namespace symbiosis::testing {
 
-inline const std::vector<std::string> kTokenizerFamilies = {"gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe", "spm_unigram",
+inline const std::vector<std::string> kTokenizerFamilies = {"gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe",
+                                                           "spm_bpe_legacy", "spm_bpe_no_prefix", "spm_unigram",
                                                            "llama2_json", "llama2_legacy_json"};
 
 struct ReferenceTokenizers {

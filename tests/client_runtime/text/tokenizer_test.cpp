@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iterator>
 
 #include <symbiosis/text.h>
 
@@ -192,10 +193,30 @@ TEST_F(TokenizerFilesTest, CorruptTokenizerConfigNamesTheField) {
 }
 
 TEST_F(TokenizerFilesTest, CorruptTokenizerModelIsNamed) {
+  write("tokenizer_config.json", R"({"tokenizer_class": "LlamaTokenizer"})");
   write("tokenizer.model", "not a SentencePiece model");
-  const std::string message = error_message([&] { Tokenizer::from_directory(dir_); });
+  std::string message = error_message([&] { Tokenizer::from_directory(dir_); });
   EXPECT_NE(message.find((dir_ / "tokenizer.model").string() + " is not a SentencePiece model"), std::string::npos)
       << message;
+  std::ifstream in(family_file("spm_bpe", "tokenizer.model"), std::ios::binary);
+  const std::string model((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  write("tokenizer.model", model.substr(0, model.size() / 2));
+  message = error_message([&] { Tokenizer::from_directory(dir_); });
+  EXPECT_NE(message.find("is not a SentencePiece model: its protobuf breaks at byte"), std::string::npos) << message;
+}
+
+// [SentencePiece conversion] A tokenizer.model alone is converted as transformers converts LlamaTokenizer's;
+// another class, or none, is refused naming it, since transformers would build that class's own pipeline.
+TEST_F(TokenizerFilesTest, TokenizerModelOfAnotherClassIsRefused) {
+  std::filesystem::copy_file(family_file("spm_bpe", "tokenizer.model"), dir_ / "tokenizer.model");
+  for (const auto& [config, named] : {std::pair{R"({"tokenizer_class": "T5Tokenizer"})", "tokenizer_class is 'T5Tokenizer'"},
+                                      std::pair{R"({"bos_token": "<s>"})", "tokenizer_class is not given"}}) {
+    write("tokenizer_config.json", config);
+    const std::string message = error_message([&] { Tokenizer::from_directory(dir_); });
+    EXPECT_NE(message.find(named), std::string::npos) << message;
+    EXPECT_NE(message.find("only LlamaTokenizer's"), std::string::npos) << message;
+    EXPECT_NE(message.find((dir_ / "tokenizer.model").string()), std::string::npos) << message;
+  }
 }
 
 TEST_F(TokenizerFilesTest, TextThatIsNotUtf8AndNegativeIdsAreRefused) {
