@@ -1,7 +1,7 @@
 // Invariant 1 (exactness): split execution against an executor computes what the same model
 // computes monolithically: logits, loss and every LoRA gradient within 1e-5 relative (fp32, CPU),
-// and adapter weights still agree after 5 AdamW steps. Llama, Qwen2, Mistral, Gemma 2, GPT-2 (also
-// as the Hub names GPT-2's tensors: [Checkpoint layouts]) and GPTBigCode, over each CPU transport
+// and adapter weights still agree after 5 AdamW steps. Llama, Qwen2, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2
+// (also as the Hub names GPT-2's tensors: [Checkpoint layouts]), GPTBigCode, GPT-NeoX, Phi and OPT, over each CPU transport
 // (ZeroMQ TCP, and shared memory with headers through the shared-memory control channel or over
 // ZeroMQ), in one process and in four client processes at once under each batching policy.
 #include <gtest/gtest.h>
@@ -41,7 +41,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 
   LoraConfig lora;
   lora.r = 4;
-  lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc"};
+  lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc", "qkv_proj", "query_key_value",
+                         "dense_4h_to_h", "fc2"};
   lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
   auto split = testing::make_training_run(*checkpoint, client, testing::lora_adapter(lora), {}, 1e-2, 1234);
   auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
@@ -58,7 +59,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",
                                                               "tiny-gemma2", "tiny-gpt2", "tiny-gpt2-hub",
-                                                              "tiny-gpt-bigcode"),
+                                                              "tiny-gpt-bigcode", "tiny-phi3", "tiny-gpt-neox",
+                                                              "tiny-phi", "tiny-opt"),
                                             ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
                          [](const auto& info) {
                            auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);

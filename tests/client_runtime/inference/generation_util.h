@@ -76,7 +76,9 @@ inline std::vector<GenerationRequest> mixed_requests() {
 inline LoraConfig test_lora() {
   LoraConfig lora;
   lora.r = 4;
-  lora.target_modules = {"q_proj", "v_proj", "c_attn", "down_proj", "c_fc"};
+  // Each architecture's attention and an MLP layer (Phi-3's and GPT-NeoX's fused q, k and v).
+  lora.target_modules = {"q_proj", "v_proj", "c_attn", "down_proj", "c_fc", "qkv_proj", "query_key_value",
+                         "dense_4h_to_h", "fc2"};
   lora.init_b_zero = false;
   return lora;
 }

@@ -217,7 +217,8 @@ std::string model_name(const std::string& preset) {
 // requests outgrow, in prefill and in decode.
 INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest,
                          ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
-                                           "tiny-gpt2", "tiny-gpt-bigcode"),
+                                           "tiny-gpt2", "tiny-gpt-bigcode", "tiny-phi3", "tiny-gpt-neox", "tiny-phi",
+                                           "tiny-opt"),
                          [](const auto& info) { return model_name(info.param); });
 
 // Split equals monolithic under each batching policy, with a fine-tuning client training on the
@@ -347,6 +348,15 @@ INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, HfGenerateTest,
                          ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
                                             ::testing::Values("none", "lora")),
+                         [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
+
+// [Phi-3] (its fused layers, partial rotary and a window of 5 that prompts and new tokens outgrow) and
+// the [GPT-NeoX family] (GPT-NeoX, Phi, OPT's learned positions): the base model, LoRA on each one's
+// attention and MLP, IA3 (PEFT's own targets, GPT-NeoX's fused query_key_value among them; Phi-3 has
+// none in PEFT) and prefix tuning through the cache.
+INSTANTIATE_TEST_SUITE_P(NewFamilies, HfGenerateTest,
+                         ::testing::Combine(::testing::Values("tiny-phi3", "tiny-gpt-neox", "tiny-phi", "tiny-opt"),
+                                            ::testing::Values("none", "lora", "ia3", "prefix_tuning")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
 // symbiosis-generate, split and monolithic, on JSON Lines with a request that is refused: the same
