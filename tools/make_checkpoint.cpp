@@ -196,33 +196,17 @@ ModelSpec mistral_spec(const LlamaShape& s, int64_t sliding_window) {
 // Phi-4-mini's partial_rotary_factor.
 ModelSpec phi3_spec(const LlamaShape& s, int64_t sliding_window, double partial_rotary_factor) {
   ModelSpec m = llama_spec(s);
-  m.config = {{"architectures", {"Phi3ForCausalLM"}},
-              {"model_type", "phi3"},
-              {"attention_bias", false},
-              {"attention_dropout", 0.0},
-              {"bos_token_id", s.bos},
-              {"embd_pdrop", 0.0},
-              {"eos_token_id", s.eos},
-              {"hidden_act", "silu"},
-              {"hidden_size", s.hidden},
-              {"initializer_range", 0.02},
-              {"intermediate_size", s.intermediate},
-              {"max_position_embeddings", s.max_positions},
-              {"num_attention_heads", s.heads},
-              {"num_hidden_layers", s.layers},
-              {"num_key_value_heads", s.kv_heads},
-              {"original_max_position_embeddings", s.max_positions},
-              {"pad_token_id", 0},
-              {"partial_rotary_factor", partial_rotary_factor},
-              {"resid_pdrop", 0.0},
-              {"rms_norm_eps", s.rms_eps},
-              {"rope_scaling", nullptr},
-              {"rope_theta", s.rope_theta},
-              {"sliding_window", sliding_window},
-              {"tie_word_embeddings", s.tied},
-              {"transformers_version", "4.45.0"},
-              {"use_cache", true},
-              {"vocab_size", s.vocab}};
+  m.config = mistral_spec(s, sliding_window).config;
+  m.config.erase("head_dim");
+  m.config["architectures"] = {"Phi3ForCausalLM"};
+  m.config["model_type"] = "phi3";
+  m.config.update({{"attention_bias", false},
+                   {"embd_pdrop", 0.0},
+                   {"original_max_position_embeddings", s.max_positions},
+                   {"pad_token_id", 0},
+                   {"partial_rotary_factor", partial_rotary_factor},
+                   {"resid_pdrop", 0.0},
+                   {"rope_scaling", nullptr}});
   std::vector<TensorSpec> tensors;
   for (auto t : m.tensors) {
     const auto fuse = [&](const std::string& first, const std::string& fused, int64_t rows) {
