@@ -104,7 +104,20 @@ char32_t next_code_point(std::string_view s, size_t& pos) {
   return c;
 }
 
-std::string normalize(std::string_view s, NormalForm form) {
+namespace {
+
+// [Normalization's Unicode] The tokenizers' normalizers (the unicode-normalization-alignments crate) know none
+// of the decompositions added since Unicode 12; utf8proc knows Unicode 15's. Those code points are left as
+// they are, as the tokenizers leave them, and so is U+11930, which Unicode 13 lets compose with U+11935 into U+11938
+// (found by comparing every code point with the tokenizers package). All are starters that compose with nothing
+// else, so the text between them is normalized on its own.
+bool decomposed_since_unicode_12(char32_t c) {
+  return c == 0x32FF || (c >= 0xA7F2 && c <= 0xA7F4) || c == 0xAB69 || (c >= 0x10781 && c <= 0x107BA && c != 0x10786 &&
+         c != 0x107B1) || c == 0x11930 || c == 0x11938 || (c >= 0x1E030 && c <= 0x1E06D) || c == 0x1F16C ||
+         (c >= 0x1FBF0 && c <= 0x1FBF9);
+}
+
+std::string normalize_run(std::string_view s, NormalForm form) {
   int options = UTF8PROC_STABLE;
   switch (form) {
     case NormalForm::kNfc: options |= UTF8PROC_COMPOSE; break;
@@ -120,6 +133,21 @@ std::string normalize(std::string_view s, NormalForm form) {
   std::string out(reinterpret_cast<const char*>(result), static_cast<size_t>(length));
   std::free(result);
   return out;
+}
+
+}  // namespace
+
+std::string normalize(std::string_view s, NormalForm form) {
+  std::string out;
+  size_t done = 0;
+  for (size_t pos = 0; pos < s.size();) {
+    const size_t begin = pos;
+    if (!decomposed_since_unicode_12(next_code_point(s, pos))) continue;
+    out += normalize_run(s.substr(done, begin - done), form);
+    out.append(s.substr(begin, pos - begin));
+    done = pos;
+  }
+  return out + normalize_run(s.substr(done), form);
 }
 
 namespace {

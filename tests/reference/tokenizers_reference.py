@@ -86,6 +86,9 @@ CORPUS = [
     "İstanbul İ ı ǅ ẞ ﬁ",  # special casing
     "ΟΔΥΣΣΕΥΣ ὈΔΥΣΣΕΎΣ Σ. ΆΣ! İİ İ\u0307 ǅǈǋǲ ẞSS Ꞵ ᾈᾼ ǰ ŉ",  # final sigma, titlecase digraphs, İ twice
     "mixed scripts: abcабвαβγ日本ab12",
+    # decompositions newer than the tokenizers' normalizers know ([Normalization's Unicode] in unicode.cpp)
+    "\u32ff \ua7f2\ua7f4 \uab69 \U00010781\U000107ba \U0001e030\u0301 \U0001f16c \U0001fbf0\U0001fbf9 "
+    "\U00011935\U00011930 \U00011938 ﬁ\u32ff\u0301 e\u0301\U0001fbf1e\u0301",
 ]
 
 
