@@ -3,8 +3,8 @@
 // same checkpoint. Found in the checkpoint's directory as transformers finds it (from_directory):
 //  - tokenizer.json (Hugging Face tokenizers' file; GPT-2, Llama 3, Qwen2, StarCoder and other byte-level BPE
 //    tokenizers), implemented here (tokenizer_json.h);
-//  - else tokenizer.model (SentencePiece: Llama 2, Gemma, Mistral), through the SentencePiece library
-//    (sentencepiece_tokenizer.h).
+//  - else tokenizer.model (SentencePiece: Llama 2, Mistral), converted as transformers converts a LlamaTokenizer's
+//    and run as a tokenizer.json ([SentencePiece conversion] in sentencepiece_model.h; other classes are refused).
 // A Tokenizer is immutable once made: its methods may be called from several threads at once.
 // Errors (a missing or malformed file, ids out of range, text that is not UTF-8) throw c10::Error naming the file,
 // the field or the value.
@@ -34,7 +34,7 @@ class Tokenizer {
   virtual std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = true) const = 0;
   // The text of `ids` (invalid UTF-8, such as half a character, comes out as U+FFFD); special tokens as their
   // text unless skipped. Throws naming a negative id; an id without a token (a model's vocabulary padded past the
-  // tokenizer's) gives nothing for tokenizer.json, as in tokenizers, and is refused for tokenizer.model.
+  // tokenizer's) gives nothing, as in tokenizers.
   virtual std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const = 0;
   virtual std::optional<int64_t> bos_token_id() const = 0;
   virtual std::optional<int64_t> eos_token_id() const = 0;
