@@ -254,5 +254,35 @@ INSTANTIATE_TEST_SUITE_P(GPTNeoXFamily, PeftInteropTest,
 INSTANTIATE_TEST_SUITE_P(GPT2Family, PeftInteropTest,
                          ::testing::Combine(::testing::Values("tiny-gpt-bigcode"), ::testing::Range(0, 9)), param_name);
 
+// PEFT's default targets for each new architecture (peft 0.21's TRANSFORMERS_MODELS_TO_LORA_,
+// _IA3_ and _ADALORA_TARGET_MODULES_MAPPING), what an adapter gets when none are named; Phi-3 has
+// none in PEFT, and is refused as PEFT refuses it, asking for the targets.
+TEST(PeftDefaultTargetsTest, EachArchitectureGetsPeftsTargets) {
+  struct Expected {
+    std::string preset;
+    std::vector<std::string> lora, ia3, ia3_feedforward;
+  };
+  const std::vector<Expected> expected = {
+      {"tiny-opt", {"q_proj", "v_proj"}, {"q_proj", "k_proj", "fc2"}, {"fc2"}},
+      {"tiny-gpt-neox", {"query_key_value"}, {"query_key_value", "dense_4h_to_h"}, {"dense_4h_to_h"}},
+      {"tiny-phi", {"q_proj", "v_proj", "fc1", "fc2"}, {"q_proj", "v_proj", "fc2"}, {"fc2"}},
+  };
+  for (const auto& e : expected) {
+    SCOPED_TRACE(e.preset);
+    auto lm = open_causal_lm(*Checkpoint::open(testing::make_checkpoint(e.preset)));
+    EXPECT_EQ(default_lora_targets(*lm.module), e.lora);
+    const auto ia3 = IA3Config{}.resolved_for(*lm.module);
+    EXPECT_EQ(ia3.target_modules, e.ia3);
+    EXPECT_EQ(ia3.feedforward_modules, e.ia3_feedforward);
+  }
+  auto phi3 = open_causal_lm(*Checkpoint::open(testing::make_checkpoint("tiny-phi3")));
+  EXPECT_NE(testing::error_of([&] { default_lora_targets(*phi3.module); })
+                .find("model_type 'phi3') has no default LoRA targets in PEFT: name them"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] { IA3Config{}.resolved_for(*phi3.module); })
+                .find("IA3 field 'target_modules' is empty"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace symbiosis
