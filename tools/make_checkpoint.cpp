@@ -290,6 +290,18 @@ ModelSpec opt_spec(const LayerNormShape& s) {
   return m;
 }
 
+// The config.json fields GPT-NeoX and Phi name alike: sizes and the layer norms' epsilon.
+json layer_norm_decoder_config(const LayerNormShape& s) {
+  return {{"hidden_size", s.hidden},
+          {"initializer_range", 0.02},
+          {"intermediate_size", s.intermediate},
+          {"layer_norm_eps", 1e-5},
+          {"max_position_embeddings", s.max_positions},
+          {"num_attention_heads", s.heads},
+          {"num_hidden_layers", s.layers},
+          {"vocab_size", s.vocab}};
+}
+
 // GPT-NeoX (GPTNeoXForCausalLM, Pythia): RoPE over rotary_pct of each head, q, k and v in one
 // query_key_value layer (each head's q, k and v side by side), attention and MLP in parallel from
 // two layer norms (use_parallel_residual), exact GELU, an untied embed_out. Its config.json as
@@ -305,21 +317,14 @@ ModelSpec gpt_neox_spec(const LayerNormShape& s, double rotary_pct, bool paralle
               {"eos_token_id", 0},
               {"hidden_act", "gelu"},
               {"hidden_dropout", 0.0},
-              {"hidden_size", s.hidden},
-              {"initializer_range", 0.02},
-              {"intermediate_size", s.intermediate},
-              {"layer_norm_eps", 1e-5},
-              {"max_position_embeddings", s.max_positions},
-              {"num_attention_heads", s.heads},
-              {"num_hidden_layers", s.layers},
               {"rope_scaling", nullptr},
               {"rotary_emb_base", 10000},
               {"rotary_pct", rotary_pct},
               {"tie_word_embeddings", false},
               {"transformers_version", "4.45.0"},
               {"use_cache", true},
-              {"use_parallel_residual", parallel_residual},
-              {"vocab_size", s.vocab}};
+              {"use_parallel_residual", parallel_residual}};
+  m.config.update(layer_norm_decoder_config(s));
   auto& t = m.tensors;
   t.push_back({"gpt_neox.embed_in.weight", {s.vocab, s.hidden}, Init::kMatrix});
   for (int64_t i = 0; i < s.layers; ++i) {
@@ -348,13 +353,6 @@ ModelSpec phi_spec(const LayerNormShape& s, double partial_rotary_factor) {
               {"embd_pdrop", 0.0},
               {"eos_token_id", 2},
               {"hidden_act", "gelu_new"},
-              {"hidden_size", s.hidden},
-              {"initializer_range", 0.02},
-              {"intermediate_size", s.intermediate},
-              {"layer_norm_eps", 1e-5},
-              {"max_position_embeddings", s.max_positions},
-              {"num_attention_heads", s.heads},
-              {"num_hidden_layers", s.layers},
               {"num_key_value_heads", s.kv_heads},
               {"partial_rotary_factor", partial_rotary_factor},
               {"qk_layernorm", false},
@@ -363,9 +361,9 @@ ModelSpec phi_spec(const LayerNormShape& s, double partial_rotary_factor) {
               {"rope_theta", 10000.0},
               {"tie_word_embeddings", false},
               {"transformers_version", "4.45.0"},
-              {"use_cache", true},
-              {"vocab_size", s.vocab}};
+              {"use_cache", true}};
   const int64_t head_dim = s.hidden / s.heads;
+  m.config.update(layer_norm_decoder_config(s));
   auto& t = m.tensors;
   t.push_back({"model.embed_tokens.weight", {s.vocab, s.hidden}, Init::kMatrix});
   for (int64_t i = 0; i < s.layers; ++i) {
