@@ -24,6 +24,11 @@ namespace {
 // From this many tokens a request's GEMM keeps an H100 busy alone: see [Batch data path].
 constexpr int64_t kInPlaceTokens = 512;
 
+// The width of a call's result rows.
+int64_t result_features(const LayerInfo& layer, LayerOp op) {
+  return op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+}
+
 // targets[i] = sources[i] (equal sizes): one kernel for all of them on a GPU, copies on a CPU.
 void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& targets) {
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -108,7 +113,7 @@ class ReplayedBatches {
               Entry& entry, cuda::Stream stream) {
     auto& requests = batch.requests;
     const auto& layer = model_.layer(batch.layer_id);
-    const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+    const int64_t out_features = result_features(layer, batch.op);
     const auto options = at::TensorOptions().dtype(layer.dtype).device(model_.device());
     entry.x = at::empty({batch.tokens, requests[0].payload.header.features}, options);
     entry.y = at::empty({batch.tokens, out_features}, options);
@@ -178,9 +183,36 @@ BatchRunner::BatchRunner(const BaseModel& model, Statistics& statistics, InputOb
 
 BatchRunner::~BatchRunner() = default;
 
+LayerOp to_layer_op(int32_t op) {
+  switch (op) {
+    case proto::BACKWARD_INPUT: return LayerOp::kBackwardInput;
+    case proto::FORWARD_NO_BIAS: return LayerOp::kForwardNoBias;
+    default: return LayerOp::kForward;
+  }
+}
+
+
+void BatchRunner::enqueue(Channel& channel, const shm::CallHeader& h) {
+  const auto& layer = model_.layer(h.layer_id);
+  const auto op = to_layer_op(h.op);
+  auto destination = channel.destination(h, layer.dtype, {h.tokens, result_features(layer, op)});
+  model_.compute_into(h.layer_id, op, channel.input(h, layer.dtype, {h.tokens, h.features}), destination);
+}
+
+void BatchRunner::warm_up_stream() {
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (model_.layer_count() == 0) return;
+  const auto& layer = model_.layer(0);
+  // More rows than the few-row kernel takes (kernels/few_rows_gemm.h), so the GEMM library runs.
+  const auto x = at::zeros({16, layer.in_features}, at::TensorOptions().dtype(layer.dtype).device(model_.device()));
+  model_.compute(0, LayerOp::kForward, x);
+  cuda::synchronize_stream(cuda::current_stream(model_.device().index()));
+#endif
+}
+
 std::vector<at::Tensor> BatchRunner::read_inputs(CallBatcher::Batch& batch, uint64_t number) {
   const auto& layer = model_.layer(batch.layer_id);
-  const int64_t out_features = batch.op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
+  const int64_t out_features = result_features(layer, batch.op);
   std::vector<at::Tensor> inputs;
   for (auto& r : batch.requests) {
     auto& w = r.payload;

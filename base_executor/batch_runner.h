@@ -25,10 +25,13 @@ struct Call {
 };
 using CallBatcher = Batcher<Call>;
 
+// A call's proto::Op as the base model computes it.
+LayerOp to_layer_op(int32_t op);
+
 class ReplayedBatches;  // [Replayed batches], batch_runner.cpp
 class Parts;            // parts.h
 
-class BatchRunner {
+class BatchRunner : public CallEnqueuer {
  public:
   // on_input: [Input observer] (base_executor/executor.h), called with every call's input; may be empty.
   // parts: a sharded executor's ([Parts] in parts.h), with whom every batch is computed; null: alone.
@@ -42,6 +45,10 @@ class BatchRunner {
   // batch, up to `cores`. Call on the thread that runs batches.
   void size_cpu_teams(int cores) { cpu_cores_ = cores; }
   uint64_t batches() const { return batches_; }  // run so far
+  // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a call's GEMM in place in its
+  // channel's memory, on the current stream; a first GEMM on a stream before any capture on it.
+  void enqueue(Channel& channel, const shm::CallHeader& h) override;
+  void warm_up_stream() override;
 
  private:
   // Each call's result rows: views into the batch's result, or its destination.

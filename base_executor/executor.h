@@ -87,6 +87,9 @@ struct ExecutorOptions {
   // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is
   // faster than packing them (measured in docs/benchmarks.md). 0: such requests batch as others.
   int64_t concurrent_tokens = 128;
+  // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a same-GPU tenant's captured
+  // decode steps, once seen, run as one launch each, their calls waiting on the GPU for their inputs.
+  bool launch_ahead = true;
   // [Admission] (base_executor/admission.h, docs/operating.md): the keys folder. With it, traffic is
   // encrypted and only the tenants listed there are served. Without it the executor listens on
   // loopback only, unless `insecure` says to listen elsewhere anyway.
@@ -115,6 +118,7 @@ struct ExecutorStats {
   uint64_t direct_calls = 0;  // calls whose input or result lay in a client's shared segment ([Direct operands])
   uint64_t concurrent_calls = 0;  // calls run alone on their client's compute stream ([Compute streams])
   uint64_t replayed_calls = 0;    // captured calls whose GEMM was launched as a graph ([Replayed calls])
+  uint64_t ahead_calls = 0;       // of those, launched ahead of their inputs ([Steps launched ahead])
   uint64_t buffer_bytes = 0;      // shared memory held for clients now ([Buffer budget] in overload.h)
   uint64_t weight_bytes = 0;      // of the base layers held here (a part's share: [Parts] in parts.h)
 };

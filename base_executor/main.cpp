@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 
@@ -16,6 +17,10 @@
 #include "common/checkpoint.h"
 
 int main(int argc, char** argv) {
+  // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a tenant's stream may wait on
+  // the GPU for its flags; with CUDA's default 8 hardware queues, streams share them, and a wait
+  // would hold back whatever shares its queue. 32 is CUDA's most; an operator's setting stays.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   symbiosis::ExecutorOptions options;
   std::string model_dir, keys_dir, dtype, log_level = "info";
   CLI::App app{"symbiosis-executor: serves the frozen base layers of one model to many clients"};
@@ -99,6 +104,10 @@ int main(int argc, char** argv) {
   app.add_option("--concurrent-tokens", options.concurrent_tokens,
                  "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "
                  "on its client's stream (0: such requests batch as others)")
+      ->capture_default_str();
+  app.add_option("--launch-ahead", options.launch_ahead,
+                 "run a same-GPU tenant's captured decode steps, once seen, as one launch each, its calls waiting on "
+                 "the GPU for their inputs (true/false)")
       ->capture_default_str();
   app.add_option("--keys", keys_dir,
                  "keys folder (executor.key, tenants/, operators/, revoked/): encrypt, and admit only listed tenants "

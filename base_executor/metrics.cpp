@@ -146,6 +146,8 @@ std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauge
            count(m.concurrent_calls));
   w.single("symbiosis_replayed_calls_total", "counter", "Captured calls whose GEMM was launched as a graph.",
            count(m.replayed_calls));
+  w.single("symbiosis_ahead_calls_total", "counter",
+           "Of the replayed calls, those launched ahead of their inputs (steps launched ahead).", count(m.ahead_calls));
 
   w.each("symbiosis_class_requests_total", "counter", "Calls batched, by latency class.", "class", m.classes,
          [](const Class& c) { return count(c.requests); });

@@ -20,28 +20,15 @@ using Clock = std::chrono::steady_clock;
 // round: a part with work waits up to this for the others.
 constexpr auto kRoundWait = std::chrono::microseconds(500);
 
-LayerOp to_layer_op(int32_t op) {
-  switch (op) {
-    case proto::BACKWARD_INPUT: return LayerOp::kBackwardInput;
-    case proto::FORWARD_NO_BIAS: return LayerOp::kForwardNoBias;
-    default: return LayerOp::kForward;
-  }
-}
-
 #ifdef SYMBIOSIS_WITH_CUDA
 // One GEMM of the first layer on each compute stream, before any client's: the GEMM library's
 // handle and workspace of each stream, and its first allocations, are made now, so the executor's
 // memory does not grow with the number of clients whose batches use the streams.
-void warm_up(const BaseModel& model, cuda::ComputeStreams& streams, int count) {
-  if (model.layer_count() == 0) return;
-  const auto& layer = model.layer(0);
-  // More rows than the few-row kernel takes (kernels/few_rows_gemm.h), so the GEMM library runs.
-  const auto x = at::zeros({16, layer.in_features}, at::TensorOptions().dtype(layer.dtype).device(model.device()));
+void warm_up(BatchRunner& runner, cuda::ComputeStreams& streams, int count) {
   for (const bool yield : {false, true}) {
     for (int i = 0; i < count; ++i) {
       streams.use(i, yield);
-      model.compute(0, LayerOp::kForward, x);
-      cuda::synchronize_stream(cuda::current_stream(model.device().index()));
+      runner.warm_up_stream();
     }
   }
   streams.use(0);
@@ -297,6 +284,7 @@ bool Scheduler::poll_channels() {
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
     // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it.
+    launch_ahead(*channel);
     while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
     holding = channel->waiting() || holding;
     if (!channel->broken()) {
@@ -311,6 +299,26 @@ bool Scheduler::poll_channels() {
     it = channels_.erase(it);
   }
   return holding;
+}
+
+// [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp). Not for a sharded executor (the
+// parts compute every batch together), nor under lockstep (its batches wait for every client's
+// call), nor while an [Input observer] must see each input.
+void Scheduler::launch_ahead(Channel& channel) {
+  if (!options_.launch_ahead || parts_ != nullptr || options_.batching.policy == BatchingPolicy::kLockstep ||
+      options_.on_input || lost_ || refused_.count(channel.client_id()) != 0) {
+    return;
+  }
+  while (true) {
+    const auto calls = channel.launch_ahead(runner_);
+    if (calls.empty()) return;
+    for (const auto& h : calls) {
+      statistics_.requests++;
+      statistics_.tokens += static_cast<uint64_t>(h.tokens);
+    }
+    statistics_.replayed_calls += calls.size();
+    statistics_.ahead_calls += calls.size();
+  }
 }
 
 void Scheduler::finish_setups() {
@@ -391,7 +399,7 @@ void Scheduler::run() {
   std::optional<cuda::ComputeStreams> streams;
   if (model_.device().is_cuda()) {
     streams.emplace(model_.device().index(), options_.streams);
-    warm_up(model_, *streams, options_.streams);
+    warm_up(runner_, *streams, options_.streams);
   }
 #endif
   // Nothing here is differentiated: skip autograd's bookkeeping on every operation.

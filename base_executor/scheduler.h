@@ -109,6 +109,7 @@ class Scheduler {
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
+  void launch_ahead(Channel& channel);
   void finish_setups();
   // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
   // a call, then sleeps in poll() until then; returns by `deadline` at the latest.

@@ -133,6 +133,7 @@ proto::Stats Statistics::snapshot() const {
   s.set_direct_calls(direct_calls);
   s.set_concurrent_calls(concurrent_calls);
   s.set_replayed_calls(replayed_calls);
+  s.set_ahead_calls(ahead_calls);
   s.set_policy(policy_);
   s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   s.set_queue_depth(queue_depth);
@@ -178,6 +179,7 @@ MetricsSnapshot Statistics::metrics() const {
   m.direct_calls = direct_calls;
   m.concurrent_calls = concurrent_calls;
   m.replayed_calls = replayed_calls;
+  m.ahead_calls = ahead_calls;
   m.compute_seconds = compute_nanos * 1e-9;
   m.deliver_seconds = deliver_nanos * 1e-9;
   m.queued_calls = queue_depth;

@@ -316,6 +316,7 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
     args.insert(args.end(), {"--judge-window", std::to_string(ex["judge_window_ms"].get<int64_t>())});
   }
   if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
+  if (ex.contains("launch_ahead")) args.insert(args.end(), {"--launch-ahead", ex["launch_ahead"].get<bool>() ? "true" : "false"});
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
   }

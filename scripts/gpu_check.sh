@@ -30,6 +30,8 @@
 #                  sequences (512 + 128 tokens, Llama-3.2-1B, bf16) against N monolithic processes, one
 #                  monolithic process of all 8 x N_MAX sequences, and HF PEFT generate with N_MAX adapters
 #                  in one mixed batch (N_MAX: the largest count), under MPS
+#   launch-ahead   [Steps launched ahead]: N = 1, 2, 4, 8 (or COUNTS) decode tenants as in generate, their steps
+#                  launched ahead or taken up call by call, against N monolithic processes
 #   mixed-generate 6 inference tenants (8 x (512 + 128) tokens each) and 2 fine-tuning tenants (2 x 512) on one
 #                  executor, against each group alone (Llama-3.2-1B, bf16, MPS; the paper's 4.4)
 #   table5         8 inference tenants of batches 2 to 256, two LoRA shapes, under none, lockstep and
@@ -513,6 +515,13 @@ for path in sys.argv[1:]:
     extra = {k: round(v * 1e3, 2) for k, v in r.items() if k.endswith("_s") and "token" in k}
     print(f"{path.split('/')[-1]}: {r['tokens_per_s']:.0f} output tokens/s, batch {r['batch']}, ms: {extra}")
 PY
+      mps_off
+      ;;
+    launch-ahead)
+      # [Steps launched ahead]: decode tenants' steps launched ahead or call by call, against monolithic processes.
+      make_1b
+      mps_on
+      bench launch-ahead bench/scenarios/gpu_launch_ahead_llama1b.json --checkpoint $model_1b --counts "${COUNTS:-1,2,4,8}"
       mps_off
       ;;
     mixed-generate)

@@ -51,21 +51,33 @@ void Channel::deliver(const shm::CallHeader&, const at::Tensor&) {
   TORCH_CHECK(false, "internal: a ", kind_name(), " result has a destination and is not delivered");
 }
 
-std::optional<shm::CallHeader> Channel::next_request() {
-  if (broken() || block_ == nullptr || zmq_context_ != nullptr) return std::nullopt;
+const std::deque<shm::CallHeader>& Channel::pending() {
+  if (broken() || block_ == nullptr || zmq_context_ != nullptr) return waiting_;
   // Held calls are bounded like the ring: a client runs at most twice its capacity ahead of its GPU.
   while (waiting_.size() < shm::CallRing::kCapacity) {
     bool corrupt = false;
     auto record = block_->requests.pop_untrusted(&next_read_, &corrupt);
     if (corrupt) {
-      spdlog::warn("client {}: its request ring is corrupt; dropping the client", client_id_);
-      broken_ = true;
-      return std::nullopt;
+      drop("its request ring is corrupt");
+      break;
     }
     if (!record) break;
     waiting_.push_back(record->header);
   }
-  if (waiting_.empty() || !input_ready(waiting_.front())) return std::nullopt;
+  return waiting_;
+}
+
+void Channel::hand_out(size_t n) { waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(n)); }
+
+void Channel::drop(const std::string& why) {
+  spdlog::warn("client {}: {}; dropping the client", client_id_, why);
+  broken_ = true;
+}
+
+std::optional<shm::CallHeader> Channel::next_request() {
+  if (broken() || block_ == nullptr || zmq_context_ != nullptr) return std::nullopt;
+  pending();
+  if (broken() || waiting_.empty() || !input_ready(waiting_.front())) return std::nullopt;
   auto h = waiting_.front();
   waiting_.pop_front();
   taken(h);

@@ -32,6 +32,20 @@
 
 namespace symbiosis {
 
+class Channel;
+
+// [Steps launched ahead]: what a channel needs of the executor to enqueue calls itself.
+class CallEnqueuer {
+ public:
+  virtual ~CallEnqueuer() = default;
+  // Enqueues call h's GEMM on LibTorch's current stream, from its input into its destination in
+  // `channel`'s memory (h was checked when it was first taken).
+  virtual void enqueue(Channel& channel, const shm::CallHeader& h) = 0;
+  // Computes a GEMM of its own on the current stream and waits for it, so that the GEMM library's
+  // handle and workspace for the stream exist before any capture on it.
+  virtual void warm_up_stream() = 0;
+};
+
 class Channel {
  public:
   // Made by a transport's plugin (plugin(kind).make_channel).
@@ -125,6 +139,11 @@ class Channel {
   virtual bool recurs(const shm::CallHeader&) const { return false; }
   // After the call's result is enqueued: orders it before the client's read.
   virtual void finish_writes(const shm::CallHeader&) {}
+  // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): when the client's next
+  // calls repeat a run of captured calls it made before, enqueues them at once, each waiting on the
+  // GPU for its input, and returns them (they are handed out; next_request() goes on after them).
+  // Empty when there is no such run; then next_request() hands the calls out one by one.
+  virtual std::vector<shm::CallHeader> launch_ahead(CallEnqueuer&) { return {}; }
   // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only
   // once the result is computed (NCCL, [NCCL readiness]) holds it until release_replies().
   void reply(const shm::CallHeader& h) {
@@ -153,6 +172,12 @@ class Channel {
   virtual bool input_ready(const shm::CallHeader&) const { return true; }
   // next_request() hands `h` out ([Captured calls]: clears its slot's input flag).
   virtual void taken(const shm::CallHeader&) {}
+  // The calls the client pushed that are not handed out yet, oldest first (the ring read first);
+  // hand_out(n) hands out the first n without taken().
+  const std::deque<shm::CallHeader>& pending();
+  void hand_out(size_t n);
+  // The client broke the protocol in a way only the executor sees: it is dropped (broken()).
+  void drop(const std::string& why);
   shm::SharedMemory& control_memory() { return control_; }
   shm::ControlBlock* control_block() const { return block_; }
   // reply() is about to answer: true when the transport keeps the reply for release_replies().

@@ -25,6 +25,12 @@
 //    executor stays usable to the offender too.
 //  - die-in-call (cuda-ipc): pushes calls whose inputs it announces, and exits at once (_exit), its
 //    buffer gone while the executor reads it.
+//  - stall-ahead (cuda-ipc): makes runs of two captured decode calls (slots 1 and 2), announcing
+//    their inputs from its host as its GPU would, until the executor launches such a run ahead of
+//    its inputs ([Steps launched ahead] in transport/cuda_ipc/cuda_ipc_channel.cpp); then pushes
+//    the run once more and never announces its inputs, so that a stream of the executor's waits on
+//    the GPU for flags that never come. Stays 60 s (or until killed): the executor must drop it,
+//    saying why, while the honest tenants go on.
 //  - no-receive (nccl, on cuda:1): sends a call's input, never posts the receive of its result (too
 //    large for NCCL to buffer: [Buffered sends]), then sends another call's input and pushes it;
 //    stays 15 s. The executor's send of the first result waits on its side stream, the second
@@ -102,6 +108,7 @@ constexpr Attack kAttacks[] = {
     {"destroy-event", "cuda-ipc", "auto", 0, 64, 1},
     {"bogus-handle", "cuda-ipc", "auto", 0, 64, 0},
     {"die-in-call", "cuda-ipc", "auto", 0, 64, 0},
+    {"stall-ahead", "cuda-ipc", "auto", 0, 8, 60},
     {"no-receive", "nccl", "auto", 1, kUnbufferedRows, 15},
     {"no-send", "nccl", "auto", 1, 64, 15},
     {"abort-mid-transfer", "nccl", "auto", 1, kUnbufferedRows, 0},
@@ -432,6 +439,42 @@ int bogus_handle(Connection& c, const Options& options, const Signals& signals, 
   ::_exit(kAttackMade);  // no destructor runs: the buffer goes with the process, under the calls
 }
 
+int stall_ahead(Connection& c, const Options& options, const Signals& signals, Kept& kept) {
+  kept.registration = register_buffer(c, options.tokens);
+  signals.say("ready");
+  signals.await_go();
+  uint32_t sequence = 0;
+  // A captured decode step of two calls; `announce`: their inputs are said to be written.
+  auto run = [&](bool announce) {
+    for (uint32_t slot = 1; slot <= 2; ++slot) {
+      ++sequence;
+      auto record = c.call(sequence, options.tokens, sequence);
+      record.header.latency_class = proto::INFERENCE_DECODE;
+      record.header.slot = slot;
+      c.push(record);
+      if (announce) c.control().slots[slot].input_ready.store(1, std::memory_order_release);
+    }
+    return !announce || testing::wait_until(
+                            [&] { return shm::reached(c.control().results_ready.load(std::memory_order_acquire), sequence); },
+                            std::chrono::seconds(20));
+  };
+  bool ahead = false;
+  for (int i = 0; i < 200 && !ahead; ++i) {
+    if (!run(/*announce=*/true)) {
+      std::printf("hostile tenant: a run whose inputs it announced was not answered\n");
+      return kLeftUnanswered;
+    }
+    ahead = request_stats(options.executor, 10000).ahead_calls() > 0;
+  }
+  if (!ahead) {
+    std::printf("hostile tenant: the executor launched none of 200 runs ahead\n");
+    return kCannotAttack;
+  }
+  run(/*announce=*/false);
+  std::printf("hostile tenant: pushed a run the executor launches ahead, and never announces its inputs\n");
+  return kAttackMade;
+}
+
 #ifdef SYMBIOSIS_WITH_NCCL
 // The tenant's end of its 2-rank communicator (rank 0), set up as nccl_client.cpp does.
 std::unique_ptr<nccl::Communicator> join_nccl(Connection& c, int device) {
@@ -523,6 +566,8 @@ int run(const Options& options) {
     status = bogus_handle(c, chosen, signals, kept);
   } else if (name == "die-in-call") {
     die_in_call(c, chosen, signals, kept);
+  } else if (name == "stall-ahead") {
+    status = stall_ahead(c, chosen, signals, kept);
   } else {
 #ifdef SYMBIOSIS_WITH_NCCL
     status = nccl_attack(c, *attack, chosen, signals, kept);

@@ -271,6 +271,32 @@ void ComputeStreams::use(uint64_t key, bool yield) {
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[next]));
 }
 
+OwnedStream OwnedStream::create(int device, bool high_priority) {
+  DeviceScope scope(device);
+  int least = 0, greatest = 0;
+  SYMBIOSIS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t stream = nullptr;
+  SYMBIOSIS_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, high_priority ? greatest : least));
+  OwnedStream owned;
+  owned.stream_ = UniqueHandle<void*, Destroy>(stream);
+  owned.device_ = device;
+  return owned;
+}
+
+void OwnedStream::Destroy::operator()(void* stream) const {
+  SYMBIOSIS_CUDA_WARN(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
+}
+
+CurrentStreamScope::CurrentStreamScope(Stream stream) {
+  const auto device = static_cast<c10::DeviceIndex>(stream.device);
+  previous_ = c10::cuda::getCurrentCUDAStream(device).unwrap();
+  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromExternal(cuda_stream(stream), device));
+}
+
+CurrentStreamScope::~CurrentStreamScope() {
+  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, *previous_));
+}
+
 CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
   DeviceScope scope(stream.device);
   auto s = cuda_stream(stream);

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -160,6 +161,36 @@ class ComputeStreams {
   std::vector<c10::Stream> streams_;  // count high-priority streams, then count of normal priority
   size_t current_ = 0;
 };
+// [Steps launched ahead] (cuda_ipc_channel.cpp): a stream of the caller's own (LibTorch's pool hands
+// the same few streams to everyone), non-blocking, at the GPU's highest or default priority.
+class OwnedStream {
+ public:
+  static OwnedStream create(int device, bool high_priority);
+  OwnedStream() = default;
+  Stream get() const { return {stream_.get(), device_}; }
+  bool valid() const { return static_cast<bool>(stream_); }
+
+ private:
+  struct Destroy {
+    void operator()(void* stream) const;
+  };
+  UniqueHandle<void*, Destroy> stream_;  // cudaStream_t; [Owned handles]
+  int device_ = -1;
+};
+
+// Makes `stream` LibTorch's current stream of its device for the scope (what LibTorch's operations,
+// the GEMM library's included, enqueue on), and the one before it again after.
+class CurrentStreamScope {
+ public:
+  explicit CurrentStreamScope(Stream stream);
+  ~CurrentStreamScope();
+  CurrentStreamScope(const CurrentStreamScope&) = delete;
+  CurrentStreamScope& operator=(const CurrentStreamScope&) = delete;
+
+ private:
+  std::optional<c10::Stream> previous_;  // LibTorch's, as it was
+};
+
 // [Replayed calls]
 // Work on a stream captured once into a CUDA graph and launched again as a whole: one launch
 // (~2.5 µs of host time) in place of what the work enqueues (a cuBLAS GEMM: 8–11 µs). The

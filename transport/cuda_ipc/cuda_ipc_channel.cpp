@@ -5,6 +5,12 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -29,7 +35,57 @@ namespace {
 // client's event, or a flag its GPU writes, is asked from the executor's host, and a call is taken
 // up only once they say its input is written. So a client whose GPU never gets there (a kernel that
 // spins, a stream waiting on a flag no one sets, an event it destroyed) holds back its own calls
-// and nobody else's; a stream wait on its event would stall every batch on that stream.
+// and nobody else's; a stream wait on its event would stall every batch on that stream. The one
+// exception is a stream of the client's own, below.
+//
+// [Steps launched ahead]
+// A tenant's captured decode step ([Captured calls] in transport/call_ring.h) makes the same calls
+// at every step: the same layers, slots and operands. Taken up one by one, each call waits for the
+// executor's host to see its input flag, check it and launch its GEMM: 49 µs a call from one batch
+// to the next at N = 1 on an H200, where the GEMM takes 7 (benchmarks.md, V9). So once a run of a
+// client's decode calls, slot 1 up with consecutive sequences, has been computed in place call by
+// call (compute_replayed) and comes again with the same headers, the channel captures the whole run
+// into one CUDA graph on a stream of the client's own: for each call, a wait on the GPU for its
+// slot's input flag, the flag cleared, the GEMM, the result flag set. Each later run with the same
+// headers is then one launch, made as soon as its headers arrive, and the calls hand over between
+// the two processes' GPU work through the flags alone, with no host on their path.
+//  - Everyone else: the waits are on this client's stream, which nothing else uses (the executor
+//    asks CUDA for 32 hardware queues, base_executor/main.cpp, so that streams seldom share one).
+//    Whatever synchronizes the whole GPU (freeing memory, closing another client's IPC mapping)
+//    waits for the run too, so a thread of its own (AheadWatchdog) looks every 100 ms: a run its
+//    client's GPU has not finished kStall after its launch has its input flags set by the
+//    executor's host, so that the stream drains, and the client is dropped at the scheduler's
+//    next look.
+//  - Order: a run is launched only once every call handed out before it has its result, after the
+//    client's last stream's work; results_ready is written after it.
+//  - Only decode calls: fine-tuning calls gain from packing with other clients' calls. Decode calls
+//    packed with other tenants' ([Replayed batches] in base_executor/batch_runner.cpp) are not
+//    recorded.
+//  - A new payload buffer or a change of shared segments forgets the runs (their operands moved).
+class CudaIpcChannel;
+
+// [Steps launched ahead]: the thread that releases stalled runs, over every channel that launched
+// one. Never destroyed (a channel may go at exit).
+class AheadWatchdog {
+ public:
+  static AheadWatchdog& instance() {
+    static auto* watchdog = new AheadWatchdog();
+    return *watchdog;
+  }
+  void add(CudaIpcChannel* channel);
+  // After this returns, the thread does not touch `channel`.
+  void remove(CudaIpcChannel* channel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    channels_.erase(std::remove(channels_.begin(), channels_.end(), channel), channels_.end());
+  }
+
+ private:
+  void run();
+  std::mutex mutex_;
+  std::vector<CudaIpcChannel*> channels_;
+  bool started_ = false;
+};
+
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
   CudaIpcChannel(uint64_t client_id, at::Device device)
@@ -41,8 +97,22 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   ~CudaIpcChannel() override {
     // Work enqueued on our buffer or flags must finish before they go, whichever thread drops
-    // the last reference.
+    // the last reference; a run launched ahead waits for flags the client may never set.
+    if (ahead_stream_.valid()) AheadWatchdog::instance().remove(this);
+    release_launched();
     synchronize_streams();
+  }
+
+  // AheadWatchdog's thread: releases the run launched last if it has stalled.
+  void release_if_stalled(std::chrono::steady_clock::time_point now) {
+    std::lock_guard<std::mutex> lock(launched_mutex_);
+    if (!launched_at_ || now - *launched_at_ <= kStall ||
+        shm::reached(control_block()->results_ready.load(std::memory_order_acquire), launched_last_)) {
+      return;
+    }
+    for (const uint32_t slot : launched_slots_) control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+    launched_at_.reset();
+    stalled_ = true;
   }
 
   bool orders_by_flags() const override { return true; }
@@ -59,6 +129,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
                   " segments at once");
       segments_.emplace(s.id(), cuda::MappedDeviceBuffer::open(device_, s.cuda_ipc_handle(), s.bytes()));
     }
+    forget_runs();
   }
 
   bool recurs(const shm::CallHeader& h) const override { return captured_slot(h) != nullptr && !replays_failed_; }
@@ -81,20 +152,69 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       replay.key = key;
     }
     replay.work.launch(stream);
+    record(h);
     return true;
   }
 
-  void finish_writes(const shm::CallHeader& h) override {
-    // [Compute streams]: a batch of another client's may have put this call on another stream
-    // than the last; results_ready must still count up in order.
-    if (const cuda::Stream now = cuda::current_stream(device_); now != stream_) {
-      if (stream_.valid()) cuda::stream_after(now, stream_);
-      if (std::find(streams_.begin(), streams_.end(), now) == streams_.end()) streams_.push_back(now);
-      stream_ = now;
+  // [Steps launched ahead]
+  std::vector<shm::CallHeader> launch_ahead(CallEnqueuer& enqueuer) override {
+    if (stalled_) {
+      drop("its GPU did not write the inputs of the calls launched ahead for it within " +
+           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s");
+      return {};
     }
+    if (ahead_failed_ || replays_failed_) return {};
+    const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
+    if (!shm::reached(done, last_out_)) return {};
+    const auto& waiting = pending();
+    if (broken() || waiting.empty() || waiting.front().slot != 1 || waiting.front().latency_class != proto::INFERENCE_DECODE) {
+      return {};
+    }
+    finish_recording();  // every call before this one has its result: the run recorded is whole
+    Run* run = matching_run(waiting);
+    if (run == nullptr) return {};
+    try {
+      if (!ahead_stream_.valid()) {
+        auto stream = cuda::OwnedStream::create(device_, /*high_priority=*/true);
+        cuda::CurrentStreamScope scope(stream.get());
+        enqueuer.warm_up_stream();
+        ahead_stream_ = std::move(stream);
+        AheadWatchdog::instance().add(this);
+      }
+      if (!run->work.valid()) run->work = capture_run(run->calls, enqueuer);
+    } catch (const c10::Error& e) {
+      ahead_failed_ = true;
+      runs_.clear();
+      spdlog::warn("client {}: its decode steps are not launched ahead: {}", client_id(), e.what_without_backtrace());
+      return {};
+    }
+    const cuda::Stream stream = ahead_stream_.get();
+    use_stream(stream);
+    run->work.launch(stream);
+    std::vector<shm::CallHeader> calls(waiting.begin(), waiting.begin() + static_cast<std::ptrdiff_t>(run->calls.size()));
+    last_out_ = calls.back().sequence;
+    // results_ready before the last call's result flag, which lets the client go on: its next
+    // run then finds every call before it answered.
+    cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
+                                        {cuda::MemoryOp::kWrite, result_ready(calls.back()), 1}});
+    run->last_use = ++uses_;
+    {
+      std::lock_guard<std::mutex> lock(launched_mutex_);
+      launched_slots_.clear();
+      for (const auto& h : run->calls) launched_slots_.push_back(h.slot);
+      launched_last_ = last_out_;
+      launched_at_ = Clock::now();
+    }
+    hand_out(calls.size());
+    return calls;
+  }
+
+  void finish_writes(const shm::CallHeader& h) override {
+    use_stream(cuda::current_stream(device_));
     if (auto* slot = captured_slot(h)) {
-      cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, control_pin_.device_pointer(&slot->result_ready), 1},
-                                           {cuda::MemoryOp::kWrite, results_ready_, h.sequence}});
+      // results_ready first: a client that goes on past the slot's flag finds the call answered.
+      cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, results_ready_, h.sequence},
+                                           {cuda::MemoryOp::kWrite, result_ready(h), 1}});
     } else if (h.sequence != 0) {
       cuda::write_value_on_stream(stream_, results_ready_, h.sequence);
     } else {
@@ -109,6 +229,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     auto mapped = cuda::MappedDeviceBuffer::open(device_, r.cuda_ipc_handle(), r.bytes());
     if (buffer_.data() != nullptr) synchronize_streams();  // work still on the old buffer
     buffer_ = std::move(mapped);
+    forget_runs();
     answer->set_executor_event(executor_event_.ipc_handle());
   }
   void* base() const override { return buffer_.data(); }
@@ -130,6 +251,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
   void taken(const shm::CallHeader& h) override {
     if (auto* slot = captured_slot(h)) slot->input_ready.store(0, std::memory_order_release);
+    if (h.sequence != 0) last_out_ = h.sequence;
   }
   // The client's stream waits for a numbered call's result, which will not come: let it go on.
   void after_refusal(const shm::CallHeader& h) override {
@@ -147,6 +269,114 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     for (const cuda::Stream& stream : streams_) cuda::synchronize_stream(stream);
   }
 
+  // [Compute streams]: a batch of another client's, or a run launched ahead, may put this client's
+  // next call on another stream than the last; results_ready must still count up in order.
+  void use_stream(cuda::Stream now) {
+    if (now == stream_) return;
+    if (stream_.valid()) cuda::stream_after(now, stream_);
+    if (std::find(streams_.begin(), streams_.end(), now) == streams_.end()) streams_.push_back(now);
+    stream_ = now;
+  }
+
+  // [Steps launched ahead]
+  using Clock = std::chrono::steady_clock;
+  static constexpr auto kStall = std::chrono::seconds(5);
+  static constexpr size_t kRuns = 8;  // recorded runs kept (a decode bucket each), the least recently used going
+
+  struct Run {
+    std::vector<shm::CallHeader> calls;  // as first handed out
+    cuda::CapturedWork work;             // captured at the run's first launch
+    uint64_t last_use = 0;
+  };
+
+  // Whether two calls are the same call of a step: all but their request ids and sequences.
+  static bool same_call(const shm::CallHeader& a, const shm::CallHeader& b) {
+    return a.layer_id == b.layer_id && a.op == b.op && a.dtype == b.dtype && a.latency_class == b.latency_class &&
+           a.tokens == b.tokens && a.features == b.features && a.in_offset == b.in_offset &&
+           a.out_offset == b.out_offset && a.buffer_generation == b.buffer_generation &&
+           a.in_segment == b.in_segment && a.out_segment == b.out_segment && a.slot == b.slot;
+  }
+
+  // A decode call computed in place from its replay: slot 1 starts a run, the next slot with the
+  // next sequence extends it, anything else ends the recording without a run.
+  void record(const shm::CallHeader& h) {
+    if (h.latency_class != proto::INFERENCE_DECODE) {
+      recording_.clear();
+    } else if (h.slot == 1) {
+      finish_recording();
+      recording_ = {h};
+    } else if (!recording_.empty() && h.slot == recording_.back().slot + 1 &&
+               h.sequence == recording_.back().sequence + 1) {
+      recording_.push_back(h);
+    } else {
+      recording_.clear();
+    }
+  }
+
+  void* result_ready(const shm::CallHeader& h) const {
+    return control_pin_.device_pointer(&control_block()->slots[h.slot].result_ready);
+  }
+
+  void finish_recording() {
+    if (recording_.size() < 2) {
+      recording_.clear();
+      return;
+    }
+    const bool known = std::any_of(runs_.begin(), runs_.end(), [&](const Run& run) {
+      return run.calls.size() == recording_.size() && std::equal(run.calls.begin(), run.calls.end(), recording_.begin(), same_call);
+    });
+    if (!known) {
+      if (runs_.size() == kRuns) {
+        runs_.erase(std::min_element(runs_.begin(), runs_.end(),
+                                     [](const Run& a, const Run& b) { return a.last_use < b.last_use; }));
+      }
+      runs_.push_back({std::move(recording_), {}, ++uses_});
+    }
+    recording_.clear();
+  }
+
+  // The recorded run the waiting calls begin with, whole and numbered in order; nullptr if none.
+  Run* matching_run(const std::deque<shm::CallHeader>& waiting) {
+    for (auto& run : runs_) {
+      if (run.calls.size() > waiting.size()) continue;
+      bool same = true;
+      for (size_t i = 0; i < run.calls.size() && same; ++i) {
+        same = same_call(run.calls[i], waiting[i]) &&
+               waiting[i].sequence == waiting[0].sequence + static_cast<uint32_t>(i);
+      }
+      if (same) return &run;
+    }
+    return nullptr;
+  }
+
+  cuda::CapturedWork capture_run(const std::vector<shm::CallHeader>& calls, CallEnqueuer& enqueuer) {
+    const cuda::Stream stream = ahead_stream_.get();
+    return cuda::CapturedWork::capture(stream, [&] {
+      cuda::CurrentStreamScope scope(stream);
+      for (const auto& h : calls) {
+        void* input_ready = control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready);
+        cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1},
+                                            {cuda::MemoryOp::kWrite, input_ready, 0}});
+        enqueuer.enqueue(*this, h);
+        // The last call's flag is set at each launch, after results_ready.
+        if (&h != &calls.back()) cuda::write_value_on_stream(stream, result_ready(h), 1);
+      }
+    });
+  }
+
+  // The run launched last may wait on the GPU for input flags its client will never set: set them
+  // from here, so that it drains (its results are void: the client is gone or dropped).
+  void release_launched() {
+    std::lock_guard<std::mutex> lock(launched_mutex_);
+    if (!launched_at_) return;
+    for (const uint32_t slot : launched_slots_) control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+  }
+
+  void forget_runs() {
+    runs_.clear();
+    recording_.clear();
+  }
+
   int device_;
   cuda::Stream stream_;                // this client's last call's
   std::vector<cuda::Stream> streams_;  // every compute stream this client's calls went on (a few at most)
@@ -158,6 +388,19 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   };
   std::unordered_map<uint32_t, Replay> replays_;
   bool replays_failed_ = false;
+  // [Steps launched ahead]
+  std::vector<Run> runs_;                     // recorded, at most kRuns
+  std::vector<shm::CallHeader> recording_;    // the run being computed call by call
+  uint64_t uses_ = 0;
+  cuda::OwnedStream ahead_stream_;            // made at the first launch
+  uint32_t last_out_ = 0;                     // the sequence of the last numbered call handed out
+  bool ahead_failed_ = false;
+  // The run launched last, shared with AheadWatchdog's thread.
+  std::mutex launched_mutex_;
+  std::vector<uint32_t> launched_slots_;
+  uint32_t launched_last_ = 0;  // its last call's sequence
+  std::optional<Clock::time_point> launched_at_;
+  std::atomic<bool> stalled_{false};  // released by the watchdog: the client is dropped
   cuda::InterprocessEvent executor_event_, client_event_;
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready
@@ -166,6 +409,24 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   static constexpr size_t kMaxSegments = size_t{1} << 16;
   std::unordered_map<uint32_t, cuda::MappedDeviceBuffer> segments_;
 };
+
+void AheadWatchdog::add(CudaIpcChannel* channel) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  channels_.push_back(channel);
+  if (!started_) {
+    started_ = true;
+    std::thread([this] { run(); }).detach();
+  }
+}
+
+void AheadWatchdog::run() {
+  while (true) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto* channel : channels_) channel->release_if_stalled(now);
+  }
+}
 
 }  // namespace
 

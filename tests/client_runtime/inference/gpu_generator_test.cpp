@@ -1,8 +1,9 @@
 // Generation on a GPU: a tenant on the executor's GPU (CUDA IPC, its calls stream-ordered) generates
 // what the same model generates monolithic on that GPU, tokens and every step's logits, with
 // requests joining and leaving the batch; and in bf16, the split run's tokens equal the monolithic
-// run's. The split run decodes in CUDA graphs ([Captured decode]), one per batch size it meets, and
-// the monolithic run it is held to decodes eagerly. Skipped without a GPU; runs on the GPU machine
+// run's. The split run decodes in CUDA graphs ([Captured decode]), one per batch size it meets, the
+// executor launching its decode steps ahead ([Steps launched ahead]), and the monolithic run it is
+// held to decodes eagerly. Skipped without a GPU; runs on the GPU machine
 // (scripts/gpu_check.sh generate).
 #include <algorithm>
 #include <filesystem>
@@ -73,7 +74,11 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance, cons
   EXPECT_EQ(one_split.captured, 1);
   testing::expect_same(one_split, testing::generate(mono_lm, testing::mixed_requests(), single_eager),
                        std::string("cuda one sequence ") + c10::toString(dtype), tolerance);
-  EXPECT_EQ(request_stats(executor.endpoint, 10000).errors(), 0u);
+  const auto stats = request_stats(executor.endpoint, 10000);
+  EXPECT_EQ(stats.errors(), 0u);
+  // [Steps launched ahead]: the captured decode steps after the first of each bucket ran as one
+  // launch each, and were as exact.
+  EXPECT_GT(stats.ahead_calls(), 0u);
   split_lm = {};
   client.reset();
   bench::stop(executor.pid);

@@ -449,7 +449,7 @@ TEST_F(GpuExecutorWithClientProcesses, ACapturedCallWithABadSlotIsRefusedNamingT
 // cuda-ipc tenant, another process on this GPU, frees its payload buffer under calls in flight,
 // holds its calls behind an event that never completes (headers over ZeroMQ), destroys its event
 // under calls, sends bogus IPC handles (random bytes, a freed buffer's, a buffer said to be larger
-// than it is), or dies inside a call. Honest tenants beside it (on this GPU through the control
+// than it is), dies inside a call, or stalls a decode step the executor launched ahead of its inputs. Honest tenants beside it (on this GPU through the control
 // segment and over ZeroMQ, and a CPU tenant over shm), fine-tuning with --verify against their
 // monolithic runs, finish exact; the attacker is dropped with the reason in the executor's log;
 // the executor serves a new tenant exactly afterwards.
@@ -467,7 +467,7 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
       << testing::hostile_tenant_binary() << " is missing: build the target hostile_gpu_tenant (and carry it)";
   start();
   // stuck-event's tenant stays until the test ends it: its calls must be held while honest ones run.
-  const bool stays = attack == "stuck-event";
+  const bool stays = attack == "stuck-event" || attack == "stall-ahead";
   testing::HostileTenant attacker(executor_->endpoint(), attack,
                                   stays ? std::vector<std::string>{"--hold", "600"} : std::vector<std::string>{});
   ASSERT_TRUE(attacker.ready()) << "the hostile tenant could not set up (its output is above)";
@@ -498,7 +498,10 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
   if (stays) {
     // [No waits on a client]: its calls are held and nothing waits for them on the GPU; the honest
     // tenants finished while it stayed.
-    EXPECT_TRUE(attacker.alive()) << "the tenant whose event never completes left before the honest ones finished";
+    EXPECT_TRUE(attacker.alive()) << "the tenant that never writes its inputs left before the honest ones finished";
+    if (attack == "stall-ahead") {  // [Steps launched ahead]: dropped once its run stalls
+      EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0)) << "the executor still holds the stalled tenant";
+    }
     attacker.end(SIGKILL);
   } else {
     // 3: the executor took a bogus handle; 4: it left the attacker's next valid call unanswered.
@@ -508,6 +511,7 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
   const uint64_t id = log_.client_id("hostile-" + attack);
   EXPECT_GT(id, 0u) << "the executor's log has no line of the hostile tenant connecting";
   EXPECT_NE(log_.drop_reason(id), "") << "the executor's log does not say why client " << id << " went";
+  if (attack == "stall-ahead") EXPECT_NE(log_.drop_reason(id).find("launched ahead"), std::string::npos);
   EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", with(same_gpu, {"--seed", "4", "--tenant", "after"}))}))
       << "the executor did not serve a new tenant exactly after " << attack;
   EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0));
@@ -515,7 +519,7 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
 
 INSTANTIATE_TEST_SUITE_P(Attacks, HostileCudaIpcTenant,
                          ::testing::Values("free-buffer", "stuck-event", "destroy-event", "bogus-handle",
-                                           "die-in-call"),
+                                           "die-in-call", "stall-ahead"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');
