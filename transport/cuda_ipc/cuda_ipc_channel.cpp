@@ -171,8 +171,19 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       return {};
     }
     finish_recording();  // every call before this one has its result: the run recorded is whole
-    Run* run = matching_run(waiting);
-    if (run == nullptr) return {};
+    bool partial = false;
+    Run* run = matching_run(waiting, &partial);
+    if (run == nullptr) {
+      // The client pushes a step's headers one by one after launching it: its first call is held
+      // a moment (kAwaitRun, once) for the rest of a run it begins, rather than taken up alone.
+      if (!partial) {
+        hold_until_.reset();
+      } else if (hold_sequence_ != waiting.front().sequence) {
+        hold_sequence_ = waiting.front().sequence;
+        hold_until_ = Clock::now() + kAwaitRun;
+      }
+      return {};
+    }
     try {
       if (!ahead_stream_.valid()) {
         auto stream = cuda::OwnedStream::create(device_, /*high_priority=*/true);
@@ -242,6 +253,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   at::TensorOptions view_options() const override { return at::TensorOptions().device(at::kCUDA, device_); }
   // [No waits on a client]
   bool input_ready(const shm::CallHeader& h) const override {
+    // [Steps launched ahead]: held while the rest of its run's headers come.
+    if (hold_until_ && h.slot == 1 && h.sequence == hold_sequence_ && Clock::now() < *hold_until_) return false;
     if (h.slot != 0) {  // [Captured calls]; a slot out of range is handed out to be refused
       const auto* slot = captured_slot(h);
       return slot == nullptr || slot->input_ready.load(std::memory_order_acquire) != 0;
@@ -281,6 +294,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // [Steps launched ahead]
   using Clock = std::chrono::steady_clock;
   static constexpr auto kStall = std::chrono::seconds(5);
+  // How long a run's first call waits for the rest of its headers (V12: without it, 80% of the
+  // steps at N = 1 began before their headers were all pushed, and went call by call).
+  static constexpr auto kAwaitRun = std::chrono::microseconds(200);
   static constexpr size_t kRuns = 8;  // recorded runs kept (a decode bucket each), the least recently used going
 
   struct Run {
@@ -335,16 +351,18 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     recording_.clear();
   }
 
-  // The recorded run the waiting calls begin with, whole and numbered in order; nullptr if none.
-  Run* matching_run(const std::deque<shm::CallHeader>& waiting) {
+  // The recorded run the waiting calls begin with, whole and numbered in order; nullptr if none,
+  // and then *partial says whether they are the beginning of one whose other headers are to come.
+  Run* matching_run(const std::deque<shm::CallHeader>& waiting, bool* partial) {
     for (auto& run : runs_) {
-      if (run.calls.size() > waiting.size()) continue;
+      const size_t compared = std::min(run.calls.size(), waiting.size());
       bool same = true;
-      for (size_t i = 0; i < run.calls.size() && same; ++i) {
+      for (size_t i = 0; i < compared && same; ++i) {
         same = same_call(run.calls[i], waiting[i]) &&
                waiting[i].sequence == waiting[0].sequence + static_cast<uint32_t>(i);
       }
-      if (same) return &run;
+      if (same && compared == run.calls.size()) return &run;
+      *partial = *partial || same;
     }
     return nullptr;
   }
@@ -394,6 +412,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   uint64_t uses_ = 0;
   cuda::OwnedStream ahead_stream_;            // made at the first launch
   uint32_t last_out_ = 0;                     // the sequence of the last numbered call handed out
+  uint32_t hold_sequence_ = 0;                // a run's first call held for its other headers, until
+  std::optional<Clock::time_point> hold_until_;
   bool ahead_failed_ = false;
   // The run launched last, shared with AheadWatchdog's thread.
   std::mutex launched_mutex_;
