@@ -309,16 +309,11 @@ void Scheduler::launch_ahead(Channel& channel) {
       options_.on_input || lost_ || refused_.count(channel.client_id()) != 0) {
     return;
   }
-  while (true) {
-    const auto calls = channel.launch_ahead(runner_);
-    if (calls.empty()) return;
-    for (const auto& h : calls) {
-      statistics_.requests++;
-      statistics_.tokens += static_cast<uint64_t>(h.tokens);
-    }
-    statistics_.replayed_calls += calls.size();
-    statistics_.ahead_calls += calls.size();
-  }
+  const auto calls = channel.launch_ahead(runner_);
+  if (calls.empty()) return;
+  std::vector<std::pair<uint32_t, int64_t>> counted;
+  for (const auto& h : calls) counted.emplace_back(h.layer_id, h.tokens);
+  statistics_.record_ahead(channel.client_id(), wire::latency_from_proto(calls[0].latency_class), counted);
 }
 
 void Scheduler::finish_setups() {

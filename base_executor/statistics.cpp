@@ -122,6 +122,30 @@ void Statistics::record_batch(uint32_t layer_id, bool backward, const std::vecto
   max_batch_requests_ = std::max<uint64_t>(max_batch_requests_, calls.size());
 }
 
+void Statistics::record_ahead(uint64_t client_id, LatencyClass latency,
+                              const std::vector<std::pair<uint32_t, int64_t>>& calls) {
+  uint64_t total = 0;
+  for (const auto& [layer_id, tokens] : calls) total += static_cast<uint64_t>(tokens);
+  requests += calls.size();
+  tokens += total;
+  replayed_calls += calls.size();
+  ahead_calls += calls.size();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [layer_id, call_tokens] : calls) {
+    auto& c = layers_[layer_id];
+    c.requests++;
+    c.tokens += static_cast<uint64_t>(call_tokens);
+  }
+  auto& counted = classes_[class_index(latency)];
+  counted.requests += calls.size();
+  counted.tokens += total;
+  if (const auto it = clients_.find(client_id); it != clients_.end()) {
+    auto& tenant = tenants_[it->second.tenant];
+    tenant.requests += calls.size();
+    tenant.tokens += total;
+  }
+}
+
 proto::Stats Statistics::snapshot() const {
   proto::Stats s;
   s.set_clients(clients);

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "base_executor/base_model.h"
@@ -117,6 +118,9 @@ class Statistics {
   // record_error).
   void record_batch(uint32_t layer_id, bool backward, const std::vector<BatchCall>& calls, bool answered,
                     Clock::time_point started, Clock::time_point computed, Clock::time_point finished);
+  // [Steps launched ahead]: client_id's calls that ran in no batch, each (layer, tokens), of one
+  // latency class: counted as answered calls of their layers, class and tenant, with no wait.
+  void record_ahead(uint64_t client_id, LatencyClass latency, const std::vector<std::pair<uint32_t, int64_t>>& calls);
   proto::Stats snapshot() const;
   MetricsSnapshot metrics() const;
   void log() const;

@@ -79,6 +79,10 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance, cons
   // [Steps launched ahead]: the captured decode steps after the first of each bucket ran as one
   // launch each, and were as exact.
   EXPECT_GT(stats.ahead_calls(), 0u);
+  // They are counted in their latency class as every other call.
+  uint64_t by_class = 0;
+  for (const auto& c : stats.classes()) by_class += c.requests();
+  EXPECT_EQ(by_class, stats.requests());
   split_lm = {};
   client.reset();
   bench::stop(executor.pid);
