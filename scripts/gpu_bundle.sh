@@ -16,13 +16,10 @@ for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/s
          tests/base_executor/gpu_executor_test tests/kernels/kernels_test tests/transport/cuda_ipc/cuda_ipc_test tests/transport/nccl/nccl_test tests/transport/hostile_gpu_tenant tests/common/runtime_binding_test \
          tests/client_runtime/inference/gpu_generator_test tests/client_runtime/training/gpu_trainer_test tests/client_runtime/gpu_restart_test tests/privacy/gpu_privacy_test \
          examples/symbiosis-generate examples/symbiosis-finetune \
-         client_runtime/libsymbiosis_client.so client_runtime/libsymbiosis_sentencepiece.so virt_layer/libsymbiosis_virt_layer.so; do
+         client_runtime/libsymbiosis_client.so virt_layer/libsymbiosis_virt_layer.so; do
   mkdir -p "$out/$(dirname "$f")"
   strip --strip-debug -o "$out/$f" "$BUILD_DIR/$f"
 done
-# The GPU machine lacks SentencePiece: its library goes beside ours, which load it from the library path
-# ([SentencePiece apart] in client_runtime/text/sentencepiece_backend.h).
-cp -L "$(gcc -print-file-name=libsentencepiece.so.0)" "$out/client_runtime/libsentencepiece.so.0"
 # The Python package's extension module for the GPU machine's CPython (3.12; [Extension for another
 # Python] in python/CMakeLists.txt: configure with -DSYMBIOSIS_BUNDLE_PYTHON=<a python3.12> and build
 # symbiosis_python_extension_bundle). gpu_check.sh's Python stages put .gpu-build/python on PYTHONPATH

@@ -11,7 +11,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 TORCH_VERSION=2.11.0
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libzmq3-dev cppzmq-dev
   libprotobuf-dev protobuf-compiler libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
-  nlohmann-json3-dev libcli11-dev python3-venv python3-dev libpcre2-dev libutf8proc-dev libsentencepiece-dev libsodium-dev libcpp-httplib-dev libgloo-dev)
+  nlohmann-json3-dev libcli11-dev python3-venv python3-dev libpcre2-dev libutf8proc-dev libsodium-dev libcpp-httplib-dev libgloo-dev)
 # pybind11 (the Python package's binding, python/CMakeLists.txt) at the version torch's own headers
 # carry; pytest runs the Python package's tests (tests/python/).
 PYBIND11_VERSION=3.0.1
