@@ -82,6 +82,12 @@ void BaseLayerImpl::set_adapter(std::shared_ptr<LayerAdapterImpl> adapter) {
   adapter_->attach(this);
 }
 
+std::shared_ptr<LayerAdapterImpl> BaseLayerImpl::take_adapter() {
+  if (!adapter_) return nullptr;
+  unregister_module("adapter");
+  return std::move(adapter_);
+}
+
 at::Tensor BaseLayerImpl::base_forward(const at::Tensor& x) {
   if (is_virtual()) return virt_->forward(x);
   TORCH_CHECK(weight.defined(), layer_kind_name(kind_),

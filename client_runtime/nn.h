@@ -71,6 +71,10 @@ class BaseLayerImpl : public torch::nn::Module {
   void set_weights(at::Tensor weight, at::Tensor bias);
 
   void set_adapter(std::shared_ptr<LayerAdapterImpl> adapter);  // registered as child "adapter"
+  // Removes the adapter (the child "adapter") and returns it; null when the layer has none. What
+  // wraps an adapter for a while ([Multi-adapter batches] in peft/lora_bank.h) puts it back with
+  // set_adapter.
+  std::shared_ptr<LayerAdapterImpl> take_adapter();
   const std::shared_ptr<LayerAdapterImpl>& adapter() const { return adapter_; }
 
   LayerKind kind() const { return kind_; }

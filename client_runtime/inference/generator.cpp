@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <mutex>
@@ -31,14 +32,27 @@ void GeneratorOptions::validate() const {
   TORCH_CHECK(max_waiting >= 1, "max_waiting is ", max_waiting, ", expected at least 1");
   TORCH_CHECK(max_prefill_tokens >= 1, "max_prefill_tokens is ", max_prefill_tokens, ", expected at least 1");
   TORCH_CHECK(capture_warmup >= 1, "capture_warmup is ", capture_warmup, ", expected at least 1");
+  TORCH_CHECK(max_loras >= 0, "max_loras is ", max_loras, ", expected at least 0 (0: no load_adapter)");
+  TORCH_CHECK(max_lora_rank >= 1 && max_lora_rank <= kMaxBankLoraRank, "max_lora_rank is ", max_lora_rank,
+              ", expected 1 to ", kMaxBankLoraRank);
   TORCH_CHECK(host_cache_capacity_bytes >= 0, "host_cache_capacity_bytes is ", host_cache_capacity_bytes,
               ", expected at least 0 (0: no limit)");
 }
+
+// [Multi-adapter batches]: a loaded adapter; requests hold it until they end, so that its slot
+// outlives its name.
+struct Generator::NamedLora {
+  std::string name;
+  BankedLora lora;
+  int32_t slot = -1;  // in bank_, from the step boundary after load_adapter
+  std::atomic<bool> unloaded{false};
+};
 
 struct Generator::Submitted {
   uint64_t id;
   GenerationRequest request;
   TokenCallback on_token;
+  std::shared_ptr<NamedLora> lora;  // null: the model's own adapter or none
 };
 
 // One bucket's decode step, captured ([Captured decode]).
@@ -55,7 +69,8 @@ struct Generator::Sequence {
         callback(std::move(submitted.on_token)),
         stop_after(std::move(submitted.request.stop_after)),
         params(submitted.request.sampling),
-        sampler(params) {
+        sampler(params),
+        lora(std::move(submitted.lora)) {
     result.prompt_ids = std::move(submitted.request.prompt_ids);
   }
   uint64_t id;
@@ -63,6 +78,7 @@ struct Generator::Sequence {
   std::function<bool(int64_t)> stop_after;
   SamplingParams params;
   TokenSampler sampler;
+  std::shared_ptr<NamedLora> lora;
   GenerationResult result;
   int64_t slot = -1;
   int64_t cached = 0;      // positions the slot holds
@@ -170,6 +186,7 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
   }
   cache_ = std::make_unique<KvCache>(shape, options_.max_sequences, options_.max_tokens, table.scalar_type(),
                                      cache_device, spare, pinned, decode_device);
+  bank_model_ = std::make_unique<BankModel>(bank_model(*lm_.module, table.scalar_type()));
 }
 
 Generator::~Generator() = default;
@@ -207,13 +224,126 @@ uint64_t Generator::submit(GenerationRequest request, TokenCallback on_token) {
                 positions - 1, ", beyond the model's n_positions (", *limit, ")");
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<NamedLora> lora;
+  if (!request.adapter.empty()) {
+    const auto named = named_loras_.find(request.adapter);
+    TORCH_CHECK(named != named_loras_.end(), "adapter is '", request.adapter,
+                "', which is not loaded; loaded adapters: ", adapter_names());
+    lora = named->second;
+  }
   TORCH_CHECK(queued_ < options_.max_waiting, "the generator is full: ", queued_,
               " requests wait for a cache slot (max_waiting = ", options_.max_waiting,
               "); submit again when some have finished");
   ++queued_;
   const uint64_t id = next_id_++;
-  incoming_.push_back(std::make_unique<Submitted>(Submitted{id, std::move(request), std::move(on_token)}));
+  incoming_.push_back(std::make_unique<Submitted>(Submitted{id, std::move(request), std::move(on_token), std::move(lora)}));
   return id;
+}
+
+std::string Generator::adapter_names() const {
+  std::string names;
+  for (const auto& [name, lora] : named_loras_) names += (names.empty() ? "" : ", ") + name;
+  return names.empty() ? "none" : names;
+}
+
+void Generator::load_adapter(const std::string& name, const std::filesystem::path& peft_dir) {
+  TORCH_CHECK(!name.empty(), "load_adapter: the name is empty (requests naming no adapter get the model's own)");
+  TORCH_CHECK(!host_decode_, "load_adapter: a [Host decode] generator serves its model's own adapter only");
+  TORCH_CHECK(options_.max_loras > 0, "load_adapter: max_loras is 0; set GeneratorOptions::max_loras to hold adapters");
+  TORCH_CHECK(bank_model_->refusal.empty(), "load_adapter: this generator's model cannot serve several adapters: ",
+              bank_model_->refusal);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!named_loras_.count(name), "load_adapter: an adapter named '", name,
+                "' is loaded already; unload it first");
+  }
+  auto named = std::make_shared<NamedLora>();
+  named->name = name;
+  try {
+    named->lora = read_banked_lora(*bank_model_, peft_dir, options_.max_lora_rank);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "load_adapter '", name, "': ", e.what_without_backtrace());
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!named_loras_.count(name), "load_adapter: an adapter named '", name, "' is loaded already; unload it first");
+  const auto held = static_cast<int64_t>(named_loras_.size()) + unloaded_holding_;
+  TORCH_CHECK(held < options_.max_loras, "load_adapter '", name, "': the generator holds max_loras (",
+              options_.max_loras, ") adapters already (", named_loras_.size(), " loaded: ", adapter_names(),
+              unloaded_holding_ ? "; " + std::to_string(unloaded_holding_) + " unloaded, finishing their requests" : "",
+              "); unload one first");
+  named_loras_[name] = named;
+  loras_to_slot_.push_back(std::move(named));
+}
+
+void Generator::unload_adapter(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto named = named_loras_.find(name);
+  TORCH_CHECK(named != named_loras_.end(), "unload_adapter: '", name, "' is not loaded; loaded adapters: ",
+              adapter_names());
+  named->second->unloaded = true;
+  ++unloaded_holding_;
+  named_loras_.erase(named);
+}
+
+std::vector<std::string> Generator::adapters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto& [name, lora] : named_loras_) names.push_back(name);
+  return names;
+}
+
+void Generator::update_bank() {
+  std::vector<std::shared_ptr<NamedLora>> joining;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    joining.swap(loras_to_slot_);
+  }
+  bool changed = false;
+  // Unloaded adapters that no request holds any more (nothing else can take them now: their names
+  // are gone) leave their slots; those unloaded before they had one never take one.
+  int64_t freed = 0;
+  for (auto& named : slotted_) {
+    if (!named->unloaded || named.use_count() > 1) continue;
+    bank_->remove(named->slot);
+    named.reset();
+    ++freed;
+  }
+  std::erase_if(slotted_, [](const auto& named) { return !named; });
+  for (auto& named : joining) {
+    if (named->unloaded && named.use_count() == 1) {
+      ++freed;
+      continue;
+    }
+    if (!bank_) {
+      const auto where = model_.token_embeddings().options();
+      bank_ = std::make_unique<LoraBank>(*lm_.module, *bank_model_, options_.max_loras, options_.max_lora_rank, where);
+      changed = true;
+    }
+    named->slot = bank_->add(named->lora);
+    named->lora.layers.clear();  // in the bank now
+    slotted_.push_back(std::move(named));
+  }
+  if (freed > 0) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    unloaded_holding_ -= freed;
+  }
+  if (bank_ && slotted_.empty()) {
+    bank_.reset();  // the model's layers as they were
+    changed = true;
+  }
+  if (bank_ && bank_->take_layers_changed()) changed = true;
+  // The captured steps computed the layers as they were: capture again.
+  if (changed) decode_graphs_.clear();
+}
+
+void Generator::set_bank_rows(const std::vector<StepSequence>& layout, bool last_only) {
+  if (!bank_) return;
+  auto& rows = bank_->rows();
+  rows.host.clear();
+  for (size_t i = 0; i < layout.size(); ++i) {
+    rows.host.insert(rows.host.end(), last_only ? 1 : layout[i].length, step_slots_.at(i));
+  }
+  rows.slots = at::tensor(rows.host, at::kInt).to(model_.token_embeddings().device());
 }
 
 void Generator::cancel(uint64_t request) {
@@ -268,6 +398,7 @@ void Generator::take_incoming() {
 
 bool Generator::step() {
   take_incoming();
+  update_bank();
   at::NoGradGuard no_grad;
   // [Host decode]: the CPU copy decodes with the adapter as it is now.
   if (adapter_mirror_) adapter_mirror_->refresh();
@@ -354,8 +485,16 @@ void Generator::prefill(const std::vector<Sequence*>& sequences) {
     embeddings.push_back(tokens);
   }
   const auto packed = at::cat(embeddings, 0).unsqueeze(0);
+  set_step_slots(sequences);
   forward_and_choose(lm_, sequences, layout, LatencyClass::kInferencePrefill,
                      [&] { return forward_eager(lm_, model_, layout, packed); });
+}
+
+void Generator::set_step_slots(const std::vector<Sequence*>& sequences) {
+  step_slots_.clear();
+  if (!bank_) return;
+  const int32_t none = bank_->has_own() ? LoraBank::kOwnSlot : -1;
+  for (const auto* s : sequences) step_slots_.push_back(s->lora ? s->lora->slot : none);
 }
 
 void Generator::decode() {
@@ -369,6 +508,7 @@ void Generator::decode() {
     tokens.push_back(s->next_token);
   }
   if (sequences.empty()) return;
+  set_step_slots(sequences);
   auto& model = decode_model();
   // [CPU decode threads] (models/attention.h): a split model's CPU decode step at one LibTorch thread
   // but for its attention and lm_head. (A monolithic model computes its base layers here: those need
@@ -385,7 +525,9 @@ void Generator::decode() {
 at::Tensor Generator::forward_eager(const CausalLM& lm, CachedModel& model, const std::vector<StepSequence>& layout,
                                     const at::Tensor& embeddings) {
   const CachedStep step(*cache_, layout, embeddings.device());
+  set_bank_rows(layout, /*last_only=*/false);
   const auto hidden = model.forward_cached(embeddings, step);
+  set_bank_rows(layout, /*last_only=*/true);
   // Logits only where a token is chosen: each sequence's last position (the lm_head, on the
   // executor when split, sees one row a sequence).
   at::Tensor logits;
@@ -410,9 +552,14 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
   if (!slot) {
     slot = std::make_unique<DecodeGraph>();
     auto* g = slot.get();
-    g->inputs = at::zeros({3, count}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
+    // Token ids, cache slots, starts and, with a bank, the rows' adapter slots ([Multi-adapter batches]).
+    g->inputs = at::zeros({bank_ ? 4 : 3, count}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
     g->graph = std::make_unique<StepGraph>(
         [this, g] {
+          if (bank_) {
+            bank_->rows().slots = g->inputs[3].to(at::kInt);
+            bank_->rows().host.clear();
+          }
           const auto step = CachedStep::fixed_decode(*cache_, g->inputs[1], g->inputs[2]);
           const auto hidden = model_.forward_cached(model_.embed(g->inputs[0]).unsqueeze(0), step);
           g->logits = model_.logits(hidden)[0];  // every token is its sequence's last
@@ -428,7 +575,11 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
   if (padding > 0) inputs.insert(inputs.end(), padding, cache_->spare_slot());
   for (const auto& s : layout) inputs.push_back(s.start);
   inputs.insert(inputs.end(), padding, 0);
-  g.inputs.copy_(at::tensor(inputs, at::kLong).view({3, count}));
+  if (bank_) {
+    inputs.insert(inputs.end(), step_slots_.begin(), step_slots_.end());
+    inputs.insert(inputs.end(), padding, -1);
+  }
+  g.inputs.copy_(at::tensor(inputs, at::kLong).view({g.inputs.size(0), count}));
   const bool capturing = g.runs++ == options_.capture_warmup;
   try {
     g.graph->run();
@@ -439,7 +590,7 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
     capture_ = false;
     const auto embeddings = model_.embed(g.inputs[0].narrow(0, 0, sequences)).unsqueeze(0);
     decode_graphs_.clear();
-    return forward_eager(lm_, model_, layout, embeddings);
+    return forward_eager(lm_, model_, layout, embeddings);  // its rows' slots are step_slots_
   }
   return g.logits.narrow(0, 0, sequences);
 }

@@ -29,12 +29,29 @@
 // (its shapes vary). A client whose transport cannot be captured (anything but a same-GPU client
 // over the shared-memory control channel) decodes eagerly, as on a CPU.
 //
-// Threads: submit() and cancel() may be called from any thread; step(), run() and generate() from
+// [Multi-adapter batches] (peft/lora_bank.h): a generator serves several LoRA adapters at once.
+// load_adapter() reads and checks an adapter's PEFT files on the calling thread and names it; from
+// the next step boundary it sits in a slot of the generator's LoraBank, and requests that name it
+// (GenerationRequest::adapter) run in the same batches as every other request: one forward per
+// step, each base layer one executor call for the whole batch, each row taking its own adapter (on
+// a GPU in one grouped kernel per layer, which captured decode steps replay with the rows' slots
+// filled before each replay as their token ids are). A request that names no adapter gets the
+// model's own adapter (a generator built with one) or the base alone. unload_adapter() forgets the
+// name at once (later requests naming it are refused); the requests already submitted with it run
+// to their end on it, and its slot is freed at the first step boundary after the last of them.
+// At most max_loras adapters are held at once, unloaded ones still finishing included. Loading or
+// unloading an adapter that adapts layers no other adapter does wraps or unwraps those layers, and
+// the captured decode graphs are captured again. Not with [Host decode], nor with an own adapter
+// other than plain LoRA in the model's dtype (refused by load_adapter, saying so).
+//
+// Threads: submit(), cancel(), load_adapter(), unload_adapter() and adapters() may be called from
+// any thread; step(), run() and generate() from
 // one thread at a time (the loop that owns the cache). Callbacks run on the stepping thread.
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -48,6 +65,7 @@
 #include "client_runtime/inference/sampling.h"
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/models/kv_cache.h"
+#include "client_runtime/peft/lora_bank.h"
 
 namespace symbiosis {
 
@@ -58,6 +76,9 @@ struct GenerationRequest {
   // ends the request with that token, as a stop token does (finish reason kStop). What decides on
   // more than one token, such as [Stop strings] (text/stop_strings.h), keeps its state here. Optional.
   std::function<bool(int64_t token)> stop_after;
+  // [Multi-adapter batches]: the name of a loaded adapter (Generator::load_adapter) to generate
+  // with; empty: the model's own adapter when it has one, else the base model alone.
+  std::string adapter;
 };
 
 enum class FinishReason { kStop, kLength, kCancelled, kError };
@@ -102,6 +123,11 @@ struct GeneratorOptions {
   // Called with each produced token's logits [vocab] (the model's dtype, on its device) before the
   // choice: for inspection, tests and constrained decoding. Optional.
   std::function<void(uint64_t request, const at::Tensor& logits)> logits_observer;
+  // [Multi-adapter batches]: the most adapters load_adapter may hold at once (vLLM's max_loras; 0:
+  // none), and the largest rank a layer of one may have (vLLM's max_lora_rank, 1 to 512). Nothing is
+  // allocated for them until an adapter is loaded.
+  int64_t max_loras = 8;
+  int64_t max_lora_rank = 64;
   void validate() const;  // throws naming the field
 };
 
@@ -124,6 +150,20 @@ class Generator {
   // prompt, bad sampling parameters, more positions than the cache holds per request, the waiting
   // queue full); the generator's other requests are not affected.
   uint64_t submit(GenerationRequest request, TokenCallback on_token = {});
+  // [Multi-adapter batches]: reads the LoRA adapter in `peft_dir` (adapter_config.json +
+  // adapter_model.safetensors) and serves it as `name` from the next step boundary; requests may
+  // name it as soon as this returns. Throws c10::Error naming what is wrong, having loaded nothing:
+  // an empty or already loaded name, max_loras adapters held, another peft_type than LORA (naming
+  // it) or DoRA, a rank above max_lora_rank, an adapter of another base model (target modules that
+  // match no layer, tensors of other names or shapes), a [Host decode] generator, a model whose own
+  // adapter is not plain LoRA in its dtype.
+  void load_adapter(const std::string& name, const std::filesystem::path& peft_dir);
+  // Forgets `name` now; its running and waiting requests finish on it, and its slot is freed at the
+  // step boundary after the last. Throws naming the loaded adapters when `name` is not one.
+  void unload_adapter(const std::string& name);
+  // The names of the loaded adapters, sorted.
+  std::vector<std::string> adapters() const;
+
   // Ends the request at the next step boundary (its callback gets kCancelled); unknown or finished
   // ids are ignored.
   void cancel(uint64_t request);
@@ -144,6 +184,16 @@ class Generator {
   struct Sequence;
   struct Submitted;
   struct DecodeGraph;
+  struct NamedLora;
+  // [Multi-adapter batches] at a step boundary: loaded adapters take their slots, unloaded ones no
+  // request holds leave theirs.
+  void update_bank();
+  // The rows' slots of a step of `layout` for the bank's layers: each sequence's slot over its
+  // tokens (or once, `last_only`, for the logits); nothing without a bank.
+  void set_bank_rows(const std::vector<StepSequence>& layout, bool last_only);
+  void set_step_slots(const std::vector<Sequence*>& sequences);  // step_slots_ of a step of these
+  // "a, b" or "none": the loaded adapters' names, for errors. Under mutex_.
+  std::string adapter_names() const;
   void take_incoming();  // submitted requests join the waiting queue; cancelled ones leave
   void prefill(const std::vector<Sequence*>& sequences);
   void decode();
@@ -182,10 +232,19 @@ class Generator {
   int64_t queued_ = 0;  // submitted requests without a cache slot yet (incoming_ and waiting_)
   std::deque<std::unique_ptr<Submitted>> incoming_;
   std::unordered_set<uint64_t> cancelled_;
+  // [Multi-adapter batches]: the loaded adapters by name, those not in a slot yet, and how many
+  // unloaded ones still hold slots.
+  std::map<std::string, std::shared_ptr<NamedLora>> named_loras_;
+  std::vector<std::shared_ptr<NamedLora>> loras_to_slot_;
+  int64_t unloaded_holding_ = 0;
+  std::unique_ptr<BankModel> bank_model_;  // the model as load_adapter checks adapters against it
 
   // Owned by the stepping thread.
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
+  std::unique_ptr<LoraBank> bank_;                     // while adapters are loaded
+  std::vector<std::shared_ptr<NamedLora>> slotted_;    // the adapters in bank_'s slots
+  std::vector<int32_t> step_slots_;                    // the slot of each sequence of the step, in layout order
 };
 
 }  // namespace symbiosis

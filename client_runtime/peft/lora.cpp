@@ -20,15 +20,6 @@
 namespace symbiosis {
 namespace {
 
-// PEFT's matching (peft::matches_module), where "all-linear" names every base layer but the output
-// head (get_output_embeddings: lm_head, GPT-NeoX's embed_out).
-bool targeted(const std::string& path, const LoraConfig& config) {
-  const auto& targets = config.target_modules;
-  const bool head = path == "lm_head" || path == "embed_out";
-  if (!head && std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) return true;
-  return peft::matches_module(path, targets);
-}
-
 // PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", path).
 template <typename Map>
 const typename Map::mapped_type* pattern_value(const Map& patterns, const std::string& path, const char* field) {
@@ -39,6 +30,13 @@ const typename Map::mapped_type* pattern_value(const Map& patterns, const std::s
 }
 
 }  // namespace
+
+bool lora_targets(const std::string& path, const LoraConfig& config) {
+  const auto& targets = config.target_modules;
+  const bool head = path == "lm_head" || path == "embed_out";
+  if (!head && std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) return true;
+  return peft::matches_module(path, targets);
+}
 
 int64_t LoraConfig::rank_for(const std::string& path) const {
   const auto* v = pattern_value(rank_pattern, path, "rank_pattern");
@@ -262,7 +260,7 @@ std::vector<at::Tensor> add_lora(torch::nn::Module& model, const LoraConfig& con
   std::vector<at::Tensor> params;
   for (const auto& item : model.named_modules("", false)) {
     auto* base = dynamic_cast<nn::BaseLayerImpl*>(item.value().get());
-    if (base == nullptr || !targeted(item.key(), config)) continue;
+    if (base == nullptr || !lora_targets(item.key(), config)) continue;
     LoraConfig layer_config = config;
     layer_config.r = config.rank_for(item.key());
     layer_config.alpha = config.alpha_for(item.key());

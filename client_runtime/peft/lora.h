@@ -38,6 +38,11 @@ struct LoraConfig {
   double alpha_for(const std::string& path) const;
 };
 
+// Whether config targets the base layer at `path`: PEFT's matching (peft::matches_module), where
+// "all-linear" names every base layer but the output head (get_output_embeddings: lm_head,
+// GPT-NeoX's embed_out).
+bool lora_targets(const std::string& path, const LoraConfig& config);
+
 class LoraAdapterImpl : public LayerAdapterImpl {
  public:
   LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config);
