@@ -224,9 +224,6 @@ at::Tensor GPTNeoXModelImpl::run_layers(at::Tensor h, const at::Tensor& position
                                         const std::vector<PastKeyValue>& past, const CachedStep* step) {
   at::Tensor cos, sin;
   if (config_.learned_positions()) {
-    const int64_t last = positions.numel() > 0 ? positions.max().item<int64_t>() : 0;
-    TORCH_CHECK(last < config_.max_position_embeddings, config_.model_type, " input reaches position ", last,
-                " (virtual tokens included), beyond max_position_embeddings (", config_.max_position_embeddings, ")");
     h = h + embed_positions->forward(positions + kOptPositionOffset);
   } else {
     if (inv_freq_.device() != positions.device()) inv_freq_ = inv_freq_.to(positions.device());
@@ -256,6 +253,13 @@ at::Tensor GPTNeoXModelImpl::forward(const at::Tensor& input_ids, const at::Tens
   }
   auto in = detail::adapt_inputs(adapter, embed_tokens->forward(input_ids), attention_mask, positions,
                                  config_.num_hidden_layers);
+  if (config_.learned_positions()) {
+    // Here, not in run_layers: a cached step's positions are the Generator's, held to max_positions()
+    // when a request is submitted, and a captured step cannot read them back ([Captured decode]).
+    const int64_t last = in.position_ids.numel() > 0 ? in.position_ids.max().item<int64_t>() : 0;
+    TORCH_CHECK(last < config_.max_position_embeddings, config_.model_type, " input reaches position ", last,
+                " (virtual tokens included), beyond max_position_embeddings (", config_.max_position_embeddings, ")");
+  }
   auto h = run_layers(in.embeddings, in.position_ids, in.additive_mask, in.past, nullptr);
   return in.prompt_length > 0 ? h.narrow(1, in.prompt_length, length) : h;
 }

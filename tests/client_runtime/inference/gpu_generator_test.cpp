@@ -121,6 +121,17 @@ TEST(GpuGeneration, GPTBigCodeSplitOverCudaIpcEqualsMonolithicInFp32) {
   expect_split_equals_monolithic(at::kFloat, 1e-5, "tiny-gpt-bigcode");
 }
 
+// The families added last on a GPU, in captured decode steps against eager monolithic decode: Phi-3
+// (fused qkv_proj and gate_up_proj base layers), GPT-NeoX and Phi (partial rotary through the fused
+// rotary kernel on a view of the first features, parallel residual), OPT (learned positions).
+TEST(GpuGeneration, Phi3GptNeoxPhiAndOptSplitOverCudaIpcEqualMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  for (const std::string preset : {"tiny-phi3", "tiny-gpt-neox", "tiny-phi", "tiny-opt"}) {
+    SCOPED_TRACE(preset);
+    expect_split_equals_monolithic(at::kFloat, 1e-5, preset);
+  }
+}
+
 // A GPU client whose transport cannot be captured (tcp) decodes eagerly after its first capture
 // fails, and still generates what the monolithic model generates.
 TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
