@@ -112,6 +112,7 @@ std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& 
 }  // namespace
 
 void bind_generator(py::module_& m);  // generator_binding.cpp
+void bind_serving_engine(py::module_& m);  // serving_binding.cpp
 
 }  // namespace symbiosis
 
@@ -201,4 +202,5 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("masked", [](const Client& c) { return c.noise_mask() != nullptr; });
 
   symbiosis::bind_generator(m);
+  symbiosis::bind_serving_engine(m);
 }

@@ -1,0 +1,304 @@
+// symbiosis._C.ServingEngine: the C++ runtime's Generator (client_runtime/inference/generator.h) as a
+// server's engine ([Serving engine]); python/symbiosis/serve/ builds symbiosis-serve on it.
+//
+// [Serving engine]
+// A server's requests arrive one at a time, from many client connections, and each wants its tokens
+// as they are produced; symbiosis.Generator's generate() (generator_binding.cpp) is a batch call
+// instead. Here one C++ thread of the engine's own owns the Generator and steps it ([Continuous
+// batching]) whenever a request waits or runs, without the GIL; Python threads submit and cancel
+// requests and load or unload adapters, the Generator's thread-safe side ([Multi-adapter
+// batches]). Each produced token reaches the request's Python callback on the stepping thread,
+// with the GIL taken only for that call: a server hands it to its event loop and returns
+// (python/symbiosis/serve/engine.py).
+//
+// An event carries the token, its log-probability (when asked), its `top_logprobs` most likely
+// tokens (when asked: computed here from the step's logits through GeneratorOptions::logits_observer,
+// one row at a time), and the text it makes final: the checkpoint's tokenizer decodes the output as
+// it grows and ends the request at a stop string ([Streaming decode] and [Stop strings] in
+// client_runtime/text/), so a stream never shows part of a stop string and the request stops with
+// the token that completes it, with no extra step.
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "client_runtime/inference/generator.h"
+#include "client_runtime/models/causal_lm.h"
+#include "client_runtime/text/stop_strings.h"
+#include "client_runtime/text/tokenizer.h"
+#include "common/checkpoint.h"
+
+namespace py = pybind11;
+
+namespace symbiosis {
+namespace {
+
+// A Python callable that the stepping thread calls and drops: both take the GIL.
+class PythonCallback {
+ public:
+  explicit PythonCallback(py::function function) : function_(new py::function(std::move(function))) {}
+  ~PythonCallback() {
+    py::gil_scoped_acquire gil;
+    delete function_;
+  }
+  PythonCallback(const PythonCallback&) = delete;
+  PythonCallback& operator=(const PythonCallback&) = delete;
+
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    py::gil_scoped_acquire gil;
+    try {
+      (*function_)(std::forward<Args>(args)...);
+    } catch (py::error_already_set& error) {
+      // A callback's exception has nowhere to go on this thread: Python reports it as unraisable.
+      error.discard_as_unraisable("symbiosis.ServingEngine: a request's on_event");
+    }
+  }
+
+ private:
+  py::function* function_;
+};
+
+class ServingEngine {
+ public:
+  // client: a _C.Client, or None (monolithic). max_loras and max_lora_rank: GeneratorOptions'
+  // ([Multi-adapter batches]).
+  ServingEngine(const std::string& checkpoint_dir, const py::object& native, const std::string& device,
+                const std::string& dtype, int64_t max_sequences, int64_t max_tokens, int64_t max_waiting,
+                int64_t max_loras, int64_t max_lora_rank, bool capture_decode) {
+    const auto client = native.is_none() ? nullptr : native.cast<std::shared_ptr<Client>>();
+    py::gil_scoped_release no_gil;  // reads the weights, and with a client waits on the executor
+    auto checkpoint = Checkpoint::open(checkpoint_dir);
+    tokenizer_ = Tokenizer::in_directory(checkpoint_dir);
+    TORCH_CHECK(tokenizer_, "checkpoint ", checkpoint_dir,
+                " has no tokenizer (tokenizer.json or tokenizer.model beside config.json): a server gives text");
+    auto lm = open_causal_lm(*checkpoint, client, {parse_dtype_name(dtype), at::Device(device)});
+    GeneratorOptions options;
+    options.max_sequences = max_sequences;
+    options.max_tokens = max_tokens;
+    options.max_waiting = max_waiting;
+    options.max_loras = max_loras;
+    options.max_lora_rank = max_lora_rank;
+    options.capture_decode = capture_decode;
+    options.logits_observer = [this](uint64_t id, const at::Tensor& logits) { observe(id, logits); };
+    generator_ = std::make_unique<Generator>(std::move(lm), options);
+    stepper_ = std::thread([this] { step_loop(); });
+  }
+
+  ~ServingEngine() { shutdown(); }
+  ServingEngine(const ServingEngine&) = delete;
+  ServingEngine& operator=(const ServingEngine&) = delete;
+
+  // Queues a request; returns its id. on_event(token, logprob, top_logprobs, text, finish_reason,
+  // error) follows for each token produced (token -1 for an end without one: cancelled, or an
+  // error). Throws naming the field of a refused request.
+  uint64_t submit(std::vector<int64_t> prompt_ids, const std::string& adapter, int64_t max_new_tokens,
+                  double temperature, int64_t top_k, double top_p, uint64_t seed, std::vector<int64_t> stop_token_ids,
+                  std::vector<std::string> stop, bool logprobs, int64_t top_logprobs, py::function on_event) {
+    TORCH_CHECK(top_logprobs >= 0, "top_logprobs is ", top_logprobs, ", expected 0 or more");
+    auto request = std::make_shared<Request>(*tokenizer_, std::move(stop), top_logprobs,
+                                             std::make_shared<PythonCallback>(std::move(on_event)));
+    GenerationRequest generation;
+    generation.prompt_ids = std::move(prompt_ids);
+    generation.adapter = adapter;
+    auto& sampling = generation.sampling;
+    sampling.max_new_tokens = max_new_tokens;
+    sampling.temperature = temperature;
+    sampling.top_k = top_k;
+    sampling.top_p = top_p;
+    sampling.seed = seed;
+    sampling.stop_tokens = std::move(stop_token_ids);
+    sampling.logprobs = logprobs;
+    generation.stop_after = [request](int64_t token) {
+      request->text += request->stops.push(token);
+      return request->stops.stopped();
+    };
+    py::gil_scoped_release no_gil;
+    uint64_t id = 0;
+    {
+      // The registry takes the id before the stepping thread can observe the request's logits.
+      std::lock_guard<std::mutex> lock(requests_mutex_);
+      id = generator_->submit(std::move(generation), [this, request](const TokenEvent& event) { deliver(*request, event); });
+      requests_[id] = request;
+    }
+    wake();
+    return id;
+  }
+
+  void cancel(uint64_t id) {
+    generator_->cancel(id);
+    wake();
+  }
+
+  // [Multi-adapter batches]: the Generator's own, which may be called from any thread.
+  void load_adapter(const std::string& name, const std::string& peft_dir) {
+    py::gil_scoped_release no_gil;  // reads the adapter's files
+    generator_->load_adapter(name, peft_dir);
+  }
+  void unload_adapter(const std::string& name) { generator_->unload_adapter(name); }
+  std::vector<std::string> adapters() const { return generator_->adapters(); }
+
+  int64_t running() const { return running_.load(); }
+  int64_t waiting() const {
+    std::lock_guard<std::mutex> lock(requests_mutex_);
+    return static_cast<int64_t>(requests_.size()) - running_.load();
+  }
+
+  // Cancels every request (each gets its "cancelled" event) and stops the stepping thread. Idempotent.
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    wake_cv_.notify_all();
+    if (stepper_.joinable()) {
+      if (PyGILState_Check()) {
+        py::gil_scoped_release no_gil;  // the last events' callbacks take the GIL
+        stepper_.join();
+      } else {
+        stepper_.join();
+      }
+    }
+  }
+
+ private:
+  // A request's state beside the Generator's: its text and stop strings, the top log-probabilities of
+  // its current token, and its callback. Touched by the stepping thread only, once submitted.
+  struct Request {
+    Request(const Tokenizer& tokenizer, std::vector<std::string> stop, int64_t top_logprobs,
+            std::shared_ptr<PythonCallback> on_event)
+        : stops(tokenizer, std::move(stop)), top_logprobs(top_logprobs), on_event(std::move(on_event)) {}
+    StopStrings stops;  // [Stop strings]: the output's final text
+    std::string text;   // what the current token made final
+    int64_t top_logprobs;
+    std::vector<std::pair<int64_t, float>> top;  // the current token's top_logprobs alternatives
+    std::shared_ptr<PythonCallback> on_event;
+  };
+
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      ++wakeups_;
+    }
+    wake_cv_.notify_all();
+  }
+
+  // On the stepping thread, before a request's token is chosen.
+  void observe(uint64_t id, const at::Tensor& logits) {
+    std::shared_ptr<Request> request;
+    {
+      std::lock_guard<std::mutex> lock(requests_mutex_);
+      const auto found = requests_.find(id);
+      if (found == requests_.end() || found->second->top_logprobs == 0) return;
+      request = found->second;
+    }
+    const auto k = std::min<int64_t>(request->top_logprobs, logits.size(-1));
+    const auto [values, ids] = logits.to(at::kFloat).log_softmax(-1).topk(k);
+    const auto values_cpu = values.cpu(), ids_cpu = ids.cpu();
+    request->top.clear();
+    for (int64_t i = 0; i < k; ++i) {
+      request->top.emplace_back(ids_cpu[i].item<int64_t>(), values_cpu[i].item<float>());
+    }
+  }
+
+  // On the stepping thread: the request's event to its callback.
+  void deliver(Request& request, const TokenEvent& event) {
+    std::string text = std::move(request.text);
+    request.text.clear();
+    if (event.finished) {
+      text += request.stops.finish();
+      std::lock_guard<std::mutex> lock(requests_mutex_);
+      requests_.erase(event.request);
+    }
+    std::optional<std::string> reason;
+    if (event.finished) reason = to_string(*event.finished);
+    (*request.on_event)(event.token, event.logprob, request.top, text, reason, event.error);
+    request.top.clear();
+  }
+
+  void step_loop() {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(wake_mutex_);
+        wake_cv_.wait(lock, [&] { return stopping_ || wakeups_ > 0; });
+        wakeups_ = 0;
+        if (stopping_) break;
+      }
+      while (step_once()) {
+        std::lock_guard<std::mutex> lock(wake_mutex_);
+        if (stopping_) break;
+      }
+    }
+    // Every request still known ends "cancelled", its callback told.
+    std::vector<uint64_t> ids;
+    {
+      std::lock_guard<std::mutex> lock(requests_mutex_);
+      for (const auto& [id, request] : requests_) ids.push_back(id);
+    }
+    for (const auto id : ids) generator_->cancel(id);
+    while (step_once()) {
+    }
+  }
+
+  bool step_once() {
+    try {
+      const bool stepped = generator_->step();
+      running_.store(generator_->running());
+      return stepped;
+    } catch (const std::exception& e) {
+      // The Generator ends a failed step's requests itself; what escapes is a bug: say so, go on.
+      std::cerr << "symbiosis.ServingEngine: a generation step failed: " << e.what() << std::endl;
+      return false;
+    }
+  }
+
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<Generator> generator_;
+
+  // Guards requests_: the requests submitted and not finished, by id.
+  mutable std::mutex requests_mutex_;
+  std::map<uint64_t, std::shared_ptr<Request>> requests_;
+  std::atomic<int64_t> running_{0};  // the Generator's running(), as of the last step
+
+  // Guards wakeups_ and stopping_: what wakes the stepping thread.
+  std::mutex wake_mutex_;
+  std::condition_variable wake_cv_;
+  int64_t wakeups_ = 0;
+  bool stopping_ = false;
+  std::thread stepper_;  // the stepping thread: owns generator_'s steps
+};
+
+}  // namespace
+
+void bind_serving_engine(py::module_& m) {
+  py::class_<ServingEngine>(m, "ServingEngine",
+                            "The C++ runtime's Generator stepping on a thread of its own, for a server ([Serving engine])")
+      .def(py::init<const std::string&, const py::object&, const std::string&, const std::string&, int64_t, int64_t,
+                    int64_t, int64_t, int64_t, bool>(),
+           py::arg("checkpoint"), py::arg("client"), py::arg("device"), py::arg("dtype"), py::arg("max_sequences"),
+           py::arg("max_tokens"), py::arg("max_waiting"), py::arg("max_loras"), py::arg("max_lora_rank"),
+           py::arg("capture_decode"))
+      .def("submit", &ServingEngine::submit, py::arg("prompt_ids"), py::arg("adapter"), py::arg("max_new_tokens"),
+           py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token_ids"),
+           py::arg("stop"), py::arg("logprobs"), py::arg("top_logprobs"), py::arg("on_event"))
+      .def("cancel", &ServingEngine::cancel, py::arg("request"))
+      .def("load_adapter", &ServingEngine::load_adapter, py::arg("name"), py::arg("peft_dir"))
+      .def("unload_adapter", &ServingEngine::unload_adapter, py::arg("name"))
+      .def_property_readonly("adapters", &ServingEngine::adapters)
+      .def("shutdown", &ServingEngine::shutdown)
+      .def_property_readonly("running", &ServingEngine::running)
+      .def_property_readonly("waiting", &ServingEngine::waiting);
+}
+
+}  // namespace symbiosis

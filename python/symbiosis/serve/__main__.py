@@ -1,0 +1,6 @@
+"""python -m symbiosis.serve: symbiosis-serve."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""The serving engine for asyncio: the C++ runtime's Generator stepping on its own thread
+([Serving engine] in python/serving_binding.cpp), each request's tokens an async stream.
+
+    engine = Engine("/models/llama", client, max_sequences=16, max_tokens=2048)
+    engine.load_adapter("alice", "runs/alice/adapter")
+    async for event in engine.stream([1, 15043], SamplingParams(max_new_tokens=8), adapter="alice").events:
+        print(event.token, event.text, event.finish_reason)
+"""
+import asyncio
+import dataclasses
+from typing import AsyncIterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from .. import _C
+from ..client import Client
+
+
+class TokenEvent(NamedTuple):
+    """One event of a request: a produced token (-1 for an end without one: "cancelled" or "error"),
+    its log-probability (when asked), the most likely tokens at its place as (id, log-probability)
+    (when asked), the text it makes final, and, on its last event, why it ended ("stop", "length",
+    "cancelled", "error") and the error."""
+
+    token: int
+    logprob: float
+    top_logprobs: List[Tuple[int, float]]
+    text: str
+    finish_reason: Optional[str]
+    error: str
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How one request generates (client_runtime/inference/sampling.h): temperature 0 is greedy;
+    top_k 0 takes every token; stop_token_ids and stop (strings, [Stop strings]) end it, the stop
+    string left out of the text; logprobs asks each token's log-probability, top_logprobs the most
+    likely tokens' too."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class Stream(NamedTuple):
+    """A request submitted by Engine.stream: its id (for Engine.cancel) and its events."""
+
+    request: int
+    events: AsyncIterator[TokenEvent]
+
+
+class Engine:
+    """A Generator of `checkpoint`'s model, split over `client` (None: monolithic), serving the base
+    and the adapters loaded into it in the same batches ([Multi-adapter batches]). Its methods may
+    be called from any thread; stream() from an asyncio event loop. Raises symbiosis.Error naming
+    what is wrong."""
+
+    def __init__(self, checkpoint: str, client: Optional[Client], *, device: str = "cpu", dtype: str = "fp32",
+                 max_sequences: int = 16, max_tokens: int = 2048, max_waiting: int = 4096, max_loras: int = 8,
+                 max_lora_rank: int = 64, capture_decode: bool = True):
+        self._native = _C.ServingEngine(str(checkpoint), client._native if client is not None else None, device,
+                                        dtype, max_sequences, max_tokens, max_waiting, max_loras, max_lora_rank,
+                                        capture_decode)
+
+    def load_adapter(self, name: str, peft_dir: str) -> None:
+        """Serves the PEFT LoRA adapter in `peft_dir` as `name` from the next step on."""
+        self._native.load_adapter(name, str(peft_dir))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets `name`; its requests already submitted finish on it."""
+        self._native.unload_adapter(name)
+
+    @property
+    def adapters(self) -> List[str]:
+        return list(self._native.adapters)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a cache slot, as of the last step."""
+        return self._native.running
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and waiting for a cache slot."""
+        return self._native.waiting
+
+    def shutdown(self) -> None:
+        """Ends every request ("cancelled") and stops the stepping thread."""
+        self._native.shutdown()
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, adapter: str = "",
+               on_event=None) -> int:
+        """Queues a request; on_event(TokenEvent) runs on the stepping thread for each of its events.
+        Returns its id. Raises symbiosis.Error naming the field of a refused request."""
+        return self._native.submit(
+            [int(t) for t in prompt_ids], adapter, params.max_new_tokens, params.temperature, params.top_k,
+            params.top_p, params.seed, [int(t) for t in params.stop_token_ids], list(params.stop), params.logprobs,
+            params.top_logprobs, lambda *event: on_event(TokenEvent(*event)))
+
+    def cancel(self, request: int) -> None:
+        """Ends the request at the next step boundary (its last event "cancelled"); finished or
+        unknown ids are ignored."""
+        self._native.cancel(request)
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, adapter: str = "") -> "Stream":
+        """Submits the request at once (raising symbiosis.Error when it is refused); its events come
+        as they are produced through the Stream's events, the last with finish_reason set. Called in
+        a running event loop. Leaving the iteration early (a client gone) cancels the request, which
+        frees its cache slot at the next step boundary."""
+        loop = asyncio.get_running_loop()
+        events: "asyncio.Queue[TokenEvent]" = asyncio.Queue()
+
+        def on_event(event: TokenEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop closed: nobody waits for this request any more
+                pass
+
+        request = self.submit(prompt_ids, params, adapter, on_event)
+        return Stream(request, self._events(request, events))
+
+    async def _events(self, request: int, events: "asyncio.Queue[TokenEvent]") -> AsyncIterator[TokenEvent]:
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:
+                self._native.cancel(request)
