@@ -100,7 +100,10 @@ void BpeModel::encode_word(std::string_view word, std::vector<int64_t>& ids) con
       return;
     }
   }
-  {
+  // Long words are not cached (tokenizers' cache skips them too): a Gemma-class tokenizer's word is all the text
+  // between two added tokens, a whole prompt ([Tokenizer classes] in tokenizer_json.cpp).
+  const bool cached = word.size() <= kLongestCachedWord;
+  if (cached) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     if (const auto it = cache_.find(std::string(word)); it != cache_.end()) {
       ids.insert(ids.end(), it->second.begin(), it->second.end());
@@ -109,6 +112,7 @@ void BpeModel::encode_word(std::string_view word, std::vector<int64_t>& ids) con
   }
   std::vector<int32_t> merged = merge_word(word);
   ids.insert(ids.end(), merged.begin(), merged.end());
+  if (!cached) return;
   std::lock_guard<std::mutex> lock(cache_mutex_);
   if (cache_.size() < kCacheCapacity) cache_.emplace(std::string(word), std::move(merged));
 }

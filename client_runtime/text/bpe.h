@@ -48,10 +48,12 @@ class BpeModel {
   bool byte_fallback_ = false;
   bool ignore_merges_ = false;
 
-  // Guards cache_: the ids of words merged before (up to kCacheCapacity words; then no more are added).
+  // Guards cache_: the ids of words merged before (up to kCacheCapacity words of at most kLongestCachedWord bytes;
+  // then no more are added).
   mutable std::mutex cache_mutex_;
   mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
   static constexpr size_t kCacheCapacity = 100000;
+  static constexpr size_t kLongestCachedWord = 256;
 };
 
 }  // namespace symbiosis::text
