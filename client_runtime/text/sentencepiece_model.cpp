@@ -5,7 +5,6 @@
 
 #include <fstream>
 #include <iterator>
-#include <set>
 #include <unordered_map>
 
 #include "client_runtime/text/unicode.h"
@@ -134,12 +133,13 @@ json merges_of(const std::vector<Piece>& pieces, const std::unordered_map<std::s
 
 std::unique_ptr<Tokenizer> open_sentencepiece_model(const std::filesystem::path& file, const TokenizerConfig& written) {
   const std::string where = file.string();
-  TORCH_CHECK(builds_llama_pipeline(written), "tokenizer: ", where, " is a SentencePiece model without a tokenizer.json ",
+  const TokenizerClass* built = class_building_pipeline(written);
+  TORCH_CHECK(built, "tokenizer: ", where, " is a SentencePiece model without a tokenizer.json ",
               "and tokenizer_config.json's tokenizer_class is ",
               written.tokenizer_class ? "'" + *written.tokenizer_class + "'" : std::string("not given"),
-              ": transformers builds such a tokenizer with that class's own converter, and only LlamaTokenizer's "
-              "(LlamaTokenizerFast's) is implemented here; save the tokenizer with transformers "
-              "(AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) to write its tokenizer.json");
+              ": transformers builds such a tokenizer with that class's own converter, and only these classes' are "
+              "implemented here: ", classes_building_pipelines(), " (with or without Fast); save the tokenizer with "
+              "transformers (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) to write its tokenizer.json");
   const std::vector<Piece> pieces = read_pieces(file);
   std::unordered_map<std::string, int64_t> ids;
   json vocab = json::object();
@@ -147,21 +147,16 @@ std::unique_ptr<Tokenizer> open_sentencepiece_model(const std::filesystem::path&
     ids.try_emplace(pieces[id].text, static_cast<int64_t>(id));
     vocab[pieces[id].text] = id;
   }
-  // LlamaTokenizer's special tokens, as tokenizer_config.json names them or by its defaults.
-  TokenizerConfig config = written;
-  config.bos_token = written.bos_token.value_or("<s>");
-  config.eos_token = written.eos_token.value_or("</s>");
-  std::set<int64_t> special;
-  for (const auto& name : {std::optional<std::string>("<unk>"), config.bos_token, config.eos_token}) {
-    if (const auto it = ids.find(*name); it != ids.end()) special.insert(it->second);
-  }
+  // The control pieces are special added tokens, the user-defined ones plain ones; the class's own special tokens
+  // are made special by the pipeline ([Tokenizer classes] in tokenizer_json.cpp).
   json added = json::array();
   for (size_t id = 0; id < pieces.size(); ++id) {
-    const bool control = pieces[id].type == PieceType::kControl || special.count(static_cast<int64_t>(id));
+    const bool control = pieces[id].type == PieceType::kControl;
     if (!control && pieces[id].type != PieceType::kUserDefined) continue;
     added.push_back({{"id", id}, {"content", pieces[id].text}, {"single_word", false}, {"lstrip", false},
                      {"rstrip", false}, {"normalized", false}, {"special", control}});
   }
+  const TokenizerConfig config = with_class_defaults(written, *built);
   json single = json::array();
   json special_tokens = json::object();
   const auto around = [&](const std::optional<bool>& add, const std::string& name, const char* field) {
@@ -178,10 +173,7 @@ std::unique_ptr<Tokenizer> open_sentencepiece_model(const std::filesystem::path&
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges_of(pieces, ids)}}},
       {"added_tokens", added},
       {"post_processor", {{"type", "TemplateProcessing"}, {"single", single}, {"special_tokens", special_tokens}}}};
-  // bos_token_id and eos_token_id: a default names a token only where the model has it.
-  if (!written.bos_token && !ids.count(*config.bos_token)) config.bos_token.reset();
-  if (!written.eos_token && !ids.count(*config.eos_token)) config.eos_token.reset();
-  return make_tokenizer_json(converted, where, config);
+  return make_tokenizer_json(converted, where, written);
 }
 
 }  // namespace symbiosis::text

@@ -2,9 +2,11 @@
 // The checkpoint's tokenizer: text to token ids and back, as Hugging Face transformers tokenizes for the
 // same checkpoint. Found in the checkpoint's directory as transformers finds it (from_directory):
 //  - tokenizer.json (Hugging Face tokenizers' file; GPT-2, Llama 3, Qwen2, StarCoder and other byte-level BPE
-//    tokenizers), implemented here (tokenizer_json.h);
-//  - else tokenizer.model (SentencePiece: Llama 2, Mistral), converted as transformers converts a LlamaTokenizer's
-//    and run as a tokenizer.json ([SentencePiece conversion] in sentencepiece_model.h; other classes are refused).
+//    tokenizers, and Llama 2's and Gemma's, whose class's pipeline transformers builds itself), implemented here
+//    (tokenizer_json.h);
+//  - else tokenizer.model (SentencePiece: Llama 2, Mistral, Gemma), converted as transformers converts a
+//    LlamaTokenizer's or GemmaTokenizer's and run as a tokenizer.json ([SentencePiece conversion] in
+//    sentencepiece_model.h; other classes are refused).
 // A Tokenizer is immutable once made: its methods may be called from several threads at once.
 // Errors (a missing or malformed file, ids out of range, text that is not UTF-8) throw c10::Error naming the file,
 // the field or the value.

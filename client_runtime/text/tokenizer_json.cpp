@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <utf8proc.h>
 
+#include <algorithm>
 #include <array>
 #include <fstream>
 #include <sstream>
@@ -725,6 +726,8 @@ class JsonTokenizer : public Tokenizer {
 
  private:
   void encode_text(std::string_view text, bool at_text_start, std::vector<int64_t>& ids) const;
+  // Before added_by_id_ and the splitters are made ([Tokenizer classes]).
+  void add_class_special_tokens(const TokenizerConfig& config);
 
   std::vector<AddedToken> added_tokens_;
   std::unordered_map<int64_t, const AddedToken*> added_by_id_;
@@ -741,35 +744,66 @@ class JsonTokenizer : public Tokenizer {
 
 // [Tokenizer classes]
 // transformers 5 loads a tokenizer.json as written unless tokenizer_config.json names a class that
-// builds its pipeline itself: it then keeps the file's vocabulary, merges, post-processor and added
-// tokens and makes the rest as the class says. Of those, LlamaTokenizer (and LlamaTokenizerFast, the
-// same class) is what Llama 2 and Mistral checkpoints name:
+// builds its pipeline itself (with or without "Fast": one class): it then keeps the file's vocabulary, merges,
+// post-processor and added tokens and makes the rest as the class says. Two such classes are built here.
+// LlamaTokenizer, what Llama 2 and Mistral checkpoints name:
 //   model          BPE with fuse_unk and byte_fallback, no unk_token, none of the file's other options;
 //   normalizer     none (the file's Prepend and Replace, if any, are dropped);
 //   pre_tokenizer  Metaspace("▁", split false), prepending "▁" to the text's start ("first"), to every
 //                  piece between added tokens when `legacy` is true ("always"), or never when
 //                  add_prefix_space is false (legacy defaults to false, add_prefix_space to true);
-//   decoder        Replace("▁", " "), ByteFallback, Fuse, and Strip(" ", 1 from the left) with the prefix.
+//   decoder        Replace("▁", " "), ByteFallback, Fuse, and Strip(" ", 1 from the left) with the prefix;
+//   special tokens <unk>, <s>, </s> unless tokenizer_config.json names others.
+// GemmaTokenizer, what every Gemma generation's checkpoints name (legacy and add_prefix_space mean nothing to it):
+//   model          BPE with fuse_unk, byte_fallback and unk_token (tokenizer_config.json's, or <unk>);
+//   normalizer     Replace(" ", "▁"), so that the text between added tokens is one word to the BPE model;
+//   pre_tokenizer  Split(" ", MergedWithPrevious), which the normalizer has left no space to split at;
+//   decoder        Replace("▁", " "), ByteFallback, Fuse: no space is stripped;
+//   special tokens <bos>, <eos>, <unk>, <pad>, <mask> unless tokenizer_config.json names others.
+// Either class makes its special tokens special added tokens, in that order (BOS, EOS, unknown, padding, mask): an
+// added token of that text becomes special, a token of the vocabulary becomes an added one, and a token that is
+// neither is appended after the vocabulary (a Gemma-class model without <mask> gets one).
 // This returns the file as transformers builds it, so that the rest reads it as any other.
-json as_transformers_builds(json file, const TokenizerConfig& config) {
-  if (!builds_llama_pipeline(config) || !file.contains("model") || file["model"].value("type", "BPE") != "BPE") return file;
+constexpr TokenizerClass kClassesBuildingPipelines[] = {
+    {TokenizerClass::Pipeline::kLlama, "LlamaTokenizer", "<s>", "</s>", "<unk>", nullptr, nullptr},
+    {TokenizerClass::Pipeline::kGemma, "GemmaTokenizer", "<bos>", "<eos>", "<unk>", "<pad>", "<mask>"},
+};
+
+json as_transformers_builds(json file, const TokenizerClass& built, const TokenizerConfig& config) {
+  if (!file.contains("model") || file["model"].value("type", "BPE") != "BPE") return file;
   const json& model = file["model"];
-  file["model"] = {{"type", "BPE"}, {"vocab", model.value("vocab", json::object())},
-                   {"merges", model.value("merges", json::array())}, {"fuse_unk", true}, {"byte_fallback", true}};
-  const bool prefix = config.add_prefix_space.value_or(true);
-  file["normalizer"] = nullptr;
-  file["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"split", false},
-                           {"prepend_scheme", !prefix ? "never" : config.legacy.value_or(false) ? "always" : "first"}};
-  json decoders = json::array({{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
-                               {{"type", "ByteFallback"}},
-                               {{"type", "Fuse"}}});
-  if (prefix) decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+  json rebuilt = {{"type", "BPE"}, {"vocab", model.value("vocab", json::object())},
+                  {"merges", model.value("merges", json::array())}, {"fuse_unk", true}, {"byte_fallback", true}};
+  const json replace_replacement = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
+  json decoders = json::array({replace_replacement, {{"type", "ByteFallback"}}, {{"type", "Fuse"}}});
+  switch (built.pipeline) {
+    case TokenizerClass::Pipeline::kLlama: {
+      const bool prefix = config.add_prefix_space.value_or(true);
+      file["normalizer"] = nullptr;
+      const char* scheme = !prefix ? "never" : config.legacy.value_or(false) ? "always" : "first";
+      file["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"split", false},
+                               {"prepend_scheme", scheme}};
+      if (prefix) decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+      break;
+    }
+    case TokenizerClass::Pipeline::kGemma:
+      // tokenizers' BPE refuses an unk_token outside the vocabulary only when it needs one; BpeModel refuses it
+      // when the file is read, so one the vocabulary lacks is left out (byte fallback leaves nothing unknown).
+      if (config.unk_token && rebuilt["vocab"].contains(*config.unk_token)) rebuilt["unk_token"] = *config.unk_token;
+      file["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}};
+      file["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"},
+                               {"invert", false}};
+      break;
+  }
+  file["model"] = std::move(rebuilt);
   file["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
   return file;
 }
 
-JsonTokenizer::JsonTokenizer(const json& written, const std::string& where, const TokenizerConfig& config) {
-  const json file = as_transformers_builds(written, config);
+JsonTokenizer::JsonTokenizer(const json& written, const std::string& where, const TokenizerConfig& written_config) {
+  const TokenizerClass* built = class_building_pipeline(written_config);
+  const TokenizerConfig config = built ? with_class_defaults(written_config, *built) : written_config;
+  const json file = built ? as_transformers_builds(written, *built, config) : written;
   const json& model = field(file, "model", where);
   const std::string model_type = model.contains("type") ? type_of(model, where + ": model") : "BPE";
   TORCH_CHECK_NOT_IMPLEMENTED(model_type == "BPE", where, ": model.type '", model_type,
@@ -791,6 +825,7 @@ JsonTokenizer::JsonTokenizer(const json& written, const std::string& where, cons
     for (const AddedToken& token : added_tokens_) known = known || token.id == added.id;
     if (!known) added_tokens_.push_back({added.id, added.content, false, false, false, !added.special, added.special});
   }
+  if (built) add_class_special_tokens(config);
   for (const AddedToken& token : added_tokens_) {
     TORCH_CHECK(token.id >= 0, where, ": added token '", token.content, "' has a negative id ", token.id);
     added_by_id_[token.id] = &token;
@@ -819,6 +854,25 @@ JsonTokenizer::JsonTokenizer(const json& written, const std::string& where, cons
   bos_ = named(config.bos_token, "bos_token");
   eos_ = named(config.eos_token, "eos_token");
   if (!bos_ && !config.bos_token && !post_processor_.before.empty()) bos_ = post_processor_.before.front();
+}
+
+void JsonTokenizer::add_class_special_tokens(const TokenizerConfig& config) {
+  // [Tokenizer classes] the class's special tokens are special added tokens, appended after the vocabulary and
+  // the added tokens where neither has them (tokenizers' AddedVocabulary gives a new token the next id).
+  int64_t next_id = model_->size();
+  for (const AddedToken& token : added_tokens_) next_id = std::max(next_id, token.id + 1);
+  for (const auto& name : {config.bos_token, config.eos_token, config.unk_token, config.pad_token, config.mask_token}) {
+    if (!name) continue;
+    const auto added = std::find_if(added_tokens_.begin(), added_tokens_.end(),
+                                    [&](const AddedToken& token) { return token.content == *name; });
+    if (added != added_tokens_.end()) {
+      added->special = true;
+      continue;
+    }
+    const auto id = model_->token_to_id(*name);
+    added_tokens_.push_back({id.value_or(next_id), *name, false, false, false, /*normalized=*/false, /*special=*/true});
+    if (!id) ++next_id;
+  }
 }
 
 std::optional<int64_t> JsonTokenizer::token_to_id(std::string_view token) const {
@@ -876,8 +930,31 @@ std::string JsonTokenizer::decode(const std::vector<int64_t>& ids, bool skip_spe
 
 }  // namespace
 
-bool builds_llama_pipeline(const TokenizerConfig& config) {
-  return config.tokenizer_class == "LlamaTokenizer" || config.tokenizer_class == "LlamaTokenizerFast";
+const TokenizerClass* class_building_pipeline(const TokenizerConfig& config) {
+  if (!config.tokenizer_class) return nullptr;
+  for (const TokenizerClass& built : kClassesBuildingPipelines) {
+    const std::string& name = *config.tokenizer_class;
+    if (name == built.name || name == std::string(built.name) + "Fast") return &built;
+  }
+  return nullptr;
+}
+
+std::string classes_building_pipelines() {
+  std::string names;
+  for (const TokenizerClass& built : kClassesBuildingPipelines) {
+    names += (names.empty() ? "" : ", ") + std::string(built.name);
+  }
+  return names;
+}
+
+TokenizerConfig with_class_defaults(TokenizerConfig config, const TokenizerClass& built) {
+  for (const auto& [slot, name] :
+       {std::pair{&config.bos_token, built.bos_token}, std::pair{&config.eos_token, built.eos_token},
+        std::pair{&config.unk_token, built.unk_token}, std::pair{&config.pad_token, built.pad_token},
+        std::pair{&config.mask_token, built.mask_token}}) {
+    if (!*slot && name != nullptr) *slot = name;
+  }
+  return config;
 }
 
 namespace {
@@ -911,6 +988,9 @@ TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
   };
   config.bos_token = token("bos_token");
   config.eos_token = token("eos_token");
+  config.unk_token = token("unk_token");
+  config.pad_token = token("pad_token");
+  config.mask_token = token("mask_token");
   if (root.contains("tokenizer_class") && !root["tokenizer_class"].is_null()) {
     TORCH_CHECK(root["tokenizer_class"].is_string(), where, ": tokenizer_class should be a string, got ",
                 root["tokenizer_class"].dump());

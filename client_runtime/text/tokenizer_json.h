@@ -1,6 +1,6 @@
 #pragma once
 // Internal to text/: a tokenizer.json (Hugging Face tokenizers' file) run as the tokenizers library runs it,
-// for the BPE tokenizers of causal LMs (GPT-2, Llama 3, Qwen2, StarCoder, and Llama 2's own conversion).
+// for the BPE tokenizers of causal LMs (GPT-2, Llama 3, Qwen2, StarCoder, and Llama 2's and Gemma's conversions).
 // encode: added tokens split out of the text first (leftmost-longest, with their lstrip/rstrip/single_word), the
 // rest normalized, pre-tokenized into words, each word merged by the BPE model (bpe.h); then the post-processor's
 // template (BOS for Llama 3) when special tokens are asked for. decode: the ids' tokens through the decoder.
@@ -20,12 +20,12 @@
 
 namespace symbiosis::text {
 
-// What tokenizer_config.json adds to the tokenizer files: the names of BOS and EOS, whether to add them
-// (SentencePiece models), added tokens (added_tokens_decoder), and the tokenizer class with the options
+// What tokenizer_config.json adds to the tokenizer files: the names of the special tokens, whether to add BOS
+// and EOS (SentencePiece models), added tokens (added_tokens_decoder), and the tokenizer class with the options
 // by which transformers builds some classes' pipelines itself ([Tokenizer classes] in tokenizer_json.cpp).
 // Fields absent stay unset.
 struct TokenizerConfig {
-  std::optional<std::string> bos_token, eos_token;
+  std::optional<std::string> bos_token, eos_token, unk_token, pad_token, mask_token;
   std::optional<bool> add_bos_token, add_eos_token;
   std::optional<std::string> tokenizer_class;
   std::optional<bool> legacy, add_prefix_space;
@@ -43,7 +43,19 @@ std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file
 // The tokenizer of a tokenizer.json document (`where` names it in errors), as open_tokenizer_json.
 std::unique_ptr<Tokenizer> make_tokenizer_json(const nlohmann::json& file, const std::string& where,
                                                const TokenizerConfig& config);
-// Whether transformers builds the pipeline of LlamaTokenizer for this config ([Tokenizer classes]).
-bool builds_llama_pipeline(const TokenizerConfig& config);
+// A tokenizer class whose pipeline transformers builds itself ([Tokenizer classes] in tokenizer_json.cpp), with
+// the names its special tokens take where tokenizer_config.json gives none (nullptr: the class has no such token).
+struct TokenizerClass {
+  enum class Pipeline { kLlama, kGemma } pipeline;
+  const char* name;
+  const char *bos_token, *eos_token, *unk_token, *pad_token, *mask_token;
+};
+// The class that tokenizer_config.json names (with or without "Fast") if transformers builds its pipeline;
+// nullptr for any other class, or none.
+const TokenizerClass* class_building_pipeline(const TokenizerConfig& config);
+// The names of the classes class_building_pipeline knows, for messages ("LlamaTokenizer, GemmaTokenizer").
+std::string classes_building_pipelines();
+// `config` with the class's special token names where it gives none.
+TokenizerConfig with_class_defaults(TokenizerConfig config, const TokenizerClass& built);
 
 }  // namespace symbiosis::text

@@ -21,13 +21,23 @@ Trains, on a small built-in corpus, one tokenizer per family, configured as that
              LlamaTokenizer with legacy false
   llama2_legacy_json  the same with the Prepend/Replace normalizer of Llama 2's checkpoints on the Hub, and
              legacy true
+  gemma_spm  tokenizer.model: SentencePiece BPE trained with Gemma's options (no dummy prefix, <pad> <eos> <bos>
+             <unk> first, <mask> and the turn markers user-defined, byte fallback, digits split), GemmaTokenizer
+             with add_bos_token, and legacy true (which Gemma's class ignores)
+  gemma_spm_eos  the same without <pad> and <mask> (transformers appends them), GemmaTokenizerFast with
+             add_eos_token and without add_bos_token
+  gemma_json tokenizer.json: what transformers converts gemma_spm's model to (Replace(" ", "▁") normalizer, BPE
+             with byte fallback and <unk>), GemmaTokenizer
+  gemma_rewritten_json  the same file in Llama 2's form (Metaspace splitting at every space, no normalizer, no
+             byte fallback) and adding EOS, not BOS, under GemmaTokenizer: the class rebuilds the pipeline, so read
+             as written it would tokenize otherwise
 each with tokenizer_config.json. DIR/expected.json holds, per family, the cases
   {"text", "ids" (tokenizer(text) as transformers adds special tokens), "ids_plain" (add_special_tokens=False),
    "decoded" (decode(ids)), "decoded_skip" (decode(ids, skip_special_tokens=True))}
 for every corpus text, and decode-only cases {"ids", "decoded", "decoded_skip"} of random ids (pieces of UTF-8
 characters among them), with "bos", "eos" and "vocab_size".
 Every family's reference is transformers' AutoTokenizer (which runs the file as written for
-PreTrainedTokenizerFast, and builds LlamaTokenizer's pipeline itself: [Tokenizer classes] in
+PreTrainedTokenizerFast, and builds LlamaTokenizer's and GemmaTokenizer's pipelines itself: [Tokenizer classes] in
 client_runtime/text/tokenizer_json.cpp); a tokenizer.model alone is converted by AutoTokenizer too
 ([SentencePiece conversion] in client_runtime/text/sentencepiece_model.h).
 Exit status 3 when a Python package is missing (the C++ test then skips).
@@ -83,6 +93,7 @@ CORPUS = [
     "unknown scripts: ᚠᛇᚻ ꦧꦱꦗ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𓀀",
     "  two leading",
     "a<sep>b <sep> c  <sep>  d<sep><|user|>\n<|user|> x",  # user-defined pieces mid-text
+    "<start_of_turn>user\n  Hi<end_of_turn>\n<start_of_turn>model\n x <end_of_turn> <mask>",  # Gemma's turns
     "İstanbul İ ı ǅ ẞ ﬁ",  # special casing
     "ΟΔΥΣΣΕΥΣ ὈΔΥΣΣΕΎΣ Σ. ΆΣ! İİ İ\u0307 ǅǈǋǲ ẞSS Ꞵ ᾈᾼ ǰ ŉ",  # final sigma, titlecase digraphs, İ twice
     "mixed scripts: abcабвαβγ日本ab12",
@@ -263,6 +274,65 @@ def train_sentencepiece(model_type, out_dir, work_dir, config=None, user_defined
     return auto_tokenizer(out_dir, ["<s>", "</s>"])
 
 
+def train_gemma(out_dir, work_dir, config, with_pad_and_mask):
+    """A SentencePiece model alone trained with the options of Gemma's tokenizer.model (small), with
+    tokenizer_config.json `config`; the reference is what AutoTokenizer converts it to as GemmaTokenizer
+    ([SentencePiece conversion] in client_runtime/text/sentencepiece_model.h)."""
+    import sentencepiece as spm
+
+    os.makedirs(out_dir, exist_ok=True)
+    corpus = os.path.join(work_dir, "spm_corpus.txt")
+    with open(corpus, "w") as f:
+        f.write("\n".join(TRAINING * 3))
+    prefix = os.path.join(out_dir, "tokenizer")
+    user_defined = ["<mask>"] if with_pad_and_mask else []
+    spm.SentencePieceTrainer.train(
+        input=corpus, model_prefix=prefix, vocab_size=600, model_type="bpe", character_coverage=1.0,
+        split_digits=True, allow_whitespace_only_pieces=True, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=False, minloglevel=2,
+        pad_id=0 if with_pad_and_mask else -1, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=user_defined + ["<start_of_turn>", "<end_of_turn>"])
+    os.rename(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
+    os.remove(prefix + ".vocab")
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return auto_tokenizer(out_dir, GEMMA_SPECIALS)
+
+
+# Gemma's special tokens that every Gemma family has (the turn markers, user-defined pieces, are not special).
+GEMMA_SPECIALS = ["<bos>", "<unk>", "<eos>"]
+
+
+def converted_gemma(spm_dir, out_dir, rewritten):
+    """The tokenizer.json and tokenizer_config.json transformers writes for gemma_spm; with `rewritten`, the file in
+    Llama 2's form instead (Metaspace pre-tokenizer splitting at every space, no normalizer, no byte fallback, the
+    Metaspace decoder) and a post-processor adding EOS, not BOS. AutoTokenizer rebuilds the pipeline as
+    GemmaTokenizer's either way, keeping the post-processor: that is the reference."""
+    import transformers
+
+    transformers.AutoTokenizer.from_pretrained(spm_dir).save_pretrained(out_dir)
+    if rewritten:
+        path = os.path.join(out_dir, "tokenizer.json")
+        with open(path) as f:
+            file = json.load(f)
+        file["normalizer"] = None
+        metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
+        file["pre_tokenizer"] = metaspace
+        file["decoder"] = metaspace
+        file["model"]["byte_fallback"] = False
+        eos = file["model"]["vocab"]["<eos>"]
+        file["post_processor"] = {"type": "TemplateProcessing",
+                                  "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                                             {"SpecialToken": {"id": "<eos>", "type_id": 0}}],
+                                  "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                           {"Sequence": {"id": "B", "type_id": 1}}],
+                                  "special_tokens": {"<eos>": {"id": "<eos>", "ids": [eos], "tokens": ["<eos>"]}}}
+        with open(path, "w") as f:
+            json.dump(file, f, ensure_ascii=False)
+    return auto_tokenizer(out_dir, GEMMA_SPECIALS)
+
+
 def converted_llama2(spm_dir, out_dir, legacy):
     """The tokenizer.json transformers writes for the SentencePiece BPE model (Metaspace with prepend_scheme
     "first", BPE with byte fallback, the Replace/ByteFallback/Fuse/Strip decoders), its tokenizer_config.json's
@@ -304,10 +374,20 @@ def main() -> int:
         return missing(e)
 
     expected = {}
+    cased = cased_texts()
     for family in ("gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe", "spm_bpe_legacy", "spm_bpe_no_prefix",
-                   "spm_unigram", "llama2_json", "llama2_legacy_json"):
+                   "spm_unigram", "llama2_json", "llama2_legacy_json", "gemma_spm", "gemma_spm_eos", "gemma_json",
+                   "gemma_rewritten_json"):
         out_dir = os.path.join(args.output, family)
-        if family.startswith("llama2_"):
+        if family == "gemma_spm":
+            made = train_gemma(out_dir, args.output, {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True,
+                                                      "add_eos_token": False, "legacy": True}, True)
+        elif family == "gemma_spm_eos":
+            made = train_gemma(out_dir, args.output, {"tokenizer_class": "GemmaTokenizerFast", "add_eos_token": True},
+                               False)
+        elif family.startswith("gemma_"):
+            made = converted_gemma(os.path.join(args.output, "gemma_spm"), out_dir, "rewritten" in family)
+        elif family.startswith("llama2_"):
             made = converted_llama2(os.path.join(args.output, "spm_bpe"), out_dir, "legacy" in family)
         elif family == "spm_bpe_legacy":
             made = train_sentencepiece("bpe", out_dir, args.output, {"legacy": True}, ["<sep>", "<|user|>"])
@@ -319,7 +399,7 @@ def main() -> int:
             made = train_byte_level(family, out_dir)
         encode, decode, specials, bos, eos, vocab_size = made
         cases = []
-        for text in CORPUS + cased_texts() + special_cases(specials) + random_texts(specials, 150, len(family)):
+        for text in CORPUS + cased + special_cases(specials) + random_texts(specials, 150, len(family)):
             ids = encode(text, True)
             cases.append({"text": text, "ids": ids, "ids_plain": encode(text, False),
                           "decoded": decode(ids, False), "decoded_skip": decode(ids, True)})
