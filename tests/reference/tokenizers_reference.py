@@ -244,10 +244,10 @@ def auto_tokenizer(out_dir, specials):
     return encode, decode, specials, tok.bos_token_id, tok.eos_token_id, len(tok)
 
 
-def train_sentencepiece(model_type, out_dir, work_dir, config=None, user_defined=()):
-    """A SentencePiece model alone (no tokenizer.json), with tokenizer_config.json's LlamaTokenizer updated by
-    `config` (legacy, add_prefix_space); the reference is what AutoTokenizer converts it to
-    ([SentencePiece conversion] in client_runtime/text/sentencepiece_model.h)."""
+def save_sentencepiece(out_dir, work_dir, config, **options):
+    """A SentencePiece model alone (no tokenizer.json) trained on the built-in corpus with SentencePieceTrainer's
+    `options` (small: character coverage 1, identity normalization, no extra whitespace removal, as Llama 2's and
+    Gemma's tokenizer.model have), saved in out_dir as tokenizer.model with tokenizer_config.json `config`."""
     import sentencepiece as spm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -255,22 +255,29 @@ def train_sentencepiece(model_type, out_dir, work_dir, config=None, user_defined
     with open(corpus, "w") as f:
         f.write("\n".join(TRAINING * 3))
     prefix = os.path.join(out_dir, "tokenizer")
-    # Llama 2's trainer settings, small: byte fallback, digits split, identity normalization, no extra
-    # whitespace removal (Llama 2's tokenizer.model has these).
-    options = dict(input=corpus, model_prefix=prefix, vocab_size=600 if model_type == "bpe" else 200,
-                   model_type=model_type, character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
-                   normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
-                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    spm.SentencePieceTrainer.train(input=corpus, model_prefix=prefix, character_coverage=1.0,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+                                   **options)
+    os.rename(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
+    os.remove(prefix + ".vocab")
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def train_sentencepiece(model_type, out_dir, work_dir, config=None, user_defined=()):
+    """A SentencePiece model alone, with tokenizer_config.json's LlamaTokenizer updated by `config` (legacy,
+    add_prefix_space); the reference is what AutoTokenizer converts it to ([SentencePiece conversion] in
+    client_runtime/text/sentencepiece_model.h)."""
+    # Llama 2's trainer settings, small: byte fallback, digits split, whitespace-only pieces.
+    options = dict(vocab_size=600 if model_type == "bpe" else 200, model_type=model_type, split_digits=True,
+                   allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
     if model_type == "bpe":
         options["byte_fallback"] = True
     if user_defined:
         options["user_defined_symbols"] = list(user_defined)
-    spm.SentencePieceTrainer.train(**options)
-    os.rename(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
-    os.remove(prefix + ".vocab")
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-                   "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **(config or {})}, f, indent=1)
+    save_sentencepiece(out_dir, work_dir, {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
+                                           "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+                                           "unk_token": "<unk>", **(config or {})}, **options)
     return auto_tokenizer(out_dir, ["<s>", "</s>"])
 
 
@@ -278,25 +285,12 @@ def train_gemma(out_dir, work_dir, config, with_pad_and_mask):
     """A SentencePiece model alone trained with the options of Gemma's tokenizer.model (small), with
     tokenizer_config.json `config`; the reference is what AutoTokenizer converts it to as GemmaTokenizer
     ([SentencePiece conversion] in client_runtime/text/sentencepiece_model.h)."""
-    import sentencepiece as spm
-
-    os.makedirs(out_dir, exist_ok=True)
-    corpus = os.path.join(work_dir, "spm_corpus.txt")
-    with open(corpus, "w") as f:
-        f.write("\n".join(TRAINING * 3))
-    prefix = os.path.join(out_dir, "tokenizer")
     user_defined = ["<mask>"] if with_pad_and_mask else []
-    spm.SentencePieceTrainer.train(
-        input=corpus, model_prefix=prefix, vocab_size=600, model_type="bpe", character_coverage=1.0,
-        split_digits=True, allow_whitespace_only_pieces=True, byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=False, minloglevel=2,
-        pad_id=0 if with_pad_and_mask else -1, eos_id=1, bos_id=2, unk_id=3,
-        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
-        user_defined_symbols=user_defined + ["<start_of_turn>", "<end_of_turn>"])
-    os.rename(prefix + ".model", os.path.join(out_dir, "tokenizer.model"))
-    os.remove(prefix + ".vocab")
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    save_sentencepiece(out_dir, work_dir, config, vocab_size=600, model_type="bpe", split_digits=True,
+                       allow_whitespace_only_pieces=True, byte_fallback=True, add_dummy_prefix=False,
+                       pad_id=0 if with_pad_and_mask else -1, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+                       eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+                       user_defined_symbols=user_defined + ["<start_of_turn>", "<end_of_turn>"])
     return auto_tokenizer(out_dir, GEMMA_SPECIALS)
 
 
