@@ -3,7 +3,9 @@
 // with seeds, and the logits of every step) under each batching policy while a fine-tuning client
 // trains on the same executor; the sample-score-train-sample loop of reinforcement-learning tenants
 // equals its monolithic run; greedy generation equals Hugging Face transformers + PEFT `generate`
-// for each adapter kind; bad requests are refused naming the field and the others go on.
+// for each adapter kind; requests of several adapters in one batch ([Multi-adapter batches]) each
+// equal PEFT's generation with their adapter alone; bad requests are refused naming the field and
+// the others go on.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <csignal>
@@ -11,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <fstream>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <cctype>
 #include <map>
@@ -358,6 +361,222 @@ INSTANTIATE_TEST_SUITE_P(NewFamilies, HfGenerateTest,
                          ::testing::Combine(::testing::Values("tiny-phi3", "tiny-gpt-neox", "tiny-phi", "tiny-opt"),
                                             ::testing::Values("none", "lora", "ia3", "prefix_tuning")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
+
+// [Multi-adapter batches]: requests of two PEFT-made LoRA adapters of different ranks and targets
+// (X: r 4 on the attention; Y: rsLoRA over every linear layer with rank and alpha patterns) and of
+// the base model, in one generator of 4 sequences, so that the three kinds share prefill and decode
+// steps: each request's greedy tokens equal transformers + PEFT `generate` with its adapter alone,
+// and its tokens and logits equal our generator built with that adapter alone; split and
+// monolithic. The same generator built with X as its own adapter serves X to requests that name
+// none beside Y's.
+class MultiAdapterTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MultiAdapterTest, EachRequestEqualsItsAdapterAloneInPeftAndInOurGenerator) {
+  const auto& preset = GetParam();
+  const auto work = testing::temp_dir("symbiosis-multi-adapter-" + preset);
+  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 33, 2, 7}, {100, 4, 18}, {61}};
+  std::vector<std::pair<std::string, at::Tensor>> inputs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    inputs.emplace_back("prompt_" + std::to_string(i), at::tensor(prompts[i], at::kLong).to(at::kFloat));
+  }
+  write_safetensors(work / "inputs.safetensors", inputs);
+  constexpr int64_t kNewTokens = 8;
+  auto served = testing::serve_model(preset);
+  // PEFT's tokens for each adapter ("" : the base), and the adapters it made.
+  const std::vector<std::pair<std::string, std::string>> kinds = {{"x", "lora"}, {"y", "lora_rslora_patterns"}, {"", ""}};
+  std::map<std::string, std::vector<std::vector<int64_t>>> peft_tokens;
+  std::vector<std::future<int>> runs;  // the three at once
+  const auto output = [&](const std::string& name) { return work / ("hf-" + (name.empty() ? "base" : name)); };
+  for (const auto& [name, method] : kinds) {
+    std::vector<std::string> args{"--checkpoint", served.dir.string(), "--inputs", (work / "inputs.safetensors").string(),
+                                  "--output", output(name).string() + ".safetensors", "--new-tokens",
+                                  std::to_string(kNewTokens)};
+    if (!method.empty()) args.insert(args.end(), {"--method", method, "--adapter", (work / name).string()});
+    const auto log = output(name).string() + ".log";
+    runs.push_back(std::async(std::launch::async, [args, log] { return testing::run_reference("peft_generate.py", args, log); }));
+  }
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    const auto& name = kinds[k].first;
+    const int status = runs[k].get();
+    if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << SYMBIOSIS_PYTHON;
+    ASSERT_EQ(status, 0) << "see " << output(name).string() << ".log";
+    const auto out = output(name).string() + ".safetensors";
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const auto t = testing::read_safetensors_f32(out, "generate_" + std::to_string(i)).to(at::kLong);
+      peft_tokens[name].emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+    }
+  }
+  // Every prompt with every adapter, interleaved: more requests than sequences, so they join and
+  // leave batches of mixed adapters.
+  std::vector<GenerationRequest> requests;
+  for (const auto& p : prompts) {
+    for (const auto& [name, method] : kinds) {
+      requests.push_back(request(p, kNewTokens));
+      requests.back().adapter = name;
+    }
+  }
+  GeneratorOptions options;
+  options.max_sequences = 4;
+  options.max_tokens = 24;
+  options.max_lora_rank = 8;
+  for (const auto& client : {served.client, std::shared_ptr<Client>()}) {
+    const std::string where = client ? "split" : "monolithic";
+    auto lm = open_causal_lm(*served.checkpoint, client);
+    auto log = std::make_shared<testing::LogitsLog>();
+    auto logged = options;
+    logged.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kFloat)); };
+    Generator generator(lm, logged);
+    generator.load_adapter("x", work / "x");
+    generator.load_adapter("y", work / "y");
+    EXPECT_EQ(generator.adapters(), (std::vector<std::string>{"x", "y"}));
+    testing::Generated mixed;
+    mixed.results = generator.generate(requests);
+    for (const auto& [id, rows] : *log) mixed.logits.push_back(rows);
+    // Each adapter alone: PEFT, and our generator with it as the model's own.
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      const auto& name = kinds[k].first;
+      auto alone_lm = open_causal_lm(*served.checkpoint, client);
+      if (!name.empty()) load_peft_adapter(*alone_lm.module, work / name);
+      std::vector<GenerationRequest> alone_requests;
+      testing::Generated picked;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const auto r = i * kinds.size() + k;
+        alone_requests.push_back(requests[r]);
+        alone_requests.back().adapter.clear();
+        picked.results.push_back(mixed.results[r]);
+        picked.logits.push_back(mixed.logits[r]);
+        EXPECT_EQ(mixed.results[r].output_ids, peft_tokens[name][i])
+            << where << ", adapter '" << name << "', prompt " << i << ", against PEFT's generate";
+      }
+      expect_same(picked, generate(alone_lm, alone_requests, options), where + ", adapter '" + name + "' alone");
+    }
+    EXPECT_EQ(generator.cache().free_slots(), generator.cache().sequences());
+  }
+  // X as the model's own adapter, Y loaded beside it: requests naming none get X.
+  auto own_lm = open_causal_lm(*served.checkpoint);
+  load_peft_adapter(*own_lm.module, work / "x");
+  const auto own_state = lora_state(*own_lm.module).size();
+  Generator generator(own_lm, options);
+  generator.load_adapter("y", work / "y");
+  std::vector<GenerationRequest> own_requests;
+  for (const auto& p : prompts) {
+    for (const std::string name : {"", "y"}) {
+      own_requests.push_back(request(p, kNewTokens));
+      own_requests.back().adapter = name;
+    }
+  }
+  const auto results = generator.generate(own_requests);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(results[2 * i].output_ids, peft_tokens["x"][i]) << "own adapter x, prompt " << i;
+    EXPECT_EQ(results[2 * i + 1].output_ids, peft_tokens["y"][i]) << "y beside own adapter x, prompt " << i;
+  }
+  // Unloading y gives the layers their own adapter back: the generator goes on as one of x.
+  generator.unload_adapter("y");
+  const auto after = generator.generate({request(prompts[0], kNewTokens)});
+  EXPECT_EQ(after[0].output_ids, peft_tokens["x"][0]);
+  EXPECT_EQ(lora_state(*own_lm.module).size(), own_state);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, MultiAdapterTest, ::testing::Values("tiny-llama", "tiny-gpt2"),
+                         [](const auto& info) { return model_name(info.param); });
+
+// [Multi-adapter batches]: what load_adapter, unload_adapter and submit refuse, naming what is
+// wrong; an unloaded adapter's requests finish on it, and its slot is free after them.
+TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests) {
+  const auto work = testing::temp_dir("symbiosis-multi-adapter-refusals");
+  auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto gpt2 = Checkpoint::open(testing::make_checkpoint("tiny-gpt2"));
+  // Adapters made here: r 4 on q_proj and v_proj, and GPT-2's c_attn.
+  auto save = [&](const Checkpoint& c, LoraConfig config, const std::string& name) {
+    auto lm = open_causal_lm(c);
+    at::manual_seed(3);
+    config.init_b_zero = false;
+    add_lora(*lm.module, config);
+    save_lora(*lm.module, config, work / name);
+    return work / name;
+  };
+  LoraConfig attention;
+  attention.r = 4;
+  attention.target_modules = {"q_proj", "v_proj"};
+  const auto good = save(*checkpoint, attention, "good");
+  LoraConfig c_attn;
+  c_attn.target_modules = {"c_attn"};
+  const auto other_model = save(*gpt2, c_attn, "gpt2");
+  // A copy of `good` with its config edited.
+  auto edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    const auto dir = work / name;
+    fs::create_directories(dir);
+    fs::copy_file(good / "adapter_model.safetensors", dir / "adapter_model.safetensors", fs::copy_options::overwrite_existing);
+    nlohmann::json config;
+    std::ifstream(good / "adapter_config.json") >> config;
+    edit(config);
+    std::ofstream(dir / "adapter_config.json") << config.dump();
+    return dir;
+  };
+  const auto ia3 = edited("ia3", [](auto& j) { j["peft_type"] = "IA3"; });
+  const auto dora = edited("dora", [](auto& j) { j["use_dora"] = true; });
+  const auto wide = edited("wide", [](auto& j) { j["r"] = 8; });  // tensors of rank 4: shapes differ
+
+  auto lm = open_causal_lm(*checkpoint);
+  auto refusal = [&](GeneratorOptions options) { return testing::error_of([&] { Generator generator(lm, options); }); };
+  EXPECT_NE(refusal({.max_loras = -1}).find("max_loras is -1, expected at least 0"), std::string::npos);
+  EXPECT_NE(refusal({.max_lora_rank = 0}).find("max_lora_rank is 0, expected 1 to 512"), std::string::npos);
+  GeneratorOptions options;
+  options.max_loras = 1;
+  options.max_lora_rank = 4;
+  Generator generator(lm, options);
+  auto load = [&](const std::string& name, const fs::path& dir) {
+    return testing::error_of([&] { generator.load_adapter(name, dir); });
+  };
+  EXPECT_NE(load("a", ia3).find("field 'peft_type' is 'IA3'; a multi-adapter generator serves LORA adapters only"),
+            std::string::npos);
+  EXPECT_NE(load("a", dora).find("field 'use_dora' is true"), std::string::npos);
+  const auto foreign = load("a", other_model);
+  EXPECT_NE(foreign.find("target_modules (c_attn) match no base layer of the model (llama)"), std::string::npos) << foreign;
+  EXPECT_NE(load("a", wide).find("has rank 8, more than the generator's max_lora_rank (4)"), std::string::npos);
+  EXPECT_NE(load("", good).find("the name is empty"), std::string::npos);
+  EXPECT_TRUE(generator.adapters().empty());
+  Generator wider(lm, {.max_lora_rank = 8});
+  const auto shapes = testing::error_of([&] { wider.load_adapter("a", wide); });
+  EXPECT_NE(shapes.find("lora_A.weight' has shape [4, "), std::string::npos) << shapes;
+  EXPECT_NE(shapes.find("expected [8, "), std::string::npos) << shapes;
+
+  generator.load_adapter("a", good);
+  EXPECT_NE(load("a", good).find("an adapter named 'a' is loaded already"), std::string::npos);
+  EXPECT_NE(load("b", good).find("the generator holds max_loras (1) adapters already (1 loaded: a)"), std::string::npos);
+  auto named = [](std::string adapter) {
+    auto r = request({5, 9, 33}, 6);
+    r.adapter = std::move(adapter);
+    return r;
+  };
+  EXPECT_NE(testing::error_of([&] { generator.submit(named("b")); })
+                .find("adapter is 'b', which is not loaded; loaded adapters: a"),
+            std::string::npos);
+  // Unloaded with a request waiting: the request runs on it; the name is gone at once.
+  std::vector<int64_t> tokens;
+  generator.submit(named("a"), [&](const TokenEvent& e) {
+    if (e.token >= 0) tokens.push_back(e.token);
+  });
+  generator.unload_adapter("a");
+  EXPECT_TRUE(generator.adapters().empty());
+  EXPECT_NE(testing::error_of([&] { generator.submit(named("a")); }).find("loaded adapters: none"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { generator.unload_adapter("a"); }).find("'a' is not loaded"), std::string::npos);
+  EXPECT_NE(load("b", good).find("1 unloaded, finishing their requests"), std::string::npos);
+  generator.run();
+  auto alone = open_causal_lm(*checkpoint);
+  load_peft_adapter(*alone.module, good);
+  EXPECT_EQ(tokens, generate(alone, {request({5, 9, 33}, 6)}).results[0].output_ids);
+  EXPECT_NE(tokens, generate(lm, {request({5, 9, 33}, 6)}).results[0].output_ids);  // the adapter changes them
+  generator.step();  // the boundary after its last request frees the slot
+  EXPECT_EQ(load("b", good), "(no error)");
+  // A model whose own adapter is not LoRA cannot tell rows apart.
+  auto ia3_lm = open_causal_lm(*checkpoint);
+  add_ia3(*ia3_lm.module, IA3Config{});
+  Generator ia3_generator(ia3_lm);
+  EXPECT_NE(testing::error_of([&] { ia3_generator.load_adapter("a", good); })
+                .find("this generator's model cannot serve several adapters"),
+            std::string::npos);
+}
 
 // symbiosis-generate, split and monolithic, on JSON Lines with a request that is refused: the same
 // lines, the refusal naming the line's field, the other requests answered.
