@@ -13,6 +13,7 @@ that completes it. Token strings in logprobs are AutoTokenizer's decode of each 
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import time
 import uuid
@@ -79,19 +80,20 @@ class Server:
         try:
             self.engine.load_adapter(name, path)
         except Error as error:
-            raise ApiError(400, f"adapter '{name}' from {path} was not loaded: {error}", param="lora_path") from None
+            raise ApiError(400, f"adapter '{name}' from {path}{_base_of(path)} was not loaded for this server's model "
+                                f"{self.checkpoint}: {error}", param="lora_path") from None
         self.adapter_paths[name] = path
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapter_paths:
-            raise ApiError(404, f"adapter '{name}' is not loaded; loaded: {self._names(self.adapter_paths)}",
+            raise ApiError(404, f"adapter '{name}' is not loaded; loaded: {self._names(sorted(self.adapter_paths))}",
                            param="lora_name")
         self.engine.unload_adapter(name)
         del self.adapter_paths[name]
 
     @staticmethod
-    def _names(names) -> str:
-        return ", ".join(sorted(names)) or "none"
+    def _names(names: List[str]) -> str:
+        return ", ".join(names) or "none"
 
     def _models(self, allowed: Optional[Set[str]]) -> List[str]:
         models = [self.base_name] + sorted(self.adapter_paths)
@@ -369,6 +371,16 @@ class Server:
     async def _lifespan(self, _: FastAPI):
         yield
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+
+
+def _base_of(adapter_path: str) -> str:
+    """", made for BASE" from the adapter's adapter_config.json, for errors ("" when it says none)."""
+    try:
+        with open(os.path.join(adapter_path, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f", made for {base}," if base else ""
 
 
 async def _json_body(http: Request) -> Any:

@@ -33,8 +33,9 @@ class Metrics:
                                                 labels, registry=self.registry)
         self.generation_tokens = prometheus.Counter("symbiosis_generation_tokens", "Tokens generated", labels,
                                                     registry=self.registry)
-        self.requests = prometheus.Counter("symbiosis_request_success", "Sequences finished, by finish reason",
-                                           labels + ["finished_reason"], registry=self.registry)
+        self.requests = prometheus.Counter(
+            "symbiosis_request_success", "Sequences ended, by finish reason (abort: the client left before the end)",
+            labels + ["finished_reason"], registry=self.registry)
         running = prometheus.Gauge("symbiosis_num_requests_running", "Sequences holding a KV cache slot",
                                    registry=self.registry)
         running.set_function(lambda: engine.running)
@@ -50,17 +51,22 @@ class Metrics:
         """`events` of one sequence of `model`, timed and counted as they pass (arrived: its
         time.monotonic() at arrival)."""
         self.prompt_tokens.labels(model).inc(prompt_tokens)
-        last = None
+        last, finished = None, False
         async with contextlib.aclosing(events):  # leaving early cancels the request at once
-            async for event in events:
-                if event.token >= 0:
-                    now = time.monotonic()
-                    if last is None:
-                        self.time_to_first_token.labels(model).observe(now - arrived)
-                    else:
-                        self.time_per_output_token.labels(model).observe(now - last)
-                    last = now
-                    self.generation_tokens.labels(model).inc()
-                if event.finish_reason is not None:
-                    self.requests.labels(model, event.finish_reason).inc()
-                yield event
+            try:
+                async for event in events:
+                    if event.token >= 0:
+                        now = time.monotonic()
+                        if last is None:
+                            self.time_to_first_token.labels(model).observe(now - arrived)
+                        else:
+                            self.time_per_output_token.labels(model).observe(now - last)
+                        last = now
+                        self.generation_tokens.labels(model).inc()
+                    if event.finish_reason is not None:
+                        self.requests.labels(model, event.finish_reason).inc()
+                        finished = True
+                    yield event
+            finally:
+                if not finished:
+                    self.requests.labels(model, "abort").inc()
