@@ -4,6 +4,7 @@ as checkpoints; an executor process serving one; comparisons within a relative t
 ctest runs these with PYTHONPATH naming python/ and the build's python/ (tests/python/CMakeLists.txt)
 and the programs' paths in SYMBIOSIS_EXECUTOR, SYMBIOSIS_DEMO_CLIENT, SYMBIOSIS_MAKE_CHECKPOINT."""
 import contextlib
+import json
 import os
 import subprocess
 import tempfile
@@ -143,6 +144,59 @@ def assert_close(a, b, what, tolerance=TOLERANCE):
 def tokens(batch=2, length=9, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[{{ m['content'] }}]"
+                 "{% else %}<{{ m['role'] }}>{{ m['content'] }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def add_tokenizer(checkpoint):
+    """A BPE tokenizer of the model's 128 ids (3 special tokens, then what BPE learns of a small
+    text), its chat template in tokenizer_config.json as most checkpoints keep it."""
+    import tokenizers
+    import transformers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tokenizer.decoder = tokenizers.decoders.Metaspace()
+    text = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?", "system user assistant",
+            "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z 0 1 2 3 4 5 6 7 8 9 . , ! ? : ; ' - ( ) [ ] < > /\n"]
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=128, special_tokens=["<pad>", "<s>", "</s>"],
+                                             show_progress=False)
+    tokenizer.train_from_iterator(text, trainer)
+    assert tokenizer.get_vocab_size() == 128
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+    fast.save_pretrained(checkpoint)
+    config_path = os.path.join(checkpoint, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump(dict(config, chat_template=CHAT_TEMPLATE), f)
+
+
+def save_lora(checkpoint, directory, seed, **config):
+    """A LoRA adapter (peft.LoraConfig's `config`) of the model in `checkpoint`, saved by PEFT in `directory`."""
+    torch.manual_seed(seed)
+    # init_lora_weights=False: B is random too, so the adapter changes what is generated.
+    model = peft.get_peft_model(reference_model(checkpoint), peft.LoraConfig(init_lora_weights=False, **config))
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def greedy_generate(model, prompt, max_new_tokens, eos=2):
+    """transformers' (+ PEFT's) greedy generate on one prompt: the ids produced up to and with the first
+    `eos`, and their log-probabilities."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    ids = out.sequences[0, len(prompt):].tolist()
+    ids = ids[:ids.index(eos) + 1] if eos in ids else ids
+    logprobs = [torch.log_softmax(logits[0].float(), -1)[token].item() for logits, token in zip(out.logits, ids)]
+    return ids, logprobs
 
 
 def lora(model, seed=1):

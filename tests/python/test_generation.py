@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import symbiosis
-from conftest import reference_model, served
+from conftest import greedy_generate, reference_model, served
 
 ARCHITECTURES = ["llama", "qwen2", "gpt2"]  # one of each kind of model the C++ runtime builds
 TARGETS = {"llama": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
@@ -30,15 +30,6 @@ def adapted(request, tmp_path_factory):
         yield architecture, checkpoint, executor, str(adapter), model
 
 
-def transformers_greedy(model, prompt, max_new_tokens):
-    """PEFT's generate on one prompt, greedy, up to and with the first EOS."""
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-    produced = out[0, len(prompt):].tolist()
-    return produced[:produced.index(EOS) + 1] if EOS in produced else produced
-
-
 @pytest.mark.parametrize("split", [True, False], ids=["split", "monolithic"])
 def test_greedy_generation_equals_peft_generate(adapted, split):
     architecture, checkpoint, executor, adapter, model = adapted
@@ -47,7 +38,7 @@ def test_greedy_generation_equals_peft_generate(adapted, split):
     results = generator.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[EOS], logprobs=True)
     assert [r.prompt_ids for r in results] == PROMPTS
     for prompt, result in zip(PROMPTS, results):
-        want = transformers_greedy(model, prompt, 12)
+        want = greedy_generate(model, prompt, 12, EOS)[0]
         assert result.output_ids == want, f"{architecture}, prompt {prompt}"
         assert result.finish_reason == ("stop" if want[-1] == EOS else "length")
         assert len(result.logprobs) == len(result.output_ids) and all(p <= 0 for p in result.logprobs)
@@ -65,7 +56,7 @@ def test_a_refused_request_is_named_and_the_generator_goes_on(adapted):
     with pytest.raises(symbiosis.Error, match="temperature"):
         generator.generate([[1, 5, 6]], temperature=-1.0)
     [result] = generator.generate([[1, 5, 6]], max_new_tokens=4, stop_token_ids=[EOS])
-    assert result.output_ids == transformers_greedy(model, [1, 5, 6], 4)
+    assert result.output_ids == greedy_generate(model, [1, 5, 6], 4, EOS)[0]
 
 
 @pytest.mark.parametrize("adapted", ["llama"], indirect=True)

@@ -128,3 +128,46 @@ def test_cuda_ipc_and_nccl_tenants_share_one_executor():
                     assert_close(p.grad, trainable(model)[name].grad, f"{device} gradient of {name}, step {step}")
                 reference.zero_grad()
                 model.zero_grad()
+
+
+def test_serving_engine_batches_the_base_and_two_adapters_on_a_gpu(tmp_path):
+    """symbiosis-serve's engine ([Serving engine], python/symbiosis/serve/engine.py) on cuda:0 over
+    cuda-ipc, its decode steps captured ([Captured decode]) with the rows' adapters in one grouped
+    kernel ([Multi-adapter batches]): the base's and two adapters' greedy streams at once, twice
+    (the second time from captured graphs), each equal to transformers + PEFT generate on the GPU
+    (fp32). The HTTP layer above it is the CPU suite's (test_serve.py)."""
+    import asyncio
+
+    from conftest import add_tokenizer, greedy_generate, save_lora
+    from symbiosis.serve import Engine, SamplingParams
+
+    with gpu_served("llama", torch.float32) as (checkpoint, executor):
+        add_tokenizer(checkpoint)
+        adapters = {"alice": save_lora(checkpoint, tmp_path / "alice", seed=3, r=4, lora_alpha=8,
+                                       target_modules=["q_proj", "v_proj"]),
+                    "bob": save_lora(checkpoint, tmp_path / "bob", seed=4, r=8, lora_alpha=16,
+                                     target_modules="all-linear")}
+        references = {"": reference_model(checkpoint).to("cuda:0")}
+        for name, path in adapters.items():
+            references[name] = peft.PeftModel.from_pretrained(reference_model(checkpoint), path).to("cuda:0").eval()
+        client = symbiosis.Client.connect(executor.endpoint, tenant="serve", device="cuda:0", latency_class="decode")
+        assert client.transport == "cuda-ipc"
+        engine = Engine(checkpoint, client, device="cuda:0", dtype="fp32", max_sequences=8, max_tokens=48)
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+        prompts = [[1, 17, 45, 99, 3], [1, 120, 5, 66, 70, 71, 33]]
+        requests = [(adapter, prompt) for adapter in references for prompt in prompts]
+
+        async def generate_all():
+            async def tokens_of(adapter, prompt):
+                params = SamplingParams(max_new_tokens=12, stop_token_ids=[2], logprobs=True)
+                return [e.token async for e in engine.stream(prompt, params, adapter).events if e.token >= 0]
+            return await asyncio.gather(*(tokens_of(adapter, prompt) for adapter, prompt in requests))
+
+        try:
+            for _ in range(2):
+                for (adapter, prompt), produced in zip(requests, asyncio.run(generate_all())):
+                    want, _ = greedy_generate(references[adapter], prompt, 12)
+                    assert produced == want, f"adapter '{adapter}', prompt {prompt}"
+        finally:
+            engine.shutdown()

@@ -21,48 +21,13 @@ import pytest
 import torch
 import transformers
 
-from conftest import BUILD, make_checkpoint, reference_model, served
+from conftest import BUILD, add_tokenizer, greedy_generate, make_checkpoint, reference_model, save_lora, served
 
 SERVE = os.environ.get("SYMBIOSIS_SERVE", os.path.join(BUILD, "examples", "symbiosis-serve"))
 BASE = "tiny"
-EOS = 2
+EOS = 2  # the tiny models' (conftest.py)
 ADMIN, ALICE_KEY = "admin-key", "alice-key"
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[{{ m['content'] }}]"
-                 "{% else %}<{{ m['role'] }}>{{ m['content'] }}\n{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 PROMPTS = [[1, 17, 45, 99, 3], [1, 120, 5, 66, 70, 71, 33]]
-
-
-def add_tokenizer(checkpoint):
-    """A BPE tokenizer of the model's 128 ids (3 special tokens, then what BPE learns of a small
-    text), its chat template in tokenizer_config.json as most checkpoints keep it."""
-    import tokenizers
-
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    tokenizer.decoder = tokenizers.decoders.Metaspace()
-    text = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?", "system user assistant",
-            "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z 0 1 2 3 4 5 6 7 8 9 . , ! ? : ; ' - ( ) [ ] < > /\n"]
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=128, special_tokens=["<pad>", "<s>", "</s>"],
-                                             show_progress=False)
-    tokenizer.train_from_iterator(text, trainer)
-    assert tokenizer.get_vocab_size() == 128
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                                pad_token="<pad>")
-    fast.save_pretrained(checkpoint)
-    config_path = os.path.join(checkpoint, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    with open(config_path, "w") as f:
-        json.dump(dict(config, chat_template=CHAT_TEMPLATE), f)
-
-
-def save_lora(checkpoint, directory, seed, **config):
-    torch.manual_seed(seed)
-    # init_lora_weights=False: B is random too, so the adapter changes what is generated.
-    model = peft.get_peft_model(reference_model(checkpoint), peft.LoraConfig(init_lora_weights=False, **config))
-    model.save_pretrained(directory)
-    return str(directory)
 
 
 class Server:
@@ -100,6 +65,15 @@ class Server:
     def metrics(self):
         with urllib.request.urlopen(self.url + "/metrics", timeout=60) as response:
             return response.read().decode()
+
+    def count(self, metric, **labels):
+        """A counter's value in /metrics (0 when it has no sample of these labels yet)."""
+        want = metric + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        for line in self.metrics().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == want:
+                return float(value)
+        return 0.0
 
     def client(self, key=ADMIN, asynchronous=False):
         kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
@@ -140,18 +114,6 @@ def serving(tmp_path_factory):
             server.stop()
 
 
-def peft_greedy(model, prompt, max_new_tokens):
-    """transformers + PEFT greedy generate: the ids up to and with the first EOS, and their log-probabilities."""
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, len(prompt):].tolist()
-    ids = ids[:ids.index(EOS) + 1] if EOS in ids else ids
-    logprobs = [torch.log_softmax(logits[0].float(), -1)[token].item() for logits, token in zip(out.logits, ids)]
-    return ids, logprobs
-
-
 def text_of(checkpoint, ids):
     return transformers.AutoTokenizer.from_pretrained(checkpoint).decode(ids, skip_special_tokens=True)
 
@@ -175,7 +137,7 @@ def test_concurrent_greedy_completions_of_the_base_and_two_adapters_equal_peft_g
     requests, responses = asyncio.run(complete_all())
     texts = set()
     for (model, prompt), response in zip(requests, responses):
-        ids, logprobs = peft_greedy(references[model], prompt, 10)
+        ids, logprobs = greedy_generate(references[model], prompt, 10)
         [choice] = response.choices
         assert choice.text == text_of(checkpoint, ids), f"{model}, prompt {prompt}"
         assert choice.finish_reason == ("stop" if ids[-1] == EOS else "length")
@@ -192,7 +154,7 @@ def test_chat_prompt_is_apply_chat_template_and_streaming_equals_not_streaming(s
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt[0] == 1 and "[you are a fox]<user>hello world" in tokenizer.decode(prompt)  # the system message
-    ids, _ = peft_greedy(references["alice"], prompt, 8)
+    ids, _ = greedy_generate(references["alice"], prompt, 8)
     client = server.client()
     response = client.chat.completions.create(model="alice", messages=messages, max_tokens=8, temperature=0)
     assert response.usage.prompt_tokens == len(prompt)
@@ -212,7 +174,7 @@ def test_chat_prompt_is_apply_chat_template_and_streaming_equals_not_streaming(s
 def test_stop_strings_and_stop_token_ids_end_a_request(serving):
     server, checkpoint, references = serving
     client = server.client()
-    ids, _ = peft_greedy(references["bob"], PROMPTS[0], 10)
+    ids, _ = greedy_generate(references["bob"], PROMPTS[0], 10)
     full = client.completions.create(model="bob", prompt=PROMPTS[0], max_tokens=10, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     assert len(full) >= 4, full
@@ -264,7 +226,7 @@ def test_an_adapter_saved_after_the_server_started_is_loaded_and_unloaded(servin
     assert status == 200, text
     client = server.client()
     assert "carol" in [m.id for m in client.models.list()]
-    ids, _ = peft_greedy(peft.PeftModel.from_pretrained(reference_model(checkpoint), path).eval(), PROMPTS[1], 8)
+    ids, _ = greedy_generate(peft.PeftModel.from_pretrained(reference_model(checkpoint), path).eval(), PROMPTS[1], 8)
     completion = client.completions.create(model="carol", prompt=PROMPTS[1], max_tokens=8, temperature=0)
     assert completion.choices[0].text == text_of(checkpoint, ids)
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "carol"}) == (
@@ -303,6 +265,7 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_goes_on(serving, f
 def test_a_client_gone_mid_stream_frees_its_sequence(serving):
     server, _, _ = serving
     # 62 tokens to go when the client leaves after the first: the server cancels the rest.
+    produced = server.count("symbiosis_generation_tokens_total", model_name="alice")
     stream = server.client().completions.create(model="alice", prompt=[1], max_tokens=63, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
@@ -315,6 +278,7 @@ def test_a_client_gone_mid_stream_frees_its_sequence(serving):
             break
         time.sleep(0.1)
     assert aborted in metrics and "symbiosis_num_requests_running 0.0" in metrics
+    assert server.count("symbiosis_generation_tokens_total", model_name="alice") - produced < 63
 
 
 def test_64_concurrent_streams_each_equal_its_models_completion_and_metrics_count_them(serving):
