@@ -26,3 +26,11 @@ y = client.forward(layer, torch.ones(3, layer.in_features))
 assert y.shape == (3, layer.out_features), y.shape
 print('installed package: layer', layer.name, 'computed over', client.transport)
 "
+# symbiosis-serve, installed beside the other tools, runs on the installed package: a checkpoint
+# without a tokenizer is refused, naming it.
+if env -u LD_LIBRARY_PATH PYTHONDONTWRITEBYTECODE=1 "$work/prefix/bin/symbiosis-serve" --model "$work/model" \
+    --executor "$endpoint" --port 0 > "$work/serve.out" 2>&1; then
+  echo "installed symbiosis-serve served a checkpoint without a tokenizer"; exit 1
+fi
+grep -q -- "--model $work/model has no tokenizer (tokenizer.json or tokenizer.model" "$work/serve.out" || { cat "$work/serve.out"; exit 1; }
+echo "installed symbiosis-serve: $(tail -1 "$work/serve.out" | cut -c1-100)"

@@ -75,9 +75,9 @@ class Server:
                 return float(value)
         return 0.0
 
-    def client(self, key=ADMIN, asynchronous=False):
+    def client(self, key=ADMIN, asynchronous=False, max_retries=0):
         kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
-        return kind(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        return kind(base_url=self.url + "/v1", api_key=key, max_retries=max_retries, timeout=120)
 
     def stop(self):
         self.process.terminate()
@@ -102,7 +102,7 @@ def serving(tmp_path_factory):
         keys = work / "keys.json"
         keys.write_text(json.dumps({ADMIN: "*", ALICE_KEY: ["alice", BASE]}))
         server = Server(["--model", checkpoint, "--served-model-name", BASE, "--executor", executor.endpoint,
-                         "--max-num-seqs", "8", "--api-keys", str(keys),
+                         "--max-num-seqs", "8", "--max-waiting", "100", "--api-keys", str(keys),
                          "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
                         work / "serve.log")
         try:
@@ -260,6 +260,19 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_goes_on(serving, f
         client.completions.create(**{k: body.pop(k) for k in ("model", "prompt")}, extra_body=body)
     assert expected in refused.value.message and refused.value.body["param"] == field
     assert client.completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_full_server_answers_429_with_retry_after_and_goes_on(serving):
+    server, _, _ = serving
+    client = server.client()
+    # 128 sequences at once, 8 of them in cache slots at most: more than --max-waiting 100 wait.
+    with pytest.raises(openai.RateLimitError, match="the server is full") as refused:
+        client.completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=2, n=128)
+    assert refused.value.response.headers["retry-after"] == "1"
+    # The refused request's sequences leave the queue at the next step; a client that waits as
+    # Retry-After says (the openai client does, retrying) is served.
+    retrying = server.client(max_retries=5)
+    assert len(retrying.completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=2, n=4).choices) == 4
 
 
 def test_a_client_gone_mid_stream_frees_its_sequence(serving):

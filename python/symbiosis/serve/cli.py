@@ -134,6 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .engine import Engine
     from .protocol import ApiError
 
+    if not any(os.path.exists(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        p.error(f"--model {args.model} has no tokenizer (tokenizer.json or tokenizer.model beside config.json): "
+                "symbiosis-serve takes and gives text")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as error:
