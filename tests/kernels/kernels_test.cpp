@@ -1,6 +1,6 @@
 // The CUDA kernels (kernels/): the executor's direct cuBLAS GEMM and few-row kernel, the batch
 // packing kernel, and the clients' fused cross-entropy, decode attention, rotary embedding, SwiGLU,
-// grouped LoRA and noise masking, each held to ATen's or the plain expression's result. Skipped,
+// grouped LoRA, multi-LoRA and noise masking, each held to ATen's or the plain expression's result. Skipped,
 // with a message saying so, where there is no GPU.
 #include <cmath>
 #include <set>
@@ -15,6 +15,7 @@
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
 #include "kernels/lora.h"
+#include "kernels/multi_lora.h"
 #include "kernels/noise_mask.h"
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
@@ -180,6 +181,93 @@ void expect_rounded_like(const at::Tensor& got, const at::Tensor& want) {
   const auto dtype = got.scalar_type();
   const double rtol = dtype == at::kFloat ? 1e-5 : dtype == at::kBFloat16 ? 8e-3 : 1e-3;
   EXPECT_LE(testing::relative_error(got, want), rtol) << c10::toString(dtype);
+}
+
+// [Multi-LoRA kernel] against the plain loop in float64: random adapters of mixed ranks (1 to 64)
+// in 5 slots, one of them without this layer, rows taking any slot or none (-1), in segments
+// (prefill) and one by one (decode), a base that is a view with a row stride of its own; fp32 and
+// bf16. Then in a CUDA graph: slots and table rewritten between replays, each replay applies what
+// they hold then.
+TEST(MultiLoraKernelTest, EqualsThePlainLoopForMixedRanksAndFollowsItsTablesInAGraph) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(13);
+  const int64_t in = 96, out = 80;
+  const std::vector<int64_t> ranks = {8, 1, 64, 0, 16};  // slot 3: no adapter here
+  // The plain loop: row by row, its slot's x·Aᵀ·Bᵀ·s on base, in float64.
+  const auto expected = [&](const at::Tensor& base, const at::Tensor& x, const std::vector<int32_t>& slots,
+                            const std::vector<kernels::MultiLoraEntry>& entries) {
+    auto want = base.to(at::kDouble).clone();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i] < 0 || !entries[slots[i]].a.defined()) continue;
+      const auto& e = entries[slots[i]];
+      const auto row = x[static_cast<int64_t>(i)].to(at::kDouble).unsqueeze(0);
+      want[static_cast<int64_t>(i)].add_(
+          at::mm(at::mm(row, e.a.to(at::kDouble).t()), e.b.to(at::kDouble).t())[0] * e.scaling);
+    }
+    return want;
+  };
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    std::vector<kernels::MultiLoraEntry> entries;
+    for (size_t s = 0; s < ranks.size(); ++s) {
+      if (ranks[s] == 0) {
+        entries.push_back({});
+        continue;
+      }
+      entries.push_back({at::randn({ranks[s], in}, options) * 0.2, at::randn({out, ranks[s]}, options) * 0.2,
+                         0.5 + static_cast<double>(s)});
+    }
+    const auto table = kernels::multi_lora_table(entries).to(at::kCUDA);
+    for (const bool segments : {true, false}) {
+      for (const int64_t rows : {1, 7, 300}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + ", " + std::to_string(rows) + " rows" +
+                     (segments ? " in segments" : " one by one"));
+        std::vector<int32_t> slots;
+        for (int64_t i = 0; i < rows; ++i) {
+          slots.push_back(segments ? static_cast<int32_t>(i * 6 / rows) - 1 : static_cast<int32_t>((i * 7) % 6) - 1);
+        }
+        const auto x = at::randn({rows, in}, options);
+        const auto wide = at::randn({rows, out + 16}, options);
+        const auto base = wide.narrow(1, 8, out);  // rows out + 16 apart
+        const auto got = kernels::multi_lora(base, x, at::tensor(slots, at::kInt).to(at::kCUDA), table, 64);
+        expect_rounded_like(got, expected(base, x, slots, entries));
+      }
+    }
+  }
+  // In a CUDA graph: the slots and the table are read at each replay.
+  const auto options = at::TensorOptions().device(at::kCUDA);
+  const int64_t rows = 5;
+  const auto x = at::randn({rows, in}, options), base = at::randn({rows, out}, options);
+  std::vector<kernels::MultiLoraEntry> first = {{at::randn({4, in}, options), at::randn({out, 4}, options), 2.0}, {}};
+  std::vector<kernels::MultiLoraEntry> second = {
+      first[0], {at::randn({32, in}, options) * 0.1, at::randn({out, 32}, options), 0.25}};
+  auto table = kernels::multi_lora_table(first).to(at::kCUDA);
+  auto slots = at::zeros({rows}, options.dtype(at::kInt));
+  const auto stream = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStreamGuard guard(stream);
+  kernels::multi_lora(base, x, slots, table, 32);  // warm-up outside the graph
+  at::cuda::CUDAGraph graph;
+  at::Tensor got;
+  graph.capture_begin();
+  got = kernels::multi_lora(base, x, slots, table, 32);
+  graph.capture_end();
+  const std::vector<int32_t> mixed = {1, -1, 0, 1, 0};
+  slots.copy_(at::tensor(mixed, at::kInt));
+  graph.replay();
+  stream.synchronize();
+  expect_rounded_like(got, expected(base, x, mixed, first));  // slot 1 empty: base alone
+  table.copy_(kernels::multi_lora_table(second));
+  graph.replay();
+  stream.synchronize();
+  expect_rounded_like(got, expected(base, x, mixed, second));
+  EXPECT_GT(testing::relative_error(got, expected(base, x, mixed, first)), 1e-3);  // slot 1 now counts
+  try {
+    kernels::multi_lora(base, x, slots.to(at::kLong), table, 32);
+    ADD_FAILURE() << "int64 slots were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("multi_lora: slots must be [5] int32"), std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 // [Fused decode attention] against float64: the cache after the step holds each sequence's new key

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "bench/process.h"
+#include "client_runtime/peft/adapter.h"
 #include "transport/client_transport.h"
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/gpu_test_util.h"
@@ -370,6 +371,101 @@ TEST(GpuGeneration, GenerateCliHostDecodeAndOffloadedCacheEqualTheAllGpuRun) {
   EXPECT_EQ(std::count(outputs["all-gpu"].begin(), outputs["all-gpu"].end(), '\n'), 3);
   EXPECT_EQ(outputs["host-decode"], outputs["all-gpu"]);
   EXPECT_EQ(outputs["offload-cache"], outputs["all-gpu"]);
+  bench::stop(executor.pid);
+}
+
+// [Multi-adapter batches] on a GPU: adapters X (r 4 on q and v) and Y (r 16, every linear layer,
+// v_proj at rank 2 by rank_pattern, rsLoRA) and the base in one split generator over CUDA IPC whose
+// decode steps are captured (the rows' slots filled before each replay), through the [Multi-LoRA
+// kernel], against eager monolithic generators with each adapter alone; then Z, on X's layers,
+// loaded between runs: the graphs captured before serve it (no layer wrapped anew).
+TEST(GpuGeneration, MixedAdaptersInCapturedStepsEqualEachAdapterAloneInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  const auto work = testing::temp_dir("gpu-generate-multi-adapter");
+  auto save = [&](const std::string& name, LoraConfig config, uint64_t seed) {
+    auto lm = open_causal_lm(*checkpoint);
+    at::manual_seed(seed);
+    config.init_b_zero = false;
+    add_lora(*lm.module, config);
+    save_lora(*lm.module, config, work / name);
+  };
+  LoraConfig x, y;
+  x.r = 4;
+  x.target_modules = {"q_proj", "v_proj"};
+  y.r = 16;
+  y.target_modules = {"all-linear"};
+  y.rank_pattern = {{"v_proj", 2}};
+  y.use_rslora = true;
+  save("x", x, 1);
+  save("y", y, 2);
+  save("z", x, 3);
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
+                                               "--dtype", "fp32", "--log-level", "warn"},
+                                              work / "executor");
+  auto client = Client::connect(
+      {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
+  const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
+  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
+  auto options = captured_options();
+  options.max_sequences = 4;
+  auto log = std::make_shared<testing::LogitsLog>();
+  auto logged = options;
+  logged.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  Generator generator(split_lm, logged);
+  generator.load_adapter("x", work / "x");
+  generator.load_adapter("y", work / "y");
+  // Every request of mixed_requests() with each adapter, interleaved.
+  const std::vector<std::string> names = {"x", "y", ""};
+  std::vector<GenerationRequest> requests;
+  for (const auto& r : testing::mixed_requests()) {
+    for (const auto& name : names) {
+      requests.push_back(r);
+      requests.back().adapter = name;
+    }
+  }
+  // `requests` of adapter k of `names`, and what the mixed run gave them.
+  auto pick = [&](const testing::Generated& mixed, size_t k, std::vector<GenerationRequest>* alone) {
+    testing::Generated picked;
+    for (size_t r = k; r < requests.size(); r += names.size()) {
+      alone->push_back(requests[r]);
+      alone->back().adapter.clear();
+      picked.results.push_back(mixed.results[r]);
+      picked.logits.push_back(mixed.logits[r]);
+    }
+    return picked;
+  };
+  auto eager = options;
+  eager.capture_decode = false;
+  auto expect_alone = [&](const testing::Generated& mixed, size_t k, const std::string& adapter) {
+    auto alone_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
+    if (!adapter.empty()) load_peft_adapter(*alone_lm.module, work / adapter);
+    std::vector<GenerationRequest> alone;
+    const auto picked = pick(mixed, k, &alone);
+    testing::expect_same(picked, testing::generate(alone_lm, alone, eager), "adapter '" + adapter + "' alone", 1e-4);
+  };
+  testing::Generated mixed;
+  mixed.results = generator.generate(requests);
+  for (const auto& [id, rows] : *log) mixed.logits.push_back(rows);
+  const auto captured = generator.captured_batch_sizes();
+  EXPECT_GE(captured, 2);
+  for (size_t k = 0; k < names.size(); ++k) expect_alone(mixed, k, names[k]);
+  // Z takes X's place, on X's layers: the same graphs, their tables rewritten.
+  generator.unload_adapter("x");
+  generator.load_adapter("z", work / "z");
+  for (auto& r : requests) {
+    if (r.adapter == "x") r.adapter = "z";
+  }
+  log->clear();
+  testing::Generated again;
+  again.results = generator.generate(requests);
+  for (const auto& [id, rows] : *log) again.logits.push_back(rows);
+  EXPECT_EQ(generator.captured_batch_sizes(), captured);
+  expect_alone(again, 0, "z");
+  expect_alone(again, 1, "y");
+  split_lm = {};
+  client.reset();
   bench::stop(executor.pid);
 }
 
