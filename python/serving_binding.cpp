@@ -36,6 +36,7 @@
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/text/stop_strings.h"
 #include "client_runtime/text/tokenizer.h"
+#include "client_runtime/training/trainer.h"
 #include "common/checkpoint.h"
 
 namespace py = pybind11;
@@ -140,10 +141,12 @@ class ServingEngine {
     wake();
   }
 
-  // [Multi-adapter batches]: the Generator's own, which may be called from any thread.
-  void load_adapter(const std::string& name, const std::string& peft_dir) {
+  // [Multi-adapter batches]: the Generator's own, which may be called from any thread. `path` is a
+  // PEFT folder, or a symbiosis-finetune run or checkpoint folder (its newest adapter), as
+  // symbiosis-generate's --adapter takes it.
+  void load_adapter(const std::string& name, const std::string& path) {
     py::gil_scoped_release no_gil;  // reads the adapter's files
-    generator_->load_adapter(name, peft_dir);
+    generator_->load_adapter(name, adapter_in(path));
   }
   void unload_adapter(const std::string& name) { generator_->unload_adapter(name); }
   std::vector<std::string> adapters() const { return generator_->adapters(); }
@@ -293,7 +296,7 @@ void bind_serving_engine(py::module_& m) {
            py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token_ids"),
            py::arg("stop"), py::arg("logprobs"), py::arg("top_logprobs"), py::arg("on_event"))
       .def("cancel", &ServingEngine::cancel, py::arg("request"))
-      .def("load_adapter", &ServingEngine::load_adapter, py::arg("name"), py::arg("peft_dir"))
+      .def("load_adapter", &ServingEngine::load_adapter, py::arg("name"), py::arg("path"))
       .def("unload_adapter", &ServingEngine::unload_adapter, py::arg("name"))
       .def_property_readonly("adapters", &ServingEngine::adapters)
       .def("shutdown", &ServingEngine::shutdown)

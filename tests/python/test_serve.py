@@ -24,6 +24,7 @@ import transformers
 from conftest import BUILD, add_tokenizer, greedy_generate, make_checkpoint, reference_model, save_lora, served
 
 SERVE = os.environ.get("SYMBIOSIS_SERVE", os.path.join(BUILD, "examples", "symbiosis-serve"))
+FINETUNE = os.environ.get("SYMBIOSIS_FINETUNE", os.path.join(BUILD, "examples", "symbiosis-finetune"))
 BASE = "tiny"
 EOS = 2  # the tiny models' (conftest.py)
 ADMIN, ALICE_KEY = "admin-key", "alice-key"
@@ -105,6 +106,7 @@ def serving(tmp_path_factory):
                          "--max-num-seqs", "8", "--max-waiting", "100", "--api-keys", str(keys),
                          "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
                         work / "serve.log")
+        server.executor = executor.endpoint
         try:
             references = {BASE: reference_model(checkpoint)}
             for name, path in adapters.items():
@@ -219,16 +221,23 @@ def test_keys_limit_who_uses_which_adapter(serving):
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "bob"}, key=ALICE_KEY)[0] == 403
 
 
-def test_an_adapter_saved_after_the_server_started_is_loaded_and_unloaded(serving, tmp_path):
+def test_an_adapter_a_finetuning_tenant_saves_is_loaded_and_unloaded(serving, tmp_path):
     server, checkpoint, _ = serving
-    path = save_lora(checkpoint, tmp_path / "carol", seed=5, r=2, lora_alpha=4, target_modules=["o_proj", "up_proj"])
-    status, text = server.post("/v1/load_lora_adapter", {"lora_name": "carol", "lora_path": path})
+    # A symbiosis-finetune tenant of the same executor trains an adapter while the server serves.
+    (tmp_path / "train.jsonl").write_text('{"input_ids": [1, 5, 6, 7, 8, 9]}\n{"input_ids": [1, 9, 8, 7, 6]}\n')
+    subprocess.run([FINETUNE, "--model", checkpoint, "--executor", server.executor,
+                    "--train", str(tmp_path / "train.jsonl"), "--steps", "2", "--lr", "0.05", "--lora-r", "2", "--lora-targets", "o_proj,up_proj",
+                    "--save-dir", str(tmp_path / "run")], check=True, capture_output=True)
+    status, text = server.post("/v1/load_lora_adapter", {"lora_name": "carol", "lora_path": str(tmp_path / "run")})
     assert status == 200, text
     client = server.client()
     assert "carol" in [m.id for m in client.models.list()]
-    ids, _ = greedy_generate(peft.PeftModel.from_pretrained(reference_model(checkpoint), path).eval(), PROMPTS[1], 8)
-    completion = client.completions.create(model="carol", prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    saved = str(tmp_path / "run" / "checkpoint-2" / "adapter")  # the run's newest adapter
+    ids, _ = greedy_generate(peft.PeftModel.from_pretrained(reference_model(checkpoint), saved).eval(), PROMPTS[1], 8)
+    completion = client.completions.create(model="carol", prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=0)
     assert completion.choices[0].text == text_of(checkpoint, ids)
+    base = client.completions.create(model=BASE, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=0)
+    assert completion.choices[0].logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "carol"}) == (
         200, "Success: LoRA adapter 'carol' removed successfully.")
     with pytest.raises(openai.NotFoundError, match="'carol' does not exist; this server serves tiny, alice, bob"):

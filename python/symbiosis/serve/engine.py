@@ -66,9 +66,10 @@ class Engine:
                                         dtype, max_sequences, max_tokens, max_waiting, max_loras, max_lora_rank,
                                         capture_decode)
 
-    def load_adapter(self, name: str, peft_dir: str) -> None:
-        """Serves the PEFT LoRA adapter in `peft_dir` as `name` from the next step on."""
-        self._native.load_adapter(name, str(peft_dir))
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serves the LoRA adapter at `path` (a PEFT folder, or a symbiosis-finetune run or checkpoint
+        folder: its newest adapter) as `name` from the next step on."""
+        self._native.load_adapter(name, str(path))
 
     def unload_adapter(self, name: str) -> None:
         """Forgets `name`; its requests already submitted finish on it."""
