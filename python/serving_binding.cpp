@@ -107,6 +107,10 @@ class ServingEngine {
                   double temperature, int64_t top_k, double top_p, uint64_t seed, std::vector<int64_t> stop_token_ids,
                   std::vector<std::string> stop, bool logprobs, int64_t top_logprobs, py::function on_event) {
     TORCH_CHECK(top_logprobs >= 0, "top_logprobs is ", top_logprobs, ", expected 0 or more");
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex_);
+      TORCH_CHECK(!stopping_, "the serving engine is shut down: it takes no more requests");
+    }
     auto request = std::make_shared<Request>(*tokenizer_, std::move(stop), top_logprobs,
                                              std::make_shared<PythonCallback>(std::move(on_event)));
     GenerationRequest generation;
@@ -128,8 +132,11 @@ class ServingEngine {
     uint64_t id = 0;
     {
       // The registry takes the id before the stepping thread can observe the request's logits.
+      // `request` outlives this scope, so no Python callback is dropped (taking the GIL) under the
+      // lock, even when submit() refuses the request.
       std::lock_guard<std::mutex> lock(requests_mutex_);
-      id = generator_->submit(std::move(generation), [this, request](const TokenEvent& event) { deliver(*request, event); });
+      id = generator_->submit(std::move(generation),
+                              [this, request](const TokenEvent& event) { deliver(*request, event); });
       requests_[id] = request;
     }
     wake();
@@ -286,7 +293,7 @@ class ServingEngine {
 
 void bind_serving_engine(py::module_& m) {
   py::class_<ServingEngine>(m, "ServingEngine",
-                            "The C++ runtime's Generator stepping on a thread of its own, for a server ([Serving engine])")
+                            "The C++ runtime's Generator stepping on a thread of its own ([Serving engine])")
       .def(py::init<const std::string&, const py::object&, const std::string&, const std::string&, int64_t, int64_t,
                     int64_t, int64_t, int64_t, bool>(),
            py::arg("checkpoint"), py::arg("client"), py::arg("device"), py::arg("dtype"), py::arg("max_sequences"),

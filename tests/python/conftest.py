@@ -73,19 +73,17 @@ def make_checkpoint(architecture, directory, seed=0):
     return directory
 
 
-class Executor:
-    """A symbiosis-executor process serving `checkpoint` on `device` (this machine's CPU unless
-    said otherwise), on a free port."""
+class ReadyProcess:
+    """A program that prints "ready ADDRESS" on stdout once it serves (the executor, symbiosis-serve),
+    its stderr written to `log_path`; `what` names it in the failure to start."""
 
-    def __init__(self, checkpoint, extra_args=(), device="cpu"):
-        self.log_path = os.path.join(checkpoint, "executor.log")
+    def __init__(self, args, log_path, what, timeout_s=60):
+        self.log_path = log_path
         self._log = open(self.log_path, "w")
-        args = [EXECUTOR, "--model", checkpoint, "--device", device, "--listen", "tcp://127.0.0.1:*",
-                "--threads", "1", *extra_args]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        line = self._ready_line(timeout_s=60)
-        assert line.startswith("ready "), f"executor did not start: {line!r}; log: {self.log()}"
-        self.endpoint = line.split()[1]
+        line = self._ready_line(timeout_s)
+        assert line.startswith("ready "), f"{what} did not start: {line!r}; log: {self.log()}"
+        self.address = line.split()[1]
 
     def _ready_line(self, timeout_s):
         result = [""]
@@ -107,6 +105,17 @@ class Executor:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+class Executor(ReadyProcess):
+    """A symbiosis-executor process serving `checkpoint` on `device` (this machine's CPU unless
+    said otherwise), on a free port: its endpoint."""
+
+    def __init__(self, checkpoint, extra_args=(), device="cpu"):
+        args = [EXECUTOR, "--model", checkpoint, "--device", device, "--listen", "tcp://127.0.0.1:*",
+                "--threads", "1", *extra_args]
+        super().__init__(args, os.path.join(checkpoint, "executor.log"), "executor")
+        self.endpoint = self.address
 
 
 @contextlib.contextmanager

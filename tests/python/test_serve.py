@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,10 +17,10 @@ import urllib.request
 import openai
 import peft
 import pytest
-import torch
 import transformers
 
-from conftest import BUILD, add_tokenizer, greedy_generate, make_checkpoint, reference_model, save_lora, served
+from conftest import (BUILD, ReadyProcess, add_tokenizer, greedy_generate, make_checkpoint, reference_model, save_lora,
+                      served)
 
 SERVE = os.environ.get("SYMBIOSIS_SERVE", os.path.join(BUILD, "examples", "symbiosis-serve"))
 FINETUNE = os.environ.get("SYMBIOSIS_FINETUNE", os.path.join(BUILD, "examples", "symbiosis-finetune"))
@@ -31,24 +30,12 @@ ADMIN, ALICE_KEY = "admin-key", "alice-key"
 PROMPTS = [[1, 17, 45, 99, 3], [1, 120, 5, 66, 70, 71, 33]]
 
 
-class Server:
-    """A symbiosis-serve process; its URL once it printed its ready line."""
+class Server(ReadyProcess):
+    """A symbiosis-serve process on a free port: its URL."""
 
     def __init__(self, args, log_path):
-        self._log = open(log_path, "w")
-        self.log_path = log_path
-        self.process = subprocess.Popen([SERVE, "--port", "0", *args], stdout=subprocess.PIPE, stderr=self._log,
-                                        text=True)
-        line = [""]
-        reader = threading.Thread(target=lambda: line.__setitem__(0, self.process.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(120)
-        assert line[0].startswith("ready "), f"symbiosis-serve did not start: {line[0]!r}; log: {self.log()}"
-        self.url = line[0].split()[1]
-
-    def log(self):
-        with open(self.log_path) as f:
-            return f.read()
+        super().__init__([SERVE, "--port", "0", *args], log_path, "symbiosis-serve", timeout_s=120)
+        self.url = self.address
 
     def post(self, path, body, key=ADMIN):
         """(status, text) of a POST outside the openai client (vLLM's adapter endpoints; no key: None)."""
@@ -80,15 +67,6 @@ class Server:
         kind = openai.AsyncOpenAI if asynchronous else openai.OpenAI
         return kind(base_url=self.url + "/v1", api_key=key, max_retries=max_retries, timeout=120)
 
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
-
 
 @pytest.fixture(scope="module")
 def serving(tmp_path_factory):
@@ -97,7 +75,8 @@ def serving(tmp_path_factory):
     with served("llama") as (checkpoint, executor):
         add_tokenizer(checkpoint)
         adapters = {
-            "alice": save_lora(checkpoint, work / "alice", seed=3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+            "alice": save_lora(checkpoint, work / "alice", seed=3, r=4, lora_alpha=8,
+                               target_modules=["q_proj", "v_proj"]),
             "bob": save_lora(checkpoint, work / "bob", seed=4, r=8, lora_alpha=16, target_modules="all-linear"),
         }
         keys = work / "keys.json"
@@ -170,7 +149,8 @@ def test_chat_prompt_is_apply_chat_template_and_streaming_equals_not_streaming(s
     assert chunks[-1].usage == response.usage
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="bob", prompt=PROMPTS[1], max_tokens=8, temperature=0, stream=True))
-    assert streamed == client.completions.create(model="bob", prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
+    alone = client.completions.create(model="bob", prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert streamed == alone.choices[0].text
 
 
 def test_stop_strings_and_stop_token_ids_end_a_request(serving):
@@ -200,7 +180,8 @@ def test_chat_top_logprobs_and_n_seeded_choices(serving):
     for entry in content:
         assert len(entry.top_logprobs) == 3
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        best = entry.top_logprobs[0]
+        assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob)  # greedy
     sampled = [client.completions.create(model="alice", prompt="hello", max_tokens=6, temperature=1.0, seed=5, n=3)
                for _ in range(2)]
     assert [c.index for c in sampled[0].choices] == [0, 1, 2]
@@ -217,7 +198,8 @@ def test_keys_limit_who_uses_which_adapter(serving):
         server.client(key="wrong").completions.create(model=BASE, prompt=[1, 5], max_tokens=2)
     with pytest.raises(openai.PermissionDeniedError, match="'bob'.*may use tiny, alice"):
         server.client(ALICE_KEY).completions.create(model="bob", prompt=[1, 5], max_tokens=2)
-    assert server.client(ALICE_KEY).completions.create(model="alice", prompt=[1, 5], max_tokens=2).usage.completion_tokens
+    allowed = server.client(ALICE_KEY).completions.create(model="alice", prompt=[1, 5], max_tokens=2)
+    assert allowed.usage.completion_tokens >= 1
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "bob"}, key=ALICE_KEY)[0] == 403
 
 
@@ -226,7 +208,8 @@ def test_an_adapter_a_finetuning_tenant_saves_is_loaded_and_unloaded(serving, tm
     # A symbiosis-finetune tenant of the same executor trains an adapter while the server serves.
     (tmp_path / "train.jsonl").write_text('{"input_ids": [1, 5, 6, 7, 8, 9]}\n{"input_ids": [1, 9, 8, 7, 6]}\n')
     subprocess.run([FINETUNE, "--model", checkpoint, "--executor", server.executor,
-                    "--train", str(tmp_path / "train.jsonl"), "--steps", "2", "--lr", "0.05", "--lora-r", "2", "--lora-targets", "o_proj,up_proj",
+                    "--train", str(tmp_path / "train.jsonl"), "--steps", "2", "--lr", "0.05", "--lora-r", "2",
+                    "--lora-targets", "o_proj,up_proj",
                     "--save-dir", str(tmp_path / "run")], check=True, capture_output=True)
     status, text = server.post("/v1/load_lora_adapter", {"lora_name": "carol", "lora_path": str(tmp_path / "run")})
     assert status == 200, text

@@ -118,8 +118,8 @@ class Server:
 
     def _chat_prompt(self, request: GenerationRequest) -> List[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=request.add_generation_prompt,
-                                                     tokenize=True, return_dict=False)
+            ids = self.tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=request.add_generation_prompt, tokenize=True, return_dict=False)
         except ValueError as error:  # no chat template
             raise ApiError(400, f"model '{request.model}' cannot chat: {error}", param="messages") from None
         except Exception as error:  # the template's own refusal (raise_exception in Jinja), or a bad message

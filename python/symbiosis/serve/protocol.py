@@ -10,7 +10,7 @@ naming it rather than silently ignored.
 """
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .engine import SamplingParams
 
@@ -133,10 +133,11 @@ class GenerationRequest:
     add_generation_prompt: bool = True  # chat
 
 
-def _common(body: Any, vocab_size: int, known: Sequence[str], neutral: Dict) -> GenerationRequest:
+def _common(body: Any, vocab_size: int, known: Sequence[str], neutral: Dict) -> Tuple[GenerationRequest, bool]:
+    """The fields completions and chat share: (the request, whether it gave a seed)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body is {_shown(body)}, expected a JSON object")
-    _refuse_unknown({k: v for k, v in body.items() if k != "user"}, known, neutral)
+    _refuse_unknown(body, known, neutral)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", model, "the name of a model (GET /v1/models lists them)")
@@ -152,8 +153,8 @@ def _common(body: Any, vocab_size: int, known: Sequence[str], neutral: Dict) -> 
     top_k = _integer(body, "top_k", 0, low=-1)
     seed = _integer(body, "seed", None, low=0, high=2**63 - 1)
     stream_options = body.get("stream_options")
-    if stream_options is not None and (not isinstance(stream_options, dict) or
-                                       set(stream_options) - {"include_usage", "continuous_usage_stats"}):
+    if stream_options is not None and (not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}
+                                       or not isinstance(stream_options.get("include_usage", False), bool)):
         raise bad("stream_options", stream_options, 'null or {"include_usage": true or false}')
     stream = _boolean(body, "stream", False)
     if stream_options is not None and not stream:
@@ -172,7 +173,7 @@ def _common(body: Any, vocab_size: int, known: Sequence[str], neutral: Dict) -> 
                              ignore_eos=_boolean(body, "ignore_eos", False), logprobs=None), seed is not None
 
 
-def parse_completion(body: Any, vocab_size: int):
+def parse_completion(body: Any, vocab_size: int) -> Tuple[GenerationRequest, bool]:
     """A /v1/completions body: (GenerationRequest, whether a seed was given)."""
     request, seeded = _common(body, vocab_size, _COMMON + ("prompt", "logprobs"), _NEUTRAL)
     prompt = body.get("prompt")
@@ -194,7 +195,10 @@ def parse_completion(body: Any, vocab_size: int):
     return request, seeded
 
 
-def parse_chat(body: Any, vocab_size: int):
+_CONTENT = 'a string or a list of {"type": "text", "text": ...} parts'
+
+
+def parse_chat(body: Any, vocab_size: int) -> Tuple[GenerationRequest, bool]:
     """A /v1/chat/completions body: (GenerationRequest, whether a seed was given)."""
     known = _COMMON + ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt")
     if isinstance(body, dict) and body.get("max_completion_tokens") is not None:
@@ -214,10 +218,10 @@ def parse_chat(body: Any, vocab_size: int):
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise bad(f"messages[{i}].content", content, 'a string or a list of {"type": "text", "text": ...} parts')
+                raise bad(f"messages[{i}].content", content, _CONTENT)
             content = "".join(p["text"] for p in content)
         elif not isinstance(content, str):
-            raise bad(f"messages[{i}].content", content, 'a string or a list of {"type": "text", "text": ...} parts')
+            raise bad(f"messages[{i}].content", content, _CONTENT)
         checked.append({**message, "content": content})
     request.messages = checked
     want_logprobs = _boolean(body, "logprobs", False)
