@@ -53,13 +53,6 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "bf16") return at::kBFloat16;
-  if (name == "fp16") return at::kHalf;
-  TORCH_CHECK(name == "fp32", "--dtype is '", name, "', expected bf16, fp16 or fp32");
-  return at::kFloat;
-}
-
 // Requests of `new_tokens` new tokens each, request i naming names[i % N] (none when names is empty).
 std::vector<GenerationRequest> make_requests(const Settings& s, int64_t vocab, const std::vector<std::string>& names,
                                              int64_t new_tokens) {
@@ -125,7 +118,7 @@ int main(int argc, char** argv) {
                   bench::read_file(fs::path(s.out) / "make-checkpoint.err"));
     }
   }
-  const auto dtype = dtype_of(s.dtype);
+  const auto dtype = parse_dtype_name(s.dtype);
   const auto executor = bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device",
                                                s.executor_device, "--dtype", s.dtype, "--log-level", "warn",
                                                "--batching", s.batching},

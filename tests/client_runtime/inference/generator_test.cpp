@@ -301,20 +301,37 @@ TEST(ReinforcementLoop, SampleScoreTrainSampleEqualsMonolithic) {
 // (tests/reference/peft_generate.py says where, in these versions, it does not).
 class HfGenerateTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
+// The prompts the PEFT reference runs generate from, and peft_generate.py's arguments for them.
+const std::vector<std::vector<int64_t>> kPeftPrompts = {{5, 9, 33, 2, 7}, {100, 4, 18}, {61}};
+constexpr int64_t kPeftNewTokens = 8;
+
+// Writes kPeftPrompts to work/inputs.safetensors.
+void write_peft_prompts(const fs::path& work) {
+  std::vector<std::pair<std::string, at::Tensor>> inputs;
+  for (size_t i = 0; i < kPeftPrompts.size(); ++i) {
+    inputs.emplace_back("prompt_" + std::to_string(i), at::tensor(kPeftPrompts[i], at::kLong).to(at::kFloat));
+  }
+  write_safetensors(work / "inputs.safetensors", inputs);
+}
+
+// The arguments of a run on write_peft_prompts' prompts in `work` of `method` (none: the base),
+// writing `output` and saving the adapter PEFT makes to `adapter`.
+std::vector<std::string> peft_generate_args(const fs::path& checkpoint, const fs::path& work, const fs::path& output,
+                                            const std::string& method, const fs::path& adapter) {
+  std::vector<std::string> args{"--checkpoint", checkpoint.string(), "--inputs", (work / "inputs.safetensors").string(),
+                                "--output", output.string(), "--new-tokens", std::to_string(kPeftNewTokens)};
+  if (method != "none") args.insert(args.end(), {"--method", method, "--adapter", adapter.string()});
+  return args;
+}
+
 TEST_P(HfGenerateTest, GreedyEqualsTransformersPeftGenerate) {
   const auto& [preset, method] = GetParam();
   const auto work = testing::temp_dir("symbiosis-hf-generate-" + preset + "-" + method);
-  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 33, 2, 7}, {100, 4, 18}, {61}};
-  std::vector<std::pair<std::string, at::Tensor>> inputs;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    inputs.emplace_back("prompt_" + std::to_string(i), at::tensor(prompts[i], at::kLong).to(at::kFloat));
-  }
-  write_safetensors(work / "inputs.safetensors", inputs);
-  constexpr int64_t kNewTokens = 8;
+  const auto& prompts = kPeftPrompts;
+  constexpr int64_t kNewTokens = kPeftNewTokens;
   auto served = testing::serve_model(preset);
-  std::vector<std::string> args{"--checkpoint", served.dir.string(), "--inputs", (work / "inputs.safetensors").string(),
-                                "--output", (work / "hf.safetensors").string(), "--new-tokens", std::to_string(kNewTokens)};
-  if (method != "none") args.insert(args.end(), {"--method", method, "--adapter", (work / "adapter").string()});
+  write_peft_prompts(work);
+  const auto args = peft_generate_args(served.dir, work, work / "hf.safetensors", method, work / "adapter");
   const int status = testing::run_reference("peft_generate.py", args, work / "python.log");
   if (status == 3) GTEST_SKIP() << "transformers/peft not installed for " << SYMBIOSIS_PYTHON;
   ASSERT_EQ(status, 0) << "see " << work / "python.log";
@@ -374,24 +391,17 @@ class MultiAdapterTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(MultiAdapterTest, EachRequestEqualsItsAdapterAloneInPeftAndInOurGenerator) {
   const auto& preset = GetParam();
   const auto work = testing::temp_dir("symbiosis-multi-adapter-" + preset);
-  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 33, 2, 7}, {100, 4, 18}, {61}};
-  std::vector<std::pair<std::string, at::Tensor>> inputs;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    inputs.emplace_back("prompt_" + std::to_string(i), at::tensor(prompts[i], at::kLong).to(at::kFloat));
-  }
-  write_safetensors(work / "inputs.safetensors", inputs);
-  constexpr int64_t kNewTokens = 8;
+  const auto& prompts = kPeftPrompts;
+  constexpr int64_t kNewTokens = kPeftNewTokens;
   auto served = testing::serve_model(preset);
+  write_peft_prompts(work);
   // PEFT's tokens for each adapter ("" : the base), and the adapters it made.
-  const std::vector<std::pair<std::string, std::string>> kinds = {{"x", "lora"}, {"y", "lora_rslora_patterns"}, {"", ""}};
+  const std::vector<std::pair<std::string, std::string>> kinds = {{"x", "lora"}, {"y", "lora_rslora_patterns"}, {"", "none"}};
   std::map<std::string, std::vector<std::vector<int64_t>>> peft_tokens;
   std::vector<std::future<int>> runs;  // the three at once
   const auto output = [&](const std::string& name) { return work / ("hf-" + (name.empty() ? "base" : name)); };
   for (const auto& [name, method] : kinds) {
-    std::vector<std::string> args{"--checkpoint", served.dir.string(), "--inputs", (work / "inputs.safetensors").string(),
-                                  "--output", output(name).string() + ".safetensors", "--new-tokens",
-                                  std::to_string(kNewTokens)};
-    if (!method.empty()) args.insert(args.end(), {"--method", method, "--adapter", (work / name).string()});
+    const auto args = peft_generate_args(served.dir, work, output(name).string() + ".safetensors", method, work / name);
     const auto log = output(name).string() + ".log";
     runs.push_back(std::async(std::launch::async, [args, log] { return testing::run_reference("peft_generate.py", args, log); }));
   }
