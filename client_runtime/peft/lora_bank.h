@@ -87,7 +87,7 @@ class LoraBank {
 
   // A bank of `max_loras` slots (1, 2, ...) of rank at most max_rank for `model`, whose adapters
   // live in `options`' dtype on its device; wraps the layers of the model's own LoRA, if it has one
-  // (model.refusal must be empty).
+  // (shape.refusal must be empty).
   LoraBank(torch::nn::Module& model, const BankModel& shape, int64_t max_loras, int64_t max_rank,
            at::TensorOptions options);
   ~LoraBank();  // every layer gets its own adapter back, or none
