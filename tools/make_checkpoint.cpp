@@ -9,6 +9,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -31,6 +32,7 @@ enum class Init {
   kNorm,    // 1 + 0.1 * normal: norm scales
   kOffsetNorm,  // 0.1 * normal: norm scales stored as their offset from 1 (Gemma's 1 + weight)
   kBias,    // 0.02 * normal
+  kProjection,  // normal(0, in^-1/2): keeps its input's scale (OPT's embedding projections)
 };
 
 struct TensorSpec {
@@ -246,8 +248,12 @@ struct LayerNormShape {
 
 // OPT (OPTForCausalLM): learned positions (offset by 2), pre-layer norms, q, k, v and out_proj with
 // biases, a ReLU MLP of fc1 and fc2 in the layer itself, the head tied. Its config.json as
-// facebook/opt-125m writes it.
-ModelSpec opt_spec(const LayerNormShape& s) {
+// facebook/opt-125m writes it. word_embed_proj_dim other than hidden: as facebook/opt-350m's, token
+// embeddings of that width, project_in and project_out (no biases) around the decoder, the norms
+// after attention and MLP (do_layer_norm_before false) and no final norm.
+ModelSpec opt_spec(const LayerNormShape& s, int64_t word_embed_proj_dim = 0) {
+  const int64_t embed = word_embed_proj_dim > 0 ? word_embed_proj_dim : s.hidden;
+  const bool projected = embed != s.hidden;
   ModelSpec m;
   m.config = {{"architectures", {"OPTForCausalLM"}},
               {"model_type", "opt"},
@@ -256,7 +262,7 @@ ModelSpec opt_spec(const LayerNormShape& s) {
               {"activation_function", "relu"},
               {"attention_dropout", 0.0},
               {"bos_token_id", 2},
-              {"do_layer_norm_before", true},
+              {"do_layer_norm_before", !projected},
               {"dropout", 0.1},
               {"enable_bias", true},
               {"eos_token_id", 2},
@@ -274,10 +280,14 @@ ModelSpec opt_spec(const LayerNormShape& s) {
               {"transformers_version", "4.45.0"},
               {"use_cache", true},
               {"vocab_size", s.vocab},
-              {"word_embed_proj_dim", s.hidden}};
+              {"word_embed_proj_dim", embed}};
   auto& t = m.tensors;
-  t.push_back({"model.decoder.embed_tokens.weight", {s.vocab, s.hidden}, Init::kMatrix});
+  t.push_back({"model.decoder.embed_tokens.weight", {s.vocab, embed}, Init::kMatrix});
   t.push_back({"model.decoder.embed_positions.weight", {s.max_positions + 2, s.hidden}, Init::kMatrix});
+  if (projected) {
+    t.push_back({"model.decoder.project_out.weight", {embed, s.hidden}, Init::kProjection});
+    t.push_back({"model.decoder.project_in.weight", {s.hidden, embed}, Init::kProjection});
+  }
   for (int64_t i = 0; i < s.layers; ++i) {
     const std::string p = "model.decoder.layers." + std::to_string(i) + ".";
     for (const char* proj : {"k_proj", "v_proj", "q_proj", "out_proj"}) linear(t, p + "self_attn." + proj, s.hidden, s.hidden);
@@ -286,7 +296,7 @@ ModelSpec opt_spec(const LayerNormShape& s) {
     linear(t, p + "fc2", s.intermediate, s.hidden);
     layer_norm(t, p + "final_layer_norm", s.hidden);
   }
-  layer_norm(t, "model.decoder.final_layer_norm", s.hidden);
+  if (!projected) layer_norm(t, "model.decoder.final_layer_norm", s.hidden);
   return m;
 }
 
@@ -436,6 +446,18 @@ ModelSpec gemma2_spec(const LlamaShape& s, const Gemma2Settings& g) {
   return m;
 }
 
+// Phi-3's longrope scaling as microsoft/Phi-3-mini-128k-instruct writes it (transformers 4's
+// rope_scaling with "type"), with `frequencies` short and long factors of its shape: short ones
+// near 1, long ones growing with the wavelength.
+json longrope(int64_t frequencies) {
+  json short_factor = json::array(), long_factor = json::array();
+  for (int64_t i = 0; i < frequencies; ++i) {
+    short_factor.push_back(1.0 + 0.05 * static_cast<double>(i));
+    long_factor.push_back(std::pow(1.5, static_cast<double>(i)));
+  }
+  return {{"type", "longrope"}, {"short_factor", short_factor}, {"long_factor", long_factor}};
+}
+
 json llama3_rope(double factor, double low, double high, int64_t original) {
   return {{"rope_type", "llama3"},
           {"factor", factor},
@@ -546,7 +568,8 @@ ModelSpec gpt_bigcode_spec(const GPT2Shape& s, bool multi_query) {
 
 const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
                                            "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
-                                           "tiny-phi3", "tiny-opt", "tiny-gpt-neox", "tiny-gpt-neox-sequential", "tiny-phi",
+                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-opt", "tiny-opt-projected",
+                                           "tiny-gpt-neox", "tiny-gpt-neox-sequential", "tiny-phi",
                                            "tiny-gpt-bigcode-mha", "llama-3.2-1b", "llama-2-7b", "llama-2-13b",
                                            "gemma-2-27b", "gpt2-xl"};
 
@@ -581,7 +604,19 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
   if (name == "tiny-phi3") {
     return phi3_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, nullptr, false, 1, 2}, 5, 0.75);
   }
+  // Phi-3-mini-128k's longrope ([LongRoPE] in client_runtime/models/llama.h) over tiny-phi3's
+  // shapes, its original context 8 positions (of 256: attention factor sqrt(1 + ln 32 / ln 8)), so
+  // that the tests' sequences lie on both sides of it.
+  if (name == "tiny-phi3-longrope") {
+    auto m = phi3_spec({256, 64, 128, n(2), 4, 2, 256, 1e-5, 10000.0, nullptr, false, 1, 2}, 5, 0.75);
+    m.config["original_max_position_embeddings"] = 8;
+    m.config["rope_scaling"] = longrope(6);  // 12 of 16 features turn: 6 frequencies
+    return m;
+  }
   if (name == "tiny-opt") return opt_spec({256, 64, 128, n(2), 4, 4, 128});
+  // OPT-350m's shapes in small: token embeddings of 32 projected in to the decoder's 64 and out
+  // again (project_in, project_out), norms after attention and after the MLP, no final norm.
+  if (name == "tiny-opt-projected") return opt_spec({256, 64, 128, n(2), 4, 4, 128}, /*word_embed_proj_dim=*/32);
   // Pythia's rotary_pct (a quarter: 4 of 16 features); also with attention and MLP in sequence.
   if (name == "tiny-gpt-neox") return gpt_neox_spec({256, 64, 256, n(2), 4, 4, 256}, 0.25, true);
   if (name == "tiny-gpt-neox-sequential") return gpt_neox_spec({256, 64, 256, n(2), 4, 4, 256}, 0.25, false);
@@ -632,6 +667,7 @@ at::Tensor generate(const TensorSpec& spec, uint64_t seed, at::ScalarType dtype)
     case Init::kNorm: t.normal_(0.0, 0.1, gen).add_(1.0); break;
     case Init::kOffsetNorm: t.normal_(0.0, 0.1, gen); break;
     case Init::kBias: t.normal_(0.0, 0.02, gen); break;
+    case Init::kProjection: t.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(spec.shape.back())), gen); break;
   }
   return t.to(dtype);
 }

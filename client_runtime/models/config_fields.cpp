@@ -35,4 +35,16 @@ double number_or_off(const Checkpoint& ckpt, const std::string& name, double fal
   return value;
 }
 
+std::vector<double> number_list(const Checkpoint& ckpt, const std::string& path, int64_t length) {
+  const auto where = ckpt.dir() / "config.json";
+  TORCH_CHECK(ckpt.config_has(path), where, ": missing field '", path, "' (a list of ", length, " numbers)");
+  std::vector<double> numbers;
+  for (int64_t i = 0; ckpt.config_has(path + "." + std::to_string(i)); ++i) {
+    numbers.push_back(*ckpt.config_number(path + "." + std::to_string(i)));
+  }
+  TORCH_CHECK(static_cast<int64_t>(numbers.size()) == length, where, ": field '", path, "' has ", numbers.size(),
+              " numbers, expected ", length);
+  return numbers;
+}
+
 }  // namespace symbiosis::detail

@@ -3,6 +3,7 @@
 // config (LlamaConfig, GPT2Config) is read from, with errors that name config.json and the field.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace symbiosis {
 
@@ -18,6 +19,9 @@ int64_t optional_int(const Checkpoint& ckpt, const std::string& path, int64_t fa
 // The number at top-level field `name`: `fallback` when the field is missing, 0 when it is null
 // (a setting that null turns off, as Gemma 2's soft caps); throws naming the field when negative.
 double number_or_off(const Checkpoint& ckpt, const std::string& name, double fallback);
+// The list of `length` numbers at `path`; throws naming the field when it is missing, not a list of
+// numbers, or of another length.
+std::vector<double> number_list(const Checkpoint& ckpt, const std::string& path, int64_t length);
 
 }  // namespace detail
 }  // namespace symbiosis

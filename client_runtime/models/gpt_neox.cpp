@@ -74,15 +74,14 @@ GPTNeoXConfig GPTNeoXConfig::from_checkpoint(const Checkpoint& ckpt) {
     c.partial_rotary_factor = 0.0;
     c.attention_bias = ckpt.config_bool("enable_bias").value_or(true);
     TORCH_CHECK(c.attention_bias, where, ": enable_bias=false is not supported");
-    TORCH_CHECK(ckpt.config_bool("do_layer_norm_before").value_or(true), where,
-                ": do_layer_norm_before=false (OPT-350m's post-layer norms) is not supported");
+    c.post_layer_norms = !ckpt.config_bool("do_layer_norm_before").value_or(true);  // [OPT projections]
     TORCH_CHECK(!ckpt.config_bool("_remove_final_layer_norm").value_or(false), where,
                 ": _remove_final_layer_norm=true is not supported");
     TORCH_CHECK(ckpt.config_bool("layer_norm_elementwise_affine").value_or(true), where,
                 ": layer_norm_elementwise_affine=false is not supported");
-    const auto projected = optional_int(ckpt, "word_embed_proj_dim", c.hidden_size);
-    TORCH_CHECK(projected == c.hidden_size, where, ": word_embed_proj_dim ", projected, " differs from hidden_size ",
-                c.hidden_size, " (OPT-350m's project_in and project_out are not supported)");
+    c.word_embed_proj_dim = optional_int(ckpt, "word_embed_proj_dim", c.hidden_size);
+    TORCH_CHECK(c.word_embed_proj_dim > 0, where, ": field 'word_embed_proj_dim' is ", c.word_embed_proj_dim,
+                ", expected a positive width");
     c.validate();
     return c;
   }
@@ -122,6 +121,9 @@ void GPTNeoXConfig::validate() const {
   TORCH_CHECK(hidden_act == "gelu" || hidden_act == "gelu_new" || hidden_act == "relu", "GPT-NeoX config: activation '",
               hidden_act, "' is not supported (expected 'gelu', 'gelu_new' or 'relu')");
   TORCH_CHECK(model_type != "opt" || tie_word_embeddings, "GPT-NeoX config: OPT's head is tied to its embeddings");
+  TORCH_CHECK(model_type == "opt" || (!projected() && !post_layer_norms), "GPT-NeoX config: word_embed_proj_dim (",
+              word_embed_proj_dim, ") and post-layer norms are OPT's ([OPT projections]), not ", model_type, "'s");
+  TORCH_CHECK(!post_layer_norms || !parallel_residual, "GPT-NeoX config: post-layer norms need attention and MLP in sequence");
 }
 
 GPTNeoXAttentionImpl::GPTNeoXAttentionImpl(const GPTNeoXConfig& c, bool materialize_base)
@@ -168,7 +170,7 @@ at::Tensor GPTNeoXAttentionImpl::forward(const at::Tensor& x, const at::Tensor& 
 }
 
 GPTNeoXLayerImpl::GPTNeoXLayerImpl(const GPTNeoXConfig& c, bool materialize_base)
-    : parallel_residual_(c.parallel_residual), hidden_act_(c.hidden_act) {
+    : parallel_residual_(c.parallel_residual), post_layer_norms_(c.post_layer_norms), hidden_act_(c.hidden_act) {
   const auto& names = GPTNeoXNames::of(c.model_type);
   attention = register_module(names.attention, GPTNeoXAttention(c, materialize_base));
   input_norm = register_module(names.input_norm, layer_norm(c));
@@ -195,6 +197,10 @@ at::Tensor GPTNeoXLayerImpl::mlp(const at::Tensor& x) {
 at::Tensor GPTNeoXLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                      const at::Tensor& additive_mask, const PastKeyValue* past,
                                      const CachedLayer* cache) {
+  if (post_layer_norms_) {  // [OPT projections]: OPT-350m normalizes each sum (OPTDecoderLayer, 350m)
+    const auto h = input_norm->forward(x + attention->forward(x, cos, sin, additive_mask, past, cache));
+    return mlp_norm->forward(h + mlp(h));
+  }
   const auto normed = input_norm->forward(x);
   auto attended = attention->forward(normed, cos, sin, additive_mask, past, cache);
   if (!parallel_residual_) {
@@ -208,7 +214,11 @@ at::Tensor GPTNeoXLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
 GPTNeoXModelImpl::GPTNeoXModelImpl(const GPTNeoXConfig& c, bool materialize_base) : config_(c) {
   config_.validate();
   const auto& names = GPTNeoXNames::of(c.model_type);
-  embed_tokens = register_module(names.embed, nn::unfilled_embedding(c.vocab_size, c.hidden_size));
+  embed_tokens = register_module(names.embed, nn::unfilled_embedding(c.vocab_size, c.embedding_width()));
+  if (c.projected()) {  // [OPT projections]: base layers, without biases
+    project_in = register_module("project_in", nn::Linear(c.embedding_width(), c.hidden_size, false, materialize_base));
+    project_out = register_module("project_out", nn::Linear(c.hidden_size, c.embedding_width(), false, materialize_base));
+  }
   if (c.learned_positions()) {
     embed_positions = register_module(
         "embed_positions", nn::unfilled_embedding(c.max_position_embeddings + kOptPositionOffset, c.hidden_size));
@@ -217,12 +227,13 @@ GPTNeoXModelImpl::GPTNeoXModelImpl(const GPTNeoXConfig& c, bool materialize_base
   }
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(GPTNeoXLayer(c, materialize_base));
-  final_norm = register_module(names.final_norm, layer_norm(c));
+  if (!c.post_layer_norms) final_norm = register_module(names.final_norm, layer_norm(c));
 }
 
 at::Tensor GPTNeoXModelImpl::run_layers(at::Tensor h, const at::Tensor& positions, const at::Tensor& additive_mask,
                                         const std::vector<PastKeyValue>& past, const CachedStep* step) {
   at::Tensor cos, sin;
+  if (project_in) h = project_in->forward(h);  // [OPT projections]: the embeddings, virtual tokens included
   if (config_.learned_positions()) {
     h = h + embed_positions->forward(positions + kOptPositionOffset);
   } else {
@@ -238,7 +249,8 @@ at::Tensor GPTNeoXModelImpl::run_layers(at::Tensor h, const at::Tensor& position
       h = layer->forward(h, cos, sin, additive_mask, past.empty() ? nullptr : &past[i]);
     }
   }
-  return final_norm->forward(h);
+  if (final_norm) h = final_norm->forward(h);
+  return project_out ? project_out->forward(h) : h;
 }
 
 at::Tensor GPTNeoXModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
@@ -298,8 +310,9 @@ void GPTNeoXForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl>
   adapter_ = register_module("adapter", std::move(adapter));
 }
 
+// hidden_size: the token embeddings' width, what virtual tokens take ([OPT projections]).
 ModelShape GPTNeoXForCausalLMImpl::model_shape() const {
-  return {config_.model_type,  config_.num_hidden_layers,  config_.hidden_size,
+  return {config_.model_type,  config_.num_hidden_layers,  config_.embedding_width(),
           config_.num_attention_heads, config_.num_key_value_heads, config_.head_dim()};
 }
 

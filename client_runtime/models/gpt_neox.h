@@ -15,8 +15,18 @@
 // offset by 2 (and, without position_ids, counted over the attention mask's tokens as transformers
 // counts them, so a left-padded row starts at 0), q, k and v of their own, attention then a ReLU MLP
 // in sequence (its fc1 and fc2 are the layer's own modules, not an mlp's), the head tied to the
-// token embeddings. GPTNeoXConfig::model_type says which. OPT-350m's post-layer norms and embedding
-// projections (do_layer_norm_before false, word_embed_proj_dim) and Phi's qk_layernorm are refused.
+// token embeddings. GPTNeoXConfig::model_type says which. Phi's qk_layernorm is refused.
+//
+// [OPT projections] OPT-350m's token embeddings are narrower than its decoder (word_embed_proj_dim
+// 512, hidden_size 1024): project_in widens them (virtual tokens of prompt learning included, as
+// they are prepended to the embeddings first) before the learned positions are added, and
+// project_out narrows the decoder's output back to the tied head's width. Both are linear layers
+// without biases of the base model, so they are base layers (model.decoder.project_in and
+// .project_out, which LoRA may target by those names, as PEFT does); the executor's default layer
+// pattern serves the decoder layers alone, so the client computes them unless a --layer-pattern
+// names them. ModelShape::hidden_size is then the embeddings' width, what prompt learning's virtual
+// tokens take. OPT-350m also normalizes after attention and after the MLP rather than before
+// (do_layer_norm_before false: GPTNeoXConfig::post_layer_norms), and has no final layer norm.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -54,6 +64,10 @@ struct GPTNeoXConfig {
   bool attention_bias = true;     // biases on the attention's layers (the MLP's and norms' always have them)
   std::string hidden_act = "gelu";  // "gelu" (exact), "gelu_new" (tanh approximation) or "relu"
   bool tie_word_embeddings = false;
+  // OPT only ([OPT projections]): the token embeddings' width, 0 for hidden_size; layer norms after
+  // attention and after the MLP (do_layer_norm_before false), and no final norm.
+  int64_t word_embed_proj_dim = 0;
+  bool post_layer_norms = false;
 
   // Reads config.json (transformers 4's rotary_pct and rotary_emb_base, or partial_rotary_factor
   // and rope_theta, or transformers 5's rope_parameters); throws naming the field for a missing or
@@ -63,6 +77,9 @@ struct GPTNeoXConfig {
   // As transformers computes it: int(head_dim * partial_rotary_factor).
   int64_t rotary_dim() const { return static_cast<int64_t>(head_dim() * partial_rotary_factor); }
   bool learned_positions() const { return model_type == "opt"; }
+  // The token embeddings' width: word_embed_proj_dim where it is set ([OPT projections]), else hidden_size.
+  int64_t embedding_width() const { return word_embed_proj_dim > 0 ? word_embed_proj_dim : hidden_size; }
+  bool projected() const { return embedding_width() != hidden_size; }
   void validate() const;
 };
 
@@ -115,12 +132,13 @@ class GPTNeoXLayerImpl : public torch::nn::Module {
  private:
   at::Tensor mlp(const at::Tensor& x);
   bool parallel_residual_;
+  bool post_layer_norms_;  // [OPT projections]: OPT-350m's norms after attention and after the MLP
   std::string hidden_act_;
 };
 TORCH_MODULE(GPTNeoXLayer);
 
 // The decoder stack (GPTNeoXNames::base): embeddings, layers, final layer norm. Returns the final
-// hidden states [B,T,H].
+// hidden states [B,T,H] (OPT-350m: projected out to the embeddings' width, [OPT projections]).
 class GPTNeoXModelImpl : public torch::nn::Module {
  public:
   GPTNeoXModelImpl(const GPTNeoXConfig& config, bool materialize_base);
@@ -133,7 +151,8 @@ class GPTNeoXModelImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::Embedding embed_positions{nullptr};  // OPT only: [max_position_embeddings + 2, hidden]
   torch::nn::ModuleList layers{nullptr};
-  torch::nn::LayerNorm final_norm{nullptr};
+  torch::nn::LayerNorm final_norm{nullptr};  // null with OPT-350m's post-layer norms
+  nn::Linear project_in{nullptr}, project_out{nullptr};  // [OPT projections]; null for the others
 
  private:
   // Runs the layers over h at int64 positions [B,T]: learned positions added, or RoPE's angles.

@@ -132,6 +132,7 @@ class CachedStep {
   static CachedStep fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts);
   const std::vector<StepSequence>& sequences() const { return sequences_; }
   int64_t tokens() const { return tokens_; }  // N, the packed tokens
+  int64_t cache_tokens() const { return cache_.tokens(); }  // the positions a sequence may reach in the cache
   // [N] int64 on the cache's device: each token's position in its sequence.
   const at::Tensor& positions() const { return positions_; }
   // [sequences] int64 on the cache's device: where each sequence's last token lies among the N.

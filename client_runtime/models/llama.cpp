@@ -14,6 +14,8 @@
 #include "client_runtime/models/config_fields.h"
 #include "common/checkpoint.h"
 #ifdef SYMBIOSIS_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
 #endif
@@ -217,6 +219,23 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
                                 .value_or(ckpt.config_number("partial_rotary_factor").value_or(1.0));
   if (ckpt.config_has(rope)) {
     c.rope_type = ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
+    // Phi3Config reads Phi-3's older names, "su" and "yarn", as "longrope".
+    if (c.model_type == "phi3" && (c.rope_type == "su" || c.rope_type == "yarn")) c.rope_type = "longrope";
+    TORCH_CHECK(c.rope_type != "longrope" || c.model_type == "phi3", where, ": rope type 'longrope' is supported ",
+                "for Phi-3 (model_type 'phi3') only, not '", c.model_type, "'");
+    if (c.rope_type == "longrope") {  // [LongRoPE], as _compute_longrope_parameters reads it
+      // Phi3Config's own original_max_position_embeddings (4096 unless given) wins over rope_scaling's.
+      c.rope_original_max_position_embeddings = optional_int(ckpt, "original_max_position_embeddings", 4096);
+      TORCH_CHECK(c.rope_original_max_position_embeddings > 0, where, ": field 'original_max_position_embeddings' is ",
+                  c.rope_original_max_position_embeddings, ", expected a positive number of positions");
+      const int64_t frequencies = static_cast<int64_t>(c.resolved_head_dim() * c.partial_rotary_factor) / 2;
+      c.rope_short_factor = detail::number_list(ckpt, rope + ".short_factor", frequencies);
+      c.rope_long_factor = detail::number_list(ckpt, rope + ".long_factor", frequencies);
+      const double original = static_cast<double>(c.rope_original_max_position_embeddings);
+      const double factor = ckpt.config_number(rope + ".factor").value_or(c.max_position_embeddings / original);
+      c.rope_attention_factor = ckpt.config_number(rope + ".attention_factor")
+                                    .value_or(factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(original)));
+    }
     if (c.rope_type == "llama3") {
       auto field = [&](const std::string& name) {
         auto v = ckpt.config_number(rope + "." + name);
@@ -246,8 +265,16 @@ void LlamaConfig::validate() const {
               partial_rotary_factor, ", expected more than 0 and at most 1");
   TORCH_CHECK(rotary_dim() % 2 == 0, "Llama config: RoPE's dimension ", rotary_dim(), " (head_dim ", resolved_head_dim(),
               " x partial_rotary_factor ", partial_rotary_factor, ") must be even");
-  TORCH_CHECK(rope_type == "default" || rope_type == "llama3", "Llama config: rope type '", rope_type,
-              "' is not supported (expected 'default' or 'llama3')");
+  TORCH_CHECK(rope_type == "default" || rope_type == "llama3" || rope_type == "longrope", "Llama config: rope type '",
+              rope_type, "' is not supported (expected 'default', 'llama3' or 'longrope')");
+  if (rope_type == "longrope") {  // [LongRoPE]
+    const auto frequencies = static_cast<size_t>(rotary_dim() / 2);
+    TORCH_CHECK(rope_short_factor.size() == frequencies && rope_long_factor.size() == frequencies,
+                "Llama config: longrope needs ", frequencies, " short and long factors (rotary_dim / 2), got ",
+                rope_short_factor.size(), " and ", rope_long_factor.size());
+    TORCH_CHECK(rope_original_max_position_embeddings > 0, "Llama config: longrope's original_max_position_embeddings is ",
+                rope_original_max_position_embeddings, ", expected a positive number of positions");
+  }
   TORCH_CHECK(rope_type != "llama3" || rope_high_freq_factor != rope_low_freq_factor,
               "Llama config: llama3 rope needs high_freq_factor != low_freq_factor");
   TORCH_CHECK(sliding_window >= 0, "Llama config: sliding_window is ", sliding_window, ", expected 0 (none) or more");
@@ -284,13 +311,22 @@ at::Tensor rotary_inv_freq(int64_t dim, double theta) {
 }
 
 std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq,
-                                                 at::ScalarType dtype) {
+                                                 at::ScalarType dtype, double scale) {
   auto freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;
   auto emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  if (scale == 1.0) return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  return {(emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)};
 }
 
-at::Tensor llama_inv_freq(const LlamaConfig& config) {
+at::Tensor llama_inv_freq(const LlamaConfig& config, bool long_factors) {
+  if (config.rope_type == "longrope") {
+    // [LongRoPE]: _compute_longrope_parameters, 1 / (factor · theta^(2i/d)) in fp32.
+    const int64_t dim = config.rotary_dim();
+    const auto& factors = long_factors ? config.rope_long_factor : config.rope_short_factor;
+    const auto ext = at::tensor(factors, at::kDouble).to(at::kFloat);
+    const auto exponent = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
+    return (ext * at::pow(config.rope_theta, exponent)).reciprocal();
+  }
   auto inv_freq = rotary_inv_freq(config.rotary_dim(), config.rope_theta);
   if (config.rope_type != "llama3") return inv_freq;
   // _compute_llama3_parameters.
@@ -439,6 +475,7 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool materialize_base) : co
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, materialize_base));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, /*unit_offset=*/c.sandwich_norms));
   inv_freq_ = detail::llama_inv_freq(c);
+  if (c.rope_type == "longrope") long_inv_freq_ = detail::llama_inv_freq(c, /*long_factors=*/true);
 }
 
 at::Tensor LlamaModelImpl::embed(const at::Tensor& ids) {
@@ -456,7 +493,9 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   auto in = detail::adapt_inputs(adapter, embed(input_ids), attention_mask, position_ids,
                                  config_.num_hidden_layers, config_.sliding_window);
   auto h = in.embeddings;
-  const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type());
+  at::Tensor long_factors;  // [LongRoPE]: the call's largest position decides, as in transformers (on the device)
+  if (long_inv_freq_.defined()) long_factors = in.position_ids.max() + 1 > config_.rope_original_max_position_embeddings;
+  const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type(), long_factors);
   for (size_t i = 0; i < layers->size(); ++i) {
     const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
     const auto& mask = config_.window_of(static_cast<int64_t>(i)) > 0 ? in.sliding_mask : in.additive_mask;
@@ -467,7 +506,8 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
 }
 
 at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const CachedStep& step) {
-  const auto [cos, sin] = rotary_angles(step.positions().unsqueeze(0), embeddings.scalar_type());
+  const auto long_factors = long_inv_freq_.defined() ? long_factors_of(step).unsqueeze(0) : at::Tensor();
+  const auto [cos, sin] = rotary_angles(step.positions().unsqueeze(0), embeddings.scalar_type(), long_factors);
   auto h = embeddings;
   for (size_t i = 0; i < layers->size(); ++i) {
     const CachedLayer cache{&step, static_cast<int64_t>(i), config_.window_of(static_cast<int64_t>(i))};
@@ -476,10 +516,49 @@ at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const Ca
   return norm->forward(h);
 }
 
-std::pair<at::Tensor, at::Tensor> LlamaModelImpl::rotary_angles(const at::Tensor& positions, at::ScalarType dtype) {
+std::pair<at::Tensor, at::Tensor> LlamaModelImpl::rotary_angles(const at::Tensor& positions, at::ScalarType dtype,
+                                                                const at::Tensor& long_factors) {
   // RoPE angles in fp32, then cos/sin in the model's dtype (transformers' LlamaRotaryEmbedding).
   if (inv_freq_.device() != positions.device()) inv_freq_ = inv_freq_.to(positions.device());
-  return detail::rotary_cos_sin(positions, inv_freq_, dtype);
+  if (!long_factors.defined()) return detail::rotary_cos_sin(positions, inv_freq_, dtype);
+  // [LongRoPE]: the long or the short frequencies, chosen on the device as transformers' torch.where does.
+  if (long_inv_freq_.device() != positions.device()) long_inv_freq_ = long_inv_freq_.to(positions.device());
+  const auto inv_freq = at::where(long_factors.unsqueeze(-1), long_inv_freq_, inv_freq_);
+  return detail::rotary_cos_sin(positions, inv_freq, dtype, config_.rope_attention_factor);
+}
+
+at::Tensor LlamaModelImpl::long_factors_of(const CachedStep& step) const {
+  const int64_t original = config_.rope_original_max_position_embeddings;
+  if (step.sequences().empty()) {
+    // A fixed decode step ([Captured decode]): one token a sequence, its position on the device only.
+    // Captured, it is replayed without this code: it may run only where no sequence can cross original.
+#ifdef SYMBIOSIS_WITH_CUDA
+    const bool capturing = step.positions().is_cuda() &&
+                           c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+    const bool capturing = false;
+#endif
+    TORCH_CHECK(!capturing || step.cache_tokens() <= original, "Phi-3 longrope: a captured decode step cannot refuse ",
+                "a sequence that crosses original_max_position_embeddings (", original, ") in a cache of ",
+                step.cache_tokens(), " positions ([LongRoPE] in models/llama.h); decode it eagerly");
+    if (!capturing) {
+      TORCH_CHECK(!(step.positions() == original).any().item<bool>(), "Phi-3 longrope: a sequence decodes position ",
+                  original, " (original_max_position_embeddings) after a prefill within it: transformers recomputes ",
+                  "its whole cache with the long factors there, which a cached step cannot ([LongRoPE] in models/llama.h)");
+    }
+    return step.positions() + 1 > original;
+  }
+  // Eager steps: each sequence's tokens take the set its length after the step picks.
+  std::vector<int64_t> lengths;  // a token's sequence's length after the step
+  lengths.reserve(step.tokens());
+  for (const auto& s : step.sequences()) {
+    TORCH_CHECK(!(s.length == 1 && s.start == original), "Phi-3 longrope: the sequence in cache slot ", s.slot,
+                " decodes position ", original, " (original_max_position_embeddings) after a prefill within it: ",
+                "transformers recomputes its whole cache with the long factors there, which a cached step cannot ",
+                "([LongRoPE] in models/llama.h)");
+    lengths.insert(lengths.end(), s.length, s.start + s.length);
+  }
+  return at::tensor(lengths, at::kLong).to(step.positions().device()) > original;
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {

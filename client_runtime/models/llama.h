@@ -35,6 +35,27 @@
 // layers are the base layers the executor serves and PEFT's adapters target by those names; RoPE
 // may turn only the first partial_rotary_factor of each head's features (Phi-4-mini: 0.75), and
 // every layer attends over sliding_window tokens when it is set, as Mistral's.
+//
+// [LongRoPE] Phi-3's "longrope" RoPE scaling (Phi-3-mini-128k, Phi-3.5): two sets of per-frequency
+// divisors, short_factor and long_factor, over the default inverse frequencies
+// (1 / (factor_i · theta^(2i/d))), and cos and sin multiplied by an attention factor (the config's,
+// else sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original, 1 when s <= 1).
+// Which set applies is transformers' choice, per forward call: the long one when the call's
+// largest position + 1 exceeds original_max_position_embeddings (Phi-3's top-level field, 4096 by
+// default; transformers takes it over the one in rope_scaling), else the short one, for every
+// token of the call. So forward() takes the batch's largest position, as transformers' forward does
+// (its padded rows included). transformers' generate() keeps that rule for each sequence: once its
+// length passes original, Phi3ForCausalLM.prepare_inputs_for_generation drops the cache and
+// recomputes the whole sequence with the long factors, so each step's logits equal the uncached
+// forward over the sequence so far. A cached step ([Cached step]) therefore picks the set per
+// sequence, by the length it reaches in the step (start + length): a prompt longer than original
+// is long from its prefill on, a sequence that ends at or before original is short throughout, and
+// both equal transformers' generate. A sequence that crosses original in decode (its token at
+// position original) would need that recomputation, which a step cannot do (the cache holds only
+// keys and values, rotated short, not the inputs of every layer), so the step refuses it, naming
+// the position; a captured decode step ([Captured decode] in inference/generator.h) cannot look at
+// positions on the host, so it refuses to be captured where the cache reaches original, and the
+// generator decodes eagerly there.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -67,12 +88,15 @@ struct LlamaConfig {
   int64_t max_position_embeddings = 4096;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
-  // RoPE scaling: "default" (none) or "llama3" with the four fields below.
+  // RoPE scaling: "default" (none), "llama3" with the four fields below, or "longrope" ([LongRoPE],
+  // Phi-3 only) with original_max_position_embeddings, the two factor lists and the attention factor.
   std::string rope_type = "default";
   double rope_factor = 1.0;
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position_embeddings = 8192;
+  std::vector<double> rope_short_factor, rope_long_factor;  // [LongRoPE]: rotary_dim() / 2 each
+  double rope_attention_factor = 1.0;                       // [LongRoPE]: multiplies cos and sin
   // RoPE turns the first rotary_dim() = head_dim x partial_rotary_factor features of each head and
   // passes the rest ([Phi-3]'s Phi-4-mini: 0.75).
   double partial_rotary_factor = 1.0;
@@ -190,11 +214,16 @@ class LlamaModelImpl : public torch::nn::Module {
   LlamaRMSNorm norm{nullptr};
 
  private:
-  // RoPE's cos and sin [..., head_dim] in `dtype` for int64 positions [...].
-  std::pair<at::Tensor, at::Tensor> rotary_angles(const at::Tensor& positions, at::ScalarType dtype);
+  // RoPE's cos and sin [..., head_dim] in `dtype` for int64 positions [...]; long: bool, true where
+  // [LongRoPE]'s long factors apply (a scalar for all, or one a position), undefined for the others.
+  std::pair<at::Tensor, at::Tensor> rotary_angles(const at::Tensor& positions, at::ScalarType dtype,
+                                                  const at::Tensor& long_factors = {});
+  // [LongRoPE] in a cached step: for each packed token, whether its sequence takes the long factors.
+  at::Tensor long_factors_of(const CachedStep& step) const;
 
   LlamaConfig config_;
-  at::Tensor inv_freq_;  // [head_dim/2] fp32, not a parameter and not in checkpoints
+  at::Tensor inv_freq_;       // [rotary_dim/2] fp32, not a parameter and not in checkpoints; [LongRoPE]: short
+  at::Tensor long_inv_freq_;  // [LongRoPE]: the long factors' [rotary_dim/2]; undefined for the others
 };
 TORCH_MODULE(LlamaModel);
 
@@ -235,14 +264,16 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost, 
 TORCH_MODULE(LlamaForCausalLM);
 
 namespace detail {
-// RoPE inverse frequencies as transformers computes them ("default" or "llama3"). fp32 [rotary_dim/2].
-at::Tensor llama_inv_freq(const LlamaConfig& config);
+// RoPE inverse frequencies as transformers computes them ("default" or "llama3"; "longrope": the
+// short factors', or with long_factors the long ones'). fp32 [rotary_dim/2].
+at::Tensor llama_inv_freq(const LlamaConfig& config, bool long_factors = false);
 // The default RoPE's inverse frequencies over `dim` features: theta^-(2i/dim), fp32 [dim/2].
 at::Tensor rotary_inv_freq(int64_t dim, double theta);
 // RoPE's cos and sin [..., 2 x inv_freq] in `dtype` for int64 positions [...]: the angles in fp32,
-// as transformers' rotary embeddings compute them.
+// as transformers' rotary embeddings compute them, times `scale` in fp32 (its attention_scaling).
+// inv_freq [rotary_dim/2], or [..., rotary_dim/2] with one set of frequencies a position.
 std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq,
-                                                 at::ScalarType dtype);
+                                                 at::ScalarType dtype, double scale = 1.0);
 // RoPE on x [..., head_dim]: x·cos + rotate_half(x)·sin, one autograd node when x takes a gradient.
 // When cos and sin are narrower than x (partial rotary), only x's first cos.size(-1) features turn;
 // the rest pass as they are.

@@ -1,6 +1,6 @@
 // The client runtime's model definitions against transformers: tiny random checkpoints written by
 // symbiosis-make-checkpoint (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2 also named as the Hub's, GPTBigCode,
-// GPT-NeoX, Phi, OPT) give the same
+// GPT-NeoX, Phi, OPT; Phi-3's longrope and OPT-350m's projections too) give the same
 // logits (and loss) in our monolithic C++ models as in transformers' eager AutoModelForCausalLM; sharded and bf16 checkpoints load the same values; and
 // the loader's errors name the tensor at fault.
 #include <gtest/gtest.h>
@@ -19,6 +19,7 @@
 #include "client_runtime/models/causal_lm.h"
 #include "client_runtime/models/gpt2.h"
 #include "client_runtime/models/gpt_neox.h"
+#include "client_runtime/models/kv_cache.h"
 #include "client_runtime/models/llama.h"
 #include "client_runtime/models/model_io.h"
 #include "client_runtime/training/loss.h"
@@ -357,6 +358,120 @@ TEST_F(HfReferenceTest, TinyPhi3MatchesTransformers) {
                                       {{"partial_rotary_factor", [](LlamaConfig& c) { c.partial_rotary_factor = 1.0; }}});
 }
 
+// [LongRoPE]: Phi-3-mini-128k's scaling over an original context of 8 positions. The 12-token batch
+// passes it (the long factors), its first 8 tokens do not (the short ones): both equal transformers,
+// and the long factors and the attention factor each change the logits.
+TEST_F(HfReferenceTest, TinyPhi3LongRopeMatchesTransformersOnBothSidesOfItsOriginalContext) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-phi3-longrope", "tiny-phi3-longrope");
+  auto model = load_llama(ckpt);
+  const auto& config = model->config();
+  EXPECT_EQ(config.rope_type, "longrope");
+  EXPECT_EQ(config.rope_original_max_position_embeddings, 8);
+  EXPECT_EQ(config.rope_long_factor.size(), 6u);
+  EXPECT_DOUBLE_EQ(config.rope_attention_factor, std::sqrt(1 + std::log(32.0) / std::log(8.0)));
+  const Batch batch = make_batch(256);
+  expect_matches_reference(model, ckpt, batch);
+  Batch within = {batch.input_ids.narrow(1, 0, 8), batch.attention_mask.narrow(1, 0, 8), batch.labels.narrow(1, 0, 8)};
+  expect_matches_reference(model, ckpt, within);
+  expect_settings_matter<LlamaConfig>(
+      config, ckpt,
+      {{"long_factor", [](LlamaConfig& c) { c.rope_long_factor = c.rope_short_factor; }},
+       {"attention_factor", [](LlamaConfig& c) { c.rope_attention_factor = 1.0; }}});
+}
+
+// [LongRoPE] in cached steps ([Cached step]): each sequence takes the factors of the length it
+// reaches, so a prompt longer than the original context (long from its prefill on) and one that
+// ends within it (short throughout) give, token by token, the uncached forward's logits over the
+// sequence so far, which is what transformers' generate gives (it recomputes a sequence that
+// crosses). A sequence that would cross in decode is refused naming the position, in a packed
+// and in a fixed-shape decode step.
+TEST_F(HfReferenceTest, TinyPhi3LongRopeCachedStepsEqualTheUncachedForward) {
+  at::NoGradGuard no_grad;
+  auto model = load_llama(checkpoint("tiny-phi3-longrope", "tiny-phi3-longrope"));
+  KvCache cache(model->model_shape(), 2, 16, at::kFloat, at::kCPU);
+  const std::vector<int64_t> long_prompt = {5, 9, 33, 2, 7, 81, 14, 3, 60, 12}, short_prompt = {100, 4, 18};
+  const std::vector<int64_t> next = {11, 12, 13, 14};  // decoded after each: to 14 positions and to 7
+  auto ids = [](std::vector<int64_t> v) { return at::tensor(v, at::kLong); };
+  std::vector<int64_t> packed = long_prompt;
+  packed.insert(packed.end(), short_prompt.begin(), short_prompt.end());
+  const CachedStep prefill(cache, {{0, 0, 10}, {1, 0, 3}});
+  auto logits = model->logits(model->forward_cached(model->embed(ids(packed)).unsqueeze(0), prefill))[0];
+  auto expect_uncached = [&](const std::vector<int64_t>& sequence, const at::Tensor& row) {
+    const auto uncached = model->forward(ids(sequence).unsqueeze(0))[0][-1];
+    EXPECT_LT(max_abs_diff(row, uncached), 1e-5 * uncached.abs().max().item<double>()) << sequence.size() << " tokens";
+  };
+  auto sequences = std::vector<std::vector<int64_t>>{long_prompt, short_prompt};
+  expect_uncached(sequences[0], logits[9]);
+  expect_uncached(sequences[1], logits[12]);
+  for (size_t i = 0; i < next.size(); ++i) {
+    const auto start = [&](size_t s) { return static_cast<int64_t>(sequences[s].size()); };
+    const CachedStep decode(cache, {{0, start(0), 1}, {1, start(1), 1}});
+    for (auto& s : sequences) s.push_back(next[i]);
+    logits = model->logits(model->forward_cached(model->embed(ids({next[i], next[i]})).unsqueeze(0), decode))[0];
+    expect_uncached(sequences[0], logits[0]);
+    expect_uncached(sequences[1], logits[1]);
+  }
+  // The short sequence holds 7 positions (0 .. 6): decoding 7 stays within; 8 would cross.
+  model->forward_cached(model->embed(ids({1})).unsqueeze(0), CachedStep(cache, {{1, 7, 1}}));
+  const auto crossing = testing::error_of(
+      [&] { model->forward_cached(model->embed(ids({1})).unsqueeze(0), CachedStep(cache, {{1, 8, 1}})); });
+  EXPECT_NE(crossing.find("the sequence in cache slot 1 decodes position 8 (original_max_position_embeddings)"),
+            std::string::npos) << crossing;
+  const auto fixed = testing::error_of([&] {
+    const auto step = CachedStep::fixed_decode(cache, ids({0, 1}), ids({14, 8}));
+    model->forward_cached(model->embed(ids({1, 1})).unsqueeze(0), step);
+  });
+  EXPECT_NE(fixed.find("a sequence decodes position 8 (original_max_position_embeddings)"), std::string::npos) << fixed;
+}
+
+// [LongRoPE] fields as transformers reads them: transformers 5's rope_parameters as transformers 4's
+// rope_scaling, Phi-3's older "su" for longrope, the attention factor given or derived from
+// max_position_embeddings / original; what is wrong or not Phi-3's is refused naming the field.
+TEST_F(HfReferenceTest, LongRopeFieldsAreReadAndBadOnesNamed) {
+  const auto source = checkpoint("tiny-phi3-longrope", "tiny-phi3-longrope");
+  const auto v5 = LlamaConfig::from_checkpoint(*with_config(source, "longrope-v5", [](nlohmann::json& c) {
+    auto rope = c["rope_scaling"];
+    rope.erase("type");
+    rope["rope_type"] = "longrope";
+    rope["rope_theta"] = 500.0;
+    rope["attention_factor"] = 1.25;
+    c.erase("rope_scaling");
+    c.erase("rope_theta");
+    c["rope_parameters"] = rope;
+  }));
+  EXPECT_EQ(v5.rope_type, "longrope");
+  EXPECT_DOUBLE_EQ(v5.rope_theta, 500.0);
+  EXPECT_DOUBLE_EQ(v5.rope_attention_factor, 1.25);
+  EXPECT_DOUBLE_EQ(v5.rope_long_factor[2], 2.25);
+  const auto su = LlamaConfig::from_checkpoint(*with_config(source, "longrope-su", [](nlohmann::json& c) {
+    c["rope_scaling"]["type"] = "su";
+    c.erase("original_max_position_embeddings");  // Phi3Config's default, 4096
+    c["max_position_embeddings"] = 4096 * 4;
+  }));
+  EXPECT_EQ(su.rope_type, "longrope");
+  EXPECT_EQ(su.rope_original_max_position_embeddings, 4096);
+  EXPECT_DOUBLE_EQ(su.rope_attention_factor, std::sqrt(1 + std::log(4.0) / std::log(4096.0)));
+  const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
+      {[](nlohmann::json& c) { c["rope_scaling"]["short_factor"].erase(0); },
+       "field 'rope_scaling.short_factor' has 5 numbers, expected 6"},
+      {[](nlohmann::json& c) { c["rope_scaling"].erase("long_factor"); },
+       "missing field 'rope_scaling.long_factor' (a list of 6 numbers)"},
+      {[](nlohmann::json& c) { c["rope_scaling"]["long_factor"][1] = "x"; },
+       "field 'rope_scaling.long_factor.1' should be a number"},
+      {[](nlohmann::json& c) { c["original_max_position_embeddings"] = 0; },
+       "field 'original_max_position_embeddings' is 0, expected a positive number of positions"},
+      {[](nlohmann::json& c) { c["model_type"] = "mistral"; },
+       "rope type 'longrope' is supported for Phi-3 (model_type 'phi3') only, not 'mistral'"},
+      {[](nlohmann::json& c) { c["rope_scaling"]["type"] = "dynamic"; },
+       "rope type 'dynamic' is not supported (expected 'default', 'llama3' or 'longrope')"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto message = refusal(source, "longrope-bad-" + std::to_string(i), cases[i].first);
+    EXPECT_NE(message.find(cases[i].second), std::string::npos) << message;
+  }
+}
+
 // [GPT-NeoX family]: GPT-NeoX (Pythia's shapes in small): RoPE over a quarter of each head, each
 // head's q, k and v side by side in query_key_value, exact GELU, an untied embed_out; attention and
 // MLP in parallel (use_parallel_residual) and in sequence.
@@ -427,17 +542,39 @@ TEST_F(HfReferenceTest, TinyOPTMatchesTransformers) {
   expect_matches_reference(model, ckpt, make_batch(256, /*left_padded=*/true));
 }
 
-// What the [GPT-NeoX family] cannot compute is refused naming the field: OPT-350m's post-layer
-// norms and embedding projections, Phi's qk_layernorm, RoPE scaling.
+// [OPT projections]: OPT-350m's shapes in small: token embeddings of 32 widened to the decoder's 64
+// by project_in and narrowed back by project_out (base layers of their own, without biases), the
+// norms after attention and after the MLP, no final norm; right- and left-padded batches.
+TEST_F(HfReferenceTest, TinyOPTProjectedMatchesTransformers) {
+  require_transformers();
+  const auto ckpt = checkpoint("tiny-opt-projected", "tiny-opt-projected");
+  auto model = load_gpt_neox(ckpt);
+  const auto& config = model->config();
+  EXPECT_EQ(config.embedding_width(), 32);
+  EXPECT_TRUE(config.post_layer_norms);
+  EXPECT_EQ(model->model_shape().hidden_size, 32);  // what virtual tokens take
+  EXPECT_FALSE(model->model->final_norm);
+  ASSERT_TRUE(model->model->project_in && model->model->project_out);
+  EXPECT_FALSE(model->model->project_in->has_bias());
+  EXPECT_EQ(model->model->project_in->weight.sizes(), at::IntArrayRef({64, 32}));
+  const auto params = model->named_parameters();
+  EXPECT_TRUE(params.contains("model.decoder.project_in.weight"));
+  EXPECT_TRUE(params.contains("model.decoder.project_out.weight"));
+  EXPECT_FALSE(params.contains("model.decoder.final_layer_norm.weight"));
+  EXPECT_TRUE(params.contains("model.decoder.layers.1.final_layer_norm.weight"));
+  expect_matches_reference(model, ckpt);
+  expect_matches_reference(model, ckpt, make_batch(256, /*left_padded=*/true));
+}
+
+// What the [GPT-NeoX family] cannot compute is refused naming the field: OPT's bad embedding
+// width, Phi's qk_layernorm, RoPE scaling.
 TEST_F(HfReferenceTest, GPTNeoXFamilyRefusesWhatItCannotComputeNamingTheField) {
   const auto opt = checkpoint("tiny-opt", "tiny-opt");
   const auto phi = checkpoint("tiny-phi", "tiny-phi");
   const auto neox = checkpoint("tiny-gpt-neox", "tiny-gpt-neox");
   const std::vector<std::tuple<fs::path, std::string, std::function<void(nlohmann::json&)>, std::string>> cases = {
-      {opt, "opt-post-norm", [](nlohmann::json& c) { c["do_layer_norm_before"] = false; },
-       "do_layer_norm_before=false (OPT-350m's post-layer norms) is not supported"},
-      {opt, "opt-projected", [](nlohmann::json& c) { c["word_embed_proj_dim"] = 32; },
-       "word_embed_proj_dim 32 differs from hidden_size 64"},
+      {opt, "opt-projected-0", [](nlohmann::json& c) { c["word_embed_proj_dim"] = 0; },
+       "field 'word_embed_proj_dim' is 0, expected a positive width"},
       {opt, "opt-gelu", [](nlohmann::json& c) { c["activation_function"] = "silu"; },
        "activation 'silu' is not supported (expected 'gelu', 'gelu_new' or 'relu')"},
       {phi, "phi-qk-norm", [](nlohmann::json& c) { c["qk_layernorm"] = true; }, "qk_layernorm=true is not supported"},
