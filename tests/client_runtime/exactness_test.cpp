@@ -59,8 +59,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",
                                                               "tiny-gemma2", "tiny-gpt2", "tiny-gpt2-hub",
-                                                              "tiny-gpt-bigcode", "tiny-phi3", "tiny-gpt-neox",
-                                                              "tiny-phi", "tiny-opt"),
+                                                              "tiny-gpt-bigcode", "tiny-phi3", "tiny-phi3-longrope",
+                                                              "tiny-gpt-neox", "tiny-phi", "tiny-opt", "tiny-opt-projected"),
                                             ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
                          [](const auto& info) {
                            auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);

@@ -221,7 +221,7 @@ std::string model_name(const std::string& preset) {
 INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest,
                          ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
                                            "tiny-gpt2", "tiny-gpt-bigcode", "tiny-phi3", "tiny-gpt-neox", "tiny-phi",
-                                           "tiny-opt"),
+                                           "tiny-opt", "tiny-opt-projected"),
                          [](const auto& info) { return model_name(info.param); });
 
 // Split equals monolithic under each batching policy, with a fine-tuning client training on the
@@ -375,7 +375,8 @@ INSTANTIATE_TEST_SUITE_P(LlamaFamily, HfGenerateTest,
 // attention and MLP, IA3 (PEFT's own targets, GPT-NeoX's fused query_key_value among them; Phi-3 has
 // none in PEFT) and prefix tuning through the cache.
 INSTANTIATE_TEST_SUITE_P(NewFamilies, HfGenerateTest,
-                         ::testing::Combine(::testing::Values("tiny-phi3", "tiny-gpt-neox", "tiny-phi", "tiny-opt"),
+                         ::testing::Combine(::testing::Values("tiny-phi3", "tiny-gpt-neox", "tiny-phi", "tiny-opt",
+                                                              "tiny-opt-projected"),
                                             ::testing::Values("none", "lora", "ia3", "prefix_tuning")),
                          [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
