@@ -135,18 +135,23 @@ def test_chat_prompt_is_apply_chat_template_and_streaming_equals_not_streaming(s
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt[0] == 1 and "[you are a fox]<user>hello world" in tokenizer.decode(prompt)  # the system message
-    ids, _ = greedy_generate(references["alice"], prompt, 8)
+    ids, logprobs = greedy_generate(references["alice"], prompt, 8)
     client = server.client()
-    response = client.chat.completions.create(model="alice", messages=messages, max_tokens=8, temperature=0)
+    response = client.chat.completions.create(model="alice", messages=messages, max_tokens=8, temperature=0,
+                                              logprobs=True)
+    # The same ids: the same length, and the log-probabilities (which every prompt token moves) equal.
     assert response.usage.prompt_tokens == len(prompt)
+    assert [t.logprob for t in response.choices[0].logprobs.content] == pytest.approx(logprobs, abs=1e-4)
     assert response.choices[0].message.content == text_of(checkpoint, ids)
     assert response.choices[0].message.role == "assistant"
     chunks = list(client.chat.completions.create(model="alice", messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+                                                 logprobs=True, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == response.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == response.choices[0].finish_reason
     assert chunks[-1].usage == response.usage
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == response.choices[0].logprobs.content
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="bob", prompt=PROMPTS[1], max_tokens=8, temperature=0, stream=True))
     alone = client.completions.create(model="bob", prompt=PROMPTS[1], max_tokens=8, temperature=0)
