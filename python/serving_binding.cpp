@@ -7,8 +7,9 @@
 // instead. Here one C++ thread of the engine's own owns the Generator and steps it ([Continuous
 // batching]) whenever a request waits or runs, without the GIL; Python threads submit and cancel
 // requests and load or unload adapters, the Generator's thread-safe side ([Multi-adapter
-// batches]). Each produced token reaches the request's Python callback on the stepping thread,
-// with the GIL taken only for that call: a server hands it to its event loop and returns
+// batches]). Each produced token reaches the request's Python callback on the stepping thread
+// once its step is over, the GIL taken once for all of the step's events (a step of 64 sequences
+// waits for the GIL once, not 64 times): a server hands each to its event loop and returns
 // (python/symbiosis/serve/engine.py).
 //
 // An event carries the token, its log-probability (when asked), its `top_logprobs` most likely
@@ -222,19 +223,38 @@ class ServingEngine {
     }
   }
 
-  // On the stepping thread: the request's event to its callback.
+  // An event of a step, for its request's callback once the step is over.
+  struct Delivery {
+    std::shared_ptr<PythonCallback> on_event;
+    int64_t token;
+    float logprob;
+    std::vector<std::pair<int64_t, float>> top;
+    std::string text;
+    std::optional<std::string> finish_reason;
+    std::string error;
+  };
+
+  // On the stepping thread, within a step: the request's event, kept for deliver_all().
   void deliver(Request& request, const TokenEvent& event) {
-    std::string text = std::move(request.text);
+    Delivery delivery{request.on_event, event.token, event.logprob, std::move(request.top), std::move(request.text),
+                      std::nullopt, event.error};
+    request.top.clear();
     request.text.clear();
     if (event.finished) {
-      text += request.stops.finish();
+      delivery.text += request.stops.finish();
+      delivery.finish_reason = to_string(*event.finished);
       std::lock_guard<std::mutex> lock(requests_mutex_);
       requests_.erase(event.request);
     }
-    std::optional<std::string> reason;
-    if (event.finished) reason = to_string(*event.finished);
-    (*request.on_event)(event.token, event.logprob, request.top, text, reason, event.error);
-    request.top.clear();
+    deliveries_.push_back(std::move(delivery));
+  }
+
+  // On the stepping thread, after a step: its events to their callbacks, under one hold of the GIL.
+  void deliver_all() {
+    if (deliveries_.empty()) return;
+    py::gil_scoped_acquire gil;
+    for (const auto& d : deliveries_) (*d.on_event)(d.token, d.logprob, d.top, d.text, d.finish_reason, d.error);
+    deliveries_.clear();
   }
 
   void step_loop() {
@@ -262,19 +282,21 @@ class ServingEngine {
   }
 
   bool step_once() {
+    bool stepped = false;
     try {
-      const bool stepped = generator_->step();
-      running_.store(generator_->running());
-      return stepped;
+      stepped = generator_->step();
     } catch (const std::exception& e) {
       // The Generator ends a failed step's requests itself; what escapes is a bug: say so, go on.
       std::cerr << "symbiosis.ServingEngine: a generation step failed: " << e.what() << std::endl;
-      return false;
     }
+    running_.store(generator_->running());
+    deliver_all();
+    return stepped;
   }
 
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Generator> generator_;
+  std::vector<Delivery> deliveries_;  // the current step's events; the stepping thread's
 
   // Guards requests_: the requests submitted and not finished, by id.
   mutable std::mutex requests_mutex_;
