@@ -8,6 +8,7 @@
 """
 import asyncio
 import dataclasses
+import weakref
 from typing import AsyncIterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _C
@@ -65,6 +66,9 @@ class Engine:
         self._native = _C.ServingEngine(str(checkpoint), client._native if client is not None else None, device,
                                         dtype, max_sequences, max_tokens, max_waiting, max_loras, max_lora_rank,
                                         capture_decode)
+        # The stepping thread stops when this Engine goes, or at the interpreter's exit at the latest
+        # (before Python can no longer take the callbacks' GIL).
+        self._shutdown = weakref.finalize(self, self._native.shutdown)
 
     def load_adapter(self, name: str, path: str) -> None:
         """Serves the LoRA adapter at `path` (a PEFT folder, or a symbiosis-finetune run or checkpoint
@@ -91,7 +95,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Ends every request ("cancelled") and stops the stepping thread."""
-        self._native.shutdown()
+        self._shutdown()
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, adapter: str = "",
                on_event=None) -> int:
