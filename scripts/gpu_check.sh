@@ -309,6 +309,7 @@ python_package() {
   mkdir -p $ext/symbiosis
   c++ -O2 -fPIC -shared -fvisibility=hidden -std=gnu++20 -I"$root" $(python3 -m pybind11 --includes) \
     -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include" "$root/python/client_binding.cpp" "$root/python/generator_binding.cpp" \
+    "$root/python/serving_binding.cpp" \
     -o "$ext/symbiosis/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
     -Wl,--push-state,--no-as-needed "$(c++ -print-file-name=libstdc++.so.6)" -Wl,--pop-state \
     -L"$B/client_runtime" -L"$B/virt_layer" -L"$torch_dir/lib" -lsymbiosis_client -lsymbiosis_virt_layer \
