@@ -108,7 +108,8 @@ struct KvCache::Staging {
 
 KvCache::KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
                  int64_t spare, bool pinned, std::optional<at::Device> decode_device)
-    : sequences_(sequences), spare_(spare), tokens_(tokens), pinned_(pinned), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false) {
+    : sequences_(sequences), spare_(spare), tokens_(tokens), pinned_(pinned), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false),
+      recorded_from_(static_cast<size_t>(std::max<int64_t>(sequences + spare, 0)), -1) {
   TORCH_CHECK(sequences > 0, "KV cache: sequences is ", sequences, ", expected at least 1");
   TORCH_CHECK(tokens > 0, "KV cache: tokens is ", tokens, ", expected at least 1");
   TORCH_CHECK(spare >= 0, "KV cache: spare is ", spare, ", expected at least 0");
@@ -210,6 +211,7 @@ std::optional<int64_t> KvCache::acquire() {
   for (size_t i = 0; i < taken_.size(); ++i) {
     if (!taken_[i]) {
       taken_[i] = true;
+      recorded_from_[i] = -1;
       return static_cast<int64_t>(i);
     }
   }
@@ -219,6 +221,15 @@ std::optional<int64_t> KvCache::acquire() {
 void KvCache::release(int64_t slot) {
   TORCH_CHECK(slot >= 0 && slot < sequences_ && taken_[slot], "KV cache: slot ", slot, " is not taken");
   taken_[slot] = false;
+}
+
+at::Tensor& KvCache::recorded_inputs(int64_t positions, int64_t width, at::ScalarType dtype) {
+  if (!recorded_inputs_.defined()) {
+    recorded_inputs_ = at::zeros({sequences_ + spare_, positions, width}, keys_.at(0).options().dtype(dtype));
+  }
+  TORCH_CHECK(recorded_inputs_.size(1) == positions && recorded_inputs_.size(2) == width, "KV cache: recorded inputs of ",
+              recorded_inputs_.sizes(), " asked for again as ", positions, " positions of width ", width);
+  return recorded_inputs_;
 }
 
 int64_t KvCache::free_slots() const { return std::count(taken_.begin(), taken_.end(), false); }

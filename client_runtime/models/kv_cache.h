@@ -96,6 +96,15 @@ class KvCache {
   // [Offloaded decode]: where decode steps compute, none when they compute where the cache lies.
   std::optional<at::Device> decode_device() const;
 
+  // [LongRoPE]'s recomputation: what a model's steps took as inputs (token embeddings, virtual
+  // tokens included) at each slot's positions below `positions`, recorded by the model, so that a
+  // sequence whose cached keys go stale there can be run again from its inputs. [sequences + spare,
+  // positions, width] of `dtype` where the cache lies, allocated at the first call. recorded_from:
+  // the slot's first recorded position (where its own tokens begin, after prefix tuning's past),
+  // -1 until the model records one; acquire() starts a slot's record anew.
+  at::Tensor& recorded_inputs(int64_t positions, int64_t width, at::ScalarType dtype);
+  int64_t& recorded_from(int64_t slot) { return recorded_from_.at(slot); }
+
   // [Offloaded decode], for CachedStep: copies positions [0, length) of `layer`'s keys and values of
   // `slots` (in the step's order) to staging buffer layer % 2, rows 0 .. slots.size() - 1 (on a GPU,
   // on the side stream, after what the compute stream has queued); then staged(layer) makes the
@@ -114,6 +123,8 @@ class KvCache {
   std::vector<at::Tensor> keys_, values_;
   std::vector<bool> taken_;
   std::unique_ptr<Staging> staging_;  // [Offloaded decode]
+  at::Tensor recorded_inputs_;          // [LongRoPE]'s recomputation; undefined until asked for
+  std::vector<int64_t> recorded_from_;  // by slot
 };
 
 class CachedStep {
@@ -133,6 +144,10 @@ class CachedStep {
   const std::vector<StepSequence>& sequences() const { return sequences_; }
   int64_t tokens() const { return tokens_; }  // N, the packed tokens
   int64_t cache_tokens() const { return cache_.tokens(); }  // the positions a sequence may reach in the cache
+  KvCache& cache() const { return cache_; }
+  // A fixed decode step's slots ([B] on the device, padding rows naming a spare slot); undefined in others.
+  const at::Tensor& fixed_slots() const { return slots_; }
+  bool fixed() const { return sequences_.empty(); }  // made by fixed_decode
   // [N] int64 on the cache's device: each token's position in its sequence.
   const at::Tensor& positions() const { return positions_; }
   // [sequences] int64 on the cache's device: where each sequence's last token lies among the N.

@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -506,6 +507,9 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
 }
 
 at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const CachedStep& step) {
+  if (long_inv_freq_.defined() && step.cache_tokens() > config_.rope_original_max_position_embeddings) {
+    if (auto recomputed = recompute_crossing(embeddings, step)) return *recomputed;
+  }
   const auto long_factors = long_inv_freq_.defined() ? long_factors_of(step).unsqueeze(0) : at::Tensor();
   const auto [cos, sin] = rotary_angles(step.positions().unsqueeze(0), embeddings.scalar_type(), long_factors);
   auto h = embeddings;
@@ -527,38 +531,95 @@ std::pair<at::Tensor, at::Tensor> LlamaModelImpl::rotary_angles(const at::Tensor
   return detail::rotary_cos_sin(positions, inv_freq, dtype, config_.rope_attention_factor);
 }
 
+namespace {
+// Whether the calling thread's CUDA stream is capturing a graph ([Captured decode]).
+bool capturing_on(const at::Tensor& t) {
+#ifdef SYMBIOSIS_WITH_CUDA
+  return t.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  (void)t;
+  return false;
+#endif
+}
+}  // namespace
+
 at::Tensor LlamaModelImpl::long_factors_of(const CachedStep& step) const {
   const int64_t original = config_.rope_original_max_position_embeddings;
-  if (step.sequences().empty()) {
-    // A fixed decode step ([Captured decode]): one token a sequence, its position on the device only.
-    // Captured, it is replayed without this code: it may run only where no sequence can cross original.
-#ifdef SYMBIOSIS_WITH_CUDA
-    const bool capturing = step.positions().is_cuda() &&
-                           c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-#else
-    const bool capturing = false;
-#endif
-    TORCH_CHECK(!capturing || step.cache_tokens() <= original, "Phi-3 longrope: a captured decode step cannot refuse ",
-                "a sequence that crosses original_max_position_embeddings (", original, ") in a cache of ",
-                step.cache_tokens(), " positions ([LongRoPE] in models/llama.h); decode it eagerly");
-    if (!capturing) {
-      TORCH_CHECK(!(step.positions() == original).any().item<bool>(), "Phi-3 longrope: a sequence decodes position ",
-                  original, " (original_max_position_embeddings) after a prefill within it: transformers recomputes ",
-                  "its whole cache with the long factors there, which a cached step cannot ([LongRoPE] in models/llama.h)");
-    }
+  if (step.fixed()) {
+    // A fixed decode step: one token a sequence, its position on the device only. Captured, it is
+    // replayed without this model's code, so it may be only where no sequence can cross original.
+    TORCH_CHECK(!capturing_on(step.positions()) || step.cache_tokens() <= original,
+                "Phi-3 longrope: a captured decode step cannot recompute a sequence that crosses ",
+                "original_max_position_embeddings (", original, ") in a cache of ", step.cache_tokens(),
+                " positions ([LongRoPE] in models/llama.h); decode it eagerly");
     return step.positions() + 1 > original;
   }
-  // Eager steps: each sequence's tokens take the set its length after the step picks.
+  // Each sequence's tokens take the set its length after the step picks.
   std::vector<int64_t> lengths;  // a token's sequence's length after the step
   lengths.reserve(step.tokens());
-  for (const auto& s : step.sequences()) {
-    TORCH_CHECK(!(s.length == 1 && s.start == original), "Phi-3 longrope: the sequence in cache slot ", s.slot,
-                " decodes position ", original, " (original_max_position_embeddings) after a prefill within it: ",
-                "transformers recomputes its whole cache with the long factors there, which a cached step cannot ",
-                "([LongRoPE] in models/llama.h)");
-    lengths.insert(lengths.end(), s.length, s.start + s.length);
-  }
+  for (const auto& s : step.sequences()) lengths.insert(lengths.end(), s.length, s.start + s.length);
   return at::tensor(lengths, at::kLong).to(step.positions().device()) > original;
+}
+
+std::optional<at::Tensor> LlamaModelImpl::recompute_crossing(const at::Tensor& embeddings, const CachedStep& step) {
+  const int64_t original = config_.rope_original_max_position_embeddings;
+  if (capturing_on(step.positions())) return std::nullopt;  // refused by long_factors_of
+  auto& cache = step.cache();
+  // The step's sequences and the rows of `embeddings` they take; a fixed decode step's from the
+  // device (its padding rows, in spare slots, left out).
+  std::vector<StepSequence> sequences = step.sequences();
+  std::vector<int64_t> first_rows;
+  if (step.fixed()) {
+    const auto slots = step.fixed_slots().cpu(), starts = step.positions().cpu();
+    for (int64_t i = 0; i < slots.size(0); ++i) {
+      const int64_t slot = slots[i].item<int64_t>();
+      if (slot >= cache.sequences()) continue;
+      sequences.push_back({slot, starts[i].item<int64_t>(), 1});
+      first_rows.push_back(i);
+    }
+  } else {
+    int64_t row = 0;
+    for (const auto& s : sequences) {
+      first_rows.push_back(row);
+      row += s.length;
+    }
+  }
+  auto& recorded = cache.recorded_inputs(original, embeddings.size(-1), embeddings.scalar_type());
+  const auto rows = embeddings[0];
+  std::vector<bool> crossing(sequences.size(), false);
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const auto& s = sequences[i];
+    auto& from = cache.recorded_from(s.slot);
+    if (from < 0) from = s.start;  // the slot's first step: its own tokens begin here
+    const int64_t below = std::min(s.start + s.length, original) - s.start;
+    if (below > 0) recorded[s.slot].narrow(0, s.start, below).copy_(rows.narrow(0, first_rows[i], below));
+    crossing[i] = s.length == 1 && s.start == original && from < original;
+  }
+  if (std::find(crossing.begin(), crossing.end(), true) == crossing.end()) return std::nullopt;
+  // The step again as packed pieces: a crossing sequence from its first own position, the others as they were.
+  std::vector<StepSequence> pieces;
+  std::vector<at::Tensor> inputs;
+  std::vector<int64_t> picked;  // for each of the step's rows (in its order), its row among the pieces'
+  int64_t packed = 0;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    auto s = sequences[i];
+    auto input = rows.narrow(0, first_rows[i], s.length);
+    if (crossing[i]) {
+      const int64_t from = cache.recorded_from(s.slot);
+      input = at::cat({recorded[s.slot].narrow(0, from, original - from).to(input.device()), input});
+      s = {s.slot, from, original + 1 - from};
+    }
+    for (int64_t j = 0; j < sequences[i].length; ++j) picked.push_back(packed + s.length - sequences[i].length + j);
+    packed += s.length;
+    pieces.push_back(s);
+    inputs.push_back(input);
+  }
+  const auto hidden = forward_cached(at::cat(inputs).unsqueeze(0), CachedStep(cache, pieces, embeddings.device()))
+                          .index_select(1, at::tensor(picked, at::kLong).to(embeddings.device()));
+  if (!step.fixed()) return hidden;
+  // A fixed step's rows: each sequence's where it was, padding rows zero (their logits are dropped).
+  auto all = at::zeros({1, embeddings.size(1), hidden.size(2)}, hidden.options());
+  return all.index_copy_(1, at::tensor(first_rows, at::kLong).to(hidden.device()), hidden);
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materialize_base) : config_(c) {

@@ -51,11 +51,17 @@
 // sequence, by the length it reaches in the step (start + length): a prompt longer than original
 // is long from its prefill on, a sequence that ends at or before original is short throughout, and
 // both equal transformers' generate. A sequence that crosses original in decode (its token at
-// position original) would need that recomputation, which a step cannot do (the cache holds only
-// keys and values, rotated short, not the inputs of every layer), so the step refuses it, naming
-// the position; a captured decode step ([Captured decode] in inference/generator.h) cannot look at
-// positions on the host, so it refuses to be captured where the cache reaches original, and the
-// generator decodes eagerly there.
+// position original, after a prefill within it) is recomputed as transformers recomputes it: where
+// the cache holds more than original positions, the model records each slot's step inputs below
+// original in the cache (KvCache::recorded_inputs, a position's embedding: 1/(2 x layers x kv
+// width / hidden) of its keys and values), and a step in which a sequence crosses runs that
+// sequence again as one piece from its first own position (after prefix tuning's past) to
+// original, long factors throughout, rewriting its keys and values; the other sequences of the
+// step run beside it as they were. A captured decode step ([Captured decode] in
+// inference/generator.h) is replayed without the model's code, so it cannot; it refuses to be
+// captured where the cache holds more than original positions, and the generator decodes eagerly
+// there. With [Multi-adapter batches] the recomputed step has other rows than the generator named
+// adapters for, which the adapters' layers refuse, naming the counts.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -220,6 +226,10 @@ class LlamaModelImpl : public torch::nn::Module {
                                                   const at::Tensor& long_factors = {});
   // [LongRoPE] in a cached step: for each packed token, whether its sequence takes the long factors.
   at::Tensor long_factors_of(const CachedStep& step) const;
+  // [LongRoPE]: records the step's inputs below original in the cache; where a sequence crosses
+  // original in this step, the step's hidden states computed anew with that sequence's whole input
+  // (none where no sequence crosses).
+  std::optional<at::Tensor> recompute_crossing(const at::Tensor& embeddings, const CachedStep& step);
 
   LlamaConfig config_;
   at::Tensor inv_freq_;       // [rotary_dim/2] fp32, not a parameter and not in checkpoints; [LongRoPE]: short

@@ -381,48 +381,45 @@ TEST_F(HfReferenceTest, TinyPhi3LongRopeMatchesTransformersOnBothSidesOfItsOrigi
 }
 
 // [LongRoPE] in cached steps ([Cached step]): each sequence takes the factors of the length it
-// reaches, so a prompt longer than the original context (long from its prefill on) and one that
-// ends within it (short throughout) give, token by token, the uncached forward's logits over the
-// sequence so far, which is what transformers' generate gives (it recomputes a sequence that
-// crosses). A sequence that would cross in decode is refused naming the position, in a packed
-// and in a fixed-shape decode step.
+// reaches, and one that crosses the original context in decode is recomputed, as transformers'
+// generate recomputes it, so that every step's logits equal the uncached forward over the sequence
+// so far (what transformers' generate gives): a prompt longer than the original context (long from
+// its prefill on) and one that crosses it beside it, in packed steps and in a fixed-shape decode
+// step with a padding row.
 TEST_F(HfReferenceTest, TinyPhi3LongRopeCachedStepsEqualTheUncachedForward) {
   at::NoGradGuard no_grad;
   auto model = load_llama(checkpoint("tiny-phi3-longrope", "tiny-phi3-longrope"));
-  KvCache cache(model->model_shape(), 2, 16, at::kFloat, at::kCPU);
-  const std::vector<int64_t> long_prompt = {5, 9, 33, 2, 7, 81, 14, 3, 60, 12}, short_prompt = {100, 4, 18};
-  const std::vector<int64_t> next = {11, 12, 13, 14};  // decoded after each: to 14 positions and to 7
   auto ids = [](std::vector<int64_t> v) { return at::tensor(v, at::kLong); };
-  std::vector<int64_t> packed = long_prompt;
-  packed.insert(packed.end(), short_prompt.begin(), short_prompt.end());
-  const CachedStep prefill(cache, {{0, 0, 10}, {1, 0, 3}});
-  auto logits = model->logits(model->forward_cached(model->embed(ids(packed)).unsqueeze(0), prefill))[0];
   auto expect_uncached = [&](const std::vector<int64_t>& sequence, const at::Tensor& row) {
     const auto uncached = model->forward(ids(sequence).unsqueeze(0))[0][-1];
     EXPECT_LT(max_abs_diff(row, uncached), 1e-5 * uncached.abs().max().item<double>()) << sequence.size() << " tokens";
   };
-  auto sequences = std::vector<std::vector<int64_t>>{long_prompt, short_prompt};
+  auto step_logits = [&](const std::vector<int64_t>& tokens, const CachedStep& step) {
+    return model->logits(model->forward_cached(model->embed(ids(tokens)).unsqueeze(0), step))[0];
+  };
+  KvCache cache(model->model_shape(), 2, 16, at::kFloat, at::kCPU, /*spare=*/1);
+  std::vector<std::vector<int64_t>> sequences = {{5, 9, 33, 2, 7, 81, 14, 3, 60, 12}, {100, 4, 18}};
+  std::vector<int64_t> packed = sequences[0];
+  packed.insert(packed.end(), sequences[1].begin(), sequences[1].end());
+  auto logits = step_logits(packed, CachedStep(cache, {{0, 0, 10}, {1, 0, 3}}));
   expect_uncached(sequences[0], logits[9]);
   expect_uncached(sequences[1], logits[12]);
-  for (size_t i = 0; i < next.size(); ++i) {
-    const auto start = [&](size_t s) { return static_cast<int64_t>(sequences[s].size()); };
-    const CachedStep decode(cache, {{0, start(0), 1}, {1, start(1), 1}});
-    for (auto& s : sequences) s.push_back(next[i]);
-    logits = model->logits(model->forward_cached(model->embed(ids({next[i], next[i]})).unsqueeze(0), decode))[0];
+  for (int64_t next = 11; next <= 16; ++next) {  // the second sequence decodes positions 3 .. 8: it crosses at 8
+    const CachedStep decode(cache, {{0, static_cast<int64_t>(sequences[0].size()), 1},
+                                    {1, static_cast<int64_t>(sequences[1].size()), 1}});
+    for (auto& s : sequences) s.push_back(next);
+    logits = step_logits({next, next}, decode);
     expect_uncached(sequences[0], logits[0]);
     expect_uncached(sequences[1], logits[1]);
   }
-  // The short sequence holds 7 positions (0 .. 6): decoding 7 stays within; 8 would cross.
-  model->forward_cached(model->embed(ids({1})).unsqueeze(0), CachedStep(cache, {{1, 7, 1}}));
-  const auto crossing = testing::error_of(
-      [&] { model->forward_cached(model->embed(ids({1})).unsqueeze(0), CachedStep(cache, {{1, 8, 1}})); });
-  EXPECT_NE(crossing.find("the sequence in cache slot 1 decodes position 8 (original_max_position_embeddings)"),
-            std::string::npos) << crossing;
-  const auto fixed = testing::error_of([&] {
-    const auto step = CachedStep::fixed_decode(cache, ids({0, 1}), ids({14, 8}));
-    model->forward_cached(model->embed(ids({1, 1})).unsqueeze(0), step);
-  });
-  EXPECT_NE(fixed.find("a sequence decodes position 8 (original_max_position_embeddings)"), std::string::npos) << fixed;
+  // A fixed-shape decode step ([Captured decode], run eagerly) in which a sequence crosses.
+  KvCache fixed_cache(model->model_shape(), 2, 16, at::kFloat, at::kCPU, /*spare=*/1);
+  const std::vector<int64_t> eight = {7, 1, 50, 3, 99, 20, 8, 41};
+  step_logits(eight, CachedStep(fixed_cache, {{1, 0, 8}}));
+  const auto step = CachedStep::fixed_decode(fixed_cache, ids({1, fixed_cache.spare_slot()}), ids({8, 0}));
+  auto nine = eight;
+  nine.push_back(13);
+  expect_uncached(nine, step_logits({13, 0}, step)[0]);
 }
 
 // [LongRoPE] fields as transformers reads them: transformers 5's rope_parameters as transformers 4's
