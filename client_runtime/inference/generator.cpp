@@ -490,11 +490,15 @@ void Generator::prefill(const std::vector<Sequence*>& sequences) {
                      [&] { return forward_eager(lm_, model_, layout, packed); });
 }
 
+int32_t Generator::bank_slot(const Sequence& sequence) const {
+  if (sequence.lora) return sequence.lora->slot;
+  return bank_ && bank_->has_own() ? LoraBank::kOwnSlot : -1;
+}
+
 void Generator::set_step_slots(const std::vector<Sequence*>& sequences) {
   step_slots_.clear();
   if (!bank_) return;
-  const int32_t none = bank_->has_own() ? LoraBank::kOwnSlot : -1;
-  for (const auto* s : sequences) step_slots_.push_back(s->lora ? s->lora->slot : none);
+  for (const auto* s : sequences) step_slots_.push_back(bank_slot(*s));
 }
 
 void Generator::decode() {
@@ -502,12 +506,19 @@ void Generator::decode() {
   std::vector<StepSequence> layout;
   std::vector<int64_t> tokens;
   for (auto& s : running_) {
-    if (s->done || s->next_token < 0) continue;
-    sequences.push_back(s.get());
+    if (!s->done && s->next_token >= 0) sequences.push_back(s.get());
+  }
+  if (sequences.empty()) return;
+  if (bank_) {
+    // [Multi-adapter batches]: one adapter's sequences side by side, so that the CPU's plain loop
+    // runs once per adapter, not once per sequence.
+    std::stable_sort(sequences.begin(), sequences.end(),
+                     [this](const Sequence* a, const Sequence* b) { return bank_slot(*a) < bank_slot(*b); });
+  }
+  for (const auto* s : sequences) {
     layout.push_back({s->slot, s->cached, 1});
     tokens.push_back(s->next_token);
   }
-  if (sequences.empty()) return;
   set_step_slots(sequences);
   auto& model = decode_model();
   // [CPU decode threads] (models/attention.h): a split model's CPU decode step at one LibTorch thread

@@ -192,6 +192,7 @@ class Generator {
   // tokens (or once, `last_only`, for the logits); nothing without a bank.
   void set_bank_rows(const std::vector<StepSequence>& layout, bool last_only);
   void set_step_slots(const std::vector<Sequence*>& sequences);  // step_slots_ of a step of these
+  int32_t bank_slot(const Sequence& sequence) const;  // its adapter's slot in bank_ (-1: none)
   // "a, b" or "none": the loaded adapters' names, for errors. Under mutex_.
   std::string adapter_names() const;
   void take_incoming();  // submitted requests join the waiting queue; cancelled ones leave
