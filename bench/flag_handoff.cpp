@@ -1,29 +1,33 @@
-// symbiosis-bench-flag-handoff: what a GPU-to-GPU hand-off through a flag costs, with the flag in
-// mapped host memory (what a captured call's input_ready and result_ready are now: [Stream-ordered
-// hand-off] in transport/call_ring.h) and in device memory, against the same work on one stream.
-// Two streams of one process stand for a tenant and the executor ([Steps launched ahead] in
-// transport/cuda_ipc/cuda_ipc_channel.cpp): each step is `calls` calls, captured as one graph per
-// stream; the tenant's graph runs its own kernels, sets a call's input flag and waits for its result
-// flag; the executor's waits for the input flag, clears it, runs the GEMM and sets the result flag.
-// Prints, as JSON, the step's time and each hand-off's cost over the one-stream step.
+// symbiosis-bench-flag-handoff: what a captured call's GPU-to-GPU hand-off costs ([Device flags] in
+// transport/cuda_ipc/device_flags.h), against the same work on one stream. Two streams of one process,
+// or two processes (--processes 2, under MPS, as a same-GPU tenant and the executor are), stand for a
+// tenant and the executor running a step launched ahead ([Steps launched ahead] in
+// transport/cuda_ipc/cuda_ipc_channel.cpp): each step is `calls` calls, captured as one graph a side;
+// the tenant's graph runs its own kernels, sets a call's input flag and waits for its result flag; the
+// executor's waits for the input flag, clears it, runs the GEMM and sets the result flag. Three ways:
+// the driver's stream memory operations on flags in mapped host memory (the transport's way) and in
+// device memory, and kernels spinning on flags in device memory ([Device flags] in
+// flag_handoff_kernel.h). Prints, as JSON, the step's time and each call's hand-off cost over the
+// one-stream step.
 #include <ATen/ATen.h>
-#include <c10/util/Exception.h>
-#include <cuda_runtime_api.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
-#include <memory>
+#include <string>
 #include <vector>
 
-#include "transport/cuda_ipc/cuda_ipc.h"
+#include <cuda_runtime_api.h>
 
-// flag_handoff_kernels.cu: one thread sets `set` (when given), then spins until `await` (when given)
-// is non-zero and clears it.
-cudaError_t flag_handoff(uint32_t* set, uint32_t* await, cudaStream_t stream);
+#include "bench/flag_handoff_kernel.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 
 namespace {
 
@@ -39,37 +43,41 @@ struct Options {
   int steps = 300;
 };
 
-// Flags in one place or the other: the GPU's address of each call's input_ready and result_ready.
-struct Flags {
-  std::vector<void*> input, result;
-  at::Tensor device;                // flags in device memory
-  std::unique_ptr<uint32_t[]> host;  // flags in host memory, mapped
-  cuda::PinnedRange pin;
+// One process's addresses of each call's input_ready and result_ready, in mapped host memory and in
+// device memory.
+struct Side {
+  std::vector<uint32_t*> host_input, host_result, device_input, device_result;
+  Side(void* host, const cuda::PinnedRange& pin, void* device, int calls) {
+    auto* host_words = static_cast<uint32_t*>(host);
+    auto* device_words = static_cast<uint32_t*>(device);
+    for (int c = 0; c < calls; ++c) {
+      host_input.push_back(static_cast<uint32_t*>(pin.device_pointer(host_words + 2 * c)));
+      host_result.push_back(static_cast<uint32_t*>(pin.device_pointer(host_words + 2 * c + 1)));
+      device_input.push_back(device_words + 2 * c);
+      device_result.push_back(device_words + 2 * c + 1);
+    }
+  }
 };
 
-Flags device_flags(int calls) {
-  Flags flags;
-  flags.device = at::zeros({2 * calls}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
-  auto* base = static_cast<uint32_t*>(flags.device.data_ptr());
-  for (int i = 0; i < calls; ++i) {
-    flags.input.push_back(base + 2 * i);
-    flags.result.push_back(base + 2 * i + 1);
+enum class Handoff { kHostMemoryOps, kDeviceMemoryOps, kDeviceFlags };
+constexpr Handoff kHandoffs[] = {Handoff::kHostMemoryOps, Handoff::kDeviceMemoryOps, Handoff::kDeviceFlags};
+const char* name(Handoff how) {
+  switch (how) {
+    case Handoff::kHostMemoryOps: return "host_memory_ops";
+    case Handoff::kDeviceMemoryOps: return "device_memory_ops";
+    case Handoff::kDeviceFlags: return "device_flags";
   }
-  return flags;
-}
-
-Flags host_flags(int calls) {
-  Flags flags;
-  flags.host.reset(new uint32_t[2 * calls]());
-  flags.pin = cuda::PinnedRange(flags.host.get(), sizeof(uint32_t) * 2 * calls, /*mapped=*/true);
-  for (int i = 0; i < calls; ++i) {
-    flags.input.push_back(flags.pin.device_pointer(&flags.host[2 * i]));
-    flags.result.push_back(flags.pin.device_pointer(&flags.host[2 * i + 1]));
-  }
-  return flags;
+  return "";
 }
 
 struct Work {
+  explicit Work(const Options& o) {
+    const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+    x = at::randn({o.rows, o.hidden}, options);
+    weight = at::randn({o.out, o.hidden}, options);
+    y = at::empty({o.rows, o.out}, options);
+    scratch = at::zeros({o.rows, o.hidden}, options);
+  }
   at::Tensor x, weight, y, scratch;
   void own_kernels(int count) {
     for (int k = 0; k < count; ++k) scratch.add_(1);
@@ -77,112 +85,164 @@ struct Work {
   void gemm() { at::mm_out(y, x, weight.t()); }
 };
 
-double seconds_per_step(const std::function<void()>& step, int steps) {
-  step();  // warm
-  const auto start = Clock::now();
-  for (int i = 0; i < steps; ++i) step();
-  return std::chrono::duration<double>(Clock::now() - start).count() / steps;
+// `calls` enqueued on `stream`, captured as one graph (warmed first: cuBLAS's handle and workspace).
+cuda::CapturedWork capture(cuda::Stream stream, Work& work, const std::function<void()>& calls) {
+  cuda::CurrentStreamScope scope(stream);
+  work.own_kernels(1);
+  work.gemm();
+  cuda::synchronize_stream(stream);
+  return cuda::CapturedWork::capture(stream, calls);
 }
 
-// One stream: each call's GEMM in place, as a monolithic process runs it.
-double one_stream(const Options& o, Work& work) {
-  auto stream = cuda::OwnedStream::create(0, /*high_priority=*/false);
-  cuda::CurrentStreamScope scope(stream.get());
-  work.own_kernels(1);
-  work.gemm();  // cuBLAS's handle and workspace, before the capture
-  const auto graph = cuda::CapturedWork::capture(stream.get(), [&] {
+void handoff(cuda::Stream stream, const bench::FlagHandoff& h) {
+  const cudaError_t status = bench::launch_flag_handoff(h, static_cast<cudaStream_t>(stream.handle));
+  TORCH_CHECK(status == cudaSuccess, "flag-handoff: the kernel did not launch: ", cudaGetErrorString(status));
+}
+
+// The tenant's step: its own kernels, then each call handed over `how` (host memory operations are
+// cuda_ipc_client.cpp's announce_captured) and, with no executor, the GEMM in place (a monolithic process).
+cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream, const Side* side, Handoff how) {
+  return capture(stream, work, [&] {
     for (int c = 0; c < o.calls; ++c) {
       work.own_kernels(o.own_kernels);
-      work.gemm();
+      if (side == nullptr) {
+        work.gemm();
+      } else if (how == Handoff::kDeviceFlags) {
+        handoff(stream, {.set_device = side->device_input[c], .set_host = side->host_input[c],
+                         .await_device = side->device_result[c], .await_host = side->host_result[c]});
+      } else {
+        const bool host = how == Handoff::kHostMemoryOps;
+        void* input = host ? side->host_input[c] : side->device_input[c];
+        void* result = host ? side->host_result[c] : side->device_result[c];
+        cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, input, 1},
+                                            {cuda::MemoryOp::kWaitReached, result, 1},
+                                            {cuda::MemoryOp::kWrite, result, 0}});
+      }
     }
   });
-  return seconds_per_step([&] {
-    graph.launch(stream.get());
-    cuda::synchronize_stream(stream.get());
-  }, o.steps);
 }
 
-void handoff_by_kernel(cuda::Stream stream, void* set, void* await) {
-  TORCH_CHECK(flag_handoff(static_cast<uint32_t*>(set), static_cast<uint32_t*>(await),
-                           static_cast<cudaStream_t>(stream.handle)) == cudaSuccess, "flag_handoff failed");
-}
-
-// Two streams handing each call over through `flags`, set and awaited by the driver's stream memory
-// operations or, `by_kernels`, by spinning kernels.
-double two_streams(const Options& o, Work& work, const Flags& flags, bool by_kernels = false) {
-  auto tenant = cuda::OwnedStream::create(0, /*high_priority=*/false);
-  auto executor = cuda::OwnedStream::create(0, /*high_priority=*/true);
-  cuda::CapturedWork tenant_graph, executor_graph;
-  {
-    cuda::CurrentStreamScope scope(tenant.get());
-    work.own_kernels(1);
-    tenant_graph = cuda::CapturedWork::capture(tenant.get(), [&] {
-      for (int c = 0; c < o.calls; ++c) {
-        work.own_kernels(o.own_kernels);
-        if (by_kernels) {
-          handoff_by_kernel(tenant.get(), flags.input[c], flags.result[c]);
-          continue;
-        }
-        cuda::memory_ops_on_stream(tenant.get(), {{cuda::MemoryOp::kWrite, flags.input[c], 1},
-                                                  {cuda::MemoryOp::kWaitReached, flags.result[c], 1},
-                                                  {cuda::MemoryOp::kWrite, flags.result[c], 0}});
-      }
-    });
-  }
-  {
-    cuda::CurrentStreamScope scope(executor.get());
-    work.gemm();
-    executor_graph = cuda::CapturedWork::capture(executor.get(), [&] {
-      for (int c = 0; c < o.calls; ++c) {
-        if (by_kernels) {
-          handoff_by_kernel(executor.get(), nullptr, flags.input[c]);
-          work.gemm();
-          handoff_by_kernel(executor.get(), flags.result[c], nullptr);
-          continue;
-        }
-        cuda::memory_ops_on_stream(executor.get(), {{cuda::MemoryOp::kWaitReached, flags.input[c], 1},
-                                                    {cuda::MemoryOp::kWrite, flags.input[c], 0}});
+// The executor's step launched ahead (host memory operations are cuda_ipc_channel.cpp's capture_run).
+cuda::CapturedWork executor_step(const Options& o, Work& work, cuda::Stream stream, const Side& side, Handoff how) {
+  return capture(stream, work, [&] {
+    for (int c = 0; c < o.calls; ++c) {
+      if (how == Handoff::kDeviceFlags) {
+        handoff(stream, {.await_device = side.device_input[c], .await_host = side.host_input[c], .await_host_too = true});
         work.gemm();
-        cuda::write_value_on_stream(executor.get(), flags.result[c], 1);
+        handoff(stream, {.set_device = side.device_result[c]});
+        continue;
       }
-    });
+      const bool host = how == Handoff::kHostMemoryOps;
+      void* input = host ? side.host_input[c] : side.device_input[c];
+      cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWaitReached, input, 1}, {cuda::MemoryOp::kWrite, input, 0}});
+      work.gemm();
+      cuda::write_value_on_stream(stream, host ? side.host_result[c] : side.device_result[c], 1);
+    }
+  });
+}
+
+// Seconds a step, over o.steps launches of `launch` after one to warm.
+double seconds_per_step(const Options& o, const std::function<void()>& launch) {
+  launch();
+  const auto start = Clock::now();
+  for (int i = 0; i < o.steps; ++i) launch();
+  return std::chrono::duration<double>(Clock::now() - start).count() / o.steps;
+}
+
+void send(int fd, const void* data, size_t bytes) {
+  TORCH_CHECK(::write(fd, data, bytes) == static_cast<ssize_t>(bytes), "flag-handoff: pipe write failed");
+}
+void receive(int fd, void* data, size_t bytes) {
+  TORCH_CHECK(::read(fd, data, bytes) == static_cast<ssize_t>(bytes), "flag-handoff: pipe read failed");
+}
+
+// The executor's process (--processes 2): maps the tenant's device flags, then for each way in turn
+// captures its step and launches it as often as the tenant does.
+[[noreturn]] void executor_process(const Options& o, void* host_words, int from_tenant, int to_tenant) {
+  std::string handle(64, '\0');  // cudaIpcMemHandle_t
+  receive(from_tenant, handle.data(), handle.size());
+  const auto device_words = cuda::MappedDeviceBuffer::open(0, handle, sizeof(uint32_t) * 2 * o.calls);
+  const cuda::PinnedRange pin(host_words, sizeof(uint32_t) * 2 * o.calls, /*mapped=*/true);
+  const Side side(host_words, pin, device_words.data(), o.calls);
+  Work work(o);
+  const auto stream = cuda::OwnedStream::create(0, /*high_priority=*/true);
+  for (const Handoff how : kHandoffs) {
+    const auto step = executor_step(o, work, stream.get(), side, how);
+    const char ready = 1;
+    send(to_tenant, &ready, 1);
+    for (int i = 0; i < o.steps + 1; ++i) {
+      step.launch(stream.get());
+      cuda::synchronize_stream(stream.get());
+    }
   }
-  return seconds_per_step([&] {
-    executor_graph.launch(executor.get());
-    tenant_graph.launch(tenant.get());
-    cuda::synchronize_stream(tenant.get());
-    cuda::synchronize_stream(executor.get());
-  }, o.steps);
+  std::_Exit(0);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"symbiosis-bench-flag-handoff: a GPU-to-GPU hand-off through flags in host and in device memory"};
+  int processes = 1;
+  CLI::App app{"symbiosis-bench-flag-handoff: a captured call's GPU-to-GPU hand-off, three ways"};
   app.add_option("--calls", o.calls, "calls a step");
   app.add_option("--rows", o.rows, "tokens a call");
   app.add_option("--hidden", o.hidden, "the GEMM's input width");
   app.add_option("--out", o.out, "the GEMM's output width");
   app.add_option("--own-kernels", o.own_kernels, "the tenant's kernels between two calls");
   app.add_option("--steps", o.steps, "steps timed");
+  app.add_option("--processes", processes, "1: tenant and executor are two streams of this process; 2: two processes, "
+                                           "as a same-GPU tenant and the executor are (run it under MPS)")
+      ->check(CLI::IsMember({1, 2}));
   CLI11_PARSE(app, argc, argv);
 
-  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
-  Work work{at::randn({o.rows, o.hidden}, options), at::randn({o.out, o.hidden}, options),
-            at::empty({o.rows, o.out}, options), at::zeros({o.rows, o.hidden}, options)};
-  const double monolithic = one_stream(o, work);
-  const double host = two_streams(o, work, host_flags(o.calls));
-  const double device = two_streams(o, work, device_flags(o.calls));
-  const double kernels = two_streams(o, work, device_flags(o.calls), /*by_kernels=*/true);
-  const auto per_call_us = [&](double step) { return (step - monolithic) / o.calls * 1e6; };
-  nlohmann::json result = {
-      {"calls", o.calls}, {"rows", o.rows}, {"hidden", o.hidden}, {"out", o.out}, {"own_kernels", o.own_kernels},
-      {"step_us", {{"one_stream", monolithic * 1e6}, {"host_flags", host * 1e6}, {"device_flags", device * 1e6},
-                   {"device_flags_by_kernels", kernels * 1e6}}},
-      {"handoff_us_per_call", {{"host_flags", per_call_us(host)}, {"device_flags", per_call_us(device)},
-                               {"device_flags_by_kernels", per_call_us(kernels)}}},
-  };
+  // The flags' host words, shared with the executor's process (made before CUDA is, and before fork).
+  const size_t flag_bytes = sizeof(uint32_t) * 2 * o.calls;
+  void* host_words = ::mmap(nullptr, flag_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(host_words != MAP_FAILED, "flag-handoff: mmap failed");
+  int to_executor[2], from_executor[2];
+  TORCH_CHECK(::pipe(to_executor) == 0 && ::pipe(from_executor) == 0, "flag-handoff: pipe failed");
+  if (processes == 2 && ::fork() == 0) executor_process(o, host_words, to_executor[0], from_executor[1]);
+
+  Work work(o);
+  const auto stream = cuda::OwnedStream::create(0, /*high_priority=*/false);
+  const auto monolithic = tenant_step(o, work, stream.get(), nullptr, Handoff::kDeviceFlags);
+  const double one_stream = seconds_per_step(o, [&] {
+    monolithic.launch(stream.get());
+    cuda::synchronize_stream(stream.get());
+  });
+  const auto device_words = cuda::DeviceBuffer::allocate(0, flag_bytes);
+  TORCH_CHECK(cudaMemset(device_words.data(), 0, flag_bytes) == cudaSuccess, "flag-handoff: cudaMemset failed");
+  const cuda::PinnedRange pin(host_words, flag_bytes, /*mapped=*/true);
+  const Side side(host_words, pin, device_words.data(), o.calls);
+  if (processes == 2) {
+    const auto handle = device_words.ipc_handle();
+    send(to_executor[1], handle.data(), handle.size());
+  }
+  const auto executor_stream = cuda::OwnedStream::create(0, /*high_priority=*/true);
+  nlohmann::json step_us = {{"one_stream", one_stream * 1e6}}, per_call_us;
+  for (const Handoff how : kHandoffs) {
+    const auto tenant = tenant_step(o, work, stream.get(), &side, how);
+    cuda::CapturedWork executor;
+    if (processes == 2) {
+      char ready = 0;
+      receive(from_executor[0], &ready, 1);
+    } else {
+      executor = executor_step(o, work, executor_stream.get(), side, how);
+    }
+    const double step = seconds_per_step(o, [&] {
+      if (processes == 1) executor.launch(executor_stream.get());
+      tenant.launch(stream.get());
+      cuda::synchronize_stream(stream.get());
+      if (processes == 1) cuda::synchronize_stream(executor_stream.get());
+    });
+    step_us[name(how)] = step * 1e6;
+    per_call_us[name(how)] = (step - one_stream) / o.calls * 1e6;
+  }
+  if (processes == 2) ::wait(nullptr);
+  const nlohmann::json result = {{"processes", processes}, {"mps", cuda::mps_active()}, {"calls", o.calls},
+                                 {"rows", o.rows}, {"hidden", o.hidden}, {"out", o.out},
+                                 {"own_kernels", o.own_kernels}, {"step_us", step_us},
+                                 {"handoff_us_per_call", per_call_us}};
   std::cout << result.dump() << std::endl;
   return 0;
 }
