@@ -787,7 +787,9 @@ PY
     python)
       python_package || continue
       mps_on
-      ( cd tests/python && timeout 300 python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py ) > $logs/python-gpu.txt 2>&1
+      # PYTEST_K: only the GPU tests whose names match (pytest -k).
+      ( cd tests/python && timeout 300 python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_K:+-k "$PYTEST_K"} test_gpu.py ) \
+        > $logs/python-gpu.txt 2>&1
       rc=$?
       log "python GPU tests exited $rc: $(tail -1 $logs/python-gpu.txt)"
       grep -E "^(FAILED|ERROR|SKIPPED)|Error:|assert " $logs/python-gpu.txt | head -20
