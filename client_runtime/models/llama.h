@@ -50,14 +50,15 @@
 // forward over the sequence so far. A cached step ([Cached step]) therefore picks the set per
 // sequence, by the length it reaches in the step (start + length): a prompt longer than original
 // is long from its prefill on, a sequence that ends at or before original is short throughout, and
-// both equal transformers' generate. A sequence that crosses original in decode (its token at
+// both equal transformers' generate of that sequence alone (a batched generate switches a whole
+// batch by its longest row, which continuous batching cannot follow). A sequence that crosses original in decode (its token at
 // position original, after a prefill within it) is recomputed as transformers recomputes it: where
 // the cache holds more than original positions, the model records each slot's step inputs below
-// original in the cache (KvCache::recorded_inputs, a position's embedding: 1/(2 x layers x kv
-// width / hidden) of its keys and values), and a step in which a sequence crosses runs that
-// sequence again as one piece from its first own position (after prefix tuning's past) to
-// original, long factors throughout, rewriting its keys and values; the other sequences of the
-// step run beside it as they were. A captured decode step ([Captured decode] in
+// original in the cache (KvCache::recorded_inputs: a position's embedding, hidden_size numbers
+// against its keys' and values' 2 x layers x kv_heads x head_dim), and a step in which a sequence
+// crosses runs that sequence again as one piece from its first own position (after prefix
+// tuning's past) to original, long factors throughout, rewriting its keys and values; the other
+// sequences of the step run beside it as they were. A captured decode step ([Captured decode] in
 // inference/generator.h) is replayed without the model's code, so it cannot; it refuses to be
 // captured where the cache holds more than original positions, and the generator decodes eagerly
 // there. With [Multi-adapter batches] the recomputed step has other rows than the generator named
