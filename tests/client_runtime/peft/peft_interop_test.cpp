@@ -249,14 +249,13 @@ INSTANTIATE_TEST_SUITE_P(GPTNeoXFamily, PeftInteropTest,
                                             ::testing::Range(0, 9)),
                          param_name);
 
-// [LongRoPE] (Phi-3-mini-128k's scaling, an original context of 8 that the 9 tokens, and the
-// virtual tokens before them, pass) with LoRA and prompt tuning; [OPT projections] (OPT-350m's
-// project_in and project_out, which all-linear LoRA adapts as PEFT does, and post-layer norms) with
-// that LoRA and prefix tuning.
+// [LongRoPE] (Phi-3-mini-128k's scaling, an original context of 8 that the 9 tokens and the virtual
+// tokens before them pass) with prompt tuning; [OPT projections] (OPT-350m's project_in and
+// project_out, which all-linear LoRA adapts as PEFT does, and post-layer norms) with that LoRA.
 INSTANTIATE_TEST_SUITE_P(LongRope, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-phi3-longrope"), ::testing::Values(0, 3)), param_name);
+                         ::testing::Combine(::testing::Values("tiny-phi3-longrope"), ::testing::Values(3)), param_name);
 INSTANTIATE_TEST_SUITE_P(OPTProjected, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-opt-projected"), ::testing::Values(1, 5)), param_name);
+                         ::testing::Combine(::testing::Values("tiny-opt-projected"), ::testing::Values(1)), param_name);
 
 // [GPT-2 family]: GPTBigCode, multi-query attention (prefix tuning's past with one key/value head)
 // and Linear layers where GPT-2 has Conv1D, with every method.
