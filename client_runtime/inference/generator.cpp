@@ -423,6 +423,7 @@ bool Generator::step() {
   });
   if (!joining.empty()) prefill(joining);
   if (decoding || !joining.empty()) decode();
+  if (bank_) bank_->rows() = {};  // the model's forward outside the steps is the model's own
   std::erase_if(running_, [](const auto& s) { return s->done; });
   return decoding || !joining.empty();
 }

@@ -132,12 +132,15 @@ class LoraBank::Layer : public LayerAdapterImpl {
   int64_t filled() const { return filled_; }
 
   at::Tensor forward(const at::Tensor& x, const BaseFn& base) override {
+    const auto& rows = *rows_;
+    // Outside the generator's steps (a tenant training its own adapter between them): the layer
+    // as it was.
+    if (!rows.slots.defined()) return own ? own->forward(x, base) : base(x);
     auto y = base(x);
     if (filled_ == 0) return y;
     const int64_t in = x.size(-1), out = y.size(-1), n = x.numel() / in;
-    const auto& rows = *rows_;
-    TORCH_CHECK(rows.slots.defined() && rows.slots.size(0) == n, "[Multi-adapter batches]: a layer saw ", n,
-                " rows but the generator named slots for ", rows.slots.defined() ? rows.slots.size(0) : 0);
+    TORCH_CHECK(rows.slots.size(0) == n, "[Multi-adapter batches]: a layer saw ", n,
+                " rows but the generator named slots for ", rows.slots.size(0));
     const auto x2 = x.reshape({n, in});
 #ifdef SYMBIOSIS_WITH_CUDA
     if (x.is_cuda()) {

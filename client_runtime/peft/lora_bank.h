@@ -12,11 +12,12 @@
 //    LoraAdapterImpl::forward, on those rows).
 // LoraBank holds the adapters in numbered slots (at most max_loras, of rank at most max_lora_rank:
 // vLLM's names), each layer's in the model's dtype on its device, and wraps the base layers that
-// some adapter targets with a layer of the bank (BankLayer in lora_bank.cpp) until none does. A
-// model's own LoRA (what a Generator built with one adapter serves to requests that name none) sits
-// in slot kOwnSlot, read from the adapter's own tensors at each step, so a tenant may go on training
-// it; a layer the own adapter targets is wrapped as long as the bank exists, so that rows of other
-// adapters do not get it. An own adapter of another kind (IA3, DoRA, prompt learning...) or of
+// some adapter targets with a layer of the bank (LoraBank::Layer in lora_bank.cpp) until none does.
+// A model's own LoRA (what a Generator built with one adapter serves to requests that name none)
+// sits in slot kOwnSlot, read from the adapter's own tensors at each step; a layer the own adapter
+// targets is wrapped as long as the bank exists, so that rows of other adapters do not get it.
+// Outside the generator's steps (LoraRows::slots undefined) a wrapped layer computes as it did
+// before, its own adapter included, so a tenant may go on training that adapter between steps. An own adapter of another kind (IA3, DoRA, prompt learning...) or of
 // another dtype than the model cannot be told apart by row and is refused. Adapters apply without
 // dropout (inference). The Generator (inference/generator.h) loads, slots and unloads them at step
 // boundaries and says which slot each row takes (LoraRows).
@@ -74,7 +75,7 @@ struct BankedLora {
 BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path& dir, int64_t max_rank);
 
 // The slot each row of the model's current forward takes (-1: none, the base alone), set by the
-// generator before each forward: on the model's device, and on the host unless the step is captured
+// generator before each forward of its steps and cleared after them (undefined slots: not a step): on the model's device, and on the host unless the step is captured
 // in a CUDA graph (which reads slots from device memory only).
 struct LoraRows {
   at::Tensor slots;            // [rows] int32

@@ -484,6 +484,14 @@ TEST_P(MultiAdapterTest, EachRequestEqualsItsAdapterAloneInPeftAndInOurGenerator
     EXPECT_EQ(results[2 * i].output_ids, peft_tokens["x"][i]) << "own adapter x, prompt " << i;
     EXPECT_EQ(results[2 * i + 1].output_ids, peft_tokens["y"][i]) << "y beside own adapter x, prompt " << i;
   }
+  // Between steps the model computes as it did (x applied): a tenant may train x meanwhile.
+  {
+    at::NoGradGuard no_grad;
+    auto x_lm = open_causal_lm(*served.checkpoint);
+    load_peft_adapter(*x_lm.module, work / "x");
+    const auto ids = at::tensor(prompts[0], at::kLong).unsqueeze(0);
+    EXPECT_LT(relative_error(own_lm.forward(ids, {}), x_lm.forward(ids, {})), 1e-6);
+  }
   // Unloading y gives the layers their own adapter back: the generator goes on as one of x.
   generator.unload_adapter("y");
   const auto after = generator.generate({request(prompts[0], kNewTokens)});
