@@ -11,7 +11,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 out=.gpu-build
 rm -rf "$out"
 for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/symbiosis-make-checkpoint \
-         tools/symbiosis-ctl bench/symbiosis-bench bench/symbiosis-bench-client bench/symbiosis-bench-roundtrip bench/symbiosis-bench-loss bench/symbiosis-bench-flag-handoff \
+         tools/symbiosis-ctl bench/symbiosis-bench bench/symbiosis-bench-client bench/symbiosis-bench-roundtrip bench/symbiosis-bench-loss bench/symbiosis-bench-flag-handoff bench/symbiosis-bench-multi-lora \
          bench/symbiosis-soak bench/symbiosis-soak-client bench/symbiosis-bench-long-context bench/symbiosis-bench-shard-split \
          tests/base_executor/gpu_executor_test tests/kernels/kernels_test tests/transport/cuda_ipc/cuda_ipc_test tests/transport/nccl/nccl_test tests/transport/hostile_gpu_tenant tests/common/runtime_binding_test \
          tests/client_runtime/inference/gpu_generator_test tests/client_runtime/training/gpu_trainer_test tests/client_runtime/gpu_restart_test tests/privacy/gpu_privacy_test \

@@ -528,6 +528,16 @@ PY
       bench launch-ahead bench/scenarios/gpu_launch_ahead_llama1b.json --checkpoint $model_1b --counts "${COUNTS:-1,2,4,8}"
       mps_off
       ;;
+    multi-lora)
+      # [Multi-adapter batches] (issue 47): 64 requests over 1, 8 and 32 adapters in one generator, against as
+      # many single-adapter tenants and the base alone (bench/multi_lora.cpp), under MPS.
+      mps_on
+      "$B/bench/symbiosis-bench-multi-lora" --preset llama-3.2-1b --dtype bf16 --adapters "${ADAPTERS:-1,8,32}" \
+        --requests 64 --prompt 512 --new-tokens 128 --rank 16 --out /tmp/multi-lora > $logs/multi-lora.txt 2>&1 \
+        || tail -5 $logs/multi-lora.txt
+      cp /tmp/multi-lora/multi_lora.csv "$out/" 2> /dev/null && cat /tmp/multi-lora/multi_lora.csv
+      mps_off
+      ;;
     mixed-generate)
       make_1b
       mps_on
