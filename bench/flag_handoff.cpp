@@ -127,14 +127,16 @@ cuda::CapturedWork executor_step(const Options& o, Work& work, cuda::Stream stre
   return capture(stream, work, [&] {
     for (int c = 0; c < o.calls; ++c) {
       if (how == Handoff::kDeviceFlags) {
-        handoff(stream, {.await_device = side.device_input[c], .await_host = side.host_input[c], .await_host_too = true});
+        handoff(stream,
+                {.await_device = side.device_input[c], .await_host = side.host_input[c], .await_host_too = true});
         work.gemm();
         handoff(stream, {.set_device = side.device_result[c]});
         continue;
       }
       const bool host = how == Handoff::kHostMemoryOps;
       void* input = host ? side.host_input[c] : side.device_input[c];
-      cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWaitReached, input, 1}, {cuda::MemoryOp::kWrite, input, 0}});
+      cuda::memory_ops_on_stream(stream,
+                                 {{cuda::MemoryOp::kWaitReached, input, 1}, {cuda::MemoryOp::kWrite, input, 0}});
       work.gemm();
       cuda::write_value_on_stream(stream, host ? side.host_result[c] : side.device_result[c], 1);
     }

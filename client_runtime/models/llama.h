@@ -37,32 +37,32 @@
 // every layer attends over sliding_window tokens when it is set, as Mistral's.
 //
 // [LongRoPE] Phi-3's "longrope" RoPE scaling (Phi-3-mini-128k, Phi-3.5): two sets of per-frequency
-// divisors, short_factor and long_factor, over the default inverse frequencies
-// (1 / (factor_i · theta^(2i/d))), and cos and sin multiplied by an attention factor (the config's,
-// else sqrt(1 + ln(s) / ln(original)), s = max_position_embeddings / original, 1 when s <= 1).
-// Which set applies is transformers' choice, per forward call: the long one when the call's
-// largest position + 1 exceeds original_max_position_embeddings (Phi-3's top-level field, 4096 by
-// default; transformers takes it over the one in rope_scaling), else the short one, for every
-// token of the call. So forward() takes the batch's largest position, as transformers' forward does
-// (its padded rows included). transformers' generate() keeps that rule for each sequence: once its
-// length passes original, Phi3ForCausalLM.prepare_inputs_for_generation drops the cache and
-// recomputes the whole sequence with the long factors, so each step's logits equal the uncached
-// forward over the sequence so far. A cached step ([Cached step]) therefore picks the set per
-// sequence, by the length it reaches in the step (start + length): a prompt longer than original
-// is long from its prefill on, a sequence that ends at or before original is short throughout, and
-// both equal transformers' generate of that sequence alone (a batched generate switches a whole
-// batch by its longest row, which continuous batching cannot follow). A sequence that crosses original in decode (its token at
-// position original, after a prefill within it) is recomputed as transformers recomputes it: where
-// the cache holds more than original positions, the model records each slot's step inputs below
-// original in the cache (KvCache::recorded_inputs: a position's embedding, hidden_size numbers
-// against its keys' and values' 2 x layers x kv_heads x head_dim), and a step in which a sequence
-// crosses runs that sequence again as one piece from its first own position (after prefix
-// tuning's past) to original, long factors throughout, rewriting its keys and values; the other
-// sequences of the step run beside it as they were. A captured decode step ([Captured decode] in
-// inference/generator.h) is replayed without the model's code, so it cannot; it refuses to be
-// captured where the cache holds more than original positions, and the generator decodes eagerly
-// there. With [Multi-adapter batches] the recomputed step has other rows than the generator named
-// adapters for, which the adapters' layers refuse, naming the counts.
+// divisors, short_factor and long_factor, over the default inverse frequencies (1 / (factor_i ·
+// theta^(2i/d))), and cos and sin multiplied by an attention factor (the config's, else sqrt(1 +
+// ln(s) / ln(original)), s = max_position_embeddings / original, 1 when s <= 1). Which set applies
+// is transformers' choice, per forward call: the long one when the call's largest position + 1
+// exceeds original_max_position_embeddings (Phi-3's top-level field, 4096 by default; transformers
+// takes it over the one in rope_scaling), else the short one, for every token of the call. So
+// forward() takes the batch's largest position, as transformers' forward does (its padded rows
+// included). transformers' generate() keeps that rule for each sequence: once its length passes
+// original, Phi3ForCausalLM.prepare_inputs_for_generation drops the cache and recomputes the whole
+// sequence with the long factors, so each step's logits equal the uncached forward over the
+// sequence so far. A cached step ([Cached step]) therefore picks the set per sequence, by the
+// length it reaches in the step (start + length): a prompt longer than original is long from its
+// prefill on, a sequence that ends at or before original is short throughout, and both equal
+// transformers' generate of that sequence alone (a batched generate switches a whole batch by its
+// longest row, which continuous batching cannot follow). A sequence that crosses original in decode
+// (its token at position original, after a prefill within it) is recomputed as transformers
+// recomputes it: where the cache holds more than original positions, the model records each slot's
+// step inputs below original in the cache (KvCache::recorded_inputs: a position's embedding,
+// hidden_size numbers against its keys' and values' 2 x layers x kv_heads x head_dim), and a step
+// in which a sequence crosses runs that sequence again as one piece from its first own position
+// (after prefix tuning's past) to original, long factors throughout, rewriting its keys and values;
+// the other sequences of the step run beside it as they were. A captured decode step ([Captured
+// decode] in inference/generator.h) is replayed without the model's code, so it cannot; it refuses
+// to be captured where the cache holds more than original positions, and the generator decodes
+// eagerly there. With [Multi-adapter batches] the recomputed step has other rows than the generator
+// named adapters for, which the adapters' layers refuse, naming the counts.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>

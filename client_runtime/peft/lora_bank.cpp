@@ -56,7 +56,9 @@ BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path&
   const auto config_file = dir / "adapter_config.json";
   const auto json = peft::read_config(dir);
   std::string type;
-  if (json.contains("peft_type")) type = json["peft_type"].is_string() ? json["peft_type"].get<std::string>() : json["peft_type"].dump();
+  if (json.contains("peft_type")) {
+    type = json["peft_type"].is_string() ? json["peft_type"].get<std::string>() : json["peft_type"].dump();
+  }
   TORCH_CHECK(type == "LORA", config_file, ": field 'peft_type' is '", type,
               "'; a multi-adapter generator serves LORA adapters only");
   BankedLora lora;

@@ -17,10 +17,11 @@
 // sits in slot kOwnSlot, read from the adapter's own tensors at each step; a layer the own adapter
 // targets is wrapped as long as the bank exists, so that rows of other adapters do not get it.
 // Outside the generator's steps (LoraRows::slots undefined) a wrapped layer computes as it did
-// before, its own adapter included, so a tenant may go on training that adapter between steps. An own adapter of another kind (IA3, DoRA, prompt learning...) or of
-// another dtype than the model cannot be told apart by row and is refused. Adapters apply without
-// dropout (inference). The Generator (inference/generator.h) loads, slots and unloads them at step
-// boundaries and says which slot each row takes (LoraRows).
+// before, its own adapter included, so a tenant may go on training that adapter between steps. An
+// own adapter of another kind (IA3, DoRA, prompt learning...) or of another dtype than the model
+// cannot be told apart by row and is refused. Adapters apply without dropout (inference). The
+// Generator (inference/generator.h) loads, slots and unloads them at step boundaries and says which
+// slot each row takes (LoraRows).
 #include <ATen/ATen.h>
 
 #include <filesystem>
@@ -75,8 +76,9 @@ struct BankedLora {
 BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path& dir, int64_t max_rank);
 
 // The slot each row of the model's current forward takes (-1: none, the base alone), set by the
-// generator before each forward of its steps and cleared after them (undefined slots: not a step): on the model's device, and on the host unless the step is captured
-// in a CUDA graph (which reads slots from device memory only).
+// generator before each forward of its steps and cleared after them (undefined slots: not a step):
+// on the model's device, and on the host unless the step is captured in a CUDA graph (which reads
+// slots from device memory only).
 struct LoraRows {
   at::Tensor slots;            // [rows] int32
   std::vector<int32_t> host;   // the same, or empty
