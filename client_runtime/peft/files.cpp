@@ -127,11 +127,12 @@ at::TensorOptions parameter_options(torch::nn::Module& model) {
   return at::TensorOptions();
 }
 
-std::vector<std::string> targetable_names(torch::nn::Module& model) {
+namespace {
+
+// The base layers' paths' last components, each once, in order.
+std::vector<std::string> last_components(const std::vector<std::string>& paths) {
   std::vector<std::string> names;
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get()) == nullptr) continue;
-    const auto& path = item.key();
+  for (const auto& path : paths) {
     const auto dot = path.rfind('.');
     auto name = dot == std::string::npos ? path : path.substr(dot + 1);
     if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
@@ -139,11 +140,27 @@ std::vector<std::string> targetable_names(torch::nn::Module& model) {
   return names;
 }
 
+std::vector<std::string> base_layer_paths(torch::nn::Module& model) {
+  std::vector<std::string> paths;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get()) != nullptr) paths.push_back(item.key());
+  }
+  return paths;
+}
+
+}  // namespace
+
+std::vector<std::string> targetable_names(torch::nn::Module& model) { return last_components(base_layer_paths(model)); }
+
 std::string no_layer_matched(torch::nn::Module& model, const std::string& what, const std::vector<std::string>& targets) {
-  const auto type = model_type_of(model);
-  const auto names = targetable_names(model);
+  return no_layer_matched(model_type_of(model), base_layer_paths(model), what, targets);
+}
+
+std::string no_layer_matched(const std::string& model_type, const std::vector<std::string>& layer_paths,
+                             const std::string& what, const std::vector<std::string>& targets) {
+  const auto names = last_components(layer_paths);
   return what + " (" + joined(targets) + ") matched no base layer of the model" +
-         (type.empty() ? "" : " (" + type + ")") + "; its base layers are named " +
+         (model_type.empty() ? "" : " (" + model_type + ")") + "; its base layers are named " +
          (names.empty() ? std::string("(none: the model has no base layers)") : joined(names));
 }
 

@@ -62,8 +62,12 @@ void LoraConfig::validate() const {
   }
 }
 
+double lora_scaling(double alpha, int64_t r, bool use_rslora) {
+  return alpha / (use_rslora ? std::sqrt(static_cast<double>(r)) : static_cast<double>(r));
+}
+
 LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config)
-    : scaling(config.alpha / (config.use_rslora ? std::sqrt(static_cast<double>(config.r)) : static_cast<double>(config.r))),
+    : scaling(lora_scaling(config.alpha, config.r, config.use_rslora)),
       dropout(config.dropout) {
   // PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0.
   auto a = at::empty({config.r, in_features});

@@ -43,6 +43,9 @@ struct LoraConfig {
 // GPT-NeoX's embed_out).
 bool lora_targets(const std::string& path, const LoraConfig& config);
 
+// LoRA's scaling of a layer of rank r: alpha/r, or alpha/sqrt(r) with rsLoRA.
+double lora_scaling(double alpha, int64_t r, bool use_rslora);
+
 class LoraAdapterImpl : public LayerAdapterImpl {
  public:
   LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config);

@@ -4,7 +4,6 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
-#include <cmath>
 #include <typeinfo>
 
 #include "client_runtime/peft/files.h"
@@ -17,15 +16,6 @@ static_assert(symbiosis::kMaxBankLoraRank == symbiosis::kernels::kMultiLoraMaxRa
 #endif
 
 namespace symbiosis {
-namespace {
-
-std::string joined(const std::vector<std::string>& names) {
-  std::string out;
-  for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
-  return out;
-}
-
-}  // namespace
 
 BankModel bank_model(torch::nn::Module& model, at::ScalarType dtype) {
   BankModel shape;
@@ -78,22 +68,17 @@ BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path&
     l.path = layer.path;
     l.a = at::empty({rank, layer.in_features});
     l.b = at::empty({layer.out_features, rank});
-    l.scaling = alpha / (lora.config.use_rslora ? std::sqrt(static_cast<double>(rank)) : static_cast<double>(rank));
+    l.scaling = lora_scaling(alpha, rank, lora.config.use_rslora);
     state.emplace_back(peft::kKeyPrefix + l.path + ".lora_A.weight", l.a);
     state.emplace_back(peft::kKeyPrefix + l.path + ".lora_B.weight", l.b);
     lora.layers.push_back(std::move(l));
   }
   if (lora.layers.empty()) {
-    std::vector<std::string> names;
-    for (const auto& layer : model.layers) {
-      const auto dot = layer.path.rfind('.');
-      auto name = dot == std::string::npos ? layer.path : layer.path.substr(dot + 1);
-      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
-    }
-    TORCH_CHECK(false, "LoRA adapter ", dir, peft::adapter_origin(dir), ": its target_modules (",
-                joined(lora.config.target_modules), ") match no base layer of the model",
-                model.model_type.empty() ? "" : " (" + model.model_type + ")", "; its base layers are named ",
-                joined(names), ". Was the adapter made for another model?");
+    std::vector<std::string> paths;
+    for (const auto& layer : model.layers) paths.push_back(layer.path);
+    TORCH_CHECK(false, "LoRA adapter ", dir, peft::adapter_origin(dir), ": ",
+                peft::no_layer_matched(model.model_type, paths, "its target_modules", lora.config.target_modules),
+                ". Was the adapter made for another model?");
   }
   peft::load_state(dir, state, "LoRA");  // names and shapes, naming what differs
   return lora;

@@ -554,7 +554,7 @@ TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests)
             std::string::npos);
   EXPECT_NE(load("a", dora).find("field 'use_dora' is true"), std::string::npos);
   const auto foreign = load("a", other_model);
-  EXPECT_NE(foreign.find("target_modules (c_attn) match no base layer of the model (llama)"), std::string::npos) << foreign;
+  EXPECT_NE(foreign.find("target_modules (c_attn) matched no base layer of the model (llama)"), std::string::npos) << foreign;
   EXPECT_NE(load("a", wide).find("has rank 8, more than the generator's max_lora_rank (4)"), std::string::npos);
   EXPECT_NE(load("", good).find("the name is empty"), std::string::npos);
   EXPECT_TRUE(generator.adapters().empty());
