@@ -9,10 +9,17 @@
 //  separate  by N Generators of one adapter each (the adapter their model's own), each over a
 //            client of its own (N inference tenants of the executor) with its share of the
 //            sequences, all at once in N threads;
-// and once, `base`: every request by one Generator of the base model alone (LoRA's cost is `one`
-// at N = 1 against it). Each run is repeated after a warm-up run of --warmup-tokens new tokens (so
-// that the decode graphs are captured), and gives output tokens/s (every request's new tokens over
-// the wall time from the first submission to the last token) and its ratio to `base`.
+//  monolithic by one Generator of a model whose base layers are its own (no executor) holding the
+//            N adapters: what the split costs with the same bank;
+//  transformers+peft (with --python) transformers + PEFT's mixed-adapter generate, one batch;
+// and once, `bound`: one monolithic process decoding every request with one adapter (the bound no
+// multi-process system passes), and `base`: every request by one split Generator of the base
+// model alone (LoRA's cost is `one` at N = 1 against it). Each run is repeated after a warm-up run
+// of --warmup-tokens new tokens (so that the decode graphs are captured), and gives output tokens/s
+// (every request's new tokens over the wall time from the first submission to the last token), the
+// time per output token after each request's first (p50 and p99 over the requests) and the ratios
+// to `base` and `bound`. With --finetune-tenants K, `one` of --beside-adapters adapters is measured
+// again beside K fine-tuning tenants training on the same executor (and they alone for as long).
 //
 // The executor batches with --batching (its default, opportunistic: the separate tenants' calls are
 // batched as they meet). Results: --out/multi_lora.csv and a table on stdout. --device cpu runs it all on the CPU (the code
@@ -25,6 +32,8 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <nlohmann/json.hpp>
+#include <numeric>
 #include <thread>
 
 #include <symbiosis/client.h>
@@ -47,6 +56,8 @@ struct Settings {
   std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
   std::string batching = "opportunistic";
   std::string out = "multi-lora-bench";
+  std::string python, hf_peft_script = "bench/hf_peft_client.py";  // the transformers + PEFT baseline
+  int64_t finetune_tenants = 0, beside_adapters = 8;
 };
 
 double now_s() {
@@ -69,18 +80,105 @@ std::vector<GenerationRequest> make_requests(const Settings& s, int64_t vocab, c
   return requests;
 }
 
-// Runs `generate(new_tokens)` once to warm up (warmup_tokens) and once measured; returns output tokens/s.
-double measure(const Settings& s, const std::function<int64_t(int64_t)>& generate) {
-  generate(s.warmup_tokens);
-  const double t0 = now_s();
-  const int64_t tokens = generate(s.new_tokens);
-  return static_cast<double>(tokens) / (now_s() - t0);
+// Each request's token times (seconds, steady clock), in the order of the requests.
+using TokenTimes = std::vector<std::vector<double>>;
+
+// Submits `requests` to `generator` with callbacks that note each token's time, and runs it.
+TokenTimes run_timed(Generator& generator, const std::vector<GenerationRequest>& requests) {
+  TokenTimes times(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    generator.submit(requests[i], [&times, i](const TokenEvent& event) {
+      if (event.token >= 0) times[i].push_back(now_s());
+    });
+  }
+  generator.run();
+  return times;
 }
 
-int64_t output_tokens(const std::vector<GenerationResult>& results) {
-  int64_t n = 0;
-  for (const auto& r : results) n += static_cast<int64_t>(r.output_ids.size());
-  return n;
+struct Figures {
+  double tokens_per_s = 0;  // every request's new tokens over the wall time from the first submission
+  double tpot_p50_ms = 0, tpot_p99_ms = 0;  // time per output token after the first, over requests
+};
+
+double percentile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)];
+}
+
+// Runs `generate(new_tokens)` once to warm up (warmup_tokens) and once measured.
+Figures measure(const Settings& s, const std::function<TokenTimes(int64_t)>& generate) {
+  generate(s.warmup_tokens);
+  const double t0 = now_s();
+  const auto times = generate(s.new_tokens);
+  double last = t0;
+  int64_t tokens = 0;
+  std::vector<double> tpot;
+  for (const auto& t : times) {
+    tokens += static_cast<int64_t>(t.size());
+    if (t.empty()) continue;
+    last = std::max(last, t.back());
+    if (t.size() > 1) tpot.push_back(1e3 * (t.back() - t.front()) / static_cast<double>(t.size() - 1));
+  }
+  return {static_cast<double>(tokens) / (last - t0), percentile(tpot, 0.5), percentile(tpot, 0.99)};
+}
+
+// transformers + PEFT's mixed-adapter `generate` (bench/hf_peft_client.py --mode generate: one batch
+// of every request, rows over n adapters by PEFT's adapter_names), once warm. It gives no token
+// times: its TPOT is the batch's time over the new tokens (prefill included).
+Figures hf_peft(const Settings& s, const fs::path& model, int64_t n) {
+  const auto out = fs::path(s.out) / ("hf-peft-" + std::to_string(n));
+  std::vector<std::string> targets;
+  for (const auto& t : s.targets) targets.push_back(targets.empty() ? t : "," + t);
+  const auto pid = bench::spawn(
+      {s.python, s.hf_peft_script, "--model", model.string(), "--mode", "generate", "--adapters", std::to_string(n),
+       "--batch", std::to_string(s.requests), "--seq", std::to_string(s.prompt), "--new-tokens",
+       std::to_string(s.new_tokens), "--rank", std::to_string(s.rank), "--alpha", std::to_string(2 * s.rank),
+       "--targets", std::accumulate(targets.begin(), targets.end(), std::string()), "--iterations", "1", "--warmup",
+       "1", "--device", s.device, "--dtype", s.dtype, "--out", out.string() + ".json"},
+      out.string() + ".out", out.string() + ".err");
+  TORCH_CHECK(bench::wait_ok(pid), s.hf_peft_script, " failed: ", bench::read_file(out.string() + ".err"));
+  const auto j = nlohmann::json::parse(bench::read_file(out.string() + ".json"));
+  const double per_token_ms = 1e3 * j["latencies_s"][0].get<double>() / static_cast<double>(s.new_tokens);
+  return {j["tokens_per_s"].get<double>(), per_token_ms, per_token_ms};
+}
+
+// --finetune-tenants fine-tuning tenants (symbiosis-bench-client --mode finetune, 2 x 512 tokens a
+// step, LoRA r8 on --targets, captured steps) training on the executor while `during` runs, from
+// when they are all warm; returns their tokens/s together.
+double finetuning(const Settings& s, const std::string& endpoint, const fs::path& model, const std::string& tag,
+                  const std::function<void()>& during) {
+  const auto dir = fs::path(s.out) / ("finetune-" + tag);
+  fs::create_directories(dir);
+  std::vector<pid_t> pids;
+  std::vector<std::string> targets;
+  for (const auto& t : s.targets) targets.push_back(targets.empty() ? t : "," + t);
+  for (int64_t i = 0; i < s.finetune_tenants; ++i) {
+    const auto me = dir / std::to_string(i);
+    pids.push_back(bench::spawn(
+        {(bench::build_dir() / "bench/symbiosis-bench-client").string(), "--executor", endpoint, "--model",
+         model.string(), "--mode", "finetune", "--batch", "2", "--seq", "512", "--rank", "8", "--targets",
+         std::accumulate(targets.begin(), targets.end(), std::string()), "--device", s.device, "--dtype", s.dtype,
+         "--cuda-graph", "--warmup", "3", "--ready-file", me.string() + ".ready", "--stop-file",
+         (dir / "stop").string(), "--out", me.string() + ".json"},
+        me.string() + ".out", me.string() + ".err"));
+  }
+  for (int64_t i = 0; i < s.finetune_tenants; ++i) {
+    const auto me = dir / std::to_string(i);
+    while (!fs::exists(me.string() + ".ready")) {
+      TORCH_CHECK(!bench::exited(pids[i]), "fine-tuning tenant ", i, " failed: ", bench::read_file(me.string() + ".err"));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  during();
+  std::ofstream(dir / "stop") << "stop\n";
+  double tokens_per_s = 0;
+  for (int64_t i = 0; i < s.finetune_tenants; ++i) {
+    const auto me = dir / std::to_string(i);
+    TORCH_CHECK(bench::wait_ok(pids[i]), "fine-tuning tenant ", i, " failed: ", bench::read_file(me.string() + ".err"));
+    tokens_per_s += nlohmann::json::parse(bench::read_file(me.string() + ".json"))["tokens_per_s"].get<double>();
+  }
+  return tokens_per_s;
 }
 
 }  // namespace
@@ -104,6 +202,14 @@ int main(int argc, char** argv) {
   app.add_option("--max-sequences", s.max_sequences, "sequences decoded at once (all generators together)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--batching", s.batching, "the executor's batching policy (its --batching)")->capture_default_str();
+  app.add_option("--python", s.python, "with it, also transformers + PEFT's mixed-adapter generate, run by this python")
+      ->capture_default_str();
+  app.add_option("--hf-peft-script", s.hf_peft_script, "the baseline's script")->capture_default_str();
+  app.add_option("--finetune-tenants", s.finetune_tenants,
+                 "with it, `one` of --beside-adapters adapters measured also beside this many fine-tuning tenants")
+      ->capture_default_str();
+  app.add_option("--beside-adapters", s.beside_adapters, "the adapters of the run beside fine-tuning")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--out", s.out, "where the checkpoint, adapters, logs and results go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   fs::create_directories(s.out);
@@ -164,21 +270,38 @@ int main(int argc, char** argv) {
     options.max_loras = most;
     options.max_lora_rank = s.rank;
     std::ofstream csv(fs::path(s.out) / "multi_lora.csv");
-    csv << "mode,adapters,requests,prompt,new_tokens,output_tokens_per_s,of_base\n";
-    double base = 0;
-    auto report = [&](const std::string& mode, int64_t n, double rate) {
-      if (mode == "base") base = rate;
-      csv << mode << "," << n << "," << s.requests << "," << s.prompt << "," << s.new_tokens << "," << rate << ","
-          << rate / base << std::endl;
-      std::cout << std::left << std::setw(10) << mode << std::right << std::setw(4) << n << " adapters  " << std::fixed
-                << std::setprecision(1) << std::setw(10) << rate << " output tokens/s  " << std::setprecision(3)
-                << rate / base << " x base" << std::endl;
+    csv << "mode,adapters,requests,prompt,new_tokens,output_tokens_per_s,tpot_p50_ms,tpot_p99_ms,of_base,of_bound\n";
+    double base = 0, bound = 0;
+    auto report = [&](const std::string& mode, int64_t n, const Figures& f) {
+      csv << mode << "," << n << "," << s.requests << "," << s.prompt << "," << s.new_tokens << "," << f.tokens_per_s
+          << "," << f.tpot_p50_ms << "," << f.tpot_p99_ms << "," << f.tokens_per_s / base << ","
+          << f.tokens_per_s / bound << std::endl;
+      std::cout << std::left << std::setw(22) << mode << std::right << std::setw(4) << n << " adapters  " << std::fixed
+                << std::setprecision(1) << std::setw(10) << f.tokens_per_s << " output tokens/s  TPOT p50 "
+                << std::setprecision(2) << f.tpot_p50_ms << " ms, p99 " << f.tpot_p99_ms << " ms  "
+                << std::setprecision(3) << f.tokens_per_s / base << " x base  " << f.tokens_per_s / bound
+                << " x bound" << std::endl;
     };
+    // Every request through `generator`, naming names[i % N].
+    auto through = [&](Generator& generator, const std::vector<std::string>& names) {
+      return [&, names](int64_t tokens) { return run_timed(generator, make_requests(s, vocab, names, tokens)); };
+    };
+    // The bound: one monolithic process (the base layers its own) decoding every request with one adapter.
+    {
+      auto local = open_causal_lm(*checkpoint, nullptr, {dtype, at::Device(s.device)});
+      load_peft_adapter(*local.module, dirs[0]);
+      auto own = options;
+      own.max_loras = 0;
+      Generator generator(local, own);
+      const auto f = measure(s, through(generator, {}));
+      base = bound = f.tokens_per_s;
+      report("bound", 1, f);
+    }
     {
       Generator generator(lm, options);
-      report("base", 0, measure(s, [&](int64_t tokens) {
-               return output_tokens(generator.generate(make_requests(s, vocab, {}, tokens)));
-             }));
+      const auto f = measure(s, through(generator, {}));
+      base = f.tokens_per_s;
+      report("base", 0, f);
     }
     for (const int64_t n : s.adapters) {
       std::vector<std::string> names;
@@ -186,9 +309,13 @@ int main(int argc, char** argv) {
       {
         Generator generator(lm, options);
         for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
-        report("one", n, measure(s, [&](int64_t tokens) {
-                 return output_tokens(generator.generate(make_requests(s, vocab, names, tokens)));
-               }));
+        report("one", n, measure(s, through(generator, names)));
+      }
+      {
+        auto local = open_causal_lm(*checkpoint, nullptr, {dtype, at::Device(s.device)});
+        Generator generator(local, options);
+        for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
+        report("monolithic", n, measure(s, through(generator, names)));
       }
       // N tenants of one adapter each, their share of the requests and of the sequences.
       std::vector<CausalLM> lms;
@@ -203,7 +330,7 @@ int main(int argc, char** argv) {
       }
       report("separate", n, measure(s, [&](int64_t tokens) {
                const auto all = make_requests(s, vocab, names, tokens);
-               std::vector<int64_t> produced(static_cast<size_t>(n), 0);
+               std::vector<TokenTimes> each(static_cast<size_t>(n));
                std::vector<std::thread> threads;
                for (int64_t i = 0; i < n; ++i) {
                  threads.emplace_back([&, i] {
@@ -213,14 +340,45 @@ int main(int argc, char** argv) {
                      mine.push_back(r);
                      mine.back().adapter.clear();
                    }
-                   produced[i] = output_tokens(generators[i]->generate(mine));
+                   each[i] = run_timed(*generators[i], mine);
                  });
                }
                for (auto& t : threads) t.join();
-               int64_t total = 0;
-               for (const auto p : produced) total += p;
-               return total;
+               TokenTimes times;
+               for (auto& e : each) times.insert(times.end(), e.begin(), e.end());
+               return times;
              }));
+      generators.clear();
+      lms.clear();
+      if (!s.python.empty()) report("transformers+peft", n, hf_peft(s, model, n));
+    }
+    // The server's decode beside fine-tuning: `one` of beside_adapters adapters alone, then with the
+    // fine-tuning tenants training; and they alone for as long.
+    if (s.finetune_tenants > 0) {
+      const int64_t n = std::min(s.beside_adapters, most);
+      std::vector<std::string> names;
+      for (int64_t i = 0; i < n; ++i) names.push_back("adapter-" + std::to_string(i));
+      Generator generator(lm, options);
+      for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
+      const auto alone = measure(s, through(generator, names));
+      report("one alone", n, alone);
+      Figures beside;
+      double seconds = 0;
+      const double finetune_beside = finetuning(s, executor.endpoint, model, "beside", [&] {
+        const double t0 = now_s();
+        beside = measure(s, through(generator, names));
+        seconds = now_s() - t0;
+      });
+      report("one beside fine-tuning", n, beside);
+      const double finetune_alone = finetuning(s, executor.endpoint, model, "alone", [&] {
+        std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      });
+      csv << "finetune alone," << s.finetune_tenants << ",,,," << finetune_alone << ",,,,\n"
+          << "finetune beside," << s.finetune_tenants << ",,,," << finetune_beside << ",,,," << std::endl;
+      std::cout << "beside " << s.finetune_tenants << " fine-tuning tenants: TPOT p50 " << std::setprecision(3)
+                << beside.tpot_p50_ms / alone.tpot_p50_ms << "x alone, p99 " << beside.tpot_p99_ms / alone.tpot_p99_ms
+                << "x; fine-tuning " << finetune_beside << " tokens/s, " << finetune_beside / finetune_alone
+                << " of alone (" << finetune_alone << ")" << std::endl;
     }
   } catch (const std::exception& e) {
     std::cerr << "symbiosis-bench-multi-lora: " << e.what() << std::endl;

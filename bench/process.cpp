@@ -51,6 +51,11 @@ bool wait_ok(pid_t pid) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
+bool exited(pid_t pid) {
+  int status = 0;
+  return waitpid(pid, &status, WNOHANG) == pid;
+}
+
 namespace {
 // A "NAME:  N kB" line of /proc/PID/status, in bytes.
 size_t status_bytes(pid_t pid, const std::string& name) {

@@ -16,6 +16,7 @@ std::filesystem::path build_dir();
 pid_t spawn(const std::vector<std::string>& args, const std::filesystem::path& stdout_file,
             const std::filesystem::path& stderr_file);
 bool wait_ok(pid_t pid);  // true when it exited 0
+bool exited(pid_t pid);   // true when it has ended (and is reaped: not for wait_ok after)
 size_t peak_rss_bytes(pid_t pid);
 size_t resident_bytes(pid_t pid);  // VmRSS now
 // One nvidia-smi reading of GPU `gpu` in MiB: memory.used by default, or memory.total; 0 where

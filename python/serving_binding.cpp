@@ -12,9 +12,8 @@
 // waits for the GIL once, not 64 times): a server hands each to its event loop and returns
 // (python/symbiosis/serve/engine.py).
 //
-// An event carries the token, its log-probability (when asked), its `top_logprobs` most likely
-// tokens (when asked: computed here from the step's logits through GeneratorOptions::logits_observer,
-// one row at a time), and the text it makes final: the checkpoint's tokenizer decodes the output as
+// An event carries the token, its log-probability and its `top_logprobs` most likely tokens (when
+// asked: the Generator's, for the whole step at once), and the text it makes final: the checkpoint's tokenizer decodes the output as
 // it grows and ends the request at a stop string ([Streaming decode] and [Stop strings] in
 // client_runtime/text/), so a stream never shows part of a stop string and the request stops with
 // the token that completes it, with no extra step.
@@ -92,7 +91,6 @@ class ServingEngine {
     options.max_loras = max_loras;
     options.max_lora_rank = max_lora_rank;
     options.capture_decode = capture_decode;
-    options.logits_observer = [this](uint64_t id, const at::Tensor& logits) { observe(id, logits); };
     generator_ = std::make_unique<Generator>(std::move(lm), options);
     stepper_ = std::thread([this] { step_loop(); });
   }
@@ -107,12 +105,11 @@ class ServingEngine {
   uint64_t submit(std::vector<int64_t> prompt_ids, const std::string& adapter, int64_t max_new_tokens,
                   double temperature, int64_t top_k, double top_p, uint64_t seed, std::vector<int64_t> stop_token_ids,
                   std::vector<std::string> stop, bool logprobs, int64_t top_logprobs, py::function on_event) {
-    TORCH_CHECK(top_logprobs >= 0, "top_logprobs is ", top_logprobs, ", expected 0 or more");
     {
       std::lock_guard<std::mutex> lock(wake_mutex_);
       TORCH_CHECK(!stopping_, "the serving engine is shut down: it takes no more requests");
     }
-    auto request = std::make_shared<Request>(*tokenizer_, std::move(stop), top_logprobs,
+    auto request = std::make_shared<Request>(*tokenizer_, std::move(stop),
                                              std::make_shared<PythonCallback>(std::move(on_event)));
     GenerationRequest generation;
     generation.prompt_ids = std::move(prompt_ids);
@@ -125,6 +122,7 @@ class ServingEngine {
     sampling.seed = seed;
     sampling.stop_tokens = std::move(stop_token_ids);
     sampling.logprobs = logprobs;
+    sampling.top_logprobs = top_logprobs;
     generation.stop_after = [request](int64_t token) {
       request->text += request->stops.push(token);
       return request->stops.stopped();
@@ -132,8 +130,7 @@ class ServingEngine {
     py::gil_scoped_release no_gil;
     uint64_t id = 0;
     {
-      // The registry takes the id before the stepping thread can observe the request's logits.
-      // `request` outlives this scope, so no Python callback is dropped (taking the GIL) under the
+      // The registry takes the id before the stepping thread can end the request. `request` outlives this scope, so no Python callback is dropped (taking the GIL) under the
       // lock, even when submit() refuses the request.
       std::lock_guard<std::mutex> lock(requests_mutex_);
       id = generator_->submit(std::move(generation),
@@ -184,16 +181,13 @@ class ServingEngine {
   }
 
  private:
-  // A request's state beside the Generator's: its text and stop strings, the top log-probabilities of
-  // its current token, and its callback. Touched by the stepping thread only, once submitted.
+  // A request's state beside the Generator's: its text and stop strings, and its callback. Touched
+  // by the stepping thread only, once submitted.
   struct Request {
-    Request(const Tokenizer& tokenizer, std::vector<std::string> stop, int64_t top_logprobs,
-            std::shared_ptr<PythonCallback> on_event)
-        : stops(tokenizer, std::move(stop)), top_logprobs(top_logprobs), on_event(std::move(on_event)) {}
+    Request(const Tokenizer& tokenizer, std::vector<std::string> stop, std::shared_ptr<PythonCallback> on_event)
+        : stops(tokenizer, std::move(stop)), on_event(std::move(on_event)) {}
     StopStrings stops;  // [Stop strings]: the output's final text
     std::string text;   // what the current token made final
-    int64_t top_logprobs;
-    std::vector<std::pair<int64_t, float>> top;  // the current token's top_logprobs alternatives
     std::shared_ptr<PythonCallback> on_event;
   };
 
@@ -203,24 +197,6 @@ class ServingEngine {
       ++wakeups_;
     }
     wake_cv_.notify_all();
-  }
-
-  // On the stepping thread, before a request's token is chosen.
-  void observe(uint64_t id, const at::Tensor& logits) {
-    std::shared_ptr<Request> request;
-    {
-      std::lock_guard<std::mutex> lock(requests_mutex_);
-      const auto found = requests_.find(id);
-      if (found == requests_.end() || found->second->top_logprobs == 0) return;
-      request = found->second;
-    }
-    const auto k = std::min<int64_t>(request->top_logprobs, logits.size(-1));
-    const auto [values, ids] = logits.to(at::kFloat).log_softmax(-1).topk(k);
-    const auto values_cpu = values.cpu(), ids_cpu = ids.cpu();
-    request->top.clear();
-    for (int64_t i = 0; i < k; ++i) {
-      request->top.emplace_back(ids_cpu[i].item<int64_t>(), values_cpu[i].item<float>());
-    }
   }
 
   // An event of a step, for its request's callback once the step is over.
@@ -236,9 +212,8 @@ class ServingEngine {
 
   // On the stepping thread, within a step: the request's event, kept for deliver_all().
   void deliver(Request& request, const TokenEvent& event) {
-    Delivery delivery{request.on_event, event.token, event.logprob, std::move(request.top), std::move(request.text),
+    Delivery delivery{request.on_event, event.token, event.logprob, event.top_logprobs, std::move(request.text),
                       std::nullopt, event.error};
-    request.top.clear();
     request.text.clear();
     if (event.finished) {
       delivery.text += request.stops.finish();

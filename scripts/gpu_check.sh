@@ -55,6 +55,12 @@
 #                  and the merged traces that fit go back in traces.tgz (open them in ui.perfetto.dev)
 #   python-generate  a Python tenant's generation, symbiosis.Generator (split and monolithic) against transformers +
 #                  PEFT generate (bench/python_generate.py: Llama-3.2-1B, bf16, 8 prompts of 512 + 128 tokens), under MPS
+#   multi-lora     [Multi-adapter batches] (bench/multi_lora.cpp): 64 requests of 512 + 128 tokens over ADAPTERS (1,8,32)
+#                  adapters in one generator, against the one-process bound, separate tenants, a monolithic generator,
+#                  transformers + PEFT, and beside two fine-tuning tenants (Llama-3.2-1B, bf16, LoRA r16), under MPS
+#                  (MULTI_LORA_FLAGS: the bench's flags after those, default '--python python3 --finetune-tenants 2')
+#   serve-bench    symbiosis-serve over HTTP (bench/serve_bench.py, the openai client): 64 streams over 8 adapters, split
+#                  against --monolithic, on multi-lora's model and adapters; needs the wheels in .whl (fastapi, openai, ...)
 #   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
 #   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
@@ -297,7 +303,9 @@ trace_client() {
 # is missing or does not import, built here from python/client_binding.cpp (~1 min) against this machine's torch and
 # pybind11 and the client library in $B. Exports PYTHONPATH and the programs tests/python's conftest.py runs.
 python_package() {
-  export PYTHONPATH="$root/python:$B/python" PYTHONPYCACHEPREFIX=/tmp/pycache PYTHONUNBUFFERED=1 SYMBIOSIS_BINARY_DIR="$B" \
+  # What was there before (wheels unpacked for this run: ../.library/device/README.md) stays after ours.
+  local before=${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH="$root/python:$B/python$before" PYTHONPYCACHEPREFIX=/tmp/pycache PYTHONUNBUFFERED=1 SYMBIOSIS_BINARY_DIR="$B" \
     SYMBIOSIS_EXECUTOR="$B/base_executor/symbiosis-executor" SYMBIOSIS_DEMO_CLIENT="$B/examples/symbiosis-demo-client" \
     SYMBIOSIS_MAKE_CHECKPOINT="$B/tools/symbiosis-make-checkpoint"
   if python3 -c 'import symbiosis' > $logs/python-import.log 2>&1; then
@@ -315,7 +323,7 @@ python_package() {
     -L"$B/client_runtime" -L"$B/virt_layer" -L"$torch_dir/lib" -lsymbiosis_client -lsymbiosis_virt_layer \
     -ltorch_python -ltorch -ltorch_cpu -lc10 > $logs/python-build.log 2>&1 \
     || { log "building symbiosis._C failed"; grep -m5 -A3 error $logs/python-build.log; return 1; }
-  export PYTHONPATH="$root/python:$ext"
+  export PYTHONPATH="$root/python:$ext$before"
   python3 -c 'import symbiosis' > $logs/python-import.log 2>&1 || { log "symbiosis does not import: $(tail -3 $logs/python-import.log)"; return 1; }
   log "symbiosis._C built here"
 }
@@ -529,11 +537,13 @@ PY
       mps_off
       ;;
     multi-lora)
-      # [Multi-adapter batches] (issue 47): 64 requests over 1, 8 and 32 adapters in one generator, against as
-      # many single-adapter tenants and the base alone (bench/multi_lora.cpp), under MPS.
+      # [Multi-adapter batches] (issue 47): 64 requests over 1, 8 and 32 adapters in one generator, against the
+      # one-process bound, as many single-adapter tenants, the base alone, a monolithic generator of as many
+      # adapters and transformers + PEFT; then 8 adapters beside two fine-tuning tenants (bench/multi_lora.cpp), under MPS.
       mps_on
       "$B/bench/symbiosis-bench-multi-lora" --preset llama-3.2-1b --dtype bf16 --adapters "${ADAPTERS:-1,8,32}" \
-        --requests 64 --prompt 512 --new-tokens 128 --rank 16 --out /tmp/multi-lora > $logs/multi-lora.txt 2>&1 \
+        --requests 64 --prompt 512 --new-tokens 128 --rank 16 ${MULTI_LORA_FLAGS:---python python3 --finetune-tenants 2} \
+        --out /tmp/multi-lora > $logs/multi-lora.txt 2>&1 \
         || tail -5 $logs/multi-lora.txt
       cp /tmp/multi-lora/multi_lora.csv "$out/" 2> /dev/null && cat /tmp/multi-lora/multi_lora.csv
       mps_off
@@ -816,6 +826,17 @@ PY
         grep -E "^(FAILED|ERROR)" $logs/python-cpu.txt | head -20
         [ $rc = 0 ] || cp $logs/python-cpu.txt "$out/"
       fi
+      ;;
+    serve-bench)
+      # symbiosis-serve through its HTTP API (bench/serve_bench.py): 64 streamed completions over 8 adapters, split
+      # against monolithic, on multi-lora's model and adapters (run that stage first).
+      python_package || continue
+      mps_on
+      timeout 400 python3 bench/serve_bench.py --build "$B" --model /tmp/multi-lora/model-llama-3.2-1b-bf16 \
+        --adapters $(for i in 0 1 2 3 4 5 6 7; do echo /tmp/multi-lora/adapters/$i; done) --device cuda:0 --dtype bf16 \
+        --out "$out/serve-bench.json" > $logs/serve-bench.txt 2>&1
+      log "serve-bench exited $?: $(grep -E '^(split|monolithic) ' $logs/serve-bench.txt | cut -c1-200)"
+      mps_off
       ;;
     python-13b)
       python_package || continue

@@ -621,21 +621,47 @@ void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequenc
     for (auto* s : sequences) finish(*s, FinishReason::kError, e.what_without_backtrace());
     return;
   }
-  const bool any_logprobs = std::any_of(sequences.begin(), sequences.end(), [](auto* s) { return s->params.logprobs; });
   const bool all_greedy = std::all_of(sequences.begin(), sequences.end(), [](auto* s) { return s->params.greedy(); });
   const auto fp32 = logits.to(at::kFloat);
   // Greedy rows: one argmax for all and one copy of the ids.
   const auto greedy = all_greedy ? fp32.argmax(-1).cpu() : at::Tensor();
-  const auto log_probs = any_logprobs ? fp32.log_softmax(-1) : at::Tensor();
+  std::vector<int64_t> tokens(sequences.size());
   for (size_t i = 0; i < sequences.size(); ++i) {
     auto& s = *sequences[i];
-    const auto row = logits[static_cast<int64_t>(i)];
-    if (options_.logits_observer) options_.logits_observer(s.id, row);
-    const int64_t token = all_greedy ? greedy[static_cast<int64_t>(i)].item<int64_t>() : s.sampler.sample(fp32[i]);
+    if (options_.logits_observer) options_.logits_observer(s.id, logits[static_cast<int64_t>(i)]);
+    tokens[i] = all_greedy ? greedy[static_cast<int64_t>(i)].item<int64_t>() : s.sampler.sample(fp32[i]);
+  }
+  // Log-probabilities: of every row's token in one gather, and the most any row asks of the
+  // likeliest in one topk, each one copy to the host.
+  int64_t most_top = 0;
+  bool any_logprobs = false;
+  for (const auto* s : sequences) {
+    most_top = std::max(most_top, s->params.top_logprobs);
+    any_logprobs = any_logprobs || s->params.logprobs;
+  }
+  at::Tensor chosen_logprobs, top_values, top_ids;
+  if (any_logprobs || most_top > 0) {
+    const auto log_probs = fp32.log_softmax(-1);
+    const auto chosen = at::tensor(tokens, at::kLong).to(log_probs.device()).unsqueeze(1);
+    chosen_logprobs = log_probs.gather(1, chosen).squeeze(1).cpu();
+    if (most_top > 0) {
+      auto [values, ids] = log_probs.topk(most_top);
+      top_values = values.cpu().contiguous();
+      top_ids = ids.cpu().contiguous();
+    }
+  }
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    auto& s = *sequences[i];
+    const int64_t token = tokens[i];
+    const auto row = static_cast<int64_t>(i);
     TokenEvent event;
     event.request = s.id;
     event.token = token;
-    if (s.params.logprobs) event.logprob = log_probs[static_cast<int64_t>(i)][token].item<float>();
+    if (s.params.logprobs) event.logprob = chosen_logprobs.data_ptr<float>()[row];
+    for (int64_t k = 0; k < s.params.top_logprobs; ++k) {
+      event.top_logprobs.emplace_back(top_ids.data_ptr<int64_t>()[row * most_top + k],
+                                      top_values.data_ptr<float>()[row * most_top + k]);
+    }
     s.result.output_ids.push_back(token);
     s.cached += layout[i].length;
     s.next_token = token;

@@ -90,6 +90,9 @@ struct TokenEvent {
   uint64_t request = 0;
   int64_t token = -1;
   float logprob = 0.0f;  // when the request asked for logprobs
+  // The request's top_logprobs most likely tokens at this step and their log-probabilities, most
+  // likely first (when it asked).
+  std::vector<std::pair<int64_t, float>> top_logprobs;
   std::optional<FinishReason> finished;
   std::string error;  // kError: what went wrong
 };

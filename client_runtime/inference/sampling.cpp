@@ -13,6 +13,8 @@ void SamplingParams::validate(int64_t vocab_size) const {
   TORCH_CHECK(top_k >= 0, "top_k is ", top_k, ", expected >= 0 (0: no limit)");
   TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p is ", top_p, ", expected a value in (0, 1]");
   TORCH_CHECK(max_new_tokens >= 1, "max_new_tokens is ", max_new_tokens, ", expected at least 1");
+  TORCH_CHECK(top_logprobs >= 0 && top_logprobs <= vocab_size, "top_logprobs is ", top_logprobs,
+              ", expected 0 to the vocabulary's ", vocab_size);
   for (size_t i = 0; i < stop_tokens.size(); ++i) {
     TORCH_CHECK(stop_tokens[i] >= 0 && stop_tokens[i] < vocab_size, "stop_tokens[", i, "] is ", stop_tokens[i],
                 ", expected a token id in [0, ", vocab_size, ")");

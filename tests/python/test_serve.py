@@ -4,7 +4,7 @@ here and two LoRA adapters of other ranks and targets. Greedy completions equal 
 generate for each model while the base's and both adapters' requests share decode steps
 ([Multi-adapter batches]); streaming equals non-streaming; chat prompts are apply_chat_template's;
 stop strings and ids, logprobs, n, usage, keys limited to adapters, an adapter saved after the
-server started loaded and unloaded, a client gone mid-stream, and bad input refused naming the
+server started loaded and unloaded, a client gone mid-stream or before its answer, and bad input refused naming the
 field while the server goes on."""
 import asyncio
 import json
@@ -289,6 +289,34 @@ def test_a_client_gone_mid_stream_frees_its_sequence(serving):
         time.sleep(0.1)
     assert aborted in metrics and "symbiosis_num_requests_running 0.0" in metrics
     assert server.count("symbiosis_generation_tokens_total", model_name="alice") - produced < 63
+
+
+def test_a_client_gone_before_a_completion_ends_frees_its_sequences(serving):
+    server, _, _ = serving
+    # 64 sequences of 56 tokens, not streamed, through 8 cache slots (448 steps at least); the client
+    # gives up after 0.2 s (the openai client's timeout closes the connection): the server cancels
+    # what is left of them.
+    def counts():
+        return (server.count("symbiosis_request_success_total", finished_reason="abort", model_name="bob"),
+                server.count("symbiosis_request_success_total", finished_reason="length", model_name="bob"),
+                server.count("symbiosis_generation_tokens_total", model_name="bob"))
+
+    aborted, ended, produced = counts()
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key=ADMIN, max_retries=0, timeout=0.2)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="bob", prompt=PROMPTS[1], max_tokens=56, n=64, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 30  # a bound on waiting, not a measure
+    while time.monotonic() < deadline:
+        now = counts()
+        if now[0] - aborted + now[1] - ended == 64 and "symbiosis_num_requests_running 0.0" in server.metrics():
+            break
+        time.sleep(0.1)
+    now = counts()
+    assert now[0] - aborted + now[1] - ended == 64 and now[0] > aborted
+    assert "symbiosis_num_requests_running 0.0" in server.metrics()
+    assert now[2] - produced < 64 * 56
+    assert server.client().completions.create(model="bob", prompt=PROMPTS[1], max_tokens=2).choices[0].text
 
 
 def test_64_concurrent_streams_each_equal_its_models_completion_and_metrics_count_them(serving):

@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, AsyncIterator, Awaitable, Dict, List, Optional, Sequence, Set, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .protocol import ApiError, GenerationRequest, parse_adapter_body, parse_chat, parse_completion
 
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request looks whether its client has gone
 
 
 class Keys:
@@ -224,9 +225,11 @@ class Server:
             return StreamingResponse(self._stream(request, chat, response_id, requests, streams, usage_prompt),
                                      media_type="text/event-stream")
         try:
-            results = await asyncio.gather(*(_collect(s) for s in streams))
+            results = await _unless_disconnected(http, asyncio.gather(*(_collect(s) for s in streams)))
         finally:
             self._cancel(requests)
+        if results is None:  # the client has gone: its sequences are cancelled, nobody reads an answer
+            return Response(status_code=499)
         choices = []
         completion_tokens = 0
         for index, events in enumerate(results):
@@ -389,6 +392,22 @@ async def _json_body(http: Request) -> Any:
         return json.loads(raw)
     except ValueError as error:
         raise ApiError(400, f"the request body is not JSON: {error}") from None
+
+
+async def _unless_disconnected(http: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or None (`work` cancelled) once the client has closed its connection, which
+    is looked at every DISCONNECT_POLL_S while `work` runs: a non-streaming request's sequences are
+    not decoded for a client that has gone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                return None
+    finally:
+        task.cancel()
 
 
 async def _collect(stream: AsyncIterator[TokenEvent]) -> List[TokenEvent]:

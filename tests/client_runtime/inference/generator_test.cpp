@@ -85,6 +85,41 @@ TEST_P(GeneratorTest, CachedGreedyEqualsRecomputation) {
   }
 }
 
+TEST_P(GeneratorTest, TopLogprobsAreEachStepsLikeliestTokens) {
+  auto lm = open_causal_lm(*checkpoint_);
+  // Rows asking none, 3 and 5 (one of them sampled) in the same steps.
+  std::vector<GenerationRequest> requests = {request({5, 9, 33}, 4), request({100, 4}, 5, 0.9, 0, 1.0, 7),
+                                             request({42}, 3)};
+  requests[1].sampling.top_logprobs = 3;
+  requests[2].sampling.top_logprobs = 5;
+  std::map<uint64_t, std::vector<at::Tensor>> logits;
+  std::map<uint64_t, std::vector<TokenEvent>> events;
+  GeneratorOptions options;
+  options.logits_observer = [&](uint64_t id, const at::Tensor& row) { logits[id].push_back(row.to(at::kFloat)); };
+  Generator generator(lm, options);
+  std::vector<uint64_t> ids;
+  for (const auto& r : requests) {
+    ids.push_back(generator.submit(r, [&](const TokenEvent& e) { events[e.request].push_back(e); }));
+  }
+  generator.run();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto k = requests[i].sampling.top_logprobs;
+    const auto& mine = events[ids[i]];
+    ASSERT_EQ(mine.size(), logits[ids[i]].size()) << "request " << i;
+    for (size_t t = 0; t < mine.size(); ++t) {
+      const auto log_probs = logits[ids[i]][t].log_softmax(0);
+      EXPECT_NEAR(mine[t].logprob, log_probs[mine[t].token].item<float>(), 1e-5);
+      ASSERT_EQ(static_cast<int64_t>(mine[t].top_logprobs.size()), k) << "request " << i << " token " << t;
+      if (k == 0) continue;
+      const auto [values, top] = log_probs.topk(k);
+      for (int64_t j = 0; j < k; ++j) {
+        EXPECT_EQ(mine[t].top_logprobs[j].first, top[j].item<int64_t>()) << "request " << i << " token " << t;
+        EXPECT_NEAR(mine[t].top_logprobs[j].second, values[j].item<float>(), 1e-5);
+      }
+    }
+  }
+}
+
 TEST_P(GeneratorTest, SampledGenerationRepeatsWithItsSeedAndDiffersWithAnother) {
   auto lm = open_causal_lm(*checkpoint_);
   const std::vector<GenerationRequest> same = {request({5, 9, 33}, 12, 1.5, 0, 1.0, 11)};
@@ -146,6 +181,10 @@ TEST_P(GeneratorTest, BadRequestsAreRefusedNamingTheFieldAndTheOthersGoOn) {
   EXPECT_NE(refusal(request({1}, 4, 1.0, 0, 1.5)).find("top_p is 1.5"), std::string::npos);
   EXPECT_NE(refusal(request({1}, 4, -1.0)).find("temperature is -1"), std::string::npos);
   EXPECT_NE(refusal(request({1}, 4, 1.0, -2)).find("top_k is -2, expected >= 0"), std::string::npos);
+  auto too_many = request({1}, 4);
+  too_many.sampling.top_logprobs = vocab + 1;
+  EXPECT_NE(refusal(too_many).find("top_logprobs is " + std::to_string(vocab + 1) + ", expected 0 to the vocabulary's"),
+            std::string::npos);
   EXPECT_NE(refusal(request({1}, 0)).find("max_new_tokens is 0, expected at least 1"), std::string::npos);
   auto bad_stop = request({1}, 4);
   bad_stop.sampling.stop_tokens = {-1};
