@@ -15,8 +15,10 @@ APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libzmq3-dev cp
 # pybind11 (the Python package's binding, python/CMakeLists.txt) at the version torch's own headers
 # carry; pytest runs the Python package's tests (tests/python/). symbiosis-serve (python/symbiosis/
 # serve/) runs on FastAPI, uvicorn and prometheus_client; its tests' client is the openai package.
+# symbiosis-tinker (python/symbiosis/tinker/) reads and writes the tinker SDK's own protobuf schema
+# ([Tinker wire]), and its tests' client is that SDK.
 PYBIND11_VERSION=3.0.1
-SERVE_PACKAGES=(fastapi==0.165.0 uvicorn==0.54.0 prometheus_client==0.26.0 openai==3.57.0)
+SERVE_PACKAGES=(fastapi==0.165.0 uvicorn==0.54.0 prometheus_client==0.26.0 openai==3.57.0 tinker==0.38.0)
 PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece protobuf
   pybind11==$PYBIND11_VERSION pytest "${SERVE_PACKAGES[@]}")
 
@@ -51,7 +53,7 @@ for m in ('transformers', 'peft', 'safetensors', 'numpy', 'matplotlib', 'sentenc
 assert md.version('pybind11') == '$PYBIND11_VERSION', md.version('pybind11')
 for pinned in '${SERVE_PACKAGES[*]}'.split(): name, version = pinned.split('=='); assert md.version(name) == version, pinned
 print(os.path.join(u.find_spec('torch').submodule_search_locations[0], 'share', 'cmake'))"
-IMPORT_PROBE="import torch, transformers, peft, safetensors, matplotlib, sentencepiece, tokenizers, google.protobuf, pybind11, pytest, fastapi, uvicorn, prometheus_client, openai
+IMPORT_PROBE="import torch, transformers, peft, safetensors, matplotlib, sentencepiece, tokenizers, google.protobuf, pybind11, pytest, fastapi, uvicorn, prometheus_client, openai, tinker
 assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__
 print(torch.utils.cmake_prefix_path)"
 if ! TORCH_PREFIX=$("$VENV/bin/python" -c "$FAST_PROBE" 2>/dev/null); then

@@ -34,3 +34,10 @@ if env -u LD_LIBRARY_PATH PYTHONDONTWRITEBYTECODE=1 "$work/prefix/bin/symbiosis-
 fi
 grep -q -- "--model $work/model has no tokenizer (tokenizer.json or tokenizer.model" "$work/serve.out" || { cat "$work/serve.out"; exit 1; }
 echo "installed symbiosis-serve: $(tail -1 "$work/serve.out" | cut -c1-100)"
+# symbiosis-tinker too: a base model without a tokenizer is refused, naming it.
+if env -u LD_LIBRARY_PATH PYTHONDONTWRITEBYTECODE=1 "$work/prefix/bin/symbiosis-tinker" --base-model "tiny=$work/model" \
+    --executor "$endpoint" --port 0 --state-dir "$work/tinker" > "$work/tinker.out" 2>&1; then
+  echo "installed symbiosis-tinker served a checkpoint without a tokenizer"; exit 1
+fi
+grep -q -- "$work/model has no tokenizer (tokenizer.json or tokenizer.model" "$work/tinker.out" || { cat "$work/tinker.out"; exit 1; }
+echo "installed symbiosis-tinker: $(tail -1 "$work/tinker.out" | cut -c1-100)"

@@ -1,0 +1,1 @@
+"""symbiosis-tinker: a Tinker-compatible training and sampling service (docs/tinker.md)"""

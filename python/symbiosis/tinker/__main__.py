@@ -1,0 +1,7 @@
+"""python -m symbiosis.tinker: symbiosis-tinker."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":  # not again in a process that multiprocessing spawns
+    sys.exit(main())
