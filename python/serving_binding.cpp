@@ -153,7 +153,12 @@ class ServingEngine {
     py::gil_scoped_release no_gil;  // reads the adapter's files
     generator_->load_adapter(name, adapter_in(path));
   }
-  void unload_adapter(const std::string& name) { generator_->unload_adapter(name); }
+  // The slot is freed at a step boundary once no request holds it: the stepping thread is woken
+  // for that step even when nothing runs, so that a load after this one finds the slot free.
+  void unload_adapter(const std::string& name) {
+    generator_->unload_adapter(name);
+    wake();
+  }
   std::vector<std::string> adapters() const { return generator_->adapters(); }
 
   int64_t running() const { return running_.load(); }

@@ -59,6 +59,8 @@
 #                  adapters in one generator, against the one-process bound, separate tenants, a monolithic generator,
 #                  transformers + PEFT, and beside two fine-tuning tenants (Llama-3.2-1B, bf16, LoRA r16), under MPS
 #                  (MULTI_LORA_FLAGS: the bench's flags after those, default '--python python3 --finetune-tenants 2')
+#   tinker-rl      symbiosis-tinker: TINKER_RUNS (1,4,8) concurrent RL runs of the tinker SDK against one after another
+#                  (bench/tinker_rl.py, Llama-3.2-1B, bf16); needs the wheels in .whl (tinker, pyqwest, ...)
 #   serve-bench    symbiosis-serve over HTTP (bench/serve_bench.py, the openai client): 64 streams over 8 adapters, split
 #                  against --monolithic, on multi-lora's model and adapters; needs the wheels in .whl (fastapi, openai, ...)
 #   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
@@ -836,6 +838,18 @@ PY
         --adapters $(for i in 0 1 2 3 4 5 6 7; do echo /tmp/multi-lora/adapters/$i; done) --device cuda:0 --dtype bf16 \
         --out "$out/serve-bench.json" > $logs/serve-bench.txt 2>&1
       log "serve-bench exited $?: $(grep -E '^(split|monolithic) ' $logs/serve-bench.txt | cut -c1-200)"
+      mps_off
+      ;;
+    tinker-rl)
+      # symbiosis-tinker (issue 48, bench/tinker_rl.py): TINKER_RUNS (1,4,8) concurrent RL runs of the tinker SDK on
+      # Llama-3.2-1B (bf16, LoRA r16) against as many one after another; needs the wheels in .whl (tinker, ...).
+      make_1b
+      python_package || continue
+      mps_on
+      timeout "${TINKER_TIMEOUT_S:-420}" python3 bench/tinker_rl.py --build "$B" --model $model_1b --runs "${TINKER_RUNS:-1,4,8}" ${TINKER_FLAGS:-} \
+        --device cuda:0 --dtype bf16 --out "$out/tinker-rl.json" > $logs/tinker-rl.txt 2>&1
+      log "tinker-rl exited $?: $(grep -E '^\{"runs"' $logs/tinker-rl.txt | cut -c1-220)"
+      [ -f "$out/tinker-rl.json" ] || tail -30 $logs/tinker-rl.txt
       mps_off
       ;;
     python-13b)

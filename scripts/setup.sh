@@ -71,6 +71,20 @@ if [ -f "$SITE_PACKAGES/symbiosis.pth" ]; then
   rm -f "$SITE_PACKAGES/symbiosis.pth"
 fi
 
+# 2b. tinker-cookbook's recipes run against symbiosis-tinker as a user runs them (tests/python/
+# test_tinker_cookbook.py), from an environment of their own: the cookbook pins a transformers of
+# its own. It sees the shared venv's packages after its own (torch is not installed twice).
+COOKBOOK_VENV=${SYMBIOSIS_COOKBOOK_VENV:-$(dirname "$VENV")/cookbook-venv}
+COOKBOOK_PACKAGES=(tinker-cookbook==0.5.8 tinker==0.38.0 sympy pylatexenc math-verify)
+if ! "$COOKBOOK_VENV/bin/python" -c 'import tinker_cookbook.recipes.rl_loop' 2>/dev/null; then
+  log "making $COOKBOOK_VENV: ${COOKBOOK_PACKAGES[*]}"
+  rm -rf "$COOKBOOK_VENV"
+  python3 -m venv "$COOKBOOK_VENV"
+  "$COOKBOOK_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+    | xargs -I{} sh -c "echo '$SITE_PACKAGES' > '{}/shared-venv.pth'"
+  "$COOKBOOK_VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "${COOKBOOK_PACKAGES[@]}"
+fi
+
 # 3. Configure (only when not configured, or configured with other values), then build.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc

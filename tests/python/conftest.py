@@ -118,6 +118,36 @@ class Executor(ReadyProcess):
         self.endpoint = self.address
 
 
+class TinkerServer(ReadyProcess):
+    """A symbiosis-tinker process on a free port (args: its flags); url: its base URL. Its clients
+    are the tinker SDK's, with KEY unless told another."""
+
+    KEY = "tml-alice-key"
+
+    def __init__(self, args, log_path):
+        program = os.environ.get("SYMBIOSIS_TINKER", os.path.join(BUILD, "examples", "symbiosis-tinker"))
+        super().__init__([program, "--port", "0", *args], log_path, "symbiosis-tinker", timeout_s=120)
+        self.url = self.address
+
+    def service(self, key=KEY):
+        import tinker
+
+        return tinker.ServiceClient(base_url=self.url, api_key=key)
+
+    def rest(self, key=KEY):
+        import tinker
+
+        return tinker.RestClient(base_url=self.url, api_key=key)
+
+    def workers(self):
+        """The pids of the server's worker processes: the children of its fork server ([Forked
+        workers] in python/symbiosis/tinker/runs.py)."""
+        import psutil
+
+        server = psutil.Process(self.process.pid)
+        return {p.pid for p in server.children(recursive=True) if p.ppid() != server.pid}
+
+
 @contextlib.contextmanager
 def served(architecture, seed=0):
     """(checkpoint directory, executor) for a tiny random model of `architecture`."""

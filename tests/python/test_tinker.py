@@ -11,35 +11,17 @@ import signal
 
 import numpy as np
 import peft
-import psutil
 import pytest
 import tinker
 import torch
 from tinker import types
 
-from conftest import BUILD, VOCAB, ReadyProcess, add_tokenizer, reference_model, served
+from conftest import VOCAB, TinkerServer, add_tokenizer, reference_model, served
 from symbiosis.tinker import worker
 
-TINKER = os.environ.get("SYMBIOSIS_TINKER", os.path.join(BUILD, "examples", "symbiosis-tinker"))
 BASE = "tiny/llama"
-ALICE, BOB = "tml-alice-key", "tml-bob-key"
+ALICE, BOB = TinkerServer.KEY, "tml-bob-key"
 ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
-
-
-class Server(ReadyProcess):
-    def __init__(self, args, log_path):
-        super().__init__([TINKER, "--port", "0", *args], log_path, "symbiosis-tinker", timeout_s=120)
-        self.url = self.address
-
-    def service(self, key=ALICE):
-        return tinker.ServiceClient(base_url=self.url, api_key=key)
-
-    def rest(self, key=ALICE):
-        return tinker.RestClient(base_url=self.url, api_key=key)
-
-    def workers(self):
-        """The server's worker processes (multiprocessing's spawned children), by pid."""
-        return {p.pid for p in psutil.Process(self.process.pid).children() if "spawn_main" in " ".join(p.cmdline())}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +32,7 @@ def server(tmp_path_factory):
         add_tokenizer(checkpoint)
         keys = work / "keys.json"
         keys.write_text(json.dumps({ALICE: "alice", BOB: "bob"}))
-        running = Server(["--executor", executor.endpoint, "--base-model", f"{BASE}={checkpoint}", "--api-keys",
+        running = TinkerServer(["--executor", executor.endpoint, "--base-model", f"{BASE}={checkpoint}", "--api-keys",
                           str(keys), "--state-dir", str(work / "state"), "--max-lora-rank", "64"],
                          work / "tinker.log")
         running.checkpoint = checkpoint
@@ -236,7 +218,6 @@ def test_two_keys_runs_are_isolated(server):
 
 
 def test_a_killed_runs_worker_leaves_another_training(server):
-    service = server.service()
     before = server.workers()
     doomed = new_run(server, seed=2)
     doomed_worker = server.workers() - before

@@ -10,6 +10,7 @@ is its own owner. Another owner's run or checkpoint is answered 404, as one that
 a key learns nothing of others' runs. Checkpoint files are fetched by URLs signed for the file
 (what the SDK's `tinker checkpoint download` fetches without a key).
 """
+import asyncio
 import hashlib
 import hmac
 import itertools
@@ -131,11 +132,15 @@ class Service:
         run.worker = Worker(run.id, checkpoint=base.checkpoint, executor=base.executor, tenant=f"tinker {run.id}",
                             **base.worker_settings, **run.lora)
         try:
-            await run.worker.started()
+            info = await run.worker.started()
         except BaseException:
             run.worker.stop()
             run.worker = None
             raise
+        # What the worker trains: no unembedding adapter on a tied one ([Tied unembedding], worker.py).
+        if info.get("train_unembed") is False and run.lora["train_unembed"]:
+            run.lora["train_unembed"] = False
+            run.save_record()
 
     def worker_of(self, run: Run) -> Worker:
         if run.worker is None:
@@ -240,7 +245,12 @@ def app(service: Service) -> FastAPI:
 
     @api.post(v1 + "/sessions/{session_id}/finish")
     async def finish_session(session_id: str, http: Request):
+        """ServiceClient.close(): the session's runs end their workers (what they saved stays)."""
         service.session_of(session_id, service.owner(http))
+        for run in service.runs.values():
+            if run.id.startswith(session_id + ":") and run.worker is not None:
+                worker, run.worker = run.worker, None
+                await asyncio.to_thread(worker.stop)
         return {}
 
     @api.post(v1 + "/telemetry")

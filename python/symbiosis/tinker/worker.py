@@ -79,7 +79,19 @@ class TrainingRun:
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn and train_unembed are all false; expected at least one "
                              "module kind to train")
-        model_type = transformers.AutoConfig.from_pretrained(checkpoint).model_type
+        config = transformers.AutoConfig.from_pretrained(checkpoint)
+        model_type = config.model_type
+        # [Tied unembedding] A model whose unembedding is its token embeddings (Llama-3.2-1B and
+        # 3B, Gemma, Qwen's small ones) has no unembedding layer of its own for an adapter: PEFT
+        # would wrap the tied lm_head, and the samplers (the C++ runtime, which computes the
+        # logits from the embeddings) have no such layer to apply it to. Such a run trains the
+        # attention and MLP adapters it asked for, and info() says train_unembed is off.
+        if train_unembed and getattr(config, "tie_word_embeddings", False):
+            train_unembed = False
+            if not (train_mlp or train_attn):
+                raise ValueError(f"train_unembed is the only module kind asked, but checkpoint {checkpoint} ties its "
+                                 "unembedding to its embeddings (no unembedding layer of its own to adapt); expected "
+                                 "train_attn or train_mlp too")
         if model_type not in TARGET_MODULES:
             raise ValueError(f"model type '{model_type}' (checkpoint {checkpoint}) is not supported for training; "
                              f"supported: {', '.join(TARGET_MODULES)}")
@@ -138,12 +150,20 @@ class TrainingRun:
             logits = self.model(input_ids=token_batch.to(self.device), use_cache=False).logits
             target_logprobs = []
             for row, (length, target) in enumerate(zip(lengths, targets)):
-                logprobs = torch.log_softmax(logits[row, :length].float(), dim=-1)
-                target_logprobs.append(logprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1))
+                # log p(target) = its logit - logsumexp over the vocabulary, in fp32: one fp32 copy of
+                # the datum's logits kept for backward, not two (log_softmax's input and output).
+                datum_logits = logits[row, :length]
+                picked = datum_logits.gather(-1, target.unsqueeze(-1)).squeeze(-1).float()
+                target_logprobs.append(picked - torch.logsumexp(datum_logits.float(), dim=-1))
             loss, metrics = losses.loss_of(loss_fn, target_logprobs, inputs, config)
             del logits
         if not forward_only:
             loss.backward()
+        if self.device.type == "cuda":
+            # The step's logits are the run's largest tensors; between requests their memory goes
+            # back to the GPU, for the other runs' steps.
+            del loss
+            torch.cuda.empty_cache()
         if self.client is not None:
             self.client.settle()  # an executor error belongs to this call, not the next one
         outputs = [logprobs.detach().to("cpu", torch.float32).numpy() for logprobs in target_logprobs]
@@ -343,9 +363,9 @@ def _describe(error: BaseException) -> str:
 
 
 def serve(connection, **kwargs) -> None:
-    """Process entry point (multiprocessing, spawn context): builds TrainingRun(**kwargs) and answers
-    requests on `connection` until it receives None or the other end closes ([Training run
-    protocol])."""
+    """Process entry point (multiprocessing; runs.py forks it from its fork server): builds
+    TrainingRun(**kwargs) and answers requests on `connection` until it receives None or the other
+    end closes ([Training run protocol])."""
     try:
         run = TrainingRun(**kwargs)
     except Exception as error:  # noqa: BLE001 - reported to the service, which decides
