@@ -127,7 +127,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     keys = _keys(args, p)
 
     import transformers
-    import uvicorn
 
     import symbiosis
     from .app import Keys, Server
@@ -164,22 +163,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"symbiosis-serve: {error}", file=sys.stderr)
         return 1
 
-    # Bound here so that --port 0 has its port before the ready line ([Ready line]).
-    listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    return run_app(server.app(), args.host, args.port, "symbiosis-serve")
+
+
+def run_app(app, host: str, port: int, program: str) -> int:
+    """Serves the ASGI `app` on host:port with uvicorn until it is stopped; 1 when the address
+    cannot be had (said on stderr, naming the flags). The socket is bound here so that --port 0
+    has its port before the ready line ([Ready line]: as the executor's "ready ENDPOINT", one line
+    on stdout once requests are taken)."""
+    import uvicorn
+
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((args.host, args.port))
+        listener.bind((host, port))
     except OSError as error:
-        print(f"symbiosis-serve: --host {args.host} --port {args.port}: {error}", file=sys.stderr)
+        print(f"{program}: --host {host} --port {port}: {error}", file=sys.stderr)
         return 1
     listener.listen(2048)
-    host, port = listener.getsockname()[:2]
-    # [Ready line]: as the executor's "ready ENDPOINT", one line on stdout once requests are taken.
-    print(f"ready http://{host}:{port}", flush=True)
-    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5)
+    bound_host, bound_port = listener.getsockname()[:2]
+    print(f"ready http://{bound_host}:{bound_port}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

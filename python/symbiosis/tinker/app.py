@@ -218,6 +218,21 @@ def app(service: Service) -> FastAPI:
         taken here would hold every later request of the run."""
         return run.in_order(field(body, "seq_id", int), lambda w: futures.start(owner, w, model_id=run.id), work)
 
+    def run_request(path: str):
+        """Registers POST `path` as a request of the run its model_id names, in the run's order: the
+        decorated coroutine function (run, body, owner) computes its result."""
+        def register(handler):
+            @api.post(v1 + path, name=handler.__name__)
+            async def endpoint(http: Request):
+                owner = service.owner(http)
+                body = await body_of(http)
+                run = service.run_of(field(body, "model_id"), owner)
+                return in_order(run, body, owner, lambda: handler(run, body, owner))
+
+            return handler
+
+        return register
+
     # -- the SDK's start-up, sessions, telemetry --
 
     @api.post(v1 + "/client/config")
@@ -308,51 +323,30 @@ def app(service: Service) -> FastAPI:
 
         return run.in_order(request.seq_id, lambda w: futures.start(owner, w, model_id=run.id), work)
 
-    @api.post(v1 + "/optim_step")
-    async def optim_step(http: Request):
-        owner = service.owner(http)
-        body = await body_of(http)
-        run = service.run_of(field(body, "model_id"), owner)
+    @run_request("/optim_step")
+    async def optim_step(run: Run, body: Dict[str, Any], owner: str):
+        adam = body.get("adam_params")
+        if not isinstance(adam, dict):
+            what = "optimizer_params" if "optimizer_params" in body else "adam_params"
+            raise UserError(f"{what}: this server's optimizer is AdamW; send AdamParams")
+        metrics = await service.worker_of(run).call(
+            "optim_step", float(adam.get("learning_rate", 1e-4)), float(adam.get("beta1", 0.9)),
+            float(adam.get("beta2", 0.95)), float(adam.get("eps", 1e-12)), float(adam.get("weight_decay", 0.0)),
+            float(adam.get("grad_clip_norm", 0.0)))
+        return {"metrics": metrics, "type": "optim_step"}
 
-        async def work():
-            adam = body.get("adam_params")
-            if not isinstance(adam, dict):
-                what = "optimizer_params" if "optimizer_params" in body else "adam_params"
-                raise UserError(f"{what}: this server's optimizer is AdamW; send AdamParams")
-            metrics = await service.worker_of(run).call(
-                "optim_step", float(adam.get("learning_rate", 1e-4)), float(adam.get("beta1", 0.9)),
-                float(adam.get("beta2", 0.95)), float(adam.get("eps", 1e-12)), float(adam.get("weight_decay", 0.0)),
-                float(adam.get("grad_clip_norm", 0.0)))
-            return {"metrics": metrics, "type": "optim_step"}
+    @run_request("/save_weights")
+    async def save_weights(run: Run, body: Dict[str, Any], owner: str):
+        name = field(body, "path")
+        await service.save(run, "weights", name, True, bool(body.get("overwrite", False)))
+        return {"path": f"{TINKER}{run.id}/weights/{name}", "type": "save_weights"}
 
-        return in_order(run, body, owner, work)
-
-    @api.post(v1 + "/save_weights")
-    async def save_weights(http: Request):
-        owner = service.owner(http)
-        body = await body_of(http)
-        run = service.run_of(field(body, "model_id"), owner)
-
-        async def work():
-            name = field(body, "path")
-            await service.save(run, "weights", name, True, bool(body.get("overwrite", False)))
-            return {"path": f"{TINKER}{run.id}/weights/{name}", "type": "save_weights"}
-
-        return in_order(run, body, owner, work)
-
-    @api.post(v1 + "/save_weights_external")
-    async def save_weights_external(http: Request):
-        owner = service.owner(http)
-        body = await body_of(http)
-        run = service.run_of(field(body, "model_id"), owner)
-
-        async def work():
-            name = field(body, "path")
-            folder = await service.save(run, "external_weights", name, False, True)
-            size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-            return {"path": f"{TINKER}{run.id}/external_weights/{name}", "size_bytes": size}
-
-        return in_order(run, body, owner, work)
+    @run_request("/save_weights_external")
+    async def save_weights_external(run: Run, body: Dict[str, Any], owner: str):
+        name = field(body, "path")
+        folder = await service.save(run, "external_weights", name, False, True)
+        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+        return {"path": f"{TINKER}{run.id}/external_weights/{name}", "size_bytes": size}
 
     def loadable(body: Dict[str, Any], owner: str) -> Tuple[Run, str, bool]:
         """(the run it was saved by, the folder, with the optimizer) of a load_weights request."""
@@ -392,24 +386,17 @@ def app(service: Service) -> FastAPI:
 
         return futures.start(owner, new(), model_id=run.id)
 
-    @api.post(v1 + "/save_weights_for_sampler")
-    async def save_weights_for_sampler(http: Request):
-        owner = service.owner(http)
-        body = await body_of(http)
-        run = service.run_of(field(body, "model_id"), owner)
-
-        async def work():
-            if body.get("path") is not None:
-                name = field(body, "path")
-                folder = await service.save(run, "sampler_weights", name, False, bool(body.get("overwrite", False)))
-                await service.bases[run.base_model].adapter(folder)
-                return {"path": f"{TINKER}{run.id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
-            session_id = f"{run.id.split(':train:')[0]}:sample:{field(body, 'sampling_session_seq_id', int)}"
-            folder = await service.ephemeral_sampler(run, session_id)
-            service.samplers[session_id] = (owner, run.base_model, folder, None)
-            return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
-
-        return in_order(run, body, owner, work)
+    @run_request("/save_weights_for_sampler")
+    async def save_weights_for_sampler(run: Run, body: Dict[str, Any], owner: str):
+        if body.get("path") is not None:
+            name = field(body, "path")
+            folder = await service.save(run, "sampler_weights", name, False, bool(body.get("overwrite", False)))
+            await service.bases[run.base_model].adapter(folder)
+            return {"path": f"{TINKER}{run.id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+        session_id = f"{run.id.split(':train:')[0]}:sample:{field(body, 'sampling_session_seq_id', int)}"
+        folder = await service.ephemeral_sampler(run, session_id)
+        service.samplers[session_id] = (owner, run.base_model, folder, None)
+        return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
 
     # -- sampling --
 

@@ -2,7 +2,6 @@
 import argparse
 import json
 import os
-import socket
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -74,10 +73,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     keys = _keys(args.api_keys, p)
 
     import transformers
-    import uvicorn
 
     import symbiosis
-    from ..serve.cli import _eos_token_ids, _model_len
+    from ..serve.cli import _eos_token_ids, _model_len, run_app
     from ..serve.engine import Engine
     from .app import Service, app
     from .sampler import BaseModel
@@ -102,24 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.state_dir, exist_ok=True)
     service = Service(bases, os.path.abspath(args.state_dir), keys=keys, max_lora_rank=args.max_lora_rank)
 
-    listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((args.host, args.port))
-    except OSError as error:
-        print(f"symbiosis-tinker: --host {args.host} --port {args.port}: {error}", file=sys.stderr)
-        return 1
-    listener.listen(2048)
-    host, port = listener.getsockname()[:2]
-    # [Ready line] (serve/cli.py): one line on stdout once requests are taken.
-    print(f"ready http://{host}:{port}", flush=True)
-    try:
-        uvicorn.Server(uvicorn.Config(app(service), log_level="warning", timeout_graceful_shutdown=5)).run(
-            sockets=[listener])
+        return run_app(app(service), args.host, args.port, "symbiosis-tinker")
     finally:
         service.stop()
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
