@@ -3,6 +3,7 @@ run split over an executor trains as transformers + PEFT + AdamW do in one proce
 log-probabilities and loss:sum within 1e-5 over three steps); each loss equals its formula; a
 save -> load round trip continues as if uninterrupted; bad requests are refused naming the field and
 leave the run training; the run's process answers over a Pipe ([Training run protocol])."""
+import contextlib
 import json
 import multiprocessing
 import os
@@ -290,15 +291,26 @@ def test_bad_requests_are_refused_naming_the_field_and_the_run_still_trains(llam
     assert np.isfinite(metrics["loss:sum"]) and rl[0].shape == (len(tokens),)
 
 
-def test_serve_answers_over_a_pipe_in_a_process_of_its_own(llama):
-    checkpoint, endpoint = llama
+@contextlib.contextmanager
+def served_run(settings):
+    """(our end of the Pipe, the process) of worker.serve(**settings) in a spawned process, killed
+    after if it is still there."""
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    process = context.Process(target=serve, args=(theirs,), daemon=True,
-                              kwargs=dict(checkpoint=checkpoint, executor=endpoint, tenant="tinker-served", **RUN))
+    process = context.Process(target=serve, args=(theirs,), kwargs=settings, daemon=True)
     process.start()
     theirs.close()
     try:
+        yield ours, process
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def test_serve_answers_over_a_pipe_in_a_process_of_its_own(llama):
+    checkpoint, endpoint = llama
+    with served_run(dict(checkpoint=checkpoint, executor=endpoint, tenant="tinker-served", **RUN)) as (ours, process):
         assert ours.poll(120), "the run's process did not report"
         status, info = ours.recv()
         assert status == "ready", info
@@ -326,24 +338,11 @@ def test_serve_answers_over_a_pipe_in_a_process_of_its_own(llama):
         ours.send(None)
         process.join(60)
         assert process.exitcode == 0
-    finally:
-        if process.is_alive():
-            process.kill()
-            process.join()
 
     # A run that cannot be built says why, as the client's error, and its process ends.
-    ours, theirs = context.Pipe()
-    process = context.Process(target=serve, args=(theirs,), daemon=True,
-                              kwargs=dict(checkpoint=checkpoint, executor=None, **dict(RUN, rank=0)))
-    process.start()
-    theirs.close()
-    try:
+    with served_run(dict(checkpoint=checkpoint, executor=None, **dict(RUN, rank=0))) as (ours, process):
         assert ours.poll(120)
         status, kind, message = ours.recv()
         assert (status, kind) == ("error", "user") and "rank is 0" in message
         process.join(60)
         assert process.exitcode == 0
-    finally:
-        if process.is_alive():
-            process.kill()
-            process.join()
