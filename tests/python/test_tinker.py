@@ -8,6 +8,9 @@ the run goes on."""
 import json
 import os
 import signal
+import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import peft
@@ -36,6 +39,8 @@ def server(tmp_path_factory):
                           str(keys), "--state-dir", str(work / "state"), "--max-lora-rank", "64"],
                          work / "tinker.log")
         running.checkpoint = checkpoint
+        running.executor = executor.endpoint
+        running.work = work
         try:
             yield running
         finally:
@@ -185,8 +190,6 @@ def test_save_and_load_with_optimizer_resume_with_identical_losses(server):
 
 
 def test_a_checkpoint_downloads_as_a_peft_adapter(server, tmp_path):
-    import urllib.request
-
     training = new_run(server)
     train_steps(training, 1)
     saved = training.save_weights_for_sampler("for-download").result()
@@ -254,12 +257,40 @@ def test_unknown_base_model_and_bad_rank_are_refused_naming_them(server):
 
 
 def test_an_endpoint_not_implemented_is_named(server):
-    import urllib.error
-    import urllib.request
-
     request = urllib.request.Request(f"{server.url}/api/v1/create_custom_loss", data=b"{}", method="POST",
                                      headers={"X-API-Key": ALICE, "Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 404
     assert "does not implement POST /api/v1/create_custom_loss" in refused.value.read().decode()
+
+
+def test_a_silent_session_ends_its_runs_workers(server):
+    """[Session expiry]: a client that stops heartbeating (here: a session made by hand, which never
+    heartbeats) loses its runs' workers after --session-timeout-s; the runs stay listed."""
+    quick = TinkerServer(["--executor", server.executor, "--base-model", f"{BASE}={server.checkpoint}",
+                          "--state-dir", str(server.work / "quick"), "--session-timeout-s", "2"],
+                         server.work / "quick.log")
+    try:
+        def post(path, body):
+            request = urllib.request.Request(f"{quick.url}/api/v1/{path}", data=json.dumps(body).encode(),
+                                             method="POST", headers={"X-API-Key": ALICE,
+                                                                     "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return json.load(response)
+
+        session = post("create_session", {})["session_id"]
+        created = post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": BASE,
+                                        "lora_config": {"rank": 4, "train_unembed": False}})
+        assert post("retrieve_future", {"request_id": created["request_id"]})["model_id"] == created["model_id"]
+        assert len(quick.workers()) == 1
+        deadline = time.monotonic() + 30  # a bound on waiting, not a measure
+        while quick.workers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not quick.workers()
+        with pytest.raises(urllib.error.HTTPError) as ended:
+            post("session_heartbeat", {"session_id": session})
+        assert ended.value.code == 410
+        assert quick.rest().get_training_run(created["model_id"]).result().training_run_id == created["model_id"]
+    finally:
+        quick.stop()

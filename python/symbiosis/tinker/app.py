@@ -11,6 +11,7 @@ a key learns nothing of others' runs. Checkpoint files are fetched by URLs signe
 (what the SDK's `tinker checkpoint download` fetches without a key).
 """
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import itertools
@@ -38,13 +39,16 @@ class Service:
     """The API's state: base models, sessions, runs, sampling sessions and requests in flight."""
 
     def __init__(self, bases: Dict[str, BaseModel], state_dir: str, *, keys: Optional[Dict[str, str]],
-                 max_lora_rank: int):
+                 max_lora_rank: int, session_timeout_s: float = 600.0):
         self.bases = bases
         self.state_dir = state_dir
         self.keys = keys
         self.max_lora_rank = max_lora_rank
         self.futures = Futures()
         self.sessions: Dict[str, str] = {}  # session id -> owner
+        self.session_timeout_s = session_timeout_s
+        self._last_seen: Dict[str, float] = {}  # session id -> when it last showed itself (monotonic)
+        self._expired: set = set()  # sessions ended for silence: their heartbeats are answered 410
         self.runs: Dict[str, Run] = {}
         self.samplers: Dict[str, Tuple[str, str, Optional[str], Optional[str]]] = {}  # id -> owner, base, folder, path
         self._ephemeral: Dict[str, List[str]] = {}  # run id -> its ephemeral sampler folders, oldest first
@@ -72,9 +76,33 @@ class Service:
         return run
 
     def session_of(self, session_id: str, owner: str) -> str:
+        if session_id in self._expired:
+            raise HTTPException(410, f"session {session_id} has ended: not heard from for {self.session_timeout_s:g} s")
         if self.sessions.get(session_id) != owner:
             raise HTTPException(404, f"there is no session {session_id!r} of this key's: create_session first")
+        self._last_seen[session_id] = time.monotonic()
         return session_id
+
+    async def end_session(self, session_id: str) -> None:
+        """Ends the workers of the session's runs (what they saved stays, and they stay listed)."""
+        for run in self.runs.values():
+            if run.id.startswith(session_id + ":") and run.worker is not None:
+                worker, run.worker = run.worker, None
+                await asyncio.to_thread(worker.stop)
+
+    async def expire_sessions(self, every_s: float) -> None:
+        """[Session expiry] A session whose client has not shown itself (a heartbeat, which the SDK
+        sends every 10 s, or any request naming it) for session_timeout_s is over: its runs' workers
+        end, as at ServiceClient.close(), so that a client gone without closing holds no GPU memory."""
+        while True:
+            await asyncio.sleep(every_s)
+            now = time.monotonic()
+            for session_id, seen in list(self._last_seen.items()):
+                if now - seen > self.session_timeout_s:
+                    del self._last_seen[session_id]
+                    del self.sessions[session_id]
+                    self._expired.add(session_id)
+                    await self.end_session(session_id)
 
     def base_of(self, name: str) -> BaseModel:
         if name not in self.bases:
@@ -144,8 +172,9 @@ class Service:
 
     def worker_of(self, run: Run) -> Worker:
         if run.worker is None:
-            raise UserError(f"run {run.id} has no worker (the server restarted since it trained): load one of its "
-                            "checkpoints into a new training client")
+            raise UserError(f"run {run.id} has no worker (its session ended, closed or silent for "
+                            f"{self.session_timeout_s:g} s, or the server restarted since): load one of its checkpoints "
+                            "into a new training client")
         return run.worker
 
     def info(self, run: Run) -> Dict[str, Any]:
@@ -189,7 +218,15 @@ class Service:
 
 
 def app(service: Service) -> FastAPI:
-    api = FastAPI(title="symbiosis-tinker", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        expiry = asyncio.ensure_future(service.expire_sessions(min(30.0, service.session_timeout_s / 2)))
+        try:
+            yield
+        finally:
+            expiry.cancel()
+
+    api = FastAPI(title="symbiosis-tinker", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     futures = service.futures
     v1 = "/api/v1"
 
@@ -250,6 +287,7 @@ def app(service: Service) -> FastAPI:
         owner = service.owner(http)
         session_id = f"sess-{secrets.token_hex(4)}{next(service._session_ids)}"
         service.sessions[session_id] = owner
+        service.session_of(session_id, owner)  # seen now
         return {"type": "create_session", "session_id": session_id}
 
     @api.post(v1 + "/session_heartbeat")
@@ -261,11 +299,7 @@ def app(service: Service) -> FastAPI:
     @api.post(v1 + "/sessions/{session_id}/finish")
     async def finish_session(session_id: str, http: Request):
         """ServiceClient.close(): the session's runs end their workers (what they saved stays)."""
-        service.session_of(session_id, service.owner(http))
-        for run in service.runs.values():
-            if run.id.startswith(session_id + ":") and run.worker is not None:
-                worker, run.worker = run.worker, None
-                await asyncio.to_thread(worker.stop)
+        await service.end_session(service.session_of(session_id, service.owner(http)))
         return {}
 
     @api.post(v1 + "/telemetry")

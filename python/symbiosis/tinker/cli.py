@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=128, help="the largest LoRA rank a run may ask")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sampled sequences decoded at once, per base model")
     p.add_argument("--max-loras", type=int, default=16, help="sampler weights held at once, per base model")
+    p.add_argument("--session-timeout-s", type=float, default=600.0,
+                   help="a session not heard from (heartbeats, requests) for this long ends its runs' workers")
     p.add_argument("--max-model-len", type=int, default=0, help="positions a sequence may use (0: the model's, "
                                                                   "at most 4096)")
     return p
@@ -98,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"symbiosis-tinker: {error}", file=sys.stderr)
         return 1
     os.makedirs(args.state_dir, exist_ok=True)
-    service = Service(bases, os.path.abspath(args.state_dir), keys=keys, max_lora_rank=args.max_lora_rank)
+    service = Service(bases, os.path.abspath(args.state_dir), keys=keys, max_lora_rank=args.max_lora_rank,
+                      session_timeout_s=args.session_timeout_s)
 
     try:
         return run_app(app(service), args.host, args.port, "symbiosis-tinker")
