@@ -82,7 +82,8 @@
 #                  cache, CPU decode) and the offloaded cache at LONG_CONTEXTS (4K..128K) with LONG_NEW_TOKENS (16) new
 #                  tokens; CPU decode attention against the host's memory bandwidth; the multi-request point (1K-token
 #                  requests on the CPU until LONG_HOST_CAP bytes, on the GPU until its memory is full), under MPS
-#   python         Python tenants (docs/python.md): tests/python/test_gpu.py (a tenant on cuda:0 over cuda-ipc and, with
+#   python         Python tenants (docs/python.md): tests/python/test_gpu.py (symbiosis-serve's engine and symbiosis-tinker
+#                  need the wheels of .whl installed first; a tenant on cuda:0 over cuda-ipc and, with
 #                  2 GPUs, one on cuda:1 over nccl, each equal to the same transformers + PEFT model in one process: fp32
 #                  within 1e-5, bf16 within 5e-2), under MPS, then the CPU suite (tests/python, executors on the CPU;
 #                  PYTHON_CPU_SUITE=0 skips it), on pytest-xdist's workers where it is installed

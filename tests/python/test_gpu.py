@@ -171,3 +171,43 @@ def test_serving_engine_batches_the_base_and_two_adapters_on_a_gpu(tmp_path):
                     assert produced == want, f"adapter '{adapter}', prompt {prompt}"
         finally:
             engine.shutdown()
+
+
+def test_tinker_service_trains_and_samples_on_a_gpu(tmp_path):
+    """symbiosis-tinker (docs/tinker.md) with its runs and sampler on cuda:0, through the tinker SDK:
+    two supervised steps equal transformers + PEFT in one process on the GPU (fp32), and the saved
+    sampler weights' greedy samples, from the serving Engine's captured steps, equal PEFT's greedy
+    generate from the same files."""
+    import os
+
+    types = pytest.importorskip("tinker.types", reason="no tinker SDK here: install the wheels of .whl first "
+                                                       "(../.library/device/README.md)")
+    from conftest import TinkerServer, add_tokenizer, greedy_generate
+    from test_tinker import BASE, SEQUENCES, reference_steps, train_steps
+
+    os.environ["TINKER_TELEMETRY"] = "0"
+    with gpu_served("llama", torch.float32) as (checkpoint, executor):
+        add_tokenizer(checkpoint)
+        server = TinkerServer(["--executor", executor.endpoint, "--base-model", f"{BASE}={checkpoint}", "--device",
+                               "cuda:0", "--dtype", "fp32", "--state-dir", str(tmp_path / "state")],
+                              tmp_path / "tinker.log")
+        try:
+            training = server.service().create_lora_training_client(base_model=BASE, rank=4, seed=3,
+                                                                    train_unembed=False).result()
+            ours_logprobs, ours_losses = train_steps(training, 2)
+            their_logprobs, their_losses = reference_steps(checkpoint, rank=4, seed=3, steps=2)
+            for step in range(2):
+                for ours, theirs in zip(ours_logprobs[step], their_logprobs[step]):
+                    assert_close(torch.tensor(theirs), torch.tensor(ours), f"step {step} logprobs", 1e-4)
+                assert abs(ours_losses[step] - their_losses[step]) <= 1e-4 * abs(their_losses[step])
+            saved = training.save_weights_for_sampler("gpu").result()
+            sampler = server.service().create_sampling_client(model_path=saved.path)
+            prompt = SEQUENCES[0][:4]
+            got = sampler.sample(types.ModelInput.from_ints(prompt), 2,
+                                 types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+            folder = os.path.join(tmp_path, "state", "runs", training.model_id, "sampler_weights", "gpu")
+            adapter = peft.PeftModel.from_pretrained(reference_model(checkpoint), folder).to("cuda:0").eval()
+            want, _ = greedy_generate(adapter, prompt, 8)  # both end at the tiny model's EOS
+            assert [s.tokens for s in got.sequences] == [want, want]
+        finally:
+            server.stop()
