@@ -85,7 +85,8 @@ struct ExecutorOptions {
   int streams = 8;
   // With more than one stream, a same-GPU (CUDA IPC) request of at least this many tokens runs
   // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is
-  // faster than packing them (measured in docs/benchmarks.md). 0: such requests batch as others.
+  // faster than packing them (measured in docs/benchmarks-history.md). 0: such requests batch as
+  // others.
   int64_t concurrent_tokens = 128;
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a same-GPU tenant's captured
   // decode steps, once seen, run as one launch each, their calls waiting on the GPU for their inputs.

@@ -1,6 +1,7 @@
-// symbiosis-bench: runs a benchmark scenario (see docs/benchmarks.md for the format). For each
-// client count and batching policy it starts an executor and the scenario's clients as separate
-// processes, and runs the baselines asked for with the same clients in the same invocation:
+// symbiosis-bench: runs a benchmark scenario (its format: docs/benchmarks-history.md, "Programs
+// and method"). For each client count and batching policy it starts an executor and the scenario's
+// clients as separate processes, and runs the baselines asked for with the same clients in the
+// same invocation:
 // "monolithic" (our C++ client with its own copy of the base layers) and "hf_peft" (Hugging Face
 // PEFT jobs, bench/hf_peft_client.py). It collects each client's iteration latencies and tokens/s
 // over a common window after every process is warm ([Measurement window] in bench_client.cpp),

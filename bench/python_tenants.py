@@ -343,7 +343,8 @@ def run(a, gpu, result):
         count = result["python_tenants"]["clients_that_fit"]
         if a.cpp and count > 0:
             # Under MPS an ended tenant's memory comes back a while after its process has gone: C++
-            # tenants started at once ran out of memory beside it (PY3 in docs/benchmarks.md).
+            # tenants started at once ran out of memory beside it (PY3 in
+            # docs/benchmarks-history.md).
             wait_for_memory(gpu, executor_mib)
             try:  # a failure here leaves the plain jobs still to measure
                 result["cpp_tenants"] = cpp_window(a, endpoint, count, a.window_s)

@@ -29,8 +29,8 @@
 // GEMMs may reduce in another order than the reference's (a GPU executor: another kernel for a
 // packed batch's row count, or the GPU's against a CPU client's reference), only a loose bound
 // holds: scripts/gpu_check.sh holds logits to 1e-3 and gradients to 1e-2 (issue 27's soak notes in
-// docs/benchmarks.md). On the CPU the same library computes both, a row's result does not depend on
-// its batch, and 1e-5 holds.
+// docs/benchmarks-history.md). On the CPU the same library computes both, a row's result does not
+// depend on its batch, and 1e-5 holds.
 //
 // [Call time] A call's time is that of the client runtime's "symbiosis::executor_call" scope
 // (LibTorch's RecordFunction), from the call to its result. A client on the executor's GPU gets

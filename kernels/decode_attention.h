@@ -6,7 +6,7 @@
 // writing the keys and values, two index_selects copying every decoding sequence's whole slot out
 // of the cache (the cache is [slots, kv_heads, tokens, head_dim] and a step's sequences sit in any
 // slots), and the attention itself over the copies, masked to each one's length; on an H200 these
-// were 47% of a Llama-3.2-1B inference tenant's own GPU time (docs/benchmarks.md,
+// were 47% of a Llama-3.2-1B inference tenant's own GPU time (docs/benchmarks-history.md,
 // `scripts/gpu_check.sh trace-generate`). Here a block of threads takes one chunk of 128 keys of one
 // (sequence, kv head), so that the chunks of a long sequence run side by side (split-K, as flash
 // decoding does): the block holding the new token writes its key and value, then each block's warps

@@ -5,10 +5,11 @@
 // out = base + [h_m·B_mᵀ·s_m] in each member m's columns (base's elsewhere), where
 // h = x·[A_1; A_2; ...]ᵀ holds the members' rank columns side by side. Left to ATen, each adapter
 // costs a product and a scaled add: at 1 x 128 tokens, kernels of 2-4 us each, and LoRA was over
-// half of a Llama-3.2-1B client's ~1 100 kernels a step (docs/benchmarks.md). Each output is a dot
-// of rank terms, accumulated in fp32 and rounded once with base, so results match the expression
-// within the dtype's rounding, not bit for bit. Built only with CUDA; client_runtime/peft/lora.cpp calls
-// it on a GPU, and computes the rest of the group's products with cuBLAS.
+// half of a Llama-3.2-1B client's ~1 100 kernels a step (docs/benchmarks-history.md). Each output
+// is a dot of rank terms, accumulated in fp32 and rounded once with base, so results match the
+// expression within the dtype's rounding, not bit for bit. Built only with CUDA;
+// client_runtime/peft/lora.cpp calls it on a GPU, and computes the rest of the group's products
+// with cuBLAS.
 #include <ATen/ATen.h>
 
 #include <vector>

@@ -5,9 +5,9 @@
 // one kernel. LibTorch runs the expression as five kernels forward and five backward on q and on
 // k, each on a view that is not contiguous (q and k are transposed to [batch, heads, tokens,
 // head_dim]), so through its slower strided path: on an H200 they were a third of a Llama-3.2-1B
-// client's own GPU time at 2 x 512 tokens (bench/trace_summary.py, docs/benchmarks.md). Here each
-// thread reads one pair (x_i, x_{i+half}) and the matching cos and sin, computes in fp32 and
-// rounds once, so results match the expression within the dtype's rounding, not bit for bit.
+// client's own GPU time at 2 x 512 tokens (bench/trace_summary.py, docs/benchmarks-history.md).
+// Here each thread reads one pair (x_i, x_{i+half}) and the matching cos and sin, computes in fp32
+// and rounds once, so results match the expression within the dtype's rounding, not bit for bit.
 // Built only with CUDA; client_runtime/models/llama.cpp calls it on a GPU.
 #include <ATen/ATen.h>
 

@@ -117,8 +117,8 @@ std::shared_ptr<ModelAdapterImpl> model_adapter_of(torch::nn::Module& module) {
 // calls to the executor, one at a time. OpenMP's idle threads spin a while after each parallel
 // region (libgomp's default), on every core, and the call's own thread and the executor's then
 // wait for a core: on a 16-core H100 host the 128 calls of a Llama-2-7B step took 100 ms where
-// they take 28 with the threads asleep (LC3 and LC4 in docs/benchmarks.md). OpenMP reads its wait
-// policy once, when the process starts, so the library can only say so.
+// they take 28 with the threads asleep (LC3 and LC4 in docs/benchmarks-history.md). OpenMP reads
+// its wait policy once, when the process starts, so the library can only say so.
 void warn_of_spinning_threads() {
   static std::once_flag once;
   std::call_once(once, [] {

@@ -163,9 +163,9 @@ SYMBIOSIS_AVX512 inline __m512 load16(const c10::BFloat16* p) {
 // another. On the GPU machine's Intel cores the hardware prefetcher stops at each 4 KiB page, and
 // 16 cores read one 7B layer at 64K at 63.5 GB/s of a host that sums 116 to 122; asking for the
 // row 32 ahead (past the chunk's end too: the next chunk is most often this core's next task,
-// [Balanced tasks]; a prefetch never faults) read 96.0 (SH11 in docs/benchmarks.md). On this
-// project's AMD development VM the same prefetches slowed it (2 threads 27 -> 23 GB/s), so only
-// Intel cores prefetch. The values read are the same either way.
+// [Balanced tasks]; a prefetch never faults) read 96.0 (SH11 in docs/benchmarks-history.md). On
+// this project's AMD development VM the same prefetches slowed it (2 threads 27 -> 23 GB/s), so
+// only Intel cores prefetch. The values read are the same either way.
 int64_t prefetch_rows() {
   static const int64_t rows = __builtin_cpu_is("intel") ? 32 : 0;
   return rows;

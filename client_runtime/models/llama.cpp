@@ -110,8 +110,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // RoPE, x·cos + rotate_half(x)·sin, as one autograd node. Left to autograd it is eight nodes per
 // tensor, two of them slice backwards that each fill a zero tensor of x's size: the largest share
-// of a client's host time after the base-layer calls (docs/benchmarks.md, [Op profile]). The
-// gradient is the one autograd computes: rotate_half's transpose is -rotate_half, so
+// of a client's host time after the base-layer calls (docs/benchmarks-history.md, [Op profile]).
+// The gradient is the one autograd computes: rotate_half's transpose is -rotate_half, so
 // dx = g·cos - rotate_half(g·sin). cos and sin take no gradient.
 class Rotary : public torch::autograd::Function<Rotary> {
  public:

@@ -94,8 +94,8 @@ at::Tensor lora_sum(const at::Tensor& base, const at::Tensor& h, const at::Tenso
 
 // LoRA's update as one autograd node. Left to autograd it is some ten nodes per adapted layer (two
 // products with their transposes and reshapes, a scaled add): after the base-layer calls
-// the largest share of a client's host time (docs/benchmarks.md, [Op profile]). The gradients are
-// the ones autograd computes for that expression, product for product.
+// the largest share of a client's host time (docs/benchmarks-history.md, [Op profile]). The
+// gradients are the ones autograd computes for that expression, product for product.
 class LoraUpdate : public torch::autograd::Function<LoraUpdate> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& base, const at::Tensor& x,

@@ -3,10 +3,11 @@
 // A training step captured once into CUDA graphs and replayed. A client's step launches some
 // 1 500 kernels on a GPU, and the host work around each launch (LibTorch's dispatch, autograd's
 // bookkeeping, the caching allocator) is most of a small step's time: a 1 x 128 Llama-3.2-1B step
-// takes ~25 ms of host time for a few ms of GPU work (docs/benchmarks.md). Replayed, the step costs
-// the host two graph launches and, split, the headers of its base-layer calls: each call was
-// recorded at the capture with its operands in the graph's own memory, and its two hand-offs are
-// ordered on the GPU through a slot of flags of its own ([Captured calls] in transport/call_ring.h).
+// takes ~25 ms of host time for a few ms of GPU work (docs/benchmarks-history.md). Replayed, the
+// step costs the host two graph launches and, split, the headers of its base-layer calls: each call
+// was recorded at the capture with its operands in the graph's own memory, and its two hand-offs
+// are ordered on the GPU through a slot of flags of its own ([Captured calls] in
+// transport/call_ring.h).
 //
 // A step is two parts: `compute` (forward, loss and backward: the gradients) and `apply` (what
 // uses them: the optimizer step). Between the two, run() settles the client (Client::settle), so

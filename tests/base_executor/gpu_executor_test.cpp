@@ -179,9 +179,9 @@ TEST(GpuMetricsTest, GpuAllocatedBytesHoldTheExecutorsWeights) {
 // (a row's result may depend on its place in the batch, or a round may be packed otherwise than
 // assumed); the same rows computed alone differ by up to 1.8e-7 of the largest value, which is
 // printed, not held: another row count gets another kernel by design (issue 27's soak notes in
-// docs/benchmarks.md). --lockstep-timeout 50: on the H100, with the default 1 s every round of these
-// clients waited about that long (95 s for 80 rounds; on CPU, tcp and shm clients meet at once:
-// ExecutorTest.LockstepPacksOneCallOfEveryClientInEachBatch), an open finding.
+// docs/benchmarks-history.md). --lockstep-timeout 50: on the H100, with the default 1 s every round
+// of these clients waited about that long (95 s for 80 rounds; on CPU, tcp and shm clients meet at
+// once: ExecutorTest.LockstepPacksOneCallOfEveryClientInEachBatch), an open finding.
 TEST(PackedBatchTest, PackedRowsEqualTheSameGemmOfThePackedShape) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");

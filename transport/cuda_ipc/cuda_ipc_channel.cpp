@@ -42,13 +42,13 @@ namespace {
 // A tenant's captured decode step ([Captured calls] in transport/call_ring.h) makes the same calls
 // at every step: the same layers, slots and operands. Taken up one by one, each call waits for the
 // executor's host to see its input flag, check it and launch its GEMM: 49 µs a call from one batch
-// to the next at N = 1 on an H200, where the GEMM takes 7 (benchmarks.md, V9). So once a run of a
-// client's decode calls, slot 1 up with consecutive sequences, has been computed in place call by
-// call (compute_replayed) and comes again with the same headers, the channel captures the whole run
-// into one CUDA graph on a stream of the client's own: for each call, a wait on the GPU for its
-// slot's input flag, the flag cleared, the GEMM, the result flag set. Each later run with the same
-// headers is then one launch, made as soon as its headers arrive, and the calls hand over between
-// the two processes' GPU work through the flags alone, with no host on their path.
+// to the next at N = 1 on an H200, where the GEMM takes 7 (benchmarks-history.md, V9). So once a
+// run of a client's decode calls, slot 1 up with consecutive sequences, has been computed in place
+// call by call (compute_replayed) and comes again with the same headers, the channel captures the
+// whole run into one CUDA graph on a stream of the client's own: for each call, a wait on the GPU
+// for its slot's input flag, the flag cleared, the GEMM, the result flag set. Each later run with
+// the same headers is then one launch, made as soon as its headers arrive, and the calls hand over
+// between the two processes' GPU work through the flags alone, with no host on their path.
 //  - Everyone else: the waits are on this client's stream, which nothing else uses (the executor
 //    asks CUDA for 32 hardware queues, base_executor/main.cpp, so that streams seldom share one).
 //    Whatever synchronizes the whole GPU (freeing memory, closing another client's IPC mapping)
