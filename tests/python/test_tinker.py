@@ -249,6 +249,18 @@ def test_bad_training_input_is_refused_naming_the_field_and_the_run_goes_on(serv
     assert np.isfinite(losses[0])
 
 
+def test_bad_sampling_input_is_refused_naming_the_field(server):
+    sampler = new_run(server).save_weights_and_get_sampling_client()
+    with pytest.raises(Exception, match=r"tokens\[1\] is 999, expected a token id in \[0, 128\)"):
+        sampler.sample(types.ModelInput.from_ints([1, 999]), 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(Exception, match="topk_prompt_logprobs: this server does not compute it"):
+        sampler.sample(types.ModelInput.from_ints([1, 5]), 1, types.SamplingParams(max_tokens=2),
+                       include_prompt_logprobs=True, topk_prompt_logprobs=2).result()
+    # The sampler goes on.
+    assert len(sampler.sample(types.ModelInput.from_ints([1, 5]), 2,
+                              types.SamplingParams(max_tokens=2, stop=[])).result().sequences) == 2
+
+
 def test_unknown_base_model_and_bad_rank_are_refused_naming_them(server):
     with pytest.raises(Exception, match="base_model 'nope' is not served here"):
         server.service().create_lora_training_client(base_model="nope", rank=4).result()
