@@ -140,8 +140,8 @@ class TinkerServer(ReadyProcess):
         return tinker.RestClient(base_url=self.url, api_key=key)
 
     def workers(self):
-        """The pids of the server's worker processes: the children of its fork server ([Forked
-        workers] in python/symbiosis/tinker/runs.py)."""
+        """The pids of the server's worker processes: the children of its fork server (a CPU
+        server's, [Forked workers] in python/symbiosis/tinker/runs.py)."""
         import psutil
 
         server = psutil.Process(self.process.pid)

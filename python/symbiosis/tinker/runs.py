@@ -3,8 +3,8 @@ requests run in the order the SDK numbered them ([Run order]), its checkpoints i
 
 [A process per run]
 A run's adapter, optimizer state and autograd live in a worker process (worker.py, forked from
-multiprocessing's fork server: [Forked workers]), which connects to the executor as a tenant of its
-own. A run that fails
+multiprocessing's fork server on a CPU, spawned on a GPU: [Forked workers]), which connects to the
+executor as a tenant of its own. A run that fails
 (out of memory, a crash, a kill) ends its own process only: its requests fail naming the exit, and
 every other run, the sampler and the server go on. The cost is a process and its connection per
 run (on a GPU, a CUDA context of a few hundred MiB; no base weights: [Base never in the tenant]).
@@ -38,19 +38,23 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-_context = None
+_fork_server = None
 
 
-def _worker_context():
-    """[Forked workers] Workers are forked from multiprocessing's fork server, which has imported
-    worker.py, torch, transformers and PEFT once: a run's process starts in milliseconds instead of
-    the ~4 s those imports take. The fork server is a fresh process (not a fork of this threaded
-    one), and it never touches CUDA, so each worker starts its own."""
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["symbiosis.tinker.worker", "transformers", "peft"])
-    return _context
+def _worker_context(device: str):
+    """[Forked workers] Workers of CPU runs are forked from multiprocessing's fork server, which has
+    imported worker.py, torch, transformers and PEFT once: a run's process starts in milliseconds
+    instead of the ~4 s those imports take. The fork server is a fresh process (not a fork of this
+    threaded one). Workers of GPU runs are spawned: a fork server that had touched CUDA (a library
+    asking at import whether a GPU exists) would hand its workers a CUDA they cannot use, and that
+    is not yet ruled out on the GPU machine."""
+    global _fork_server
+    if str(device).startswith("cuda"):
+        return multiprocessing.get_context("spawn")
+    if _fork_server is None:
+        _fork_server = multiprocessing.get_context("forkserver")
+        _fork_server.set_forkserver_preload(["symbiosis.tinker.worker", "transformers", "peft"])
+    return _fork_server
 
 
 class Worker:
@@ -58,7 +62,7 @@ class Worker:
 
     def __init__(self, name: str, **settings: Any):
         self.name = name
-        context = _worker_context()
+        context = _worker_context(settings.get("device", "cpu"))
         self._connection, theirs = context.Pipe()
         self.process = context.Process(target=worker.serve, args=(theirs,), kwargs=settings, daemon=True,
                                        name=f"symbiosis-tinker {name}")
