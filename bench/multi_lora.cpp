@@ -33,7 +33,6 @@
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <thread>
 
 #include <symbiosis/client.h>
@@ -123,18 +122,23 @@ Figures measure(const Settings& s, const std::function<TokenTimes(int64_t)>& gen
   return {static_cast<double>(tokens) / (last - t0), percentile(tpot, 0.5), percentile(tpot, 0.99)};
 }
 
+// --targets as the benchmark clients take it: comma-separated.
+std::string targets_flag(const Settings& s) {
+  std::string joined;
+  for (const auto& t : s.targets) joined += (joined.empty() ? "" : ",") + t;
+  return joined;
+}
+
 // transformers + PEFT's mixed-adapter `generate` (bench/hf_peft_client.py --mode generate: one batch
 // of every request, rows over n adapters by PEFT's adapter_names), once warm. It gives no token
 // times: its TPOT is the batch's time over the new tokens (prefill included).
 Figures hf_peft(const Settings& s, const fs::path& model, int64_t n) {
   const auto out = fs::path(s.out) / ("hf-peft-" + std::to_string(n));
-  std::vector<std::string> targets;
-  for (const auto& t : s.targets) targets.push_back(targets.empty() ? t : "," + t);
   const auto pid = bench::spawn(
       {s.python, s.hf_peft_script, "--model", model.string(), "--mode", "generate", "--adapters", std::to_string(n),
        "--batch", std::to_string(s.requests), "--seq", std::to_string(s.prompt), "--new-tokens",
        std::to_string(s.new_tokens), "--rank", std::to_string(s.rank), "--alpha", std::to_string(2 * s.rank),
-       "--targets", std::accumulate(targets.begin(), targets.end(), std::string()), "--iterations", "1", "--warmup",
+       "--targets", targets_flag(s), "--iterations", "1", "--warmup",
        "1", "--device", s.device, "--dtype", s.dtype, "--out", out.string() + ".json"},
       out.string() + ".out", out.string() + ".err");
   TORCH_CHECK(bench::wait_ok(pid), s.hf_peft_script, " failed: ", bench::read_file(out.string() + ".err"));
@@ -151,14 +155,12 @@ double finetuning(const Settings& s, const std::string& endpoint, const fs::path
   const auto dir = fs::path(s.out) / ("finetune-" + tag);
   fs::create_directories(dir);
   std::vector<pid_t> pids;
-  std::vector<std::string> targets;
-  for (const auto& t : s.targets) targets.push_back(targets.empty() ? t : "," + t);
   for (int64_t i = 0; i < s.finetune_tenants; ++i) {
     const auto me = dir / std::to_string(i);
     pids.push_back(bench::spawn(
         {(bench::build_dir() / "bench/symbiosis-bench-client").string(), "--executor", endpoint, "--model",
          model.string(), "--mode", "finetune", "--batch", "2", "--seq", "512", "--rank", "8", "--targets",
-         std::accumulate(targets.begin(), targets.end(), std::string()), "--device", s.device, "--dtype", s.dtype,
+         targets_flag(s), "--device", s.device, "--dtype", s.dtype,
          "--cuda-graph", "--warmup", "3", "--ready-file", me.string() + ".ready", "--stop-file",
          (dir / "stop").string(), "--out", me.string() + ".json"},
         me.string() + ".out", me.string() + ".err"));

@@ -629,7 +629,7 @@ void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequenc
   for (size_t i = 0; i < sequences.size(); ++i) {
     auto& s = *sequences[i];
     if (options_.logits_observer) options_.logits_observer(s.id, logits[static_cast<int64_t>(i)]);
-    tokens[i] = all_greedy ? greedy[static_cast<int64_t>(i)].item<int64_t>() : s.sampler.sample(fp32[i]);
+    tokens[i] = all_greedy ? greedy.data_ptr<int64_t>()[i] : s.sampler.sample(fp32[i]);
   }
   // Log-probabilities: of every row's token in one gather, and the most any row asks of the
   // likeliest in one topk, each one copy to the host.

@@ -75,6 +75,12 @@ class Service:
             raise HTTPException(404, f"there is no training run {run_id!r} of this key's")
         return run
 
+    def new_session(self, owner: str) -> str:
+        session_id = f"sess-{secrets.token_hex(4)}{next(self._session_ids)}"
+        self.sessions[session_id] = owner
+        self._last_seen[session_id] = time.monotonic()
+        return session_id
+
     def session_of(self, session_id: str, owner: str) -> str:
         if session_id in self._expired:
             raise HTTPException(410, f"session {session_id} has ended: not heard from for {self.session_timeout_s:g} s")
@@ -284,11 +290,7 @@ def app(service: Service) -> FastAPI:
 
     @api.post(v1 + "/create_session")
     async def create_session(http: Request):
-        owner = service.owner(http)
-        session_id = f"sess-{secrets.token_hex(4)}{next(service._session_ids)}"
-        service.sessions[session_id] = owner
-        service.session_of(session_id, owner)  # seen now
-        return {"type": "create_session", "session_id": session_id}
+        return {"type": "create_session", "session_id": service.new_session(service.owner(http))}
 
     @api.post(v1 + "/session_heartbeat")
     async def heartbeat(http: Request):
@@ -475,9 +477,10 @@ def app(service: Service) -> FastAPI:
             if body.get(name) not in (None, 0, False):
                 raise HTTPException(400, f"{name}: this server does not compute it (it gives each sampled token's "
                                          "log-probability, and prompt log-probabilities with prompt_logprobs)")
-        prompt, problem = wire.chunk_tokens(body.get("prompt"))
-        if problem:
-            raise HTTPException(400, problem)
+        try:
+            prompt = wire.chunk_tokens(body.get("prompt"))
+        except ValueError as error:
+            raise HTTPException(400, str(error)) from None
         num_samples = body.get("num_samples", 1)
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
             raise HTTPException(400, f"num_samples is {num_samples!r}, expected an integer >= 1")

@@ -20,6 +20,8 @@ import os
 import random
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..client import Error
 from ..serve.engine import Engine, SamplingParams
 from .futures import UserError
@@ -140,8 +142,6 @@ class BaseModel:
             if folder is not None and self._scorer_adapter[key] != folder:
                 await scorer.call("load", folder, False)
                 self._scorer_adapter[key] = folder
-            import numpy as np
-
             datum = (prompt[:-1], {"target_tokens": np.asarray(prompt[1:], np.int64),
                                    "weights": np.zeros(len(prompt) - 1, np.float32)})
             logprobs, _ = await scorer.call("forward_backward", [datum], "cross_entropy", {}, True)

@@ -10,7 +10,7 @@ as int32 little-endian bytes, request tensors as float32 or int64 bytes (dense, 
 2-D ones); a result's per-datum arrays are concatenated into one BatchedTensor with int64 byte
 offsets, one more than the datums.
 """
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -122,18 +122,18 @@ def sample_response(sequences: Sequence[SampledSequence], prompt_logprobs: Seque
     return out.SerializeToString()
 
 
-def chunk_tokens(model_input: Dict) -> Tuple[List[int], str]:
-    """The tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}]}),
-    and "" or what is wrong with it."""
+def chunk_tokens(model_input: Dict) -> List[int]:
+    """The tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", "tokens": [...]}]});
+    ValueError naming what is wrong with it."""
     tokens: List[int] = []
     if not isinstance(model_input, dict) or not isinstance(model_input.get("chunks"), list):
-        return [], "prompt is not a ModelInput ({\"chunks\": [...]})"
+        raise ValueError("prompt is not a ModelInput ({\"chunks\": [...]})")
     for i, chunk in enumerate(model_input["chunks"]):
         if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
             kind = chunk.get("type") if isinstance(chunk, dict) else type(chunk).__name__
-            return [], f"prompt.chunks[{i}] is a {kind} chunk: this server takes text tokens only"
+            raise ValueError(f"prompt.chunks[{i}] is a {kind} chunk: this server takes text tokens only")
         ids = chunk.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return [], f"prompt.chunks[{i}].tokens is not a list of token ids"
+            raise ValueError(f"prompt.chunks[{i}].tokens is not a list of token ids")
         tokens.extend(ids)
-    return tokens, ""
+    return tokens
