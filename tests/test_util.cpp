@@ -77,6 +77,11 @@ std::unique_ptr<Executor> start_executor(const std::filesystem::path& model, Exe
 
 std::vector<std::unique_ptr<Executor>> start_parts(const std::filesystem::path& model, int count,
                                                    ExecutorOptions options, const std::vector<std::string>& devices) {
+  // Several parts in one process are several process groups in one process, and Torch 2.11's flight
+  // recorder (one per process) writes its map of groups before it takes its lock
+  // (FlightRecorder::recordWithResetEnabled): two parts' first rounds at once crashed it about one
+  // run in twenty on a busy host. A part process of its own has one group and keeps the recorder.
+  ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
   options.parts.rendezvous = free_loopback_rendezvous();
   options.parts.world_size = count;
   options.threads = 1;  // the parts share this host's cores
