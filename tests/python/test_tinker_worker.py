@@ -113,10 +113,13 @@ def test_each_loss_equals_its_formula():
     inputs = [{"target_tokens": torch.arange(n), "weights": w, "logprobs": s, "advantages": a}
               for n, w, s, a in zip(lengths, weights, slp, advantages)]
 
-    def direct(loss_fn, beta=0.05, low=None, high=None):
+    def direct(loss_fn, beta=0.05, low=None, high=None, masks=None):
         """The formula written per token in plain Python floats."""
         total = 0.0
         for i in range(len(lengths)):
+            # gspo's sequence ratio: the mean log-ratio over the datum's marked tokens (all without a mask).
+            marked = [t for t in range(lengths[i]) if masks is None or masks[i][t] != 0]
+            sequence_r = np.exp(sum(lp[i][t].item() - slp[i][t].item() for t in marked) / len(marked))
             for t in range(lengths[i]):
                 x, s, a, w = lp[i][t].item(), slp[i][t].item(), advantages[i][t].item(), weights[i][t].item()
                 r = np.exp(x - s)
@@ -130,6 +133,8 @@ def test_each_loss_equals_its_formula():
                     total += -min(max(r, low), high) * x * a
                 elif loss_fn == "dro":
                     total += -(x * a - 0.5 * beta * (x - s) ** 2)
+                elif loss_fn == "gspo":
+                    total += -min(sequence_r * a, min(max(sequence_r, low), high) * a)
         return total
 
     cases = [("cross_entropy", {}, direct("cross_entropy")),
@@ -139,7 +144,9 @@ def test_each_loss_equals_its_formula():
              ("cispo", {}, direct("cispo", low=0.0, high=4.0)),
              ("cispo", {"clip_high_threshold": 1.1}, direct("cispo", low=0.0, high=1.1)),
              ("dro", {"beta": 0.05}, direct("dro", beta=0.05)),
-             ("dro", {"beta": 2.0}, direct("dro", beta=2.0))]
+             ("dro", {"beta": 2.0}, direct("dro", beta=2.0)),
+             ("gspo", {}, direct("gspo", low=1 - 3e-4, high=1 + 4e-4)),
+             ("gspo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, direct("gspo", low=0.8, high=1.2))]
     for loss_fn, config, expected in cases:
         loss, metrics = losses.loss_of(loss_fn, lp, inputs, config)
         assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12), (loss_fn, config)
@@ -151,6 +158,19 @@ def test_each_loss_equals_its_formula():
     losses.loss_of("cispo", trained, inputs, {"clip_high_threshold": 1.1})[0].backward()
     for x, s, a, g in zip(lp, slp, advantages, trained):
         assert torch.allclose(g.grad, -torch.exp(x - s).clamp(0.0, 1.1) * a, rtol=1e-12)
+
+    # gspo: every token carries its sequence's ratio s, with its own log-probability's gradient:
+    # d/dlp_t = -s·A_t where unclipped, 0 where the clip holds; here no clip (a range that holds none).
+    trained = [x.clone().requires_grad_() for x in lp]
+    losses.loss_of("gspo", trained, inputs, {"clip_low_threshold": 0.0, "clip_high_threshold": 100.0})[0].backward()
+    for x, s, a, g in zip(lp, slp, advantages, trained):
+        assert torch.allclose(g.grad, -torch.exp((x - s).mean()) * a, rtol=1e-12)
+    # sequence_ratio_mask picks the tokens s averages over.
+    masks = [torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 1.0, 0.0],
+                                                                                        dtype=torch.float64)]
+    masked = [dict(d, sequence_ratio_mask=m) for d, m in zip(inputs, masks)]
+    assert losses.loss_of("gspo", lp, masked, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})[0].item() \
+        == pytest.approx(direct("gspo", low=0.8, high=1.2, masks=masks), rel=1e-12)
 
     # A clip range per token (loss_fn_inputs) wins over the config's.
     per_token = [dict(d, clip_low_threshold=torch.full((n,), 0.9, dtype=torch.float64),
@@ -164,8 +184,8 @@ def test_losses_refuse_bad_requests_naming_the_field():
     lp = [torch.zeros(3)]
     good = {"target_tokens": torch.arange(3), "weights": torch.ones(3), "logprobs": torch.zeros(3),
             "advantages": torch.ones(3)}
-    for loss_fn in ("gspo", "stable_reinforce", "custom", "nonsense"):
-        supported = "cross_entropy, importance_sampling, ppo, cispo, dro"
+    for loss_fn in ("stable_reinforce", "custom", "nonsense"):
+        supported = "cross_entropy, importance_sampling, ppo, cispo, dro, gspo"
         with pytest.raises(ValueError, match=f"loss_fn '{loss_fn}' is not supported; supported: {supported}"):
             losses.loss_of(loss_fn, lp, [good], {})
     with pytest.raises(ValueError, match="'beta'"):
@@ -180,6 +200,10 @@ def test_losses_refuse_bad_requests_naming_the_field():
     short = dict(good, logprobs=torch.zeros(2))
     with pytest.raises(ValueError, match="datum 0: field 'logprobs' has length 2, expected 3"):
         losses.loss_of("ppo", lp, [short], {})
+    with pytest.raises(ValueError, match="datum 0: field 'sequence_ratio_mask' marks no token"):
+        losses.loss_of("gspo", lp, [dict(good, sequence_ratio_mask=torch.zeros(3))], {})
+    with pytest.raises(ValueError, match="datum 0: field 'sequence_ratio_mask' has length 2, expected 3"):
+        losses.loss_of("gspo", lp, [dict(good, sequence_ratio_mask=torch.ones(2))], {})
     with pytest.raises(ValueError, match="datum 0: field 'weights' is nan at position 1"):
         losses.loss_of("cross_entropy", lp, [dict(good, weights=torch.tensor([1.0, float("nan"), 0.0]))], {})
 
@@ -262,7 +286,7 @@ def test_bad_requests_are_refused_naming_the_field_and_the_run_still_trains(llam
             f"datum 0: field 'weights' has length {len(tokens) - 1}, expected {len(tokens)}")
     refused([(tokens[:-1], inputs)], "cross_entropy", {},
             f"datum 0: field 'target_tokens' has length {len(tokens)}, expected {len(tokens) - 1}")
-    refused(datums, "gspo", {}, "loss_fn 'gspo' is not supported; supported: cross_entropy")
+    refused(datums, "stable_reinforce", {}, "loss_fn 'stable_reinforce' is not supported; supported: cross_entropy")
     rl_inputs = {"target_tokens": inputs["target_tokens"], "logprobs": np.zeros(len(tokens), np.float32),
                  "advantages": np.ones(len(tokens), np.float32)}
     refused([(tokens, rl_inputs)], "dro", {}, "needs 'beta'")

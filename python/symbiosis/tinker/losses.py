@@ -12,9 +12,17 @@ normalization through the weights and advantages it sends.
     ppo                  r = exp(lp − slp);  Σ −min(r·A, clamp(r, lo, hi)·A)
     cispo                r as above;         Σ −stopgrad(clamp(r, lo, hi))·lp·A
     dro                  Σ −(lp·A − ½·beta·(lp − slp)²)
+    gspo                 s = exp(mean over M of (stopgrad(lp) − slp));  r_t = s·exp(lp_t − stopgrad(lp_t));
+                         Σ −min(r·A, clamp(r, lo, hi)·A)   (GSPO-token: each token carries its sequence's
+                         ratio s with its own log-probability's gradient)
 
 `forward_backward_custom` in the SDK runs a user's loss on the client and sends its gradient back as
 cross_entropy weights (−∂loss/∂lp), so cross_entropy must take negative weights.
+
+gspo's sequence ratio averages over the tokens its optional `sequence_ratio_mask` input marks
+(non-zero), all of the datum's tokens without one; its default clip range is the GSPO paper's
+(1 − 3e-4, 1 + 4e-4: a sequence ratio moves far less than a token's). `stable_reinforce`, the SDK's
+other name, has no published formula to hold it to, so it is refused like any unsupported loss.
 
 ppo's and cispo's clip range comes from the config (`clip_low_threshold`, `clip_high_threshold`) or,
 as the SDK also allows, per token from loss_fn_inputs of those names, which then win. Inputs a loss
@@ -34,12 +42,16 @@ _LOSSES: Dict[str, Tuple[Tuple[str, ...], Dict[str, Optional[float]]]] = {
     "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     "dro": (("logprobs", "advantages"), {"beta": None}),
+    "gspo": (("logprobs", "advantages"), {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}),
 }
 
 SUPPORTED_LOSSES: Tuple[str, ...] = tuple(_LOSSES)
 
-# Inputs that, when a datum carries them, give ppo and cispo a clip range per token.
+# Inputs a loss reads when a datum carries them: ppo's and cispo's clip range per token, gspo's
+# choice of the tokens its sequence ratio averages over.
 _PER_TOKEN_CLIP = ("clip_low_threshold", "clip_high_threshold")
+_OPTIONAL_INPUTS: Dict[str, Tuple[str, ...]] = {"ppo": _PER_TOKEN_CLIP, "cispo": _PER_TOKEN_CLIP,
+                                                "gspo": ("sequence_ratio_mask",)}
 
 
 def check_request(loss_fn: str, inputs: List[Dict[str, torch.Tensor]],
@@ -54,7 +66,7 @@ def check_request(loss_fn: str, inputs: List[Dict[str, torch.Tensor]],
     resolved = _resolve_config(loss_fn, config or {}, defaults)
     if not inputs:
         raise ValueError(f"{loss_fn}: no datums; expected at least one")
-    clip_inputs = _PER_TOKEN_CLIP if loss_fn in ("ppo", "cispo") else ()
+    optional = _OPTIONAL_INPUTS.get(loss_fn, ())
     for index, datum in enumerate(inputs):
         if "target_tokens" not in datum:
             raise ValueError(f"datum {index}: loss_fn_inputs has no 'target_tokens' ({loss_fn} needs "
@@ -64,7 +76,7 @@ def check_request(loss_fn: str, inputs: List[Dict[str, torch.Tensor]],
             raise ValueError(f"datum {index}: field 'target_tokens' has shape {list(targets.shape)}; "
                              f"expected one dimension [N]")
         expected = targets.shape[0]
-        for field in needed + tuple(f for f in clip_inputs if f in datum):
+        for field in needed + tuple(f for f in optional if f in datum):
             if field not in datum:
                 raise ValueError(f"datum {index}: loss_fn_inputs has no '{field}' ({loss_fn} needs "
                                  f"{', '.join(('target_tokens',) + needed)})")
@@ -77,6 +89,10 @@ def check_request(loss_fn: str, inputs: List[Dict[str, torch.Tensor]],
                 position = int((~torch.isfinite(value)).nonzero()[0, 0])
                 raise ValueError(f"datum {index}: field '{field}' is {value[position].item()} at position "
                                  f"{position}; expected a finite number")
+        if "sequence_ratio_mask" in optional and "sequence_ratio_mask" in datum and expected > 0 \
+                and not (datum["sequence_ratio_mask"] != 0).any():
+            raise ValueError(f"datum {index}: field 'sequence_ratio_mask' marks no token; expected at least one "
+                             f"non-zero entry (the tokens gspo's sequence ratio averages over)")
     return resolved
 
 
@@ -113,7 +129,13 @@ def _datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Dict[str, torch.Tensor],
     sampler_lp, advantages = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "dro":
         return -(lp * advantages - 0.5 * config["beta"] * (lp - sampler_lp) ** 2).sum()
-    ratio = torch.exp(lp - sampler_lp)
+    if loss_fn == "gspo":
+        mask = inputs.get("sequence_ratio_mask")
+        in_ratio = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
+        log_ratio = (lp.detach() - sampler_lp)[in_ratio].mean()
+        ratio = torch.exp(log_ratio + lp - lp.detach())
+    else:
+        ratio = torch.exp(lp - sampler_lp)
     if loss_fn == "importance_sampling":
         return -(ratio * advantages).sum()
     low = inputs.get("clip_low_threshold", config["clip_low_threshold"])
@@ -123,7 +145,7 @@ def _datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Dict[str, torch.Tensor],
         clipped = torch.minimum(torch.maximum(ratio, as_tensor(low)), as_tensor(high))
     else:
         clipped = ratio.clamp(low, high)
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "gspo"):
         return -torch.minimum(ratio * advantages, clipped * advantages).sum()
     if loss_fn == "cispo":
         return -(clipped.detach() * lp * advantages).sum()
