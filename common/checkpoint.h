@@ -45,7 +45,7 @@ class Checkpoint {
   at::Tensor tensor(const std::string& name, at::IntArrayRef expected_shape) const;
 
   // A hash of config.json, the tensor table (names, dtypes, shapes) and the weights' bytes, read
-  // once: their digests are cached beside the checkpoint ([Weight hash] in checkpoint.cpp).
+  // once: their digests are cached beside the checkpoint ([Weight hash] in common/weight_hash.cpp).
   const std::string& model_hash() const;
 
  private:

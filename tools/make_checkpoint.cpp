@@ -732,7 +732,7 @@ void make_checkpoint(const std::string& preset, const fs::path& out, at::ScalarT
   }
   std::cout << "wrote " << preset << " (" << spec.tensors.size() << " tensors, " << total << " bytes, "
             << shards.size() << (shards.size() == 1 ? " file" : " shards") << ") to " << out.string() << "\n";
-  // Hashed now, once: the digests are cached beside the checkpoint ([Weight hash] in checkpoint.cpp).
+  // Hashed now, once: the digests are cached beside the checkpoint ([Weight hash] in common/weight_hash.cpp).
   std::cout << "model hash " << symbiosis::Checkpoint::open(out)->model_hash() << "\n";
 }
 
