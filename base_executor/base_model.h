@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/checkpoint.h"
-#include "virt_layer/layer_info.h"
+#include "common/layer_info.h"
 
 namespace symbiosis {
 

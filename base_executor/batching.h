@@ -65,7 +65,7 @@
 #include <vector>
 
 #include "base_executor/base_model.h"
-#include "virt_layer/layer_info.h"
+#include "common/layer_info.h"
 
 namespace symbiosis {
 

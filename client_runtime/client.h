@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "common/layer_info.h"
 #include "privacy/noise_mask.h"
 #include "virt_layer/layer_backend.h"
-#include "virt_layer/layer_info.h"
 
 namespace symbiosis {
 

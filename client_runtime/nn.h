@@ -15,7 +15,7 @@
 #include <functional>
 #include <memory>
 
-#include "virt_layer/layer_info.h"
+#include "common/layer_info.h"
 #include "virt_layer/virt_layer.h"
 
 namespace symbiosis {

@@ -45,7 +45,7 @@
 #include <string>
 #include <utility>
 
-#include "virt_layer/layer_info.h"
+#include "common/layer_info.h"
 
 namespace symbiosis {
 

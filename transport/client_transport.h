@@ -19,12 +19,12 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/layer_info.h"
 #include "common/unique_fd.h"
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
 #include "transport/keys.h"
 #include "transport/transport.h"
-#include "virt_layer/layer_info.h"
 
 namespace symbiosis {
 

@@ -11,10 +11,10 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "common/layer_info.h"
 #include "common/status.h"
 #include "symbiosis.pb.h"
 #include "transport/call_ring.h"
-#include "virt_layer/layer_info.h"
 
 namespace symbiosis::wire {
 

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "virt_layer/layer_info.h"
+#include "common/layer_info.h"
 
 namespace symbiosis {
 

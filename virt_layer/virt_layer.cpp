@@ -5,11 +5,6 @@
 #include "virt_layer/virt_layer_function.h"
 
 namespace symbiosis {
-
-const char* layer_kind_name(LayerKind kind) {
-  return kind == LayerKind::kLinear ? "Linear" : "Conv1D";
-}
-
 namespace {
 
 using Binding = VirtLayerBinding;

@@ -14,8 +14,8 @@
 
 #include <memory>
 
+#include "common/layer_info.h"
 #include "virt_layer/layer_backend.h"
-#include "virt_layer/layer_info.h"
 
 namespace symbiosis {
 

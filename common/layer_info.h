@@ -1,5 +1,8 @@
 #pragma once
-// One row of the executor's layer table: what a base layer is, named by its checkpoint name.
+// One row of the executor's layer table: what a base layer is, named by its checkpoint name. Both
+// sides use it (the executor, the transports, the client's virtual layers and privacy), so it lives
+// here, header-only: layer_kind_name is inline, so that no library links another for one function
+// (the executor and the transports do not link the client's autograd library, virt_layer/).
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -28,6 +31,7 @@ struct LayerInfo {
   std::vector<uint32_t> members;
 };
 
-const char* layer_kind_name(LayerKind kind);
+// "Linear" or "Conv1D", as messages name a layer's kind.
+inline const char* layer_kind_name(LayerKind kind) { return kind == LayerKind::kLinear ? "Linear" : "Conv1D"; }
 
 }  // namespace symbiosis
