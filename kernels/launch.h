@@ -6,7 +6,7 @@
 //  - <name>.cu: the __global__ kernels and their launch API on raw pointers, sizes and a
 //    cudaStream_t, declared in <name>_launch.h (namespace symbiosis::kernels::device). Neither
 //    includes a LibTorch header, but for noise_mask.cu: the noise choice that it shares with the
-//    host (privacy/noise_choice.h) is ATen's header-only Philox generator, which needs
+//    host (kernels/noise_choice.h) is ATen's header-only Philox generator, which needs
 //    c10/util/Exception.h.
 //  - <name>.cpp: the public functions of <name>.h: checks, allocation, dtype dispatch, the current
 //    stream and the device guard ([Operands' device]). It compiles against the libraries'

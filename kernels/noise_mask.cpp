@@ -10,8 +10,8 @@
 
 #include "kernels/cuda_types.h"
 #include "kernels/device_guard.h"
+#include "kernels/noise_choice.h"
 #include "kernels/noise_mask_launch.h"
-#include "privacy/noise_choice.h"
 
 namespace symbiosis::kernels {
 namespace {

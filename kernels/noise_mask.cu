@@ -1,6 +1,6 @@
 // [Torch-free kernels] (kernels/launch.h): [Fused noise masking]'s kernels;
 // kernels/noise_mask.cpp checks, allocates and launches. The noise choice, which the host shares
-// (privacy/noise_choice.h), is the one use of LibTorch here: ATen's header-only Philox generator,
+// (kernels/noise_choice.h), is the one use of LibTorch here: ATen's header-only Philox generator,
 // whose header uses AT_ASSERT without including c10/util/Exception.h.
 #include "kernels/noise_mask_launch.h"
 
@@ -11,7 +11,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "privacy/noise_choice.h"
+#include "kernels/noise_choice.h"
 
 namespace symbiosis::kernels::device {
 namespace {

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "privacy/noise_choice.h"
+#include "kernels/noise_choice.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/noise_mask.h"

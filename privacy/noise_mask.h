@@ -9,7 +9,7 @@
 //    executor's results are;
 //  - each of a call's T rows gets noise n that sums `mix` bank rows of unit variance with random
 //    signs, over √mix (secretly, anew for every call, from the call's number: [Noise choice] in
-//    privacy/noise_choice.h; bank_rows^mix × 2^mix combinations, so two rows rarely share their
+//    kernels/noise_choice.h; bank_rows^mix × 2^mix combinations, so two rows rarely share their
 //    noise, whose difference would show the difference of their inputs), scaled by
 //    s = noise_ratio × the call's RMS (activations and gradients differ in scale by orders of
 //    magnitude: noise of one fixed scale would drown gradients in rounding; one scale for the

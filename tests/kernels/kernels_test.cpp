@@ -16,10 +16,10 @@
 #include "kernels/few_rows_gemm.h"
 #include "kernels/lora.h"
 #include "kernels/multi_lora.h"
+#include "kernels/noise_choice.h"
 #include "kernels/noise_mask.h"
 #include "kernels/rotary.h"
 #include "kernels/swiglu.h"
-#include "privacy/noise_choice.h"
 #include "tests/gpu_test_util.h"
 
 #include <ATen/cuda/CUDAGraph.h>

@@ -2,10 +2,11 @@
 // [Noise choice]
 // Which bank rows, with which signs, mask row `row` of a tenant's call number `call`: `mix` pairs
 // drawn from a counter-based generator (Philox 4x32-10) keyed by the tenant's secret, so that the
-// choice needs no state beyond the call's number. The host (CPU calls) and the GPU (the fused
-// kernels of kernels/noise_mask.h, which read the call's number from device memory, so a CUDA graph
-// replays with a new choice each time: [Masked captures] in privacy/noise_mask.h) compute the same
-// choice from the same (secret, call, row).
+// choice needs no state beyond the call's number. The host (CPU calls, in privacy/noise_mask.cpp)
+// and the GPU (the fused kernels of kernels/noise_mask.h, which read the call's number from device
+// memory, so a CUDA graph replays with a new choice each time: [Masked captures] in
+// privacy/noise_mask.h) compute the same choice from the same (secret, call, row). It lives here,
+// beside the kernels, so that privacy/ uses kernels/ and never the other way round.
 #include <ATen/core/PhiloxRNGEngine.h>
 #include <c10/macros/Macros.h>
 
