@@ -13,7 +13,7 @@
 #include "base_executor/cpu_threads.h"
 #include "base_executor/parts.h"
 #include "base_executor/tracing.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
+#include "common/cuda.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/batched_copy.h"
 #endif
@@ -47,8 +47,8 @@ void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Ten
 // kernel, the GEMM library's launches, the unpacking kernel and the tensors around them) is then
 // recorded once into a CUDA graph, with buffers of its own for the packed rows, and each later
 // batch of those calls is one launch, as a single captured call is ([Replayed calls] in
-// transport/cuda_ipc/cuda_ipc.h). Rows go in the order of their inputs' addresses, so the same calls
-// make the same batch whatever order they came in. A batch is recorded the second time it comes
+// common/cuda.h). Rows go in the order of their inputs' addresses, so the same calls make the same
+// batch whatever order they came in. A batch is recorded the second time it comes
 // (one that never comes again costs nothing); the recordings' buffers hold at most kBytes, the
 // least recently used going first, and batches over kMaxTokens, whose GEMM outlasts its launches
 // anyway, are not recorded.

@@ -10,7 +10,7 @@
 //    clients still missing are dropped from the set (re-added at their next request), so a
 //    stalled or dead client never deadlocks the others.
 //  - Any policy but lockstep: a request marked `alone` bypasses the queues and runs by itself as
-//    soon as it is the oldest ready work (see [Compute streams] in transport/cuda_ipc/cuda_ipc.h: the
+//    soon as it is the oldest ready work (see [Compute streams] in common/cuda.h: the
 //    executor marks large same-GPU requests, whose GEMMs run best side by side, unpacked).
 //  - kOpportunistic (default): each request may wait for companions until its own deadline,
 //    arrival + min(max_wait, class_wait + per_token_wait * tokens). A queue runs when its earliest

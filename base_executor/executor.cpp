@@ -17,8 +17,8 @@
 #include "base_executor/scheduler.h"
 #include "base_executor/statistics.h"
 #include "common/checkpoint.h"
+#include "common/cuda.h"
 #include "common/untrusted.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/shared_memory.h"
 #include "transport/zmq_wire.h"
 

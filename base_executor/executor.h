@@ -80,8 +80,8 @@ struct ExecutorOptions {
   // wake sockets (see [Wake sockets] in transport/call_ring.h); -1: 1000 on a GPU, 50 on CPU.
   int spin_us = -1;
   // A GPU executor computes on this many CUDA streams: a same-GPU request computed alone, in
-  // place, on its client's; every other batch on the first (see [Compute streams] in
-  // transport/cuda_ipc/cuda_ipc.h). 1: every batch on one stream.
+  // place, on its client's; every other batch on the first (see [Compute streams] in common/cuda.h).
+  // 1: every batch on one stream.
   int streams = 8;
   // With more than one stream, a same-GPU (CUDA IPC) request of at least this many tokens runs
   // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is

@@ -8,9 +8,8 @@
 #include <cstring>
 #include <random>
 
+#include "common/cuda.h"
 #include "transport/call_ring.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
-#include "transport/nccl/nccl_comm.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -155,7 +154,7 @@ void FrontDoor::handle_hello(proto::Hello hello, const std::string& key, const s
                   false);
   }
   const auto chosen =
-      choose_transport(hello.placement(), placement_, hello.transport(), nccl::nccl_available());
+      choose_transport(hello.placement(), placement_, hello.transport(), plugin(TransportKind::kNccl).available());
   if (!chosen.is_ok()) return refuse(key, 0, chosen.status(), false);
   const TransportKind kind = chosen.value();
   if (kind != TransportKind::kTcp && !hello.control().empty() && hello.control() != "auto" &&

@@ -9,7 +9,7 @@
 #include <optional>
 
 #include "base_executor/call_check.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
+#include "common/cuda.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -193,13 +193,12 @@ void Scheduler::handle(SetupArrived& message) {
       }
       if (bytes < held) buffers_.give_back(held - bytes);
       buffer_bytes_[id] = bytes;
-    } else if (env.has_share_segments()) {
-      channel.share_segments(env.share_segments());
-      answer.mutable_segments_shared();
     } else {
-      channel.setup_nccl(env.nccl_setup());
-      pending_setups_.push_back({message.channel, message.identity});
-      return;  // answered once the communicator is up (finish_setups)
+      answer = channel.set_up(env);  // [Transport set-up] (transport/channel.h): the plug-in's own
+      if (!channel.setup_done()) {
+        pending_setups_.push_back({message.channel, message.identity, std::move(answer)});
+        return;  // answered once it is finished (finish_setups): an NCCL communicator joining
+      }
     }
     wire::send_to(*replies_, message.identity, answer);
   } catch (const std::exception& e) {
@@ -323,9 +322,7 @@ void Scheduler::finish_setups() {
         ++it;
         continue;
       }
-      proto::Envelope ready;
-      ready.mutable_nccl_ready();
-      wire::send_to(*replies_, it->identity, ready);
+      wire::send_to(*replies_, it->identity, it->answer);
     } catch (const std::exception& e) {
       answer_error(it->identity, it->channel->client_id(), status_of_exception(e, StatusCode::kFailedPrecondition));
     }

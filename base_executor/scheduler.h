@@ -154,11 +154,12 @@ class Scheduler {
   std::map<uint64_t, Status> refused_;                      // ClientRefused: why, by client id
   std::map<uint64_t, uint64_t> buffer_bytes_;               // [Buffer budget]: each client's registered buffer
   std::map<uint64_t, std::string> tenants_;                 // [Fair shares]: ClientJoined's tenant, by client id
-  struct PendingSetup {
+  struct PendingSetup {  // [Transport set-up] not yet finished
     std::shared_ptr<Channel> channel;
-    std::string identity;  // the client's ZeroMQ routing id
+    std::string identity;    // the client's ZeroMQ routing id
+    proto::Envelope answer;  // what the channel's set_up answered, sent once setup_done()
   };
-  std::vector<PendingSetup> pending_setups_;  // NCCL communicators still joining
+  std::vector<PendingSetup> pending_setups_;  // set-ups still going on (NCCL communicators joining)
   // [No waits on a client] (transport/cuda_ipc/cuda_ipc_channel.cpp): calls over ZeroMQ whose input
   // the client has not written yet, oldest first.
   std::deque<CallArrived> held_calls_;

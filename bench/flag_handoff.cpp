@@ -27,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include "bench/flag_handoff_kernel.h"
+#include "common/cuda.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 
 namespace {

@@ -31,6 +31,7 @@
 
 #include <atomic>
 
+#include "common/cuda.h"
 #include "kernels/direct_gemm.h"
 #include "kernels/few_rows_gemm.h"
 #include "transport/cuda_ipc/cuda_ipc.h"

@@ -26,7 +26,7 @@
 
 #include "base_executor/part_groups.h"
 #include "common/checkpoint.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
+#include "common/cuda.h"
 
 namespace {
 

@@ -1,6 +1,7 @@
 #include "transport/channel.h"
 
 #include <c10/util/Exception.h>
+#include <google/protobuf/descriptor.h>
 #include <spdlog/spdlog.h>
 
 #include <new>
@@ -35,12 +36,11 @@ void Channel::receive_frames(shm::CallHeader&, std::vector<zmq::message_t>) {
   TORCH_CHECK(false, "internal: a ", kind_name(), " payload does not come in ZeroMQ frames");
 }
 
-void Channel::setup_nccl(const proto::NcclSetup&) {
-  TORCH_CHECK(false, "NcclSetup on a ", kind_name(), " client: only nccl clients set up a communicator");
-}
-
-void Channel::share_segments(const proto::ShareSegments&) {
-  TORCH_CHECK(false, "ShareSegments from a ", kind_name(), " client: only cuda-ipc clients share segments");
+proto::Envelope Channel::set_up(const proto::Envelope& message) {
+  // The body's own message name ("ShareSegments"), as the client's code spells it.
+  const auto* body = message.GetDescriptor()->FindFieldByNumber(message.body_case());
+  TORCH_CHECK(false, body != nullptr ? body->message_type()->name() : std::string("an empty envelope"), " from a ",
+              kind_name(), " client: transport ", kind_name(), " takes no such set-up message");
 }
 
 void Channel::receive_into(const shm::CallHeader&, const at::Tensor&) {

@@ -79,13 +79,17 @@ class Channel {
   // Maps the buffer a RegisterBuffer names (releasing the previous one); `segment`: the descriptor
   // that came with it on the local socket ("shm"), if any. Throws naming the problem.
   virtual proto::BufferRegistered register_buffer(const proto::RegisterBuffer& registration, UniqueFd segment) = 0;
-  // [Direct operands] (transport/cuda_ipc/cuda_ipc_client.cpp): maps the client's allocations a
-  // ShareSegments adds, and lets go of those it releases (no call in flight names them). Throws
-  // naming the problem; only cuda-ipc clients share segments.
-  virtual void share_segments(const proto::ShareSegments& segments);
-  // Payload set-up a transport needs beyond buffers (NCCL's communicator): starts it, and
-  // setup_done() says when it is finished. Throws naming the problem.
-  virtual void setup_nccl(const proto::NcclSetup& setup);
+  // [Transport set-up]
+  // A set-up message of the transport's own, beyond RegisterBuffer: the client's control envelope
+  // whose body it is (ShareSegments for cuda-ipc, [Direct operands]; NcclSetup for nccl, whose
+  // communicator it starts). The plug-in does its set-up and returns the answer, which the
+  // executor sends once setup_done() (asked again until then). A transport that takes no such
+  // message, or not this one, leaves it to the base, which refuses naming the message and the
+  // channel's transport. Throws naming the problem. The wire messages stay in proto/; only the
+  // plug-in reads its own.
+  virtual proto::Envelope set_up(const proto::Envelope& message);
+  // Whether the set-up that set_up started is finished (NCCL: the communicator has joined and
+  // connected); never blocks; throws naming the problem when it failed.
   virtual bool setup_done() { return true; }
   // The oldest request header the client pushed whose input is ready to read, or nullopt. A call
   // numbered for the [Stream-ordered hand-off] (transport/call_ring.h) waits here until the
@@ -125,7 +129,7 @@ class Channel {
   virtual at::Tensor destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) = 0;
   // Hands over a result that has no destination (NCCL sends it).
   virtual void deliver(const shm::CallHeader& h, const at::Tensor& rows);
-  // [Replayed calls] (transport/cuda_ipc/cuda_ipc.h): enqueues `compute` (the call's GEMM from `input` into
+  // [Replayed calls] (common/cuda.h): enqueues `compute` (the call's GEMM from `input` into
   // `destination`) on the current stream, for a captured call from a graph made at its first run
   // and made again when its operands or stream change; true then. False for any other call: the
   // caller runs `compute` itself.

@@ -17,9 +17,9 @@
 #include <thread>
 #include <utility>
 
+#include "common/cuda.h"
 #include "transport/call_ring.h"
 #include "transport/client_payload.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/local_socket.h"
 #include "transport/zmq_wire.h"
 

@@ -74,6 +74,9 @@ struct ClientEndOptions {
 // One transport's two ends.
 struct TransportPlugin {
   TransportKind kind;
+  // Whether the transport can serve here (cuda-ipc: CUDA is built in and a GPU is visible; nccl:
+  // NCCL is built in), asked at the handshake ([Transport choice]). Never throws.
+  bool (*available)();
   // The executor's end for a new client. Throws naming the problem (e.g. no CUDA in this build).
   std::shared_ptr<Channel> (*make_channel)(const ChannelContext& context);
   // The client's end, after the Welcome named this transport. Throws naming the problem.

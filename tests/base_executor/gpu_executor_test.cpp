@@ -130,7 +130,7 @@ TEST(ShardedGpuTest, TwoPartsServeNcclClientsOnTwoOtherGpusAsMonolithicRunsCompu
   });
 }
 
-// [Stream's device] (transport/cuda_ipc/cuda_ipc.h): a same-GPU client on a GPU other than the
+// [Stream's device] (common/cuda.h): a same-GPU client on a GPU other than the
 // first, whose thread's current device is cuda:0, enqueued its hand-offs on the legacy stream of
 // cuda:0; its losses were NaN (which --verify then let through) or it hung. Clients on cuda:1 of an
 // executor on cuda:1, with the hand-off ordered by flags (direct operands and the payload buffer)

@@ -65,6 +65,7 @@
 #include <string>
 #include <thread>
 
+#include "common/cuda.h"
 #include "tests/test_util.h"
 #include "transport/call_ring.h"
 #include "transport/client_transport.h"

@@ -90,11 +90,27 @@ TEST(TransportNames, RoundTripAndEveryKindHasAPlugin) {
   for (const auto kind : {TransportKind::kTcp, TransportKind::kShm, TransportKind::kCudaIpc, TransportKind::kNccl}) {
     EXPECT_EQ(parse_transport(transport_name(kind)), kind);
     EXPECT_EQ(plugin(kind).kind, kind);
+    EXPECT_NE(plugin(kind).available, nullptr);
     EXPECT_NE(plugin(kind).make_channel, nullptr);
     EXPECT_NE(plugin(kind).make_client, nullptr);
   }
   EXPECT_EQ(parse_transport("auto"), std::nullopt);
   EXPECT_EQ(parse_transport("TCP"), std::nullopt);
+}
+
+// Each plug-in says whether it can serve here: tcp and shm always, nccl where NCCL is built in
+// (the front door asks nccl's at the handshake, [Transport choice]).
+TEST(TransportNames, EveryPluginSaysWhetherItIsAvailable) {
+  EXPECT_TRUE(plugin(TransportKind::kTcp).available());
+  EXPECT_TRUE(plugin(TransportKind::kShm).available());
+#ifdef SYMBIOSIS_WITH_NCCL
+  EXPECT_TRUE(plugin(TransportKind::kNccl).available());
+#else
+  EXPECT_FALSE(plugin(TransportKind::kNccl).available());
+#endif
+#ifndef SYMBIOSIS_WITH_CUDA
+  EXPECT_FALSE(plugin(TransportKind::kCudaIpc).available());
+#endif
 }
 
 }  // namespace

@@ -1,102 +1,16 @@
 #include "transport/cuda_ipc/cuda_ipc.h"
 
-#include <c10/util/Exception.h>
-#include <dirent.h>
-#include <spdlog/spdlog.h>
-#include <sys/stat.h>
-
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <fstream>
-#include <utility>
-
 #ifdef SYMBIOSIS_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
 
 #include "common/cuda_check.h"
-#endif
 
 namespace symbiosis::cuda {
 namespace {
-
-bool process_running(const char* comm_prefix) {
-  DIR* proc = ::opendir("/proc");
-  if (proc == nullptr) return false;
-  bool found = false;
-  while (dirent* entry = ::readdir(proc)) {
-    if (entry->d_name[0] < '0' || entry->d_name[0] > '9') continue;
-    std::ifstream comm(std::string("/proc/") + entry->d_name + "/comm");
-    std::string name;
-    if (std::getline(comm, name) && name.rfind(comm_prefix, 0) == 0) {
-      found = true;
-      break;
-    }
-  }
-  ::closedir(proc);
-  return found;
-}
-
-}  // namespace
-
-bool mps_active() {
-  const char* dir = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
-  const std::string pipe_dir = dir != nullptr && *dir != '\0' ? dir : "/tmp/nvidia-mps";
-  struct stat st {};
-  if (::stat((pipe_dir + "/control").c_str(), &st) != 0) return false;
-  // /proc/PID/comm holds 15 characters: "nvidia-cuda-mps" covers the control daemon and its server.
-  return process_running("nvidia-cuda-mps");
-}
-
-const char* mps_hint() {
-  return "start it before the executor and the clients, with the same variables in every process: "
-         "export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log; "
-         "mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d";
-}
-
-#ifndef SYMBIOSIS_WITH_CUDA
-
-bool cuda_available() { return false; }
-std::string gpu_uuid(int) { TORCH_CHECK(false, "this build of symbiosis has no CUDA"); }
-
-#else
-
-bool cuda_available() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-std::string gpu_uuid(int device) {
-  cudaDeviceProp prop{};
-  SYMBIOSIS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
-  char text[64];
-  std::snprintf(text, sizeof(text), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
-                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
-  return text;
-}
-
-namespace {
-
-// Runs on `device`, restoring the caller's device afterwards.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&previous_));
-    switched_ = previous_ != device;
-    if (switched_) SYMBIOSIS_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceScope() {
-    if (switched_) SYMBIOSIS_CUDA_WARN(cudaSetDevice(previous_));
-  }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
 
 cudaStream_t cuda_stream(Stream stream) {
   TORCH_CHECK(stream.valid(), "no CUDA stream");
@@ -104,15 +18,6 @@ cudaStream_t cuda_stream(Stream stream) {
 }
 
 }  // namespace
-
-void DeviceMemory::OnDevice::operator()(void* data) const {
-  try {  // [Owned handles]: a release must not throw
-    DeviceScope scope(device);
-    release(data);
-  } catch (const c10::Error& e) {
-    LOG(WARNING) << "releasing device memory on cuda:" << device << ": " << e.what_without_backtrace();
-  }
-}
 
 DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
   DeviceScope scope(device);
@@ -132,26 +37,6 @@ std::string memory_ipc_handle(int device, void* base) {
 
 std::string DeviceBuffer::ipc_handle() const { return memory_ipc_handle(device(), data()); }
 
-namespace {
-
-// Driver functions (stream memory operations, address ranges), found through the runtime (so that nothing links
-// libcuda, which a machine without a GPU lacks).
-template <typename Function>
-Function driver_entry(const char* symbol) {
-  void* function = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  SYMBIOSIS_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &function, 12000, cudaEnableDefault, &found));
-  TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr, "the CUDA driver has no ", symbol,
-              " (a driver for CUDA 12 or later is needed)");
-  return reinterpret_cast<Function>(function);
-}
-
-void check_driver(CUresult status, const char* call) {
-  TORCH_CHECK(status == CUDA_SUCCESS, call, " failed: CUDA driver error ", static_cast<int>(status));
-}
-
-}  // namespace
-
 MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_handle, size_t bytes) {
   TORCH_CHECK(ipc_handle.size() == sizeof(cudaIpcMemHandle_t), "CUDA IPC memory handle has ", ipc_handle.size(),
               " bytes, expected ", sizeof(cudaIpcMemHandle_t));
@@ -170,12 +55,7 @@ MappedDeviceBuffer MappedDeviceBuffer::open(int device, const std::string& ipc_h
   MappedDeviceBuffer mapped(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaIpcCloseMemHandle(p)); });
   // A client that says its memory is larger than what the handle names would have the executor
   // read and write past it.
-  using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static const auto address_range = driver_entry<AddressRange>("cuMemGetAddressRange");
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  check_driver(address_range(&base, &size, reinterpret_cast<CUdeviceptr>(data)), "cuMemGetAddressRange");
-  const size_t usable = size - (reinterpret_cast<CUdeviceptr>(data) - base);
+  const size_t usable = allocation_bytes_from(data);
   TORCH_CHECK(bytes <= usable, "the client's CUDA IPC memory has ", usable, " bytes, but it says ", bytes);
   return mapped;
 }
@@ -238,154 +118,5 @@ bool InterprocessEvent::completed() const {
   return true;
 }
 
-PinnedRange::PinnedRange(void* data, size_t bytes, bool mapped) {
-  const unsigned flags = mapped ? cudaHostRegisterMapped | cudaHostRegisterPortable : cudaHostRegisterDefault;
-  SYMBIOSIS_CUDA_CHECK(cudaHostRegister(data, bytes, flags));
-  range_ = UniqueHandle<void*, Unregister>(data);
-}
-
-void* PinnedRange::device_pointer(void* host) const {
-  void* device = nullptr;
-  SYMBIOSIS_CUDA_CHECK(cudaHostGetDevicePointer(&device, host, 0));
-  return device;
-}
-
-void PinnedRange::Unregister::operator()(void* data) const { SYMBIOSIS_CUDA_WARN(cudaHostUnregister(data)); }
-
-ComputeStreams::ComputeStreams(int device, int count) {
-  TORCH_CHECK(count >= 1 && count <= 32, "compute stream count must be 1 to 32 (LibTorch's pool), got ", count);
-  const auto index = static_cast<c10::DeviceIndex>(device);
-  c10::cuda::set_device(index);
-  // The pool hands its 32 streams of a priority out in turn: consecutive ones are distinct.
-  for (const bool high : {true, false}) {
-    for (int i = 0; i < count; ++i) streams_.push_back(c10::cuda::getStreamFromPool(high, index));
-  }
-  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[0]));
-}
-
-void ComputeStreams::use(uint64_t key, bool yield) {
-  const size_t count = streams_.size() / 2;
-  const size_t next = key % count + (yield ? count : 0);
-  if (next == current_) return;
-  current_ = next;
-  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[next]));
-}
-
-OwnedStream OwnedStream::create(int device, bool high_priority) {
-  DeviceScope scope(device);
-  int least = 0, greatest = 0;
-  SYMBIOSIS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t stream = nullptr;
-  SYMBIOSIS_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, high_priority ? greatest : least));
-  OwnedStream owned;
-  owned.stream_ = UniqueHandle<void*, Destroy>(stream);
-  owned.device_ = device;
-  return owned;
-}
-
-void OwnedStream::Destroy::operator()(void* stream) const {
-  SYMBIOSIS_CUDA_WARN(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
-}
-
-CurrentStreamScope::CurrentStreamScope(Stream stream) {
-  const auto device = static_cast<c10::DeviceIndex>(stream.device);
-  previous_ = c10::cuda::getCurrentCUDAStream(device).unwrap();
-  c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromExternal(cuda_stream(stream), device));
-}
-
-CurrentStreamScope::~CurrentStreamScope() {
-  c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, *previous_));
-}
-
-CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
-  DeviceScope scope(stream.device);
-  auto s = cuda_stream(stream);
-  SYMBIOSIS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  cudaGraph_t graph = nullptr;
-  try {
-    work();
-  } catch (...) {
-    SYMBIOSIS_CUDA_WARN(cudaStreamEndCapture(s, &graph));  // the stream leaves capture mode whatever went wrong
-    if (graph != nullptr) SYMBIOSIS_CUDA_WARN(cudaGraphDestroy(graph));
-    throw;
-  }
-  SYMBIOSIS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  cudaGraphExec_t exec = nullptr;
-  const auto instantiated = cudaGraphInstantiate(&exec, graph, 0);
-  SYMBIOSIS_CUDA_WARN(cudaGraphDestroy(graph));
-  SYMBIOSIS_CUDA_CHECK(instantiated);
-  CapturedWork captured;
-  captured.exec_ = UniqueHandle<void*, Destroy>(exec);
-  return captured;
-}
-
-void CapturedWork::launch(Stream stream) const {
-  DeviceScope scope(stream.device);
-  SYMBIOSIS_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_.get()), cuda_stream(stream)));
-}
-
-void CapturedWork::Destroy::operator()(void* exec) const {
-  SYMBIOSIS_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
-}
-
-Stream current_stream(int device) {
-  return {c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), device};
-}
-
-void copy_on_stream(void* destination, const void* source, size_t bytes, Stream stream) {
-  DeviceScope scope(stream.device);
-  SYMBIOSIS_CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, cuda_stream(stream)));
-}
-
-void synchronize_stream(Stream stream) {
-  DeviceScope scope(stream.device);
-  SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(cuda_stream(stream)));
-}
-
-void stream_after(Stream stream, Stream earlier) {
-  TORCH_CHECK(stream.device == earlier.device, "stream_after: streams of cuda:", stream.device, " and cuda:",
-              earlier.device);
-  DeviceScope scope(stream.device);
-  cudaEvent_t event;
-  SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  SYMBIOSIS_CUDA_CHECK(cudaEventRecord(event, cuda_stream(earlier)));
-  SYMBIOSIS_CUDA_CHECK(cudaStreamWaitEvent(cuda_stream(stream), event, 0));
-  SYMBIOSIS_CUDA_CHECK(cudaEventDestroy(event));  // released once the wait is done with it
-}
-
-
-void write_value_on_stream(Stream stream, void* word, uint32_t value) {
-  memory_ops_on_stream(stream, {{MemoryOp::kWrite, word, value}});
-}
-
-void wait_value_on_stream(Stream stream, void* word, uint32_t value) {
-  memory_ops_on_stream(stream, {{MemoryOp::kWaitReached, word, value}});
-}
-
-void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops) {
-  using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
-  static const auto batch = driver_entry<BatchMemOp>("cuStreamBatchMemOp");
-  CUstreamBatchMemOpParams params[4] = {};
-  TORCH_CHECK(ops.size() <= 4, "memory_ops_on_stream takes at most 4 operations, got ", ops.size());
-  unsigned int n = 0;
-  for (const auto& op : ops) {
-    auto& p = params[n++];
-    if (op.kind == MemoryOp::kWrite) {
-      p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-      p.writeValue.address = reinterpret_cast<CUdeviceptr>(op.word);
-      p.writeValue.value = op.value;
-      p.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-    } else {
-      p.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-      p.waitValue.address = reinterpret_cast<CUdeviceptr>(op.word);
-      p.waitValue.value = op.value;
-      p.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    }
-  }
-  DeviceScope scope(stream.device);  // [Stream's device]: the legacy stream is the current context's
-  check_driver(batch(static_cast<CUstream>(stream.handle), n, params, 0), "cuStreamBatchMemOp");
-}
-
-#endif  // SYMBIOSIS_WITH_CUDA
-
 }  // namespace symbiosis::cuda
+#endif  // SYMBIOSIS_WITH_CUDA

@@ -1,79 +1,26 @@
 #pragma once
-// CUDA pieces of the same-GPU transport, each an RAII owner with copying deleted:
+// CUDA IPC pieces of the same-GPU transport, each an RAII owner with copying deleted:
 //  - DeviceBuffer: the client's payload buffer, cudaMalloc'd so that its IPC handle names exactly
 //    this allocation (a handle to a block of LibTorch's caching allocator would name the start of
 //    its segment instead), wrapped as tensors without copies;
 //  - MappedDeviceBuffer: the executor's mapping of a client's DeviceBuffer (cudaIpcOpenMemHandle);
 //  - InterprocessEvent: an event one process records and the other waits on in its stream, so the
 //    two processes' GPU work is ordered without a host synchronization per layer.
-// Every CUDA runtime call goes through SYMBIOSIS_CUDA_CHECK (common/cuda_check.h), which names
-// file, line, call and CUDA's own error string; every handle is a UniqueHandle ([Owned handles]).
+// Streams, device memory and the other CUDA helpers these build on are [CUDA helpers]
+// (common/cuda.h). Every CUDA runtime call goes through SYMBIOSIS_CUDA_CHECK (common/cuda_check.h),
+// which names file, line, call and CUDA's own error string; every handle is a UniqueHandle
+// ([Owned handles]).
 //
-// Built only with CUDA (SYMBIOSIS_WITH_CUDA); cuda_available() says whether this build has it.
-#include <ATen/ATen.h>
-
+// Built only with CUDA (SYMBIOSIS_WITH_CUDA).
 #include <cstddef>
-#include <functional>
-#include <initializer_list>
-#include <optional>
 #include <string>
-#include <vector>
 
+#include "common/cuda.h"
 #include "common/unique_handle.h"
 
 namespace symbiosis::cuda {
 
-// True when this build has CUDA and a GPU is visible.
-bool cuda_available();
-// The GPU's UUID (as nvidia-smi prints it): equal UUIDs are the same GPU across processes.
-std::string gpu_uuid(int device);
-// Whether NVIDIA MPS serves this process's GPU work (its control daemon is running for our pipe
-// directory). Same-GPU clients need it: see docs/operating.md.
-bool mps_active();
-// How to start MPS, for messages.
-const char* mps_hint();
-
 #ifdef SYMBIOSIS_WITH_CUDA
-
-// [Stream's device]
-// A CUDA stream and the GPU it belongs to. A cudaStream_t alone does not say its GPU: LibTorch's
-// default stream is CUDA's legacy stream, handle 0, which CUDA takes to be the stream of whatever
-// device is current on the calling thread. A tenant on cuda:1 whose thread's current device is
-// cuda:0 (the default) then enqueued its copies, flag writes and waits on cuda:0's stream,
-// unordered with its own work on cuda:1: its losses were NaN, or it hung. Every helper here that
-// enqueues on a stream makes the stream's device current first.
-struct Stream {
-  void* handle = nullptr;  // cudaStream_t
-  int device = -1;         // -1: no stream
-  bool valid() const { return device >= 0; }
-  bool operator==(const Stream&) const = default;
-};
-
-// Device memory released on its own device when the owner goes: the base of DeviceBuffer and
-// MappedDeviceBuffer, which differ only in how the memory is had and given back.
-class DeviceMemory {
- public:
-  using Release = void (*)(void* data);
-  DeviceMemory() = default;
-
-  void* data() const { return memory_.get(); }
-  size_t size() const { return size_; }
-  int device() const { return memory_.releaser().device; }
-
- protected:
-  DeviceMemory(void* data, size_t size, int device, Release release)
-      : memory_(data, OnDevice{device, release}), size_(size) {}
-
- private:
-  // Gives the memory back on its own device.
-  struct OnDevice {
-    int device = 0;
-    Release release = nullptr;
-    void operator()(void* data) const;
-  };
-  UniqueHandle<void*, OnDevice> memory_;  // [Owned handles]
-  size_t size_ = 0;
-};
 
 // The client's payload buffer: cudaMalloc'd, so its IPC handle names exactly this allocation.
 class DeviceBuffer : public DeviceMemory {
@@ -123,114 +70,6 @@ class InterprocessEvent {
   UniqueHandle<void*, Destroy> event_;  // cudaEvent_t; [Owned handles]
   int device_ = 0;
 };
-
-// Pins (cudaHostRegister) a host range for asynchronous copies; unregisters on destruction.
-// Mapped, the GPU can also address it (device_pointer), as stream memory operations need.
-class PinnedRange {
- public:
-  PinnedRange() = default;
-  PinnedRange(void* data, size_t bytes, bool mapped = false);  // throws when CUDA refuses
-  // The GPU's address of `host`, a byte of a mapped range.
-  void* device_pointer(void* host) const;
-
- private:
-  struct Unregister {
-    void operator()(void* data) const;
-  };
-  UniqueHandle<void*, Unregister> range_;  // [Owned handles]
-};
-
-// [Compute streams]
-// Makes `device` the calling thread's current device and gives the thread `count` high-priority
-// streams of its own (LibTorch's pool; no implicit syncs with the legacy stream), and as many of
-// normal priority. use(key) makes stream key % count current. The executor's scheduler thread puts
-// a batch of one same-GPU request, computed in place in the client's memory, on the client's
-// stream, so that the small GEMMs of different clients run side by side instead of one after
-// another; every other batch (packed rows, host rows, NCCL receives), whose buffers come from the
-// allocator, goes on the first stream, so that the executor keeps one set of such buffers, as with
-// one stream. [Inference first on the GPU]: a fine-tuning request computed in place goes on the
-// client's normal-priority stream (use(key, /*yield=*/true)), so the GPU starts the blocks of
-// inference batches, on high-priority streams, before those of fine-tuning GEMMs queued beside
-// them: a decode call waits behind at most the fine-tuning blocks already running.
-class ComputeStreams {
- public:
-  ComputeStreams(int device, int count);
-  void use(uint64_t key, bool yield = false);
-
- private:
-  std::vector<c10::Stream> streams_;  // count high-priority streams, then count of normal priority
-  size_t current_ = 0;
-};
-// [Steps launched ahead] (cuda_ipc_channel.cpp): a stream of the caller's own (LibTorch's pool hands
-// the same few streams to everyone), non-blocking, at the GPU's highest or default priority.
-class OwnedStream {
- public:
-  static OwnedStream create(int device, bool high_priority);
-  OwnedStream() = default;
-  Stream get() const { return {stream_.get(), device_}; }
-  bool valid() const { return static_cast<bool>(stream_); }
-
- private:
-  struct Destroy {
-    void operator()(void* stream) const;
-  };
-  UniqueHandle<void*, Destroy> stream_;  // cudaStream_t; [Owned handles]
-  int device_ = -1;
-};
-
-// Makes `stream` LibTorch's current stream of its device for the scope (what LibTorch's operations,
-// the GEMM library's included, enqueue on), and the one before it again after.
-class CurrentStreamScope {
- public:
-  explicit CurrentStreamScope(Stream stream);
-  ~CurrentStreamScope();
-  CurrentStreamScope(const CurrentStreamScope&) = delete;
-  CurrentStreamScope& operator=(const CurrentStreamScope&) = delete;
-
- private:
-  std::optional<c10::Stream> previous_;  // LibTorch's, as it was
-};
-
-// [Replayed calls]
-// Work on a stream captured once into a CUDA graph and launched again as a whole: one launch
-// (~2.5 µs of host time) in place of what the work enqueues (a cuBLAS GEMM: 8–11 µs). The
-// executor captures the GEMM of each captured call of a client's step ([Captured calls] in
-// transport/call_ring.h), whose operands lie at the same addresses at every replay.
-class CapturedWork {
- public:
-  CapturedWork() = default;
-  // Captures what `work` enqueues on `stream` (it runs nothing); throws, capture ended, when it fails.
-  static CapturedWork capture(Stream stream, const std::function<void()>& work);
-  void launch(Stream stream) const;
-  bool valid() const { return static_cast<bool>(exec_); }
-
- private:
-  struct Destroy {
-    void operator()(void* exec) const;
-  };
-  UniqueHandle<void*, Destroy> exec_;  // cudaGraphExec_t; [Owned handles]
-};
-
-// The current CUDA stream of `device` (LibTorch's).
-Stream current_stream(int device);
-void synchronize_stream(Stream stream);
-// Orders `stream`'s later work after what `earlier` has enqueued so far (on the same GPU).
-void stream_after(Stream stream, Stream earlier);
-// [Stream-ordered hand-off]: the driver's 32-bit stream memory operations on a word the GPU
-// addresses (a mapped PinnedRange's device_pointer). The write is fenced after the stream's
-// earlier work; the wait holds the stream until the word reaches `value` (modulo 2^32).
-void write_value_on_stream(Stream stream, void* word, uint32_t value);
-void wait_value_on_stream(Stream stream, void* word, uint32_t value);
-// Several of those in one driver call (cuStreamBatchMemOp), in order; at most 4.
-struct MemoryOp {
-  enum Kind { kWrite, kWaitReached } kind;
-  void* word;
-  uint32_t value;
-};
-void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops);
-// cudaMemcpyAsync device to device on `stream`: what a payload copy needs, without ATen's
-// per-operation overhead (a few microseconds per call, on every base-layer call).
-void copy_on_stream(void* destination, const void* source, size_t bytes, Stream stream);
 
 #endif  // SYMBIOSIS_WITH_CUDA
 

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/cuda.h"
 #include "transport/channel.h"
 #include "transport/transport.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
@@ -117,7 +118,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   bool orders_by_flags() const override { return true; }
 
-  void share_segments(const proto::ShareSegments& r) override {
+  // [Transport set-up]: ShareSegments ([Direct operands] in cuda_ipc_client.cpp) maps the client's
+  // allocations it adds, and lets go of those it releases (no call in flight names them).
+  proto::Envelope set_up(const proto::Envelope& message) override {
+    if (!message.has_share_segments()) return Channel::set_up(message);
+    const proto::ShareSegments& r = message.share_segments();
     for (const uint32_t id : r.release()) {
       TORCH_CHECK(segments_.erase(id) == 1, "ShareSegments releases segment ", id, ", which is not shared");
     }
@@ -130,6 +135,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       segments_.emplace(s.id(), cuda::MappedDeviceBuffer::open(device_, s.cuda_ipc_handle(), s.bytes()));
     }
     forget_runs();
+    proto::Envelope answer;
+    answer.mutable_segments_shared();
+    return answer;
   }
 
   bool recurs(const shm::CallHeader& h) const override { return captured_slot(h) != nullptr && !replays_failed_; }
@@ -464,6 +472,7 @@ std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto:
                                              const ClientEndOptions& options);
 
 // [Transports]: this transport's row in transport.cpp's table.
-extern const TransportPlugin kPlugin{TransportKind::kCudaIpc, &make_channel, &make_client};
+extern const TransportPlugin kPlugin{TransportKind::kCudaIpc, &cuda::cuda_available, &make_channel,
+                                     &make_client};
 
 }  // namespace symbiosis::cuda_ipc

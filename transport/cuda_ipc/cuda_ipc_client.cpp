@@ -8,6 +8,7 @@
 #include <mutex>
 #include <vector>
 
+#include "common/cuda.h"
 #include "transport/call_ring.h"
 #include "transport/client_payload.h"
 #include "transport/cuda_ipc/cuda_ipc.h"

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "transport/channel.h"
+#include "transport/nccl/nccl_comm.h"
 #include "transport/transport.h"
 
 #ifdef SYMBIOSIS_WITH_NCCL
@@ -29,7 +30,6 @@
 #include <cuda_runtime_api.h>
 
 #include "common/cuda_check.h"
-#include "transport/nccl/nccl_comm.h"
 #endif
 
 namespace symbiosis::nccl {
@@ -135,14 +135,21 @@ class NcclChannel : public Channel {
     TORCH_CHECK(false, "an nccl client registers no payload buffer (send NcclSetup)");
   }
 
-  void setup_nccl(const proto::NcclSetup& setup) override {
+  // [Transport set-up]: NcclSetup starts joining the client's communicator; it is answered with
+  // NcclReady once setup_done().
+  proto::Envelope set_up(const proto::Envelope& message) override {
+    if (!message.has_nccl_setup()) return Channel::set_up(message);
     TORCH_CHECK(comm_ == nullptr, "NCCL is already set up for this client");
-    auto comm = std::make_shared<nccl::Communicator>(setup.unique_id(), /*rank=*/1, device_, kClientRank, kConnectTimeout);
+    auto comm = std::make_shared<nccl::Communicator>(message.nccl_setup().unique_id(), /*rank=*/1, device_, kClientRank,
+                                                     kConnectTimeout);
     {
       std::lock_guard<std::mutex> lock(comm_mutex_);
       comm_ = std::move(comm);
     }
     watchdog_ = std::thread([this] { watch(); });
+    proto::Envelope answer;
+    answer.mutable_nccl_ready();
+    return answer;
   }
 
   // Joined and connected, on the communicator's own thread ([NCCL blocking mode]): never blocks.
@@ -264,6 +271,6 @@ std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto:
                                              const ClientEndOptions& options);
 
 // [Transports]: this transport's row in transport.cpp's table.
-extern const TransportPlugin kPlugin{TransportKind::kNccl, &make_channel, &make_client};
+extern const TransportPlugin kPlugin{TransportKind::kNccl, &nccl_available, &make_channel, &make_client};
 
 }  // namespace symbiosis::nccl

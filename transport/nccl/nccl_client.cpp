@@ -3,9 +3,9 @@
 // control channel. Used when the client runs on another GPU than the executor's.
 #include <c10/util/Exception.h>
 
+#include "common/cuda.h"
 #include "transport/client_payload.h"
 #include "transport/client_transport.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/nccl/nccl_comm.h"
 
 namespace symbiosis::nccl {

@@ -3,9 +3,9 @@
 #include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
 
+#include "common/cuda.h"
 #include "transport/channel.h"
 #include "transport/transport.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/shared_memory.h"
 
 namespace symbiosis::shm {
@@ -47,6 +47,9 @@ class HostShmChannel : public RegisteredBufferChannel {
   shm::SharedMemory memory_;
 };
 
+// Host shared memory is all shm needs: always (pinned on a GPU executor where CUDA allows).
+bool available() { return true; }
+
 }  // namespace
 
 std::shared_ptr<Channel> make_channel(const ChannelContext& context) {
@@ -58,6 +61,6 @@ std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto:
                                              const ClientEndOptions& options);
 
 // [Transports]: this transport's row in transport.cpp's table.
-extern const TransportPlugin kPlugin{TransportKind::kShm, &make_channel, &make_client};
+extern const TransportPlugin kPlugin{TransportKind::kShm, &available, &make_channel, &make_client};
 
 }  // namespace symbiosis::shm

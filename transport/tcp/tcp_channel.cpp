@@ -80,6 +80,9 @@ class TcpChannel : public Channel {
   std::unordered_map<uint64_t, at::Tensor> results_;                  // by call, until its reply
 };
 
+// ZeroMQ is all tcp needs: always.
+bool available() { return true; }
+
 }  // namespace
 
 std::shared_ptr<Channel> make_channel(const ChannelContext& context) {
@@ -92,6 +95,6 @@ std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto:
                                              const ClientEndOptions& options);
 
 // [Transports]: this transport's row in transport.cpp's table.
-extern const TransportPlugin kPlugin{TransportKind::kTcp, &make_channel, &make_client};
+extern const TransportPlugin kPlugin{TransportKind::kTcp, &available, &make_channel, &make_client};
 
 }  // namespace symbiosis::tcp

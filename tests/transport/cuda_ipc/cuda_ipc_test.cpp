@@ -19,7 +19,7 @@
 #include "tests/gpu_test_util.h"
 #include "tests/transport/hostile_gpu_tenant.h"
 #include "transport/call_ring.h"
-#include "transport/cuda_ipc/cuda_ipc.h"
+#include "common/cuda.h"
 #include "transport/shared_memory.h"
 #include "transport/zmq_wire.h"
 

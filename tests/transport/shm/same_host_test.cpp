@@ -347,7 +347,9 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   share.mutable_share_segments()->add_release(1);
   const auto refused = peer.exchange(share);
   ASSERT_TRUE(refused.has_error());
-  EXPECT_TRUE(contains(refused.error().message(), "ShareSegments from a shm client: only cuda-ipc clients share segments"))
+  // [Transport set-up]: a transport's own set-up message is refused by any other, naming both.
+  EXPECT_TRUE(contains(refused.error().message(),
+                       "ShareSegments from a shm client: transport shm takes no such set-up message"))
       << refused.error().message();
   // Only a cuda-ipc call is answered by a flag ([Stream-ordered hand-off]).
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.sequence = 7; }),
