@@ -60,8 +60,7 @@ size_t ExecutorOptions::message_limit() const {
 
 void ExecutorOptions::validate() const {
   TORCH_CHECK(!model_dir.empty(), "executor option --model is required (a Hugging Face checkpoint directory)");
-  const std::string listen_wrong = wire::endpoint_problem(listen, /*allow_inproc=*/true);
-  TORCH_CHECK(listen_wrong.empty(), "executor option --listen ", listen_wrong);
+  wire::validate_endpoint(listen, "executor option --listen", /*allow_inproc=*/true);
   TORCH_CHECK(!keys_dir.empty() || insecure || loopback(listen), "executor option --listen ", listen,
               " is reachable from other hosts, and without keys anyone there could use this executor and read its "
               "traffic: give --keys DIR (docs/operating.md), listen on tcp://127.0.0.1, or pass --insecure");
@@ -77,9 +76,7 @@ void ExecutorOptions::validate() const {
   TORCH_CHECK(max_queued_tokens >= 1, "executor option --max-queued-tokens must be >= 1, got ", max_queued_tokens);
   TORCH_CHECK(max_buffer_bytes >= 1, "executor option --max-buffer-bytes must be >= 1, got ", max_buffer_bytes);
   if (!metrics_listen.empty()) {
-    bool metrics_loopback = false;
-    const auto problem = metrics_listen_problem(metrics_listen, &metrics_loopback);
-    TORCH_CHECK(problem.empty(), "executor option --metrics-listen ", problem);
+    const bool metrics_loopback = parse_metrics_listen(metrics_listen).loopback;  // throws naming a bad address
     TORCH_CHECK(metrics_loopback || insecure, "executor option --metrics-listen ", metrics_listen,
                 " is reachable from other hosts, and the metrics endpoint has no authentication (anyone there could "
                 "read tenants' names and traffic): listen on 127.0.0.1, or pass --insecure");

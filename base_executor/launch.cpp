@@ -1,15 +1,17 @@
 #include "base_executor/launch.h"
 
+#include <c10/util/Exception.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <iostream>
 #include <set>
 #include <sstream>
-#include <stdexcept>
 #include <vector>
 
 namespace symbiosis {
@@ -89,7 +91,11 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
     for (auto& a : args) pointers.push_back(a.data());
     pointers.push_back(nullptr);
     int output[2];
-    if (::pipe(output) != 0) throw std::runtime_error("cannot make a pipe for an executor part's output");
+    if (::pipe(output) != 0) {
+      const int error = errno;
+      for (const pid_t child : children) ::kill(child, SIGTERM);  // the parts started so far
+      TORCH_CHECK(false, "cannot make a pipe for executor part ", rank, " of ", parts, "'s output: ", std::strerror(error));
+    }
     const pid_t pid = ::fork();
     if (pid == 0) {
       ::dup2(output[1], STDOUT_FILENO);

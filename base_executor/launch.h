@@ -13,7 +13,8 @@ namespace symbiosis {
 // (cpu, or cuda:G of the G listed in `gpus`) and its endpoint (`options.listen` with the port
 // raised by the rank; "*" stays "*"). Once every part is ready, their "ready ENDPOINT" lines
 // are printed in rank order (one that ends before it is ready stops the others). A stop signal is passed on to every part; when one part ends, the others stop on their
-// own ([Lost part]). Returns 0 when every part exited 0, else 1.
+// own ([Lost part]). Returns 0 when every part exited 0, else 1; throws (TORCH_CHECK) when it cannot
+// start them, after stopping those it started.
 int launch_parts(int argc, char** argv, const ExecutorOptions& options, int parts, const std::string& gpus);
 
 }  // namespace symbiosis

@@ -148,7 +148,14 @@ int main(int argc, char** argv) {
   // open this one's segments through /proc/PID/fd nor read its memory nor attach to it; root
   // still can. It also means no core dump.
   if (::prctl(PR_SET_DUMPABLE, 0) != 0) spdlog::warn("could not make the executor non-dumpable: {}", std::strerror(errno));
-  if (launch_parts > 0 || !launch_gpus.empty()) return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);
+  if (launch_parts > 0 || !launch_gpus.empty()) {
+    try {
+      return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);
+    } catch (const c10::Error& e) {
+      spdlog::error("{}", e.what_without_backtrace());
+      return 1;
+    }
+  }
   options.model_dir = model_dir;
   options.keys_dir = keys_dir;
 

@@ -205,22 +205,24 @@ std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauge
   return w.take();
 }
 
-std::string metrics_listen_problem(const std::string& listen, bool* loopback) {
+MetricsAddress parse_metrics_listen(const std::string& listen) {
+  const auto what = "executor option --metrics-listen '";
   const auto expected = " (expected HOST:PORT, e.g. 127.0.0.1:9100; port 0 picks a free one)";
   const auto colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0) return "'" + listen + "' names no host and port" + expected;
-  std::string host = listen.substr(0, colon);
+  TORCH_CHECK(colon != std::string::npos && colon != 0, what, listen, "' names no host and port", expected);
+  MetricsAddress address;
+  address.host = listen.substr(0, colon);
   const std::string port = listen.substr(colon + 1);
-  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
-      std::stoi(port) > 65535) {
-    return "'" + listen + "': port '" + port + "' is not a number from 0 to 65535" + expected;
-  }
+  TORCH_CHECK(!port.empty() && port.size() <= 5 && port.find_first_not_of("0123456789") == std::string::npos &&
+                  std::stoi(port) <= 65535,
+              what, listen, "': port '", port, "' is not a number from 0 to 65535", expected);
+  address.port = std::stoi(port);
+  auto& host = address.host;
   if (host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  if (host.find("://") != std::string::npos || host.find('/') != std::string::npos) {
-    return "'" + listen + "' is an address for HTTP, without a scheme or path" + expected;
-  }
-  *loopback = host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-  return "";
+  TORCH_CHECK(host.find("://") == std::string::npos && host.find('/') == std::string::npos, what, listen,
+              "' is an address for HTTP, without a scheme or path", expected);
+  address.loopback = host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+  return address;
 }
 
 #ifdef SYMBIOSIS_WITH_METRICS
@@ -232,13 +234,9 @@ struct MetricsServer::Impl {
 
 MetricsServer::MetricsServer(const std::string& listen, std::function<std::string()> render)
     : impl_(std::make_unique<Impl>()) {
-  bool loopback = false;
-  const auto problem = metrics_listen_problem(listen, &loopback);
-  TORCH_CHECK(problem.empty(), "executor option --metrics-listen ", problem);
-  const auto colon = listen.rfind(':');
-  std::string host = listen.substr(0, colon);
-  if (host.front() == '[') host = host.substr(1, host.size() - 2);
-  const int asked = std::stoi(listen.substr(colon + 1));
+  const auto address = parse_metrics_listen(listen);
+  const std::string& host = address.host;
+  const int asked = address.port;
   auto& server = impl_->server;
   server.new_task_queue = [] { return new httplib::ThreadPool(2); };  // scrapes are rare and small
   server.Get("/metrics", [render](const httplib::Request&, httplib::Response& response) {

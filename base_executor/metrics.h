@@ -30,9 +30,16 @@ struct MetricsGauges {
 // The Prometheus text of `snapshot` and `gauges`, with the process's memory read now.
 std::string prometheus_text(const MetricsSnapshot& snapshot, const MetricsGauges& gauges);
 
-// Where `listen` ("HOST:PORT") is wrong, or "" when it is right; `loopback` says whether HOST is this host's
-// loopback only (127.0.0.0/8, localhost, [::1]).
-std::string metrics_listen_problem(const std::string& listen, bool* loopback);
+// --metrics-listen, read: HOST (IPv6 without its brackets), PORT (0: a free one), and whether HOST is
+// this host's loopback only (127.0.0.0/8, localhost, [::1]).
+struct MetricsAddress {
+  std::string host;
+  int port = 0;
+  bool loopback = false;
+};
+// `listen` ("HOST:PORT") read; throws (TORCH_CHECK) naming the option, the value and the expected form
+// when it is not one.
+MetricsAddress parse_metrics_listen(const std::string& listen);
 
 class MetricsServer {
  public:

@@ -36,8 +36,7 @@ const bool kLogsOnStderr = [] {
 }  // namespace
 
 void ClientOptions::validate() const {
-  const std::string endpoint_wrong = wire::endpoint_problem(endpoint);
-  TORCH_CHECK(endpoint_wrong.empty(), "client option endpoint ", endpoint_wrong);
+  wire::validate_endpoint(endpoint, "client option endpoint");
   TORCH_CHECK(timeout_ms > 0, "client option timeout_ms must be positive, got ", timeout_ms);
   TORCH_CHECK(connect_timeout_ms > 0, "client option connect_timeout_ms must be positive, got ", connect_timeout_ms);
   TORCH_CHECK(reconnect_ms >= 0, "client option reconnect_ms must be >= 0 (0: never reconnect), got ", reconnect_ms);

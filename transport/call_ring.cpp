@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
 
 namespace symbiosis::shm {
@@ -54,6 +56,14 @@ WakeSocket::WakeSocket() {
               "cannot make a wake socket: ", std::strerror(errno));
   reader_ = UniqueFd(ends[0]);
   writer_ = UniqueFd(ends[1]);
+}
+
+void check_segment_magic(uint64_t magic, uint64_t expected) {
+  if (magic == expected) return;
+  char numbers[64];
+  std::snprintf(numbers, sizeof numbers, "0x%016" PRIx64 ", expected 0x%016" PRIx64, magic, expected);
+  TORCH_CHECK(false, "the segment the executor handed over is not a symbiosis control segment (its magic number is ",
+              numbers, ")");
 }
 
 void drain(int reader) {

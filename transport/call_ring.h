@@ -178,13 +178,14 @@ void wake_executor(const ControlBlock& block, int writer);
 // The reader's side: reads what was sent (the end is non-blocking), so that poll() sleeps again.
 void drain(int reader);
 
+// Throws (TORCH_CHECK) naming the segment and its magic number unless it is `expected`.
+void check_segment_magic(uint64_t magic, uint64_t expected);
+
 // Maps a control segment made by the executor; throws naming it when it is not one.
 template <typename Block>
 Block* map_block(SharedMemory& memory) {
   auto* block = static_cast<Block*>(memory.data());
-  if (block->magic != Block::kMagic) {
-    throw std::runtime_error("the segment the executor handed over is not a symbiosis control segment");
-  }
+  check_segment_magic(block->magic, Block::kMagic);
   return block;
 }
 

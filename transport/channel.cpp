@@ -128,36 +128,38 @@ void Channel::push_reply(const shm::CallHeader& h, const Status& status) {
 
 namespace {
 
-std::string region_problem(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes, RegisteredBufferChannel::Region in,
-                           RegisteredBufferChannel::Region out,
-                           uint64_t generation) {
+Status invalid(std::string message) { return {StatusCode::kInvalidArgument, std::move(message)}; }
+
+// Whether a call's input and output regions lie in what the client registered and shared.
+Status check_regions(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes, RegisteredBufferChannel::Region in,
+                     RegisteredBufferChannel::Region out, uint64_t generation) {
   if (h.in_segment == 0 || h.out_segment == 0) {
-    if (generation == 0) return "no payload buffer is registered (send RegisterBuffer first)";
+    if (generation == 0) return invalid("no payload buffer is registered (send RegisterBuffer first)");
     if (h.buffer_generation != generation) {
-      return "names payload buffer generation " + std::to_string(h.buffer_generation) + ", but generation " +
-             std::to_string(generation) + " is registered";
+      return invalid("names payload buffer generation " + std::to_string(h.buffer_generation) + ", but generation " +
+                     std::to_string(generation) + " is registered");
     }
   }
   auto missing = [](uint32_t segment) {
     return "names segment " + std::to_string(segment) + ", which the client has not shared (send ShareSegments first)";
   };
-  if (in.base == nullptr) return "input " + missing(h.in_segment);
-  if (out.base == nullptr) return "output " + missing(h.out_segment);
+  if (in.base == nullptr) return invalid("input " + missing(h.in_segment));
+  if (out.base == nullptr) return invalid("output " + missing(h.out_segment));
+  auto inside = [](uint64_t offset, uint64_t bytes, uint64_t size) { return offset <= size && bytes <= size - offset; };
   auto outside = [](const char* what, uint64_t offset, uint64_t bytes, uint64_t segment, uint64_t size) {
-    if (offset <= size && bytes <= size - offset) return std::string();
-    return std::string(what) + " [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") lies outside the " +
-           std::to_string(size) + "-byte " +
-           (segment == 0 ? std::string("payload buffer") : "shared segment " + std::to_string(segment));
+    return invalid(std::string(what) + " [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                   ") lies outside the " + std::to_string(size) + "-byte " +
+                   (segment == 0 ? std::string("payload buffer") : "shared segment " + std::to_string(segment)));
   };
-  if (auto problem = outside("input", h.in_offset, in_bytes, h.in_segment, in.size); !problem.empty()) return problem;
-  if (auto problem = outside("output", h.out_offset, out_bytes, h.out_segment, out.size); !problem.empty()) {
-    return problem;
+  if (!inside(h.in_offset, in_bytes, in.size)) return outside("input", h.in_offset, in_bytes, h.in_segment, in.size);
+  if (!inside(h.out_offset, out_bytes, out.size)) {
+    return outside("output", h.out_offset, out_bytes, h.out_segment, out.size);
   }
-  if (h.in_offset % 16 != 0 || h.out_offset % 16 != 0) return "payload offsets must be multiples of 16 bytes";
+  if (h.in_offset % 16 != 0 || h.out_offset % 16 != 0) return invalid("payload offsets must be multiples of 16 bytes");
   const char* input = in.base + h.in_offset;
   const char* output = out.base + h.out_offset;
-  if (input < output + out_bytes && output < input + in_bytes) return "input and output regions overlap";
-  return "";
+  if (input < output + out_bytes && output < input + in_bytes) return invalid("input and output regions overlap");
+  return Status::ok();
 }
 
 }  // namespace
@@ -173,9 +175,7 @@ proto::BufferRegistered RegisteredBufferChannel::register_buffer(const proto::Re
 }
 
 Status RegisteredBufferChannel::check_payload(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes) const {
-  auto problem = region_problem(h, in_bytes, out_bytes, region(h.in_segment), region(h.out_segment), generation_);
-  if (problem.empty()) return Status::ok();
-  return {StatusCode::kInvalidArgument, std::move(problem)};
+  return check_regions(h, in_bytes, out_bytes, region(h.in_segment), region(h.out_segment), generation_);
 }
 
 at::Tensor RegisteredBufferChannel::input(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) {

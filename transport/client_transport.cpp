@@ -174,8 +174,7 @@ ControlSocket::ControlSocket(const std::string& endpoint, int timeout_ms, const 
       timeout_ms_(timeout_ms),
       connect_timeout_ms_(connect_timeout_ms > 0 ? connect_timeout_ms : timeout_ms),
       with_keys_(!keys.executor_key.empty()) {
-  const std::string wrong = wire::endpoint_problem(endpoint);
-  TORCH_CHECK(wrong.empty(), "executor endpoint ", wrong);
+  wire::validate_endpoint(endpoint, "executor endpoint");
   socket_.set(zmq::sockopt::linger, 0);
   if (with_keys_) {
     socket_.set(zmq::sockopt::curve_serverkey, keys.executor_key);

@@ -114,22 +114,21 @@ void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Enve
   send_to(socket, identity, envelope, none);
 }
 
-std::string endpoint_problem(const std::string& endpoint, bool allow_inproc) {
+void validate_endpoint(const std::string& endpoint, const std::string& what, bool allow_inproc) {
   const std::string expected =
       std::string("expected tcp://HOST:PORT or ipc://PATH") + (allow_inproc ? " (or inproc://NAME)" : "") +
       ", e.g. tcp://127.0.0.1:5555";
   const auto scheme_end = endpoint.find("://");
-  if (scheme_end == std::string::npos) return "'" + endpoint + "' has no scheme: " + expected;
+  TORCH_CHECK(scheme_end != std::string::npos, what, " '", endpoint, "' has no scheme: ", expected);
   const std::string scheme = endpoint.substr(0, scheme_end), rest = endpoint.substr(scheme_end + 3);
   if (scheme == "tcp") {
     const auto colon = rest.rfind(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == rest.size()) {
-      return "'" + endpoint + "' names no host and port: " + expected;
-    }
-    return "";
+    TORCH_CHECK(colon != std::string::npos && colon != 0 && colon + 1 != rest.size(), what, " '", endpoint,
+                "' names no host and port: ", expected);
+    return;
   }
-  if ((scheme == "ipc" || (allow_inproc && scheme == "inproc")) && !rest.empty()) return "";
-  return "'" + endpoint + "' is not a ZeroMQ endpoint this project uses: " + expected;
+  TORCH_CHECK((scheme == "ipc" || (allow_inproc && scheme == "inproc")) && !rest.empty(), what, " '", endpoint,
+              "' is not a ZeroMQ endpoint this project uses: ", expected);
 }
 
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope) {

@@ -54,10 +54,11 @@ void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Enve
 void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Envelope& envelope,
              std::vector<zmq::message_t>& payload);
 bool parse(const zmq::message_t& frame, proto::Envelope* envelope);
-// Why `endpoint` is not a ZeroMQ endpoint of the form tcp://HOST:PORT or ipc://PATH (inproc://NAME
-// too with allow_inproc), naming the value and the expected form; "" when it is one. A bare
+// Throws (TORCH_CHECK) unless `endpoint` is a ZeroMQ endpoint of the form tcp://HOST:PORT or
+// ipc://PATH (inproc://NAME too with allow_inproc); the message starts with `what` (the option or
+// role, e.g. "client option endpoint") and names the value and the expected form. A bare
 // "127.0.0.1:5555" would otherwise fail late or, worse, wait for an answer that never comes.
-std::string endpoint_problem(const std::string& endpoint, bool allow_inproc = false);
+void validate_endpoint(const std::string& endpoint, const std::string& what, bool allow_inproc = false);
 // The header of the call a Request carries, as the executor queues it; its shape travels beside
 // it. Unchecked: [Call check] (base_executor/call_check.h) checks it.
 shm::CallHeader call_header(const proto::Request& request);

@@ -61,6 +61,24 @@ TEST(SharedMemoryTest, AHandedOverDescriptorSeesWhatCreateWroteAndNothingHasANam
   EXPECT_EQ(target.string().rfind("/memfd:symbiosis-test", 0), 0u) << target;
 }
 
+// A segment handed over as the control segment that is not one (another process's memory, a stale
+// layout) is refused as a c10::Error naming its magic number and the expected one.
+TEST(SharedMemoryTest, ASegmentThatIsNotAControlSegmentIsRefusedNamingItsMagicNumber) {
+  auto memory = SharedMemory::create("control", sizeof(ControlBlock));
+  try {
+    map_block<ControlBlock>(memory);
+    FAIL() << "a zeroed segment was taken for a control segment";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the segment the executor handed over is not a symbiosis control segment (its "
+                                         "magic number is 0x0000000000000000, expected 0x53594d42494f5331)"),
+              std::string::npos)
+        << e.what();
+  }
+  RingInSharedMemory shared;
+  shared.block->magic = ControlBlock::kMagic;  // as the executor's channel writes it
+  EXPECT_EQ(map_block<ControlBlock>(shared.memory), shared.block);
+}
+
 // [Sealed segments]: the peer that shares a segment cannot shrink it (the executor would die of
 // SIGBUS at its next touch), and one that comes without the seal is refused, naming the seal.
 TEST(SharedMemoryTest, SegmentsAreSealedAgainstShrinkingAndAnUnsealedOneIsRefusedNamingTheSeal) {
