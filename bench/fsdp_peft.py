@@ -25,7 +25,6 @@ import datetime
 import json
 import math
 import os
-import resource
 import signal
 import sys
 import tempfile
@@ -34,30 +33,19 @@ import time
 import torch
 import torch.distributed as dist
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from harness import Window, add_client_flags, client_result, mark_ready, torch_dtype, write_json
+
 OUT_OF_MEMORY = 3
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, safetensors)")
+    add_client_flags(p, go_file=False)  # --batch: all ranks together, a multiple of the ranks
     p.add_argument("--devices", default="cuda:0,cuda:1", help="one rank per device listed: cuda:N (NCCL) or cpu (Gloo)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--batch", type=int, default=2, help="sequences a step, all ranks together (a multiple of the ranks)")
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=16)
-    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
-    p.add_argument("--iterations", type=int, default=10, help="timed steps (without --stop-file)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads a rank (0: PyTorch's default)")
-    p.add_argument("--ready-file")
-    p.add_argument("--stop-file")
     p.add_argument("--verify-loss", type=float, default=0.0,
                    help="check the first step's loss against plain transformers on rank 0's device within this "
                         "relative tolerance (0: no check)")
-    p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     a.devices = a.devices.split(",")
     if a.batch % len(a.devices) != 0:
@@ -134,7 +122,7 @@ def build_model(a, device, mesh):
     # frequencies) real, on the CPU, and in the dtype transformers' own loading gives them (made
     # under the model's default dtype, as from_pretrained does).
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[a.dtype])
+    torch.set_default_dtype(torch_dtype(a.dtype))
     try:
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(config))
@@ -183,7 +171,7 @@ def reference_loss(a, ids):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPES[a.dtype], attn_implementation=attention(config))
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch_dtype(a.dtype), attn_implementation=attention(config))
     lora = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
                            task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
@@ -273,10 +261,10 @@ def run(a, rank, world, device, mesh):
     for _ in range(max(0, a.warmup - 1)):
         step()
     agree(0)  # every rank warm
-    if rank == 0 and a.ready_file:
-        with open(a.ready_file, "w") as f:
-            f.write("warm\n")
+    if rank == 0:
+        mark_ready(a.ready_file)
 
+    # [Measurement window] as harness.run_window's, but the ranks decide together when to stop.
     latencies, ends = [], []
     start = time.time()
     while True:
@@ -295,31 +283,11 @@ def run(a, rank, world, device, mesh):
     dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
     if rank != 0:
         return
-    tokens = a.batch * a.seq
-    result = {
-        "system": "fsdp_peft",
-        "mode": "finetune",
-        "monolithic": True,
-        "transport": "none",
-        "device": ",".join(a.devices),
-        "world_size": world,
-        "batch": a.batch,
-        "seq": a.seq,
-        "rank": a.rank,
-        "iterations": len(latencies),
-        "tokens_per_iteration": tokens,
-        "latencies_s": latencies,
-        "step_end_epoch_s": ends,
-        "start_epoch_s": start,
-        "end_epoch_s": end,
-        "tokens_per_s": tokens * len(latencies) / max(end - start, 1e-9),
-        "first_loss": first_loss,
-        "last_loss": loss.item() if latencies else first_loss,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "gpu_peak_reserved_bytes": int(reserved.item()),  # the largest of the ranks'
-    }
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(a.out, client_result(
+        a, Window(start, end, latencies, ends), "fsdp_peft", a.batch * a.seq, device=",".join(a.devices),
+        world_size=world, step_end_epoch_s=ends, first_loss=first_loss,
+        last_loss=loss.item() if latencies else first_loss,
+        gpu_peak_reserved_bytes=int(reserved.item())))  # the largest of the ranks'
 
 
 def main():

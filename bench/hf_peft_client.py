@@ -6,48 +6,33 @@ the base model, PEFT LoRA on the same targets, rank and alpha, AdamW, the same b
 tokens with `generate`, the rows spread over --adapters LoRA adapters in one mixed batch (PEFT's
 `adapter_names`): the multi-adapter inference baseline.
 
-It follows symbiosis-bench-client's [Measurement window] protocol (see bench/bench_client.cpp) and
-writes the same JSON, so symbiosis-bench runs it side by side with Symbiosis:
+It follows symbiosis-bench-client's [Measurement window] protocol (see bench/bench_client.cpp; its
+Python side is bench/harness.py's) and writes the same JSON, so symbiosis-bench runs it side by side
+with Symbiosis:
   python3 bench/hf_peft_client.py --model DIR --batch 2 --seq 512 --rank 8 --device cuda:0 --out r.json
 """
 import argparse
-import json
-import os
-import resource
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from harness import add_client_flags, client_result, run_window, torch_dtype, write_json
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    add_client_flags(p)
     p.add_argument("--mode", default="finetune", choices=["finetune", "inference", "generate"])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--adapters", type=int, default=1)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16)
-    p.add_argument("--targets", default="q_proj,v_proj")
-    p.add_argument("--iterations", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--ready-file")
-    p.add_argument("--go-file")
-    p.add_argument("--stop-file")
-    p.add_argument("--out", required=True)
+    p.set_defaults(batch=1, seq=64, targets="q_proj,v_proj")
     a = p.parse_args()
 
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=DTYPES[a.dtype], device_map=device)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch_dtype(a.dtype), device_map=device)
     config = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
                         task_type="CAUSAL_LM")
     # Adapters in the model's dtype, as Symbiosis keeps them (PEFT would otherwise upcast to fp32).
@@ -79,60 +64,11 @@ def main() -> None:
         sync()
 
     model.train(a.mode == "finetune")
-    for _ in range(a.warmup):
-        iteration()
-    latencies = []
-    if a.ready_file:
-        with open(a.ready_file, "w") as f:
-            f.write("warm\n")
-    if a.stop_file:
-        start = time.time()
-        while not os.path.exists(a.stop_file):
-            t0 = time.time()
-            iteration()
-            latencies.append(time.time() - t0)
-        end = time.time()
-    elif a.go_file:
-        while not os.path.exists(a.go_file):
-            time.sleep(0.005)
-        time.sleep(0.02)
-        with open(a.go_file) as f:
-            start, end = (float(v) for v in f.read().split())
-        while time.time() < end:
-            t0 = time.time()
-            iteration()
-            t1 = time.time()
-            if start <= t1 <= end:
-                latencies.append(t1 - t0)
-    else:
-        start = time.time()
-        for _ in range(a.iterations):
-            t0 = time.time()
-            iteration()
-            latencies.append(time.time() - t0)
-        end = time.time()
-
+    window = run_window(a, iteration)
     tokens = a.batch * (a.new_tokens if a.mode == "generate" else a.seq)
-    result = {
-        "system": "hf_peft",
-        "mode": a.mode,
-        "monolithic": True,
-        "transport": "none",
-        "device": a.device,
-        "batch": a.batch,
-        "seq": a.seq,
-        "rank": a.rank,
-        "iterations": len(latencies),
-        "tokens_per_iteration": tokens,
-        "latencies_s": latencies,
-        "start_epoch_s": start,
-        "end_epoch_s": end,
-        "tokens_per_s": tokens * len(latencies) / max(end - start, 1e-9),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0,
-    }
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(a.out, client_result(
+        a, window, "hf_peft", tokens, mode=a.mode,
+        gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0))
 
 
 if __name__ == "__main__":

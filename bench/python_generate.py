@@ -8,7 +8,6 @@ script starts) and monolithic.
     python3 bench/python_generate.py --build build --preset tiny-llama --device cpu --out /tmp/pygen.json
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import torch
 import transformers
 
 import symbiosis
+from executor_process import executor_binary, start_executor
+from harness import add_run_flags, write_json
 
 
 def best_seconds(run, repeats):
@@ -37,16 +38,13 @@ def best_seconds(run, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--build", required=True, help="the build folder (its executor and make-checkpoint)")
+    add_run_flags(parser, "the results (JSON)", model=False, device="cpu", dtype="fp32", dtypes=("fp32", "bf16"))
     parser.add_argument("--preset", default="tiny-llama", help="symbiosis-make-checkpoint's preset")
     parser.add_argument("--layers", type=int, default=0, help="the preset's layers (0: its own)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     work = tempfile.mkdtemp(prefix="python-generate-")
@@ -69,27 +67,20 @@ def main():
                            min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
 
     figures = {"transformers_peft_generate": produced / best_seconds(transformers_generate, args.repeats)}
-    executor = subprocess.Popen([os.path.join(args.build, "base_executor", "symbiosis-executor"), "--model", model_dir,
-                                 "--device", args.device, "--listen", "tcp://127.0.0.1:*"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        endpoint = executor.stdout.readline().split()[1]
-        for name, client in (("symbiosis_generator_split", symbiosis.Client.connect(endpoint, device=args.device)),
-                             ("symbiosis_generator_monolithic", None)):
+    with start_executor(executor_binary(args.build), model_dir, ["--device", args.device],
+                        os.path.join(work, "executor.log")) as executor:
+        split = symbiosis.Client.connect(executor.address, device=args.device)
+        for name, client in (("symbiosis_generator_split", split), ("symbiosis_generator_monolithic", None)):
             generator = symbiosis.Generator(model_dir, client, adapter=adapter_dir, device=args.device, dtype=dtype,
                                             max_sequences=args.prompts,
                                             max_tokens=args.prompt_tokens + args.new_tokens)
             run = lambda: generator.generate(prompts, max_new_tokens=args.new_tokens)  # noqa: E731
             run()  # warm-up (on a GPU, the decode graphs are captured here)
             figures[name] = produced / best_seconds(run, args.repeats)
-    finally:
-        executor.terminate()
-        executor.wait()
     base = figures["transformers_peft_generate"]
     result = {"settings": vars(args), "output_tokens_per_s": figures,
               "against_transformers": {k: v / base for k, v in figures.items()}}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result, indent=1)
     for name, value in figures.items():
         print(f"{name:<32} {value:10.1f} output tokens/s  {value / base:6.2f}x transformers + PEFT generate")
     return 0

@@ -8,22 +8,19 @@ it the same job holds its own copy of the base (plain transformers + PEFT, the b
 else differs: the same script, model code, adapters, optimizer and step.
 
 Protocol ([Measurement window] in bench/bench_client.cpp, as symbiosis-bench-client and
-bench/hf_peft_client.py): --warmup untimed steps, then --ready-file is created; with --stop-file it
+bench/hf_peft_client.py; harness.run_window): --warmup untimed steps, then --ready-file is created; with --stop-file it
 steps until that file exists (capacity runs), with --go-file it waits for that file and steps through
 the window it names, else it runs --iterations steps. The JSON (--out) has the same keys as theirs,
 and each step's end time (`step_end_epoch_s`), so that a window can be cut from a capacity run.
 A step that runs out of memory ends the process with status 3, saying so.
 """
 import argparse
-import json
-import os
-import resource
 import sys
-import time
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from harness import add_client_flags, client_result, run_window, torch_dtype, write_json
+
 OUT_OF_MEMORY = 3
 
 
@@ -32,7 +29,7 @@ def build_model(a, device):
     import peft
     from transformers import AutoModelForCausalLM
 
-    dtype = DTYPES[a.dtype]
+    dtype = torch_dtype(a.dtype)
     client = None
     if a.executor:
         import symbiosis
@@ -58,25 +55,13 @@ def build_model(a, device):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="checkpoint directory (the executor's, for a tenant)")
+    add_client_flags(p)
     p.add_argument("--executor", default="", help="executor endpoint: a Python tenant; empty: plain transformers")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16)
-    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     p.add_argument("--gradient-checkpointing", action="store_true", help="transformers' gradient checkpointing")
-    p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op CPU threads (symbiosis-bench-client's default: many jobs share the host's cores)")
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--ready-file")
-    p.add_argument("--go-file")
-    p.add_argument("--stop-file")
-    p.add_argument("--out", required=True)
+    p.set_defaults(iterations=5)
     a = p.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -101,68 +86,20 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    ends, latencies = [], []
-
-    def timed_step() -> None:
-        t0 = time.time()
-        step()
-        ends.append(time.time())
-        latencies.append(ends[-1] - t0)
-
     try:
-        for _ in range(a.warmup):
-            step()
-        if a.ready_file:
-            with open(a.ready_file, "w") as f:
-                f.write("warm\n")
-        if a.stop_file:
-            start = time.time()
-            while not os.path.exists(a.stop_file):
-                timed_step()
-            end = time.time()
-        elif a.go_file:
-            while not os.path.exists(a.go_file):
-                time.sleep(0.005)
-            time.sleep(0.02)
-            with open(a.go_file) as f:
-                start, end = (float(v) for v in f.read().split())
-            while time.time() < end:
-                timed_step()
-        else:
-            start = time.time()
-            for _ in range(a.iterations):
-                timed_step()
-            end = time.time()
+        window = run_window(a, step)
     except torch.OutOfMemoryError as error:
         print(f"python_tenant_client: out of GPU memory ({'tenant' if client else 'plain transformers'}): "
               f"{str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(OUT_OF_MEMORY)
 
-    in_window = [latency for latency, t in zip(latencies, ends) if start <= t <= end]
-    tokens = a.batch * a.seq
-    result = {
-        "system": "python_tenant" if client else "python_plain",
-        "mode": "finetune",
-        "monolithic": client is None,
-        "transport": client.transport if client else "none",
-        "gradient_checkpointing": a.gradient_checkpointing,
-        "device": a.device,
-        "batch": a.batch,
-        "seq": a.seq,
-        "rank": a.rank,
-        "iterations": len(in_window),
-        "tokens_per_iteration": tokens,
-        "latencies_s": in_window,
-        "step_end_epoch_s": ends,
-        "start_epoch_s": start,
-        "end_epoch_s": end,
-        "tokens_per_s": tokens * len(in_window) / max(end - start, 1e-9),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0,
-        "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-    }
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+    cuda = device.type == "cuda"
+    write_json(a.out, client_result(
+        a, window, "python_tenant" if client else "python_plain", a.batch * a.seq, monolithic=client is None,
+        transport=client.transport if client else "none", gradient_checkpointing=a.gradient_checkpointing,
+        step_end_epoch_s=window.step_ends,
+        gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else 0,
+        gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0))
 
 
 if __name__ == "__main__":

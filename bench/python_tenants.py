@@ -19,102 +19,19 @@ Each client's figures are the same whatever the GPU; the counts are the GPU's. W
 OUT/python_tenants.json and OUT/python_tenants.md (a table), and prints the table.
 """
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 
+from executor_process import executor_binary, start_executor
+from harness import (ClientFiles, MemorySampler, Processes, add_run_flags, add_step_flags, ask_to_stop, error_tail,
+                     go_window, gpu_index, gpu_memory_mib, logger, nvidia_smi, remove, run_to_the_end, wait_warm,
+                     window_figures, write_results)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Every client process started, so that a run cut short kills those still running (main's finally).
-SPAWNED = []
-
-
-def gpu_index(device):
-    return int(device.split(":")[1]) if device.startswith("cuda:") else (0 if device == "cuda" else -1)
-
-
-def gpu_memory_mib(gpu):
-    """(used, total) MiB of GPU `gpu` by nvidia-smi (the whole GPU: every process, MPS's too); (0, 0) without one."""
-    if gpu < 0:
-        return 0.0, 0.0
-    try:
-        line = subprocess.run(["nvidia-smi", "-i", str(gpu), "--query-gpu=memory.used,memory.total",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
-        used, total = (float(v) for v in line.strip().split(","))
-        return used, total
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return 0.0, 0.0
-
-
-class MemorySampler:
-    """The GPU's peak memory in use while alive (nvidia-smi every 0.5 s)."""
-
-    def __init__(self, gpu):
-        self.gpu, self.peak, self._stop = gpu, 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, gpu_memory_mib(self.gpu)[0])
-            self._stop.wait(0.5)
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def log(message):
-    print(f"[python_tenants {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def spawn(args, directory, name):
-    out = open(os.path.join(directory, name + ".out"), "w")
-    err = open(os.path.join(directory, name + ".err"), "w")
-    process = subprocess.Popen(args, stdout=out, stderr=err)
-    SPAWNED.append(process)
-    return process
-
-
-def tail(path, lines=3):
-    try:
-        with open(path) as f:
-            return " | ".join(line.strip() for line in f.read().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def start_executor(a, directory):
-    """(process, endpoint) of an executor serving --model on --device, once it says it is ready."""
-    args = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--device", a.device,
-            "--dtype", a.dtype, "--listen", "tcp://127.0.0.1:*", "--batching", "opportunistic", "--max-wait", "150",
-            "--log-level", "warn"]
-    if a.device == "cpu":
-        args += ["--threads", "1"]  # a CPU smoke run: its GEMM threads would take the cores the clients need
-    err = open(os.path.join(directory, "executor.err"), "w")
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
-    line = [""]
-    reader = threading.Thread(target=lambda: line.__setitem__(0, process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(600)
-    if not line[0].startswith("ready "):
-        process.kill()
-        raise RuntimeError(f"the executor did not start: {line[0]!r}; {tail(err.name)}")
-    return process, line[0].split()[1]
-
-
-def stop(process, sig=signal.SIGTERM, timeout_s=60):
-    if process.poll() is None:
-        process.send_signal(sig)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+log = logger("python_tenants")
+# Every client process started, so that a run cut short ends those still running (main).
+PROCESSES = Processes()
 
 
 def python_client(a, index, directory, executor=""):
@@ -140,26 +57,13 @@ def wait_for_memory(gpu, baseline_mib, slack_mib=1024, timeout_s=60):
     log(f"GPU memory still {gpu_memory_mib(gpu)[0]:.0f} MiB after {timeout_s} s (baseline {baseline_mib:.0f})")
 
 
-def window_figures(results, start, end):
-    """Aggregate tokens/s of the steps that end in [start, end], and their mean step time."""
-    tokens, latencies = 0.0, []
-    for r in results:
-        for t, latency in zip(r["step_end_epoch_s"], r["latencies_s"]):
-            if start <= t <= end:
-                tokens += r["tokens_per_iteration"]
-                latencies.append(latency)
-    return {"tokens_per_s": tokens / max(end - start, 1e-9),
-            "mean_step_s": sum(latencies) / len(latencies) if latencies else 0.0, "steps_in_window": len(latencies)}
-
-
 def capacity(a, name, make_args, limit, wave, first_wave, window_s):
     """Clients (make_args(index, directory)) start in waves until one fails or `limit` run, then all
     step through one window. Returns the figures."""
     directory = os.path.join(a.out, name)
     os.makedirs(directory, exist_ok=True)
     stop_file = os.path.join(directory, "stop")
-    if os.path.exists(stop_file):
-        os.remove(stop_file)
+    remove(stop_file)
     gpu = gpu_index(a.device)
     before, total = gpu_memory_mib(gpu)
     sampler = MemorySampler(gpu)
@@ -171,32 +75,27 @@ def capacity(a, name, make_args, limit, wave, first_wave, window_s):
             size = max(1, min(wave, int((total - sampler.peak) / per_client))) if per_client > 0 else wave
         starting = []
         for index in range(len(running), min(limit, len(running) + size)):
-            ready = os.path.join(directory, f"client{index}.ready")
-            args = make_args(index, directory) + ["--ready-file", ready, "--stop-file", stop_file]
-            starting.append((index, ready, spawn(args, directory, f"client{index}")))
-        for index, ready, process in starting:
-            while not os.path.exists(ready) and process.poll() is None:
-                time.sleep(0.2)
-            if os.path.exists(ready) and process.poll() is None:
-                running.append((index, process))
+            files = ClientFiles(directory, f"client{index}")
+            files.remove_stale()
+            args = make_args(index, directory) + ["--ready-file", files.ready, "--stop-file", stop_file]
+            starting.append((index, files, PROCESSES.spawn(args, directory, files.name)))
+        for index, files, process in starting:
+            if wait_warm(process, files.ready, poll_s=0.2) == "warm":
+                running.append((index, files, process))
             else:
-                process.wait()
-                reason = f"client {index} failed (exit {process.returncode}): {tail(os.path.join(directory, f'client{index}.err'), 2)}"
+                reason = f"client {index} failed (exit {process.wait()}): {error_tail(files.err, 2)}"
         log(f"{name}: {len(running)} running, GPU peak {sampler.peak:.0f} of {total:.0f} MiB")
     warm_s = time.time() - began
     # Every running client steps through one common window.
     start = time.time() + 1.0
     time.sleep(1.0 + window_s)
     end = time.time()
-    with open(stop_file, "w") as f:
-        f.write("stop\n")
+    ask_to_stop(stop_file)
     results, fit = [], 0
-    for index, process in running:
-        process.wait()
-        if process.returncode == 0:
+    for index, files, process in running:
+        if process.wait() == 0:
             fit += 1
-            with open(os.path.join(directory, f"client{index}.json")) as f:
-                results.append(json.load(f))
+            results.append(files.results())
         else:
             reason += f"; client {index} failed in the window (exit {process.returncode})"
     peak = sampler.stop()
@@ -215,35 +114,20 @@ def cpp_window(a, executor, count, window_s):
     directory = os.path.join(a.out, "cpp")
     os.makedirs(directory, exist_ok=True)
     go = os.path.join(directory, "go")
-    if os.path.exists(go):
-        os.remove(go)
-    processes = []
+    remove(go)
+    clients = []
     for index in range(count):
+        files = ClientFiles(directory, f"client{index}")
+        files.remove_stale()
         args = [os.path.join(a.build, "bench", "symbiosis-bench-client"), "--executor", executor, "--model", a.model,
                 "--mode", "finetune", "--batch", str(a.batch), "--seq", str(a.seq), "--rank", str(a.rank),
                 "--targets", a.targets, "--warmup", str(a.warmup), "--device", a.device, "--dtype", a.dtype,
-                "--threads", "1", "--seed", str(index + 1), "--out", os.path.join(directory, f"client{index}.json"),
-                "--ready-file", os.path.join(directory, f"client{index}.ready"), "--go-file", go]
+                "--threads", "1", "--seed", str(index + 1), "--out", files.json,
+                "--ready-file", files.ready, "--go-file", go]
         if a.cpp_cuda_graph:
             args.append("--cuda-graph")
-        processes.append(spawn(args, directory, f"client{index}"))
-    for index, process in enumerate(processes):
-        while not os.path.exists(os.path.join(directory, f"client{index}.ready")):
-            if process.poll() is not None:
-                for p in processes:
-                    stop(p, signal.SIGKILL)
-                raise RuntimeError(f"C++ tenant {index} exited: {tail(os.path.join(directory, f'client{index}.err'))}")
-            time.sleep(0.1)
-    start = time.time() + 0.5
-    with open(go + ".tmp", "w") as f:
-        f.write(f"{start} {start + window_s}\n")
-    os.rename(go + ".tmp", go)
-    results = []
-    for index, process in enumerate(processes):
-        if process.wait() != 0:
-            raise RuntimeError(f"C++ tenant {index} failed: {tail(os.path.join(directory, f'client{index}.err'))}")
-        with open(os.path.join(directory, f"client{index}.json")) as f:
-            results.append(json.load(f))
+        clients.append((f"C++ tenant {index}", PROCESSES.spawn(args, directory, files.name), files))
+    results, _ = go_window(clients, go, window_s)
     tokens = sum(r["tokens_per_iteration"] * r["iterations"] for r in results)
     latencies = [latency for r in results for latency in r["latencies_s"]]
     figures = {"clients": count, "cuda_graph": a.cpp_cuda_graph, "tokens_per_s": tokens / window_s,
@@ -282,16 +166,8 @@ def table(result):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="checkpoint directory (e.g. symbiosis-make-checkpoint --preset llama-2-13b)")
-    p.add_argument("--build", required=True, help="the build tree holding base_executor/ and bench/ (build, .gpu-build)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
-    p.add_argument("--warmup", type=int, default=2)
+    add_run_flags(p, "the results' folder (python_tenants.json, python_tenants.md, each client's files)")
+    add_step_flags(p)
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="transformers' gradient checkpointing in every Python job (tenants and plain jobs alike)")
     p.add_argument("--limit", type=int, default=24, help="most Python tenants started")
@@ -304,37 +180,22 @@ def main():
     os.makedirs(a.out, exist_ok=True)
 
     gpu = gpu_index(a.device)
-    name = subprocess.run(["nvidia-smi", "-i", str(gpu), "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip() if gpu >= 0 else "cpu"
+    name = nvidia_smi(gpu, "name") if gpu >= 0 else "cpu"
     result = {"gpu": f"{name} ({gpu_memory_mib(gpu)[1]:.0f} MiB)", "model": a.model,
               "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens, {a.dtype}, AdamW"
                        + (", gradient checkpointing" if a.gradient_checkpointing else "")}
-    failed = False
-    # A timeout's SIGTERM ends the run as an error: its clients are killed and what was measured is written.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM (a timeout?)"))
-    try:
-        run(a, gpu, result)
-    except (Exception, SystemExit) as error:  # the figures measured so far are still written
-        result["error"] = f"{type(error).__name__}: {error}"
-        log(f"failed: {result['error']}")
-        failed = True
-    finally:
-        for process in SPAWNED:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    with open(os.path.join(a.out, "python_tenants.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    text = table(result)
-    with open(os.path.join(a.out, "python_tenants.md"), "w") as f:
-        f.write(text)
-    print(text)
-    sys.exit(1 if failed else 0)
+    ran = run_to_the_end(lambda: run(a, gpu, result), result, log, PROCESSES)
+    write_results(a.out, "python_tenants", result, table(result))
+    sys.exit(0 if ran else 1)
 
 
 def run(a, gpu, result):
-    executor, endpoint = start_executor(a, a.out)
-    try:
+    flags = ["--device", a.device, "--dtype", a.dtype, "--batching", "opportunistic", "--max-wait", "150",
+             "--log-level", "warn"]
+    if a.device == "cpu":
+        flags += ["--threads", "1"]  # a CPU smoke run: its GEMM threads would take the cores the clients need
+    with start_executor(executor_binary(a.build), a.model, flags, os.path.join(a.out, "executor.err")) as executor:
+        endpoint = executor.address
         executor_mib = gpu_memory_mib(gpu)[0]
         log(f"executor ready at {endpoint}, GPU {executor_mib:.0f} MiB in use")
         result["executor_gpu_mib"] = executor_mib
@@ -353,8 +214,6 @@ def run(a, gpu, result):
             except RuntimeError as error:
                 result["cpp_error"] = str(error)
                 log(f"cpp: {error}")
-    finally:
-        stop(executor)
     if a.plain_limit > 0:
         # The first plain job alone: it holds a whole base, and several loading at once could each
         # take part of the memory and all fail.

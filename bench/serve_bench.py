@@ -20,25 +20,24 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 import openai
 
+from executor_process import ReadyProcess, executor_binary, start_executor
+from harness import add_run_flags, write_json
 
-def started(args, pattern, log):
-    """Starts `args` with stdout piped and stderr to `log`; returns (process, the rest of the first
-    stdout line that starts with `pattern`)."""
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-    for line in process.stdout:
-        if line.startswith(pattern):
-            return process, line[len(pattern):].strip()
-    raise RuntimeError(f"{args[0]} ended before its ready line: {open(log).read()[-2000:]}")
+# How long the executor (loading the model) and the server may take to say they are ready.
+START_TIMEOUT_S = 600
 
 
-def add_byte_level_tokenizer(model, vocab_size):
-    """tokenizer.json of `vocab_size` tokens, each a distinct string of ByteLevel's alphabet."""
+def vocabulary_with_a_tokenizer(model):
+    """The vocabulary size of the checkpoint `model`, which is given a tokenizer.json of that many
+    tokens, each a distinct string of ByteLevel's alphabet, should it have no tokenizer."""
+    vocab_size = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    if any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return vocab_size
     import tokenizers
     import transformers
 
@@ -57,6 +56,7 @@ def add_byte_level_tokenizer(model, vocab_size):
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
     tokenizer.add_special_tokens(["<|end|>"])  # the last id
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>").save_pretrained(model)
+    return vocab_size
 
 
 def percentile(values, q):
@@ -96,21 +96,15 @@ async def measure(base_url, names, prompts, new_tokens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--build", required=True, help="the build folder (its executor)")
-    parser.add_argument("--model", required=True, help="the checkpoint folder")
+    add_run_flags(parser, "the results (JSON); logs beside it")
     parser.add_argument("--adapters", nargs="+", required=True, help="PEFT LoRA adapter folders")
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--out", required=True, help="the results (JSON); logs beside it")
     args = parser.parse_args()
     logs = os.path.splitext(args.out)[0]
-    vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
-    if not any(os.path.exists(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        add_byte_level_tokenizer(args.model, vocab)
+    vocab = vocabulary_with_a_tokenizer(args.model)
     rng = random.Random(17)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt)] for _ in range(args.requests)]
     names = [f"adapter-{i}" for i in range(len(args.adapters))]
@@ -118,28 +112,19 @@ def main():
              args.dtype, "--port", "0", "--max-num-seqs", str(args.requests), "--max-model-len",
              str(args.prompt + args.new_tokens), "--max-loras", str(len(names)), "--max-lora-rank",
              str(args.max_lora_rank), "--lora-modules"] + [f"{n}={d}" for n, d in zip(names, args.adapters)]
-    executor, endpoint = started([os.path.join(args.build, "base_executor", "symbiosis-executor"), "--model",
-                                  args.model, "--listen", "tcp://127.0.0.1:*", "--device", args.device, "--dtype",
-                                  args.dtype, "--log-level", "warn"], "ready ", logs + "-executor.log")
     results = {"requests": args.requests, "prompt": args.prompt, "new_tokens": args.new_tokens,
                "adapters": len(names)}
-    try:
-        for mode, extra in (("split", ["--executor", endpoint]), ("monolithic", ["--monolithic"])):
-            server, url = started(serve + extra, "ready ", f"{logs}-{mode}.log")
-            try:
-                results[mode] = asyncio.run(measure(url + "/v1", names, prompts, args.new_tokens))
-            finally:
-                server.terminate()
-                server.wait()
+    with start_executor(executor_binary(args.build), args.model,
+                        ["--device", args.device, "--dtype", args.dtype, "--log-level", "warn"],
+                        logs + "-executor.log", START_TIMEOUT_S) as executor:
+        for mode, extra in (("split", ["--executor", executor.address]), ("monolithic", ["--monolithic"])):
+            with ReadyProcess(serve + extra, f"{logs}-{mode}.log", "symbiosis-serve") as server:
+                server.wait_ready(START_TIMEOUT_S)
+                results[mode] = asyncio.run(measure(server.address + "/v1", names, prompts, args.new_tokens))
             print(mode, json.dumps(results[mode]), flush=True)
-    finally:
-        executor.terminate()
-        executor.wait()
     results["split_of_monolithic"] = (results["split"]["output_tokens_per_s"] /
                                       results["monolithic"]["output_tokens_per_s"])
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    write_json(args.out, results, echo=True)
 
 
 if __name__ == "__main__":

@@ -28,95 +28,29 @@ OUT/sharded_local.json and OUT/sharded_local.md (a table, its placement named), 
 (SIGTERM, e.g. a timeout) still writes what it measured and ends every process it started.
 """
 import argparse
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
-from python_tenants import MemorySampler, gpu_memory_mib, window_figures
+from executor_process import (NotReady, ReadyProcess, descendants_of, end_process, executor_binary,
+                              executor_command, wait_all_ready)
+from harness import (ClientFiles, MemorySampler, Processes, add_run_flags, add_step_flags, ask_to_stop, error_tail,
+                     go_window, gpu_memory_mib, logger, nvidia_smi, remove, run_to_the_end, wait_warm, window_figures,
+                     write_results)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Every process started (main's finally ends those still running); their ids are also in OUT/pids,
-# for a caller to end should this run be killed past its own clean-up.
-SPAWNED = []
+log = logger("sharded_local")
+# Every process started (main ends those still running), their ids also in OUT/pids (main),
+# for a caller to end should this run be killed past its own clean-up. Each starts in a session of
+# its own: a timeout's signal to this run's process group reaches this driver alone, which then
+# closes the windows and ends its processes in order (a job signalled at once would lose its figures).
+PROCESSES = Processes()
 
 
-def record_pids(out, pids):
-    with open(os.path.join(out, "pids"), "a") as f:
-        f.write("".join(f"{pid}\n" for pid in pids))
-
-
-def spawn(args, directory, name, out, env=None):
-    """Starts a process in a session of its own, its output in directory/name.out and .err: a
-    timeout's signal to this run's process group reaches this driver alone, which then closes the
-    windows and ends its processes in order (a job signalled at once would lose its figures)."""
-    with open(os.path.join(directory, name + ".out"), "w") as stdout, open(os.path.join(directory, name + ".err"), "w") as stderr:
-        process = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, start_new_session=True)
-    SPAWNED.append(process)
-    record_pids(out, [process.pid])
-    return process
-
-
-def remove(*paths):
-    """Files of an earlier run in the same --out (a stale ready or go file would start a window early)."""
-    for path in paths:
-        if os.path.exists(path):
-            os.remove(path)
-
-
-def error_tail(path, lines=3):
-    """The last lines of a process's stderr that are not warnings (what a failure says)."""
-    try:
-        with open(path) as f:
-            kept = [line.strip() for line in f.read().splitlines()
-                    if line.strip() and "warn" not in line.lower() and not line.startswith(("[W", "frame #"))]
-    except OSError:
-        return ""
-    return " | ".join(kept[-lines:])
-
-
-def log(message):
-    print(f"[sharded_local {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def descendants(pid):
-    """Every process below `pid` (from /proc), so that a launcher's parts can be ended with it."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, frontier = [], [pid]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found
-
-
-def end_process(process, timeout_s=60):
-    """SIGTERM (a launcher passes it on to its parts or ranks), then SIGKILL for it and all below it."""
-    if process.poll() is not None:
-        return
-    below = descendants(process.pid)
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    for pid in below:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def spawn(args, directory, name):
+    return PROCESSES.spawn(args, directory, name, new_session=True)
 
 
 class GpuMemory:
@@ -150,49 +84,46 @@ def free_port():
 
 
 def start_executor(a, directory):
-    """([its processes], [endpoint of each part in rank order]) once every part is ready: the
+    """([its ReadyProcesses], [endpoint of each part in rank order]) once every part is ready: the
     launcher (`--gpus`; on CPU `--parts`), or with --parts-by-hand one process a part, started as
     docs/operating.md starts a multi-host executor's, each on a GPU seen alone (CUDA_VISIBLE_DEVICES:
     the part computes on its cuda:0)."""
-    common = [os.path.join(a.build, "base_executor", "symbiosis-executor"), "--model", a.model, "--dtype", a.dtype,
-              "--listen", "tcp://127.0.0.1:*", "--batching", a.batching, "--max-wait", str(a.max_wait_us),
-              "--log-level", "warn"]
+    flags = ["--dtype", a.dtype, "--batching", a.batching, "--max-wait", str(a.max_wait_us), "--log-level", "warn"]
     if a.device == "cpu":
-        common += ["--threads", "1"]  # a smoke run: a part's GEMM threads would take the cores the clients need
+        flags += ["--threads", "1"]  # a smoke run: a part's GEMM threads would take the cores the clients need
+
+    def start(name, what, part_flags, ready_lines=1, env=None):
+        executor = ReadyProcess(executor_command(executor_binary(a.build), a.model, *flags, *part_flags),
+                                os.path.join(directory, name + ".err"), what, ready_lines=ready_lines, env=env,
+                                new_session=True, stdout_path=os.path.join(directory, name + ".out"),
+                                descendants=True)
+        PROCESSES.add(executor.process)
+        return executor
+
     if a.parts_by_hand:
         rendezvous = f"127.0.0.1:{free_port()}"
-        processes, outputs = [], []
+        executors = []
         for rank in range(a.parts):
             env = dict(os.environ)
             if a.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = str(a.gpus[rank])
-            args = common + ["--device", "cpu" if a.device == "cpu" else "cuda:0", "--rank", str(rank),
-                             "--world-size", str(a.parts), "--rendezvous", rendezvous]
-            processes.append(spawn(args, directory, f"part{rank}", a.out, env))
-            outputs.append(os.path.join(directory, f"part{rank}.out"))
+            executors.append(start(f"part{rank}", f"executor part {rank}",
+                                   ["--device", "cpu" if a.device == "cpu" else "cuda:0", "--rank", str(rank),
+                                    "--world-size", str(a.parts), "--rendezvous", rendezvous], env=env))
     else:
-        args = common + (["--parts", str(a.parts), "--device", "cpu"] if a.device == "cpu"
-                         else ["--gpus", ",".join(str(g) for g in a.gpus)])
-        processes = [spawn(args, directory, "executor", a.out)]
-        outputs = [os.path.join(directory, "executor.out")]
+        executors = [start("executor", "the sharded executor",
+                           ["--parts", str(a.parts), "--device", "cpu"] if a.device == "cpu"
+                           else ["--gpus", ",".join(str(g) for g in a.gpus)], ready_lines=a.parts)]
     began = time.time()
-    while True:
-        endpoints = []
-        for out in outputs:
-            with open(out) as f:
-                endpoints += [line.split()[1] for line in f.read().splitlines() if line.startswith("ready ")]
-        if len(endpoints) == a.parts:
-            break
-        if any(p.poll() is not None for p in processes) or time.time() - began > a.start_timeout_s:
-            for p in processes:
-                end_process(p)
-            errors = " / ".join(error_tail(out[:-4] + ".err") for out in outputs)
-            raise RuntimeError(f"the sharded executor did not start: {errors}")
-        time.sleep(0.2)
-    for p in processes:
-        record_pids(a.out, descendants(p.pid))  # the launcher's parts
+    try:
+        wait_all_ready(executors, a.start_timeout_s)
+    except NotReady as error:
+        raise RuntimeError(f"the sharded executor did not start: {error}") from None
+    for executor in executors:
+        PROCESSES.record(descendants_of(executor.process.pid))  # the launcher's parts
+    endpoints = [endpoint for executor in executors for endpoint in executor.addresses]
     log(f"sharded executor ready in {time.time() - began:.0f} s: {' '.join(endpoints)}")
-    return processes, endpoints
+    return executors, endpoints
 
 
 def tenant_placement(a, index):
@@ -205,14 +136,13 @@ def tenant_placement(a, index):
     return part, f"cuda:{a.gpus[part]}", "cuda-ipc"
 
 
-def tenant_args(a, index, endpoints, directory, go):
+def tenant_args(a, index, endpoints, files, go):
     part, device, transport = tenant_placement(a, index)
     args = [os.path.join(a.build, "bench", "symbiosis-bench-client"), "--executor", endpoints[part],
             "--model", a.model, "--mode", "finetune", "--batch", str(a.batch), "--seq", str(a.seq),
             "--rank", str(a.rank), "--targets", a.targets, "--warmup", str(a.warmup), "--device", device,
             "--dtype", a.dtype, "--transport", transport, "--threads", "1",
-            "--seed", str(index + 1), "--out", os.path.join(directory, f"tenant{index}.json"),
-            "--ready-file", os.path.join(directory, f"tenant{index}.ready"), "--go-file", go]
+            "--seed", str(index + 1), "--out", files.json, "--ready-file", files.ready, "--go-file", go]
     if a.cuda_graph:
         args.append("--cuda-graph")
     return args
@@ -223,42 +153,20 @@ def symbiosis_count(a, endpoints, count):
     directory = os.path.join(a.out, "symbiosis", f"n{count}")
     os.makedirs(directory, exist_ok=True)
     go = os.path.join(directory, "go")
-    remove(go, *(os.path.join(directory, f"tenant{i}.{ext}") for i in range(count) for ext in ("ready", "json")))
+    remove(go)
     memory = GpuMemory(a.gpus + a.client_gpus)
     began = time.time()
-    processes = [spawn(tenant_args(a, i, endpoints, directory, go), directory, f"tenant{i}", a.out) for i in range(count)]
-
-    def fail(why):
-        for p in processes:
-            end_process(p, 10)
-        memory.stop()
-        raise RuntimeError(why)
-
-    for i, process in enumerate(processes):
-        while not os.path.exists(os.path.join(directory, f"tenant{i}.ready")):
-            if process.poll() is not None:
-                fail(f"tenant {i} of {count} failed while warming up (exit {process.returncode}): "
-                     f"{error_tail(os.path.join(directory, f'tenant{i}.err'))}")
-            if time.time() - began > a.tenant_timeout_s:
-                fail(f"tenant {i} of {count} not warm after {a.tenant_timeout_s:.0f} s")
-            time.sleep(0.1)
-    warm_s = time.time() - began
-    start = time.time() + 0.5
-    with open(go + ".tmp", "w") as f:
-        f.write(f"{start} {start + a.window_s}\n")
-    os.rename(go + ".tmp", go)
-    results = []
-    for i, process in enumerate(processes):
-        try:
-            process.wait(a.window_s + a.tenant_timeout_s)
-        except subprocess.TimeoutExpired:
-            fail(f"tenant {i} of {count} did not end after the window")
-        if process.returncode != 0:
-            fail(f"tenant {i} of {count} failed in the window (exit {process.returncode}): "
-                 f"{error_tail(os.path.join(directory, f'tenant{i}.err'))}")
-        with open(os.path.join(directory, f"tenant{i}.json")) as f:
-            results.append(json.load(f))
-    peaks = memory.stop()
+    clients = []
+    for i in range(count):
+        files = ClientFiles(directory, f"tenant{i}")
+        files.remove_stale()
+        clients.append((f"tenant {i} of {count}", spawn(tenant_args(a, i, endpoints, files, go), directory, files.name),
+                        files))
+    try:
+        results, warm_at = go_window(clients, go, a.window_s, a.tenant_timeout_s)
+    finally:
+        peaks = memory.stop()
+    warm_s = warm_at - began
     tokens = sum(r["tokens_per_iteration"] * r["iterations"] for r in results)
     latencies = [latency for r in results for latency in r["latencies_s"]]
     figures = {"adapters": count, "tokens_per_s": tokens / a.window_s, "steps_in_window": len(latencies),
@@ -275,7 +183,7 @@ def run_symbiosis(a, result):
     directory = os.path.join(a.out, "symbiosis")
     os.makedirs(directory, exist_ok=True)
     before = [gpu_memory_mib(g)[0] for g in a.gpus]
-    executor, endpoints = start_executor(a, directory)  # its processes
+    executors, endpoints = start_executor(a, directory)
     section = {"counts": [], "stopped_because": f"reached the last count ({a.counts[-1]})"}
     result["symbiosis"] = section
     try:
@@ -287,15 +195,14 @@ def run_symbiosis(a, result):
                 section["stopped_because"] = str(error)
                 log(f"symbiosis: {error}")
                 break
-            ended = [p for p in executor if p.poll() is not None]
+            ended = [e for e in executors if not e.running()]
             if ended:
-                logs = [f for f in sorted(os.listdir(directory)) if f.startswith(("executor", "part")) and f.endswith(".err")]
-                section["stopped_because"] = (f"the executor ended (exit {ended[0].returncode}): "
-                                              + " / ".join(error_tail(os.path.join(directory, f)) for f in logs))
+                section["stopped_because"] = (f"the executor ended (exit {ended[0].process.returncode}): "
+                                              + " / ".join(error_tail(e.log_path) for e in executors))
                 break
     finally:
-        for process in executor:
-            end_process(process)
+        for executor in executors:
+            executor.stop(60)
 
 
 def fsdp_devices(a):
@@ -305,13 +212,12 @@ def fsdp_devices(a):
     return [f"cuda:{g}" for g in a.gpus + a.client_gpus]
 
 
-def fsdp_args(a, index, directory, stop_file):
+def fsdp_args(a, index, files, stop_file):
     devices = ",".join(fsdp_devices(a))
     args = [sys.executable, os.path.join(HERE, "fsdp_peft.py"), "--model", a.model, "--devices", devices,
             "--dtype", a.dtype, "--batch", str(a.fsdp_batch), "--seq", str(a.seq), "--rank", str(a.rank),
             "--targets", a.targets, "--warmup", str(a.warmup), "--seed", str(index + 1),
-            "--out", os.path.join(directory, f"job{index}.json"),
-            "--ready-file", os.path.join(directory, f"job{index}.ready"), "--stop-file", stop_file]
+            "--out", files.json, "--ready-file", files.ready, "--stop-file", stop_file]
     if a.device == "cpu":
         args += ["--threads", "1"]
     return args
@@ -321,12 +227,14 @@ def run_fsdp(a, result):
     directory = os.path.join(a.out, "fsdp")
     os.makedirs(directory, exist_ok=True)
     stop_file = os.path.join(directory, "stop")
-    remove(stop_file, *(os.path.join(directory, f"job{i}.{ext}") for i in range(a.fsdp_limit) for ext in ("ready", "json")))
+    remove(stop_file)
+    for i in range(a.fsdp_limit):
+        ClientFiles(directory, f"job{i}").remove_stale()
     memory = GpuMemory(a.gpus + a.client_gpus)
     section = {"jobs": [], "windows": [], "stopped_because": f"reached the limit of {a.fsdp_limit}",
                "batch": a.fsdp_batch}
     result["fsdp"] = section
-    running = []  # (index, process) of the jobs that are warm and stepping
+    running = []  # (index, process, ClientFiles) of the jobs that are warm and stepping
     began = time.time()
     try:
         while len(running) < a.fsdp_limit:
@@ -336,31 +244,30 @@ def run_fsdp(a, result):
                 size = max(1, min(a.fsdp_wave, int(left / taken))) if taken > 0 else a.fsdp_wave
             starting = []
             for index in range(len(running), min(a.fsdp_limit, len(running) + size)):
-                starting.append((index, spawn(fsdp_args(a, index, directory, stop_file), directory, f"job{index}", a.out)))
+                files = ClientFiles(directory, f"job{index}")
+                starting.append((index, spawn(fsdp_args(a, index, files, stop_file), directory, files.name), files))
             failed = ""
-            for index, process in starting:
-                ready = os.path.join(directory, f"job{index}.ready")
-                while not os.path.exists(ready) and process.poll() is None:
-                    if time.time() - began > a.fsdp_deadline_s:
-                        end_process(process, 10)
-                        failed = failed or f"job {index} not warm when --fsdp-deadline-s {a.fsdp_deadline_s:.0f} passed"
-                    time.sleep(0.2)
-                if os.path.exists(ready) and process.poll() is None:
-                    running.append((index, process))
-                elif not failed:
-                    process.wait()
-                    failed = (f"job {index} failed while starting (exit {process.returncode}): "
-                              f"{error_tail(os.path.join(directory, f'job{index}.err'))}")
-            for _, process in running:
+            for index, process, files in starting:
+                state = wait_warm(process, files.ready, began + a.fsdp_deadline_s, poll_s=0.2)
+                if state == "warm":
+                    running.append((index, process, files))
+                elif state == "late":
+                    end_process(process, 10)
+                    failed = failed or f"job {index} not warm when --fsdp-deadline-s {a.fsdp_deadline_s:.0f} passed"
+                else:
+                    failed = failed or (f"job {index} failed while starting (exit {process.wait()}): "
+                                        f"{error_tail(files.err)}")
+            for _, process, _ in running:
                 if process.poll() is not None and not failed:
                     failed = f"a running job ended (exit {process.returncode}) while others started"
-            running = [(i, p) for i, p in running if p.poll() is None]
+            running = [job for job in running if job[1].poll() is None]
             log(f"fsdp: {len(running)} jobs running, GPU peak {memory.peaks()} of {memory.total} MiB"
                 + (f"; {failed}" if failed else ""))
-            if running and (len(section["windows"]) == 0 or section["windows"][-1]["jobs"] != [i for i, _ in running]):
+            jobs = [i for i, _, _ in running]
+            if running and (len(section["windows"]) == 0 or section["windows"][-1]["jobs"] != jobs):
                 start = time.time() + 0.5
                 time.sleep(0.5 + a.window_s)
-                section["windows"].append({"jobs": [i for i, _ in running], "start": start, "end": time.time(),
+                section["windows"].append({"jobs": jobs, "start": start, "end": time.time(),
                                            "gpu_memory_peak_mib": memory.peaks()})
             if failed:
                 section["stopped_because"] = failed
@@ -372,18 +279,15 @@ def run_fsdp(a, result):
         section["stopped_because"] = f"cut short ({type(error).__name__}: {error})"
         raise
     finally:
-        with open(stop_file, "w") as f:
-            f.write("stop\n")
+        ask_to_stop(stop_file)
         results = {}
-        for index, process in running:
+        for index, process, files in running:
             try:
                 process.wait(120)
             except subprocess.TimeoutExpired:
                 end_process(process, 10)
-            path = os.path.join(directory, f"job{index}.json")
-            if process.returncode == 0 and os.path.exists(path):
-                with open(path) as f:
-                    results[index] = json.load(f)
+            if process.returncode == 0 and os.path.exists(files.json):
+                results[index] = files.results()
             else:
                 section["stopped_because"] += f"; job {index} failed while running (exit {process.returncode})"
         section["gpu_memory_total_mib"] = memory.total
@@ -458,24 +362,17 @@ def table(result):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="checkpoint directory (symbiosis-make-checkpoint --preset llama-2-13b)")
-    p.add_argument("--build", required=True, help="the build tree holding base_executor/ and bench/ (build, .gpu-build)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    add_run_flags(p, "the results' folder (sharded_local.json, sharded_local.md, pids, every process's files)",
+                  device="cuda", devices=("cuda", "cpu"))
     p.add_argument("--gpus", default="0,1", help="cuda: the GPUs, one executor part and one FSDP rank each")
     p.add_argument("--client-gpus", default="",
                    help="cuda, sharded-remote: the tenants' GPUs (over NCCL), one FSDP rank each too")
     p.add_argument("--remote", action="store_true", help="cpu, sharded-remote: tenants over TCP, twice the FSDP ranks")
     p.add_argument("--parts", type=int, default=2, help="cpu: executor parts and FSDP ranks")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--batch", type=int, default=2, help="sequences a tenant's step")
+    add_step_flags(p)  # --batch: sequences a tenant's step
     p.add_argument("--fsdp-batch", type=int, default=0,
                    help="sequences an FSDP job's step, all ranks together (default: --batch, the same step, "
                         "rounded up to a multiple of the ranks)")
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batching", default="opportunistic", choices=["none", "lockstep", "opportunistic"],
                    help="the executor's batching policy")
     p.add_argument("--max-wait-us", type=int, default=150, help="the executor's opportunistic batching wait")
@@ -508,12 +405,12 @@ def main():
     ranks = len(fsdp_devices(a))
     a.fsdp_batch = a.fsdp_batch or -(-a.batch // ranks) * ranks
     os.makedirs(a.out, exist_ok=True)
-    remove(os.path.join(a.out, "pids"))
+    PROCESSES.keep_pids_in(os.path.join(a.out, "pids"))
 
     if a.gpus:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.splitlines()
-        hardware = f"{len(a.gpus + a.client_gpus)} x {names[a.gpus[0]].strip() if names else 'GPU'}"
+        name = nvidia_smi(a.gpus[0], "name")
+        hardware = (f"{len(a.gpus + a.client_gpus)} x "
+                    + (f"{name}, {gpu_memory_mib(a.gpus[0])[1]:.0f} MiB" if name else "GPU"))
     else:
         hardware = f"CPU, {a.parts} parts"
     result = {"hardware": hardware, "model": a.model, "placement": "sharded-remote" if a.remote else "sharded-local",
@@ -521,41 +418,25 @@ def main():
               "shape": f"LoRA r{a.rank} on {a.targets}, {a.batch} x {a.seq} tokens a step, {a.dtype}, AdamW, "
                        f"{a.window_s:.0f} s windows; executor batching {a.batching}"
                        + (f" {a.max_wait_us} us" if a.batching == "opportunistic" else "")}
-    def cut_short(*_):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up that follows must not be cut short too
-        sys.exit("stopped by SIGTERM (a timeout?)")
 
-    signal.signal(signal.SIGTERM, cut_short)
-    failed = False
-    try:
+    def run():
         if not a.skip_symbiosis:
             try:
                 run_symbiosis(a, result)
             except RuntimeError as error:  # the FSDP jobs are still measured
                 result["symbiosis_error"] = str(error)
                 log(f"symbiosis: {error}")
-                failed = True
         if a.fsdp_limit > 0:
             run_fsdp(a, result)
-    except (Exception, SystemExit) as error:  # the figures measured so far are still written
-        result["error"] = f"{type(error).__name__}: {error}"
-        log(f"failed: {result['error']}")
-        failed = True
-    finally:
-        for process in SPAWNED:
-            end_process(process, 20)
+
+    failed = not run_to_the_end(run, result, log, PROCESSES) or "symbiosis_error" in result
     # Nothing measured on a side is a failure (a count or a wave that did not fit is not).
     if not a.skip_symbiosis and not result.get("symbiosis", {}).get("counts"):
         failed = True
     if a.fsdp_limit > 0 and not result.get("fsdp", {}).get("windows"):
         failed = True
     compare(result)
-    with open(os.path.join(a.out, "sharded_local.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    text = table(result)
-    with open(os.path.join(a.out, "sharded_local.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_results(a.out, "sharded_local", result, table(result))
     sys.exit(1 if failed else 0)
 
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -27,19 +26,11 @@ import numpy as np
 import tinker
 from tinker import types
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_bench import add_byte_level_tokenizer, started  # noqa: E402
+from executor_process import ReadyProcess, executor_binary, start_executor
+from harness import add_run_flags, gpu_memory_mib, write_json
+from serve_bench import START_TIMEOUT_S, vocabulary_with_a_tokenizer
 
 BASE = "bench/model"
-
-
-def gpu_memory_mib():
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, check=True).stdout
-        return float(out.split()[0])
-    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
-        return 0.0
 
 
 def one_run(url, args, vocab, seed, record):
@@ -88,7 +79,7 @@ def concurrent(url, args, vocab, k, first_seed):
         if not any(t.is_alive() for t in threads):
             raise RuntimeError("every run ended before its first step")
         time.sleep(0.05)
-    memory = gpu_memory_mib()
+    memory = gpu_memory_mib(0)[0]
     go.set()
     for t in threads:
         t.join()
@@ -102,8 +93,7 @@ def concurrent(url, args, vocab, k, first_seed):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--build", required=True, help="the build folder (its executor)")
-    parser.add_argument("--model", required=True, help="the base model's checkpoint folder")
+    add_run_flags(parser, "the results (JSON); logs beside it")
     parser.add_argument("--runs", default="1,4,8", help="the counts K of concurrent runs")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4, help="prompts a step")
@@ -111,27 +101,22 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--out", required=True, help="the results (JSON); logs beside it")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     logs = os.path.splitext(args.out)[0]
-    vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
-    if not any(os.path.exists(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        add_byte_level_tokenizer(args.model, vocab)
+    vocab = vocabulary_with_a_tokenizer(args.model)
     counts = [int(k) for k in args.runs.split(",")]
-    executor, endpoint = started([os.path.join(args.build, "base_executor", "symbiosis-executor"), "--model",
-                                  args.model, "--listen", "tcp://127.0.0.1:*", "--device", args.device, "--dtype",
-                                  args.dtype, "--log-level", "warn"], "ready ", logs + "-executor.log")
-    server, url = started([sys.executable, "-m", "symbiosis.tinker", "--executor", endpoint, "--base-model",
-                           f"{BASE}={args.model}", "--port", "0", "--device", args.device, "--dtype", args.dtype,
-                           "--state-dir", logs + "-state", "--max-num-seqs", "256",
-                           "--max-model-len", str(args.prompt_len + args.max_tokens),
-                           "--max-loras", str(2 * max(counts) + 2)], "ready ", logs + "-server.log")
-    results = {"settings": {k: v for k, v in vars(args).items() if k not in ("build", "out")}, "idle_gpu_memory_mib":
-               gpu_memory_mib(), "concurrent": []}
-    try:
+    with start_executor(executor_binary(args.build), args.model,
+                        ["--device", args.device, "--dtype", args.dtype, "--log-level", "warn"],
+                        logs + "-executor.log", START_TIMEOUT_S) as executor, \
+            ReadyProcess([sys.executable, "-m", "symbiosis.tinker", "--executor", executor.address, "--base-model",
+                          f"{BASE}={args.model}", "--port", "0", "--device", args.device, "--dtype", args.dtype,
+                          "--state-dir", logs + "-state", "--max-num-seqs", "256",
+                          "--max-model-len", str(args.prompt_len + args.max_tokens),
+                          "--max-loras", str(2 * max(counts) + 2)], logs + "-server.log", "symbiosis-tinker") as server:
+        url = server.wait_ready(START_TIMEOUT_S).address
+        results = {"settings": {k: v for k, v in vars(args).items() if k not in ("build", "out")},
+                   "idle_gpu_memory_mib": gpu_memory_mib(0)[0], "concurrent": []}
         # A run of one step first, not counted: the sampler's first decode steps (their graph
         # captures) and the first worker's start-up would otherwise be charged to K = 1 alone.
         concurrent(url, argparse.Namespace(**dict(vars(args), steps=1)), vocab, 1, 0)
@@ -140,18 +125,11 @@ def main():
             results["concurrent"].append(concurrent(url, args, vocab, k, seed))
             seed += k
             print(json.dumps(results["concurrent"][-1]), flush=True)
-    finally:
-        server.terminate()
-        server.wait()
-        executor.terminate()
-        executor.wait()
     single = next(r for r in results["concurrent"] if r["runs"] == 1)["wall_s"]
     for r in results["concurrent"]:
         r["one_after_another_s"] = r["runs"] * single
         r["throughput_vs_one_after_another"] = r["runs"] * single / r["wall_s"]
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    write_json(args.out, results, echo=True)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ and the programs' paths in SYMBIOSIS_EXECUTOR, SYMBIOSIS_DEMO_CLIENT, SYMBIOSIS_
 import contextlib
 import json
 import os
-import subprocess
+import sys
 import tempfile
-import threading
 
 import peft
 import pytest
 import torch
+
+# The benchmarks' and tests' one launcher of programs that print a ready line (bench/executor_process.py).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from executor_process import ReadyProcess, executor_command  # noqa: E402
 
 BUILD = os.environ.get("SYMBIOSIS_BINARY_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 EXECUTOR = os.environ.get("SYMBIOSIS_EXECUTOR", os.path.join(BUILD, "base_executor", "symbiosis-executor"))
@@ -73,48 +76,14 @@ def make_checkpoint(architecture, directory, seed=0):
     return directory
 
 
-class ReadyProcess:
-    """A program that prints "ready ADDRESS" on stdout once it serves (the executor, symbiosis-serve),
-    its stderr written to `log_path`; `what` names it in the failure to start."""
-
-    def __init__(self, args, log_path, what, timeout_s=60):
-        self.log_path = log_path
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        line = self._ready_line(timeout_s)
-        assert line.startswith("ready "), f"{what} did not start: {line!r}; log: {self.log()}"
-        self.address = line.split()[1]
-
-    def _ready_line(self, timeout_s):
-        result = [""]
-        reader = threading.Thread(target=lambda: result.__setitem__(0, self.process.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        return result[0].strip()
-
-    def log(self):
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-
 class Executor(ReadyProcess):
     """A symbiosis-executor process serving `checkpoint` on `device` (this machine's CPU unless
-    said otherwise), on a free port: its endpoint."""
+    said otherwise), on a free port: its endpoint; its stderr in CHECKPOINT/executor.log."""
 
     def __init__(self, checkpoint, extra_args=(), device="cpu"):
-        args = [EXECUTOR, "--model", checkpoint, "--device", device, "--listen", "tcp://127.0.0.1:*",
-                "--threads", "1", *extra_args]
-        super().__init__(args, os.path.join(checkpoint, "executor.log"), "executor")
+        super().__init__(executor_command(EXECUTOR, checkpoint, "--device", device, "--threads", "1", *extra_args),
+                         os.path.join(checkpoint, "executor.log"), "executor")
+        self.wait_ready(timeout_s=60)
         self.endpoint = self.address
 
 
@@ -126,7 +95,8 @@ class TinkerServer(ReadyProcess):
 
     def __init__(self, args, log_path):
         program = os.environ.get("SYMBIOSIS_TINKER", os.path.join(BUILD, "examples", "symbiosis-tinker"))
-        super().__init__([program, "--port", "0", *args], log_path, "symbiosis-tinker", timeout_s=120)
+        super().__init__([program, "--port", "0", *args], log_path, "symbiosis-tinker")
+        self.wait_ready(timeout_s=120)
         self.url = self.address
 
     def service(self, key=KEY):

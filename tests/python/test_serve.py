@@ -34,7 +34,8 @@ class Server(ReadyProcess):
     """A symbiosis-serve process on a free port: its URL."""
 
     def __init__(self, args, log_path):
-        super().__init__([SERVE, "--port", "0", *args], log_path, "symbiosis-serve", timeout_s=120)
+        super().__init__([SERVE, "--port", "0", *args], log_path, "symbiosis-serve")
+        self.wait_ready(timeout_s=120)
         self.url = self.address
 
     def post(self, path, body, key=ADMIN):
