@@ -27,7 +27,7 @@
 // executor's frame limit is small (1 MiB + 64 KiB: payloads travel in frames of 1 MiB, [Bounded
 // frames] in transport/zmq_wire.h), and a hand-made peer that announces a huge handshake command is
 // cut at the announcement; connections in handshake are capped (--max-handshakes, [Connections in
-// handshake] in front_door.cpp). Before, two such peers on loopback held 510 MiB for the 5 s.
+// handshake] in connections.cpp). Before, two such peers on loopback held 510 MiB for the 5 s.
 //
 // Identity is the key: with keys, a tenant is named by its key's file stem in statistics, metrics
 // and logs (Keys::Entry::name); a Hello whose tenant names another admitted key is refused, and

@@ -3,7 +3,7 @@
 // its channel, and whether it is still there. A client of this host with a control segment is
 // watched by its process; any other (ZeroMQ control) by silence: idle past the limit without a
 // Goodbye, it is taken for gone (the front door also forgets one whose connection closes:
-// [Disconnected peers] in front_door.cpp). A channel that broke (a corrupt ring) or failed (NCCL to a dead
+// [Disconnected peers] in connections.cpp). A channel that broke (a corrupt ring) or failed (NCCL to a dead
 // peer) is gone too. The clock and the process probe are injected, so liveness is tested like the
 // Batcher, without waiting.
 // Thread safety: none; the front door's thread owns it.
@@ -29,7 +29,7 @@ struct ClientRecord {
   int pid = 0;  // > 0: a process of this host, watched for its end
   std::shared_ptr<Channel> channel;
   std::chrono::steady_clock::time_point last_seen;
-  int connection = -1;     // [Disconnected peers] (front_door.cpp): the descriptor its latest message came on
+  int connection = -1;     // [Disconnected peers] (connections.cpp): the descriptor its latest message came on
   UniqueFd link;           // [Proven placement] (transport/local_socket.h): a same-host client's local link
   std::string public_key;  // [Admission] (base_executor/admission.h): its key; "" without keys
 };

@@ -55,7 +55,7 @@ struct ExecutorOptions {
   // Clients connected at once; a Hello past it is refused.
   size_t max_clients = 1024;
   // ZeroMQ connections in handshake at once (accepted, no message read yet): past it the oldest is
-  // cut ([Connections in handshake] in front_door.cpp). Each may hold up to a frame (message_limit).
+  // cut ([Connections in handshake] in connections.cpp). Each may hold up to a frame (message_limit).
   size_t max_handshakes = 256;
   // Tokens of the calls waiting to be batched (the scheduler's queue and the calls on their way to
   // it), shared fairly ([Fair shares] in overload.h): a client alone may use it all; under
@@ -71,11 +71,11 @@ struct ExecutorOptions {
 
   // max_message_bytes as it applies (its default resolved).
   size_t message_limit() const;
-  BatchingOptions batching;                      // see [Opportunistic batching]
+  BatchingOptions batching;  // see [Opportunistic batching]
   // CPU threads of each GEMM on a CPU device; 0: each batch's, sized from its work, up to the
   // cores LibTorch would use ([CPU threads] in cpu_threads.h).
   int threads = 0;
-  int stats_interval_seconds = 0;                // log statistics this often; 0: never
+  int stats_interval_seconds = 0;  // log statistics this often; 0: never
   // Same-host clients: how long the scheduler thread spins for new work before sleeping on its
   // wake sockets (see [Wake sockets] in transport/call_ring.h); -1: 1000 on a GPU, 50 on CPU.
   int spin_us = -1;
@@ -110,13 +110,13 @@ struct ExecutorOptions {
 };
 
 struct ExecutorStats {
-  uint64_t clients = 0;   // connected now
+  uint64_t clients = 0;            // connected now
   uint64_t same_host_clients = 0;  // of which with a payload channel (shm, cuda-ipc, nccl; headers over ZeroMQ too)
-  uint64_t requests = 0;  // answered with a result
-  uint64_t errors = 0;    // answered with an error
+  uint64_t requests = 0;           // answered with a result
+  uint64_t errors = 0;             // answered with an error
   uint64_t tokens = 0;
   double compute_seconds = 0;
-  uint64_t direct_calls = 0;  // calls whose input or result lay in a client's shared segment ([Direct operands])
+  uint64_t direct_calls = 0;      // calls whose input or result lay in a client's shared segment ([Direct operands])
   uint64_t concurrent_calls = 0;  // calls run alone on their client's compute stream ([Compute streams])
   uint64_t replayed_calls = 0;    // captured calls whose GEMM was launched as a graph ([Replayed calls])
   uint64_t ahead_calls = 0;       // of those, launched ahead of their inputs ([Steps launched ahead])
@@ -139,7 +139,7 @@ class Executor {
   // Idempotent; joins the threads. Clients hear why it stops: `reason` ("it was stopped"), or the
   // [Lost part]'s.
   void shutdown();
-  void wait();      // blocks until shutdown() has run
+  void wait();  // blocks until shutdown() has run
   // [Lost part] (parts.h): why this part of a sharded executor can serve no more, once it cannot
   // (it refuses every call meanwhile: shut it down); empty while it serves.
   std::optional<Status> lost() const;

@@ -1,15 +1,14 @@
+// The front door's loop and its dispatch: every ZeroMQ message framed, parsed and handed to the
+// handshake (handshake.cpp), the scheduler or an operator's answer; the local socket's proofs and
+// links (local_links.cpp); connections and liveness (connections.cpp); keys reloaded; the
+// [Shutdown notice].
 #include "base_executor/front_door.h"
 
 #include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
-#include <sys/socket.h>
 
 #include <chrono>
-#include <cstring>
-#include <random>
 
-#include "common/cuda.h"
-#include "transport/call_ring.h"
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -17,23 +16,6 @@ namespace {
 
 constexpr auto kLivenessInterval = std::chrono::milliseconds(200);
 constexpr auto kKeysInterval = std::chrono::seconds(1);
-// How long a same-host client has to prove its placement after its Hello.
-constexpr auto kProofWindow = std::chrono::seconds(10);
-// The longest tenant name the executor keeps ([Untrusted input]).
-constexpr size_t kMaxTenantBytes = 128;
-// [Buffer budget]: what a client's control segment takes (every transport but tcp has one).
-constexpr uint64_t kControlSegmentBytes = sizeof(shm::ControlBlock);
-constexpr const char* kControlSegment = "a same-host client's control segment";
-// At most this many handshakes wait for their proof, and local connections for their first
-// message, so that nobody can make the executor hold state without end.
-constexpr size_t kMaxPendingProofs = 256;
-
-std::string random_token() {
-  std::random_device random;
-  std::string token(16, '\0');
-  for (auto& c : token) c = static_cast<char>(random());
-  return token;
-}
 
 Status denied(std::string message) { return {StatusCode::kPermissionDenied, std::move(message)}; }
 
@@ -108,236 +90,6 @@ void FrontDoor::note_bad_input(const std::string& line) {
   if (write) spdlog::warn("{}", line);
 }
 
-void FrontDoor::handle_hello(proto::Hello hello, const std::string& key, const std::string& public_key) {
-  auto precondition = [](std::string message) { return Status(StatusCode::kFailedPrecondition, std::move(message)); };
-  if (hello.protocol_version() != wire::kProtocolVersion) {
-    return refuse(key, 0,
-                  precondition("client speaks protocol " + std::to_string(hello.protocol_version()) +
-                               ", executor speaks " + std::to_string(wire::kProtocolVersion)),
-                  false);
-  }
-  if (hello.tenant().size() > kMaxTenantBytes) {
-    return refuse(key, 0,
-                  {StatusCode::kInvalidArgument, "Hello.tenant of " + std::to_string(hello.tenant().size()) +
-                                                     " bytes is over the limit of " + std::to_string(kMaxTenantBytes) +
-                                                     " bytes"},
-                  false);
-  }
-  if (keys_) {
-    // [Admission]: with keys, a tenant is its key. Its Hello may repeat its key's name or say none;
-    // another admitted key's name is an impersonation, and any other label gives way to the key's.
-    const std::string& own = keys_->lookup(public_key).name;
-    if (!hello.tenant().empty() && hello.tenant() != own) {
-      if (keys_->admits_name(hello.tenant())) {
-        return refuse(key, 0,
-                      denied("refused: this client's Hello says tenant '" + hello.tenant() +
-                             "', the name of another admitted key, but its key is '" + own +
-                             "'; with keys a tenant is named by its key (say tenant '" + own + "', or none)"),
-                      false);
-      }
-      spdlog::info("a client with key '{}' says tenant '{}'; with keys a tenant is named by its key: '{}'", own,
-                   bounded(hello.tenant(), 64), own);
-    }
-    hello.set_tenant(own);
-  }
-  if (!hello.expected_model_hash().empty() && hello.expected_model_hash() != model_.model_hash()) {
-    // The checkpoint's directory name says which model this is (its path on the executor's host
-    // stays there). The hash covers the weights' bytes: a fine-tuned base of the same shape differs.
-    auto served = options_.model_dir.lexically_normal();
-    if (served.filename().empty()) served = served.parent_path();
-    return refuse(key, 0,
-                  precondition("model mismatch: this executor serves model " + model_.model_hash() + " ('" +
-                               served.filename().string() + "'), but the client's checkpoint is model " +
-                               bounded(hello.expected_model_hash()) +
-                               "; the model hash covers config.json and the weights' bytes, so the client must "
-                               "open the very checkpoint the executor serves"),
-                  false);
-  }
-  const auto chosen =
-      choose_transport(hello.placement(), placement_, hello.transport(), plugin(TransportKind::kNccl).available());
-  if (!chosen.is_ok()) return refuse(key, 0, chosen.status(), false);
-  const TransportKind kind = chosen.value();
-  if (kind != TransportKind::kTcp && !hello.control().empty() && hello.control() != "auto" &&
-      hello.control() != "zmq") {
-    return refuse(key, 0, precondition("unknown control '" + bounded(hello.control()) + "' (expected auto or zmq)"),
-                  false);
-  }
-  if (registry_.seen(key)) forget(key);  // a second Hello starts the client afresh
-  std::erase_if(pending_, [&](const auto& entry) { return entry.second.key == key; });
-  if (registry_.size() + pending_.size() >= options_.max_clients) {
-    return refuse(key, 0,
-                  {StatusCode::kResourceExhausted,
-                   "the executor serves its limit of " + std::to_string(options_.max_clients) +
-                       " clients (max_clients; raise it with --max-clients)"},
-                  false);
-  }
-  if (kind != TransportKind::kTcp) {
-    if (auto room = buffers_.has_room(kControlSegmentBytes, kControlSegment); !room.is_ok()) {
-      return refuse(key, 0, room, false);
-    }
-  }
-  // [Proven placement]: a transport that shares memory on this host is given only to the process
-  // that proves it runs here; NCCL between two hosts shares none.
-  const bool shares_memory = kind == TransportKind::kShm || kind == TransportKind::kCudaIpc ||
-                             (kind == TransportKind::kNccl && same_host(hello.placement(), placement_));
-  if (!shares_memory) return admit(key, hello, kind, UniqueFd(), public_key);
-  if (pending_.size() >= kMaxPendingProofs) {
-    return refuse(key, 0, {StatusCode::kResourceExhausted, "too many placement proofs pending; try again"}, false);
-  }
-  auto token = random_token();
-  proto::Envelope challenge;
-  challenge.mutable_prove_host()->set_local_socket(listener_.name());
-  challenge.mutable_prove_host()->set_token(token);
-  pending_[std::move(token)] = {key, hello, kind, public_key, Clock::now() + kProofWindow};
-  wire::send_to(router_, key, challenge);
-}
-
-void FrontDoor::admit(const std::string& key, const proto::Hello& hello, TransportKind kind, UniqueFd link,
-                      const std::string& public_key) {
-  std::shared_ptr<Channel> channel;
-  ChannelContext context;
-  context.client_id = registry_.next_id();
-  context.device = model_.device();
-  auto& gpu_count = gpu_clients_[hello.placement().gpu_uuid()];
-  if (!gpu_count) gpu_count = std::make_shared<std::atomic<int>>(0);
-  context.gpu_clients = gpu_count;
-  // [Buffer budget]: checked at the Hello, taken now (others may have taken it meanwhile). A client
-  // proving its placement hears the refusal on its local link, where it waits.
-  const uint64_t control_bytes = kind == TransportKind::kTcp ? 0 : kControlSegmentBytes;
-  if (auto taken = buffers_.take(control_bytes, kControlSegment); !taken.is_ok()) {
-    if (!link) return refuse(key, 0, taken, false);
-    statistics_.record_error(taken.code());
-    try {
-      local::send(link.get(), wire::error_envelope(0, taken, /*as_reply=*/false));
-    } catch (const std::exception&) {
-      // It has gone already.
-    }
-    return;
-  }
-  try {
-    channel = plugin(kind).make_channel(context);
-  } catch (const std::exception& e) {
-    buffers_.give_back(control_bytes);
-    return refuse(key, 0, status_of_exception(e, StatusCode::kFailedPrecondition), false);
-  }
-  // Headers come over ZeroMQ for tcp, from another host, and when the client asks; otherwise
-  // through the control segment, and the client's process (proven) is watched for its end.
-  const bool zmq_control = !link || hello.control() == "zmq";
-  if (zmq_control) channel->control_over_zmq(context_, replies_endpoint_, key);
-  const int pid = zmq_control ? 0 : hello.placement().pid();
-  if (kind == TransportKind::kCudaIpc && !(hello.placement().mps() && placement_.mps())) {
-    spdlog::warn(
-        "client {} (tenant '{}') shares {} with the executor without NVIDIA MPS ({} lacks it): every hand-off of GPU "
-        "work between the two processes then costs a context switch (~300 us instead of ~14 us). To use MPS, {}",
-        context.client_id, hello.tenant(), placement_.device(), placement_.mps() ? "the client" : "the executor",
-        cuda::mps_hint());
-  }
-  if (link) {
-    proto::Envelope proven;
-    std::vector<int> descriptors;
-    UniqueFd wake_writer;  // [Wake sockets] (transport/call_ring.h): the client's alone; closed here once sent
-    if (!zmq_control) {
-      wake_writer = channel->take_wake_writer();
-      descriptors = {channel->control_descriptor(), wake_writer.get()};
-    }
-    proven.mutable_proven()->set_descriptors(static_cast<uint32_t>(descriptors.size()));
-    try {
-      local::send(link.get(), proven, descriptors);
-    } catch (const std::exception& e) {
-      buffers_.give_back(control_bytes);
-      return note_bad_input(std::string("a client left during its placement proof: ") + e.what());
-    }
-    links_[link.get()] = key;
-  }
-  auto& client = registry_.add(key, hello.tenant(), kind, pid, channel);
-  if (!link) client.connection = message_connection_;  // its Hello's ([Disconnected peers])
-  client.link = std::move(link);
-  client.public_key = public_key;
-  statistics_.client_joined(client.id, client.tenant, kind);
-  scheduler_.post(ClientJoined{channel, keys_ ? hello.tenant() : std::string()});
-  spdlog::info("client {} (tenant '{}'{}, {} on {}) connected", client.id, hello.tenant(),
-               keys_ ? ", by its key" : "", transport_name(kind),
-               hello.placement().device().empty() ? "?" : bounded(hello.placement().device(), 16));
-  proto::Envelope reply;
-  auto* welcome = reply.mutable_welcome();
-  welcome->set_client_id(client.id);
-  welcome->set_model_hash(model_.model_hash());
-  welcome->set_max_request_bytes(options_.max_request_bytes);
-  welcome->set_executor_version("symbiosis 0.2.0");
-  welcome->set_transport(transport_name(kind));
-  welcome->set_control_channel(!zmq_control);
-  for (const auto& layer : model_.layers()) *welcome->add_layers() = wire::to_proto(layer);
-  for (const auto& group : model_.groups()) *welcome->add_groups() = wire::to_proto(group);
-  wire::send_to(router_, key, reply);
-}
-
-void FrontDoor::accept_local() {
-  while (auto connection = listener_.accept()) {
-    if (unproven_.size() >= kMaxPendingProofs) continue;  // closed at once: it may connect again later
-    unproven_.push_back({std::move(connection), Clock::now() + kProofWindow});
-  }
-}
-
-void FrontDoor::handle_proof(UniqueFd connection) {
-  auto refuse_proof = [&](const std::string& why) {
-    try {
-      local::send(connection.get(), wire::error_envelope(0, denied(why), /*as_reply=*/false));
-    } catch (const std::exception&) {
-      // It has gone already.
-    }
-    note_bad_input("placement proof refused: " + why);
-  };
-  auto message = local::receive(connection.get());
-  if (!message.is_ok()) return refuse_proof(message.status().message());
-  if (!message.value()) return;  // closed before proving
-  const auto& env = message.value()->envelope;
-  if (!env.has_prove()) return refuse_proof("the first message on the local socket must be Prove");
-  const auto it = pending_.find(env.prove().token());
-  if (it == pending_.end()) return refuse_proof("unknown or expired proof token");
-  auto pending = std::move(it->second);
-  pending_.erase(it);
-  const auto peer = local::peer_credentials(connection.get());
-  if (peer.pid != pending.hello.placement().pid()) {
-    const std::string why = "the Hello named process " + std::to_string(pending.hello.placement().pid()) +
-                            ", but process " + std::to_string(peer.pid) + " came to prove it";
-    // Told on the local socket only: the client may go on over ZeroMQ with a Hello for tcp.
-    statistics_.record_error(StatusCode::kPermissionDenied);
-    return refuse_proof("same-host placement not proven: " + why);
-  }
-  admit(pending.key, pending.hello, pending.kind, std::move(connection), pending.public_key);
-}
-
-void FrontDoor::handle_link(int fd) {
-  const std::string key = links_.at(fd);
-  ClientRecord* client = registry_.seen(key);
-  if (client == nullptr) {
-    links_.erase(fd);
-    return;
-  }
-  auto message = local::receive(fd);
-  if (!message.is_ok() || !message.value()) {
-    if (!message.is_ok()) note_bad_input("client's local link failed: " + message.status().message());
-    spdlog::info("client {} (tenant '{}') closed its local link", client->id, client->tenant);
-    return forget(key);
-  }
-  auto& [env, descriptors] = *message.value();
-  const bool set_up = env.has_register_buffer() || env.has_share_segments() || env.has_nccl_setup();
-  if (!set_up) {
-    return refuse(key, 0,
-                  {StatusCode::kMalformed, "the local link takes RegisterBuffer, ShareSegments and NcclSetup"}, false);
-  }
-  const size_t expected = env.has_register_buffer() && client->transport == TransportKind::kShm ? 1 : 0;
-  if (descriptors.size() != expected) {
-    return refuse(key, 0,
-                  {StatusCode::kMalformed, "a set-up message with " + std::to_string(descriptors.size()) +
-                                               " descriptors (expected " + std::to_string(expected) + ")"},
-                  false);
-  }
-  SetupArrived setup{client->channel, std::move(env), key, {}};
-  if (expected == 1) setup.segment = std::move(descriptors[0]);
-  scheduler_.post(std::move(setup));
-}
-
 void FrontDoor::handle_request(const proto::Request& r, ClientRecord* client, std::vector<zmq::message_t>& frames,
                                const std::string& key) {
   if (client == nullptr) {
@@ -348,10 +100,9 @@ void FrontDoor::handle_request(const proto::Request& r, ClientRecord* client, st
   }
   const auto& channel = client->channel;
   if (!channel->zmq_control()) {
-    return refuse(key, r.request_id(),
-                  {StatusCode::kMalformed,
-                   "this client's calls go through its shared-memory control channel, not ZeroMQ"},
-                  true);
+    return refuse(
+        key, r.request_id(),
+        {StatusCode::kMalformed, "this client's calls go through its shared-memory control channel, not ZeroMQ"}, true);
   }
   if (!channel->payload_in_frames() && frames.size() != 2) {
     return refuse(key, r.request_id(),
@@ -389,14 +140,12 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
                   false);
   }
   ClientRecord* client = registry_.seen(key);
-  message_connection_ = frames[1].get(ZMQ_SRCFD);  // [Disconnected peers]
+  message_connection_ = frames[1].get(ZMQ_SRCFD);                              // [Disconnected peers]
   if (!in_handshake_.empty()) std::erase(in_handshake_, message_connection_);  // [Connections in handshake]
   if (client != nullptr) client->connection = message_connection_;
   switch (env.body_case()) {
-    case proto::Envelope::kHello:
-      return handle_hello(std::move(*env.mutable_hello()), key, public_key);
-    case proto::Envelope::kRequest:
-      return handle_request(env.request(), client, frames, key);
+    case proto::Envelope::kHello: return handle_hello(std::move(*env.mutable_hello()), key, public_key);
+    case proto::Envelope::kRequest: return handle_request(env.request(), client, frames, key);
     case proto::Envelope::kRegisterBuffer:
     case proto::Envelope::kShareSegments:
     case proto::Envelope::kNcclSetup:
@@ -436,119 +185,6 @@ void FrontDoor::handle(std::vector<zmq::message_t>& frames) {
                      "unexpected message: the executor takes Hello, Request, RegisterBuffer, ShareSegments, "
                      "NcclSetup, Goodbye, StatsRequest and TraceRequest"},
                     false);
-  }
-}
-
-void FrontDoor::forget(const std::string& key) {
-  auto record = registry_.remove(key);
-  if (!record) return;
-  if (record->link) links_.erase(record->link.get());
-  if (record->transport != TransportKind::kTcp) buffers_.give_back(kControlSegmentBytes);
-  statistics_.client_left(record->id);
-  scheduler_.post(ClientLeft{record->id});
-  // Aborted there at once: nothing may wait on a client that is gone (NCCL kernels).
-  teardown_.hand_over(std::move(record->channel));
-}
-
-Teardown::Teardown() : thread_([this] { run(); }) {}
-
-Teardown::~Teardown() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-  }
-  wake_.notify_one();
-  thread_.join();
-}
-
-void Teardown::hand_over(std::shared_ptr<Channel> channel) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    channels_.push_back(std::move(channel));
-  }
-  wake_.notify_one();
-}
-
-void Teardown::run() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    wake_.wait(lock, [&] { return stopping_ || !channels_.empty(); });
-    if (channels_.empty()) return;  // stopping, and nothing left
-    auto channel = std::move(channels_.front());
-    channels_.pop_front();
-    lock.unlock();
-    channel->abort();
-    channel.reset();
-    lock.lock();
-  }
-}
-
-void FrontDoor::check_liveness() {
-  for (const auto& key : registry_.gone()) {
-    const auto* client = registry_.find(key);
-    spdlog::info("client {} (tenant '{}') is gone; releasing what it held", client->id, client->tenant);
-    forget(key);
-  }
-  const auto now = Clock::now();
-  std::erase_if(pending_, [&](const auto& entry) { return entry.second.deadline < now; });
-  std::erase_if(unproven_, [&](const Unproven& u) { return u.deadline < now; });
-}
-
-// [Disconnected peers]
-// A client whose ZeroMQ connection closes (killed, crashed, gone from the network) cannot be
-// answered any more: a DEALER that connects again is a new peer with another routing id, and must
-// say Hello again. So the front door forgets it when the ROUTER reports the connection closed
-// (its monitor's DISCONNECTED, naming the descriptor), instead of waiting out the idle limit with
-// its record counted against --max-clients. Each message's descriptor (ZMQ_SRCFD) says which
-// connection a client is on. A descriptor is reused only after it is closed, and the monitor
-// hears of the close first, so the events are read before each message: a late event never
-// forgets the new peer of a reused descriptor. Same-host clients with a local link are watched
-// by the link.
-//
-// [Connections in handshake]
-// ZeroMQ caps no number of connections in handshake, and each may hold a frame of up to the
-// executor's limit (message_limit: [Bounded frames] in transport/zmq_wire.h) until
-// kHandshakeInterval drops it. So the front door counts them: a connection is in handshake from
-// its ACCEPTED event until its first message is read (ZMQ_SRCFD) or it closes; past
-// --max-handshakes the oldest is cut, by shutting its descriptor down (ZeroMQ, which owns it, sees
-// the connection end and closes it). A stranger thus makes the executor hold at most
-// max_handshakes frames of message_limit (256 x 1.06 MiB by default), and for no longer than the
-// handshake interval; a flood of them slows honest newcomers (whose handshakes take milliseconds,
-// and whose ZeroMQ sockets connect again when cut) but never reaches those admitted.
-void FrontDoor::read_connection_events() {
-  zmq::message_t event;
-  while (connection_events_.recv(event, zmq::recv_flags::dontwait)) {
-    zmq::message_t endpoint;  // the event's second frame
-    while (event.more() && connection_events_.recv(endpoint, zmq::recv_flags::dontwait) && endpoint.more()) {
-    }
-    if (event.size() < 6) continue;
-    uint16_t kind = 0;
-    int32_t descriptor = -1;
-    std::memcpy(&kind, event.data(), sizeof kind);
-    std::memcpy(&descriptor, static_cast<const char*>(event.data()) + sizeof kind, sizeof descriptor);
-    if (descriptor < 0) continue;
-    if (kind == ZMQ_EVENT_ACCEPTED) {
-      in_handshake_.push_back(descriptor);
-      continue;
-    }
-    if (kind != ZMQ_EVENT_DISCONNECTED) continue;
-    std::erase(in_handshake_, descriptor);
-    std::vector<std::string> closed;
-    for (const auto& [key, record] : registry_.all()) {
-      if (record.connection == descriptor && !record.link) closed.push_back(key);
-    }
-    for (const auto& key : closed) {
-      const auto* client = registry_.find(key);
-      spdlog::info("client {} (tenant '{}') disconnected; releasing what it held", client->id, client->tenant);
-      forget(key);
-    }
-  }
-  // Every event read first, so that no descriptor cut here was closed and reused meanwhile.
-  while (in_handshake_.size() > options_.max_handshakes) {
-    ::shutdown(in_handshake_.front(), SHUT_RDWR);
-    in_handshake_.pop_front();
-    note_bad_input("more than " + std::to_string(options_.max_handshakes) +
-                   " connections in handshake at once: cut the oldest (max_handshakes; raise it with --max-handshakes)");
   }
 }
 
@@ -626,7 +262,8 @@ void FrontDoor::run() {
         note_bad_input(verdict.public_key.empty() ? std::string("refused a handshake without a CURVE key")
                        : verdict.role == Role::kRevoked
                            ? "refused at the handshake the revoked key '" + keys_->lookup(verdict.public_key).name + "'"
-                           : "refused at the handshake a key not admitted (" + verdict.public_key.substr(0, 8) + "...)");
+                           : "refused at the handshake a key not admitted (" + verdict.public_key.substr(0, 8) +
+                                 "...)");
       }
     }
     // Proofs and links, before new connections change the lists the items were made from.
@@ -643,7 +280,8 @@ void FrontDoor::run() {
     }
     if (ready(2)) accept_local();
     const auto now = Clock::now();
-    if (options_.stats_interval_seconds > 0 && now - last_stats > std::chrono::seconds(options_.stats_interval_seconds)) {
+    if (options_.stats_interval_seconds > 0 &&
+        now - last_stats > std::chrono::seconds(options_.stats_interval_seconds)) {
       statistics_.log();
       last_stats = now;
     }

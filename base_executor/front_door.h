@@ -8,6 +8,8 @@
 // also forwards to the clients what the scheduler and the channels answer over ZeroMQ (their PUSH
 // sockets to its replies endpoint). What peers send is untrusted ([Untrusted input] in
 // common/untrusted.h).
+// Its parts: the loop and dispatch (front_door.cpp), the handshake (handshake.cpp), the local
+// socket's proofs and links (local_links.cpp), connections and liveness (connections.cpp).
 // Thread safety: construct, then run() on one thread; stop() from any thread.
 #include <atomic>
 #include <chrono>
@@ -81,6 +83,13 @@ class FrontDoor {
 
  private:
   using Clock = std::chrono::steady_clock;
+  // How long a same-host client has to prove its placement after its Hello.
+  static constexpr auto kProofWindow = std::chrono::seconds(10);
+  // At most this many handshakes wait for their proof, and local connections for their first
+  // message, so that nobody can make the executor hold state without end.
+  static constexpr size_t kMaxPendingProofs = 256;
+  // [Buffer budget]: what a client's control segment takes (every transport but tcp has one).
+  static const uint64_t kControlSegmentBytes;
   void handle(std::vector<zmq::message_t>& frames);
   // [Admission]: with keys, names the tenant by its key (refusing another admitted key's name).
   void handle_hello(proto::Hello hello, const std::string& key, const std::string& public_key);
@@ -116,7 +125,7 @@ class FrontDoor {
   BufferBudget& buffers_;
   zmq::context_t& context_;
   const std::string replies_endpoint_;
-  std::unique_ptr<Keys> keys_;      // [Admission]; none without keys
+  std::unique_ptr<Keys> keys_;  // [Admission]; none without keys
   std::unique_ptr<ZapHandler> zap_;
   zmq::socket_t router_;
   zmq::socket_t connection_events_;  // [Disconnected peers]: the ROUTER's monitor
@@ -128,7 +137,7 @@ class FrontDoor {
 
   // Owned by the front door's thread.
   ClientRegistry registry_;
-  int message_connection_ = -1;  // [Disconnected peers]: the descriptor the message being handled came on
+  int message_connection_ = -1;   // [Disconnected peers]: the descriptor the message being handled came on
   std::deque<int> in_handshake_;  // [Connections in handshake]: descriptors, oldest first
   Teardown teardown_;             // [Teardown off the front door]
   local::Listener listener_;
@@ -144,8 +153,8 @@ class FrontDoor {
     UniqueFd connection;
     Clock::time_point deadline;
   };
-  std::vector<Unproven> unproven_;               // local connections that have not proved yet
-  std::map<int, std::string> links_;             // proven local links: descriptor to ZeroMQ key
+  std::vector<Unproven> unproven_;    // local connections that have not proved yet
+  std::map<int, std::string> links_;  // proven local links: descriptor to ZeroMQ key
   LogBudget log_budget_{20};
   // [NCCL readiness] (transport/nccl/nccl_channel.cpp): how many nccl channels serve each GPU, by UUID.
   std::map<std::string, std::shared_ptr<std::atomic<int>>> gpu_clients_;

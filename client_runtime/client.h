@@ -30,7 +30,7 @@ struct ClientOptions {
   int timeout_ms = 60000;                         // per call; the executor must answer within this
   // connect(): how long to wait for the executor's answer to the handshake. The client logs what it
   // waits for every 2 s, and gives up after 2 s where nothing listens at the endpoint (connections
-  // refused), whatever this says ([No silent waits] in transport/client_transport.cpp).
+  // refused), whatever this says ([No silent waits] in transport/control_socket.cpp).
   int connect_timeout_ms = 10000;
   // [Executor restart]: how long a client that lost its executor (stopped, crashed, restarting)
   // tries to connect again, with back-off, before its call fails saying so; 0: it does not try.

@@ -77,8 +77,8 @@ class AdmissionTest : public ::testing::Test {
 
   static void expect_exact(Client& client) {
     const auto x = at::randn({3, 4});
-    EXPECT_TRUE(at::allclose(client.forward(*client.find_layer(kQ), x, true), at::mm(x, checkpoint_->q.t()), 1e-6,
-                             1e-6));
+    EXPECT_TRUE(
+        at::allclose(client.forward(*client.find_layer(kQ), x, true), at::mm(x, checkpoint_->q.t()), 1e-6, 1e-6));
   }
 
   // The first error the client's calls meet within 10 s (the executor reads its keys every second).
@@ -131,13 +131,14 @@ TEST_F(AdmissionTest, OnlyListedKeysAreServedAndEveryOtherPeerIsToldWhy) {
 
   // Statistics are an operator's: a tenant is refused, an operator answered.
   error = testing::error_of([&] {
-    request_stats(executor_->endpoint(), 5000, {keys::public_key((keys_ / "executor.pub").string()),
-                                                keys::read(keys_ / "people" / "alice.key", true)});
+    request_stats(
+        executor_->endpoint(), 5000,
+        {keys::public_key((keys_ / "executor.pub").string()), keys::read(keys_ / "people" / "alice.key", true)});
   });
   EXPECT_TRUE(contains(error, "refused: statistics are for operators")) << error;
-  const auto stats = request_stats(executor_->endpoint(), 5000,
-                                   {keys::public_key((keys_ / "executor.pub").string()),
-                                    keys::read(keys_ / "people" / "ops.key", true)});
+  const auto stats = request_stats(
+      executor_->endpoint(), 5000,
+      {keys::public_key((keys_ / "executor.pub").string()), keys::read(keys_ / "people" / "ops.key", true)});
   EXPECT_EQ(stats.clients(), 1u);
 
   // The admitted tenant was not disturbed by any of it.
@@ -201,8 +202,9 @@ TEST_F(AdmissionTest, BadKeysAndKeyOptionsAreRefusedNamingWhatIsWrong) {
   ClientOptions options;
   options.executor_key = (keys_ / "executor.pub").string();
   error = testing::error_of([&] { options.validate(); });
-  EXPECT_TRUE(contains(error, "client options executor_key and key_file go together: executor_key is given without "
-                              "the other"))
+  EXPECT_TRUE(contains(error,
+                       "client options executor_key and key_file go together: executor_key is given without "
+                       "the other"))
       << error;
 }
 
@@ -536,10 +538,11 @@ TEST_F(AdmissionTest, StrangersWithTheirLargestFramesCostNothingAndAnHonestTenan
     sampler.join();
     // The operator sees them counted as refusals.
     EXPECT_GE(executor_->stats().errors - errors_before, static_cast<uint64_t>(strangers.refused()));
-    std::printf("[ measured ] %d refused handshakes of 8 strangers, %lld frames of %zu bytes queued; the executor's "
-                "process grew by at most %lld KiB (bound: %lld KiB)\n",
-                strangers.refused(), static_cast<long long>(strangers.frames_sent()), options.message_limit(),
-                static_cast<long long>((peak - before) >> 10), static_cast<long long>(kStrangersBound >> 10));
+    std::printf(
+        "[ measured ] %d refused handshakes of 8 strangers, %lld frames of %zu bytes queued; the executor's "
+        "process grew by at most %lld KiB (bound: %lld KiB)\n",
+        strangers.refused(), static_cast<long long>(strangers.frames_sent()), options.message_limit(),
+        static_cast<long long>((peak - before) >> 10), static_cast<long long>(kStrangersBound >> 10));
   }
   EXPECT_LT(peak - before, kStrangersBound);
   // Alive, and the tenant trains on, exact; a newcomer with an admitted key is served.
@@ -583,8 +586,9 @@ TEST_F(AdmissionTest, UnknownAndRevokedKeysAreRefusedAtTheHandshakeNamingTheRefu
   }
   // An operator's request with a key that is not one's is refused the same way.
   auto error = testing::error_of([&] {
-    request_stats(executor_->endpoint(), 5000, {keys::public_key((keys_ / "executor.pub").string()),
-                                                keys::read(keys_ / "people" / "mallory.key", true)});
+    request_stats(
+        executor_->endpoint(), 5000,
+        {keys::public_key((keys_ / "executor.pub").string()), keys::read(keys_ / "people" / "mallory.key", true)});
   });
   EXPECT_TRUE(contains(error, "refused this client's key at the handshake")) << error;
   EXPECT_EQ(executor_->stats().clients, 0u);
@@ -669,8 +673,9 @@ TEST_F(AdmissionTest, WithKeysATenantIsNamedByItsKeyAndCannotClaimAnothersName) 
   EXPECT_FALSE(contains(metrics, "team-m")) << metrics;
   spdlog::default_logger()->sinks().pop_back();
   const auto log = sink->text();
-  EXPECT_TRUE(contains(log, "a client with key 'mallory' says tenant 'team-m'; with keys a tenant is named by its "
-                            "key: 'mallory'"))
+  EXPECT_TRUE(contains(log,
+                       "a client with key 'mallory' says tenant 'team-m'; with keys a tenant is named by its "
+                       "key: 'mallory'"))
       << log;
   EXPECT_TRUE(contains(log, "(tenant 'mallory', by its key")) << log;
   EXPECT_FALSE(contains(log, "(tenant 'team-m'")) << log;
@@ -742,17 +747,18 @@ TEST_F(AdmissionTest, AHandMadePeersHugeHandshakeCommandIsCutOffAtTheFrameLimit)
   }
   const int64_t grown = resident_bytes() - before;
   ::close(fd);
-  std::printf("[ measured ] the hand-made peer got %llu of its announced %llu bytes across before the cut; the "
-              "executor's process grew by %lld KiB\n",
-              static_cast<unsigned long long>(sent), static_cast<unsigned long long>(kAnnounced),
-              static_cast<long long>(grown >> 10));
+  std::printf(
+      "[ measured ] the hand-made peer got %llu of its announced %llu bytes across before the cut; the "
+      "executor's process grew by %lld KiB\n",
+      static_cast<unsigned long long>(sent), static_cast<unsigned long long>(kAnnounced),
+      static_cast<long long>(grown >> 10));
   EXPECT_TRUE(cut) << "the executor took " << sent << " bytes of a handshake command over its frame limit";
   EXPECT_LT(sent, uint64_t{16} << 20);
   EXPECT_LT(grown, kStrangersBound);
   expect_exact(*Client::connect(as("alice")));
 }
 
-// Issue 44, [Connections in handshake] (base_executor/front_door.cpp): past --max-handshakes, the
+// Issue 44, [Connections in handshake] (base_executor/connections.cpp): past --max-handshakes, the
 // oldest connection still in handshake is cut, with a line in the log; the executor serves on.
 TEST_F(AdmissionTest, PastMaxHandshakesTheOldestConnectionInHandshakeIsCut) {
   ExecutorOptions options;
@@ -775,8 +781,8 @@ TEST_F(AdmissionTest, PastMaxHandshakesTheOldestConnectionInHandshakeIsCut) {
     return false;
   };
   // The first six went past the limit of four (the handshake interval would cut all ten, later).
-  EXPECT_TRUE(testing::wait_until(
-      [&] { return std::all_of(connections.begin(), connections.begin() + 6, closed); }, std::chrono::seconds(10)));
+  EXPECT_TRUE(testing::wait_until([&] { return std::all_of(connections.begin(), connections.begin() + 6, closed); },
+                                  std::chrono::seconds(10)));
   spdlog::default_logger()->sinks().pop_back();
   for (const int fd : connections) ::close(fd);
   EXPECT_TRUE(contains(sink->text(), "more than 4 connections in handshake at once: cut the oldest")) << sink->text();
