@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   // [Overload] (docs/operating.md)
   app.add_option("--max-message-bytes", options.max_message_bytes,
-                 "disconnect a peer that sends a ZeroMQ frame larger than this, handshake included (0: a 1 MiB payload frame + 64 KiB)")
+                 "disconnect a peer that sends a ZeroMQ frame larger than this, handshake included (0: a 1 MiB payload "
+                 "frame + 64 KiB)")
       ->capture_default_str();
   app.add_option("--max-handshakes", options.max_handshakes,
                  "connections in handshake at once (accepted, nothing read yet); past it the oldest is cut")
@@ -67,7 +68,8 @@ int main(int argc, char** argv) {
                  "serve Prometheus metrics over HTTP at HOST:PORT/metrics (port 0: a free one, printed); no "
                  "authentication, so a loopback address unless --insecure (default: none)");
   std::string policy = "opportunistic";
-  int64_t max_wait_us = options.batching.max_wait.count(), lockstep_timeout_ms = options.batching.lockstep_timeout.count();
+  int64_t max_wait_us = options.batching.max_wait.count(),
+          lockstep_timeout_ms = options.batching.lockstep_timeout.count();
   int64_t companion_window_us = options.batching.companion_window.count();
   int64_t decode_align_wait_us = options.batching.decode_align_wait.count();
   int64_t judge_window_ms = options.batching.judge_window.count();
@@ -87,11 +89,13 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch-tokens", options.batching.max_batch_tokens, "a batch closes at this many tokens")
       ->capture_default_str();
   app.add_option("--lockstep-timeout", lockstep_timeout_ms,
-                 "lockstep: stop waiting for a client missing this long (ms)")->capture_default_str();
+                 "lockstep: stop waiting for a client missing this long (ms)")
+      ->capture_default_str();
   app.add_option("--decode-first-streak", options.batching.decode_first_streak,
                  "decode work overtakes older ready work at most this many batches in a row (0: oldest first)")
       ->capture_default_str();
-  app.add_option("--threads", options.threads, "CPU threads per GEMM on a CPU device (0: sized from each batch's work, up to all cores)")
+  app.add_option("--threads", options.threads,
+                 "CPU threads per GEMM on a CPU device (0: sized from each batch's work, up to all cores)")
       ->capture_default_str();
   app.add_option("--spin-us", options.spin_us,
                  "same-host clients: how long the scheduler thread spins for new work before sleeping (us; "
@@ -141,13 +145,17 @@ int main(int argc, char** argv) {
                  "start a sharded executor of one part per GPU listed (e.g. 0,1,2,3), one process each");
   CLI11_PARSE(app, argc, argv);
   parts.timeout = std::chrono::milliseconds(part_timeout_ms);
-  // Logs go to stderr; stdout carries only the "ready ENDPOINT" line that scripts wait for.
+  // [Ready line]: logs go to stderr; stdout carries one line, "ready ENDPOINT", once the executor
+  // takes calls (a sharded launcher: one a part, in rank order). Programs wait for it through
+  // bench/process.h's wait_ready and bench/executor_process.py; symbiosis-serve and
+  // symbiosis-tinker print theirs the same way.
   spdlog::set_default_logger(spdlog::stderr_color_mt("executor"));
   spdlog::set_level(spdlog::level::from_str(log_level));
   // [Not dumpable] (docs/operating.md, Threats): another process of this user can then neither
   // open this one's segments through /proc/PID/fd nor read its memory nor attach to it; root
   // still can. It also means no core dump.
-  if (::prctl(PR_SET_DUMPABLE, 0) != 0) spdlog::warn("could not make the executor non-dumpable: {}", std::strerror(errno));
+  if (::prctl(PR_SET_DUMPABLE, 0) != 0)
+    spdlog::warn("could not make the executor non-dumpable: {}", std::strerror(errno));
   if (launch_parts > 0 || !launch_gpus.empty()) {
     try {
       return symbiosis::launch_parts(argc, argv, options, launch_parts, launch_gpus);

@@ -10,7 +10,7 @@
 // file and waits for the go file, which holds the window's start and end (epoch seconds) that
 // symbiosis-bench wrote once every client was warm; it counts the iterations that end inside the
 // window. So all clients, and all systems compared, are measured over the same window after all
-// processes are warm. bench/hf_peft_client.py follows the same protocol. With --stop-file
+// processes are warm. The Python clients follow the same protocol (bench/harness.py). With --stop-file
 // instead (capacity runs), it iterates until that file exists.
 #include <CLI/CLI.hpp>
 #include <ATen/Parallel.h>
@@ -110,16 +110,20 @@ class OpProfile {
   nlohmann::json report(int iterations, double seconds) const {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<std::pair<std::string, Op>> sorted(ops_.begin(), ops_.end());
-    std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    std::sort(sorted.begin(), sorted.end(),
+              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
     nlohmann::json ops = nlohmann::json::array();
     int64_t count = 0;
     for (const auto& [name, op] : sorted) {
       count += op.count;
-      ops.push_back({{"name", name}, {"per_iteration", double(op.count) / iterations},
+      ops.push_back({{"name", name},
+                     {"per_iteration", double(op.count) / iterations},
                      {"ms_per_iteration", 1e3 * op.seconds / iterations}});
     }
-    return {{"iterations", iterations}, {"iteration_ms", 1e3 * seconds / iterations},
-            {"top_level_ops_per_iteration", double(count) / iterations}, {"ops", ops}};
+    return {{"iterations", iterations},
+            {"iteration_ms", 1e3 * seconds / iterations},
+            {"top_level_ops_per_iteration", double(count) / iterations},
+            {"ops", ops}};
   }
 
  private:
@@ -179,30 +183,36 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "write the results here (JSON)")->required();
   app.add_flag("--monolithic", monolithic, "compute the base layers in-process (the baseline)");
   app.add_flag("--mask", mask, "mask activations and gradients with noise ([Noise masking] in privacy/noise_mask.h)");
-  app.add_flag("--mask-effects-here", mask_effects_here,
-               "mask, and compute the noise's effects here from --model's weights (the executor never sees a noise row)");
-  app.add_flag("--cuda-graph", cuda_graph, "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
+  app.add_flag(
+      "--mask-effects-here", mask_effects_here,
+      "mask, and compute the noise's effects here from --model's weights (the executor never sees a noise row)");
+  app.add_flag("--cuda-graph", cuda_graph,
+               "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
                "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h); generate: the "
                "decode steps ([Captured decode] in client_runtime/inference/generator.h)");
   std::string trace;
   int trace_iterations = 3;
-  app.add_option("--trace", trace, "write a Chrome trace of --trace-iterations iterations here (LibTorch's Kineto "
+  app.add_option("--trace", trace,
+                 "write a Chrome trace of --trace-iterations iterations here (LibTorch's Kineto "
                  "profiler: host operations and GPU kernels; bench/trace_summary.py sums the kernels): after "
                  "warm-up, or with --go-file the window's first ones, beside the other clients' (then FILE.done "
                  "is written after it; bench/merge_traces.py merges them, docs/tracing.md)");
   app.add_option("--trace-iterations", trace_iterations, "iterations --trace covers")->capture_default_str();
   int mps_thread_percentage = 0;
-  app.add_option("--mps-thread-percentage", mps_thread_percentage, "under MPS, the share of the GPU's SMs this "
+  app.add_option("--mps-thread-percentage", mps_thread_percentage,
+                 "under MPS, the share of the GPU's SMs this "
                  "process's own kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: all")
       ->check(CLI::Range(0, 100));
   int op_profile = 0;
-  app.add_option("--op-profile", op_profile, "after warm-up, profile this many iterations' host time by operation "
+  app.add_option("--op-profile", op_profile,
+                 "after warm-up, profile this many iterations' host time by operation "
                  "(see [Op profile]) into the results");
   CLI11_PARSE(app, argc, argv);
   // [Inference first on the GPU]: under MPS, a fine-tuning tenant's kernels yield to inference's
   // (MPS client priority, read when CUDA starts; one set in the environment wins).
   if (mode == "finetune") ::setenv("CUDA_MPS_CLIENT_PRIORITY", "1", /*overwrite=*/0);
-  if (mps_thread_percentage > 0) ::setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(mps_thread_percentage).c_str(), 1);
+  if (mps_thread_percentage > 0)
+    ::setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(mps_thread_percentage).c_str(), 1);
   at::set_num_threads(threads);
   try {
     const at::Device device(device_name);
@@ -372,9 +382,12 @@ int main(int argc, char** argv) {
     if (mode == "generate") {
       j["new_tokens"] = new_tokens;
       j["tokens_in_window"] = window_tokens;
-      for (auto& [name, values] : {std::pair{"time_to_first_token", &first_token_s}, {"time_per_output_token", &per_token_s}}) {
+      for (auto& [name, values] :
+           {std::pair{"time_to_first_token", &first_token_s}, {"time_per_output_token", &per_token_s}}) {
         std::sort(values->begin(), values->end());
-        auto at = [&](double q) { return values->empty() ? 0.0 : (*values)[std::min(values->size() - 1, size_t(q * values->size()))]; };
+        auto at = [&](double q) {
+          return values->empty() ? 0.0 : (*values)[std::min(values->size() - 1, size_t(q * values->size()))];
+        };
         j[std::string(name) + "_p50_s"] = at(0.5);
         j[std::string(name) + "_p99_s"] = at(0.99);
         j[std::string(name) + "_mean_s"] =

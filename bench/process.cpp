@@ -93,27 +93,37 @@ std::string read_file(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
+std::vector<std::string> wait_ready(pid_t pid, const fs::path& out_file, int count, int timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  std::vector<std::string> endpoints;
+  while (true) {
+    endpoints.clear();
+    std::ifstream out(out_file);
+    // A line counts once it is whole: the executor writes it with its newline at once.
+    for (std::string line; static_cast<int>(endpoints.size()) < count && std::getline(out, line) && !out.eof();) {
+      if (line.rfind("ready ", 0) == 0) endpoints.push_back(line.substr(6));
+    }
+    if (static_cast<int>(endpoints.size()) == count || exited(pid) || std::chrono::steady_clock::now() > deadline) {
+      return endpoints;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 ExecutorProcess start_executor(const std::vector<std::string>& args, const fs::path& dir, int timeout_s) {
   fs::create_directories(dir);
   std::vector<std::string> all = {(build_dir() / "base_executor/symbiosis-executor").string()};
   all.insert(all.end(), args.begin(), args.end());
   ExecutorProcess executor;
   executor.pid = spawn(all, dir / "executor.out", dir / "executor.err");
-  for (int i = 0; i < timeout_s * 10 && executor.endpoint.empty(); ++i) {
-    const auto text = read_file(dir / "executor.out");
-    if (text.rfind("ready ", 0) == 0 && text.find('\n') != std::string::npos) {
-      executor.endpoint = text.substr(6, text.find('\n') - 6);
-      break;
-    }
-    int status = 0;
-    if (waitpid(executor.pid, &status, WNOHANG) == executor.pid) break;  // it died
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  if (executor.endpoint.empty()) {
+  const auto endpoints = wait_ready(executor.pid, dir / "executor.out", 1, timeout_s * 1000);
+  if (endpoints.empty()) {
     kill(executor.pid, SIGKILL);
     waitpid(executor.pid, nullptr, 0);
-    throw std::runtime_error("executor did not start: " + read_file(dir / "executor.err"));
+    throw std::runtime_error("executor did not start within " + std::to_string(timeout_s) +
+                             " s: " + read_file(dir / "executor.err"));
   }
+  executor.endpoint = endpoints.front();
   return executor;
 }
 

@@ -26,6 +26,11 @@ double gpu_memory_mib(int gpu, const std::string& what = "memory.used");
 int gpu_index(const std::string& device);
 std::string read_file(const std::filesystem::path& path);
 
+// The endpoints of the first `count` "ready ENDPOINT" lines that `pid` (an executor, or the launcher
+// of a sharded one) writes to `out_file`, in order, waiting up to `timeout_ms`: fewer where `pid`
+// ended or the time ran out first.
+std::vector<std::string> wait_ready(pid_t pid, const std::filesystem::path& out_file, int count, int timeout_ms);
+
 struct ExecutorProcess {
   pid_t pid = 0;
   std::string endpoint;

@@ -98,21 +98,17 @@ std::vector<std::unique_ptr<Executor>> start_parts(const std::filesystem::path& 
 
 LaunchedParts launch_parts(const std::filesystem::path& model, const std::vector<std::string>& launcher_args, int count,
                            const std::filesystem::path& logs) {
-  std::vector<std::string> args = {binary("base_executor/symbiosis-executor"), "--model", model.string(), "--listen",
-                                   "tcp://127.0.0.1:*", "--part-timeout", "5000"};
+  std::vector<std::string> args = {binary("base_executor/symbiosis-executor"),
+                                   "--model",
+                                   model.string(),
+                                   "--listen",
+                                   "tcp://127.0.0.1:*",
+                                   "--part-timeout",
+                                   "5000"};
   args.insert(args.end(), launcher_args.begin(), launcher_args.end());
   LaunchedParts launched;
   launched.launcher = bench::spawn(args, logs / "out", logs / "err");
-  wait_until(
-      [&] {
-        std::ifstream out(logs / "out");
-        launched.endpoints.clear();
-        for (std::string line; std::getline(out, line);) {
-          if (line.rfind("ready ", 0) == 0) launched.endpoints.push_back(line.substr(6));
-        }
-        return static_cast<int>(launched.endpoints.size()) == count;
-      },
-      std::chrono::seconds(60));
+  launched.endpoints = bench::wait_ready(launched.launcher, logs / "out", count, 60'000);
   const std::string pid = std::to_string(launched.launcher);
   std::ifstream children("/proc/" + pid + "/task/" + pid + "/children");
   for (pid_t child; children >> child;) launched.pids.push_back(child);

@@ -169,8 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def run_app(app, host: str, port: int, program: str) -> int:
     """Serves the ASGI `app` on host:port with uvicorn until it is stopped; 1 when the address
     cannot be had (said on stderr, naming the flags). The socket is bound here so that --port 0
-    has its port before the ready line ([Ready line]: as the executor's "ready ENDPOINT", one line
-    on stdout once requests are taken)."""
+    has its port before the ready line ([Ready line] in base_executor/main.cpp: as the executor's
+    "ready ENDPOINT", one line on stdout once requests are taken)."""
     import uvicorn
 
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "base_executor/executor.h"
+#include "bench/process.h"
 #include "client_runtime/client.h"
 #include "client_runtime/training/step_graph.h"
 #include "common/checkpoint.h"
@@ -91,7 +92,8 @@ struct RawShmPeer {
     EXPECT_EQ(welcome.welcome().control_channel(), control != "zmq");
     link = std::move(peer.link);
     if (control != "zmq") {
-      this->control = shm::SharedMemory::map_descriptor(std::move(peer.descriptors.at(0)), sizeof(shm::ControlBlock), "control");
+      this->control =
+          shm::SharedMemory::map_descriptor(std::move(peer.descriptors.at(0)), sizeof(shm::ControlBlock), "control");
       wake = std::move(peer.descriptors.at(1));
       block = shm::map_block<shm::ControlBlock>(this->control);
     }
@@ -234,14 +236,16 @@ TEST_F(SameHostTest, TransportsThePlacementCannotCarryAreRefusedWithTheReason) {
       return std::string(e.what_without_backtrace());
     }
   };
-  EXPECT_NE(refusal("cuda-ipc").find("transport cuda-ipc is not possible here: it needs the client on the executor's GPU"),
-            std::string::npos)
+  EXPECT_NE(
+      refusal("cuda-ipc").find("transport cuda-ipc is not possible here: it needs the client on the executor's GPU"),
+      std::string::npos)
       << refusal("cuda-ipc");
   EXPECT_NE(refusal("nccl").find("transport nccl is not possible here: it needs the client and the executor on two "
                                  "different GPUs"),
             std::string::npos)
       << refusal("nccl");
-  EXPECT_NE(refusal("carrier-pigeon").find("client option transport 'carrier-pigeon' is not one of"), std::string::npos);
+  EXPECT_NE(refusal("carrier-pigeon").find("client option transport 'carrier-pigeon' is not one of"),
+            std::string::npos);
   try {
     connect("shm", "semaphore");
     ADD_FAILURE() << "an unknown control was accepted";
@@ -314,9 +318,7 @@ TEST_F(SameHostTest, EveryBadLocalSocketMessageIsRefusedNamingWhatWasExpected) {
 
 TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   RawShmPeer peer(executor_->endpoint());
-  auto contains = [](const std::string& text, const std::string& part) {
-    return text.find(part) != std::string::npos;
-  };
+  auto contains = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
   // A good call first: the raw peer gets q_proj of its payload.
   auto x = at::randn({1, 4});
   std::memcpy(peer.payload.data(), x.data_ptr(), 16);
@@ -325,7 +327,8 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   EXPECT_TRUE(at::allclose(y, at::mm(x, q_weight().t()), 1e-6, 1e-6));
 
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.layer_id = 9; }), "unknown layer id 9"));
-  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.op = 42; }), "op 42 is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS"));
+  EXPECT_TRUE(
+      contains(peer.error_of([](auto& h) { h.op = 42; }), "op 42 is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.dtype = proto::BFLOAT16; }),
                        "dtype BFLOAT16 does not match the layer's FLOAT32"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.features = 5; }), "shape [1, 5] should be [tokens >= 1, 4]"));
@@ -335,7 +338,8 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.tokens = int64_t{1} << 62; }), "exceed the executor's limit"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.buffer_generation = 2; }),
                        "names payload buffer generation 2, but generation 1 is registered"));
-  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 4090; }), "lies outside the 4096-byte payload buffer"));
+  EXPECT_TRUE(
+      contains(peer.error_of([](auto& h) { h.out_offset = 4090; }), "lies outside the 4096-byte payload buffer"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.in_offset = uint64_t{1} << 63; }), "lies outside"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 0; }), "input and output regions overlap"));
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.out_offset = 250; }), "multiples of 16 bytes"));
@@ -355,7 +359,8 @@ TEST_F(SameHostTest, EveryBadCallHeaderGetsAnErrorNamingTheProblem) {
   EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.sequence = 7; }),
                        "is numbered (sequence 7), but a shm call is answered by reply: send it with sequence 0"));
   // Every error named its request and layer; the executor still serves this client and others.
-  EXPECT_TRUE(contains(peer.error_of([](auto& h) { h.features = 5; }), "for layer 1 (model.layers.0.self_attn.q_proj)"));
+  EXPECT_TRUE(
+      contains(peer.error_of([](auto& h) { h.features = 5; }), "for layer 1 (model.layers.0.self_attn.q_proj)"));
   EXPECT_EQ(peer.error_of([](shm::CallHeader&) {}), "");
   auto other = connect("shm");
   auto x2 = at::randn({2, 4});
@@ -421,15 +426,19 @@ TEST_F(SameHostTest, ACallOfTheWrongShapeOrDtypeIsRefusedByTheClientNamingTheLay
       return "";
     };
     const auto calls = client->calls();
-    EXPECT_NE(message_of([&] { client->forward(q, at::randn({2, 5}), true); })
+    EXPECT_NE(message_of([&] {
+                client->forward(q, at::randn({2, 5}), true);
+              })
                   .find("layer 'model.layers.0.self_attn.q_proj' (forward) takes [tokens, 4] in Float, got [2, 5] in "
                         "Float"),
               std::string::npos);
-    EXPECT_NE(message_of([&] { client->backward_input(q, at::randn({2, 4})); })
-                  .find("(backward) takes [tokens, 8] in Float, got [2, 4]"),
+    EXPECT_NE(message_of([&] {
+                client->backward_input(q, at::randn({2, 4}));
+              }).find("(backward) takes [tokens, 8] in Float, got [2, 4]"),
               std::string::npos);
-    EXPECT_NE(message_of([&] { client->forward(q, at::randn({2, 4}, at::kDouble), true); })
-                  .find("takes [tokens, 4] in Float, got [2, 4] in Double"),
+    EXPECT_NE(message_of([&] {
+                client->forward(q, at::randn({2, 4}, at::kDouble), true);
+              }).find("takes [tokens, 4] in Float, got [2, 4] in Double"),
               std::string::npos);
     EXPECT_NE(message_of([&] { client->forward(q, at::randn({4}), true); }).find("got [4] in Float"),
               std::string::npos);
@@ -460,11 +469,10 @@ TEST_F(SameHostTest, HeadersOverZeroMQAreCheckedAndAnsweredLikeTheRings) {
   ASSERT_EQ(peer.zmq_error_of([](proto::Request&) {}), "");
   auto y = at::from_blob(static_cast<char*>(peer.payload.data()) + 256, {1, 8});
   EXPECT_TRUE(at::allclose(y, at::mm(x, q_weight().t()), 1e-6, 1e-6));
-  auto contains = [](const std::string& text, const std::string& part) {
-    return text.find(part) != std::string::npos;
-  };
+  auto contains = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
   EXPECT_TRUE(contains(peer.zmq_error_of([](auto& r) { r.set_layer_id(9); }), "unknown layer id 9"));
-  EXPECT_TRUE(contains(peer.zmq_error_of([](auto& r) { r.set_shape(1, 5); }), "shape [1, 5] should be [tokens >= 1, 4]"));
+  EXPECT_TRUE(
+      contains(peer.zmq_error_of([](auto& r) { r.set_shape(1, 5); }), "shape [1, 5] should be [tokens >= 1, 4]"));
   EXPECT_TRUE(contains(peer.zmq_error_of([](auto& r) { r.set_out_offset(4090); }), "lies outside the 4096-byte"));
   EXPECT_TRUE(contains(peer.zmq_error_of([](proto::Request&) {}, /*with_frame=*/true),
                        "a shm client's request carries no payload frame"));
@@ -482,7 +490,8 @@ TEST_F(SameHostTest, ACorruptRingDropsOnlyThatClient) {
     RawShmPeer peer(executor_->endpoint());
     reinterpret_cast<std::atomic<uint64_t>*>(&peer.block->requests)->store(1000);  // head far past capacity
     shm::wake_executor(*peer.block, peer.wake.get());
-    EXPECT_TRUE(testing::same_host_clients_become(*executor_, 1)) << "the executor kept the client that corrupted its ring";
+    EXPECT_TRUE(testing::same_host_clients_become(*executor_, 1))
+        << "the executor kept the client that corrupted its ring";
   }
   const auto* q = good->find_layer("model.layers.0.self_attn.q_proj");
   auto x = at::randn({3, 4});
@@ -500,9 +509,16 @@ TEST_F(SameHostTest, ClientsKilledMidRequestAreForgottenAndReleased) {
       RawShmPeer peer(endpoint);
       peer.call([](shm::CallHeader&) {});
       shm::CallRecord r;
-      r.header = {.request_id = 99, .layer_id = 1, .op = proto::FORWARD, .dtype = proto::FLOAT32,
-                  .latency_class = proto::FINE_TUNING, .tokens = 40, .features = 4, .in_offset = 0,
-                  .out_offset = 1024, .buffer_generation = 1};
+      r.header = {.request_id = 99,
+                  .layer_id = 1,
+                  .op = proto::FORWARD,
+                  .dtype = proto::FLOAT32,
+                  .latency_class = proto::FINE_TUNING,
+                  .tokens = 40,
+                  .features = 4,
+                  .in_offset = 0,
+                  .out_offset = 1024,
+                  .buffer_generation = 1};
       peer.block->requests.push(r);
       shm::wake_executor(*peer.block, peer.wake.get());
       ::raise(SIGKILL);
@@ -586,9 +602,9 @@ TEST_F(SameHostTest, AProcessRacingForAnHonestClientsSegmentsGetsNothingAndTheCl
     return names;
   };
   const auto before = shm_names();
-  const pid_t honest = testing::spawn({testing::binary("examples/symbiosis-demo-client"), "--executor",
-                                       executor->endpoint(), "--model", model.string(), "--transport", "shm",
-                                       "--steps", "4", "--verify", "--quiet"});
+  const pid_t honest =
+      testing::spawn({testing::binary("examples/symbiosis-demo-client"), "--executor", executor->endpoint(), "--model",
+                      model.string(), "--transport", "shm", "--steps", "4", "--verify", "--quiet"});
   std::set<std::string> named;  // what appeared in /dev/shm while the client ran
   int attempts = 0, status = 0;
   while (::waitpid(honest, &status, WNOHANG) == 0) {
@@ -672,18 +688,12 @@ TEST_F(SameHostTest, AProcessOfTheExecutorsUserCannotOpenItsDescriptors) {
   const auto model = testing::make_checkpoint("tiny-llama");
   const auto log = testing::temp_dir("not-dumpable") / "executor.out";
   const std::string without_ptrace = ::geteuid() == 0 ? "setpriv --bounding-set=-sys_ptrace " : "";
-  const pid_t executor = testing::spawn(
-      {"/bin/sh", "-c",
-       "exec " + without_ptrace + testing::binary("base_executor/symbiosis-executor") + " --model " + model.string() +
-           " --listen 'tcp://127.0.0.1:*' --device cpu > " + log.string() + " 2>&1"});
+  const pid_t executor =
+      testing::spawn({"/bin/sh", "-c",
+                      "exec " + without_ptrace + testing::binary("base_executor/symbiosis-executor") + " --model " +
+                          model.string() + " --listen 'tcp://127.0.0.1:*' --device cpu > " + log.string() + " 2>&1"});
   const pid_t dumpable = testing::spawn({"/bin/sh", "-c", "exec " + without_ptrace + "sleep 60"});
-  const bool ready = testing::wait_until(
-      [&] {
-        std::ifstream in(log);
-        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        return text.find("ready ") != std::string::npos;
-      },
-      std::chrono::seconds(60));
+  const bool ready = !bench::wait_ready(executor, log, 1, 60'000).empty();
   // Whether a process of this user, without CAP_SYS_PTRACE, reaches a descriptor of process `pid`.
   auto can_open = [&](pid_t pid) {
     const pid_t child = ::fork();
