@@ -107,12 +107,12 @@ ZapHandler::Verdict ZapHandler::answer(const Keys& keys) {
     verdict.role = keys.lookup(verdict.public_key).role;
   }
   verdict.admitted = verdict.role == Role::kTenant || verdict.role == Role::kOperator;
-  const char* status_text = verdict.admitted                  ? "OK"
-                            : verdict.public_key.empty()      ? "no CURVE key"
+  const char* status_text = verdict.admitted                 ? "OK"
+                            : verdict.public_key.empty()     ? "no CURVE key"
                             : verdict.role == Role::kRevoked ? "key revoked"
-                                                              : "key not admitted";
-  const std::vector<std::string> reply = {"1.0", text(1), verdict.admitted ? "200" : "400", status_text,
-                                          verdict.admitted ? verdict.public_key : "", ""};
+                                                             : "key not admitted";
+  const std::vector<std::string> reply = {
+      "1.0", text(1), verdict.admitted ? "200" : "400", status_text, verdict.admitted ? verdict.public_key : "", ""};
   for (size_t i = 0; i < reply.size(); ++i) {
     socket_.send(zmq::buffer(reply[i]), i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
   }

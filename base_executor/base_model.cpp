@@ -7,7 +7,6 @@
 #include <set>
 #include <sstream>
 
-
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 
@@ -38,9 +37,8 @@ std::pair<int64_t, int64_t> Shard::rows(int64_t size, int part) const {
   return {first, size * (part + 1) / count - first};
 }
 
-std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
-                                           at::Device device, std::optional<at::ScalarType> dtype,
-                                           const Shard& shard) {
+std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const BaseLayerRule& rule, at::Device device,
+                                           std::optional<at::ScalarType> dtype, const Shard& shard) {
   std::regex pattern;
   try {
     pattern = std::regex(rule.pattern);

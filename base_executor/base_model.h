@@ -70,15 +70,16 @@ class BaseModel {
  public:
   // dtype: compute dtype; default the checkpoint's. shard: the share held ([Parts]); by default
   // all. Throws naming the checkpoint on bad input.
-  static std::unique_ptr<BaseModel> load(const Checkpoint& checkpoint, const BaseLayerRule& rule,
-                                         at::Device device, std::optional<at::ScalarType> dtype,
-                                         const Shard& shard = {});
+  static std::unique_ptr<BaseModel> load(const Checkpoint& checkpoint, const BaseLayerRule& rule, at::Device device,
+                                         std::optional<at::ScalarType> dtype, const Shard& shard = {});
 
   const std::vector<LayerInfo>& layers() const { return layers_; }
   // [Layer groups]: ids from layers().size() on.
   const std::vector<LayerInfo>& groups() const { return groups_; }
   // Any id the executor serves, a layer's or a group's: layer_count() of them.
-  const LayerInfo& layer(uint32_t id) const { return id < layers_.size() ? layers_[id] : groups_.at(id - layers_.size()); }
+  const LayerInfo& layer(uint32_t id) const {
+    return id < layers_.size() ? layers_[id] : groups_.at(id - layers_.size());
+  }
   size_t layer_count() const { return layers_.size() + groups_.size(); }
   const std::string& model_hash() const { return model_hash_; }
   at::Device device() const { return device_; }
@@ -119,7 +120,7 @@ class BaseModel {
   at::Device device_{at::kCPU};
   Shard shard_;
   std::vector<std::vector<std::vector<ColumnBlock>>> columns_;  // by id, then part
-  std::vector<std::vector<int64_t>> widths_;                   // by id, then part
+  std::vector<std::vector<int64_t>> widths_;                    // by id, then part
 };
 
 }  // namespace symbiosis

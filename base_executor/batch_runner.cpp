@@ -70,7 +70,8 @@ class ReplayedBatches {
     }
     std::vector<size_t> order(requests.size());
     std::iota(order.begin(), order.end(), size_t{0});
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return inputs[a].data_ptr() < inputs[b].data_ptr(); });
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return inputs[a].data_ptr() < inputs[b].data_ptr(); });
     const cuda::Stream stream = cuda::current_stream(model_.device().index());
     Key key{batch.layer_id, static_cast<int>(batch.op), stream.handle, {}};
     for (size_t i : order) {
@@ -191,7 +192,6 @@ LayerOp to_layer_op(int32_t op) {
   }
 }
 
-
 void BatchRunner::enqueue(Channel& channel, const shm::CallHeader& h) {
   const auto& layer = model_.layer(h.layer_id);
   const auto op = to_layer_op(h.op);
@@ -250,7 +250,8 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
   if (parts_) {
     const RoundOffer offer{RoundOffer::kBatch, batch.layer_id, batch.op, batch.tokens,
                            requests[0].payload.header.features};
-    y = parts_->compute(model_, parts_->rank(), offer, [&] { return pack(batch, number, read_inputs(batch, number), first_row); });
+    y = parts_->compute(model_, parts_->rank(), offer,
+                        [&] { return pack(batch, number, read_inputs(batch, number), first_row); });
   } else {
     const at::Device device = model_.device();
     const auto inputs = read_inputs(batch, number);
@@ -288,7 +289,8 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
     y = model_.compute(batch.layer_id, batch.op, pack(batch, number, inputs, first_row));
   }
   std::vector<at::Tensor> rows;
-  for (size_t i = 0; i < requests.size(); ++i) rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
+  for (size_t i = 0; i < requests.size(); ++i)
+    rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
   return rows;
 }
 

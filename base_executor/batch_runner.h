@@ -64,7 +64,7 @@ class BatchRunner : public CallEnqueuer {
   const BaseModel& model_;
   Statistics& statistics_;
   const InputObserver on_input_;
-  uint64_t batches_ = 0;  // run so far: the [Input observer]'s batch numbers
+  uint64_t batches_ = 0;                      // run so far: the [Input observer]'s batch numbers
   std::vector<Statistics::BatchCall> calls_;  // the batch's calls, for the statistics (kept: no allocation a batch)
   std::unique_ptr<ReplayedBatches> replays_;  // on a GPU
   Parts* const parts_;

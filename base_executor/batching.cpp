@@ -32,9 +32,9 @@ void BatchingOptions::validate() const {
               "batching wait budgets must be >= 0");
   TORCH_CHECK(judge_window.count() >= 0, "executor option --judge-window must be >= 0, got ", judge_window.count(),
               " ms");
-  TORCH_CHECK(judge_explore_every >= 2, "batching option judge_explore_every must be >= 2, got ",
-              judge_explore_every);
-  TORCH_CHECK(decode_first_streak >= 0, "executor option --decode-first-streak must be >= 0, got ", decode_first_streak);
+  TORCH_CHECK(judge_explore_every >= 2, "batching option judge_explore_every must be >= 2, got ", judge_explore_every);
+  TORCH_CHECK(decode_first_streak >= 0, "executor option --decode-first-streak must be >= 0, got ",
+              decode_first_streak);
 }
 
 std::chrono::nanoseconds BatchingOptions::budget(LatencyClass latency, int64_t tokens) const {

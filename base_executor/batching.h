@@ -76,18 +76,18 @@ const char* batching_policy_name(BatchingPolicy policy);
 
 struct BatchingOptions {
   BatchingPolicy policy = BatchingPolicy::kOpportunistic;
-  std::chrono::microseconds max_wait{2000};                 // no request waits longer for companions
-  int64_t max_batch_tokens = 16384;                         // a batch closes at this many tokens
-  std::chrono::microseconds decode_wait{50};                // base budget of an inference decode step
-  std::chrono::microseconds prefill_wait{300};              // ... of an inference prefill
-  std::chrono::microseconds fine_tuning_wait{500};          // ... of a fine-tuning step
-  std::chrono::nanoseconds per_token_wait{1000};            // budget added per token
-  std::chrono::milliseconds lockstep_timeout{1000};         // lockstep: drop clients missing this long
-  std::chrono::microseconds companion_window{20000};        // opportunistic: companions must have been active this recently
-  std::chrono::microseconds decode_align_wait{20000};       // opportunistic: [Decode alignment]; 0: none
-  int decode_first_streak = 4;                              // [Inference first]; 0: strictly oldest first
-  std::chrono::milliseconds judge_window{250};              // opportunistic: [Paying waits]; 0: decode always waits
-  int judge_explore_every = 10;                             // ... one window in this many tries the other way
+  std::chrono::microseconds max_wait{2000};            // no request waits longer for companions
+  int64_t max_batch_tokens = 16384;                    // a batch closes at this many tokens
+  std::chrono::microseconds decode_wait{50};           // base budget of an inference decode step
+  std::chrono::microseconds prefill_wait{300};         // ... of an inference prefill
+  std::chrono::microseconds fine_tuning_wait{500};     // ... of a fine-tuning step
+  std::chrono::nanoseconds per_token_wait{1000};       // budget added per token
+  std::chrono::milliseconds lockstep_timeout{1000};    // lockstep: drop clients missing this long
+  std::chrono::microseconds companion_window{20000};   // opportunistic: companions must have been active this recently
+  std::chrono::microseconds decode_align_wait{20000};  // opportunistic: [Decode alignment]; 0: none
+  int decode_first_streak = 4;                         // [Inference first]; 0: strictly oldest first
+  std::chrono::milliseconds judge_window{250};         // opportunistic: [Paying waits]; 0: decode always waits
+  int judge_explore_every = 10;                        // ... one window in this many tries the other way
 
   void validate() const;  // throws naming the field
   std::chrono::nanoseconds budget(LatencyClass latency, int64_t tokens) const;
@@ -178,7 +178,7 @@ class Batcher {
     int64_t tokens = 0;
     LatencyClass latency = LatencyClass::kFineTuning;
     TimePoint arrival{};
-    bool alone = false;  // run by itself, never waited for nor packed (not under lockstep)
+    bool alone = false;        // run by itself, never waited for nor packed (not under lockstep)
     bool starts_step = false;  // set by push(): a decode call at its client's first queue ([Decode alignment])
     Payload payload{};
   };
@@ -292,8 +292,8 @@ class Batcher {
         oldest_decode = queue;
       }
     }
-    const bool alone_first = !alone_.empty() && (oldest == nullptr ||
-                                                 alone_.front().arrival <= oldest->requests.front().arrival);
+    const bool alone_first =
+        !alone_.empty() && (oldest == nullptr || alone_.front().arrival <= oldest->requests.front().arrival);
     // [Inference first]: decode work overtakes older work, within the streak.
     if (oldest_decode != nullptr && (alone_first || oldest_decode != oldest)) {
       const bool alone_is_decode = alone_first && alone_.front().latency == LatencyClass::kInferenceDecode;
@@ -369,8 +369,8 @@ class Batcher {
   // Opportunistic: is another active client predicted to come to this queue next, or, at a step's
   // rendezvous, any active decode client that comes here ([Decode alignment])?
   bool companion_expected(const Queue& queue, TimePoint now) const {
-    const bool rendezvous = std::any_of(queue.requests.begin(), queue.requests.end(),
-                                        [](const Request& r) { return r.starts_step; });
+    const bool rendezvous =
+        std::any_of(queue.requests.begin(), queue.requests.end(), [](const Request& r) { return r.starts_step; });
     for (const auto& [id, track] : tracks_) {
       if (track.alone || now - track.last_arrival > options_.companion_window || !clients_.count(id) ||
           holds_client(queue, id)) {
@@ -394,8 +394,7 @@ class Batcher {
   // The time at which the queue becomes ready by waiting alone.
   TimePoint deadline(const Queue& queue, TimePoint now) const {
     switch (options_.policy) {
-      case BatchingPolicy::kNone:
-        return queue.requests.front().arrival;
+      case BatchingPolicy::kNone: return queue.requests.front().arrival;
       case BatchingPolicy::kLockstep:
         return every_client_present(queue, lockstep_set()) ? now
                                                            : queue.requests.front().arrival + options_.lockstep_timeout;
@@ -414,8 +413,7 @@ class Batcher {
 
   bool ready(Queue& queue, TimePoint now) {
     switch (options_.policy) {
-      case BatchingPolicy::kNone:
-        return true;
+      case BatchingPolicy::kNone: return true;
       case BatchingPolicy::kLockstep: {
         const auto set = lockstep_set();
         if (every_client_present(queue, set)) return true;
@@ -468,16 +466,16 @@ class Batcher {
 
   BatchingOptions options_;
   std::map<Key, Queue> queues_;  // every queue ever used (node addresses are stable)
-  std::vector<Queue*> active_;                        // the queues holding requests: what pop() looks at
-  std::deque<Request> alone_;                         // requests that run by themselves, oldest first
+  std::vector<Queue*> active_;   // the queues holding requests: what pop() looks at
+  std::deque<Request> alone_;    // requests that run by themselves, oldest first
   std::set<uint64_t> clients_;
-  std::set<uint64_t> dropped_;  // lockstep: clients not waited for until their next request
+  std::set<uint64_t> dropped_;              // lockstep: clients not waited for until their next request
   std::map<uint64_t, ClientTrack> tracks_;  // opportunistic: each client's learnt path
   size_t total_requests_ = 0;
   int64_t total_tokens_ = 0;
   std::map<uint64_t, int64_t> client_tokens_;  // total_tokens_ by client ([Fair shares])
-  int decode_streak_ = 0;  // [Inference first]: batches in a row that overtook older work
-  WaitJudge judge_;        // [Paying waits]
+  int decode_streak_ = 0;                      // [Inference first]: batches in a row that overtook older work
+  WaitJudge judge_;                            // [Paying waits]
 };
 
 }  // namespace symbiosis

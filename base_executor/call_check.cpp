@@ -34,8 +34,8 @@ Status check_layer_call(const BaseModel& model, uint64_t max_request_bytes, shm:
   }
   const auto expected_dtype = wire::to_proto(layer.dtype);
   if (h.dtype != expected_dtype) {
-    const std::string got = proto::DType_IsValid(h.dtype) ? proto::DType_Name(static_cast<proto::DType>(h.dtype))
-                                                          : std::to_string(h.dtype);
+    const std::string got =
+        proto::DType_IsValid(h.dtype) ? proto::DType_Name(static_cast<proto::DType>(h.dtype)) : std::to_string(h.dtype);
     return invalid(where() + ": dtype " + got + " does not match the layer's " + proto::DType_Name(expected_dtype));
   }
   const int64_t features = h.op == proto::BACKWARD_INPUT ? layer.out_features : layer.in_features;
@@ -70,10 +70,10 @@ Status check_call(const BaseModel& model, uint64_t max_request_bytes, const Chan
   if (h.slot != 0 && (h.slot > shm::kCallSlots || h.sequence == 0)) {
     const auto slot = h.slot;
     h.slot = 0;  // its result flag cannot be set: the sequence answers it
-    return {StatusCode::kInvalidArgument,
-            "request " + std::to_string(h.request_id) + " names slot " + std::to_string(slot) +
-                (h.sequence == 0 ? " without a sequence" : "") +
-                "; a captured call has a sequence and a slot from 1 to " + std::to_string(shm::kCallSlots)};
+    return {StatusCode::kInvalidArgument, "request " + std::to_string(h.request_id) + " names slot " +
+                                              std::to_string(slot) + (h.sequence == 0 ? " without a sequence" : "") +
+                                              "; a captured call has a sequence and a slot from 1 to " +
+                                              std::to_string(shm::kCallSlots)};
   }
   const auto& layer = model.layer(h.layer_id);
   const int64_t out_features = h.op == proto::BACKWARD_INPUT ? layer.in_features : layer.out_features;

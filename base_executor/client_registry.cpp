@@ -41,8 +41,8 @@ std::vector<std::string> ClientRegistry::gone() const {
   const auto now = options_.now();
   for (const auto& [key, record] : clients_) {
     const bool channel_down = record.channel && (record.channel->broken() || record.channel->failed());
-    const bool silent = record.pid > 0 ? !options_.process_alive(record.pid)
-                                       : now - record.last_seen > options_.idle_limit;
+    const bool silent =
+        record.pid > 0 ? !options_.process_alive(record.pid) : now - record.last_seen > options_.idle_limit;
     if (channel_down || silent) keys.push_back(key);
   }
   return keys;

@@ -189,8 +189,17 @@ const BaseModel& Executor::model() const { return *impl_->model; }
 
 ExecutorStats Executor::stats() const {
   const auto& s = *impl_->statistics;
-  return {s.clients,        s.same_host_clients, s.requests,         s.errors,         s.tokens,
-          s.compute_nanos * 1e-9, s.direct_calls,   s.concurrent_calls, s.replayed_calls, s.ahead_calls, impl_->buffers->used(),
+  return {s.clients,
+          s.same_host_clients,
+          s.requests,
+          s.errors,
+          s.tokens,
+          s.compute_nanos * 1e-9,
+          s.direct_calls,
+          s.concurrent_calls,
+          s.replayed_calls,
+          s.ahead_calls,
+          impl_->buffers->used(),
           impl_->model->weight_bytes()};
 }
 

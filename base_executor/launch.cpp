@@ -65,8 +65,8 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
     return 1;
   }
   // The arguments every part shares: ours, less those that differ by part.
-  const std::set<std::string> per_part = {"--parts", "--gpus", "--listen", "--device", "--rank", "--world-size",
-                                          "--rendezvous"};
+  const std::set<std::string> per_part = {"--parts", "--gpus",       "--listen",    "--device",
+                                          "--rank",  "--world-size", "--rendezvous"};
   std::vector<std::string> shared;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -94,7 +94,8 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
     if (::pipe(output) != 0) {
       const int error = errno;
       for (const pid_t child : children) ::kill(child, SIGTERM);  // the parts started so far
-      TORCH_CHECK(false, "cannot make a pipe for executor part ", rank, " of ", parts, "'s output: ", std::strerror(error));
+      TORCH_CHECK(false, "cannot make a pipe for executor part ", rank, " of ", parts,
+                  "'s output: ", std::strerror(error));
     }
     const pid_t pid = ::fork();
     if (pid == 0) {
@@ -121,9 +122,8 @@ int launch_parts(int argc, char** argv, const ExecutorOptions& options, int part
     }
     lines.insert(lines.end(), part_lines.begin(), part_lines.end());
   }
-  if (static_cast<int>(std::count_if(lines.begin(), lines.end(), [](const std::string& l) {
-        return l.rfind("ready ", 0) == 0;
-      })) == parts) {
+  if (static_cast<int>(std::count_if(lines.begin(), lines.end(),
+                                     [](const std::string& l) { return l.rfind("ready ", 0) == 0; })) == parts) {
     for (const auto& line : lines) std::cout << line << "\n";
     std::cout << std::flush;
   }

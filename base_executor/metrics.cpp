@@ -160,8 +160,10 @@ std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauge
          [](const Layer& l) { return count(l.tokens); });
   w.family("symbiosis_layer_batches_total", "counter", "Batches run, by layer and op (forward, backward).");
   for (const auto& l : m.layers) {
-    w.sample("symbiosis_layer_batches_total", "layer=\"" + escaped(l.name) + "\",op=\"forward\"", count(l.forward_batches));
-    w.sample("symbiosis_layer_batches_total", "layer=\"" + escaped(l.name) + "\",op=\"backward\"", count(l.backward_batches));
+    w.sample("symbiosis_layer_batches_total", "layer=\"" + escaped(l.name) + "\",op=\"forward\"",
+             count(l.forward_batches));
+    w.sample("symbiosis_layer_batches_total", "layer=\"" + escaped(l.name) + "\",op=\"backward\"",
+             count(l.backward_batches));
   }
   w.each("symbiosis_layer_compute_seconds_total", "counter", "Seconds spent running the layer's batches.", "layer",
          m.layers, [](const Layer& l) { return l.compute_seconds; });
@@ -187,7 +189,8 @@ std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauge
            static_cast<double>(gauges.max_queued_tokens));
   w.single("symbiosis_buffer_bytes", "gauge", "Shared memory held for clients: control segments and payload buffers.",
            count(gauges.buffer_bytes));
-  w.single("symbiosis_max_buffer_bytes", "gauge", "The limit on it (--max-buffer-bytes).", count(gauges.max_buffer_bytes));
+  w.single("symbiosis_max_buffer_bytes", "gauge", "The limit on it (--max-buffer-bytes).",
+           count(gauges.max_buffer_bytes));
   w.single("symbiosis_max_clients", "gauge", "The limit on clients connected at once (--max-clients).",
            count(gauges.max_clients));
   w.single("symbiosis_resident_bytes", "gauge", "The executor process's resident memory.", count(resident_bytes()));

@@ -117,14 +117,14 @@ class QueueShares {
 
  private:
   Status verdict(uint64_t client_id, uint64_t request_id, int64_t tokens) const;  // under mutex_
-  uint64_t tenant_of(uint64_t client_id) const;                                    // under mutex_
+  uint64_t tenant_of(uint64_t client_id) const;                                   // under mutex_
   const int64_t limit_;
-  mutable std::mutex mutex_;               // guards the seven below
-  std::map<uint64_t, uint64_t> tenant_;    // joined clients' tenants, by number
+  mutable std::mutex mutex_;                                 // guards the seven below
+  std::map<uint64_t, uint64_t> tenant_;                      // joined clients' tenants, by number
   std::map<std::string, std::pair<uint64_t, int>> tenants_;  // a tenant's number and its joined clients
   uint64_t next_tenant_ = uint64_t{1} << 63;  // tenants' numbers lie past every client id, which numbers a client's own
-  std::map<uint64_t, int64_t> inbox_;      // admitted calls' tokens not yet taken out, by client (none: absent)
-  std::map<uint64_t, int64_t> batched_;    // the Batcher's, by client (none: absent)
+  std::map<uint64_t, int64_t> inbox_;         // admitted calls' tokens not yet taken out, by client (none: absent)
+  std::map<uint64_t, int64_t> batched_;       // the Batcher's, by client (none: absent)
   int64_t inbox_total_ = 0;
   int64_t batched_total_ = 0;
 };

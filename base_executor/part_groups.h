@@ -11,7 +11,7 @@
 namespace symbiosis {
 
 struct PartGroups {
-  c10::intrusive_ptr<c10d::Store> store;     // the rendezvous's TCP store
+  c10::intrusive_ptr<c10d::Store> store;      // the rendezvous's TCP store
   c10::intrusive_ptr<c10d::Backend> control;  // Gloo, between the parts' CPUs
   c10::intrusive_ptr<c10d::Backend> data;     // NCCL between GPUs (device CUDA); else the Gloo group
 

@@ -54,8 +54,8 @@ std::string free_loopback_rendezvous() {
 void PartOptions::validate() const {
   if (!sharded()) return;
   TORCH_CHECK(world_size >= 1, "executor option --world-size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, "executor option --rank must be 0 to --world-size - 1 (",
-              world_size - 1, "), got ", rank);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "executor option --rank must be 0 to --world-size - 1 (", world_size - 1,
+              "), got ", rank);
   TORCH_CHECK(timeout.count() > 0, "executor option --part-timeout must be > 0 ms, got ", timeout.count());
   host_and_port(rendezvous);
 }
@@ -72,8 +72,8 @@ void Parts::finish(const c10::intrusive_ptr<c10d::Work>& work, const char* what)
     std::string message = e.what();
     if (const auto* error = dynamic_cast<const c10::Error*>(&e)) message = error->what_without_backtrace();
     if (const auto line = message.find('\n'); line != std::string::npos) message.resize(line);
-    lost_ = Status(StatusCode::kUnavailable, "executor " + name() + " lost another part (" + what + " failed: " +
-                                                 message + "); this sharded executor stops");
+    lost_ = Status(StatusCode::kUnavailable, "executor " + name() + " lost another part (" + what +
+                                                 " failed: " + message + "); this sharded executor stops");
     TORCH_CHECK(false, lost_->message());
   }
 }
@@ -105,8 +105,8 @@ PartGroups PartGroups::join(const PartOptions& options, at::Device device, const
     groups.store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "executor ", name, ": the rendezvous at ", options.rendezvous, " failed within ",
-                options.timeout.count(), " ms (are all ", options.world_size, " parts started, rank 0 there?): ",
-                e.what());
+                options.timeout.count(), " ms (are all ", options.world_size,
+                " parts started, rank 0 there?): ", e.what());
   }
   auto gloo = c10d::ProcessGroupGloo::Options::create();
   gloo->timeout = options.timeout;
@@ -154,7 +154,8 @@ std::vector<RoundOffer> Parts::exchange(const RoundOffer& mine) {
   std::vector<RoundOffer> offers(n);
   for (int i = 0; i < n; ++i) {
     const auto* f = output[0][i].data_ptr<int64_t>();
-    offers[i] = {static_cast<RoundOffer::Kind>(f[0]), static_cast<uint32_t>(f[1]), static_cast<LayerOp>(f[2]), f[3], f[4]};
+    offers[i] = {static_cast<RoundOffer::Kind>(f[0]), static_cast<uint32_t>(f[1]), static_cast<LayerOp>(f[2]), f[3],
+                 f[4]};
   }
   return offers;
 }
@@ -173,7 +174,8 @@ at::Tensor Parts::compute(const BaseModel& model, int owner, const RoundOffer& b
       failure = std::current_exception();
     }
   }
-  if (!x.defined()) x = mine ? at::zeros({batch.tokens, batch.features}, options) : at::empty({batch.tokens, batch.features}, options);
+  if (!x.defined())
+    x = mine ? at::zeros({batch.tokens, batch.features}, options) : at::empty({batch.tokens, batch.features}, options);
   // 1. Every part gets the owner's input.
   std::vector<at::Tensor> broadcast{x};
   c10d::BroadcastOptions from_owner;
@@ -198,7 +200,8 @@ at::Tensor Parts::compute(const BaseModel& model, int owner, const RoundOffer& b
     int64_t widest = 0;
     for (int part = 0; part < size(); ++part) widest = std::max(widest, model.local_width(batch.layer_id, part));
     const int64_t width = model.local_width(batch.layer_id, rank());
-    auto padded = width == widest ? at::empty({batch.tokens, widest}, options) : at::zeros({batch.tokens, widest}, options);
+    auto padded =
+        width == widest ? at::empty({batch.tokens, widest}, options) : at::zeros({batch.tokens, widest}, options);
     if (width == widest) {
       model.compute_into(batch.layer_id, batch.op, x, padded);
     } else {

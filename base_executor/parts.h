@@ -99,7 +99,6 @@ class Parts {
   // [Lost part]: UNAVAILABLE naming what failed, once a collective has; the parts serve no more.
   const std::optional<Status>& lost() const { return lost_; }
 
-
  private:
   Parts(const PartOptions& options, at::Device device);
   // Waits for one collective; one that fails (a part gone, or late past the timeout) makes the

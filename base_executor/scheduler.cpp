@@ -60,7 +60,8 @@ Scheduler::~Scheduler() {
 void Scheduler::post(InboxMessage message) {
   // [Fair shares]: a client's calls count for its tenant from the first, which post_call() may
   // admit before this thread handles the join.
-  if (auto* joined = std::get_if<ClientJoined>(&message)) queue_shares_.join(joined->channel->client_id(), joined->tenant);
+  if (auto* joined = std::get_if<ClientJoined>(&message))
+    queue_shares_.join(joined->channel->client_id(), joined->tenant);
   {
     std::lock_guard<std::mutex> lock(inbox_mutex_);
     inbox_.push_back(std::move(message));
@@ -102,9 +103,10 @@ void Scheduler::note_judge() {
   if (!better || better == judged_) return;
   judged_ = better;
   const auto& judge = batcher_.judge();
-  spdlog::info("decode calls now {} for companions: {:.0f} decode calls a second were served with waits, {:.0f} "
-               "without ([Paying waits])",
-               *better ? "wait" : "do not wait", judge.rate(true), judge.rate(false));
+  spdlog::info(
+      "decode calls now {} for companions: {:.0f} decode calls a second were served with waits, {:.0f} "
+      "without ([Paying waits])",
+      *better ? "wait" : "do not wait", judge.rate(true), judge.rate(false));
 }
 
 void Scheduler::stop() {
@@ -186,7 +188,8 @@ void Scheduler::handle(SetupArrived& message) {
         return answer_error(message.identity, id, status);
       }
       try {
-        *answer.mutable_buffer_registered() = channel.register_buffer(env.register_buffer(), std::move(message.segment));
+        *answer.mutable_buffer_registered() =
+            channel.register_buffer(env.register_buffer(), std::move(message.segment));
       } catch (...) {
         buffers_.give_back(more);
         throw;
@@ -291,9 +294,10 @@ bool Scheduler::poll_channels() {
       continue;
     }
     if (channel->faulted()) {
-      spdlog::warn("client {}: a touch of the memory it shares with the executor faulted ([Fault guard]); dropping "
-                   "the client",
-                   channel->client_id());
+      spdlog::warn(
+          "client {}: a touch of the memory it shares with the executor faulted ([Fault guard]); dropping "
+          "the client",
+          channel->client_id());
     }
     it = channels_.erase(it);
   }
@@ -361,10 +365,11 @@ bool Scheduler::take_part(std::optional<CallBatcher::Batch>& batch) {
   } catch (const std::exception& e) {
     // Any failure here leaves the parts out of step: none can serve on.
     if (!lost_) {
-      lose(parts_->lost() ? *parts_->lost()
-                          : Status(StatusCode::kUnavailable, "executor " + parts_->name() + " failed in a round: " +
-                                                                 status_of_exception(e, StatusCode::kInternal).message() +
-                                                                 "; this sharded executor stops"));
+      lose(parts_->lost()
+               ? *parts_->lost()
+               : Status(StatusCode::kUnavailable, "executor " + parts_->name() + " failed in a round: " +
+                                                      status_of_exception(e, StatusCode::kInternal).message() +
+                                                      "; this sharded executor stops"));
     }
   }
   if (parts_->lost() && !lost_) lose(*parts_->lost());
@@ -399,8 +404,8 @@ void Scheduler::run() {
   replies_ = std::make_unique<zmq::socket_t>(context_, zmq::socket_type::push);
   replies_->set(zmq::sockopt::linger, 0);
   replies_->connect(replies_endpoint_);
-  const auto spin = std::chrono::microseconds(
-      options_.spin_us >= 0 ? options_.spin_us : shm::default_spin_us(model_.device().is_cuda()));
+  const auto spin = std::chrono::microseconds(options_.spin_us >= 0 ? options_.spin_us
+                                                                    : shm::default_spin_us(model_.device().is_cuda()));
   while (!stopping_) {
     // Anything posted after this read wakes the wait below ([Wake sockets]).
     const uint32_t seen = posts_.load();
@@ -477,7 +482,8 @@ void Scheduler::wait_for_work(uint32_t seen_posts, std::chrono::nanoseconds spin
       sleep_channels_.push_back(channel.get());
     }
     // At most a second at a time: nothing depends on it, but a stuck sleep would show as one.
-    const auto left = std::clamp<Clock::duration>(deadline - Clock::now(), Clock::duration::zero(), std::chrono::seconds(1));
+    const auto left =
+        std::clamp<Clock::duration>(deadline - Clock::now(), Clock::duration::zero(), std::chrono::seconds(1));
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
     const timespec timeout{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
     if (::ppoll(sleep_fds_.data(), sleep_fds_.size(), &timeout, nullptr) > 0) {

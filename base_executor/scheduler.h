@@ -113,7 +113,8 @@ class Scheduler {
   void finish_setups();
   // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
   // a call, then sleeps in poll() until then; returns by `deadline` at the latest.
-  void wait_for_work(uint32_t seen_posts, std::chrono::nanoseconds spin, std::chrono::steady_clock::time_point deadline);
+  void wait_for_work(uint32_t seen_posts, std::chrono::nanoseconds spin,
+                     std::chrono::steady_clock::time_point deadline);
   // Wakes the inbox's socket if the scheduler sleeps (after posts_ changed).
   void wake_if_sleeping();
   void answer_error(const std::string& identity, uint64_t client_id, const Status& status);
@@ -151,10 +152,10 @@ class Scheduler {
   CallBatcher batcher_;
   BatchRunner runner_;
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
-  std::map<uint64_t, Status> refused_;                      // ClientRefused: why, by client id
-  std::map<uint64_t, uint64_t> buffer_bytes_;               // [Buffer budget]: each client's registered buffer
-  std::map<uint64_t, std::string> tenants_;                 // [Fair shares]: ClientJoined's tenant, by client id
-  struct PendingSetup {  // [Transport set-up] not yet finished
+  std::map<uint64_t, Status> refused_;                     // ClientRefused: why, by client id
+  std::map<uint64_t, uint64_t> buffer_bytes_;              // [Buffer budget]: each client's registered buffer
+  std::map<uint64_t, std::string> tenants_;                // [Fair shares]: ClientJoined's tenant, by client id
+  struct PendingSetup {                                    // [Transport set-up] not yet finished
     std::shared_ptr<Channel> channel;
     std::string identity;    // the client's ZeroMQ routing id
     proto::Envelope answer;  // what the channel's set_up answered, sent once setup_done()
@@ -163,9 +164,9 @@ class Scheduler {
   // [No waits on a client] (transport/cuda_ipc/cuda_ipc_channel.cpp): calls over ZeroMQ whose input
   // the client has not written yet, oldest first.
   std::deque<CallArrived> held_calls_;
-  std::vector<pollfd> sleep_fds_;             // [Wake sockets]: kept between sleeps
-  std::vector<Channel*> sleep_channels_;      // the channel of each of sleep_fds_ (the inbox's: none)
-  std::unique_ptr<zmq::socket_t> replies_;    // answers to set-up messages, to the front door
+  std::vector<pollfd> sleep_fds_;           // [Wake sockets]: kept between sleeps
+  std::vector<Channel*> sleep_channels_;    // the channel of each of sleep_fds_ (the inbox's: none)
+  std::unique_ptr<zmq::socket_t> replies_;  // answers to set-up messages, to the front door
   Parts* const parts_;
   const std::function<void(const Status&)> on_lost_;
   std::optional<Status> lost_;  // [Lost part]

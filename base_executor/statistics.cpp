@@ -19,9 +19,9 @@ constexpr size_t kRememberedClients = 1024;
 }  // namespace
 
 const char* status_code_name(size_t code) {
-  static constexpr const char* kNames[kStatusCodes] = {"OK",        "INVALID_ARGUMENT",    "NOT_FOUND", "RESOURCE_EXHAUSTED",
-                                                       "MALFORMED", "FAILED_PRECONDITION", "INTERNAL",  "PERMISSION_DENIED",
-                                                       "UNAVAILABLE"};
+  static constexpr const char* kNames[kStatusCodes] = {
+      "OK",       "INVALID_ARGUMENT",  "NOT_FOUND",  "RESOURCE_EXHAUSTED", "MALFORMED", "FAILED_PRECONDITION",
+      "INTERNAL", "PERMISSION_DENIED", "UNAVAILABLE"};
   return code < kStatusCodes ? kNames[code] : "UNKNOWN";
 }
 
@@ -238,10 +238,9 @@ void Statistics::log() const {
   spdlog::info(
       "stats ({}): {} clients, {} requests in {} batches ({:.2f} requests/batch, max {}), {} errors, {} tokens "
       "({:.0f} tokens/s), {:.3f} s computing, mean wait {:.1f} us, queue depth {}",
-      s.policy(), s.clients(), s.requests(), s.batches(),
-      s.batches() ? double(s.requests()) / s.batches() : 0.0, s.max_batch_requests(), s.errors(), s.tokens(),
-      s.tokens() / uptime, s.compute_seconds(), s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0,
-      s.queue_depth());
+      s.policy(), s.clients(), s.requests(), s.batches(), s.batches() ? double(s.requests()) / s.batches() : 0.0,
+      s.max_batch_requests(), s.errors(), s.tokens(), s.tokens() / uptime, s.compute_seconds(),
+      s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0, s.queue_depth());
 }
 
 }  // namespace symbiosis

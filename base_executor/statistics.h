@@ -63,8 +63,8 @@ struct MetricsSnapshot {
   int64_t queued_tokens = 0;
   std::array<uint64_t, kStatusCodes> errors{};
   std::map<std::string, uint64_t> clients_by_transport;  // every transport, 0 included
-  std::vector<Layer> layers;                               // those that ran or refused a call
-  std::vector<Tenant> tenants;                             // every tenant seen, in order of arrival
+  std::vector<Layer> layers;                             // those that ran or refused a call
+  std::vector<Tenant> tenants;                           // every tenant seen, in order of arrival
   std::vector<LatencyClassFigures> classes;
   Histogram batch_requests, batch_tokens, wait_seconds;
 };
@@ -79,14 +79,15 @@ class Statistics {
   std::atomic<uint64_t> requests{0};           // answered with a result
   std::atomic<uint64_t> errors{0};             // answered with an error (record_error)
   std::atomic<uint64_t> tokens{0};
-  std::atomic<uint64_t> direct_calls{0};      // calls whose operands lay in a client's shared segment ([Direct operands])
+  std::atomic<uint64_t> direct_calls{0};  // calls whose operands lay in a client's shared segment ([Direct operands])
   std::atomic<uint64_t> concurrent_calls{0};  // calls run alone on their client's compute stream ([Compute streams])
-  std::atomic<uint64_t> replayed_calls{0};    // captured calls whose GEMM was launched as a graph ([Replayed calls], [Replayed batches])
-  std::atomic<uint64_t> ahead_calls{0};       // of those, launched ahead of their inputs ([Steps launched ahead])
-  std::atomic<uint64_t> compute_nanos{0};     // running batches, delivery included
-  std::atomic<uint64_t> deliver_nanos{0};     // the part of compute_nanos spent delivering results
-  std::atomic<uint64_t> queue_depth{0};       // calls queued, as the scheduler last saw them
-  std::atomic<int64_t> queued_tokens{0};      // their tokens
+  std::atomic<uint64_t> replayed_calls{
+      0};  // captured calls whose GEMM was launched as a graph ([Replayed calls], [Replayed batches])
+  std::atomic<uint64_t> ahead_calls{0};    // of those, launched ahead of their inputs ([Steps launched ahead])
+  std::atomic<uint64_t> compute_nanos{0};  // running batches, delivery included
+  std::atomic<uint64_t> deliver_nanos{0};  // the part of compute_nanos spent delivering results
+  std::atomic<uint64_t> queue_depth{0};    // calls queued, as the scheduler last saw them
+  std::atomic<int64_t> queued_tokens{0};   // their tokens
 
   // A client was admitted (front door), or forgotten. Tenants are counted by name; past
   // kMaxTenants names, new ones count together as "(other tenants)", so that peers cannot grow the
@@ -139,8 +140,8 @@ class Statistics {
   const BaseModel& model_;
   const std::string policy_;
   const Clock::time_point started_ = Clock::now();
-  mutable std::mutex mutex_;             // guards everything below
-  std::vector<LayerCounters> layers_;    // by layer id
+  mutable std::mutex mutex_;           // guards everything below
+  std::vector<LayerCounters> layers_;  // by layer id
   ClassTotals classes_;
   uint64_t max_batch_requests_ = 0;
   std::array<uint64_t, kStatusCodes> errors_by_code_{};

@@ -40,19 +40,16 @@ uint64_t Tracer::stop(uint64_t batches_so_far) {
 
 const char* layer_op_name(LayerOp op) {
   switch (op) {
-    case LayerOp::kForward:
-      return "forward";
-    case LayerOp::kBackwardInput:
-      return "backward";
-    case LayerOp::kForwardNoBias:
-      return "forward_no_bias";
+    case LayerOp::kForward: return "forward";
+    case LayerOp::kBackwardInput: return "backward";
+    case LayerOp::kForwardNoBias: return "forward_no_bias";
   }
   return "?";
 }
 
 std::string batch_scope_name(const CallBatcher::Batch& batch, const std::string& layer_name) {
-  std::string name = "symbiosis::batch " + layer_name + " " + layer_op_name(batch.op) + " " +
-                     std::to_string(batch.tokens) + "t";
+  std::string name =
+      "symbiosis::batch " + layer_name + " " + layer_op_name(batch.op) + " " + std::to_string(batch.tokens) + "t";
   for (const auto& r : batch.requests) {
     name += " c" + std::to_string(r.client_id) + ":r" + std::to_string(r.payload.header.request_id);
   }

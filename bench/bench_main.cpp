@@ -72,7 +72,8 @@ std::vector<json> expand_clients(const json& scenario, int count_override) {
 // The clients (or their results) of one group.
 std::vector<json> members_of(const std::vector<json>& clients, const std::string& group) {
   std::vector<json> members;
-  std::copy_if(clients.begin(), clients.end(), std::back_inserter(members), [&](const json& c) { return c["group"] == group; });
+  std::copy_if(clients.begin(), clients.end(), std::back_inserter(members),
+               [&](const json& c) { return c["group"] == group; });
   return members;
 }
 
@@ -106,7 +107,8 @@ json summarize(const std::vector<json>& clients) {
   }
   std::sort(latencies.begin(), latencies.end());
   // Generation: the tokens produced inside the window, rather than those of whole iterations.
-  const bool token_counts = std::all_of(clients.begin(), clients.end(), [](const json& c) { return c.contains("tokens_in_window"); });
+  const bool token_counts =
+      std::all_of(clients.begin(), clients.end(), [](const json& c) { return c.contains("tokens_in_window"); });
   if (token_counts) {
     tokens = 0;
     for (const auto& c : clients) tokens += c["tokens_in_window"].get<double>();
@@ -132,9 +134,8 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
   if (system == "hf_peft") {
     args = {python, source_dir + "/bench/hf_peft_client.py"};
   } else {
-    args = {(build_dir() / "bench/symbiosis-bench-client").string(),
-            "--threads", std::to_string(get("threads").get<int>()),
-            "--transport", get("transport").get<std::string>()};
+    args = {(build_dir() / "bench/symbiosis-bench-client").string(), "--threads",
+            std::to_string(get("threads").get<int>()), "--transport", get("transport").get<std::string>()};
     if (system == "monolithic") args.push_back("--monolithic");
     if (get("cuda_graph").get<bool>()) args.push_back("--cuda-graph");
     if (system != "monolithic" && get("mask").get<bool>()) args.push_back("--mask");
@@ -143,17 +144,17 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
       args.insert(args.end(), {"--mps-thread-percentage", std::to_string(c["mps_thread_percentage"].get<int>())});
     }
   }
-  std::vector<std::string> common = {"--model", model.string(),
-                                     "--mode", get("mode").get<std::string>(),
-                                     "--batch", std::to_string(get("batch").get<int64_t>()),
-                                     "--seq", std::to_string(get("seq").get<int64_t>()),
-                                     "--rank", std::to_string(get("rank").get<int64_t>()),
-                                     "--targets", get("targets").get<std::string>(),
+  std::vector<std::string> common = {"--model",      model.string(),
+                                     "--mode",       get("mode").get<std::string>(),
+                                     "--batch",      std::to_string(get("batch").get<int64_t>()),
+                                     "--seq",        std::to_string(get("seq").get<int64_t>()),
+                                     "--rank",       std::to_string(get("rank").get<int64_t>()),
+                                     "--targets",    get("targets").get<std::string>(),
                                      "--iterations", std::to_string(get("iterations").get<int>()),
-                                     "--warmup", std::to_string(get("warmup").get<int>()),
-                                     "--device", get("device").get<std::string>(),
-                                     "--dtype", get("dtype").get<std::string>(),
-                                     "--seed", std::to_string(index + 1)};
+                                     "--warmup",     std::to_string(get("warmup").get<int>()),
+                                     "--device",     get("device").get<std::string>(),
+                                     "--dtype",      get("dtype").get<std::string>(),
+                                     "--seed",       std::to_string(index + 1)};
   args.insert(args.end(), common.begin(), common.end());
   if (c.contains("new_tokens") || defaults.contains("new_tokens")) {
     args.insert(args.end(), {"--new-tokens", std::to_string(get("new_tokens").get<int64_t>())});
@@ -240,12 +241,14 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
       const auto ready = dir / ("client" + std::to_string(i) + ".ready");
       for (int t = 0; !fs::exists(ready); ++t) {
         int status = 0;
-        if (waitpid(pids[i], &status, WNOHANG) == pids[i]) fail("client " + std::to_string(i) + " exited while warming up");
+        if (waitpid(pids[i], &status, WNOHANG) == pids[i])
+          fail("client " + std::to_string(i) + " exited while warming up");
         if (t > 9000) fail("client " + std::to_string(i) + " not warm after 15 minutes");
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     }
-    if (traced && !executor.empty()) symbiosis::request_trace(executor, 10000, true, fs::absolute(dir / "executor.trace.json"));
+    if (traced && !executor.empty())
+      symbiosis::request_trace(executor, 10000, true, fs::absolute(dir / "executor.trace.json"));
     const double start = epoch_seconds() + 0.5;
     std::ofstream(dir / "go.tmp") << std::to_string(start) << " " << std::to_string(start + window_s) << "\n";
     fs::rename(dir / "go.tmp", go);
@@ -255,7 +258,8 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
     for (size_t i = 0; i < clients.size(); ++i) {
       const auto done = dir / ("client" + std::to_string(i) + ".trace.json.done");
       siginfo_t exited{};
-      while (!fs::exists(done) && waitid(P_PID, pids[i], &exited, WEXITED | WNOHANG | WNOWAIT) == 0 && exited.si_pid == 0) {
+      while (!fs::exists(done) && waitid(P_PID, pids[i], &exited, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+             exited.si_pid == 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
     }
@@ -294,21 +298,31 @@ json run_clients(const std::string& system, const std::vector<json>& clients, co
 
 // The executor's --threads: a number (0: [CPU threads]' choice per batch), or "all" (the host's cores).
 std::string executor_threads(const json& threads) {
-  if (threads.is_string() && threads.get<std::string>() == "all") return std::to_string(std::thread::hardware_concurrency());
+  if (threads.is_string() && threads.get<std::string>() == "all")
+    return std::to_string(std::thread::hardware_concurrency());
   return std::to_string(threads.get<int>());
 }
 
 std::vector<std::string> executor_args(const json& scenario, const fs::path& model, const std::string& policy) {
   const json& ex = scenario.value("executor", json::object());
-  std::vector<std::string> args = {"--model", model.string(),
-                                   "--listen", "tcp://127.0.0.1:*",
-                                   "--device", ex.value("device", "cpu"),
-                                   "--batching", policy,
-                                   "--max-wait", std::to_string(ex.value("max_wait_us", 2000)),
-                                   "--lockstep-timeout", std::to_string(ex.value("lockstep_timeout_ms", 1000)),
-                                   "--threads", executor_threads(ex.value("threads", json(1))),
-                                   "--spin-us", std::to_string(ex.value("spin_us", -1)),
-                                   "--log-level", "warn"};
+  std::vector<std::string> args = {"--model",
+                                   model.string(),
+                                   "--listen",
+                                   "tcp://127.0.0.1:*",
+                                   "--device",
+                                   ex.value("device", "cpu"),
+                                   "--batching",
+                                   policy,
+                                   "--max-wait",
+                                   std::to_string(ex.value("max_wait_us", 2000)),
+                                   "--lockstep-timeout",
+                                   std::to_string(ex.value("lockstep_timeout_ms", 1000)),
+                                   "--threads",
+                                   executor_threads(ex.value("threads", json(1))),
+                                   "--spin-us",
+                                   std::to_string(ex.value("spin_us", -1)),
+                                   "--log-level",
+                                   "warn"};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
   if (ex.contains("decode_align_wait_us")) {
     args.insert(args.end(), {"--decode-align-wait", std::to_string(ex["decode_align_wait_us"].get<int64_t>())});
@@ -317,7 +331,8 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
     args.insert(args.end(), {"--judge-window", std::to_string(ex["judge_window_ms"].get<int64_t>())});
   }
   if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
-  if (ex.contains("launch_ahead")) args.insert(args.end(), {"--launch-ahead", ex["launch_ahead"].get<bool>() ? "true" : "false"});
+  if (ex.contains("launch_ahead"))
+    args.insert(args.end(), {"--launch-ahead", ex["launch_ahead"].get<bool>() ? "true" : "false"});
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
   }
@@ -402,7 +417,10 @@ json run_capacity(const std::string& system, const json& scenario, const json& c
   int still_ok = 0;
   for (pid_t pid : pids) still_ok += wait_ok(pid) ? 1 : 0;
   if (executor) stop(executor->pid);
-  return {{"system", system}, {"clients_that_fit", still_ok}, {"started", pids.size()}, {"stopped_because", reason},
+  return {{"system", system},
+          {"clients_that_fit", still_ok},
+          {"started", pids.size()},
+          {"stopped_because", reason},
           {"gpu_memory_used_peak_mib", sampler.peak_mib()}};
 }
 
@@ -410,7 +428,8 @@ json run_capacity(const std::string& system, const json& scenario, const json& c
 std::string token_latencies(const json& figures) {
   if (!figures.contains("worst_tenant_time_per_output_token_p50_s")) return "";
   char text[160];
-  std::snprintf(text, sizeof text, "  per output token: mean %.2f ms, worst tenant p50 %.2f p99 %.2f ms; first token p50 %.1f ms",
+  std::snprintf(text, sizeof text,
+                "  per output token: mean %.2f ms, worst tenant p50 %.2f p99 %.2f ms; first token p50 %.1f ms",
                 1e3 * figures.value("mean_tenant_time_per_output_token_s", 0.0),
                 1e3 * figures["worst_tenant_time_per_output_token_p50_s"].get<double>(),
                 1e3 * figures["worst_tenant_time_per_output_token_p99_s"].get<double>(),
@@ -419,7 +438,8 @@ std::string token_latencies(const json& figures) {
 }
 
 void print_row(const json& run, double best_baseline) {
-  const std::string name = run["system"].get<std::string>() + (run.contains("policy") ? "/" + run["policy"].get<std::string>() : "");
+  const std::string name =
+      run["system"].get<std::string>() + (run.contains("policy") ? "/" + run["policy"].get<std::string>() : "");
   const double tps = run["aggregate_tokens_per_s"].get<double>();
   std::printf("%-26s %5d %12.1f %14.2f %14.2f %12.0f %16s%s\n", name.c_str(), run["count"].get<int>(), tps,
               1e3 * run["mean_iteration_s"].get<double>(), 1e3 * run["p50_iteration_s"].get<double>(),
@@ -469,17 +489,28 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", checkpoint_override, "use this checkpoint instead of the scenario's model");
   app.add_option("--counts", counts_override, "client counts instead of the scenario's (comma-separated)")
       ->delimiter(',');
-  app.add_option("--trace", trace_iterations, "trace this many iterations of each client in the window, with the "
+  app.add_option("--trace", trace_iterations,
+                 "trace this many iterations of each client in the window, with the "
                  "executor, into each run's trace.json (see [Traced runs]; a scenario with a window_s)");
   CLI11_PARSE(app, argc, argv);
   try {
     const json scenario = json::parse(read_file(scenario_file));
     const fs::path out = out_dir;
     fs::create_directories(out);
-    json defaults = {{"mode", "finetune"}, {"batch", 1},      {"seq", 64},       {"rank", 8},
-                     {"targets", "q_proj,v_proj"}, {"iterations", 10}, {"warmup", 2}, {"device", "cpu"},
-                     {"dtype", "fp32"}, {"transport", "auto"}, {"threads", 1}, {"cuda_graph", false},
-                     {"mask", false}, {"mask_effects_here", false}};
+    json defaults = {{"mode", "finetune"},
+                     {"batch", 1},
+                     {"seq", 64},
+                     {"rank", 8},
+                     {"targets", "q_proj,v_proj"},
+                     {"iterations", 10},
+                     {"warmup", 2},
+                     {"device", "cpu"},
+                     {"dtype", "fp32"},
+                     {"transport", "auto"},
+                     {"threads", 1},
+                     {"cuda_graph", false},
+                     {"mask", false},
+                     {"mask_effects_here", false}};
     if (scenario.contains("client_defaults")) defaults.update(scenario["client_defaults"]);
     const int gpu = gpu_index(scenario.value("executor", json::object()).value("device", "cpu"));
 
@@ -511,9 +542,10 @@ int main(int argc, char** argv) {
       const int wave = scenario.value("capacity_wave", 1);
       for (const auto& system : systems_with_baselines) {
         std::cerr << "symbiosis-bench: capacity of " << system << std::endl;
-        results["runs"].push_back(
-            run_capacity(system, scenario, scenario.at("clients").at(0), model, defaults, out / system, limit, wave, gpu));
-        std::printf("%-12s %3d clients fit (%s)\n", system.c_str(), results["runs"].back()["clients_that_fit"].get<int>(),
+        results["runs"].push_back(run_capacity(system, scenario, scenario.at("clients").at(0), model, defaults,
+                                               out / system, limit, wave, gpu));
+        std::printf("%-12s %3d clients fit (%s)\n", system.c_str(),
+                    results["runs"].back()["clients_that_fit"].get<int>(),
                     results["runs"].back()["stopped_because"].get<std::string>().c_str());
       }
       std::ofstream(out / "results.json") << results.dump(2) << "\n";
@@ -525,8 +557,8 @@ int main(int argc, char** argv) {
         counts_override.empty() ? scenario.value("counts", std::vector<int>{0}) : counts_override;
     // Variants of the Symbiosis clients run side by side (e.g. remote and local placement).
     const auto variants = scenario.value("variants", std::vector<json>{json::object()});
-    const auto policies = scenario.value("executor", json::object())
-                              .value("policies", std::vector<std::string>{"opportunistic"});
+    const auto policies =
+        scenario.value("executor", json::object()).value("policies", std::vector<std::string>{"opportunistic"});
     std::printf("%-26s %5s %12s %14s %14s %12s %16s\n", "run", "N", "tokens/s", "mean iter ms", "p50 iter ms",
                 "GPU MiB", "vs best base");
     for (int count : counts) {
@@ -545,7 +577,8 @@ int main(int argc, char** argv) {
         variant_defaults.update(settings);
         const std::string name = variant.value("name", "");
         for (const auto& policy : policies) {
-          std::cerr << "symbiosis-bench: " << clients.size() << " clients " << name << ", policy " << policy << std::endl;
+          std::cerr << "symbiosis-bench: " << clients.size() << " clients " << name << ", policy " << policy
+                    << std::endl;
           runs.push_back(run_symbiosis(variant_scenario, clients, model, variant_defaults, policy,
                                        out / tag / (name.empty() ? policy : name + "-" + policy), window_s, gpu));
           if (!name.empty()) runs.back()["system"] = "symbiosis/" + name;
@@ -565,8 +598,8 @@ int main(int argc, char** argv) {
         for (const auto& group : group_names(clients)) {
           const auto members = members_of(clients, group);
           std::cerr << "symbiosis-bench: group " << group << " alone, " << members.size() << " clients" << std::endl;
-          alone.push_back(run_symbiosis(scenario, members, model, defaults, policies.front(), out / tag / ("alone-" + group),
-                                        window_s, gpu));
+          alone.push_back(run_symbiosis(scenario, members, model, defaults, policies.front(),
+                                        out / tag / ("alone-" + group), window_s, gpu));
           alone.back()["system"] = "symbiosis/alone-" + group;
           alone.back()["alone_group"] = group;
         }
@@ -584,8 +617,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       std::ofstream(out / "results.json") << results.dump(2) << "\n";  // partial results survive a later failure
     }
-    const std::string plot = python + " " + source_dir + "/bench/plot.py " +
-                             (out / "results.json").string() + " " + (out / "results.png").string();
+    const std::string plot = python + " " + source_dir + "/bench/plot.py " + (out / "results.json").string() + " " +
+                             (out / "results.png").string();
     if (std::system(plot.c_str()) != 0) std::cerr << "symbiosis-bench: no plot (" << plot << " failed)\n";
     std::printf("results: %s\n", (out / "results.json").c_str());
     return 0;

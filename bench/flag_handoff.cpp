@@ -36,11 +36,11 @@ using namespace symbiosis;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
-  int calls = 65;        // a Llama-3.2-1B decode step's base-layer calls (16 layers x 4, lm_head)
-  int64_t rows = 1;      // tokens a call
+  int calls = 65;    // a Llama-3.2-1B decode step's base-layer calls (16 layers x 4, lm_head)
+  int64_t rows = 1;  // tokens a call
   int64_t hidden = 2048;
   int64_t out = 4096;
-  int own_kernels = 3;   // the tenant's kernels between two calls (norms, attention, LoRA)
+  int own_kernels = 3;  // the tenant's kernels between two calls (norms, attention, LoRA)
   int steps = 300;
 };
 
@@ -109,8 +109,10 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
       if (side == nullptr) {
         work.gemm();
       } else if (how == Handoff::kDeviceFlags) {
-        handoff(stream, {.set_device = side->device_input[c], .set_host = side->host_input[c],
-                         .await_device = side->device_result[c], .await_host = side->host_result[c]});
+        handoff(stream, {.set_device = side->device_input[c],
+                         .set_host = side->host_input[c],
+                         .await_device = side->device_result[c],
+                         .await_host = side->host_result[c]});
       } else {
         const bool host = how == Handoff::kHostMemoryOps;
         void* input = host ? side->host_input[c] : side->device_input[c];
@@ -193,8 +195,9 @@ int main(int argc, char** argv) {
   app.add_option("--out", o.out, "the GEMM's output width");
   app.add_option("--own-kernels", o.own_kernels, "the tenant's kernels between two calls");
   app.add_option("--steps", o.steps, "steps timed");
-  app.add_option("--processes", processes, "1: tenant and executor are two streams of this process; 2: two processes, "
-                                           "as a same-GPU tenant and the executor are (run it under MPS)")
+  app.add_option("--processes", processes,
+                 "1: tenant and executor are two streams of this process; 2: two processes, "
+                 "as a same-GPU tenant and the executor are (run it under MPS)")
       ->check(CLI::IsMember({1, 2}));
   CLI11_PARSE(app, argc, argv);
 
@@ -242,9 +245,14 @@ int main(int argc, char** argv) {
     per_call_us[name(how)] = (step - one_stream) / o.calls * 1e6;
   }
   if (processes == 2) ::wait(nullptr);
-  const nlohmann::json result = {{"processes", processes}, {"mps", cuda::mps_active()}, {"calls", o.calls},
-                                 {"rows", o.rows}, {"hidden", o.hidden}, {"out", o.out},
-                                 {"own_kernels", o.own_kernels}, {"step_us", step_us},
+  const nlohmann::json result = {{"processes", processes},
+                                 {"mps", cuda::mps_active()},
+                                 {"calls", o.calls},
+                                 {"rows", o.rows},
+                                 {"hidden", o.hidden},
+                                 {"out", o.out},
+                                 {"own_kernels", o.own_kernels},
+                                 {"step_us", step_us},
                                  {"handoff_us_per_call", per_call_us}};
   std::cout << result.dump() << std::endl;
   return 0;

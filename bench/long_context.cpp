@@ -74,8 +74,8 @@ namespace fs = std::filesystem;
 namespace {
 
 struct Settings {
-  std::string model;   // a checkpoint directory, or
-  std::string preset;  // one symbiosis-make-checkpoint writes under --out
+  std::string model;    // a checkpoint directory, or
+  std::string preset;   // one symbiosis-make-checkpoint writes under --out
   int64_t layers = -1;  // the preset's layers, or this many
   std::string device = "cuda:0";
   std::string executor_device = "cuda:0";
@@ -84,7 +84,7 @@ struct Settings {
   std::string modes = "gpu,host,offload";  // under a budget, the last is skipped first
   int64_t new_tokens = 64;
   int64_t lora_r = 8;
-  int threads = 0;  // 0: the CPUs this process may use (CpuInfo::usable)
+  int threads = 0;           // 0: the CPUs this process may use (CpuInfo::usable)
   int64_t profile_ops = 12;  // host rows: the decode step's top operations ([Decode profile]); 0: none
   int64_t host_cache_capacity_bytes = 100LL << 30;
   double budget_s = 0;  // 0: none
@@ -93,9 +93,10 @@ struct Settings {
   bool multi_request = true;
   int64_t multi_prompt = 1024;
   int64_t multi_new_tokens = 16;
-  int64_t multi_max_requests = 0;  // 0: as many as fit
+  int64_t multi_max_requests = 0;        // 0: as many as fit
   int64_t multi_prefill_tokens = 16384;  // prompt tokens a step prefills
-  int64_t gpu_reserve_bytes = 8LL << 30;  // left free on the GPU for the prefill's activations and the executor's buffers
+  int64_t gpu_reserve_bytes =
+      8LL << 30;  // left free on the GPU for the prefill's activations and the executor's buffers
   std::string out = "/tmp/long-context";
 };
 
@@ -177,25 +178,25 @@ std::string first_line(const std::string& text) {
 class DecodeProfile {
  public:
   DecodeProfile() {
-    handle_ = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(
-            [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-              auto* self = active();
-              if (self == nullptr || !self->recording || self->depth_++ != 0) return nullptr;
-              auto context = std::make_unique<Started>();
-              context->at = now_s();
-              return context;
-            },
-            [](const at::RecordFunction& fn, at::ObserverContext* context) {
-              auto* self = active();
-              if (self == nullptr) return;
-              if (self->depth_ > 0) --self->depth_;
-              if (context == nullptr) return;
-              auto& op = self->ops_[fn.name()];
-              op.count++;
-              op.seconds += now_s() - static_cast<Started*>(context)->at;
-            })
-            .needsInputs(false));
+    handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(
+                                             [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+                                               auto* self = active();
+                                               if (self == nullptr || !self->recording || self->depth_++ != 0)
+                                                 return nullptr;
+                                               auto context = std::make_unique<Started>();
+                                               context->at = now_s();
+                                               return context;
+                                             },
+                                             [](const at::RecordFunction& fn, at::ObserverContext* context) {
+                                               auto* self = active();
+                                               if (self == nullptr) return;
+                                               if (self->depth_ > 0) --self->depth_;
+                                               if (context == nullptr) return;
+                                               auto& op = self->ops_[fn.name()];
+                                               op.count++;
+                                               op.seconds += now_s() - static_cast<Started*>(context)->at;
+                                             })
+                                             .needsInputs(false));
     active() = this;
   }
   ~DecodeProfile() {
@@ -242,10 +243,10 @@ class DecodeProfile {
 // The CPUs this process may use, and what LibTorch makes of them: a VM or container may show more
 // CPUs than it may run on (an affinity mask, a CFS quota), and threads beyond those only contend.
 struct CpuInfo {
-  unsigned online = 0;       // std::thread::hardware_concurrency(): the CPUs online
-  int affinity = 0;          // in this process's affinity mask
-  double quota = 0;          // CPUs' worth of the cgroup's CFS quota; 0: none
-  int numa_nodes = 0;        // /sys/devices/system/node/node*
+  unsigned online = 0;  // std::thread::hardware_concurrency(): the CPUs online
+  int affinity = 0;     // in this process's affinity mask
+  double quota = 0;     // CPUs' worth of the cgroup's CFS quota; 0: none
+  int numa_nodes = 0;   // /sys/devices/system/node/node*
   // The threads to use by default: the affinity mask's CPUs, no more than the quota allows.
   int usable() const {
     int n = affinity > 0 ? affinity : static_cast<int>(online);
@@ -285,7 +286,8 @@ CpuInfo cpu_info() {
   std::error_code ignored;
   for (const auto& entry : fs::directory_iterator("/sys/devices/system/node", ignored)) {
     const auto name = entry.path().filename().string();
-    if (name.rfind("node", 0) == 0 && name.size() > 4 && std::isdigit(static_cast<unsigned char>(name[4]))) ++info.numa_nodes;
+    if (name.rfind("node", 0) == 0 && name.size() > 4 && std::isdigit(static_cast<unsigned char>(name[4])))
+      ++info.numa_nodes;
   }
   return info;
 }
@@ -297,9 +299,9 @@ struct Row {
   std::string reason;
   int64_t requests = 1;
   double prefill_s = 0, itl_ms = 0, tokens_per_s = 0;
-  double cache_gib = 0;               // the cache the run allocated
-  double cache_read_gb_per_s = 0;     // bytes of keys and values a decode step reads / inter-token latency
-  double seconds = 0;                 // the run's wall time, allocation included
+  double cache_gib = 0;                    // the cache the run allocated
+  double cache_read_gb_per_s = 0;          // bytes of keys and values a decode step reads / inter-token latency
+  double seconds = 0;                      // the run's wall time, allocation included
   std::vector<DecodeProfile::Op> profile;  // host: the decode steps' top operations ([Decode profile])
 };
 
@@ -353,8 +355,8 @@ void measure(Row& row, const std::function<void()>& run) {
 // and reason. The inter-token latency leaves out the first three decode steps when there are at
 // least 8 tokens: a captured client's first decode steps are its warm-up and capture
 // ([Captured decode]), which a long generation amortizes.
-void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_tokens, GeneratorOptions options, Row& row,
-              size_t profile_ops = 0) {
+void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_tokens, GeneratorOptions options,
+              Row& row, size_t profile_ops = 0) {
   measure(row, [&] {
     options.max_sequences = 1;
     options.max_tokens = prompt + new_tokens;
@@ -375,7 +377,8 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
     const double submitted = now_s();
     generator->run();
     TORCH_CHECK(error.empty(), error);
-    if (profile && times.size() >= 2) row.profile = profile->report(static_cast<int64_t>(times.size() - 1), profile_ops);
+    if (profile && times.size() >= 2)
+      row.profile = profile->report(static_cast<int64_t>(times.size() - 1), profile_ops);
     TORCH_CHECK(times.size() >= 2, "the request produced ", times.size(), " tokens, expected ", new_tokens);
     row.prefill_s = times.front() - submitted;
     const size_t from = times.size() >= 8 ? 3 : 0;
@@ -405,9 +408,10 @@ void generate_many(Models& m, const std::string& mode, int64_t requests, int64_t
     const int64_t vocab = cached_model(*m.device_lm.module).token_embeddings().size(0);
     std::string error;
     for (int64_t r = 0; r < requests; ++r) {
-      generator->submit(make_request(prompt, total_new, vocab, static_cast<uint64_t>(r + 1)), [&](const TokenEvent& event) {
-        if (event.finished && !event.error.empty() && error.empty()) error = event.error;
-      });
+      generator->submit(make_request(prompt, total_new, vocab, static_cast<uint64_t>(r + 1)),
+                        [&](const TokenEvent& event) {
+                          if (event.finished && !event.error.empty() && error.empty()) error = event.error;
+                        });
     }
     const double submitted = now_s();
     int64_t full_steps = 0;
@@ -495,7 +499,8 @@ std::vector<BandwidthRow> attention_bandwidth(const Models& m, const std::vector
     }
     if (context <= kSdpaUpTo) {
       const auto q4 = q.unsqueeze(2);  // [1, heads, 1, head_dim]
-      row.sdpa_gb_per_s = bytes / timed([&] { symbiosis::detail::attention_over(q4, keys, values, {}); }, std::min(repeats, 5)) / 1e9;
+      row.sdpa_gb_per_s =
+          bytes / timed([&] { symbiosis::detail::attention_over(q4, keys, values, {}); }, std::min(repeats, 5)) / 1e9;
     }
     rows.push_back(row);
   }
@@ -507,21 +512,28 @@ int run(Settings& s) {
   const auto cpus = cpu_info();
   const int threads = s.threads > 0 ? s.threads : cpus.usable();
   at::set_num_threads(threads);
-  std::cerr << "CPUs: " << cpus.describe() << "; " << threads << " threads (at::get_num_threads() " << at::get_num_threads()
-            << ")" << std::endl;
+  std::cerr << "CPUs: " << cpus.describe() << "; " << threads << " threads (at::get_num_threads() "
+            << at::get_num_threads() << ")" << std::endl;
   const auto build = bench::build_dir();
   fs::path model = s.model;
   if (model.empty()) {
     TORCH_CHECK(!s.preset.empty(), "give --model (a checkpoint directory) or --preset (one to write)");
-    model = fs::path(s.out) / ("model-" + s.preset + (s.layers >= 0 ? "-" + std::to_string(s.layers) : "") + "-" + s.dtype);
+    model =
+        fs::path(s.out) / ("model-" + s.preset + (s.layers >= 0 ? "-" + std::to_string(s.layers) : "") + "-" + s.dtype);
     if (!fs::exists(model / "config.json")) {
       std::cerr << "writing the " << s.preset << " checkpoint to " << model << std::endl;
-      std::vector<std::string> args = {(build / "tools/symbiosis-make-checkpoint").string(), "--preset", s.preset, "--dtype",
-                                       s.dtype, "--out", model.string()};
+      std::vector<std::string> args = {(build / "tools/symbiosis-make-checkpoint").string(),
+                                       "--preset",
+                                       s.preset,
+                                       "--dtype",
+                                       s.dtype,
+                                       "--out",
+                                       model.string()};
       if (s.layers >= 0) args.insert(args.end(), {"--layers", std::to_string(s.layers)});
-      const auto pid = bench::spawn(args,
-                                    fs::path(s.out) / "make-checkpoint.out", fs::path(s.out) / "make-checkpoint.err");
-      TORCH_CHECK(bench::wait_ok(pid), "symbiosis-make-checkpoint failed: ", bench::read_file(fs::path(s.out) / "make-checkpoint.err"));
+      const auto pid =
+          bench::spawn(args, fs::path(s.out) / "make-checkpoint.out", fs::path(s.out) / "make-checkpoint.err");
+      TORCH_CHECK(bench::wait_ok(pid),
+                  "symbiosis-make-checkpoint failed: ", bench::read_file(fs::path(s.out) / "make-checkpoint.err"));
     }
   }
   const auto dtype = parse_dtype_name(s.dtype);
@@ -529,10 +541,10 @@ int run(Settings& s) {
   // One tenant runs at a time (its two clients, one idle): nothing to batch with, so the executor
   // does not wait for companions (opportunistic batching would wait for the idle client's decode
   // steps). A prefill's largest call, 128K tokens x 11008 bf16, is 2.7 GiB.
-  const auto executor = bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               s.executor_device, "--dtype", s.dtype, "--log-level", "warn",
-                                               "--batching", "none", "--max-request-bytes", std::to_string(16LL << 30)},
-                                              fs::path(s.out) / "executor", 900);
+  const auto executor = bench::start_executor(
+      {"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device", s.executor_device, "--dtype", s.dtype,
+       "--log-level", "warn", "--batching", "none", "--max-request-bytes", std::to_string(16LL << 30)},
+      fs::path(s.out) / "executor", 900);
   // For whoever must stop a run cut short (scripts/gpu_check.sh long-context under its timeout).
   std::ofstream(fs::path(s.out) / "executor.pid") << executor.pid << "\n";
   std::cerr << "executor ready at " << executor.endpoint << " after " << fixed(now_s() - t0, 1) << " s" << std::endl;
@@ -542,8 +554,8 @@ int run(Settings& s) {
   csv << "mode,context,requests,status,prefill_s,itl_ms,tokens_per_s,cache_gib,cache_read_gb_per_s,seconds,reason\n";
   auto record = [&](const Row& r) {
     rows.push_back(r);
-    csv << r.mode << "," << r.context << "," << r.requests << "," << r.status << "," << r.prefill_s << "," << r.itl_ms << ","
-        << r.tokens_per_s << "," << r.cache_gib << "," << r.cache_read_gb_per_s << "," << r.seconds << ",\""
+    csv << r.mode << "," << r.context << "," << r.requests << "," << r.status << "," << r.prefill_s << "," << r.itl_ms
+        << "," << r.tokens_per_s << "," << r.cache_gib << "," << r.cache_read_gb_per_s << "," << r.seconds << ",\""
         << r.reason << "\"" << std::endl;
   };
   std::vector<BandwidthRow> bandwidth;
@@ -572,13 +584,14 @@ int run(Settings& s) {
       add_lora(*m.host_lm.module, lora);  // AdapterMirror copies the device model's
     }
     m.shape = model_adapter_host(*m.device_lm.module).model_shape();
-    std::cerr << "transports: " << m.device_client->transport() << " (" << s.device << "), " << m.host_client->transport()
-              << " (cpu); " << threads << " CPU threads" << std::endl;
+    std::cerr << "transports: " << m.device_client->transport() << " (" << s.device << "), "
+              << m.host_client->transport() << " (cpu); " << threads << " CPU threads" << std::endl;
 
     const auto contexts = parse_contexts(s.contexts);
     const auto modes = split(s.modes);
     for (const auto& mode : modes) {
-      TORCH_CHECK(mode == "gpu" || mode == "offload" || mode == "host", "--modes: '", mode, "' is not gpu, offload or host");
+      TORCH_CHECK(mode == "gpu" || mode == "offload" || mode == "host", "--modes: '", mode,
+                  "' is not gpu, offload or host");
     }
     GeneratorOptions base;
     base.host_cache_capacity_bytes = s.host_cache_capacity_bytes;
@@ -586,17 +599,19 @@ int run(Settings& s) {
     for (const auto& mode : modes) {
       Row warm;
       generate(m, mode, std::min<int64_t>(512, contexts.front()), 4, base, warm);
-      if (warm.status != "ok") std::cerr << "warm-up of " << mode << ": " << warm.status << ": " << warm.reason << std::endl;
+      if (warm.status != "ok")
+        std::cerr << "warm-up of " << mode << ": " << warm.status << ": " << warm.reason << std::endl;
     }
     // The memory's bandwidth and the attention's first (a few seconds): what the rows are read against.
     if (s.attention_bandwidth) {
       memory = memory_bandwidth(s.bandwidth_bytes);
-      std::cerr << "host memory: a sum reads " << fixed(memory.sum_gb_per_s, 1) << " GB/s (" << fixed(memory.sum_one_thread_gb_per_s, 1)
-                << " on one thread), a copy moves " << fixed(memory.copy_gb_per_s, 1) << " GB/s" << std::endl;
+      std::cerr << "host memory: a sum reads " << fixed(memory.sum_gb_per_s, 1) << " GB/s ("
+                << fixed(memory.sum_one_thread_gb_per_s, 1) << " on one thread), a copy moves "
+                << fixed(memory.copy_gb_per_s, 1) << " GB/s" << std::endl;
       bandwidth = attention_bandwidth(m, contexts);
       for (const auto& b : bandwidth) {
-        std::cerr << "CPU decode attention " << context_name(b.context) << ": " << fixed(b.kernel_gb_per_s, 1) << " GB/s ("
-                  << fixed(b.kernel_one_thread_gb_per_s, 1) << " on one thread)" << std::endl;
+        std::cerr << "CPU decode attention " << context_name(b.context) << ": " << fixed(b.kernel_gb_per_s, 1)
+                  << " GB/s (" << fixed(b.kernel_one_thread_gb_per_s, 1) << " on one thread)" << std::endl;
       }
     }
     const double start = now_s();
@@ -615,12 +630,15 @@ int run(Settings& s) {
           previous_seconds[mode] = row.seconds;
         }
         std::cerr << mode << " " << context_name(context) << ": " << row.status
-                  << (row.status == "ok" ? ", " + fixed(row.itl_ms, 2) + " ms a token, prefill " + fixed(row.prefill_s, 2) + " s"
-                                         : ": " + row.reason)
+                  << (row.status == "ok"
+                          ? ", " + fixed(row.itl_ms, 2) + " ms a token, prefill " + fixed(row.prefill_s, 2) + " s"
+                          : ": " + row.reason)
                   << " (" << fixed(row.seconds, 1) << " s)" << std::endl;
         if (!row.profile.empty()) {  // here too, for a run that a timeout cuts before the markdown
           std::cerr << "  a decode step, ms by operation:";
-          for (const auto& op : row.profile) std::cerr << " " << op.name << " " << fixed(op.ms_per_step, 2) << " (" << fixed(op.calls_per_step, 0) << ")";
+          for (const auto& op : row.profile)
+            std::cerr << " " << op.name << " " << fixed(op.ms_per_step, 2) << " (" << fixed(op.calls_per_step, 0)
+                      << ")";
           std::cerr << std::endl;
         }
         record(row);
@@ -638,7 +656,8 @@ int run(Settings& s) {
       };
       const int64_t on_host = requests_in(s.host_cache_capacity_bytes);
       const at::Device device(s.device);
-      const int64_t on_device = device.is_cuda() ? requests_in(free_device_bytes(device) - s.gpu_reserve_bytes) : on_host;
+      const int64_t on_device =
+          device.is_cuda() ? requests_in(free_device_bytes(device) - s.gpu_reserve_bytes) : on_host;
       for (const auto& [mode, requests] : {std::pair<std::string, int64_t>{"host", on_host}, {"gpu", on_device}}) {
         Row row;
         row.mode = "multi-" + mode;
@@ -651,7 +670,8 @@ int run(Settings& s) {
           generate_many(m, mode, requests, s.multi_prompt, s.multi_new_tokens, s.multi_prefill_tokens, base, row);
         }
         std::cerr << row.mode << " x " << requests << ": " << row.status
-                  << (row.status == "ok" ? ", " + fixed(row.tokens_per_s, 1) + " tokens/s" : ": " + row.reason) << std::endl;
+                  << (row.status == "ok" ? ", " + fixed(row.tokens_per_s, 1) + " tokens/s" : ": " + row.reason)
+                  << std::endl;
         record(row);
       }
     }
@@ -664,8 +684,8 @@ int run(Settings& s) {
 
   // The results.
   std::ostringstream md;
-  md << "Inter-token latency (ms), batch 1, " << s.new_tokens << " new tokens, " << s.dtype << ", client on " << s.device
-     << ", executor on " << s.executor_device << ", " << threads << " CPU threads:\n\n"
+  md << "Inter-token latency (ms), batch 1, " << s.new_tokens << " new tokens, " << s.dtype << ", client on "
+     << s.device << ", executor on " << s.executor_device << ", " << threads << " CPU threads:\n\n"
      << "| context | gpu | offload | host | offload / host | offload cache read | host cache read |\n"
      << "| --- | --- | --- | --- | --- | --- | --- |\n";
   auto find = [&](const std::string& mode, int64_t context) -> const Row* {
@@ -688,7 +708,8 @@ int run(Settings& s) {
   }
   md << "\nNot run or not fitting:\n\n";
   for (const auto& r : rows) {
-    if (r.status != "ok") md << "- " << r.mode << " " << context_name(r.context) << ": " << r.status << ": " << r.reason << "\n";
+    if (r.status != "ok")
+      md << "- " << r.mode << " " << context_name(r.context) << ": " << r.status << ": " << r.reason << "\n";
   }
   for (const auto& r : rows) {
     if (r.profile.empty()) continue;
@@ -704,12 +725,13 @@ int run(Settings& s) {
        << fixed(memory.sum_gb_per_s, 1) << " GB/s (" << fixed(memory.sum_one_thread_gb_per_s, 1)
        << " GB/s on one thread), a copy moves " << fixed(memory.copy_gb_per_s, 1)
        << " GB/s (read + write). One layer's decode attention, one sequence:\n\n"
-       << "| context | layer's keys and values | CPU decode attention | of the sum's bandwidth | on one thread | LibTorch sdpa |\n"
+       << "| context | layer's keys and values | CPU decode attention | of the sum's bandwidth | on one thread | "
+          "LibTorch sdpa |\n"
        << "| --- | --- | --- | --- | --- | --- |\n";
     for (const auto& b : bandwidth) {
       md << "| " << context_name(b.context) << " | " << fixed(b.bytes / (1 << 20), 0) << " MiB | "
-         << fixed(b.kernel_gb_per_s, 1) << " GB/s | " << fixed(100 * b.kernel_gb_per_s / memory.sum_gb_per_s, 0) << "% | "
-         << fixed(b.kernel_one_thread_gb_per_s, 1) << " GB/s | "
+         << fixed(b.kernel_gb_per_s, 1) << " GB/s | " << fixed(100 * b.kernel_gb_per_s / memory.sum_gb_per_s, 0)
+         << "% | " << fixed(b.kernel_one_thread_gb_per_s, 1) << " GB/s | "
          << (b.sdpa_gb_per_s > 0 ? fixed(b.sdpa_gb_per_s, 1) + " GB/s" : std::string("-")) << " |\n";
     }
   }
@@ -717,15 +739,17 @@ int run(Settings& s) {
   for (const auto& r : rows) any_multi = any_multi || r.mode.rfind("multi-", 0) == 0;
   if (any_multi) {
     md << "\nRequests of " << s.multi_prompt << " prompt tokens and " << s.multi_new_tokens
-       << " new ones (decoding together), all at once (host capacity " << fixed(static_cast<double>(s.host_cache_capacity_bytes) / (1LL << 30), 1)
+       << " new ones (decoding together), all at once (host capacity "
+       << fixed(static_cast<double>(s.host_cache_capacity_bytes) / (1LL << 30), 1)
        << " GiB; the GPU's free memory less " << fixed(static_cast<double>(s.gpu_reserve_bytes) / (1LL << 30), 1)
        << " GiB):\n\n| placement | requests held | cache | decode tokens/s | ms a step | prefill s |\n"
        << "| --- | --- | --- | --- | --- | --- |\n";
     for (const auto& r : rows) {
       if (r.mode.rfind("multi-", 0) != 0) continue;
       md << "| " << (r.mode == "multi-host" ? "CPU decode (host cache)" : "GPU client") << " | " << r.requests << " | "
-         << fixed(r.cache_gib, 1) << " GiB | " << (r.status == "ok" ? fixed(r.tokens_per_s, 1) : r.status + ": " + r.reason)
-         << " | " << fixed(r.itl_ms, 1) << " | " << fixed(r.prefill_s, 1) << " |\n";
+         << fixed(r.cache_gib, 1) << " GiB | "
+         << (r.status == "ok" ? fixed(r.tokens_per_s, 1) : r.status + ": " + r.reason) << " | " << fixed(r.itl_ms, 1)
+         << " | " << fixed(r.prefill_s, 1) << " |\n";
     }
   }
   std::ofstream(fs::path(s.out) / "long_context.md") << md.str();
@@ -742,32 +766,46 @@ int main(int argc, char** argv) {
   Settings s;
   CLI::App app{"symbiosis-bench-long-context: long-context decode on the GPU, with an offloaded cache, and on the CPU"};
   app.add_option("--model", s.model, "a checkpoint directory");
-  app.add_option("--preset", s.preset, "without --model: a symbiosis-make-checkpoint preset written under --out (llama-2-7b)");
+  app.add_option("--preset", s.preset,
+                 "without --model: a symbiosis-make-checkpoint preset written under --out (llama-2-7b)");
   app.add_option("--layers", s.layers, "with --preset: this many layers instead of the preset's");
-  app.add_option("--device", s.device, "the client's device: cuda:N (cpu runs every mode on the CPU)")->capture_default_str();
+  app.add_option("--device", s.device, "the client's device: cuda:N (cpu runs every mode on the CPU)")
+      ->capture_default_str();
   app.add_option("--executor-device", s.executor_device, "the executor's device")->capture_default_str();
   app.add_option("--dtype", s.dtype, "the model's dtype: bf16, fp16 or fp32 (the cache's too)")->capture_default_str();
   app.add_option("--contexts", s.contexts, "prompt lengths, comma-separated (4K = 4096)")->capture_default_str();
   app.add_option("--modes", s.modes, "gpu, offload, host, comma-separated")->capture_default_str();
-  app.add_option("--new-tokens", s.new_tokens, "new tokens a request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  app.add_option("--new-tokens", s.new_tokens, "new tokens a request")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1 << 20));
   app.add_option("--lora-r", s.lora_r, "a LoRA of this rank on q_proj and v_proj (0: none)")->capture_default_str();
-  app.add_option("--threads", s.threads, "CPU threads (0: the CPUs this process may use: its affinity mask, its CFS quota)")
+  app.add_option("--threads", s.threads,
+                 "CPU threads (0: the CPUs this process may use: its affinity mask, its CFS quota)")
       ->capture_default_str();
-  app.add_option("--profile-ops", s.profile_ops, "host rows: the decode step's top operations, this many (0: no profile)")
+  app.add_option("--profile-ops", s.profile_ops,
+                 "host rows: the decode step's top operations, this many (0: no profile)")
       ->capture_default_str();
   app.add_option("--host-cache-capacity-bytes", s.host_cache_capacity_bytes,
                  "host memory a cache may take (offload, host and the multi-request point)")
       ->capture_default_str();
-  app.add_option("--budget-s", s.budget_s, "skip a run whose estimate passes this many seconds (0: none)")->capture_default_str();
-  app.add_option("--attention-bandwidth", s.attention_bandwidth, "measure CPU decode attention against the host's memory bandwidth")
+  app.add_option("--budget-s", s.budget_s, "skip a run whose estimate passes this many seconds (0: none)")
       ->capture_default_str();
-  app.add_option("--bandwidth-bytes", s.bandwidth_bytes, "the buffer that measures the host's memory bandwidth")->capture_default_str();
+  app.add_option("--attention-bandwidth", s.attention_bandwidth,
+                 "measure CPU decode attention against the host's memory bandwidth")
+      ->capture_default_str();
+  app.add_option("--bandwidth-bytes", s.bandwidth_bytes, "the buffer that measures the host's memory bandwidth")
+      ->capture_default_str();
   app.add_option("--multi-request", s.multi_request, "the multi-request point")->capture_default_str();
   app.add_option("--multi-prompt", s.multi_prompt, "its prompt tokens a request")->capture_default_str();
-  app.add_option("--multi-new-tokens", s.multi_new_tokens, "its new tokens a request")->capture_default_str()->check(CLI::Range(2, 1 << 20));
-  app.add_option("--multi-prefill-tokens", s.multi_prefill_tokens, "its prompt tokens prefilled a step")->capture_default_str();
-  app.add_option("--multi-max-requests", s.multi_max_requests, "at most this many requests (0: as many as fit)")->capture_default_str();
-  app.add_option("--gpu-reserve-bytes", s.gpu_reserve_bytes, "GPU memory left free when counting the GPU client's requests")
+  app.add_option("--multi-new-tokens", s.multi_new_tokens, "its new tokens a request")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1 << 20));
+  app.add_option("--multi-prefill-tokens", s.multi_prefill_tokens, "its prompt tokens prefilled a step")
+      ->capture_default_str();
+  app.add_option("--multi-max-requests", s.multi_max_requests, "at most this many requests (0: as many as fit)")
+      ->capture_default_str();
+  app.add_option("--gpu-reserve-bytes", s.gpu_reserve_bytes,
+                 "GPU memory left free when counting the GPU client's requests")
       ->capture_default_str();
   app.add_option("--out", s.out, "where the results and logs go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);

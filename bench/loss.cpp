@@ -77,8 +77,9 @@ int main(int argc, char** argv) {
   const auto logits = at::randn({tokens, vocab}, options.dtype(at::kFloat)).mul_(4).to(dtype);
   const auto labels = at::randint(0, vocab, {tokens}, options.dtype(at::kLong));
 
-  const auto fused = measure([](const at::Tensor& x, const at::Tensor& y) { return symbiosis::token_cross_entropy(x, y); },
-                             logits, labels, iterations);
+  const auto fused =
+      measure([](const at::Tensor& x, const at::Tensor& y) { return symbiosis::token_cross_entropy(x, y); }, logits,
+              labels, iterations);
   const auto aten = measure(
       [](const at::Tensor& x, const at::Tensor& y) {
         return at::cross_entropy_loss(x.to(at::kFloat), y, {}, at::Reduction::Mean, symbiosis::kIgnoreIndex);

@@ -59,9 +59,7 @@ struct Settings {
   int64_t finetune_tenants = 0, beside_adapters = 8;
 };
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // Requests of `new_tokens` new tokens each, request i naming names[i % N] (none when names is empty).
 std::vector<GenerationRequest> make_requests(const Settings& s, int64_t vocab, const std::vector<std::string>& names,
@@ -95,7 +93,7 @@ TokenTimes run_timed(Generator& generator, const std::vector<GenerationRequest>&
 }
 
 struct Figures {
-  double tokens_per_s = 0;  // every request's new tokens over the wall time from the first submission
+  double tokens_per_s = 0;                  // every request's new tokens over the wall time from the first submission
   double tpot_p50_ms = 0, tpot_p99_ms = 0;  // time per output token after the first, over requests
 };
 
@@ -134,13 +132,22 @@ std::string targets_flag(const Settings& s) {
 // times: its TPOT is the batch's time over the new tokens (prefill included).
 Figures hf_peft(const Settings& s, const fs::path& model, int64_t n) {
   const auto out = fs::path(s.out) / ("hf-peft-" + std::to_string(n));
-  const auto pid = bench::spawn(
-      {s.python, s.hf_peft_script, "--model", model.string(), "--mode", "generate", "--adapters", std::to_string(n),
-       "--batch", std::to_string(s.requests), "--seq", std::to_string(s.prompt), "--new-tokens",
-       std::to_string(s.new_tokens), "--rank", std::to_string(s.rank), "--alpha", std::to_string(2 * s.rank),
-       "--targets", targets_flag(s), "--iterations", "1", "--warmup",
-       "1", "--device", s.device, "--dtype", s.dtype, "--out", out.string() + ".json"},
-      out.string() + ".out", out.string() + ".err");
+  const auto pid = bench::spawn({s.python,       s.hf_peft_script,
+                                 "--model",      model.string(),
+                                 "--mode",       "generate",
+                                 "--adapters",   std::to_string(n),
+                                 "--batch",      std::to_string(s.requests),
+                                 "--seq",        std::to_string(s.prompt),
+                                 "--new-tokens", std::to_string(s.new_tokens),
+                                 "--rank",       std::to_string(s.rank),
+                                 "--alpha",      std::to_string(2 * s.rank),
+                                 "--targets",    targets_flag(s),
+                                 "--iterations", "1",
+                                 "--warmup",     "1",
+                                 "--device",     s.device,
+                                 "--dtype",      s.dtype,
+                                 "--out",        out.string() + ".json"},
+                                out.string() + ".out", out.string() + ".err");
   TORCH_CHECK(bench::wait_ok(pid), s.hf_peft_script, " failed: ", bench::read_file(out.string() + ".err"));
   const auto j = nlohmann::json::parse(bench::read_file(out.string() + ".json"));
   const double per_token_ms = 1e3 * j["latencies_s"][0].get<double>() / static_cast<double>(s.new_tokens);
@@ -157,18 +164,41 @@ double finetuning(const Settings& s, const std::string& endpoint, const fs::path
   std::vector<pid_t> pids;
   for (int64_t i = 0; i < s.finetune_tenants; ++i) {
     const auto me = dir / std::to_string(i);
-    pids.push_back(bench::spawn(
-        {(bench::build_dir() / "bench/symbiosis-bench-client").string(), "--executor", endpoint, "--model",
-         model.string(), "--mode", "finetune", "--batch", "2", "--seq", "512", "--rank", "8", "--targets",
-         targets_flag(s), "--device", s.device, "--dtype", s.dtype,
-         "--cuda-graph", "--warmup", "3", "--ready-file", me.string() + ".ready", "--stop-file",
-         (dir / "stop").string(), "--out", me.string() + ".json"},
-        me.string() + ".out", me.string() + ".err"));
+    pids.push_back(bench::spawn({(bench::build_dir() / "bench/symbiosis-bench-client").string(),
+                                 "--executor",
+                                 endpoint,
+                                 "--model",
+                                 model.string(),
+                                 "--mode",
+                                 "finetune",
+                                 "--batch",
+                                 "2",
+                                 "--seq",
+                                 "512",
+                                 "--rank",
+                                 "8",
+                                 "--targets",
+                                 targets_flag(s),
+                                 "--device",
+                                 s.device,
+                                 "--dtype",
+                                 s.dtype,
+                                 "--cuda-graph",
+                                 "--warmup",
+                                 "3",
+                                 "--ready-file",
+                                 me.string() + ".ready",
+                                 "--stop-file",
+                                 (dir / "stop").string(),
+                                 "--out",
+                                 me.string() + ".json"},
+                                me.string() + ".out", me.string() + ".err"));
   }
   for (int64_t i = 0; i < s.finetune_tenants; ++i) {
     const auto me = dir / std::to_string(i);
     while (!fs::exists(me.string() + ".ready")) {
-      TORCH_CHECK(!bench::exited(pids[i]), "fine-tuning tenant ", i, " failed: ", bench::read_file(me.string() + ".err"));
+      TORCH_CHECK(!bench::exited(pids[i]), "fine-tuning tenant ", i,
+                  " failed: ", bench::read_file(me.string() + ".err"));
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
@@ -197,12 +227,15 @@ int main(int argc, char** argv) {
   app.add_option("--adapters", s.adapters, "adapter counts N, comma-separated")->delimiter(',')->capture_default_str();
   app.add_option("--requests", s.requests, "requests a run")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--prompt", s.prompt, "prompt tokens a request")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--new-tokens", s.new_tokens, "new tokens a request")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--new-tokens", s.new_tokens, "new tokens a request")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--warmup-tokens", s.warmup_tokens, "new tokens a request in the warm-up run")->capture_default_str();
   app.add_option("--rank", s.rank, "the adapters' rank")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--targets", s.targets, "the adapters' target modules")->delimiter(',')->capture_default_str();
   app.add_option("--max-sequences", s.max_sequences, "sequences decoded at once (all generators together)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--batching", s.batching, "the executor's batching policy (its --batching)")->capture_default_str();
   app.add_option("--python", s.python, "with it, also transformers + PEFT's mixed-adapter generate, run by this python")
       ->capture_default_str();
@@ -211,7 +244,8 @@ int main(int argc, char** argv) {
                  "with it, `one` of --beside-adapters adapters measured also beside this many fine-tuning tenants")
       ->capture_default_str();
   app.add_option("--beside-adapters", s.beside_adapters, "the adapters of the run beside fine-tuning")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", s.out, "where the checkpoint, adapters, logs and results go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   fs::create_directories(s.out);
@@ -222,15 +256,15 @@ int main(int argc, char** argv) {
       const auto pid = bench::spawn({(bench::build_dir() / "tools/symbiosis-make-checkpoint").string(), "--preset",
                                      s.preset, "--dtype", s.dtype, "--out", model.string()},
                                     fs::path(s.out) / "make-checkpoint.out", fs::path(s.out) / "make-checkpoint.err");
-      TORCH_CHECK(bench::wait_ok(pid), "symbiosis-make-checkpoint failed: ",
-                  bench::read_file(fs::path(s.out) / "make-checkpoint.err"));
+      TORCH_CHECK(bench::wait_ok(pid),
+                  "symbiosis-make-checkpoint failed: ", bench::read_file(fs::path(s.out) / "make-checkpoint.err"));
     }
   }
   const auto dtype = parse_dtype_name(s.dtype);
-  const auto executor = bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               s.executor_device, "--dtype", s.dtype, "--log-level", "warn",
-                                               "--batching", s.batching},
-                                              fs::path(s.out) / "executor", 900);
+  const auto executor =
+      bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device", s.executor_device,
+                             "--dtype", s.dtype, "--log-level", "warn", "--batching", s.batching},
+                            fs::path(s.out) / "executor", 900);
   int status = 0;
   try {
     const auto checkpoint = Checkpoint::open(model);
@@ -281,8 +315,8 @@ int main(int argc, char** argv) {
       std::cout << std::left << std::setw(22) << mode << std::right << std::setw(4) << n << " adapters  " << std::fixed
                 << std::setprecision(1) << std::setw(10) << f.tokens_per_s << " output tokens/s  TPOT p50 "
                 << std::setprecision(2) << f.tpot_p50_ms << " ms, p99 " << f.tpot_p99_ms << " ms  "
-                << std::setprecision(3) << f.tokens_per_s / base << " x base  " << f.tokens_per_s / bound
-                << " x bound" << std::endl;
+                << std::setprecision(3) << f.tokens_per_s / base << " x base  " << f.tokens_per_s / bound << " x bound"
+                << std::endl;
     };
     // Every request through `generator`, naming names[i % N].
     auto through = [&](Generator& generator, const std::vector<std::string>& names) {

@@ -61,9 +61,7 @@ struct ExecutorShare {
   double deliver_us = 0;  // then until the reply is sent
 };
 
-proto::Stats stats_of(const std::string& endpoint) {
-  return request_stats(endpoint, 10000);
-}
+proto::Stats stats_of(const std::string& endpoint) { return request_stats(endpoint, 10000); }
 
 ExecutorShare share_between(const proto::Stats& before, const proto::Stats& after) {
   const double calls = static_cast<double>(after.requests() - before.requests());
@@ -74,7 +72,8 @@ ExecutorShare share_between(const proto::Stats& before, const proto::Stats& afte
 }
 
 template <typename F>
-Summary time_it(int iterations, F&& f, const std::function<void()>& warm = [] {}) {
+Summary time_it(
+    int iterations, F&& f, const std::function<void()>& warm = [] {}) {
   for (int i = 0; i < std::max(10, iterations / 10); ++i) f();  // warm-up
   warm();
   std::vector<double> us;
@@ -168,7 +167,8 @@ int main(int argc, char** argv) {
   app.add_option("--executor-device", executor_device, "the executor's device: cpu or cuda:N")->capture_default_str();
   app.add_option("--client-device", client_device, "this client's device: cpu or cuda:N")->capture_default_str();
   app.add_option("--transports", transports,
-                 "comma-separated: tcp, shm, cuda-ipc, cuda-ipc-buffer (copies through the payload buffer), nccl")->capture_default_str();
+                 "comma-separated: tcp, shm, cuda-ipc, cuda-ipc-buffer (copies through the payload buffer), nccl")
+      ->capture_default_str();
   app.add_option("--dtype", dtype, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--spin-us", spin_us, "spin before sleeping, executor and client (us; -1: by device)")
       ->capture_default_str();
@@ -186,10 +186,10 @@ int main(int argc, char** argv) {
     const auto weight = (at::randn({hidden, hidden}) * 0.02).to(type);
     write_safetensors(dir / "model.safetensors", {{"model.layers.0.self_attn.q_proj.weight", weight}});
     std::ofstream(dir / "config.json") << R"({"model_type": "llama"})";
-    auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                           executor_device, "--max-request-bytes", std::to_string(1 << 30),
-                                           "--spin-us", std::to_string(spin_us), "--log-level", "warn"},
-                                          dir);
+    auto executor = bench::start_executor(
+        {"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", executor_device, "--max-request-bytes",
+         std::to_string(1 << 30), "--spin-us", std::to_string(spin_us), "--log-level", "warn"},
+        dir);
     const at::Device device(client_device);
     const bool gpu = device.is_cuda();
     auto sync = [&] {
@@ -234,10 +234,10 @@ int main(int argc, char** argv) {
           at::mm(x, local_weight.t());
           sync();
         });
-        std::printf("%-15s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f %14.1f %9.1f %11.1f %12.1f\n",
-                    label.c_str(), static_cast<long>(tokens), remote.median_us, remote.p99_us,
-                    local.median_us, local.p99_us, remote.median_us - local.median_us, client_host_us,
-                    executor_share.wait_us, executor_share.launch_us, executor_share.deliver_us);
+        std::printf("%-15s %-7ld %13.1f %11.1f %15.1f %13.1f %14.1f %14.1f %9.1f %11.1f %12.1f\n", label.c_str(),
+                    static_cast<long>(tokens), remote.median_us, remote.p99_us, local.median_us, local.p99_us,
+                    remote.median_us - local.median_us, client_host_us, executor_share.wait_us,
+                    executor_share.launch_us, executor_share.deliver_us);
         results.push_back({{"transport", label},
                            {"tokens", tokens},
                            {"rtt_median_us", remote.median_us},

@@ -59,7 +59,11 @@ void finish(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
 class Bench {
  public:
   Bench(PartGroups groups, int rank, int parts, at::Device device, at::ScalarType dtype, int iterations)
-      : groups_(std::move(groups)), rank_(rank), parts_(parts), device_(device), iterations_(iterations),
+      : groups_(std::move(groups)),
+        rank_(rank),
+        parts_(parts),
+        device_(device),
+        iterations_(iterations),
         options_(at::TensorOptions().dtype(dtype).device(device)) {}
 
   // Median milliseconds of `call` at rank 0 (every rank runs it; they start each one together).
@@ -81,7 +85,8 @@ class Bench {
     auto share = at::randn({rows, shape.in}, options_) * 0.02;
     const int64_t in = backward ? shape.out : shape.in;
     auto x = at::randn({tokens, in}, options_);
-    nlohmann::json row = {{"out", shape.out}, {"in", shape.in}, {"tokens", tokens}, {"op", backward ? "backward" : "forward"}};
+    nlohmann::json row = {
+        {"out", shape.out}, {"in", shape.in}, {"tokens", tokens}, {"op", backward ? "backward" : "forward"}};
     // One device: the whole weight at rank 0.
     at::Tensor whole = rank_ == 0 ? at::randn({shape.out, shape.in}, options_) * 0.02 : at::Tensor();
     row["one_device_ms"] = time([&] {
@@ -153,7 +158,8 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes_text, "layers as OUTxIN, comma-separated (OUT divisible by --parts)")
       ->capture_default_str();
   app.add_option("--tokens", tokens_text, "tokens a call, comma-separated")->capture_default_str();
-  app.add_option("--iterations", iterations, "timed calls of each kind (after two warm-up calls)")->capture_default_str();
+  app.add_option("--iterations", iterations, "timed calls of each kind (after two warm-up calls)")
+      ->capture_default_str();
   app.add_option("--out", out, "write the rows as JSON here");
   app.add_option("--rank", rank, "(internal) this process's rank");
   app.add_option("--rendezvous", rendezvous, "(internal) the ranks' rendezvous");
@@ -175,7 +181,8 @@ int main(int argc, char** argv) {
   }
   const at::Device device = device_kind == "cuda" ? at::Device(at::kCUDA, rank) : at::Device(at::kCPU);
   // On CPU the parts share the host's cores.
-  if (device.is_cpu()) at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / parts));
+  if (device.is_cpu())
+    at::set_num_threads(std::max<int>(1, static_cast<int>(std::thread::hardware_concurrency()) / parts));
   PartOptions options;
   options.rank = rank;
   options.world_size = parts;
@@ -193,17 +200,19 @@ int main(int argc, char** argv) {
         auto row = bench.measure(shape, tokens, backward);
         if (rank != 0) continue;
         std::printf("%-12s %-9s %7lld %9.3f ms %13.3f ms %6.3f ms %9.2fx\n",
-                    (std::to_string(shape.out) + "x" + std::to_string(shape.in)).c_str(), backward ? "backward" : "forward",
-                    static_cast<long long>(tokens), row["one_device_ms"].get<double>(),
-                    row["tensor_parallel_ms"].get<double>(), row["fsdp_ms"].get<double>(),
-                    row["fsdp_over_tensor_parallel"].get<double>());
+                    (std::to_string(shape.out) + "x" + std::to_string(shape.in)).c_str(),
+                    backward ? "backward" : "forward", static_cast<long long>(tokens),
+                    row["one_device_ms"].get<double>(), row["tensor_parallel_ms"].get<double>(),
+                    row["fsdp_ms"].get<double>(), row["fsdp_over_tensor_parallel"].get<double>());
         std::fflush(stdout);
         rows.push_back(row);
       }
     }
   }
   if (rank == 0) {
-    if (!out.empty()) std::ofstream(out) << nlohmann::json{{"parts", parts}, {"device", device_kind}, {"dtype", dtype_name}, {"rows", rows}}.dump(2);
+    if (!out.empty())
+      std::ofstream(out)
+          << nlohmann::json{{"parts", parts}, {"device", device_kind}, {"dtype", dtype_name}, {"rows", rows}}.dump(2);
     bool ok = true;
     for (int r = 1; r < parts; ++r) {
       int status = 0;

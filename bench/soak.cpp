@@ -55,24 +55,24 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 // What one soak does; the flags of main() map onto these one to one.
 struct SoakOptions {
-  double seconds = 600;                                // the churn's length
-  int clients = 64;                                    // client processes at once, at most ([Soak slots])
+  double seconds = 600;                                  // the churn's length
+  int clients = 64;                                      // client processes at once, at most ([Soak slots])
   std::vector<std::string> transports = {"tcp", "shm"};  // the slots' transports in turn
-  std::string device = "cpu";                          // the executor's; cuda-ipc clients run there too
-  std::string preset = "tiny-llama";                   // checkpoint made by symbiosis-make-checkpoint ...
-  std::string model;                                   // ... unless this names one
-  std::string out = "/tmp/symbiosis-soak";             // checkpoint, logs, executor memory samples
-  std::string batching = "opportunistic";              // the executor's policy
-  int executor_threads = 0;                            // the executor's GEMM threads (0: its default)
-  double max_call_ms = 10000;                          // no call may take longer ([Call time] in soak_client.cpp)
-  double tolerance = 1e-5;                             // [Soak exactness]: logits and loss
-  double gradient_tolerance = 1e-5;                    // ... and adapter gradients
-  double rss_tolerance_mib = 64;                       // [Soak baseline]
+  std::string device = "cpu";                            // the executor's; cuda-ipc clients run there too
+  std::string preset = "tiny-llama";                     // checkpoint made by symbiosis-make-checkpoint ...
+  std::string model;                                     // ... unless this names one
+  std::string out = "/tmp/symbiosis-soak";               // checkpoint, logs, executor memory samples
+  std::string batching = "opportunistic";                // the executor's policy
+  int executor_threads = 0;                              // the executor's GEMM threads (0: its default)
+  double max_call_ms = 10000;                            // no call may take longer ([Call time] in soak_client.cpp)
+  double tolerance = 1e-5;                               // [Soak exactness]: logits and loss
+  double gradient_tolerance = 1e-5;                      // ... and adapter gradients
+  double rss_tolerance_mib = 64;                         // [Soak baseline]
   double gpu_tolerance_mib = 64;
   int warmup_steps = 3;
   double kill_within_s = 20;
   int leave_within_steps = 10;
-  double stall_s = 180;      // a client with no step for this long (from its start) has stalled
+  double stall_s = 180;         // a client with no step for this long (from its start) has stalled
   double stop_timeout_s = 180;  // clients told to leave must be gone by then
   uint64_t seed = 1;
 
@@ -84,8 +84,7 @@ struct SoakOptions {
     check(clients >= 1 && clients <= 1024, "--clients must be in [1, 1024], got " + std::to_string(clients));
     check(!transports.empty(), "--transports names none (expected some of tcp, shm, cuda-ipc)");
     for (const auto& t : transports) {
-      check(t == "tcp" || t == "shm" || t == "cuda-ipc",
-            "--transports: '" + t + "' is not one of tcp, shm, cuda-ipc");
+      check(t == "tcp" || t == "shm" || t == "cuda-ipc", "--transports: '" + t + "' is not one of tcp, shm, cuda-ipc");
       check(t != "cuda-ipc" || gpu_index(device) >= 0, "--transports: cuda-ipc needs --device cuda:N, got " + device);
     }
     check(max_call_ms > 0, "--max-call-ms must be > 0, got " + std::to_string(max_call_ms));
@@ -158,17 +157,19 @@ struct Slot {
   int index = 0;
   std::string transport, device;
   bool steady = false;
-  int generation = 0;       // processes started so far
-  bool churned = false;     // a process of the churn has started: the next one comes back
-  pid_t pid = 0;            // 0: none running
+  int generation = 0;    // processes started so far
+  bool churned = false;  // a process of the churn has started: the next one comes back
+  pid_t pid = 0;         // 0: none running
   Fate fate = Fate::kStays;
   bool kill_sent = false;
   Clock::time_point started, kill_at, come_back_at, last_step;
-  int64_t steps = 0;        // of the running process
+  int64_t steps = 0;  // of the running process
   fs::path out, err;
 
   std::string name() const { return "soak-" + std::to_string(index); }
-  std::string process_name() const { return name() + " (" + transport + ", process " + std::to_string(generation) + ")"; }
+  std::string process_name() const {
+    return name() + " (" + transport + ", process " + std::to_string(generation) + ")";
+  }
 };
 
 struct Tally {
@@ -181,16 +182,19 @@ struct Tally {
 
 class Soak {
  public:
-  explicit Soak(SoakOptions options) : options_(std::move(options)), random_(options_.seed), gpu_(gpu_index(options_.device)) {}
+  explicit Soak(SoakOptions options)
+      : options_(std::move(options)), random_(options_.seed), gpu_(gpu_index(options_.device)) {}
 
   int run() {
     const fs::path out = options_.out;
     fs::create_directories(out / "clients");
     model_ = options_.model.empty() ? make_model(out) : fs::path(options_.model);
     shm_before_ = shm_entries();
-    std::vector<std::string> args = {"--model", model_.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                     options_.device, "--batching", options_.batching, "--log-level", "warn"};
-    if (options_.executor_threads > 0) args.insert(args.end(), {"--threads", std::to_string(options_.executor_threads)});
+    std::vector<std::string> args = {"--model",     model_.string(), "--listen",   "tcp://127.0.0.1:*",
+                                     "--device",    options_.device, "--batching", options_.batching,
+                                     "--log-level", "warn"};
+    if (options_.executor_threads > 0)
+      args.insert(args.end(), {"--threads", std::to_string(options_.executor_threads)});
     executor_ = start_executor(args, out);
     std::printf("soak: executor %s (pid %d, %s), %d clients at most over %s, %.0f s; logs in %s\n",
                 executor_.endpoint.c_str(), executor_.pid, options_.device.c_str(), options_.clients,
@@ -233,7 +237,8 @@ class Soak {
   fs::path make_model(const fs::path& out) {
     const fs::path dir = out / "model";
     const std::string command = (build_dir() / "tools/symbiosis-make-checkpoint").string() + " --preset " +
-                                options_.preset + " --out " + dir.string() + " > " + (out / "make_checkpoint.log").string();
+                                options_.preset + " --out " + dir.string() + " > " +
+                                (out / "make_checkpoint.log").string();
     if (std::system(command.c_str()) != 0) throw std::runtime_error("failed: " + command);
     return dir;
   }
@@ -260,23 +265,33 @@ class Soak {
     slot.fate = !churning || slot.steady ? Slot::Fate::kStays
                 : random_() % 2 == 0     ? Slot::Fate::kLeaves
                                          : Slot::Fate::kKilled;
-    const int64_t steps = slot.fate == Slot::Fate::kLeaves
-                              ? 1 + static_cast<int64_t>(random_() % options_.leave_within_steps)
-                              : -1;
+    const int64_t steps =
+        slot.fate == Slot::Fate::kLeaves ? 1 + static_cast<int64_t>(random_() % options_.leave_within_steps) : -1;
     const std::string tag = slot.name() + "-" + std::to_string(slot.generation);
     slot.out = fs::path(options_.out) / "clients" / (tag + ".out");
     slot.err = fs::path(options_.out) / "clients" / (tag + ".err");
-    const std::vector<std::string> args = {(build_dir() / "bench/symbiosis-soak-client").string(),
-                                           "--executor", executor_.endpoint,
-                                           "--model", model_.string(),
-                                           "--tenant", slot.name(),
-                                           "--transport", slot.transport,
-                                           "--device", slot.device,
-                                           "--seed", std::to_string(options_.seed * 1000003 + slot.index * 1009 + slot.generation),
-                                           "--steps", std::to_string(steps),
-                                           "--stop-file", stop_file.string(),
-                                           "--tolerance", decimal(options_.tolerance, "%.17g"),
-                                           "--gradient-tolerance", decimal(options_.gradient_tolerance, "%.17g")};
+    const std::vector<std::string> args = {
+        (build_dir() / "bench/symbiosis-soak-client").string(),
+        "--executor",
+        executor_.endpoint,
+        "--model",
+        model_.string(),
+        "--tenant",
+        slot.name(),
+        "--transport",
+        slot.transport,
+        "--device",
+        slot.device,
+        "--seed",
+        std::to_string(options_.seed * 1000003 + slot.index * 1009 + slot.generation),
+        "--steps",
+        std::to_string(steps),
+        "--stop-file",
+        stop_file.string(),
+        "--tolerance",
+        decimal(options_.tolerance, "%.17g"),
+        "--gradient-tolerance",
+        decimal(options_.gradient_tolerance, "%.17g")};
     slot.pid = spawn(args, slot.out, slot.err);
     slot.started = slot.last_step = Clock::now();
     slot.kill_at = slot.started + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
@@ -339,8 +354,8 @@ class Soak {
     } else {
       const std::string how = WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
                                                 : "died of signal " + std::to_string(WTERMSIG(status));
-      violation(slot.process_name() + " " + how + " after " + std::to_string(steps) + " steps: " +
-                tail(read_file(slot.err)));
+      violation(slot.process_name() + " " + how + " after " + std::to_string(steps) +
+                " steps: " + tail(read_file(slot.err)));
     }
     if (expected) {  // only a failure's logs are kept
       std::error_code ec;
@@ -364,8 +379,8 @@ class Soak {
   bool executor_alive() {
     int status = 0;
     if (waitpid(executor_.pid, &status, WNOHANG) != executor_.pid) return true;
-    violation("the executor exited (status " + std::to_string(status) + "): " +
-              tail(read_file(fs::path(options_.out) / "executor.err")));
+    violation("the executor exited (status " + std::to_string(status) +
+              "): " + tail(read_file(fs::path(options_.out) / "executor.err")));
     executor_.pid = 0;
     return false;
   }
@@ -423,7 +438,8 @@ class Soak {
     const fs::path stop_file = fs::path(options_.out) / "soak.stop";
     fs::remove(stop_file);
     const auto churn_start = Clock::now();
-    const auto end = churn_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.seconds));
+    const auto end =
+        churn_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.seconds));
     for (auto& slot : slots_) spawn_client(slot, stop_file, /*churning=*/true);
     auto last_report = Clock::now();
     while (Clock::now() < end && violations_.empty() && executor_alive()) {
@@ -499,14 +515,16 @@ class Soak {
     }
     if (end.mapped_segments > baseline.mapped_segments) {
       violation("the executor still maps " + std::to_string(end.mapped_segments - baseline.mapped_segments) +
-                " shared segments of departed clients (" + std::to_string(baseline.mapped_segments) + " at the baseline)");
+                " shared segments of departed clients (" + std::to_string(baseline.mapped_segments) +
+                " at the baseline)");
     }
     // A killed TCP client the executor still counts keeps its record's local link open
     // (ClientRecord::link in base_executor/client_registry.h): one descriptor each.
     if (end.descriptors > baseline.descriptors + lingering_clients_) {
       violation("the executor holds " + std::to_string(end.descriptors - baseline.descriptors) +
                 " more open descriptors than at the baseline (" + std::to_string(baseline.descriptors) +
-                "), more than the " + std::to_string(lingering_clients_) + " of the killed TCP clients it still counts");
+                "), more than the " + std::to_string(lingering_clients_) +
+                " of the killed TCP clients it still counts");
     }
     // Clients' segments are anonymous (transport/shared_memory.h); a named one left in /dev/shm by
     // a soak process, or with the project's prefix, is a leak. (Others' entries may come and go.)
@@ -521,10 +539,12 @@ class Soak {
 
   void report(const ExecutorFootprint& baseline, const ExecutorFootprint& end) {
     std::printf("soak: %.0f s of churn, %d clients at most over %s (executor on %s, %s batching)\n", churn_seconds_,
-                options_.clients, join(options_.transports).c_str(), options_.device.c_str(), options_.batching.c_str());
-    std::printf("clients: %d started after %d in the warm-up (%d of them came back after one of the churn ended), "
-                "%d killed, %d left, %d stayed to the end\n",
-                tally_.started, warmup_clients_, tally_.came_back, tally_.killed, tally_.left, tally_.stayed);
+                options_.clients, join(options_.transports).c_str(), options_.device.c_str(),
+                options_.batching.c_str());
+    std::printf(
+        "clients: %d started after %d in the warm-up (%d of them came back after one of the churn ended), "
+        "%d killed, %d left, %d stayed to the end\n",
+        tally_.started, warmup_clients_, tally_.came_back, tally_.killed, tally_.left, tally_.stayed);
     int steady = 0;
     for (const auto& slot : slots_) steady += slot.steady;
     std::printf("steady clients: %d ran the whole churn, exact at every step, each of at least %lld steps\n", steady,
@@ -532,20 +552,23 @@ class Soak {
     std::printf("calls: %llu in %llu checked steps; longest call %.1f ms (%s; bound %.0f ms)\n",
                 static_cast<unsigned long long>(tally_.calls), static_cast<unsigned long long>(tally_.steps),
                 tally_.max_call_ms, tally_.slowest.c_str(), options_.max_call_ms);
-    std::printf("largest relative difference from monolithic: logits and loss %.3g (tolerance %.3g), adapter "
-                "gradients %.3g (tolerance %.3g)\n",
-                tally_.worst_output_error, options_.tolerance, tally_.worst_gradient_error, options_.gradient_tolerance);
-    std::printf("executor RSS: %.1f MiB after the warm-up, peak %.1f MiB, end %.1f MiB (%+.1f MiB; tolerance %.0f MiB)\n",
-                baseline.resident / kMiB, peak_resident_ / kMiB, end.resident / kMiB,
-                (static_cast<double>(end.resident) - static_cast<double>(baseline.resident)) / kMiB,
-                options_.rss_tolerance_mib);
-    std::printf("executor descriptors %zu -> %zu, mapped segments %zu -> %zu, clients counted at the end %llu "
-                "(killed TCP clients held for the idle limit: at most %llu)\n",
-                baseline.descriptors, end.descriptors, baseline.mapped_segments, end.mapped_segments,
-                static_cast<unsigned long long>(lingering_clients_), static_cast<unsigned long long>(killed_tcp_));
+    std::printf(
+        "largest relative difference from monolithic: logits and loss %.3g (tolerance %.3g), adapter "
+        "gradients %.3g (tolerance %.3g)\n",
+        tally_.worst_output_error, options_.tolerance, tally_.worst_gradient_error, options_.gradient_tolerance);
+    std::printf(
+        "executor RSS: %.1f MiB after the warm-up, peak %.1f MiB, end %.1f MiB (%+.1f MiB; tolerance %.0f MiB)\n",
+        baseline.resident / kMiB, peak_resident_ / kMiB, end.resident / kMiB,
+        (static_cast<double>(end.resident) - static_cast<double>(baseline.resident)) / kMiB,
+        options_.rss_tolerance_mib);
+    std::printf(
+        "executor descriptors %zu -> %zu, mapped segments %zu -> %zu, clients counted at the end %llu "
+        "(killed TCP clients held for the idle limit: at most %llu)\n",
+        baseline.descriptors, end.descriptors, baseline.mapped_segments, end.mapped_segments,
+        static_cast<unsigned long long>(lingering_clients_), static_cast<unsigned long long>(killed_tcp_));
     if (gpu_ >= 0) {
-      std::printf("GPU %d memory in use: %.0f MiB after the warm-up, end %.0f MiB (%+.0f MiB; tolerance %.0f MiB)\n", gpu_,
-                  baseline.gpu_mib, end.gpu_mib, end.gpu_mib - baseline.gpu_mib, options_.gpu_tolerance_mib);
+      std::printf("GPU %d memory in use: %.0f MiB after the warm-up, end %.0f MiB (%+.0f MiB; tolerance %.0f MiB)\n",
+                  gpu_, baseline.gpu_mib, end.gpu_mib, end.gpu_mib - baseline.gpu_mib, options_.gpu_tolerance_mib);
     }
     if (violations_.empty()) {
       std::printf("soak PASSED\n");
@@ -582,25 +605,34 @@ int main(int argc, char** argv) {
   CLI::App app{"symbiosis-soak: clients join, leave, are killed and come back on one executor; each stays exact"};
   app.add_option("--seconds", options.seconds, "length of the churn")->capture_default_str();
   app.add_option("--clients", options.clients, "client processes at once, at most")->capture_default_str();
-  app.add_option("--transports", transports, "the clients' transports, in turn: tcp, shm, cuda-ipc")->capture_default_str();
-  app.add_option("--device", options.device, "the executor's device (cuda-ipc clients run there too)")->capture_default_str();
+  app.add_option("--transports", transports, "the clients' transports, in turn: tcp, shm, cuda-ipc")
+      ->capture_default_str();
+  app.add_option("--device", options.device, "the executor's device (cuda-ipc clients run there too)")
+      ->capture_default_str();
   app.add_option("--preset", options.preset, "checkpoint preset (symbiosis-make-checkpoint)")->capture_default_str();
   app.add_option("--model", options.model, "an existing checkpoint instead of --preset");
-  app.add_option("--out", options.out, "directory for the checkpoint, logs and executor memory samples")->capture_default_str();
+  app.add_option("--out", options.out, "directory for the checkpoint, logs and executor memory samples")
+      ->capture_default_str();
   app.add_option("--batching", options.batching, "the executor's batching policy")->capture_default_str();
   app.add_option("--executor-threads", options.executor_threads, "the executor's GEMM threads (0: its default)")
       ->capture_default_str();
   app.add_option("--max-call-ms", options.max_call_ms, "fail when a call took longer")->capture_default_str();
-  app.add_option("--tolerance", options.tolerance, "logits and loss: largest relative difference from monolithic "
-                 "execution")->capture_default_str();
-  app.add_option("--gradient-tolerance", options.gradient_tolerance, "adapter gradients: the same")->capture_default_str();
-  app.add_option("--rss-tolerance-mib", options.rss_tolerance_mib, "the executor's resident memory may end this much above "
-                 "where it was after the warm-up")->capture_default_str();
+  app.add_option("--tolerance", options.tolerance,
+                 "logits and loss: largest relative difference from monolithic "
+                 "execution")
+      ->capture_default_str();
+  app.add_option("--gradient-tolerance", options.gradient_tolerance, "adapter gradients: the same")
+      ->capture_default_str();
+  app.add_option("--rss-tolerance-mib", options.rss_tolerance_mib,
+                 "the executor's resident memory may end this much above "
+                 "where it was after the warm-up")
+      ->capture_default_str();
   app.add_option("--gpu-tolerance-mib", options.gpu_tolerance_mib, "the same for the GPU's memory in use")
       ->capture_default_str();
   app.add_option("--warmup-steps", options.warmup_steps, "steps of every client at once before the baseline")
       ->capture_default_str();
-  app.add_option("--kill-within-s", options.kill_within_s, "a client to be killed is killed within this after its start")
+  app.add_option("--kill-within-s", options.kill_within_s,
+                 "a client to be killed is killed within this after its start")
       ->capture_default_str();
   app.add_option("--leave-within-steps", options.leave_within_steps, "a client to leave leaves within this many steps")
       ->capture_default_str();

@@ -68,19 +68,18 @@ using Clock = std::chrono::steady_clock;
 class CallTimer {
  public:
   CallTimer() {
-    handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(
-            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-              if (std::strcmp(fn.name(), "symbiosis::executor_call") != 0) return nullptr;
-              auto started = std::make_unique<Started>();
-              started->at = Clock::now();
-              return started;
-            },
-            [](const at::RecordFunction&, at::ObserverContext* context) {
-              if (context == nullptr) return;
-              record(Clock::now() - static_cast<Started*>(context)->at);
-            })
-            .needsInputs(false));
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(
+                                        [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+                                          if (std::strcmp(fn.name(), "symbiosis::executor_call") != 0) return nullptr;
+                                          auto started = std::make_unique<Started>();
+                                          started->at = Clock::now();
+                                          return started;
+                                        },
+                                        [](const at::RecordFunction&, at::ObserverContext* context) {
+                                          if (context == nullptr) return;
+                                          record(Clock::now() - static_cast<Started*>(context)->at);
+                                        })
+                                        .needsInputs(false));
   }
   ~CallTimer() { at::removeCallback(handle_); }
   CallTimer(const CallTimer&) = delete;
@@ -141,8 +140,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of the adapter's shape and values and of the data")->capture_default_str();
   app.add_option("--steps", steps, "leave after this many steps (-1: only at --stop-file)")->capture_default_str();
   app.add_option("--stop-file", stop_file, "leave once this file exists");
-  app.add_option("--tolerance", tolerance, "logits and loss: largest relative difference from the monolithic run "
-                 "([Soak exactness])")->capture_default_str();
+  app.add_option("--tolerance", tolerance,
+                 "logits and loss: largest relative difference from the monolithic run "
+                 "([Soak exactness])")
+      ->capture_default_str();
   app.add_option("--gradient-tolerance", gradient_tolerance, "adapter gradients: the same")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);  // 64 tenants share the host
@@ -164,7 +165,7 @@ int main(int argc, char** argv) {
     const std::vector<std::vector<std::string>> target_sets = {
         {"q_proj", "v_proj"}, {"q_proj", "k_proj", "v_proj", "o_proj"}, {"gate_proj", "up_proj", "down_proj"}};
     lora.target_modules = target_sets[random() % target_sets.size()];
-    lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
+    lora.init_b_zero = false;                  // non-zero gradients everywhere from the first step
     lora.alpha = static_cast<double>(lora.r);  // scale 1 ([Soak exactness])
     auto split = make_model(*checkpoint, client, lora, device, seed);
     auto mono = make_model(*checkpoint, nullptr, lora, device, seed);
@@ -199,7 +200,8 @@ int main(int argc, char** argv) {
         double* worst;
       };
       double largest_gradient = 0;  // of the step, over every adapter tensor ([Soak exactness])
-      for (const auto& t : mono.adapter) largest_gradient = std::max(largest_gradient, t.grad().abs().max().item<double>());
+      for (const auto& t : mono.adapter)
+        largest_gradient = std::max(largest_gradient, t.grad().abs().max().item<double>());
       std::vector<Compared> compared = {{"logits", logits[0], logits[1], -1, tolerance, &worst_output},
                                         {"loss", losses[0], losses[1], -1, tolerance, &worst_output}};
       for (size_t i = 0; i < split.adapter.size(); ++i) {

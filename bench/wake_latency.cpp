@@ -25,9 +25,9 @@ using Clock = std::chrono::steady_clock;
 using symbiosis::shm::ControlBlock;
 
 struct Shared {
-  ControlBlock block;                    // executor_sleeping and the replies' wait word
-  symbiosis::shm::WaitWord doorbell;     // the old way: one word every client rings
-  std::atomic<uint32_t> requests{0};     // the client's calls so far
+  ControlBlock block;                 // executor_sleeping and the replies' wait word
+  symbiosis::shm::WaitWord doorbell;  // the old way: one word every client rings
+  std::atomic<uint32_t> requests{0};  // the client's calls so far
   std::atomic<bool> stop{false};
 };
 
@@ -69,8 +69,9 @@ std::vector<double> round_trips(Shared& shared, bool by_socket, int writer, int 
     } else {
       shared.doorbell.notify();
     }
-    symbiosis::shm::wait_until(replies, [&] { return replies.current() != seen; }, std::chrono::nanoseconds(0),
-                               Clock::now() + std::chrono::seconds(5));
+    symbiosis::shm::wait_until(
+        replies, [&] { return replies.current() != seen; }, std::chrono::nanoseconds(0),
+        Clock::now() + std::chrono::seconds(5));
     micros.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
   }
   return micros;
@@ -92,8 +93,11 @@ nlohmann::json measure(bool by_socket, int count) {
   ::waitpid(scheduler, nullptr, 0);
   std::sort(micros.begin(), micros.end());
   auto at = [&](double q) { return micros[static_cast<size_t>(q * (micros.size() - 1))]; };
-  return {{"wake", by_socket ? "socket" : "futex doorbell"}, {"round_trips", count}, {"p50_us", at(0.5)},
-          {"p90_us", at(0.9)}, {"p99_us", at(0.99)}};
+  return {{"wake", by_socket ? "socket" : "futex doorbell"},
+          {"round_trips", count},
+          {"p50_us", at(0.5)},
+          {"p90_us", at(0.9)},
+          {"p99_us", at(0.99)}};
 }
 
 }  // namespace

@@ -43,8 +43,7 @@ void ClientOptions::validate() const {
   TORCH_CHECK(spin_us >= -1, "client option spin_us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(transport == "auto" || parse_transport(transport), "client option transport '", transport,
               "' is not one of auto, ", transport_names());
-  TORCH_CHECK(control == "auto" || control == "zmq", "client option control '", control,
-              "' is not one of auto, zmq");
+  TORCH_CHECK(control == "auto" || control == "zmq", "client option control '", control, "' is not one of auto, zmq");
   if (privacy.mask) privacy.validate();
   TORCH_CHECK(executor_key.empty() == key_file.empty(), "client options executor_key and key_file go together: ",
               executor_key.empty() ? "key_file" : "executor_key", " is given without the other");
@@ -78,14 +77,10 @@ constexpr int kStepTries = 3;  // redo_if_results_lost
 // An op as the executor's trace names it ([Traces] in base_executor/tracing.h).
 const char* op_name(proto::Op op) {
   switch (op) {
-    case proto::FORWARD:
-      return "forward";
-    case proto::BACKWARD_INPUT:
-      return "backward";
-    case proto::FORWARD_NO_BIAS:
-      return "forward_no_bias";
-    default:
-      return "?";
+    case proto::FORWARD: return "forward";
+    case proto::BACKWARD_INPUT: return "backward";
+    case proto::FORWARD_NO_BIAS: return "forward_no_bias";
+    default: return "?";
   }
 }
 
@@ -147,9 +142,9 @@ class Client::Impl {
   std::mutex call_mutex;         // serializes calls: one transport, one buffer
   uint64_t next_request_id = 1;  // guarded by call_mutex
   std::atomic<proto::LatencyClass> latency{proto::FINE_TUNING};
-  std::atomic<uint64_t> calls{0};  // sent: a capture's recordings count when a replay sends them
-  bool capturing = false;          // guarded by call_mutex
-  std::unique_ptr<NoiseMask> mask;  // [Noise masking], when the client asked for it
+  std::atomic<uint64_t> calls{0};                   // sent: a capture's recordings count when a replay sends them
+  bool capturing = false;                           // guarded by call_mutex
+  std::unique_ptr<NoiseMask> mask;                  // [Noise masking], when the client asked for it
   std::minstd_rand jitter{std::random_device{}()};  // [Back-pressure]'s pauses; guarded by call_mutex
 
   // [Noise masking] with effects computed here: the base weights of a layer or group from the
@@ -174,7 +169,8 @@ class Client::Impl {
       std::vector<at::Tensor> weights, biases;
       for (const uint32_t id : layer.members) {
         const auto member = std::find_if(layers.begin(), layers.end(), [id](const LayerInfo& l) { return l.id == id; });
-        TORCH_CHECK(member != layers.end(), "internal: group '", layer.name, "' names layer ", id, ", which is not served");
+        TORCH_CHECK(member != layers.end(), "internal: group '", layer.name, "' names layer ", id,
+                    ", which is not served");
         auto w = one(*member);
         weights.push_back(w.weight);
         if (w.bias.defined()) biases.push_back(w.bias);
@@ -186,9 +182,10 @@ class Client::Impl {
   // The masked calls' way to the executor: `layer`'s calls, as the mask names them.
   NoiseMask::Send sender(const LayerInfo& layer) {
     return [this, &layer](NoiseMask::Op op, const at::Tensor& x) {
-      return call(layer, op == NoiseMask::Op::kForward ? proto::FORWARD
-                         : op == NoiseMask::Op::kForwardNoBias ? proto::FORWARD_NO_BIAS
-                                                               : proto::BACKWARD_INPUT,
+      return call(layer,
+                  op == NoiseMask::Op::kForward         ? proto::FORWARD
+                  : op == NoiseMask::Op::kForwardNoBias ? proto::FORWARD_NO_BIAS
+                                                        : proto::BACKWARD_INPUT,
                   x);
     };
   }
@@ -220,8 +217,8 @@ class Client::Impl {
     client_id = welcome.client_id();
     max_request_bytes = welcome.max_request_bytes();
     const auto kind = parse_transport(welcome.transport().empty() ? "tcp" : welcome.transport());
-    TORCH_CHECK(kind, "executor chose transport '", welcome.transport(), "', which this client does not know (it knows ",
-                transport_names(), ")");
+    TORCH_CHECK(kind, "executor chose transport '", welcome.transport(),
+                "', which this client does not know (it knows ", transport_names(), ")");
     transport_name = symbiosis::transport_name(*kind);
     const ClientEndOptions end_options{at::Device(options.device), options.spin_us, options.direct_operands};
     transport = plugin(*kind).make_client(*socket, welcome, end_options);
@@ -233,8 +230,9 @@ class Client::Impl {
     const std::string why = lost.msg();
     if (options.reconnect_ms == 0) {
       throw ExecutorLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                         why + "; this client does not reconnect (reconnect_ms is 0): connect a new Client once the "
-                               "executor is back");
+                         why +
+                             "; this client does not reconnect (reconnect_ms is 0): connect a new Client once the "
+                             "executor is back");
     }
     using Clock = std::chrono::steady_clock;
     spdlog::warn("client {} (tenant '{}'): {}; connecting again (for up to {} ms)", client_id, options.tenant, why,
@@ -272,9 +270,9 @@ class Client::Impl {
   // why, as reconnect() does, when it cannot).
   ClientTransport& live_transport() {
     if (!transport) {
-      reconnect(ExecutorLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                             "the connection to the executor at " + options.endpoint +
-                                 " was lost, and connecting again failed before"));
+      reconnect(ExecutorLost(
+          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+          "the connection to the executor at " + options.endpoint + " was lost, and connecting again failed before"));
     }
     return *transport;
   }
@@ -295,8 +293,9 @@ class Client::Impl {
         if (capturing) transport->begin_capture();
         if (results_lost) {
           throw ResultsLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                            lost.msg() + ", while calls ordered on the GPU waited for their results, which are void; "
-                                         "the client has connected again: redo the work since the last settle()");
+                            lost.msg() +
+                                ", while calls ordered on the GPU waited for their results, which are void; "
+                                "the client has connected again: redo the work since the last settle()");
         }
       }
     }

@@ -32,9 +32,9 @@ inline float as_float(c10::BFloat16 x) {
 
 // out[i * out_stride + r] = x[i] · w[r] for rows r in [first, last) of w [.., in] and the m rows of
 // x [m, in] (fp32); row: room for `in` floats.
-SYMBIOSIS_CPU_CLONES void product_rows(const float* __restrict x, const c10::BFloat16* __restrict w, int64_t m, int64_t in,
-                                       int64_t first, int64_t last, float* __restrict row, float* __restrict out,
-                                       int64_t out_stride) {
+SYMBIOSIS_CPU_CLONES void product_rows(const float* __restrict x, const c10::BFloat16* __restrict w, int64_t m,
+                                       int64_t in, int64_t first, int64_t last, float* __restrict row,
+                                       float* __restrict out, int64_t out_stride) {
   for (int64_t r = first; r < last; ++r) {
     const c10::BFloat16* weights = w + r * in;
     for (int64_t d = 0; d < in; ++d) row[d] = as_float(weights[d]);
@@ -102,9 +102,9 @@ bool cpu_decode_product_supports(const at::Tensor& x, const at::Tensor& weight) 
 at::Tensor cpu_decode_product(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(cpu_decode_product_supports(x, weight),
               "cpu_decode_product takes x [..., in] and a contiguous weight [out, in], both bf16 on the CPU (in a "
-              "multiple of 16, at most ", kCpuDecodeProductRows, " rows of x, nothing to differentiate), got x ",
-              x.sizes(), " ", x.scalar_type(), " on ", x.device(), " and weight ", weight.sizes(), " ", weight.scalar_type(),
-              " on ", weight.device());
+              "multiple of 16, at most ",
+              kCpuDecodeProductRows, " rows of x, nothing to differentiate), got x ", x.sizes(), " ", x.scalar_type(),
+              " on ", x.device(), " and weight ", weight.sizes(), " ", weight.scalar_type(), " on ", weight.device());
   // One scope for profilers ([Decode profile] in bench/long_context.cpp): free while none listens.
   RECORD_FUNCTION("symbiosis::cpu_decode_product", c10::ArrayRef<const c10::IValue>{});
   const int64_t in = weight.size(1), out = weight.size(0);

@@ -16,8 +16,7 @@
 
 namespace symbiosis::nn {
 
-BaseLayerImpl::BaseLayerImpl(LayerKind kind, int64_t in_features, int64_t out_features, bool bias,
-                             bool materialize)
+BaseLayerImpl::BaseLayerImpl(LayerKind kind, int64_t in_features, int64_t out_features, bool bias, bool materialize)
     : kind_(kind), in_features_(in_features), out_features_(out_features), has_bias_(bias) {
   TORCH_CHECK(in_features > 0 && out_features > 0, "base layer needs positive sizes, got in=", in_features,
               " out=", out_features);
@@ -43,8 +42,8 @@ std::vector<int64_t> BaseLayerImpl::weight_shape() const {
 
 void BaseLayerImpl::set_weights(at::Tensor w, at::Tensor b) {
   TORCH_CHECK(!is_virtual(), "base layer is virtual: its weights live on the executor");
-  TORCH_CHECK(w.sizes() == at::IntArrayRef(weight_shape()), layer_kind_name(kind_), " weight has shape ",
-              w.sizes(), ", expected ", at::IntArrayRef(weight_shape()));
+  TORCH_CHECK(w.sizes() == at::IntArrayRef(weight_shape()), layer_kind_name(kind_), " weight has shape ", w.sizes(),
+              ", expected ", at::IntArrayRef(weight_shape()));
   TORCH_CHECK(b.defined() == has_bias_, layer_kind_name(kind_), has_bias_ ? " needs a bias" : " has no bias");
   if (b.defined()) {
     TORCH_CHECK(b.sizes() == at::IntArrayRef({out_features_}), "bias has shape ", b.sizes(), ", expected [",
@@ -92,7 +91,8 @@ at::Tensor BaseLayerImpl::base_forward(const at::Tensor& x) {
   if (is_virtual()) return virt_->forward(x);
   TORCH_CHECK(weight.defined(), layer_kind_name(kind_),
               " has no weights: load them from a checkpoint or virtualize the model first");
-  if (kind_ == LayerKind::kLinear) return bias.defined() ? at::linear(x, weight, bias) : detail::linear_no_bias(x, weight);
+  if (kind_ == LayerKind::kLinear)
+    return bias.defined() ? at::linear(x, weight, bias) : detail::linear_no_bias(x, weight);
   if (!bias.defined()) return at::matmul(x, weight);
   // Conv1D: x·W + b in one addmm, as transformers' Conv1D and the executor compute it (a product
   // and a separate add round differently).
@@ -127,8 +127,8 @@ bool BaseLayerImpl::weights_stacked(const std::vector<BaseLayerImpl*>& siblings)
   }
   int64_t row = 0;
   for (const auto* layer : siblings) {
-    const auto* expected = static_cast<const char*>(stacked_weight_.data_ptr()) +
-                           row * in_features_ * stacked_weight_.element_size();
+    const auto* expected =
+        static_cast<const char*>(stacked_weight_.data_ptr()) + row * in_features_ * stacked_weight_.element_size();
     if (layer->weight.data_ptr() != expected) return false;
     row += layer->out_features_;
   }
@@ -153,7 +153,8 @@ void BaseLayerImpl::stack_weights(const std::vector<BaseLayerImpl*>& siblings) {
 #ifdef SYMBIOSIS_WITH_CUDA
   // Give the layers' former weights back to CUDA (those that filled their allocator segments): the
   // stack replaces them, and cached they would double this model's weights, once.
-  if (stacked_weight_.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+  if (stacked_weight_.is_cuda() &&
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
     c10::cuda::CUDACachingAllocator::emptyCache();
   }
 #endif

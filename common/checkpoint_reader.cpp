@@ -87,8 +87,8 @@ class Checkpoint::Impl {
     TORCH_CHECK(file->size() >= 8, "checkpoint file ", path, " is too short to be safetensors");
     uint64_t header_len = 0;
     std::memcpy(&header_len, file->data(), 8);
-    TORCH_CHECK(header_len <= file->size() - 8, "checkpoint file ", path,
-                ": header length ", header_len, " runs past the end of the file");
+    TORCH_CHECK(header_len <= file->size() - 8, "checkpoint file ", path, ": header length ", header_len,
+                " runs past the end of the file");
     json header;
     try {
       header = json::parse(file->data() + 8, file->data() + 8 + header_len);
@@ -101,9 +101,9 @@ class Checkpoint::Impl {
     for (auto& [name, value] : header.items()) {
       if (name == "__metadata__") continue;
       const std::string where = path.string() + ", tensor '" + name + "'";
-      TORCH_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
-                      value.contains("data_offsets"),
-                  where, ": header entry lacks dtype, shape or data_offsets");
+      TORCH_CHECK(
+          value.is_object() && value.contains("dtype") && value.contains("shape") && value.contains("data_offsets"),
+          where, ": header entry lacks dtype, shape or data_offsets");
       Entry e;
       e.record.name = name;
       e.record.file = path;
@@ -113,8 +113,8 @@ class Checkpoint::Impl {
         e.record.shape = value["shape"].get<std::vector<int64_t>>();
         offsets = value["data_offsets"].get<std::vector<uint64_t>>();
       } catch (const json::exception& error) {
-        TORCH_CHECK(false, where, ": dtype should be a string, shape and data_offsets lists of whole numbers: ",
-                    error.what());
+        TORCH_CHECK(false, where,
+                    ": dtype should be a string, shape and data_offsets lists of whole numbers: ", error.what());
       }
       // Offsets and sizes are compared with the file's bytes before any sum or product, which a
       // file's numbers could otherwise overflow.
@@ -168,8 +168,8 @@ std::shared_ptr<Checkpoint> Checkpoint::open(const fs::path& dir) {
     shards.erase(std::unique(shards.begin(), shards.end()), shards.end());
     for (const auto& shard : shards) impl->load_file(dir / shard);
     for (auto& [name, file] : j["weight_map"].items()) {
-      TORCH_CHECK(impl->entries.count(name), "index ", index, " names tensor '", name, "' in ",
-                  file.get<std::string>(), ", but that file does not hold it");
+      TORCH_CHECK(impl->entries.count(name), "index ", index, " names tensor '", name, "' in ", file.get<std::string>(),
+                  ", but that file does not hold it");
     }
   } else {
     TORCH_CHECK(fs::exists(single), "missing file ", single, " (and no ", index.filename(), ")");
@@ -225,7 +225,8 @@ std::optional<std::string> Checkpoint::config_string(const std::string& path) co
 std::optional<bool> Checkpoint::config_bool(const std::string& path) const {
   const json* v = find_path(impl_->config, path);
   if (!v) return std::nullopt;
-  TORCH_CHECK(v->is_boolean(), impl_->dir / "config.json", ": field '", path, "' should be true or false, got ", v->dump());
+  TORCH_CHECK(v->is_boolean(), impl_->dir / "config.json", ": field '", path, "' should be true or false, got ",
+              v->dump());
   return v->get<bool>();
 }
 
@@ -256,7 +257,8 @@ at::Tensor Checkpoint::tensor(const std::string& name) const {
     return out;
   }
   auto keep = e.file;
-  return at::from_blob(ptr, e.record.shape, [keep](void*) mutable { keep.reset(); }, options);
+  return at::from_blob(
+      ptr, e.record.shape, [keep](void*) mutable { keep.reset(); }, options);
 }
 
 at::Tensor Checkpoint::tensor(const std::string& name, at::IntArrayRef expected_shape) const {

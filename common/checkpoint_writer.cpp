@@ -35,7 +35,8 @@ SafetensorsWriter::SafetensorsWriter(const fs::path& file, std::vector<Entry> en
   for (const auto& e : impl_->entries) {
     TORCH_CHECK(!header.contains(e.name), "safetensors file ", file, ": tensor '", e.name, "' listed twice");
     const size_t bytes = data_bytes(e);
-    header[e.name] = {{"dtype", dtype_to_safetensors(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[e.name] = {
+        {"dtype", dtype_to_safetensors(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -55,7 +56,8 @@ void SafetensorsWriter::write(const std::string& name, const at::Tensor& tensor)
   TORCH_CHECK(impl_->next < impl_->entries.size(), "safetensors file ", impl_->file, ": tensor '", name,
               "' is one more than the ", impl_->entries.size(), " listed");
   const Entry& e = impl_->entries[impl_->next];
-  TORCH_CHECK(name == e.name, "safetensors file ", impl_->file, ": expected tensor '", e.name, "' next, got '", name, "'");
+  TORCH_CHECK(name == e.name, "safetensors file ", impl_->file, ": expected tensor '", e.name, "' next, got '", name,
+              "'");
   TORCH_CHECK(tensor.scalar_type() == e.dtype && tensor.sizes() == at::IntArrayRef(e.shape), "safetensors file ",
               impl_->file, ": tensor '", name, "' is ", tensor.scalar_type(), tensor.sizes(), ", listed as ", e.dtype,
               at::IntArrayRef(e.shape));

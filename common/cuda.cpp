@@ -235,8 +235,8 @@ void synchronize_stream(Stream stream) {
 }
 
 void stream_after(Stream stream, Stream earlier) {
-  TORCH_CHECK(stream.device == earlier.device, "stream_after: streams of cuda:", stream.device, " and cuda:",
-              earlier.device);
+  TORCH_CHECK(stream.device == earlier.device, "stream_after: streams of cuda:", stream.device,
+              " and cuda:", earlier.device);
   DeviceScope scope(stream.device);
   cudaEvent_t event;
   SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));

@@ -6,26 +6,25 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
-#define SYMBIOSIS_LIBRARY_CHECK_(status_type, ok, error_string, call)                                \
-  do {                                                                                               \
-    const status_type symbiosis_status_ = (call);                                                    \
-    TORCH_CHECK(symbiosis_status_ == (ok), __FILE__, ":", __LINE__, ": ", #call, " failed: ",        \
-                error_string(symbiosis_status_));                                                    \
+#define SYMBIOSIS_LIBRARY_CHECK_(status_type, ok, error_string, call)            \
+  do {                                                                           \
+    const status_type symbiosis_status_ = (call);                                \
+    TORCH_CHECK(symbiosis_status_ == (ok), __FILE__, ":", __LINE__, ": ", #call, \
+                " failed: ", error_string(symbiosis_status_));                   \
   } while (0)
-#define SYMBIOSIS_LIBRARY_WARN_(status_type, ok, error_string, call)                                 \
-  do {                                                                                               \
-    const status_type symbiosis_status_ = (call);                                                    \
-    if (symbiosis_status_ != (ok)) {                                                                 \
-      LOG(WARNING) << __FILE__ << ":" << __LINE__ << ": " << #call                                   \
-                   << " failed: " << error_string(symbiosis_status_);                               \
-    }                                                                                                \
+#define SYMBIOSIS_LIBRARY_WARN_(status_type, ok, error_string, call)                                                  \
+  do {                                                                                                                \
+    const status_type symbiosis_status_ = (call);                                                                     \
+    if (symbiosis_status_ != (ok)) {                                                                                  \
+      LOG(WARNING) << __FILE__ << ":" << __LINE__ << ": " << #call << " failed: " << error_string(symbiosis_status_); \
+    }                                                                                                                 \
   } while (0)
 
 // The driver API names its errors through an out-parameter.
-#define SYMBIOSIS_CU_ERROR_STRING_(status)                                                           \
-  ([](CUresult s) {                                                                                  \
-    const char* text = nullptr;                                                                      \
-    return cuGetErrorString(s, &text) == CUDA_SUCCESS && text ? text : "unknown CUDA driver error";  \
+#define SYMBIOSIS_CU_ERROR_STRING_(status)                                                          \
+  ([](CUresult s) {                                                                                 \
+    const char* text = nullptr;                                                                     \
+    return cuGetErrorString(s, &text) == CUDA_SUCCESS && text ? text : "unknown CUDA driver error"; \
   }(status))
 
 #define SYMBIOSIS_CUDA_CHECK(call) SYMBIOSIS_LIBRARY_CHECK_(cudaError_t, cudaSuccess, cudaGetErrorString, call)

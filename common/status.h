@@ -14,14 +14,14 @@ namespace symbiosis {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument = 1,    // a field of a request is wrong
-  kNotFound = 2,           // an unknown layer id
-  kResourceExhausted = 3,  // over a size limit
-  kMalformed = 4,          // a header or frames that do not parse
-  kFailedPrecondition = 5, // e.g. a request before the handshake, a model hash mismatch
+  kInvalidArgument = 1,     // a field of a request is wrong
+  kNotFound = 2,            // an unknown layer id
+  kResourceExhausted = 3,   // over a size limit
+  kMalformed = 4,           // a header or frames that do not parse
+  kFailedPrecondition = 5,  // e.g. a request before the handshake, a model hash mismatch
   kInternal = 6,
-  kPermissionDenied = 7,   // a key not admitted or revoked; an operator request without an operator key
-  kUnavailable = 8,        // the executor cannot serve: a part of a sharded executor is gone
+  kPermissionDenied = 7,  // a key not admitted or revoked; an operator request without an operator key
+  kUnavailable = 8,       // the executor cannot serve: a part of a sharded executor is gone
 };
 
 class [[nodiscard]] Status {

@@ -115,8 +115,8 @@ std::vector<std::string> tensor_digests(const std::vector<std::pair<const char*,
                          chunks[i].bytes, nullptr, 0);
     }
   };
-  const size_t threads = std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()), chunks.size(),
-                                           1 + total / kWeightHashChunk});
+  const size_t threads = std::min<size_t>(
+      {std::max(1u, std::thread::hardware_concurrency()), chunks.size(), 1 + total / kWeightHashChunk});
   std::vector<std::thread> pool;
   for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
   work();
@@ -170,8 +170,7 @@ json read_digest_cache(const fs::path& file) {
   if (!in) return json();
   try {
     json j = json::parse(in);
-    if (j.is_object() && j.value("format", "") == kDigestCacheFormat && j.contains("files") &&
-        j["files"].is_object()) {
+    if (j.is_object() && j.value("format", "") == kDigestCacheFormat && j.contains("files") && j["files"].is_object()) {
       return j;
     }
   } catch (const std::exception&) {

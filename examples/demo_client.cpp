@@ -173,10 +173,11 @@ int main(int argc, char** argv) {
     }
     const bool exact =
         losses <= s.tolerance && adapters <= (s.adapter_tolerance < 0 ? s.tolerance : s.adapter_tolerance);
-    std::printf("[%s] verify (%s): max relative difference split vs monolithic over %d steps: losses %.3g, "
-                "adapters %.3g: %s\n",
-                s.connection.tenant.c_str(), client->transport().c_str(), s.steps, losses, adapters,
-                exact ? "EXACT" : "MISMATCH");
+    std::printf(
+        "[%s] verify (%s): max relative difference split vs monolithic over %d steps: losses %.3g, "
+        "adapters %.3g: %s\n",
+        s.connection.tenant.c_str(), client->transport().c_str(), s.steps, losses, adapters,
+        exact ? "EXACT" : "MISMATCH");
     return exact ? 0 : 1;
   });
 }

@@ -141,8 +141,8 @@ Adapter new_adapter(Settings& s, const CausalLM& lm, int64_t total_steps) {
   } else if (s.method == "p-tuning") {
     a.parameters = add_p_tuning(*module, {.num_virtual_tokens = s.virtual_tokens});
   } else if (s.method == "prefix") {
-    a.parameters = add_prefix_tuning(*module, {.num_virtual_tokens = s.virtual_tokens,
-                                               .prefix_projection = s.prefix_projection});
+    a.parameters =
+        add_prefix_tuning(*module, {.num_virtual_tokens = s.virtual_tokens, .prefix_projection = s.prefix_projection});
   } else {
     TORCH_CHECK(false, "--method: '", s.method, "' is not one of ", kMethods);
   }
@@ -204,7 +204,8 @@ fs::path default_save_dir() {
   char name[32];
   std::strftime(name, sizeof(name), "%Y%m%d-%H%M%S", std::localtime(&now));
   fs::path dir = fs::path("symbiosis-runs") / name;
-  for (int i = 2; fs::exists(dir); ++i) dir = fs::path("symbiosis-runs") / (std::string(name) + "-" + std::to_string(i));
+  for (int i = 2; fs::exists(dir); ++i)
+    dir = fs::path("symbiosis-runs") / (std::string(name) + "-" + std::to_string(i));
   return dir;
 }
 
@@ -257,7 +258,8 @@ int run(Settings& s, const CLI::App& app) {
   std::fprintf(stderr, "[%s] %s on %s (%s), %zu trainable tensors, %lld steps, %s\n", s.connection.tenant.c_str(),
                s.connection.monolithic ? "monolithic" : ("split on " + s.connection.executor).c_str(), s.device.c_str(),
                s.dtype.c_str(), adapter.parameters.size(), (long long)trainer.total_steps(), adapter.method.c_str());
-  std::fprintf(stderr, "[%s] checkpoints go to %s (a first Ctrl-C or SIGTERM saves one and stops; a second stops at once)\n",
+  std::fprintf(stderr,
+               "[%s] checkpoints go to %s (a first Ctrl-C or SIGTERM saves one and stops; a second stops at once)\n",
                s.connection.tenant.c_str(), s.trainer.save_dir.c_str());
   const auto ran = trainer.train();
   for (const auto& step : ran) {
@@ -307,7 +309,8 @@ int main(int argc, char** argv) {
   app.add_option("--adalora-tfinal", s.adalora.tfinal, "AdaLoRA: last steps with the final allocation")
       ->capture_default_str();
   app.add_option("--adalora-delta-t", s.adalora.deltaT, "AdaLoRA: steps between allocations")->capture_default_str();
-  app.add_option("--virtual-tokens", s.virtual_tokens, "prompt, p-tuning, prefix: virtual tokens")->capture_default_str();
+  app.add_option("--virtual-tokens", s.virtual_tokens, "prompt, p-tuning, prefix: virtual tokens")
+      ->capture_default_str();
   app.add_flag("--prefix-projection", s.prefix_projection, "prefix: the reparametrization MLP");
   app.add_option("--lr", t.learning_rate, "peak learning rate")->capture_default_str();
   app.add_option("--min-lr", t.min_learning_rate, "learning rate at the end of the cosine")->capture_default_str();

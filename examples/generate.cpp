@@ -92,7 +92,8 @@ T field(const json& line, const char* name, const T& fallback, const char* expec
 // A request's text as it is produced: `on_text` gets each final piece, and a stop string of `stop`
 // ends the request ([Stop strings]). Null without a tokenizer (then there is no text, and no stop
 // string may be given).
-std::shared_ptr<StopStrings> follow_text(GenerationRequest& request, const Tokenizer* tokenizer, std::vector<std::string> stop,
+std::shared_ptr<StopStrings> follow_text(GenerationRequest& request, const Tokenizer* tokenizer,
+                                         std::vector<std::string> stop,
                                          std::function<void(const std::string&)> on_text) {
   if (tokenizer == nullptr) {
     TORCH_CHECK(stop.empty(), "stop strings need the checkpoint's tokenizer (tokenizer.json or tokenizer.model beside ",
@@ -122,10 +123,11 @@ ParsedRequest parse_request(const std::string& text, const Settings& defaults, c
   TORCH_CHECK(line.is_object(), "not a JSON object, expected {\"prompt_ids\": [...]} or {\"prompt\": \"text\"}");
   TORCH_CHECK(line.contains("prompt_ids") != line.contains("prompt"),
               "expected one of 'prompt_ids' (a list of token ids) and 'prompt' (text)");
-  static const std::set<std::string> known = {"prompt_ids", "prompt", "max_new_tokens", "temperature", "top_k",
-                                              "top_p", "seed", "stop", "stop_token_ids", "logprobs"};
+  static const std::set<std::string> known = {"prompt_ids", "prompt", "max_new_tokens", "temperature",    "top_k",
+                                              "top_p",      "seed",   "stop",           "stop_token_ids", "logprobs"};
   for (const auto& [key, value] : line.items()) {
-    TORCH_CHECK(known.count(key), "field '", key.substr(0, 64), "' is unknown, expected only prompt_ids, prompt, "
+    TORCH_CHECK(known.count(key), "field '", key.substr(0, 64),
+                "' is unknown, expected only prompt_ids, prompt, "
                 "max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids and logprobs");
   }
   ParsedRequest parsed;
@@ -207,7 +209,8 @@ int stream_prompt(const Settings& s, const Tokenizer& tokenizer, Generator& gene
   GenerationRequest request;
   request.prompt_ids = tokenizer.encode(s.prompt);
   request.sampling = s.sampling;
-  const auto text = follow_text(request, &tokenizer, s.stop, [](const std::string& piece) { std::cout << piece << std::flush; });
+  const auto text =
+      follow_text(request, &tokenizer, s.stop, [](const std::string& piece) { std::cout << piece << std::flush; });
   std::string error;
   const uint64_t id = generator.submit(std::move(request), [&](const TokenEvent& event) {
     if (!event.finished) return;
@@ -233,7 +236,8 @@ int run(Settings& s) {
   if (!s.adapter.empty()) load_peft_adapter(*lm.module, s.adapter);
   const auto tokenizer = Tokenizer::in_directory(checkpoint->dir());
   s.sampling.stop_tokens = parse_ids(s.stop_token_ids);
-  if (s.stop_token_ids.empty() && tokenizer && tokenizer->eos_token_id()) s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
+  if (s.stop_token_ids.empty() && tokenizer && tokenizer->eos_token_id())
+    s.sampling.stop_tokens = {*tokenizer->eos_token_id()};
   s.generator.max_waiting = std::numeric_limits<int64_t>::max();  // the whole file is queued at once
   std::unique_ptr<Generator> host_decoding;
   if (s.host_decode) {
@@ -273,18 +277,20 @@ int run(Settings& s) {
       const bool logprobs = request.sampling.logprobs;
       if (logprobs) (*reply)["logprobs"] = json::array();
       auto said = std::make_shared<std::string>();
-      const auto text_of = follow_text(request, tokenizer.get(), std::move(stop), [said](const std::string& piece) { *said += piece; });
-      ids.push_back(generator.submit(std::move(request), [reply, logprobs, emit, text_of, said](const TokenEvent& event) {
-        if (event.token >= 0) {
-          (*reply)["output_ids"].push_back(event.token);
-          if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
-        }
-        if (!event.finished) return;
-        if (text_of) (*reply)["text"] = *said + text_of->finish();
-        (*reply)["finish_reason"] = to_string(*event.finished);
-        if (!event.error.empty()) (*reply)["error"] = event.error;
-        emit(*reply);
-      }));
+      const auto text_of =
+          follow_text(request, tokenizer.get(), std::move(stop), [said](const std::string& piece) { *said += piece; });
+      ids.push_back(
+          generator.submit(std::move(request), [reply, logprobs, emit, text_of, said](const TokenEvent& event) {
+            if (event.token >= 0) {
+              (*reply)["output_ids"].push_back(event.token);
+              if (logprobs) (*reply)["logprobs"].push_back(event.logprob);
+            }
+            if (!event.finished) return;
+            if (text_of) (*reply)["text"] = *said + text_of->finish();
+            (*reply)["finish_reason"] = to_string(*event.finished);
+            if (!event.error.empty()) (*reply)["error"] = event.error;
+            emit(*reply);
+          }));
     } catch (const c10::Error& e) {
       refused = true;
       emit({{"index", index}, {"error", e.what_without_backtrace()}});
@@ -303,9 +309,11 @@ int main(int argc, char** argv) {
   CLI::App app{"symbiosis-generate: generate from a model and its adapter, against a shared executor"};
   app.add_option("--model", s.model, "the checkpoint directory (the executor serves the same)")->required();
   examples::add_tenant_flags(app, s.connection, /*monolithic_flag=*/true);
-  app.add_option("--adapter", s.adapter, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), a symbiosis-finetune "
+  app.add_option("--adapter", s.adapter,
+                 "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), a symbiosis-finetune "
                  "checkpoint, or its --save-dir (the newest checkpoint's adapter)");
-  app.add_option("--device", s.device, "where this client's model and cache live: cpu or cuda:N")->capture_default_str();
+  app.add_option("--device", s.device, "where this client's model and cache live: cpu or cuda:N")
+      ->capture_default_str();
   app.add_option("--dtype", s.dtype, "this client's model dtype: fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--prompt", s.prompt, "one prompt of text: the reply is streamed to stdout as text");
   app.add_option("--input", s.input, "JSON Lines of {\"prompt_ids\": [...]} or {\"prompt\": \"text\"}; - for stdin")
@@ -315,15 +323,20 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", p.top_k, "sample among the k most likely tokens (0: all)")->capture_default_str();
   app.add_option("--top-p", p.top_p, "sample among the most likely tokens whose probability reaches p, in (0, 1]")
       ->capture_default_str();
-  app.add_option("--seed", p.seed, "each request's random stream (a request's own \"seed\" overrides)")->capture_default_str();
+  app.add_option("--seed", p.seed, "each request's random stream (a request's own \"seed\" overrides)")
+      ->capture_default_str();
   app.add_option("--stop", s.stop, "text that ends a request, left out of its text (vLLM's stop; repeatable)");
-  app.add_option("--stop-token-ids", s.stop_token_ids, "comma-separated token ids that end a request, kept in its output "
+  app.add_option("--stop-token-ids", s.stop_token_ids,
+                 "comma-separated token ids that end a request, kept in its output "
                  "(default: the tokenizer's EOS)");
   app.add_flag("--logprobs", p.logprobs, "report each produced token's log-probability");
-  app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")->capture_default_str();
-  app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")->capture_default_str();
+  app.add_option("--max-sequences", g.max_sequences, "requests decoded at once (KV cache slots)")
+      ->capture_default_str();
+  app.add_option("--max-tokens", g.max_tokens, "KV cache positions per request: prompt + new tokens")
+      ->capture_default_str();
   bool eager = false;
-  app.add_flag("--eager", eager, "on a GPU, decode without CUDA graphs (by default one graph per bucket of batch sizes)");
+  app.add_flag("--eager", eager,
+               "on a GPU, decode without CUDA graphs (by default one graph per bucket of batch sizes)");
   app.add_flag("--host-decode", s.host_decode,
                "prefill on --device, keep the KV cache in host memory and decode on the CPU (a CPU copy of the model)");
   app.add_flag("--offload-cache", g.offload_cache,

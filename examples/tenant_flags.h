@@ -47,7 +47,8 @@ struct TenantFlags {
 
 inline void add_tenant_flags(CLI::App& app, TenantFlags& flags, bool monolithic_flag) {
   app.add_option("--executor", flags.executor, "executor endpoint")->capture_default_str();
-  app.add_option("--executor-key", flags.executor_key, "an executor started with --keys: its public key (executor.pub)");
+  app.add_option("--executor-key", flags.executor_key,
+                 "an executor started with --keys: its public key (executor.pub)");
   app.add_option("--key", flags.key_file, "an executor started with --keys: this tenant's key pair (NAME.key)");
   app.add_option("--tenant", flags.tenant, "name shown in the executor's log")->capture_default_str();
   app.add_option("--connect-timeout-ms", flags.connect_timeout_ms,
@@ -56,12 +57,15 @@ inline void add_tenant_flags(CLI::App& app, TenantFlags& flags, bool monolithic_
   app.add_option("--reconnect-ms", flags.reconnect_ms,
                  "how long to try to connect again to an executor that stopped or restarted (0: never)")
       ->capture_default_str();
-  app.add_flag("--mask", flags.mask, "mask activations and gradients with noise only this process knows (docs/privacy.md)");
+  app.add_flag("--mask", flags.mask,
+               "mask activations and gradients with noise only this process knows (docs/privacy.md)");
   app.add_option("--noise-ratio", flags.noise_ratio, "with --mask: the noise's norm against each call's input's")
       ->capture_default_str();
-  app.add_flag("--mask-effects-here", flags.mask_effects_here,
-               "mask, and compute the noise's effects here from --model's weights: the executor never sees a noise row");
-  if (monolithic_flag) app.add_flag("--monolithic", flags.monolithic, "compute the base layers in this process instead");
+  app.add_flag(
+      "--mask-effects-here", flags.mask_effects_here,
+      "mask, and compute the noise's effects here from --model's weights: the executor never sees a noise row");
+  if (monolithic_flag)
+    app.add_flag("--monolithic", flags.monolithic, "compute the base layers in this process instead");
 }
 
 // A client of the executor the flags name, as their tenant, of the checkpoint's model.

@@ -32,8 +32,9 @@ namespace {
 constexpr size_t kBufferBytes = 4096;
 
 LayerOp to_layer_op(int32_t op) {
-  return op == proto::BACKWARD_INPUT ? LayerOp::kBackwardInput
-                                     : op == proto::FORWARD_NO_BIAS ? LayerOp::kForwardNoBias : LayerOp::kForward;
+  return op == proto::BACKWARD_INPUT    ? LayerOp::kBackwardInput
+         : op == proto::FORWARD_NO_BIAS ? LayerOp::kForwardNoBias
+                                        : LayerOp::kForward;
 }
 
 // The client's view of its control segment, as it maps it.
@@ -193,7 +194,9 @@ void write_seeds(const std::filesystem::path& dir) {
   // The client rewrites, under the executor's feet: a record not yet taken (its offsets and tokens),
   // the ring's tail, the flags of the GPU transports and of the wake socket.
   const shm::ControlBlock block;
-  auto at = [&](const void* field) { return static_cast<size_t>(static_cast<const char*>(field) - reinterpret_cast<const char*>(&block)); };
+  auto at = [&](const void* field) {
+    return static_cast<size_t>(static_cast<const char*>(field) - reinterpret_cast<const char*>(&block));
+  };
   const size_t second_record = at(&block.requests) + 192 + sizeof(shm::CallRecord);  // past head, tail and wait
   seed(all, {scribble_at(second_record + offsetof(shm::CallHeader, in_offset), 1u << 30),
              scribble_at(second_record + offsetof(shm::CallHeader, tokens), 1u << 20),

@@ -33,7 +33,8 @@ void read_all(const Checkpoint& ckpt) {
     for (size_t i = 0; i < t.nbytes(); ++i) sum += bytes[i];
     (void)sum;
   }
-  for (const char* path : {"hidden_size", "rope_scaling.factor", "layer_types.0", "model_type", "tie_word_embeddings"}) {
+  for (const char* path :
+       {"hidden_size", "rope_scaling.factor", "layer_types.0", "model_type", "tie_word_embeddings"}) {
     ckpt.config_has(path);
   }
   (void)ckpt.model_hash();
@@ -86,7 +87,8 @@ void write_seeds(const std::filesystem::path& dir) {
   write_safetensors(scratch / "first.safetensors", {tensors.begin(), tensors.begin() + 3});
   write_safetensors(scratch / "second.safetensors", {tensors.begin() + 3, tensors.end()});
   nlohmann::json index = {{"metadata", {{"total_size", 1}}}, {"weight_map", nlohmann::json::object()}};
-  for (size_t i = 0; i < tensors.size(); ++i) index["weight_map"][tensors[i].first] = i < 3 ? kFirstShard : kSecondShard;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    index["weight_map"][tensors[i].first] = i < 3 ? kFirstShard : kSecondShard;
   const std::string h = "h.0.";
   write_safetensors(scratch / "gpt2.safetensors", {{h + "attn.c_attn.weight", at::randn({8, 24})},
                                                    {h + "attn.c_attn.bias", at::randn({24})},

@@ -66,12 +66,12 @@ void expect_refusal_or_success(Work&& work, const std::string& must_name = "") {
 }
 
 // An invariant of the code under test that the harness checks; aborts naming it.
-#define FUZZ_ASSERT(cond, ...)                                                     \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
+#define FUZZ_ASSERT(cond, ...)                                                          \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
       std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                \
-    }                                                                              \
+      std::abort();                                                                     \
+    }                                                                                   \
   } while (0)
 
 }  // namespace symbiosis::fuzz

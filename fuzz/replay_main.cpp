@@ -71,9 +71,7 @@ int crashes_written = 0;
 void run(const std::string& input) {
   // Kept on disk until the input has passed, so that an abort leaves it behind.
   const std::string path = "crash-replay-" + std::to_string(crashes_written);
-  {
-    std::ofstream(path, std::ios::binary) << input;
-  }
+  { std::ofstream(path, std::ios::binary) << input; }
   LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(input.data()), input.size());
   fs::remove(path);
 }

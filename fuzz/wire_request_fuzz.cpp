@@ -17,8 +17,9 @@ namespace symbiosis::fuzz {
 namespace {
 
 LayerOp to_layer_op(int32_t op) {
-  return op == proto::BACKWARD_INPUT ? LayerOp::kBackwardInput
-                                     : op == proto::FORWARD_NO_BIAS ? LayerOp::kForwardNoBias : LayerOp::kForward;
+  return op == proto::BACKWARD_INPUT    ? LayerOp::kBackwardInput
+         : op == proto::FORWARD_NO_BIAS ? LayerOp::kForwardNoBias
+                                        : LayerOp::kForward;
 }
 
 void take_request(const proto::Request& request, std::vector<zmq::message_t> payload) {
@@ -36,8 +37,8 @@ void take_request(const proto::Request& request, std::vector<zmq::message_t> pay
   // within the limit, and a frame of exactly that many bytes.
   FUZZ_ASSERT(h.layer_id < model.layer_count());
   const auto& layer = model.layer(h.layer_id);
-  FUZZ_ASSERT(h.tokens >= 1 && static_cast<uint64_t>(h.tokens * h.features) * at::elementSize(layer.dtype) <=
-                                   kMaxRequestBytes);
+  FUZZ_ASSERT(h.tokens >= 1 &&
+              static_cast<uint64_t>(h.tokens * h.features) * at::elementSize(layer.dtype) <= kMaxRequestBytes);
   const auto op = to_layer_op(h.op);
   const int64_t out_features = op == LayerOp::kBackwardInput ? layer.in_features : layer.out_features;
   auto input = channel->input(h, layer.dtype, {h.tokens, h.features});

@@ -15,7 +15,10 @@ __global__ void copy_segments_kernel(CopySegments segments, int64_t total_vecs) 
     int lo = 0, hi = segments.count - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (segments.first_vec[mid] <= v) lo = mid; else hi = mid - 1;
+      if (segments.first_vec[mid] <= v)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const int64_t i = v - segments.first_vec[lo];
     segments.dst[lo][i] = segments.src[lo][i];

@@ -63,10 +63,10 @@ at::Tensor cross_entropy_backward(const at::Tensor& logits, const at::Tensor& la
   if (logits.size(0) == 0) return grad;
   with_type(logits, [&](auto type) {
     using T = decltype(type);
-    C10_CUDA_CHECK(device::cross_entropy_backward(
-        static_cast<const T*>(logits.data_ptr()), labels.data_ptr<int64_t>(), lse.data_ptr<float>(),
-        scale.data_ptr<float>(), logits.size(0), logits.size(1), ignore_index, static_cast<T*>(grad.data_ptr()),
-        c10::cuda::getCurrentCUDAStream()));
+    C10_CUDA_CHECK(device::cross_entropy_backward(static_cast<const T*>(logits.data_ptr()), labels.data_ptr<int64_t>(),
+                                                  lse.data_ptr<float>(), scale.data_ptr<float>(), logits.size(0),
+                                                  logits.size(1), ignore_index, static_cast<T*>(grad.data_ptr()),
+                                                  c10::cuda::getCurrentCUDAStream()));
   });
   return grad;
 }

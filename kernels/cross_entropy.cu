@@ -48,9 +48,8 @@ struct LogSumExp {
 };
 
 template <typename T, int kWidth>
-__global__ void __launch_bounds__(kThreads)
-    forward_kernel(const T* logits, const int64_t* labels, int64_t vocab, int64_t ignore_index, float* lse_out,
-                   float* losses) {
+__global__ void __launch_bounds__(kThreads) forward_kernel(const T* logits, const int64_t* labels, int64_t vocab,
+                                                           int64_t ignore_index, float* lse_out, float* losses) {
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab;
   const auto* packs = reinterpret_cast<const Pack<T, kWidth>*>(x);
@@ -124,8 +123,8 @@ template <typename T>
 cudaError_t cross_entropy_forward(const T* logits, const int64_t* labels, int64_t rows, int64_t vocab,
                                   int64_t ignore_index, float* lse, float* losses, cudaStream_t stream) {
   with_width(logits, vocab, [&](auto width) {
-    forward_kernel<T, decltype(width)::value><<<rows, kThreads, 0, stream>>>(logits, labels, vocab, ignore_index, lse,
-                                                                             losses);
+    forward_kernel<T, decltype(width)::value>
+        <<<rows, kThreads, 0, stream>>>(logits, labels, vocab, ignore_index, lse, losses);
   });
   return cudaGetLastError();
 }
@@ -134,8 +133,8 @@ template <typename T>
 cudaError_t cross_entropy_backward(const T* logits, const int64_t* labels, const float* lse, const float* scale,
                                    int64_t rows, int64_t vocab, int64_t ignore_index, T* grad, cudaStream_t stream) {
   with_width(logits, vocab, [&](auto width) {
-    backward_kernel<T, decltype(width)::value><<<rows, kThreads, 0, stream>>>(logits, labels, lse, scale, vocab,
-                                                                              ignore_index, grad);
+    backward_kernel<T, decltype(width)::value>
+        <<<rows, kThreads, 0, stream>>>(logits, labels, lse, scale, vocab, ignore_index, grad);
   });
   return cudaGetLastError();
 }

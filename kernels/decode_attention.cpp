@@ -29,15 +29,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "contiguous, got ",
               q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
-  TORCH_CHECK(decode_attention_supports(heads, kv_heads, dim, q.scalar_type()),
-              "decode_attention: ", heads, " heads over ", kv_heads, " kv heads of ", dim, " in ", q.scalar_type(),
+  TORCH_CHECK(decode_attention_supports(heads, kv_heads, dim, q.scalar_type()), "decode_attention: ", heads,
+              " heads over ", kv_heads, " kv heads of ", dim, " in ", q.scalar_type(),
               " are not supported (see decode_attention_supports)");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous() &&
                   keys.size(1) == kv_heads && keys.size(3) == dim,
               "decode_attention: the cache must be two contiguous [slots, ", kv_heads, ", tokens, ", dim,
               "] tensors, got ", keys.sizes(), " and ", values.sizes());
-  TORCH_CHECK(slots.dim() == 1 && positions.dim() == 1 && slots.size(0) == q.size(0) && positions.size(0) == q.size(0) &&
-                  slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+  TORCH_CHECK(slots.dim() == 1 && positions.dim() == 1 && slots.size(0) == q.size(0) &&
+                  positions.size(0) == q.size(0) && slots.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong,
               "decode_attention: slots and positions must be [", q.size(0), "] int64, got ", slots.sizes(), " ",
               slots.scalar_type(), " and ", positions.sizes(), " ", positions.scalar_type());
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &keys, &values, &slots, &positions}) {

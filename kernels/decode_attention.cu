@@ -59,8 +59,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       acc[g][i] = 0.f;
-      query[g][i] = g < group ? static_cast<float>(q[b * q_rows.sequence + (h * group + g) * q_rows.head + first + i]) * scale
-                              : 0.f;
+      query[g][i] = g < group
+                        ? static_cast<float>(q[b * q_rows.sequence + (h * group + g) * q_rows.head + first + i]) * scale
+                        : 0.f;
     }
   }
   for (int64_t base = begin + warp; base < end; base += kWarps * kUnroll) {
@@ -180,7 +181,7 @@ cudaError_t decode_attention(const AttentionOperands<T>& operands, AttentionPart
   }
 }
 
-#define SYMBIOSIS_INSTANTIATE(T)                                                                          \
+#define SYMBIOSIS_INSTANTIATE(T) \
   template cudaError_t decode_attention<T>(const AttentionOperands<T>&, AttentionPartials, cudaStream_t);
 SYMBIOSIS_FOR_KERNEL_TYPES(SYMBIOSIS_INSTANTIATE)
 #undef SYMBIOSIS_INSTANTIATE

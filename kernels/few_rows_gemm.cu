@@ -27,8 +27,10 @@ struct Vector {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float2 f;
-        if constexpr (std::is_same_v<T, __nv_bfloat16>) f = __bfloat1622float2(pairs[i]);
-        else f = __half22float2(pairs[i]);
+        if constexpr (std::is_same_v<T, __nv_bfloat16>)
+          f = __bfloat1622float2(pairs[i]);
+        else
+          f = __half22float2(pairs[i]);
         values[2 * i] = f.x;
         values[2 * i + 1] = f.y;
       }
@@ -38,9 +40,12 @@ struct Vector {
 
 template <typename T>
 __device__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16(v);
-  else return __float2half(v);
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16(v);
+  else
+    return __float2half(v);
 }
 
 // The weight is read once, so its loads skip L1 and leave it to x, which every warp reads.
@@ -57,8 +62,8 @@ __device__ int4 load_once(const int4* address) {
 // then the lanes' sums are added pairwise. kRows is a compile-time bound so that x's vectors and
 // the sums stay in registers; with fewer rows a lane keeps more of the weight's loads in flight.
 template <typename T, int kRows>
-__global__ void few_rows_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out,
-                                int rows, int64_t n, int64_t k) {
+__global__ void few_rows_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out, int rows,
+                                int64_t n, int64_t k) {
   constexpr int kUnroll = kRows <= 2 ? 4 : 2;
   const int lane = threadIdx.x % 32;
   const int64_t column = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32;
@@ -113,7 +118,7 @@ cudaError_t few_rows_gemm(const T* x, const T* weight, T* out, int rows, int64_t
   return cudaGetLastError();
 }
 
-#define SYMBIOSIS_INSTANTIATE(T)                                                                      \
+#define SYMBIOSIS_INSTANTIATE(T) \
   template cudaError_t few_rows_gemm<T>(const T*, const T*, T*, int, int64_t, int64_t, cudaStream_t);
 SYMBIOSIS_FOR_KERNEL_TYPES(SYMBIOSIS_INSTANTIATE)
 #undef SYMBIOSIS_INSTANTIATE

@@ -12,8 +12,8 @@ constexpr int kThreads = 256;
 // Block (row, tile of kThreads columns): each thread one column; h's row in shared memory, in fp32.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    lora_expand_kernel(const T* base, int64_t base_row_stride, const T* h, int64_t rank_total, T* out,
-                       int64_t columns, LoraMembers<T> members) {
+    lora_expand_kernel(const T* base, int64_t base_row_stride, const T* h, int64_t rank_total, T* out, int64_t columns,
+                       LoraMembers<T> members) {
   __shared__ float h_row[kLoraMaxRankTotal];
   const int64_t row = blockIdx.x;
   for (int64_t j = threadIdx.x; j < rank_total; j += kThreads) h_row[j] = static_cast<float>(h[row * rank_total + j]);

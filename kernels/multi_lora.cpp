@@ -24,7 +24,8 @@ at::Tensor multi_lora_table(const std::vector<MultiLoraEntry>& entries) {
       TORCH_CHECK(e.a.is_cuda() && e.b.is_cuda() && e.a.dim() == 2 && e.b.dim() == 2 && e.a.is_contiguous() &&
                       e.b.is_contiguous() && e.a.size(0) == e.b.size(1) && e.a.scalar_type() == e.b.scalar_type() &&
                       e.a.size(0) >= 1 && e.a.size(0) <= kMultiLoraMaxRank,
-                  "multi_lora_table: slot ", i, " needs A [rank, in] and B [out, rank] contiguous on a GPU in one dtype",
+                  "multi_lora_table: slot ", i,
+                  " needs A [rank, in] and B [out, rank] contiguous on a GPU in one dtype",
                   " with 1 <= rank <= ", kMultiLoraMaxRank, ", got A ", e.a.sizes(), " and B ", e.b.sizes());
       slot = {e.a.data_ptr(), e.b.data_ptr(), static_cast<int32_t>(e.a.size(0)), static_cast<float>(e.scaling)};
     }
@@ -41,8 +42,8 @@ at::Tensor multi_lora(const at::Tensor& base, const at::Tensor& x, const at::Ten
               base.device());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == base.size(0) && x.scalar_type() == base.scalar_type() &&
                   x.device() == base.device(),
-              "multi_lora: x must be [", base.size(0), ", in] contiguous in ", base.scalar_type(), " on ", base.device(),
-              ", got ", x.sizes(), " in ", x.scalar_type(), " on ", x.device());
+              "multi_lora: x must be [", base.size(0), ", in] contiguous in ", base.scalar_type(), " on ",
+              base.device(), ", got ", x.sizes(), " in ", x.scalar_type(), " on ", x.device());
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == base.size(0) && slots.scalar_type() == at::kInt &&
                   slots.is_contiguous() && slots.device() == base.device(),
               "multi_lora: slots must be [", base.size(0), "] int32 on ", base.device(), ", got ", slots.sizes(), " ",
@@ -60,11 +61,11 @@ at::Tensor multi_lora(const at::Tensor& base, const at::Tensor& x, const at::Ten
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const bool launched = with_cuda_type(base.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    C10_CUDA_CHECK(device::multi_lora<T>(
-        static_cast<const T*>(base.data_ptr()), base.stride(0), static_cast<const T*>(x.data_ptr()), x.size(1),
-        slots.data_ptr<int32_t>(), reinterpret_cast<const device::MultiLoraSlot*>(table.data_ptr<uint8_t>()),
-        static_cast<int32_t>(table.size(0) / entry), h.data_ptr<float>(), max_rank, static_cast<T*>(out.data_ptr()),
-        base.size(0), base.size(1), stream));
+    C10_CUDA_CHECK(device::multi_lora<T>(static_cast<const T*>(base.data_ptr()), base.stride(0),
+                                         static_cast<const T*>(x.data_ptr()), x.size(1), slots.data_ptr<int32_t>(),
+                                         reinterpret_cast<const device::MultiLoraSlot*>(table.data_ptr<uint8_t>()),
+                                         static_cast<int32_t>(table.size(0) / entry), h.data_ptr<float>(), max_rank,
+                                         static_cast<T*>(out.data_ptr()), base.size(0), base.size(1), stream));
   });
   TORCH_CHECK(launched, "multi_lora: takes fp32, bf16 or fp16, got ", base.scalar_type());
   return out;

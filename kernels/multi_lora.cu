@@ -104,25 +104,25 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 cudaError_t multi_lora(const T* base, int64_t base_row_stride, const T* x, int64_t in, const int32_t* slots,
-                       const MultiLoraSlot* table, int32_t slot_count, float* h, int64_t max_rank, T* out,
-                       int64_t rows, int64_t columns, cudaStream_t stream) {
+                       const MultiLoraSlot* table, int32_t slot_count, float* h, int64_t max_rank, T* out, int64_t rows,
+                       int64_t columns, cudaStream_t stream) {
   // 16-byte vectors along `in` where x's rows (and so A's, of the same width) allow them.
   constexpr int kVector = 16 / sizeof(T);
   if (in % kVector == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     shrink_kernel<T, kVector>
         <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, in, slots, table, slot_count, h, max_rank);
   } else {
-    shrink_kernel<T, 1><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, in, slots, table, slot_count, h,
-                                                                              max_rank);
+    shrink_kernel<T, 1>
+        <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, in, slots, table, slot_count, h, max_rank);
   }
   if (const auto status = cudaGetLastError(); status != cudaSuccess) return status;
   const dim3 blocks(static_cast<unsigned>(rows), static_cast<unsigned>((columns + kThreads - 1) / kThreads));
-  expand_kernel<T><<<blocks, kThreads, 0, stream>>>(base, base_row_stride, slots, table, slot_count, h, max_rank, out,
-                                                    columns);
+  expand_kernel<T>
+      <<<blocks, kThreads, 0, stream>>>(base, base_row_stride, slots, table, slot_count, h, max_rank, out, columns);
   return cudaGetLastError();
 }
 
-#define SYMBIOSIS_INSTANTIATE(T)                                                                              \
+#define SYMBIOSIS_INSTANTIATE(T)                                                                                 \
   template cudaError_t multi_lora<T>(const T*, int64_t, const T*, int64_t, const int32_t*, const MultiLoraSlot*, \
                                      int32_t, float*, int64_t, T*, int64_t, int64_t, cudaStream_t);
 SYMBIOSIS_FOR_KERNEL_TYPES(SYMBIOSIS_INSTANTIATE)

@@ -26,8 +26,8 @@ struct MultiLoraSlot {
 // launches (shrink, expand) for every slot at once, on `stream`.
 template <typename T>
 cudaError_t multi_lora(const T* base, int64_t base_row_stride, const T* x, int64_t in, const int32_t* slots,
-                       const MultiLoraSlot* table, int32_t slot_count, float* h, int64_t max_rank, T* out,
-                       int64_t rows, int64_t columns, cudaStream_t stream);
+                       const MultiLoraSlot* table, int32_t slot_count, float* h, int64_t max_rank, T* out, int64_t rows,
+                       int64_t columns, cudaStream_t stream);
 
 }  // namespace device
 }  // namespace symbiosis::kernels

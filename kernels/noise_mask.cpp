@@ -72,8 +72,8 @@ at::Tensor unmask_rows(const at::Tensor& y, const at::Tensor& effect, const Mask
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const float* bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "unmask_rows", [&] {
-    C10_CUDA_CHECK(device::unmask_rows(cuda_data<scalar_t>(y), y.stride(0), cuda_data<scalar_t>(effect), rows,
-                                       features, static_cast<int>(mix), masked.choices.data_ptr<int32_t>(),
+    C10_CUDA_CHECK(device::unmask_rows(cuda_data<scalar_t>(y), y.stride(0), cuda_data<scalar_t>(effect), rows, features,
+                                       static_cast<int>(mix), masked.choices.data_ptr<int32_t>(),
                                        masked.norm.data_ptr<float>(), static_cast<float>(masked.factor), bias_data,
                                        cuda_data<scalar_t>(out), call.data_ptr<int64_t>(), stream));
   });

@@ -149,8 +149,8 @@ cudaError_t unmask_rows(const T* y, int64_t y_stride, const T* effect, int64_t r
                         const int32_t* choices, const float* norm, float factor, const float* bias, T* out,
                         int64_t* call, cudaStream_t stream) {
   auto launch = [&](auto vec) {
-    unmask_kernel<T, decltype(vec)::value><<<rows, kThreads, 0, stream>>>(y, y_stride, effect, features, mix, choices,
-                                                                          norm, factor, bias, out, call);
+    unmask_kernel<T, decltype(vec)::value>
+        <<<rows, kThreads, 0, stream>>>(y, y_stride, effect, features, mix, choices, norm, factor, bias, out, call);
   };
   constexpr int kVec = 16 / sizeof(T);
   if (features > 0 && vectorizable<kVec, T>(features, {y_stride}, {y, effect, out})) {

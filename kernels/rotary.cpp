@@ -25,10 +25,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               "even, got ",
               x.sizes(), " with strides ", x.strides(), " on ", x.device());
   for (const auto* angles : {&cos, &sin}) {
-    TORCH_CHECK(angles->dim() == 4 && (angles->size(0) == 1 || angles->size(0) == x.size(0)) &&
-                    angles->size(1) == 1 && angles->size(2) == x.size(2) && angles->size(3) == x.size(3) &&
-                    angles->stride(3) == 1 && angles->scalar_type() == x.scalar_type() &&
-                    angles->device() == x.device(),
+    TORCH_CHECK(angles->dim() == 4 && (angles->size(0) == 1 || angles->size(0) == x.size(0)) && angles->size(1) == 1 &&
+                    angles->size(2) == x.size(2) && angles->size(3) == x.size(3) && angles->stride(3) == 1 &&
+                    angles->scalar_type() == x.scalar_type() && angles->device() == x.device(),
                 "rotary: cos and sin must be [", x.size(0), " or 1, 1, ", x.size(2), ", ", x.size(3), "] in ",
                 x.scalar_type(), " on ", x.device(), " with the last dimension contiguous, got ", angles->sizes(),
                 " in ", angles->scalar_type());

@@ -42,11 +42,11 @@ cudaError_t rotary(const T* x, const T* cos, const T* sin, T* out, RotaryRows x_
                    RotaryRows angle_rows, int64_t half, int64_t pairs, bool backward, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>((pairs + kThreads - 1) / kThreads, 65535));
   if (backward) {
-    rotary_kernel<T, true><<<blocks, kThreads, 0, stream>>>(x, cos, sin, out, x_rows, out_rows, angle_rows, half,
-                                                            pairs);
+    rotary_kernel<T, true>
+        <<<blocks, kThreads, 0, stream>>>(x, cos, sin, out, x_rows, out_rows, angle_rows, half, pairs);
   } else {
-    rotary_kernel<T, false><<<blocks, kThreads, 0, stream>>>(x, cos, sin, out, x_rows, out_rows, angle_rows, half,
-                                                             pairs);
+    rotary_kernel<T, false>
+        <<<blocks, kThreads, 0, stream>>>(x, cos, sin, out, x_rows, out_rows, angle_rows, half, pairs);
   }
   return cudaGetLastError();
 }

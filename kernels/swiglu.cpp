@@ -22,10 +22,10 @@ device::Matrix<T> matrix(const at::Tensor& t, const char* what) {
 }
 
 void check(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.is_cuda() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
-                  t.device() == like.device(),
-              "swiglu: ", what, " must be ", like.sizes(), " in ", like.scalar_type(), " on ", like.device(), ", got ",
-              t.sizes(), " in ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(
+      t.is_cuda() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() && t.device() == like.device(),
+      "swiglu: ", what, " must be ", like.sizes(), " in ", like.scalar_type(), " on ", like.device(), ", got ",
+      t.sizes(), " in ", t.scalar_type(), " on ", t.device());
 }
 
 }  // namespace
@@ -52,7 +52,8 @@ void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::T
   const auto device_guard = on_device_of(gate);  // [Operands' device]
   TORCH_CHECK(gate.is_cuda() && gate.dim() >= 1, "swiglu: gate must be a CUDA tensor, got ", gate.sizes(), " on ",
               gate.device());
-  for (const auto& [t, what] : {std::pair{&grad, "grad"}, {&up, "up"}, {&grad_gate, "grad_gate"}, {&grad_up, "grad_up"}}) {
+  for (const auto& [t, what] :
+       {std::pair{&grad, "grad"}, {&up, "up"}, {&grad_gate, "grad_gate"}, {&grad_up, "grad_up"}}) {
     check(*t, gate, what);
   }
   const int64_t n = gate.size(-1), elements = gate.numel();

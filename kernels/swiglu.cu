@@ -107,19 +107,18 @@ cudaError_t swiglu_backward(Matrix<const T> grad, Matrix<const T> gate, Matrix<c
                           {up.data, up.stride},
                           {grad_gate.data, grad_gate.stride},
                           {grad_up.data, grad_up.stride}})) {
-    backward_kernel<T, kVec><<<blocks_for(elements / kVec), kThreads, 0, stream>>>(grad, gate, up, grad_gate, grad_up,
-                                                                                  n, elements / kVec);
+    backward_kernel<T, kVec>
+        <<<blocks_for(elements / kVec), kThreads, 0, stream>>>(grad, gate, up, grad_gate, grad_up, n, elements / kVec);
   } else {
-    backward_kernel<T, 1><<<blocks_for(elements), kThreads, 0, stream>>>(grad, gate, up, grad_gate, grad_up, n,
-                                                                        elements);
+    backward_kernel<T, 1>
+        <<<blocks_for(elements), kThreads, 0, stream>>>(grad, gate, up, grad_gate, grad_up, n, elements);
   }
   return cudaGetLastError();
 }
 
-#define SYMBIOSIS_INSTANTIATE(T)                                                                                   \
-  template cudaError_t swiglu_forward<T>(Matrix<const T>, Matrix<const T>, Matrix<T>, int64_t, int64_t,            \
-                                         cudaStream_t);                                                            \
-  template cudaError_t swiglu_backward<T>(Matrix<const T>, Matrix<const T>, Matrix<const T>, Matrix<T>, Matrix<T>, \
+#define SYMBIOSIS_INSTANTIATE(T)                                                                                       \
+  template cudaError_t swiglu_forward<T>(Matrix<const T>, Matrix<const T>, Matrix<T>, int64_t, int64_t, cudaStream_t); \
+  template cudaError_t swiglu_backward<T>(Matrix<const T>, Matrix<const T>, Matrix<const T>, Matrix<T>, Matrix<T>,     \
                                           int64_t, int64_t, cudaStream_t);
 SYMBIOSIS_FOR_FLOATING_TYPES(SYMBIOSIS_INSTANTIATE)
 #undef SYMBIOSIS_INSTANTIATE

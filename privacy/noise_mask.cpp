@@ -35,7 +35,8 @@ uint64_t secret_or_random(uint64_t secret) {
 // effects, its bias) cannot be asked inside a capture, which records calls rather than making them.
 [[noreturn]] void refuse_first_call_in_capture(const LayerInfo& layer, const char* what) {
   TORCH_CHECK(false, "privacy masking: layer '", layer.name, "' is first called inside a CUDA graph capture, and ",
-              what, " needs an executor call, which a capture records instead of making; run the step eagerly at "
+              what,
+              " needs an executor call, which a capture records instead of making; run the step eagerly at "
               "least once before capturing it");
 }
 
@@ -66,8 +67,8 @@ void NoiseMask::draw(Bank& bank, bool backward, const at::TensorOptions& like, c
   const int64_t features = backward ? layer.out_features : layer.in_features;
   // Drawn on the CPU from the secret's stream (the same on every device), in the call's dtype, so
   // that the rows sent and the rows whose effect is computed are the same numbers.
-  const auto noise = at::normal(0.0, 1.0, {options_.bank_rows, features}, noise_, at::TensorOptions().dtype(at::kFloat))
-                         .to(like);
+  const auto noise =
+      at::normal(0.0, 1.0, {options_.bank_rows, features}, noise_, at::TensorOptions().dtype(at::kFloat)).to(like);
   at::Tensor effect;
   if (load_weights_) {
     // Here, in fp32, from the weights as the executor holds them: the executor never sees the rows.
@@ -97,8 +98,8 @@ void NoiseMask::draw(Bank& bank, bool backward, const at::TensorOptions& like, c
 NoiseMask::Bank& NoiseMask::bank(const LayerInfo& layer, bool backward, const at::Tensor& like, const Send& send) {
   auto& bank = banks_[{layer.id, backward}];
   bank.layer = &layer;
-  const bool fits = bank.noise.defined() && bank.noise.device() == like.device() &&
-                    bank.noise.scalar_type() == like.scalar_type();
+  const bool fits =
+      bank.noise.defined() && bank.noise.device() == like.device() && bank.noise.scalar_type() == like.scalar_type();
   if (capturing_) {
     if (!fits) refuse_first_call_in_capture(layer, backward ? "its backward noise bank" : "its forward noise bank");
     return bank;  // a bank due now is redrawn when a replay counts its calls

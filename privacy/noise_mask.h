@@ -50,12 +50,12 @@
 namespace symbiosis {
 
 struct PrivacyOptions {
-  bool mask = false;          // mask this client's activations and gradients
-  uint64_t secret = 0;        // seeds the banks and the choice of rows; 0: drawn from the system
-  int64_t bank_rows = 256;    // noise rows per layer and direction
-  int64_t mix = 2;            // bank rows summed (with random signs) into each row's noise
-  double noise_ratio = 4.0;   // the noise's norm against the masked call's input's (per call)
-  int64_t rotate_after = 0;   // calls of a layer and direction after which its bank is drawn anew; 0: never
+  bool mask = false;         // mask this client's activations and gradients
+  uint64_t secret = 0;       // seeds the banks and the choice of rows; 0: drawn from the system
+  int64_t bank_rows = 256;   // noise rows per layer and direction
+  int64_t mix = 2;           // bank rows summed (with random signs) into each row's noise
+  double noise_ratio = 4.0;  // the noise's norm against the masked call's input's (per call)
+  int64_t rotate_after = 0;  // calls of a layer and direction after which its bank is drawn anew; 0: never
   // "": the executor computes the banks' effects (it sees each bank row alone, once). A checkpoint
   // directory of the executor's model: this process computes them from the public base weights,
   // streamed layer by layer when a bank is drawn, so the executor never sees a noise row alone.
@@ -103,10 +103,10 @@ class NoiseMask {
  private:
   struct Bank {
     const LayerInfo* layer = nullptr;  // the client's, which outlives the mask
-    at::Tensor noise;   // [bank_rows, features], in the call's dtype and device
-    at::Tensor effect;  // [bank_rows, out features], in the call's dtype
-    int64_t calls = 0;  // since drawn
-    bool rotate = false;  // asked by rotate()
+    at::Tensor noise;                  // [bank_rows, features], in the call's dtype and device
+    at::Tensor effect;                 // [bank_rows, out features], in the call's dtype
+    int64_t calls = 0;                 // since drawn
+    bool rotate = false;               // asked by rotate()
     bool due(int64_t rotate_after) const { return rotate || (rotate_after > 0 && calls >= rotate_after); }
   };
   // The bank of (layer, direction) for a call like `like`, drawn (and its effect computed) when
@@ -123,12 +123,12 @@ class NoiseMask {
   const PrivacyOptions options_;
   const LoadWeights load_weights_;
   const uint64_t secret_;
-  mutable std::mutex mutex_;   // guards everything below
-  at::Generator noise_;        // the banks' values (CPU), seeded from the secret
-  uint64_t cpu_calls_ = 0;     // the next CPU call's number ([Noise choice])
+  mutable std::mutex mutex_;                          // guards everything below
+  at::Generator noise_;                               // the banks' values (CPU), seeded from the secret
+  uint64_t cpu_calls_ = 0;                            // the next CPU call's number ([Noise choice])
   std::map<c10::DeviceIndex, at::Tensor> gpu_calls_;  // the next GPU call's number, int64 [1] on that GPU
   std::map<BankKey, Bank> banks_;
-  std::map<uint32_t, at::Tensor> biases_;            // fp32 [out features] on the calls' device, by layer id
+  std::map<uint32_t, at::Tensor> biases_;  // fp32 [out features] on the calls' device, by layer id
   int64_t banks_drawn_ = 0;
   bool capturing_ = false;
   CapturedUse captured_;  // while capturing

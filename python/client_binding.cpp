@@ -111,7 +111,7 @@ std::shared_ptr<Client> connect(const std::string& endpoint, const std::string& 
 
 }  // namespace
 
-void bind_generator(py::module_& m);  // generator_binding.cpp
+void bind_generator(py::module_& m);       // generator_binding.cpp
 void bind_serving_engine(py::module_& m);  // serving_binding.cpp
 
 }  // namespace symbiosis
@@ -145,8 +145,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<LayerInfo>(m, "LayerInfo", "One row of the executor's layer table")
       .def_readonly("id", &LayerInfo::id)
       .def_readonly("name", &LayerInfo::name, "checkpoint name without .weight")
-      .def_property_readonly("kind", [](const LayerInfo& l) { return std::string(symbiosis::layer_kind_name(l.kind)); },
-                             "'Linear' (weight [out, in]) or 'Conv1D' (weight [in, out])")
+      .def_property_readonly(
+          "kind", [](const LayerInfo& l) { return std::string(symbiosis::layer_kind_name(l.kind)); },
+          "'Linear' (weight [out, in]) or 'Conv1D' (weight [in, out])")
       .def_readonly("in_features", &LayerInfo::in_features)
       .def_readonly("out_features", &LayerInfo::out_features)
       .def_readonly("bias", &LayerInfo::bias, "whether the executor adds a bias")
@@ -156,44 +157,47 @@ PYBIND11_MODULE(_C, m) {
       .def("__copy__", [](const LayerInfo& l) { return l; })
       .def("__deepcopy__", [](const LayerInfo& l, const py::dict&) { return l; })
       .def("__repr__", [](const LayerInfo& l) {
-        return "LayerInfo(id=" + std::to_string(l.id) + ", name='" + l.name + "', kind=" +
-               symbiosis::layer_kind_name(l.kind) + ", in=" + std::to_string(l.in_features) +
+        return "LayerInfo(id=" + std::to_string(l.id) + ", name='" + l.name +
+               "', kind=" + symbiosis::layer_kind_name(l.kind) + ", in=" + std::to_string(l.in_features) +
                ", out=" + std::to_string(l.out_features) + ", bias=" + (l.bias ? "True" : "False") + ")";
       });
 
   py::class_<Client, std::shared_ptr<Client>>(m, "Client", "A tenant's connection to a base executor")
       .def_static("connect", &symbiosis::connect, py::arg("endpoint"), py::arg("tenant") = "default",
                   py::arg("device") = "cpu", py::arg("transport") = "auto", py::arg("expected_model_hash") = "",
-                  py::arg("timeout_ms") = 60000, py::arg("connect_timeout_ms") = 10000,
-                  py::arg("reconnect_ms") = 60000, py::arg("latency_class") = "finetune",
-                  py::arg("control") = "auto", py::arg("direct_operands") = true, py::arg("spin_us") = -1,
-                  py::arg("executor_key") = "", py::arg("key_file") = "", py::arg("mask") = false,
-                  py::arg("noise_ratio") = 4.0, py::arg("mask_secret") = 0, py::arg("mask_bank_rows") = 256,
-                  py::arg("mask_rotate_after") = 0, py::arg("mask_effects_checkpoint") = "")
+                  py::arg("timeout_ms") = 60000, py::arg("connect_timeout_ms") = 10000, py::arg("reconnect_ms") = 60000,
+                  py::arg("latency_class") = "finetune", py::arg("control") = "auto", py::arg("direct_operands") = true,
+                  py::arg("spin_us") = -1, py::arg("executor_key") = "", py::arg("key_file") = "",
+                  py::arg("mask") = false, py::arg("noise_ratio") = 4.0, py::arg("mask_secret") = 0,
+                  py::arg("mask_bank_rows") = 256, py::arg("mask_rotate_after") = 0,
+                  py::arg("mask_effects_checkpoint") = "")
       .def("layers", &Client::layers, py::return_value_policy::copy)
-      .def("forward",
-           [](Client& c, int64_t layer_id, const at::Tensor& x, bool with_bias) {
-             const auto& layer = symbiosis::layer_by_id(c, layer_id);
-             const at::Tensor input = x.detach();  // [GIL-free release]
-             py::gil_scoped_release no_gil;
-             return c.forward(layer, input, with_bias);
-           },
-           py::arg("layer_id"), py::arg("x"), py::arg("with_bias") = true,
-           "x [tokens, in] in the layer's dtype, on this client's device -> x·Wᵀ (+ b)")
-      .def("backward_input",
-           [](Client& c, int64_t layer_id, const at::Tensor& grad_out) {
-             const auto& layer = symbiosis::layer_by_id(c, layer_id);
-             const at::Tensor input = grad_out.detach();  // [GIL-free release]
-             py::gil_scoped_release no_gil;
-             return c.backward_input(layer, input);
-           },
-           py::arg("layer_id"), py::arg("grad_out"), "grad_out [tokens, out] -> grad_out·W")
+      .def(
+          "forward",
+          [](Client& c, int64_t layer_id, const at::Tensor& x, bool with_bias) {
+            const auto& layer = symbiosis::layer_by_id(c, layer_id);
+            const at::Tensor input = x.detach();  // [GIL-free release]
+            py::gil_scoped_release no_gil;
+            return c.forward(layer, input, with_bias);
+          },
+          py::arg("layer_id"), py::arg("x"), py::arg("with_bias") = true,
+          "x [tokens, in] in the layer's dtype, on this client's device -> x·Wᵀ (+ b)")
+      .def(
+          "backward_input",
+          [](Client& c, int64_t layer_id, const at::Tensor& grad_out) {
+            const auto& layer = symbiosis::layer_by_id(c, layer_id);
+            const at::Tensor input = grad_out.detach();  // [GIL-free release]
+            py::gil_scoped_release no_gil;
+            return c.backward_input(layer, input);
+          },
+          py::arg("layer_id"), py::arg("grad_out"), "grad_out [tokens, out] -> grad_out·W")
       .def("settle", &Client::settle, py::call_guard<py::gil_scoped_release>(),
            "wait for every call made so far; raise the first executor error among them")
       .def("set_latency_class",
            [](Client& c, const std::string& name) { c.set_latency_class(symbiosis::parse_latency_class(name)); })
-      .def_property_readonly("latency_class",
-                             [](const Client& c) { return std::string(symbiosis::latency_class_name(c.latency_class())); })
+      .def_property_readonly(
+          "latency_class",
+          [](const Client& c) { return std::string(symbiosis::latency_class_name(c.latency_class())); })
       .def_property_readonly("client_id", &Client::client_id)
       .def_property_readonly("model_hash", &Client::model_hash)
       .def_property_readonly("transport", &Client::transport)

@@ -88,9 +88,8 @@ py::list generate(BoundGenerator& bound, const std::vector<std::vector<int64_t>>
 
 void bind_generator(py::module_& m) {
   py::class_<BoundGenerator>(m, "Generator", "The C++ runtime's generation engine for a Python tenant")
-      .def(py::init(&make_generator), py::arg("checkpoint"), py::arg("client"), py::arg("adapter"),
-           py::arg("device"), py::arg("dtype"), py::arg("max_sequences"), py::arg("max_tokens"),
-           py::arg("capture_decode"))
+      .def(py::init(&make_generator), py::arg("checkpoint"), py::arg("client"), py::arg("adapter"), py::arg("device"),
+           py::arg("dtype"), py::arg("max_sequences"), py::arg("max_tokens"), py::arg("capture_decode"))
       .def("generate", &generate, py::arg("prompts"), py::arg("max_new_tokens"), py::arg("temperature"),
            py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token_ids"), py::arg("logprobs"))
       .def_property_readonly("captured_batch_sizes",

@@ -109,8 +109,8 @@ class ServingEngine {
       std::lock_guard<std::mutex> lock(wake_mutex_);
       TORCH_CHECK(!stopping_, "the serving engine is shut down: it takes no more requests");
     }
-    auto request = std::make_shared<Request>(*tokenizer_, std::move(stop),
-                                             std::make_shared<PythonCallback>(std::move(on_event)));
+    auto request =
+        std::make_shared<Request>(*tokenizer_, std::move(stop), std::make_shared<PythonCallback>(std::move(on_event)));
     GenerationRequest generation;
     generation.prompt_ids = std::move(prompt_ids);
     generation.adapter = adapter;
@@ -217,8 +217,8 @@ class ServingEngine {
 
   // On the stepping thread, within a step: the request's event, kept for deliver_all().
   void deliver(Request& request, const TokenEvent& event) {
-    Delivery delivery{request.on_event, event.token, event.logprob, event.top_logprobs, std::move(request.text),
-                      std::nullopt, event.error};
+    Delivery delivery{request.on_event,        event.token,  event.logprob, event.top_logprobs,
+                      std::move(request.text), std::nullopt, event.error};
     request.text.clear();
     if (event.finished) {
       delivery.text += request.stops.finish();

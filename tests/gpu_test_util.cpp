@@ -39,8 +39,16 @@ void reset_gpu_peak(int device) {
 std::vector<std::string> demo_client(const std::string& endpoint, const std::filesystem::path& model,
                                      const std::string& device, const std::string& transport,
                                      const std::vector<std::string>& extra) {
-  std::vector<std::string> args = {binary("examples/symbiosis-demo-client"), "--executor", endpoint, "--model",
-                                   model.string(), "--device", device, "--transport", transport, "--quiet"};
+  std::vector<std::string> args = {binary("examples/symbiosis-demo-client"),
+                                   "--executor",
+                                   endpoint,
+                                   "--model",
+                                   model.string(),
+                                   "--device",
+                                   device,
+                                   "--transport",
+                                   transport,
+                                   "--quiet"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }

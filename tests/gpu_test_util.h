@@ -18,9 +18,9 @@
 #include "client_runtime/training/step_graph.h"
 #include "tests/test_util.h"
 
-#define SKIP_WITHOUT_GPUS(n)                                                                                    \
-  if (static_cast<int>(torch::cuda::device_count()) < (n))                                                      \
-  GTEST_SKIP() << "needs " << (n) << " CUDA GPU(s), this machine has " << torch::cuda::device_count()           \
+#define SKIP_WITHOUT_GPUS(n)                                                                          \
+  if (static_cast<int>(torch::cuda::device_count()) < (n))                                            \
+  GTEST_SKIP() << "needs " << (n) << " CUDA GPU(s), this machine has " << torch::cuda::device_count() \
                << ": GPU tests run on the GPU machine (scripts/gpu_check.sh)"
 
 namespace symbiosis::testing {

@@ -97,7 +97,8 @@ proto::Envelope exchange(zmq::socket_t& socket, const proto::Envelope& envelope)
 struct ProvenPeer {
   proto::Envelope answer;
   UniqueFd link;
-  std::vector<UniqueFd> descriptors;  // the control segment and the wake socket, when the Welcome names a control channel
+  std::vector<UniqueFd>
+      descriptors;  // the control segment and the wake socket, when the Welcome names a control channel
 };
 ProvenPeer hello_and_prove(zmq::socket_t& socket, const proto::Envelope& hello);
 // Sends a set-up message on the link (with `descriptor` when >= 0); returns the answer over ZeroMQ.

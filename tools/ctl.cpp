@@ -36,18 +36,21 @@ void print_table(const symbiosis::proto::Stats& s) {
               static_cast<unsigned long>(s.clients()), static_cast<unsigned long>(s.queue_depth()));
   std::printf("requests %lu in %lu batches (mean %.2f, max %lu), errors %lu, tokens %lu (%.0f tokens/s)\n",
               static_cast<unsigned long>(s.requests()), static_cast<unsigned long>(s.batches()),
-              s.batches() ? double(s.requests()) / s.batches() : 0.0, static_cast<unsigned long>(s.max_batch_requests()),
-              static_cast<unsigned long>(s.errors()), static_cast<unsigned long>(s.tokens()), s.tokens() / uptime);
+              s.batches() ? double(s.requests()) / s.batches() : 0.0,
+              static_cast<unsigned long>(s.max_batch_requests()), static_cast<unsigned long>(s.errors()),
+              static_cast<unsigned long>(s.tokens()), s.tokens() / uptime);
   std::printf("computing %.3f s (delivering results and replying %.3f s of it), mean wait per request %.1f us\n",
               s.compute_seconds(), s.deliver_seconds(), s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0);
-  std::printf("calls on clients' own memory %lu, run alone on their client's stream %lu, replayed as graphs %lu (launched "
-              "ahead of their inputs %lu)\n\n",
-              static_cast<unsigned long>(s.direct_calls()), static_cast<unsigned long>(s.concurrent_calls()),
-              static_cast<unsigned long>(s.replayed_calls()), static_cast<unsigned long>(s.ahead_calls()));
+  std::printf(
+      "calls on clients' own memory %lu, run alone on their client's stream %lu, replayed as graphs %lu (launched "
+      "ahead of their inputs %lu)\n\n",
+      static_cast<unsigned long>(s.direct_calls()), static_cast<unsigned long>(s.concurrent_calls()),
+      static_cast<unsigned long>(s.replayed_calls()), static_cast<unsigned long>(s.ahead_calls()));
   for (const auto& c : s.classes()) {
     std::printf("%-18s %10lu requests %12lu tokens   mean wait %10.1f us\n",
-                symbiosis::proto::LatencyClass_Name(c.latency_class()).c_str(), static_cast<unsigned long>(c.requests()),
-                static_cast<unsigned long>(c.tokens()), c.requests() ? 1e6 * c.wait_seconds() / c.requests() : 0.0);
+                symbiosis::proto::LatencyClass_Name(c.latency_class()).c_str(),
+                static_cast<unsigned long>(c.requests()), static_cast<unsigned long>(c.tokens()),
+                c.requests() ? 1e6 * c.wait_seconds() / c.requests() : 0.0);
   }
   if (s.classes_size() > 0) std::printf("\n");
   std::printf("%-5s %-48s %10s %10s %9s %12s %12s\n", "id", "layer", "requests", "tokens", "batches", "compute ms",
@@ -141,14 +144,14 @@ void print_top(const std::string& url, const Samples& before, const Samples& now
     std::printf(" %s %.0f", transport.c_str(), count);
   }
   const double requests = value_of(now, "symbiosis_requests_total"), tokens = value_of(now, "symbiosis_tokens_total");
-  const double busy = rate(value_of(now, "symbiosis_compute_seconds_total"),
-                           value_of(before, "symbiosis_compute_seconds_total"));
-  std::printf("\nrequests %.0f (%.1f/s), tokens %.0f (%.0f/s), compute busy %.0f%%, queued %.0f calls / %.0f tokens "
-              "(limit %.0f)\n",
-              requests, rate(requests, value_of(before, "symbiosis_requests_total")), tokens,
-              rate(tokens, value_of(before, "symbiosis_tokens_total")), 100 * busy,
-              value_of(now, "symbiosis_queued_calls"), value_of(now, "symbiosis_queued_tokens"),
-              value_of(now, "symbiosis_max_queued_tokens"));
+  const double busy =
+      rate(value_of(now, "symbiosis_compute_seconds_total"), value_of(before, "symbiosis_compute_seconds_total"));
+  std::printf(
+      "\nrequests %.0f (%.1f/s), tokens %.0f (%.0f/s), compute busy %.0f%%, queued %.0f calls / %.0f tokens "
+      "(limit %.0f)\n",
+      requests, rate(requests, value_of(before, "symbiosis_requests_total")), tokens,
+      rate(tokens, value_of(before, "symbiosis_tokens_total")), 100 * busy, value_of(now, "symbiosis_queued_calls"),
+      value_of(now, "symbiosis_queued_tokens"), value_of(now, "symbiosis_max_queued_tokens"));
   std::printf("shared memory for clients %s of %s, resident %s",
               bytes_text(value_of(now, "symbiosis_buffer_bytes")).c_str(),
               bytes_text(value_of(now, "symbiosis_max_buffer_bytes")).c_str(),
@@ -188,8 +191,8 @@ void print_top(const std::string& url, const Samples& before, const Samples& now
   const auto layer_requests_before = by_label(before, "symbiosis_layer_requests_total", "layer");
   const auto layer_tokens_before = by_label(before, "symbiosis_layer_tokens_total", "layer");
   const auto layer_compute_before = by_label(before, "symbiosis_layer_compute_seconds_total", "layer");
-  std::printf("\n%-44s %10s %9s %12s %11s %9s %8s %7s\n", "layer", "requests", "req/s", "tokens", "tokens/s",
-              "batches", "busy %", "errors");
+  std::printf("\n%-44s %10s %9s %12s %11s %9s %8s %7s\n", "layer", "requests", "req/s", "tokens", "tokens/s", "batches",
+              "busy %", "errors");
   for (const auto& [layer, count] : layer_requests) {
     std::printf("%-44s %10.0f %9.1f %12.0f %11.0f %9.0f %8.1f %7.0f\n", layer.c_str(), count,
                 rate(count, at(layer_requests_before, layer)), at(layer_tokens, layer),
@@ -266,8 +269,9 @@ int main(int argc, char** argv) {
   asks_the_executor(stats);
   stats->add_flag("--json", json, "print JSON instead of a table");
   std::string action, trace_path;
-  auto* trace = app.add_subcommand("trace", "start the executor's trace (a Chrome trace of its batches' host "
-                                            "operations and GPU kernels), or stop it and have it written");
+  auto* trace = app.add_subcommand("trace",
+                                   "start the executor's trace (a Chrome trace of its batches' host "
+                                   "operations and GPU kernels), or stop it and have it written");
   asks_the_executor(trace);
   trace->add_option("action", action, "start or stop")->required()->check(CLI::IsMember({"start", "stop"}));
   trace->add_option("--out", trace_path, "start: the trace file to write, on the executor's host");
@@ -279,8 +283,9 @@ int main(int argc, char** argv) {
   auto* top = app.add_subcommand("top", "live per-tenant and per-layer rates from the executor's metrics endpoint");
   top->add_option("--metrics", metrics_url, "the executor's --metrics-listen, as http://HOST:PORT")
       ->capture_default_str();
-  top->add_option("--interval", interval, "seconds between refreshes")->capture_default_str()->check(
-      CLI::Range(0.01, 3600.0));
+  top->add_option("--interval", interval, "seconds between refreshes")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 3600.0));
   top->add_flag("--once", once, "print one screen (rates over one interval) and exit");
   CLI11_PARSE(app, argc, argv);
   std::optional<symbiosis::proto::Stats> s;

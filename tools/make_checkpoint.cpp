@@ -28,10 +28,10 @@ using nlohmann::json;
 namespace {
 
 enum class Init {
-  kMatrix,  // normal(0, 0.02): projections and embeddings
-  kNorm,    // 1 + 0.1 * normal: norm scales
+  kMatrix,      // normal(0, 0.02): projections and embeddings
+  kNorm,        // 1 + 0.1 * normal: norm scales
   kOffsetNorm,  // 0.1 * normal: norm scales stored as their offset from 1 (Gemma's 1 + weight)
-  kBias,    // 0.02 * normal
+  kBias,        // 0.02 * normal
   kProjection,  // normal(0, in^-1/2): keeps its input's scale (OPT's embedding projections)
 };
 
@@ -134,7 +134,9 @@ ModelSpec qwen2_spec(const LlamaShape& s, int64_t sliding_window, int64_t max_wi
   for (const auto& t : m.tensors) {
     tensors.push_back(t);
     const bool qkv = t.name.find(".self_attn.") != std::string::npos && t.name.find(".o_proj.") == std::string::npos;
-    if (qkv) tensors.push_back({t.name.substr(0, t.name.size() - std::string("weight").size()) + "bias", {t.shape[0]}, Init::kBias});
+    if (qkv)
+      tensors.push_back(
+          {t.name.substr(0, t.name.size() - std::string("weight").size()) + "bias", {t.shape[0]}, Init::kBias});
   }
   m.tensors = std::move(tensors);
   return m;
@@ -290,7 +292,8 @@ ModelSpec opt_spec(const LayerNormShape& s, int64_t word_embed_proj_dim = 0) {
   }
   for (int64_t i = 0; i < s.layers; ++i) {
     const std::string p = "model.decoder.layers." + std::to_string(i) + ".";
-    for (const char* proj : {"k_proj", "v_proj", "q_proj", "out_proj"}) linear(t, p + "self_attn." + proj, s.hidden, s.hidden);
+    for (const char* proj : {"k_proj", "v_proj", "q_proj", "out_proj"})
+      linear(t, p + "self_attn." + proj, s.hidden, s.hidden);
     layer_norm(t, p + "self_attn_layer_norm", s.hidden);
     linear(t, p + "fc1", s.hidden, s.intermediate);
     linear(t, p + "fc2", s.intermediate, s.hidden);
@@ -566,12 +569,28 @@ ModelSpec gpt_bigcode_spec(const GPT2Shape& s, bool multi_query) {
   return m;
 }
 
-const std::vector<std::string> kPresets = {"tiny-llama", "tiny-llama-tied", "tiny-gpt2", "tiny-gpt2-hub",
-                                           "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gpt-bigcode",
-                                           "tiny-phi3", "tiny-phi3-longrope", "tiny-opt", "tiny-opt-projected",
-                                           "tiny-gpt-neox", "tiny-gpt-neox-sequential", "tiny-phi",
-                                           "tiny-gpt-bigcode-mha", "llama-3.2-1b", "llama-2-7b", "llama-2-13b",
-                                           "gemma-2-27b", "gpt2-xl"};
+const std::vector<std::string> kPresets = {"tiny-llama",
+                                           "tiny-llama-tied",
+                                           "tiny-gpt2",
+                                           "tiny-gpt2-hub",
+                                           "tiny-qwen2",
+                                           "tiny-qwen3",
+                                           "tiny-mistral",
+                                           "tiny-gemma2",
+                                           "tiny-gpt-bigcode",
+                                           "tiny-phi3",
+                                           "tiny-phi3-longrope",
+                                           "tiny-opt",
+                                           "tiny-opt-projected",
+                                           "tiny-gpt-neox",
+                                           "tiny-gpt-neox-sequential",
+                                           "tiny-phi",
+                                           "tiny-gpt-bigcode-mha",
+                                           "llama-3.2-1b",
+                                           "llama-2-7b",
+                                           "llama-2-13b",
+                                           "gemma-2-27b",
+                                           "gpt2-xl"};
 
 // Presets' configs follow the Hub's config.json of each model (meta-llama/Llama-3.2-1B,
 // meta-llama/Llama-2-7b-hf, meta-llama/Llama-2-13b-hf, google/gemma-2-27b, openai-community/gpt2-xl). layers >= 0
@@ -636,8 +655,10 @@ ModelSpec preset_spec(const std::string& name, int64_t layers) {
     return llama_spec({128256, 2048, 8192, n(16), 32, 8, 131072, 1e-5, 500000.0, llama3_rope(32.0, 1.0, 4.0, 8192),
                        true, 128000, 128001});
   }
-  if (name == "llama-2-7b") return llama_spec({32000, 4096, 11008, n(32), 32, 32, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
-  if (name == "llama-2-13b") return llama_spec({32000, 5120, 13824, n(40), 40, 40, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
+  if (name == "llama-2-7b")
+    return llama_spec({32000, 4096, 11008, n(32), 32, 32, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
+  if (name == "llama-2-13b")
+    return llama_spec({32000, 5120, 13824, n(40), 40, 40, 4096, 1e-5, 10000.0, nullptr, false, 1, 2});
   // Sliding windows of 4096 in every other layer, soft caps 50 (scores) and 30 (logits), scores
   // scaled by 1/sqrt(144) (hidden / heads), not 1/sqrt(head_dim).
   if (name == "gemma-2-27b") {
@@ -728,10 +749,11 @@ void make_checkpoint(const std::string& preset, const fs::path& out, at::ScalarT
     writer.finish();
   }
   if (shard_size > 0) {
-    write_json(out / "model.safetensors.index.json", {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
+    write_json(out / "model.safetensors.index.json",
+               {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
   }
-  std::cout << "wrote " << preset << " (" << spec.tensors.size() << " tensors, " << total << " bytes, "
-            << shards.size() << (shards.size() == 1 ? " file" : " shards") << ") to " << out.string() << "\n";
+  std::cout << "wrote " << preset << " (" << spec.tensors.size() << " tensors, " << total << " bytes, " << shards.size()
+            << (shards.size() == 1 ? " file" : " shards") << ") to " << out.string() << "\n";
   // Hashed now, once: the digests are cached beside the checkpoint ([Weight hash] in common/weight_hash.cpp).
   std::cout << "model hash " << symbiosis::Checkpoint::open(out)->model_hash() << "\n";
 }
@@ -745,8 +767,7 @@ int main(int argc, char** argv) {
   int64_t layers = -1;
   std::string preset_names;
   for (const auto& p : kPresets) preset_names += (preset_names.empty() ? "" : ", ") + p;
-  app.add_option("--preset", preset, preset_names)
-      ->required();
+  app.add_option("--preset", preset, preset_names)->required();
   app.add_option("--out", out, "output directory (created if needed)")->required();
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--seed", seed, "random seed")->capture_default_str();

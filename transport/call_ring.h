@@ -84,8 +84,8 @@ struct CallHeader {
   int32_t latency_class = 0;  // proto::LatencyClass
   int64_t tokens = 0;
   int64_t features = 0;
-  uint64_t in_offset = 0;   // byte offset of the input in the payload buffer or in_segment
-  uint64_t out_offset = 0;  // byte offset where the result goes, in the buffer or out_segment
+  uint64_t in_offset = 0;          // byte offset of the input in the payload buffer or in_segment
+  uint64_t out_offset = 0;         // byte offset where the result goes, in the buffer or out_segment
   uint64_t buffer_generation = 0;  // which registration of the payload buffer the offsets refer to
   uint32_t sequence = 0;           // [Stream-ordered hand-off]: the call's number; 0 for a call answered by reply
   // [Direct operands]: the shared segment each offset refers to; 0 is the payload buffer.

@@ -67,7 +67,9 @@ const std::deque<shm::CallHeader>& Channel::pending() {
   return waiting_;
 }
 
-void Channel::hand_out(size_t n) { waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(n)); }
+void Channel::hand_out(size_t n) {
+  waiting_.erase(waiting_.begin(), waiting_.begin() + static_cast<std::ptrdiff_t>(n));
+}
 
 void Channel::drop(const std::string& why) {
   spdlog::warn("client {}: {}; dropping the client", client_id_, why);
@@ -131,8 +133,8 @@ namespace {
 Status invalid(std::string message) { return {StatusCode::kInvalidArgument, std::move(message)}; }
 
 // Whether a call's input and output regions lie in what the client registered and shared.
-Status check_regions(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes, RegisteredBufferChannel::Region in,
-                     RegisteredBufferChannel::Region out, uint64_t generation) {
+Status check_regions(const shm::CallHeader& h, uint64_t in_bytes, uint64_t out_bytes,
+                     RegisteredBufferChannel::Region in, RegisteredBufferChannel::Region out, uint64_t generation) {
   if (h.in_segment == 0 || h.out_segment == 0) {
     if (generation == 0) return invalid("no payload buffer is registered (send RegisterBuffer first)");
     if (h.buffer_generation != generation) {
@@ -182,8 +184,7 @@ at::Tensor RegisteredBufferChannel::input(const shm::CallHeader& h, at::ScalarTy
   return view(region(h.in_segment), h.in_offset, dtype, shape);
 }
 
-at::Tensor RegisteredBufferChannel::destination(const shm::CallHeader& h, at::ScalarType dtype,
-                                                at::IntArrayRef shape) {
+at::Tensor RegisteredBufferChannel::destination(const shm::CallHeader& h, at::ScalarType dtype, at::IntArrayRef shape) {
   return view(region(h.out_segment), h.out_offset, dtype, shape);
 }
 

@@ -200,7 +200,7 @@ class Channel {
   std::optional<shm::WakeSocket> wake_;  // [Wake sockets]: with the control segment
   uint64_t next_read_ = 0;
   std::atomic<bool> broken_{false};
-  std::deque<shm::CallHeader> waiting_;  // calls taken from the ring, not yet handed out; oldest first
+  std::deque<shm::CallHeader> waiting_;    // calls taken from the ring, not yet handed out; oldest first
   zmq::context_t* zmq_context_ = nullptr;  // set by control_over_zmq
   std::string replies_endpoint_, identity_;
   std::unique_ptr<zmq::socket_t> replies_;  // made on the scheduler's thread at the first reply

@@ -20,7 +20,7 @@ namespace symbiosis {
 namespace shm {
 class SharedMemory;
 struct CallHeader;
-}
+}  // namespace shm
 
 class ClientPayload {
  public:

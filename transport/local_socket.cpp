@@ -10,7 +10,6 @@
 #include <cstring>
 #include <random>
 
-
 namespace symbiosis::local {
 namespace {
 
@@ -45,9 +44,9 @@ Listener::Listener() : name_("symbiosis-" + std::to_string(::getpid()) + "-" + r
   TORCH_CHECK(fd_, "cannot make the executor's local socket: ", error_text());
   socklen_t length = 0;
   const auto address = address_of(name_, &length);
-  TORCH_CHECK(::bind(fd_.get(), reinterpret_cast<const sockaddr*>(&address), length) == 0 &&
-                  ::listen(fd_.get(), 64) == 0,
-              "cannot listen on the executor's local socket: ", error_text());
+  TORCH_CHECK(
+      ::bind(fd_.get(), reinterpret_cast<const sockaddr*>(&address), length) == 0 && ::listen(fd_.get(), 64) == 0,
+      "cannot listen on the executor's local socket: ", error_text());
 }
 
 UniqueFd Listener::accept() { return UniqueFd(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC)); }
@@ -125,9 +124,8 @@ StatusOr<std::optional<Message>> receive(int fd) {
     }
   }
   if (message.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
-    return Status(StatusCode::kResourceExhausted,
-                  "a local-socket message over " + std::to_string(kMaxMessageBytes) + " bytes or " +
-                      std::to_string(kMaxDescriptors) + " descriptors");
+    return Status(StatusCode::kResourceExhausted, "a local-socket message over " + std::to_string(kMaxMessageBytes) +
+                                                      " bytes or " + std::to_string(kMaxDescriptors) + " descriptors");
   }
   if (!result.envelope.ParseFromArray(bytes.data(), static_cast<int>(got))) {
     return Status(StatusCode::kMalformed, "a local-socket message that is not a symbiosis Envelope");

@@ -77,8 +77,8 @@ void install_sigbus_handler() {
     action.sa_sigaction = &on_sigbus;
     action.sa_flags = SA_SIGINFO;
     sigemptyset(&action.sa_mask);
-    TORCH_CHECK(::sigaction(SIGBUS, &action, &previous_sigbus) == 0, "cannot install the SIGBUS handler: ",
-                error_text());
+    TORCH_CHECK(::sigaction(SIGBUS, &action, &previous_sigbus) == 0,
+                "cannot install the SIGBUS handler: ", error_text());
   });
 }
 
@@ -131,8 +131,8 @@ SharedMemory SharedMemory::create(const std::string& purpose, size_t bytes) {
   TORCH_CHECK(bytes > 0, "a shared memory segment needs a positive size");
   UniqueFd fd(::memfd_create(("symbiosis-" + purpose).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   TORCH_CHECK(fd, "cannot create the ", purpose, " segment: ", error_text());
-  TORCH_CHECK(::ftruncate(fd.get(), static_cast<off_t>(bytes)) == 0, "cannot size the ", purpose, " segment to ",
-              bytes, " bytes: ", error_text());
+  TORCH_CHECK(::ftruncate(fd.get(), static_cast<off_t>(bytes)) == 0, "cannot size the ", purpose, " segment to ", bytes,
+              " bytes: ", error_text());
   TORCH_CHECK(::fcntl(fd.get(), F_ADD_SEALS, kSeals) == 0, "cannot seal the ", purpose, " segment: ", error_text());
   return map_descriptor(std::move(fd), bytes, purpose);
 }

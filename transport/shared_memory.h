@@ -87,7 +87,7 @@ class SharedMemory {
     size_t size = 0;
     void operator()(void* data) const;
   };
-  FaultGuard guard_;  // before mapping_, and let go first in the destructor: unlisted, then unmapped
+  FaultGuard guard_;                    // before mapping_, and let go first in the destructor: unlisted, then unmapped
   UniqueHandle<void*, Unmap> mapping_;  // [Owned handles]
   UniqueFd descriptor_;
 };

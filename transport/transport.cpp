@@ -9,10 +9,18 @@
 namespace symbiosis {
 
 // Each transport's folder defines its plugin (transport/KIND/KIND_plugin.cpp).
-namespace tcp { extern const TransportPlugin kPlugin; }
-namespace shm { extern const TransportPlugin kPlugin; }
-namespace cuda_ipc { extern const TransportPlugin kPlugin; }
-namespace nccl { extern const TransportPlugin kPlugin; }
+namespace tcp {
+extern const TransportPlugin kPlugin;
+}
+namespace shm {
+extern const TransportPlugin kPlugin;
+}
+namespace cuda_ipc {
+extern const TransportPlugin kPlugin;
+}
+namespace nccl {
+extern const TransportPlugin kPlugin;
+}
 
 namespace {
 
@@ -61,8 +69,8 @@ StatusOr<TransportKind> choose_transport(const proto::Placement& client, const p
   }
   const auto kind = parse_transport(asked);
   if (!kind) {
-    return Status(StatusCode::kFailedPrecondition, "unknown transport '" + bounded(asked) +
-                                                       "' (expected auto, " + transport_names() + ")");
+    return Status(StatusCode::kFailedPrecondition,
+                  "unknown transport '" + bounded(asked) + "' (expected auto, " + transport_names() + ")");
   }
   auto refuse = [&](const std::string& why) {
     return Status(StatusCode::kFailedPrecondition,

@@ -22,7 +22,8 @@ at::ScalarType from_proto(proto::DType dtype) {
     case proto::FLOAT32: return at::kFloat;
     case proto::BFLOAT16: return at::kBFloat16;
     case proto::FLOAT16: return at::kHalf;
-    default: TORCH_CHECK(false, "unknown wire dtype ", static_cast<int>(dtype), " (expected FLOAT32, BFLOAT16 or FLOAT16)");
+    default:
+      TORCH_CHECK(false, "unknown wire dtype ", static_cast<int>(dtype), " (expected FLOAT32, BFLOAT16 or FLOAT16)");
   }
 }
 
@@ -115,9 +116,8 @@ void send_to(zmq::socket_t& socket, std::string_view identity, const proto::Enve
 }
 
 void validate_endpoint(const std::string& endpoint, const std::string& what, bool allow_inproc) {
-  const std::string expected =
-      std::string("expected tcp://HOST:PORT or ipc://PATH") + (allow_inproc ? " (or inproc://NAME)" : "") +
-      ", e.g. tcp://127.0.0.1:5555";
+  const std::string expected = std::string("expected tcp://HOST:PORT or ipc://PATH") +
+                               (allow_inproc ? " (or inproc://NAME)" : "") + ", e.g. tcp://127.0.0.1:5555";
   const auto scheme_end = endpoint.find("://");
   TORCH_CHECK(scheme_end != std::string::npos, what, " '", endpoint, "' has no scheme: ", expected);
   const std::string scheme = endpoint.substr(0, scheme_end), rest = endpoint.substr(scheme_end + 3);
@@ -157,7 +157,8 @@ std::vector<zmq::message_t> tensor_frames(const at::Tensor& t) {
   do {
     const size_t size = std::min(kPayloadFrameBytes, total - offset);
     auto* keep = new at::Tensor(t);
-    frames.emplace_back(bytes + offset, size, [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); }, keep);
+    frames.emplace_back(
+        bytes + offset, size, [](void*, void* hint) { delete static_cast<at::Tensor*>(hint); }, keep);
     offset += size;
   } while (offset < total);
   return frames;
@@ -173,7 +174,8 @@ at::Tensor frames_to_tensor(std::vector<zmq::message_t>&& frames, at::ScalarType
   auto options = at::TensorOptions().dtype(dtype);
   if (frames.size() == 1 && reinterpret_cast<uintptr_t>(frames[0].data()) % 16 == 0) {
     auto owner = std::make_shared<zmq::message_t>(std::move(frames[0]));
-    return at::from_blob(owner->data(), shape, [owner](void*) mutable { owner.reset(); }, options);
+    return at::from_blob(
+        owner->data(), shape, [owner](void*) mutable { owner.reset(); }, options);
   }
   auto out = at::empty(shape, options);
   auto* into = static_cast<char*>(out.data_ptr());

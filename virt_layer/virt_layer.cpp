@@ -51,8 +51,7 @@ at::Tensor virt_layer_forward(const at::Tensor& x, const VirtLayerBinding& bindi
   return unflatten(y, x, info.out_features);
 }
 
-at::Tensor virt_layer_apply(const at::Tensor& x, const c10::intrusive_ptr<VirtLayerBinding>& binding,
-                            bool with_bias) {
+at::Tensor virt_layer_apply(const at::Tensor& x, const c10::intrusive_ptr<VirtLayerBinding>& binding, bool with_bias) {
   return VirtLayerFunction::apply(x, binding, with_bias);
 }
 

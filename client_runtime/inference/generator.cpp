@@ -81,8 +81,8 @@ struct Generator::Sequence {
   std::shared_ptr<NamedLora> lora;
   GenerationResult result;
   int64_t slot = -1;
-  int64_t cached = 0;      // positions the slot holds
-  int64_t next_token = -1; // produced, not yet fed back
+  int64_t cached = 0;       // positions the slot holds
+  int64_t next_token = -1;  // produced, not yet fed back
   bool done = false;
 };
 
@@ -126,10 +126,11 @@ void warn_of_spinning_threads() {
     std::string value = policy ? policy : "";
     std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::toupper(c); });
     if (value == "PASSIVE") return;
-    spdlog::warn("host decode: OMP_WAIT_POLICY is {}: idle OpenMP threads spin after each parallel region and delay "
-                 "every executor call (about 0.5 ms each on a 16-core host); start the process with "
-                 "OMP_WAIT_POLICY=PASSIVE",
-                 policy ? policy : "not set");
+    spdlog::warn(
+        "host decode: OMP_WAIT_POLICY is {}: idle OpenMP threads spin after each parallel region and delay "
+        "every executor call (about 0.5 ms each on a 16-core host); start the process with "
+        "OMP_WAIT_POLICY=PASSIVE",
+        policy ? policy : "not set");
   });
 }
 
@@ -142,7 +143,10 @@ Generator::Generator(CausalLM prefill, CausalLM host_decode, GeneratorOptions op
     : Generator(std::move(prefill), std::optional<CausalLM>(std::move(host_decode)), std::move(options)) {}
 
 Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, GeneratorOptions options)
-    : lm_(std::move(lm)), model_(cached_model(*lm_.module)), host_decode_(std::move(host_decode)), options_(std::move(options)) {
+    : lm_(std::move(lm)),
+      model_(cached_model(*lm_.module)),
+      host_decode_(std::move(host_decode)),
+      options_(std::move(options)) {
   options_.validate();
   const auto& table = model_.token_embeddings();
   vocab_size_ = table.size(0);
@@ -154,15 +158,18 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
     TORCH_CHECK(cpu_table.device().is_cpu(), "the host-decode model is on ", cpu_table.device(), ", expected the CPU");
     TORCH_CHECK(cpu_table.sizes() == table.sizes() && cpu_table.scalar_type() == table.scalar_type(),
                 "the host-decode model's token embeddings are ", cpu_table.sizes(), " ", cpu_table.scalar_type(),
-                ", but the prefill model's are ", table.sizes(), " ", table.scalar_type(), ": open both from one checkpoint in one dtype");
+                ", but the prefill model's are ", table.sizes(), " ", table.scalar_type(),
+                ": open both from one checkpoint in one dtype");
     const auto cpu_shape = model_adapter_host(*host_decode_->module).model_shape();
     TORCH_CHECK(cpu_shape.model_type == shape.model_type && cpu_shape.num_layers == shape.num_layers &&
                     cpu_shape.num_key_value_heads == shape.num_key_value_heads && cpu_shape.head_dim == shape.head_dim,
                 "the host-decode model is a ", cpu_shape.model_type, " of ", cpu_shape.num_layers,
                 " layers, but the prefill model is a ", shape.model_type, " of ", shape.num_layers, " layers");
-    TORCH_CHECK(!(host_decode_->client && lm_.client && host_decode_->client == lm_.client),
-                "the host-decode model shares the prefill model's client; give it a client of its own (device \"cpu\")");
-    TORCH_CHECK(!options_.offload_cache, "offload_cache and a host-decode model are two placements of the cache: choose one");
+    TORCH_CHECK(
+        !(host_decode_->client && lm_.client && host_decode_->client == lm_.client),
+        "the host-decode model shares the prefill model's client; give it a client of its own (device \"cpu\")");
+    TORCH_CHECK(!options_.offload_cache,
+                "offload_cache and a host-decode model are two placements of the cache: choose one");
     adapter_mirror_ = std::make_unique<AdapterMirror>(*lm_.module, *host_decode_->module);
     warn_of_spinning_threads();
   }
@@ -207,8 +214,8 @@ uint64_t Generator::submit(GenerationRequest request, TokenCallback on_token) {
   const int64_t prompt = static_cast<int64_t>(ids.size()), virtual_length = virtual_tokens();
   const int64_t positions = virtual_length + prompt + request.sampling.max_new_tokens;
   if (cache_->keys(0).device().is_cpu() && options_.host_cache_capacity_bytes > 0) {
-    const auto per_position = KvCache::bytes_per_position(model_adapter_host(*lm_.module).model_shape(),
-                                                          cache_->keys(0).scalar_type());
+    const auto per_position =
+        KvCache::bytes_per_position(model_adapter_host(*lm_.module).model_shape(), cache_->keys(0).scalar_type());
     TORCH_CHECK(positions * per_position <= options_.host_cache_capacity_bytes, "prompt_ids (", prompt,
                 " tokens) + max_new_tokens (", request.sampling.max_new_tokens, ") + virtual tokens (", virtual_length,
                 ") need a KV cache of ", positions * per_position, " bytes (", positions, " positions x ", per_position,
@@ -236,7 +243,8 @@ uint64_t Generator::submit(GenerationRequest request, TokenCallback on_token) {
               "); submit again when some have finished");
   ++queued_;
   const uint64_t id = next_id_++;
-  incoming_.push_back(std::make_unique<Submitted>(Submitted{id, std::move(request), std::move(on_token), std::move(lora)}));
+  incoming_.push_back(
+      std::make_unique<Submitted>(Submitted{id, std::move(request), std::move(on_token), std::move(lora)}));
   return id;
 }
 
@@ -250,8 +258,8 @@ void Generator::load_adapter(const std::string& name, const std::filesystem::pat
   TORCH_CHECK(!name.empty(), "load_adapter: the name is empty (requests naming no adapter get the model's own)");
   TORCH_CHECK(!host_decode_, "load_adapter: a [Host decode] generator serves its model's own adapter only");
   TORCH_CHECK(options_.max_loras > 0, "load_adapter: max_loras is 0; set GeneratorOptions::max_loras to hold adapters");
-  TORCH_CHECK(bank_model_->refusal.empty(), "load_adapter: this generator's model cannot serve several adapters: ",
-              bank_model_->refusal);
+  TORCH_CHECK(bank_model_->refusal.empty(),
+              "load_adapter: this generator's model cannot serve several adapters: ", bank_model_->refusal);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!named_loras_.count(name), "load_adapter: an adapter named '", name,
@@ -265,7 +273,8 @@ void Generator::load_adapter(const std::string& name, const std::filesystem::pat
     TORCH_CHECK(false, "load_adapter '", name, "': ", e.what_without_backtrace());
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!named_loras_.count(name), "load_adapter: an adapter named '", name, "' is loaded already; unload it first");
+  TORCH_CHECK(!named_loras_.count(name), "load_adapter: an adapter named '", name,
+              "' is loaded already; unload it first");
   const auto held = static_cast<int64_t>(named_loras_.size()) + unloaded_holding_;
   TORCH_CHECK(held < options_.max_loras, "load_adapter '", name, "': the generator holds max_loras (",
               options_.max_loras, ") adapters already (", named_loras_.size(), " loaded: ", adapter_names(),
@@ -278,8 +287,8 @@ void Generator::load_adapter(const std::string& name, const std::filesystem::pat
 void Generator::unload_adapter(const std::string& name) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto named = named_loras_.find(name);
-  TORCH_CHECK(named != named_loras_.end(), "unload_adapter: '", name, "' is not loaded; loaded adapters: ",
-              adapter_names());
+  TORCH_CHECK(named != named_loras_.end(), "unload_adapter: '", name,
+              "' is not loaded; loaded adapters: ", adapter_names());
   named->second->unloaded = true;
   ++unloaded_holding_;
   named_loras_.erase(named);
@@ -353,7 +362,8 @@ void Generator::cancel(uint64_t request) {
 
 int64_t Generator::running() const { return static_cast<int64_t>(running_.size()); }
 int64_t Generator::captured_batch_sizes() const {
-  return std::count_if(decode_graphs_.begin(), decode_graphs_.end(), [](const auto& g) { return g.second->graph->captured(); });
+  return std::count_if(decode_graphs_.begin(), decode_graphs_.end(),
+                       [](const auto& g) { return g.second->graph->captured(); });
 }
 const KvCache& Generator::cache() const { return *cache_; }
 
@@ -565,7 +575,8 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
     slot = std::make_unique<DecodeGraph>();
     auto* g = slot.get();
     // Token ids, cache slots, starts and, with a bank, the rows' adapter slots ([Multi-adapter batches]).
-    g->inputs = at::zeros({bank_ ? 4 : 3, count}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
+    g->inputs =
+        at::zeros({bank_ ? 4 : 3, count}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
     g->graph = std::make_unique<StepGraph>(
         [this, g] {
           if (bank_) {

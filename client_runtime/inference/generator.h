@@ -107,12 +107,12 @@ struct GenerationResult {
 };
 
 struct GeneratorOptions {
-  int64_t max_sequences = 8;    // cache slots: requests decoded at once
-  int64_t max_tokens = 1024;    // cache positions per request: virtual tokens + prompt + new tokens
-  int64_t max_waiting = 4096;   // requests waiting for a slot; submit() refuses beyond
+  int64_t max_sequences = 8;          // cache slots: requests decoded at once
+  int64_t max_tokens = 1024;          // cache positions per request: virtual tokens + prompt + new tokens
+  int64_t max_waiting = 4096;         // requests waiting for a slot; submit() refuses beyond
   int64_t max_prefill_tokens = 8192;  // prompt tokens one step prefills (a longer single prompt goes alone)
-  bool capture_decode = true;  // GPU: decode steps in CUDA graphs ([Captured decode]); false: eager
-  int capture_warmup = 2;      // eager decode steps of a bucket before its capture (at least 1)
+  bool capture_decode = true;         // GPU: decode steps in CUDA graphs ([Captured decode]); false: eager
+  int capture_warmup = 2;             // eager decode steps of a bucket before its capture (at least 1)
   // The most bytes the KV cache may take when it lives in host memory (a CPU generator, or
   // [Host decode]); 0: no limit. A generator whose cache (max_sequences x max_tokens) exceeds it,
   // or a request whose positions would, is refused naming the sizes.
@@ -179,7 +179,7 @@ class Generator {
   // request submit() refuses throws its error, and none of them runs.
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
 
-  int64_t running() const;  // requests holding a cache slot
+  int64_t running() const;               // requests holding a cache slot
   int64_t captured_batch_sizes() const;  // decode graphs (buckets) captured so far ([Captured decode])
   const KvCache& cache() const;
 
@@ -195,7 +195,7 @@ class Generator {
   // tokens (or once, `last_only`, for the logits); nothing without a bank.
   void set_bank_rows(const std::vector<StepSequence>& layout, bool last_only);
   void set_step_slots(const std::vector<Sequence*>& sequences);  // step_slots_ of a step of these
-  int32_t bank_slot(const Sequence& sequence) const;  // its adapter's slot in bank_ (-1: none)
+  int32_t bank_slot(const Sequence& sequence) const;             // its adapter's slot in bank_ (-1: none)
   // "a, b" or "none": the loaded adapters' names, for errors. Under mutex_.
   std::string adapter_names() const;
   void take_incoming();  // submitted requests join the waiting queue; cancelled ones leave
@@ -246,9 +246,9 @@ class Generator {
   // Owned by the stepping thread.
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
-  std::unique_ptr<LoraBank> bank_;                     // while adapters are loaded
-  std::vector<std::shared_ptr<NamedLora>> slotted_;    // the adapters in bank_'s slots
-  std::vector<int32_t> step_slots_;                    // the slot of each sequence of the step, in layout order
+  std::unique_ptr<LoraBank> bank_;                   // while adapters are loaded
+  std::vector<std::shared_ptr<NamedLora>> slotted_;  // the adapters in bank_'s slots
+  std::vector<int32_t> step_slots_;                  // the slot of each sequence of the step, in layout order
 };
 
 }  // namespace symbiosis

@@ -21,7 +21,8 @@ AdapterMirror::AdapterMirror(torch::nn::Module& source, torch::nn::Module& mirro
     pairs_.push_back({item.key(), item.value(), found->second, 0});
     mirrored.erase(found);
   }
-  TORCH_CHECK(mirrored.empty(), "the decode-side model has trainable parameter ", mirrored.empty() ? "" : mirrored.begin()->first,
+  TORCH_CHECK(mirrored.empty(), "the decode-side model has trainable parameter ",
+              mirrored.empty() ? "" : mirrored.begin()->first,
               " that the prefill model lacks: attach the same adapter to both models");
   at::NoGradGuard no_grad;
   for (auto& pair : pairs_) {

@@ -51,7 +51,7 @@ class AdapterMirror {
   struct Pair {
     std::string name;
     at::Tensor source, mirror;
-    int64_t copied_version = 0;   // source's version when last copied
+    int64_t copied_version = 0;  // source's version when last copied
   };
   std::vector<Pair> pairs_;
 };

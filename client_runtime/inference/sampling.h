@@ -17,7 +17,8 @@ struct SamplingParams {
   uint64_t seed = 0;         // the request's random stream (sampled requests only)
   std::vector<int64_t> stop_tokens;  // the request ends once it produces one of these (kept in its output)
   int64_t max_new_tokens = 16;       // the request ends after producing this many tokens
-  bool logprobs = false;  // report each produced token's log-probability under the model (fp32 log-softmax of its logits)
+  bool logprobs =
+      false;  // report each produced token's log-probability under the model (fp32 log-softmax of its logits)
   int64_t top_logprobs = 0;  // report also this many most likely tokens at each step, with theirs (0 to the vocabulary)
 
   bool greedy() const { return temperature == 0.0; }

@@ -193,9 +193,9 @@ SYMBIOSIS_AVX512 inline void sum_values(const float* __restrict p, const T* __re
 }
 
 template <typename T>
-SYMBIOSIS_AVX512 void attend_chunk_avx512(const float* __restrict q, const T* __restrict keys, const T* __restrict values,
-                                          int64_t n, int64_t head_dim, int64_t group, float* __restrict scores,
-                                          float* __restrict out) {
+SYMBIOSIS_AVX512 void attend_chunk_avx512(const float* __restrict q, const T* __restrict keys,
+                                          const T* __restrict values, int64_t n, int64_t head_dim, int64_t group,
+                                          float* __restrict scores, float* __restrict out) {
   const int64_t stride = head_dim + 2;
   const int64_t ahead = prefetch_rows();
   for (int64_t g = 0; g < group; ++g) out[g * stride + head_dim] = -std::numeric_limits<float>::infinity();
@@ -263,15 +263,16 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
   TORCH_CHECK(cpu_decode_attention_supports(q, keys, {}) && values.sizes() == keys.sizes() && values.is_contiguous() &&
                   values.scalar_type() == keys.scalar_type(),
               "cpu_decode_attention takes q [B, heads, head_dim] and a contiguous fp32 or bf16 cache [slots, kv_heads, "
-              "tokens, head_dim] (head_dim a multiple of 16), got q ", q.sizes(), " and keys ", keys.sizes(), " ",
-              keys.scalar_type());
+              "tokens, head_dim] (head_dim a multiple of 16), got q ",
+              q.sizes(), " and keys ", keys.sizes(), " ", keys.scalar_type());
   // One scope for profilers ([Decode profile] in bench/long_context.cpp): free while none listens.
   RECORD_FUNCTION("symbiosis::cpu_decode_attention", c10::ArrayRef<const c10::IValue>{});
   const WideThreads wide;  // [CPU decode threads]
   const int64_t sequences = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = keys.size(1), tokens = keys.size(2), group = heads / kv_heads;
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == sequences && static_cast<int64_t>(positions.size()) == sequences,
-              "cpu_decode_attention: ", rows.size(), " rows and ", positions.size(), " positions for ", sequences, " sequences");
+              "cpu_decode_attention: ", rows.size(), " rows and ", positions.size(), " positions for ", sequences,
+              " sequences");
   const double softmax_scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
   const auto queries = (q.to(at::kFloat) * softmax_scale).contiguous();
   // The tasks: (sequence, kv head, chunk), each sequence's keys first .. positions[b].
@@ -307,18 +308,20 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& keys, con
       float* out = partials.data() + t * group * stride;
       if (avx512) {
         if (bf16) {
-          attend_chunk_avx512(qg, keys.const_data_ptr<c10::BFloat16>() + offset, values.const_data_ptr<c10::BFloat16>() + offset,
-                              task.count, head_dim, group, scores.data(), out);
+          attend_chunk_avx512(qg, keys.const_data_ptr<c10::BFloat16>() + offset,
+                              values.const_data_ptr<c10::BFloat16>() + offset, task.count, head_dim, group,
+                              scores.data(), out);
         } else {
-          attend_chunk_avx512(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset, task.count,
-                              head_dim, group, scores.data(), out);
+          attend_chunk_avx512(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset,
+                              task.count, head_dim, group, scores.data(), out);
         }
       } else if (bf16) {
-        attend_chunk_bf16(qg, keys.const_data_ptr<c10::BFloat16>() + offset, values.const_data_ptr<c10::BFloat16>() + offset,
-                          task.count, head_dim, group, scores.data(), row.data(), out);
+        attend_chunk_bf16(qg, keys.const_data_ptr<c10::BFloat16>() + offset,
+                          values.const_data_ptr<c10::BFloat16>() + offset, task.count, head_dim, group, scores.data(),
+                          row.data(), out);
       } else {
-        attend_chunk_fp32(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset, task.count,
-                          head_dim, group, scores.data(), row.data(), out);
+        attend_chunk_fp32(qg, keys.const_data_ptr<float>() + offset, values.const_data_ptr<float>() + offset,
+                          task.count, head_dim, group, scores.data(), row.data(), out);
       }
     };
   });
@@ -396,8 +399,6 @@ at::Tensor additive_mask(const at::Tensor& allowed, at::ScalarType dtype) {
       .masked_fill(allowed.logical_not(), lowest(dtype));
 }
 
-at::Tensor soft_cap(const at::Tensor& x, double softcap) {
-  return softcap > 0 ? at::tanh(x / softcap) * softcap : x;
-}
+at::Tensor soft_cap(const at::Tensor& x, double softcap) { return softcap > 0 ? at::tanh(x / softcap) * softcap : x; }
 
 }  // namespace symbiosis::detail

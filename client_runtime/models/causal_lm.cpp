@@ -18,7 +18,8 @@ CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr
   if (client) {
     // The executor serves the base layers by the checkpoint's names ([Checkpoint layouts]).
     const auto names = checkpoint_names(*model, checkpoint);
-    lm.virtual_layers = virtualize(*model, client, {.layer_name = [names](const std::string& path) { return names.of(path); }});
+    lm.virtual_layers =
+        virtualize(*model, client, {.layer_name = [names](const std::string& path) { return names.of(path); }});
   }
   lm.client = client;
   // Virtual base layers are skipped; everything else (lm_head when not served) is loaded.

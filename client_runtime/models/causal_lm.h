@@ -18,7 +18,7 @@ struct CausalLM {
   std::shared_ptr<torch::nn::Module> module;
   // input_ids [B,T] int64, attention_mask [B,T] or undefined -> logits [B,T,vocab]
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> forward;
-  size_t virtual_layers = 0;  // base layers computed on the executor
+  size_t virtual_layers = 0;       // base layers computed on the executor
   std::shared_ptr<Client> client;  // the executor's connection; null when monolithic
   // Waits for every base-layer call made so far and throws the first executor error among them
   // (Client::settle); call it before an optimizer step. Nothing to wait for when monolithic.

@@ -123,7 +123,8 @@ GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, bool materialize_base) : confi
   wpe = register_module("wpe", nn::unfilled_embedding(c.n_positions, c.n_embd));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(GPT2Block(c, materialize_base));
-  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.layer_norm_epsilon)));
+  ln_f =
+      register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd}).eps(c.layer_norm_epsilon)));
 }
 
 at::Tensor GPT2ModelImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,

@@ -35,13 +35,32 @@ Child register_at(torch::nn::Module& parent, const std::string& path, Child chil
 }  // namespace
 
 const GPTNeoXNames& GPTNeoXNames::of(const std::string& model_type) {
-  static const GPTNeoXNames gpt_neox = {"gpt_neox", "embed_in", "attention", "query_key_value", "dense",
-                                        "input_layernorm", "post_attention_layernorm", "mlp", "dense_h_to_4h",
-                                        "dense_4h_to_h", "final_layer_norm", "embed_out"};
-  static const GPTNeoXNames phi = {"model", "embed_tokens", "self_attn", "", "dense", "input_layernorm", "", "mlp",
-                                   "fc1", "fc2", "final_layernorm", "lm_head"};
-  static const GPTNeoXNames opt = {"model.decoder", "embed_tokens", "self_attn", "", "out_proj", "self_attn_layer_norm",
-                                   "final_layer_norm", "", "fc1", "fc2", "final_layer_norm", ""};
+  static const GPTNeoXNames gpt_neox = {"gpt_neox",
+                                        "embed_in",
+                                        "attention",
+                                        "query_key_value",
+                                        "dense",
+                                        "input_layernorm",
+                                        "post_attention_layernorm",
+                                        "mlp",
+                                        "dense_h_to_4h",
+                                        "dense_4h_to_h",
+                                        "final_layer_norm",
+                                        "embed_out"};
+  static const GPTNeoXNames phi = {"model", "embed_tokens", "self_attn", "",    "dense",           "input_layernorm",
+                                   "",      "mlp",          "fc1",       "fc2", "final_layernorm", "lm_head"};
+  static const GPTNeoXNames opt = {"model.decoder",
+                                   "embed_tokens",
+                                   "self_attn",
+                                   "",
+                                   "out_proj",
+                                   "self_attn_layer_norm",
+                                   "final_layer_norm",
+                                   "",
+                                   "fc1",
+                                   "fc2",
+                                   "final_layer_norm",
+                                   ""};
   if (model_type == "phi") return phi;
   if (model_type == "opt") return opt;
   TORCH_CHECK(model_type == "gpt_neox", "GPT-NeoX family: model_type '", model_type,
@@ -55,21 +74,26 @@ GPTNeoXConfig GPTNeoXConfig::from_checkpoint(const Checkpoint& ckpt) {
   const auto where = ckpt.dir() / "config.json";
   GPTNeoXConfig c;
   c.model_type = ckpt.config_string("model_type").value_or("gpt_neox");
-  TORCH_CHECK(c.model_type == "gpt_neox" || c.model_type == "phi" || c.model_type == "opt", where,
-              ": model_type is '", c.model_type, "', expected 'gpt_neox', 'phi' or 'opt' for the GPT-NeoX family");
+  TORCH_CHECK(c.model_type == "gpt_neox" || c.model_type == "phi" || c.model_type == "opt", where, ": model_type is '",
+              c.model_type, "', expected 'gpt_neox', 'phi' or 'opt' for the GPT-NeoX family");
   const bool opt = c.model_type == "opt", phi = c.model_type == "phi";
   c.vocab_size = required_int(ckpt, "vocab_size");
   c.hidden_size = required_int(ckpt, "hidden_size");
   c.intermediate_size = required_int(ckpt, opt ? "ffn_dim" : "intermediate_size");
   c.num_hidden_layers = required_int(ckpt, "num_hidden_layers");
   c.num_attention_heads = required_int(ckpt, "num_attention_heads");
-  c.num_key_value_heads = phi ? optional_int(ckpt, "num_key_value_heads", c.num_attention_heads) : c.num_attention_heads;
+  c.num_key_value_heads =
+      phi ? optional_int(ckpt, "num_key_value_heads", c.num_attention_heads) : c.num_attention_heads;
   c.max_position_embeddings = optional_int(ckpt, "max_position_embeddings", c.max_position_embeddings);
   c.layer_norm_eps = ckpt.config_number("layer_norm_eps").value_or(1e-5);  // OPT's LayerNorms: the default
   c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(opt);
   c.parallel_residual = phi || (!opt && ckpt.config_bool("use_parallel_residual").value_or(true));
-  c.hidden_act = ckpt.config_string(opt ? "activation_function" : "hidden_act").value_or(opt ? "relu" : phi ? "gelu_new" : "gelu");
-  if (c.hidden_act == "gelu_pytorch_tanh" || c.hidden_act == "gelu_fast") c.hidden_act = "gelu_new";  // the same tanh form
+  c.hidden_act = ckpt.config_string(opt ? "activation_function" : "hidden_act")
+                     .value_or(opt   ? "relu"
+                               : phi ? "gelu_new"
+                                     : "gelu");
+  if (c.hidden_act == "gelu_pytorch_tanh" || c.hidden_act == "gelu_fast")
+    c.hidden_act = "gelu_new";  // the same tanh form
   if (opt) {
     c.partial_rotary_factor = 0.0;
     c.attention_bias = ckpt.config_bool("enable_bias").value_or(true);
@@ -90,12 +114,13 @@ GPTNeoXConfig GPTNeoXConfig::from_checkpoint(const Checkpoint& ckpt) {
   // transformers 5 writes rope_parameters {rope_type, rope_theta, partial_rotary_factor}; transformers
   // 4 writes GPT-NeoX's rotary_pct and rotary_emb_base, Phi's partial_rotary_factor and rope_theta.
   const std::string rope = ckpt.config_has("rope_parameters") ? "rope_parameters" : "rope_scaling";
-  const auto rope_type = ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
+  const auto rope_type =
+      ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
   TORCH_CHECK(rope_type == "default", where, ": rope type '", rope_type, "' is not supported (expected 'default')");
   const double default_theta = ckpt.config_number(phi ? "rope_theta" : "rotary_emb_base").value_or(10000.0);
   c.rope_theta = ckpt.config_number(rope + ".rope_theta").value_or(default_theta);
-  const double default_factor = phi ? ckpt.config_number("partial_rotary_factor").value_or(0.5)
-                                    : ckpt.config_number("rotary_pct").value_or(0.25);
+  const double default_factor =
+      phi ? ckpt.config_number("partial_rotary_factor").value_or(0.5) : ckpt.config_number("rotary_pct").value_or(0.25);
   c.partial_rotary_factor = ckpt.config_number(rope + ".partial_rotary_factor").value_or(default_factor);
   c.validate();
   return c;
@@ -113,9 +138,10 @@ void GPTNeoXConfig::validate() const {
               ") must be a positive multiple of num_key_value_heads (", num_key_value_heads, ")");
   TORCH_CHECK(model_type == "phi" || num_key_value_heads == num_attention_heads, "GPT-NeoX config: ", model_type,
               " has no grouped-query attention (num_key_value_heads ", num_key_value_heads, ")");
-  TORCH_CHECK(learned_positions() ? partial_rotary_factor == 0 : partial_rotary_factor > 0 && partial_rotary_factor <= 1,
-              "GPT-NeoX config: partial_rotary_factor is ", partial_rotary_factor, ", expected more than 0 and at most 1",
-              learned_positions() ? " (0 for OPT's learned positions)" : "");
+  TORCH_CHECK(
+      learned_positions() ? partial_rotary_factor == 0 : partial_rotary_factor > 0 && partial_rotary_factor <= 1,
+      "GPT-NeoX config: partial_rotary_factor is ", partial_rotary_factor, ", expected more than 0 and at most 1",
+      learned_positions() ? " (0 for OPT's learned positions)" : "");
   TORCH_CHECK(rotary_dim() % 2 == 0, "GPT-NeoX config: RoPE's dimension ", rotary_dim(), " (head_dim ", head_dim(),
               " x partial_rotary_factor ", partial_rotary_factor, ") must be even");
   TORCH_CHECK(hidden_act == "gelu" || hidden_act == "gelu_new" || hidden_act == "relu", "GPT-NeoX config: activation '",
@@ -123,7 +149,8 @@ void GPTNeoXConfig::validate() const {
   TORCH_CHECK(model_type != "opt" || tie_word_embeddings, "GPT-NeoX config: OPT's head is tied to its embeddings");
   TORCH_CHECK(model_type == "opt" || (!projected() && !post_layer_norms), "GPT-NeoX config: word_embed_proj_dim (",
               word_embed_proj_dim, ") and post-layer norms are OPT's ([OPT projections]), not ", model_type, "'s");
-  TORCH_CHECK(!post_layer_norms || !parallel_residual, "GPT-NeoX config: post-layer norms need attention and MLP in sequence");
+  TORCH_CHECK(!post_layer_norms || !parallel_residual,
+              "GPT-NeoX config: post-layer norms need attention and MLP in sequence");
 }
 
 GPTNeoXAttentionImpl::GPTNeoXAttentionImpl(const GPTNeoXConfig& c, bool materialize_base)
@@ -148,7 +175,10 @@ at::Tensor GPTNeoXAttentionImpl::forward(const at::Tensor& x, const at::Tensor& 
   const int64_t batch = x.size(0), length = x.size(1);
   at::Tensor q, k, v;
   if (query_key_value) {  // [..., head, (q k v)], as GPTNeoXAttention views it
-    auto parts = query_key_value->forward(x).view({batch, length, num_heads_, 3 * head_dim_}).transpose(1, 2).split(head_dim_, 3);
+    auto parts = query_key_value->forward(x)
+                     .view({batch, length, num_heads_, 3 * head_dim_})
+                     .transpose(1, 2)
+                     .split(head_dim_, 3);
     q = parts[0], k = parts[1], v = parts[2];
   } else {  // [Layer groups]: q, k and v read x, and are one product where they can be
     const auto qkv = nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
@@ -180,8 +210,8 @@ GPTNeoXLayerImpl::GPTNeoXLayerImpl(const GPTNeoXConfig& c, bool materialize_base
   if (!names.mlp.empty()) mlp_parent = register_module(names.mlp, std::make_shared<torch::nn::Module>(names.mlp)).get();
   mlp_in = mlp_parent->register_module(names.mlp_in,
                                        nn::Linear(c.hidden_size, c.intermediate_size, /*bias=*/true, materialize_base));
-  mlp_out = mlp_parent->register_module(names.mlp_out,
-                                        nn::Linear(c.intermediate_size, c.hidden_size, /*bias=*/true, materialize_base));
+  mlp_out = mlp_parent->register_module(
+      names.mlp_out, nn::Linear(c.intermediate_size, c.hidden_size, /*bias=*/true, materialize_base));
 }
 
 at::Tensor GPTNeoXLayerImpl::mlp(const at::Tensor& x) {
@@ -217,7 +247,8 @@ GPTNeoXModelImpl::GPTNeoXModelImpl(const GPTNeoXConfig& c, bool materialize_base
   embed_tokens = register_module(names.embed, nn::unfilled_embedding(c.vocab_size, c.embedding_width()));
   if (c.projected()) {  // [OPT projections]: base layers, without biases
     project_in = register_module("project_in", nn::Linear(c.embedding_width(), c.hidden_size, false, materialize_base));
-    project_out = register_module("project_out", nn::Linear(c.hidden_size, c.embedding_width(), false, materialize_base));
+    project_out =
+        register_module("project_out", nn::Linear(c.hidden_size, c.embedding_width(), false, materialize_base));
   }
   if (c.learned_positions()) {
     embed_positions = register_module(
@@ -312,7 +343,7 @@ void GPTNeoXForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl>
 
 // hidden_size: the token embeddings' width, what virtual tokens take ([OPT projections]).
 ModelShape GPTNeoXForCausalLMImpl::model_shape() const {
-  return {config_.model_type,  config_.num_hidden_layers,  config_.embedding_width(),
+  return {config_.model_type,          config_.num_hidden_layers,   config_.embedding_width(),
           config_.num_attention_heads, config_.num_key_value_heads, config_.head_dim()};
 }
 

@@ -60,8 +60,8 @@ struct GPTNeoXConfig {
   // RoPE over the first rotary_dim() features of each head; 0 for OPT, whose positions are learned.
   double partial_rotary_factor = 0.25;
   double rope_theta = 10000.0;
-  bool parallel_residual = true;  // attention and MLP both from the layer's input, added together
-  bool attention_bias = true;     // biases on the attention's layers (the MLP's and norms' always have them)
+  bool parallel_residual = true;    // attention and MLP both from the layer's input, added together
+  bool attention_bias = true;       // biases on the attention's layers (the MLP's and norms' always have them)
   std::string hidden_act = "gelu";  // "gelu" (exact), "gelu_new" (tanh approximation) or "relu"
   bool tie_word_embeddings = false;
   // OPT only ([OPT projections]): the token embeddings' width, 0 for hidden_size; layer norms after
@@ -96,7 +96,7 @@ struct GPTNeoXNames {
   std::string mlp;         // the MLP's module; empty: its layers are the layer's own (OPT)
   std::string mlp_in, mlp_out;
   std::string final_norm;
-  std::string head;        // the untied head; empty when tied to the token embeddings
+  std::string head;  // the untied head; empty when tied to the token embeddings
   static const GPTNeoXNames& of(const std::string& model_type);
 };
 
@@ -107,9 +107,8 @@ class GPTNeoXAttentionImpl : public torch::nn::Module {
   // [B,1,T,P+T]; past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix
   // tuning), or null. cache: a [Cached step]'s packed tokens (B = 1) attend through the cache
   // instead; mask and past are then unused.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
-                     const CachedLayer* cache = nullptr);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& additive_mask,
+                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr);
   // query_key_value (GPT-NeoX), or q_proj, k_proj and v_proj (Phi, OPT); out: dense or out_proj.
   nn::Linear query_key_value{nullptr}, q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out{nullptr};
 
@@ -121,9 +120,8 @@ TORCH_MODULE(GPTNeoXAttention);
 class GPTNeoXLayerImpl : public torch::nn::Module {
  public:
   GPTNeoXLayerImpl(const GPTNeoXConfig& config, bool materialize_base);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
-                     const CachedLayer* cache = nullptr);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& additive_mask,
+                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr);
   GPTNeoXAttention attention{nullptr};
   torch::nn::LayerNorm input_norm{nullptr};
   torch::nn::LayerNorm mlp_norm{nullptr};  // null for Phi, whose MLP reads input_norm's output
@@ -151,7 +149,7 @@ class GPTNeoXModelImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::Embedding embed_positions{nullptr};  // OPT only: [max_position_embeddings + 2, hidden]
   torch::nn::ModuleList layers{nullptr};
-  torch::nn::LayerNorm final_norm{nullptr};  // null with OPT-350m's post-layer norms
+  torch::nn::LayerNorm final_norm{nullptr};              // null with OPT-350m's post-layer norms
   nn::Linear project_in{nullptr}, project_out{nullptr};  // [OPT projections]; null for the others
 
  private:

@@ -70,15 +70,16 @@ at::Tensor pinned_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
 void copy_rows(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(dst.dim() == 2 && dst.sizes() == src.sizes() && dst.stride(1) == 1 && src.stride(1) == 1 &&
                   dst.scalar_type() == src.scalar_type(),
-              "copy_rows takes two 2-D views of one dtype with contiguous rows, got ", dst.sizes(), " and ", src.sizes());
+              "copy_rows takes two 2-D views of one dtype with contiguous rows, got ", dst.sizes(), " and ",
+              src.sizes());
   if (dst.numel() == 0) return;
 #ifdef SYMBIOSIS_WITH_CUDA
   if (dst.is_cuda() || src.is_cuda()) {
     const auto element = static_cast<size_t>(dst.element_size());
     const auto device = dst.is_cuda() ? dst.device() : src.device();
-    SYMBIOSIS_CUDA_CHECK(cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * element, src.data_ptr(), src.stride(0) * element,
-                                           dst.size(1) * element, dst.size(0), cudaMemcpyDefault,
-                                           c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+    SYMBIOSIS_CUDA_CHECK(cudaMemcpy2DAsync(
+        dst.data_ptr(), dst.stride(0) * element, src.data_ptr(), src.stride(0) * element, dst.size(1) * element,
+        dst.size(0), cudaMemcpyDefault, c10::cuda::getCurrentCUDAStream(device.index()).stream()));
     return;
   }
 #endif
@@ -108,13 +109,18 @@ struct KvCache::Staging {
 
 KvCache::KvCache(const ModelShape& shape, int64_t sequences, int64_t tokens, at::ScalarType dtype, at::Device device,
                  int64_t spare, bool pinned, std::optional<at::Device> decode_device)
-    : sequences_(sequences), spare_(spare), tokens_(tokens), pinned_(pinned), taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false),
+    : sequences_(sequences),
+      spare_(spare),
+      tokens_(tokens),
+      pinned_(pinned),
+      taken_(static_cast<size_t>(std::max<int64_t>(sequences, 0)), false),
       recorded_from_(static_cast<size_t>(std::max<int64_t>(sequences + spare, 0)), -1) {
   TORCH_CHECK(sequences > 0, "KV cache: sequences is ", sequences, ", expected at least 1");
   TORCH_CHECK(tokens > 0, "KV cache: tokens is ", tokens, ", expected at least 1");
   TORCH_CHECK(spare >= 0, "KV cache: spare is ", spare, ", expected at least 0");
   TORCH_CHECK(!pinned || device.is_cpu(), "KV cache: pinned memory is host memory, but the device is ", device);
-  TORCH_CHECK(!decode_device || device.is_cpu(), "KV cache: an offloaded cache lies in host memory, but the device is ", device);
+  TORCH_CHECK(!decode_device || device.is_cpu(), "KV cache: an offloaded cache lies in host memory, but the device is ",
+              device);
   const std::vector<int64_t> sizes = {sequences + spare, shape.num_key_value_heads, tokens, shape.head_dim};
   auto allocate = [&] {
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -154,7 +160,8 @@ void KvCache::stage(int64_t layer, const std::vector<int64_t>& slots, int64_t le
   const auto count = static_cast<int64_t>(slots.size());
   auto copy = [&] {
     // One pitched copy for slots side by side (one request always), one a slot otherwise.
-    const bool side_by_side = std::adjacent_find(slots.begin(), slots.end(), [](int64_t a, int64_t c) { return c != a + 1; }) == slots.end();
+    const bool side_by_side =
+        std::adjacent_find(slots.begin(), slots.end(), [](int64_t a, int64_t c) { return c != a + 1; }) == slots.end();
     for (auto* pair : {&keys_, &values_}) {
       const auto& from = (*pair)[layer];
       const auto& to = pair == &keys_ ? s.keys[b] : s.values[b];
@@ -162,7 +169,8 @@ void KvCache::stage(int64_t layer, const std::vector<int64_t>& slots, int64_t le
         copy_rows(prefix_rows(to, 0, count, length), prefix_rows(from, slots[0], count, length));
         continue;
       }
-      for (int64_t i = 0; i < count; ++i) copy_rows(prefix_rows(to, i, 1, length), prefix_rows(from, slots[i], 1, length));
+      for (int64_t i = 0; i < count; ++i)
+        copy_rows(prefix_rows(to, i, 1, length), prefix_rows(from, slots[i], 1, length));
     }
   };
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -227,8 +235,9 @@ at::Tensor& KvCache::recorded_inputs(int64_t positions, int64_t width, at::Scala
   if (!recorded_inputs_.defined()) {
     recorded_inputs_ = at::zeros({sequences_ + spare_, positions, width}, keys_.at(0).options().dtype(dtype));
   }
-  TORCH_CHECK(recorded_inputs_.size(1) == positions && recorded_inputs_.size(2) == width, "KV cache: recorded inputs of ",
-              recorded_inputs_.sizes(), " asked for again as ", positions, " positions of width ", width);
+  TORCH_CHECK(recorded_inputs_.size(1) == positions && recorded_inputs_.size(2) == width,
+              "KV cache: recorded inputs of ", recorded_inputs_.sizes(), " asked for again as ", positions,
+              " positions of width ", width);
   return recorded_inputs_;
 }
 
@@ -279,9 +288,11 @@ CachedStep::CachedStep(KvCache& cache, std::vector<StepSequence> sequences, std:
   TORCH_CHECK(!sequences_.empty(), "a cached step needs at least one sequence");
   std::vector<int64_t> positions, last, slots, starts;
   for (const auto& s : sequences_) {
-    TORCH_CHECK(s.slot >= 0 && s.slot < cache.sequences(), "cache slot ", s.slot, " is outside [0, ", cache.sequences(), ")");
+    TORCH_CHECK(s.slot >= 0 && s.slot < cache.sequences(), "cache slot ", s.slot, " is outside [0, ", cache.sequences(),
+                ")");
     TORCH_CHECK(s.length >= 1 && s.start >= 0 && s.start + s.length <= cache.tokens(), "a sequence of ", s.start,
-                " cached tokens plus ", s.length, " new ones does not fit a cache of ", cache.tokens(), " per sequence");
+                " cached tokens plus ", s.length, " new ones does not fit a cache of ", cache.tokens(),
+                " per sequence");
     for (int64_t i = 0; i < s.length; ++i) positions.push_back(s.start + i);
     tokens_ += s.length;
     ++count_;
@@ -385,12 +396,12 @@ at::Tensor CachedStep::attend(int64_t layer, const at::Tensor& q, const at::Tens
     };
     auto queries = q.narrow(2, offset, s.length);
     const auto attended_keys = attended(keys, new_keys), attended_values = attended(values, new_values);
-    outs.push_back(s.start == 0 && sliding_window == 0
-                       ? detail::attention(queries, attended_keys, attended_values, {}, scores)
-                       : detail::attention_over(queries, attended_keys, attended_values,
-                                                offset_causal_mask(s.start, s.length, sliding_window, q.scalar_type(),
-                                                                   q.device()),
-                                                scores));
+    outs.push_back(
+        s.start == 0 && sliding_window == 0
+            ? detail::attention(queries, attended_keys, attended_values, {}, scores)
+            : detail::attention_over(queries, attended_keys, attended_values,
+                                     offset_causal_mask(s.start, s.length, sliding_window, q.scalar_type(), q.device()),
+                                     scores));
     offset += s.length;
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 2);
@@ -405,8 +416,8 @@ at::Tensor CachedStep::attend_decode(at::Tensor& keys, at::Tensor& values, const
   // scale or a soft cap.
   if (q.is_cuda() && sliding_window == 0 && scores.scale == 0 && scores.softcap == 0 &&
       kernels::decode_attention_supports(q.size(1), k.size(1), q.size(3), q.scalar_type())) {
-    auto out = kernels::decode_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), keys,
-                                         values, rows, starts_);
+    auto out = kernels::decode_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), keys, values,
+                                         rows, starts_);
     return out.transpose(0, 1).unsqueeze(0);
   }
 #endif
@@ -421,7 +432,8 @@ at::Tensor CachedStep::attend_decode(at::Tensor& keys, at::Tensor& values, const
       row_of.push_back(first_row >= 0 ? first_row + static_cast<int64_t>(i) : sequences_[i].slot);
       positions.push_back(sequences_[i].start);
     }
-    return detail::cpu_decode_attention(queries_by_sequence, keys, values, row_of, positions, sliding_window, scores.scale)
+    return detail::cpu_decode_attention(queries_by_sequence, keys, values, row_of, positions, sliding_window,
+                                        scores.scale)
         .transpose(0, 1)
         .unsqueeze(0);
   }

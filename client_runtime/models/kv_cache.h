@@ -79,8 +79,8 @@ class KvCache {
   // Bytes one position of one sequence takes: keys and values of every layer.
   static int64_t bytes_per_position(const ModelShape& shape, at::ScalarType dtype);
   int64_t sequences() const { return sequences_; }  // the slots requests take, spare ones not counted
-  int64_t spare_slot() const;  // the first spare slot; throws when there is none
-  int64_t tokens() const { return tokens_; }  // per sequence
+  int64_t spare_slot() const;                       // the first spare slot; throws when there is none
+  int64_t tokens() const { return tokens_; }        // per sequence
   int64_t layers() const { return static_cast<int64_t>(keys_.size()); }
   // The lowest free slot, or none when every slot is taken.
   std::optional<int64_t> acquire();
@@ -122,7 +122,7 @@ class KvCache {
   bool pinned_;
   std::vector<at::Tensor> keys_, values_;
   std::vector<bool> taken_;
-  std::unique_ptr<Staging> staging_;  // [Offloaded decode]
+  std::unique_ptr<Staging> staging_;    // [Offloaded decode]
   at::Tensor recorded_inputs_;          // [LongRoPE]'s recomputation; undefined until asked for
   std::vector<int64_t> recorded_from_;  // by slot
 };
@@ -142,7 +142,7 @@ class CachedStep {
   // to its own start. Makes no host-to-device copy and reads no device value on the host.
   static CachedStep fixed_decode(KvCache& cache, const at::Tensor& slots, const at::Tensor& starts);
   const std::vector<StepSequence>& sequences() const { return sequences_; }
-  int64_t tokens() const { return tokens_; }  // N, the packed tokens
+  int64_t tokens() const { return tokens_; }                // N, the packed tokens
   int64_t cache_tokens() const { return cache_.tokens(); }  // the positions a sequence may reach in the cache
   KvCache& cache() const { return cache_; }
   // A fixed decode step's slots ([B] on the device, padding rows naming a spare slot); undefined in others.

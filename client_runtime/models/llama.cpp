@@ -164,7 +164,7 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   c.tie_word_embeddings = ckpt.config_bool("tie_word_embeddings").value_or(gemma2);
   c.attention_bias = ckpt.config_bool("attention_bias").value_or(false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2Attention: q, k and v with biases, o without
-  c.qk_norm = c.model_type == "qwen3";    // [Qwen3]: Qwen3Attention's q_norm and k_norm (biases: attention_bias)
+  c.qk_norm = c.model_type == "qwen3";   // [Qwen3]: Qwen3Attention's q_norm and k_norm (biases: attention_bias)
   c.mlp_bias = !gemma2 && ckpt.config_bool("mlp_bias").value_or(false);  // Gemma2MLP has none
   c.fused_projections = c.model_type == "phi3";  // [Phi-3]: qkv_proj and gate_up_proj, no biases
   // [Sliding window], as transformers' configs read it: Mistral's every layer when sliding_window
@@ -219,7 +219,8 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
   c.partial_rotary_factor = ckpt.config_number(rope + ".partial_rotary_factor")
                                 .value_or(ckpt.config_number("partial_rotary_factor").value_or(1.0));
   if (ckpt.config_has(rope)) {
-    c.rope_type = ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
+    c.rope_type =
+        ckpt.config_string(rope + ".rope_type").value_or(ckpt.config_string(rope + ".type").value_or("default"));
     // Phi3Config reads Phi-3's older names, "su" and "yarn", as "longrope".
     if (c.model_type == "phi3" && (c.rope_type == "su" || c.rope_type == "yarn")) c.rope_type = "longrope";
     TORCH_CHECK(c.rope_type != "longrope" || c.model_type == "phi3", where, ": rope type 'longrope' is supported ",
@@ -234,8 +235,9 @@ LlamaConfig LlamaConfig::from_checkpoint(const Checkpoint& ckpt) {
       c.rope_long_factor = detail::number_list(ckpt, rope + ".long_factor", frequencies);
       const double original = static_cast<double>(c.rope_original_max_position_embeddings);
       const double factor = ckpt.config_number(rope + ".factor").value_or(c.max_position_embeddings / original);
-      c.rope_attention_factor = ckpt.config_number(rope + ".attention_factor")
-                                    .value_or(factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(original)));
+      c.rope_attention_factor =
+          ckpt.config_number(rope + ".attention_factor")
+              .value_or(factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(original)));
     }
     if (c.rope_type == "llama3") {
       auto field = [&](const std::string& name) {
@@ -264,8 +266,8 @@ void LlamaConfig::validate() const {
               ") is not divisible by num_attention_heads (", num_attention_heads, ") and no head_dim is given");
   TORCH_CHECK(partial_rotary_factor > 0 && partial_rotary_factor <= 1, "Llama config: partial_rotary_factor is ",
               partial_rotary_factor, ", expected more than 0 and at most 1");
-  TORCH_CHECK(rotary_dim() % 2 == 0, "Llama config: RoPE's dimension ", rotary_dim(), " (head_dim ", resolved_head_dim(),
-              " x partial_rotary_factor ", partial_rotary_factor, ") must be even");
+  TORCH_CHECK(rotary_dim() % 2 == 0, "Llama config: RoPE's dimension ", rotary_dim(), " (head_dim ",
+              resolved_head_dim(), " x partial_rotary_factor ", partial_rotary_factor, ") must be even");
   TORCH_CHECK(rope_type == "default" || rope_type == "llama3" || rope_type == "longrope", "Llama config: rope type '",
               rope_type, "' is not supported (expected 'default', 'llama3' or 'longrope')");
   if (rope_type == "longrope") {  // [LongRoPE]
@@ -273,8 +275,9 @@ void LlamaConfig::validate() const {
     TORCH_CHECK(rope_short_factor.size() == frequencies && rope_long_factor.size() == frequencies,
                 "Llama config: longrope needs ", frequencies, " short and long factors (rotary_dim / 2), got ",
                 rope_short_factor.size(), " and ", rope_long_factor.size());
-    TORCH_CHECK(rope_original_max_position_embeddings > 0, "Llama config: longrope's original_max_position_embeddings is ",
-                rope_original_max_position_embeddings, ", expected a positive number of positions");
+    TORCH_CHECK(rope_original_max_position_embeddings > 0,
+                "Llama config: longrope's original_max_position_embeddings is ", rope_original_max_position_embeddings,
+                ", expected a positive number of positions");
   }
   TORCH_CHECK(rope_type != "llama3" || rope_high_freq_factor != rope_low_freq_factor,
               "Llama config: llama3 rope needs high_freq_factor != low_freq_factor");
@@ -368,7 +371,7 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
   const int64_t q_out = num_heads_ * head_dim_;
   const int64_t kv_out = num_kv_heads_ * head_dim_;
   const bool qkv_bias = c.attention_bias || c.qkv_bias;  // base weights: served with the layer
-  if (c.fused_projections) {  // [Phi-3]
+  if (c.fused_projections) {                             // [Phi-3]
     qkv_proj = register_module("qkv_proj", nn::Linear(c.hidden_size, q_out + 2 * kv_out, qkv_bias, materialize_base));
   } else {
     q_proj = register_module("q_proj", nn::Linear(c.hidden_size, q_out, qkv_bias, materialize_base));
@@ -422,10 +425,12 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : gelu_(
     gate_up_proj = register_module("gate_up_proj",
                                    nn::Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, materialize_base));
   } else {
-    gate_proj = register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
+    gate_proj =
+        register_module("gate_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
     up_proj = register_module("up_proj", nn::Linear(c.hidden_size, c.intermediate_size, c.mlp_bias, materialize_base));
   }
-  down_proj = register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
+  down_proj =
+      register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
@@ -491,11 +496,12 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
                                    const at::Tensor& position_ids, ModelAdapterImpl* adapter) {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids has shape ", input_ids.sizes(), ", expected [batch, tokens]");
   const int64_t length = input_ids.size(1);
-  auto in = detail::adapt_inputs(adapter, embed(input_ids), attention_mask, position_ids,
-                                 config_.num_hidden_layers, config_.sliding_window);
+  auto in = detail::adapt_inputs(adapter, embed(input_ids), attention_mask, position_ids, config_.num_hidden_layers,
+                                 config_.sliding_window);
   auto h = in.embeddings;
   at::Tensor long_factors;  // [LongRoPE]: the call's largest position decides, as in transformers (on the device)
-  if (long_inv_freq_.defined()) long_factors = in.position_ids.max() + 1 > config_.rope_original_max_position_embeddings;
+  if (long_inv_freq_.defined())
+    long_factors = in.position_ids.max() + 1 > config_.rope_original_max_position_embeddings;
   const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type(), long_factors);
   for (size_t i = 0; i < layers->size(); ++i) {
     const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
@@ -649,8 +655,8 @@ void LlamaForCausalLMImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> a
 }
 
 ModelShape LlamaForCausalLMImpl::model_shape() const {
-  return {config_.model_type, config_.num_hidden_layers, config_.hidden_size, config_.num_attention_heads,
-          config_.num_key_value_heads, config_.resolved_head_dim()};
+  return {config_.model_type,          config_.num_hidden_layers,   config_.hidden_size,
+          config_.num_attention_heads, config_.num_key_value_heads, config_.resolved_head_dim()};
 }
 
 }  // namespace symbiosis

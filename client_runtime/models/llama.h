@@ -165,9 +165,8 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix tuning), or null.
   // cache: a [Cached step]'s packed tokens (B = 1) attend through the cache instead; mask and past
   // are then unused.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
-                     const CachedLayer* cache = nullptr);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& additive_mask,
+                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr);
   // q_proj, k_proj and v_proj, or, with fused_projections ([Phi-3]), qkv_proj alone.
   nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, qkv_proj{nullptr}, o_proj{nullptr};
   LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // [Qwen3] only: over head_dim, the tenant's weights
@@ -193,9 +192,8 @@ TORCH_MODULE(LlamaMLP);
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, bool materialize_base);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     const at::Tensor& additive_mask, const PastKeyValue* past = nullptr,
-                     const CachedLayer* cache = nullptr);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& additive_mask,
+                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr);
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};

@@ -31,7 +31,7 @@ bool starts_with(const std::string& s, const std::string& prefix) { return s.rfi
 
 // Checkpoint tensors that save_pretrained writes (or once wrote) but no model parameter holds.
 bool ignorable_extra(const std::string& name) {
-  return name == "lm_head.weight" ||  // tied to the input embeddings
+  return name == "lm_head.weight" ||                                               // tied to the input embeddings
          ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias") ||  // GPT-2 mask buffers
          ends_with(name, "rotary_emb.inv_freq");
 }

@@ -111,8 +111,8 @@ at::Tensor adalora_orthogonal_regularization(torch::nn::Module& model, const Ada
   at::Tensor sum;
   int64_t count = 0;
   for (const auto& [path, adapter] : adalora_layers(model)) {
-    for (const auto& covariance : {at::matmul(adapter->lora_A, adapter->lora_A.t()),
-                                   at::matmul(adapter->lora_B.t(), adapter->lora_B)}) {
+    for (const auto& covariance :
+         {at::matmul(adapter->lora_A, adapter->lora_A.t()), at::matmul(adapter->lora_B.t(), adapter->lora_B)}) {
       auto term = at::frobenius_norm(covariance - at::eye(covariance.size(0), covariance.options()), {0, 1});
       sum = sum.defined() ? sum + term : term;
       ++count;
@@ -134,9 +134,11 @@ std::pair<int64_t, bool> AdaLoraAllocator::budget_schedule(int64_t step) const {
   const auto& c = config_;
   if (step <= c.tinit) return {initial_budget_, false};
   if (step > c.total_step - c.tfinal) return {target_budget_, true};
-  const double remaining = 1.0 - static_cast<double>(step - c.tinit) / static_cast<double>(c.total_step - c.tfinal - c.tinit);
-  const auto budget = static_cast<int64_t>(static_cast<double>(initial_budget_ - target_budget_) * std::pow(remaining, 3) +
-                                           static_cast<double>(target_budget_));
+  const double remaining =
+      1.0 - static_cast<double>(step - c.tinit) / static_cast<double>(c.total_step - c.tfinal - c.tinit);
+  const auto budget =
+      static_cast<int64_t>(static_cast<double>(initial_budget_ - target_budget_) * std::pow(remaining, 3) +
+                           static_cast<double>(target_budget_));
   return {budget, step % c.deltaT == 0};
 }
 

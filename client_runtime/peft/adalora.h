@@ -21,9 +21,9 @@
 namespace symbiosis {
 
 struct AdaLoraConfig {
-  int64_t init_r = 12;  // every layer's starting rank
+  int64_t init_r = 12;   // every layer's starting rank
   int64_t target_r = 8;  // the average rank the budget ends at
-  double alpha = 8;     // lora_alpha; the update is scaled by alpha / ranknum
+  double alpha = 8;      // lora_alpha; the update is scaled by alpha / ranknum
   double dropout = 0.0;
   // A layer is targeted when its path equals a name or ends with ".<name>". Empty: PEFT's
   // defaults for the model type (Llama: q_proj, v_proj; GPT-2: c_attn).

@@ -64,8 +64,8 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
       shape = entry.at("shape").get<std::vector<int64_t>>();
       offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
     } catch (const nlohmann::json::exception& e) {
-      TORCH_CHECK(false, where, ": needs dtype (a string), shape and data_offsets (lists of whole numbers): ",
-                  e.what());
+      TORCH_CHECK(false, where,
+                  ": needs dtype (a string), shape and data_offsets (lists of whole numbers): ", e.what());
     }
     // The shape's bytes, refused before anything is allocated for them when they overflow or do
     // not fit the file.
@@ -76,10 +76,9 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
                   " needs more bytes than the file holds");
       bytes *= static_cast<uint64_t>(d);
     }
-    TORCH_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_bytes &&
-                    offsets[1] - offsets[0] == bytes,
-                where, " has bad data_offsets (expected [begin, begin + ", bytes, "] within the ", data_bytes,
-                " data bytes)");
+    TORCH_CHECK(
+        offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_bytes && offsets[1] - offsets[0] == bytes,
+        where, " has bad data_offsets (expected [begin, begin + ", bytes, "] within the ", data_bytes, " data bytes)");
     auto t = at::empty(shape, at::TensorOptions().dtype(dtype));
     in.seekg(static_cast<std::streamoff>(8 + header_len + offsets[0]));
     in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
@@ -152,7 +151,8 @@ std::vector<std::string> base_layer_paths(torch::nn::Module& model) {
 
 std::vector<std::string> targetable_names(torch::nn::Module& model) { return last_components(base_layer_paths(model)); }
 
-std::string no_layer_matched(torch::nn::Module& model, const std::string& what, const std::vector<std::string>& targets) {
+std::string no_layer_matched(torch::nn::Module& model, const std::string& what,
+                             const std::vector<std::string>& targets) {
   return no_layer_matched(model_type_of(model), base_layer_paths(model), what, targets);
 }
 
@@ -177,8 +177,8 @@ int64_t integer_field(const nlohmann::json& config, const std::string& field, in
                       const std::string& where) {
   if (!config.contains(field) || config[field].is_null()) return fallback;
   const auto& value = config[field];
-  const bool whole = value.is_number_integer() &&
-                     !(value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX});
+  const bool whole =
+      value.is_number_integer() && !(value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX});
   TORCH_CHECK(whole, where, "field '", field, "' should be an integer, got ", value.dump().substr(0, 64));
   return value.get<int64_t>();
 }
@@ -240,7 +240,8 @@ std::vector<std::string> string_list(const nlohmann::json& config, const std::st
   if (!config.contains(field) || config[field].is_null()) return fallback;
   const auto& v = config[field];
   if (v.is_string()) return {v.get<std::string>()};
-  TORCH_CHECK(v.is_array(), "adapter config field '", field, "' should be a string or a list of strings, got ", v.dump());
+  TORCH_CHECK(v.is_array(), "adapter config field '", field, "' should be a string or a list of strings, got ",
+              v.dump());
   std::vector<std::string> out;
   for (const auto& item : v) {
     TORCH_CHECK(item.is_string(), "adapter config field '", field, "' holds a non-string: ", item.dump());

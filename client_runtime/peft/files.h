@@ -70,7 +70,8 @@ at::TensorOptions parameter_options(torch::nn::Module& model);
 std::vector<std::string> targetable_names(torch::nn::Module& model);
 // The error for target_modules that matched no base layer: `what` ("LoRA target_modules"), the
 // targets, the model's type where it says, and the names that exist.
-std::string no_layer_matched(torch::nn::Module& model, const std::string& what, const std::vector<std::string>& targets);
+std::string no_layer_matched(torch::nn::Module& model, const std::string& what,
+                             const std::vector<std::string>& targets);
 // The same for a model known by its type ("" when it does not say) and its base layers' paths.
 std::string no_layer_matched(const std::string& model_type, const std::vector<std::string>& layer_paths,
                              const std::string& what, const std::vector<std::string>& targets);

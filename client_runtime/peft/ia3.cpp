@@ -24,7 +24,8 @@ bool is_feedforward(const std::string& path, const IA3Config& config) {
 void IA3Config::validate() const {
   for (const auto& ff : feedforward_modules) {
     TORCH_CHECK(std::find(target_modules.begin(), target_modules.end(), ff) != target_modules.end(),
-                "IA3 field 'feedforward_modules' holds '", ff, "', which is not in 'target_modules' (PEFT requires a subset)");
+                "IA3 field 'feedforward_modules' holds '", ff,
+                "', which is not in 'target_modules' (PEFT requires a subset)");
   }
   TORCH_CHECK(!target_modules.empty() || feedforward_modules.empty(),
               "IA3 field 'feedforward_modules' is set but 'target_modules' is empty");

@@ -67,8 +67,7 @@ double lora_scaling(double alpha, int64_t r, bool use_rslora) {
 }
 
 LoraAdapterImpl::LoraAdapterImpl(int64_t in_features, int64_t out_features, const LoraConfig& config)
-    : scaling(lora_scaling(config.alpha, config.r, config.use_rslora)),
-      dropout(config.dropout) {
+    : scaling(lora_scaling(config.alpha, config.r, config.use_rslora)), dropout(config.dropout) {
   // PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0.
   auto a = at::empty({config.r, in_features});
   torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));
@@ -252,8 +251,8 @@ at::Tensor LoraAdapterImpl::forward(const at::Tensor& x, const BaseFn& base) {
   auto y = base(x);
   if (auto grouped = forward_group(x, y, {this}, {y.size(-1)}); grouped.defined()) return grouped;
   auto h = dropout > 0 ? at::dropout(x, dropout, is_training()) : x;
-  const bool differentiable = at::GradMode::is_enabled() &&
-                              (y.requires_grad() || h.requires_grad() || lora_A.requires_grad() || lora_B.requires_grad());
+  const bool differentiable = at::GradMode::is_enabled() && (y.requires_grad() || h.requires_grad() ||
+                                                             lora_A.requires_grad() || lora_B.requires_grad());
   if (differentiable) return LoraUpdate::apply(y, h, lora_A, lora_B, scaling);
   return lora_sum(y, at::mm(lora_rows(h, lora_A), lora_A.t()), lora_B, scaling);
 }
@@ -319,7 +318,8 @@ void require_every_lora_target_matches(torch::nn::Module& model, const std::vect
     if (target == "all-linear") continue;
     bool matched = false;
     for (const auto& item : model.named_modules("", false)) {
-      if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get()) != nullptr && peft::matches_module(item.key(), {target})) {
+      if (dynamic_cast<nn::BaseLayerImpl*>(item.value().get()) != nullptr &&
+          peft::matches_module(item.key(), {target})) {
         matched = true;
         break;
       }
@@ -361,10 +361,11 @@ LoraConfig read_lora_fields(const std::filesystem::path& dir) {
   config.dropout = j.value("lora_dropout", config.dropout);
   if (j.contains("target_modules")) {
     const auto& t = j["target_modules"];
-    TORCH_CHECK(!t.is_string() || t.get<std::string>() == "all-linear", path, ": field 'target_modules' is the regular expression ",
-                t.dump(), "; only a list of names or \"all-linear\" is supported");
-    config.target_modules = t.is_string() ? std::vector<std::string>{t.get<std::string>()}
-                                          : t.get<std::vector<std::string>>();
+    TORCH_CHECK(!t.is_string() || t.get<std::string>() == "all-linear", path,
+                ": field 'target_modules' is the regular expression ", t.dump(),
+                "; only a list of names or \"all-linear\" is supported");
+    config.target_modules =
+        t.is_string() ? std::vector<std::string>{t.get<std::string>()} : t.get<std::vector<std::string>>();
   }
   config.use_dora = j.value("use_dora", false);
   config.use_rslora = j.value("use_rslora", false);

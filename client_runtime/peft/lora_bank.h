@@ -46,8 +46,8 @@ struct BaseLayerShape {
 // What a bank needs to know of a model to check adapters for it, taken once (by the thread that
 // owns the model), so that adapters can be read and checked on any thread.
 struct BankModel {
-  std::string model_type;             // "llama", "gpt2", ... ("" when the model does not say)
-  std::vector<BaseLayerShape> layers; // every base layer, in module order
+  std::string model_type;              // "llama", "gpt2", ... ("" when the model does not say)
+  std::vector<BaseLayerShape> layers;  // every base layer, in module order
   // Why the model cannot take a bank ("" when it can): an own adapter that is not plain LoRA in the
   // model's dtype.
   std::string refusal;
@@ -80,8 +80,8 @@ BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path&
 // on the model's device, and on the host unless the step is captured in a CUDA graph (which reads
 // slots from device memory only).
 struct LoraRows {
-  at::Tensor slots;            // [rows] int32
-  std::vector<int32_t> host;   // the same, or empty
+  at::Tensor slots;           // [rows] int32
+  std::vector<int32_t> host;  // the same, or empty
 };
 
 class LoraBank {
@@ -111,9 +111,9 @@ class LoraBank {
   class Layer;
   std::shared_ptr<Layer> wrap(const std::string& path);
   torch::nn::Module& model_;
-  std::map<std::string, nn::BaseLayerImpl*> base_layers_;  // by path
-  std::map<std::string, std::shared_ptr<Layer>> wrapped_;  // by path
-  std::vector<bool> used_;                                 // by slot
+  std::map<std::string, nn::BaseLayerImpl*> base_layers_;    // by path
+  std::map<std::string, std::shared_ptr<Layer>> wrapped_;    // by path
+  std::vector<bool> used_;                                   // by slot
   std::map<int32_t, std::vector<std::string>> slot_layers_;  // the wrapped layers each slot fills
   int64_t max_rank_;
   at::TensorOptions options_;

@@ -15,7 +15,8 @@ namespace detail {
 
 AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddings, const at::Tensor& attention_mask,
                            const at::Tensor& position_ids, int64_t num_layers, int64_t sliding_window) {
-  TORCH_CHECK(embeddings.dim() == 3, "embeddings have shape ", embeddings.sizes(), ", expected [batch, tokens, hidden]");
+  TORCH_CHECK(embeddings.dim() == 3, "embeddings have shape ", embeddings.sizes(),
+              ", expected [batch, tokens, hidden]");
   const int64_t batch = embeddings.size(0), length = embeddings.size(1), hidden = embeddings.size(2);
   const auto device = embeddings.device();
   const auto dtype = embeddings.scalar_type();
@@ -28,8 +29,8 @@ AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddin
     TORCH_CHECK(prompts.dim() == 2 && prompts.size(1) == hidden, "model adapter's prompt embeddings have shape ",
                 prompts.sizes(), ", expected [virtual tokens, ", hidden, "]");
     out.prompt_length = prompts.size(0);
-    out.embeddings = at::cat({prompts.to(device).to(dtype).unsqueeze(0).expand({batch, out.prompt_length, hidden}),
-                              embeddings}, 1);
+    out.embeddings =
+        at::cat({prompts.to(device).to(dtype).unsqueeze(0).expand({batch, out.prompt_length, hidden}), embeddings}, 1);
   } else {
     out.embeddings = embeddings;
   }
@@ -39,9 +40,8 @@ AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddin
                 past.size(), " layers, but the model has ", num_layers);
     past_length = past[0].key.size(-2);
     for (auto& kv : past) {
-      TORCH_CHECK(kv.key.sizes() == kv.value.sizes() && kv.key.size(-2) == past_length,
-                  "model adapter's past keys ", kv.key.sizes(), " and values ", kv.value.sizes(),
-                  " disagree in shape");
+      TORCH_CHECK(kv.key.sizes() == kv.value.sizes() && kv.key.size(-2) == past_length, "model adapter's past keys ",
+                  kv.key.sizes(), " and values ", kv.value.sizes(), " disagree in shape");
       auto batched = [&](const at::Tensor& t) {
         auto u = t.to(device).to(dtype);
         return u.dim() == 3 ? u.unsqueeze(0).expand({batch, u.size(0), u.size(1), u.size(2)}) : u;
@@ -51,13 +51,15 @@ AdaptedInputs adapt_inputs(ModelAdapterImpl* adapter, const at::Tensor& embeddin
   }
 
   // Positions of the real tokens, then of the prompts in front, then shifted past the cache.
-  at::Tensor positions = position_ids.defined() ? position_ids.to(device).to(at::kLong) : at::arange(length, long_options);
+  at::Tensor positions =
+      position_ids.defined() ? position_ids.to(device).to(at::kLong) : at::arange(length, long_options);
   positions = positions.dim() == 1 ? positions.unsqueeze(0).expand({batch, positions.size(0)}) : positions;
   TORCH_CHECK(positions.sizes() == at::IntArrayRef({batch, length}), "position_ids has shape ", position_ids.sizes(),
               ", expected [", batch, ", ", length, "] or [", length, "]");
   if (out.prompt_length > 0) {
     positions = at::cat({at::arange(out.prompt_length, long_options).unsqueeze(0).expand({batch, out.prompt_length}),
-                         positions + out.prompt_length}, 1);
+                         positions + out.prompt_length},
+                        1);
   }
   out.position_ids = positions + past_length;
 

@@ -67,8 +67,8 @@ namespace detail {
 // The inputs of a model's decoder stack once the adapter (possibly null) has been applied; see
 // [Model adapter conventions].
 struct AdaptedInputs {
-  at::Tensor embeddings;      // [B, P+T, hidden]
-  at::Tensor position_ids;    // [B, P+T] int64
+  at::Tensor embeddings;    // [B, P+T, hidden]
+  at::Tensor position_ids;  // [B, P+T] int64
   // [B, 1, P+T, past+P+T] in the embeddings' dtype; undefined when attention is plainly causal
   // (no padding, no past keys), see detail::attention.
   at::Tensor additive_mask;
@@ -76,7 +76,7 @@ struct AdaptedInputs {
   // sliding_window or more indices before the query; undefined when sliding_window is 0.
   at::Tensor sliding_mask;
   std::vector<PastKeyValue> past;  // per layer [B, kv_heads, past, head_dim]; empty for none
-  int64_t prompt_length = 0;  // leading positions to drop from the output
+  int64_t prompt_length = 0;       // leading positions to drop from the output
 };
 
 // embeddings [B,T,hidden]; attention_mask [B,T] or undefined; position_ids [B,T], [T] or undefined.

@@ -19,16 +19,19 @@ std::vector<at::Tensor> attach(torch::nn::Module& model, const std::shared_ptr<P
 }  // namespace
 
 void PromptTuningConfig::validate() const {
-  TORCH_CHECK(num_virtual_tokens > 0, "prompt tuning field 'num_virtual_tokens' must be positive, got ", num_virtual_tokens);
+  TORCH_CHECK(num_virtual_tokens > 0, "prompt tuning field 'num_virtual_tokens' must be positive, got ",
+              num_virtual_tokens);
 }
 
 void PTuningConfig::validate() const {
   TORCH_CHECK(num_virtual_tokens > 0, "P-tuning field 'num_virtual_tokens' must be positive, got ", num_virtual_tokens);
-  TORCH_CHECK(encoder_hidden_size >= 0, "P-tuning field 'encoder_hidden_size' must be positive, got ", encoder_hidden_size);
+  TORCH_CHECK(encoder_hidden_size >= 0, "P-tuning field 'encoder_hidden_size' must be positive, got ",
+              encoder_hidden_size);
 }
 
 void PrefixTuningConfig::validate() const {
-  TORCH_CHECK(num_virtual_tokens > 0, "prefix tuning field 'num_virtual_tokens' must be positive, got ", num_virtual_tokens);
+  TORCH_CHECK(num_virtual_tokens > 0, "prefix tuning field 'num_virtual_tokens' must be positive, got ",
+              num_virtual_tokens);
   TORCH_CHECK(encoder_hidden_size >= 0, "prefix tuning field 'encoder_hidden_size' must be positive, got ",
               encoder_hidden_size);
   TORCH_CHECK(prefix_projection || encoder_hidden_size == 0,
@@ -80,7 +83,8 @@ at::Tensor PrefixTuningAdapterImpl::encode() {
 std::vector<PastKeyValue> PrefixTuningAdapterImpl::past_key_values() {
   // PEFT: view [P, layers*2, kv_heads, head_dim], then layer l's key is entry 2l, its value 2l+1.
   const auto& s = shape();
-  auto kv = encode().view({num_virtual_tokens(), s.num_layers * 2, s.num_key_value_heads, s.head_dim}).permute({1, 2, 0, 3});
+  auto kv =
+      encode().view({num_virtual_tokens(), s.num_layers * 2, s.num_key_value_heads, s.head_dim}).permute({1, 2, 0, 3});
   std::vector<PastKeyValue> past;
   for (int64_t l = 0; l < s.num_layers; ++l) past.push_back({kv[2 * l], kv[2 * l + 1]});
   return past;
@@ -152,7 +156,8 @@ std::vector<at::Tensor> load_prompt_learning(torch::nn::Module& model, const std
   };
   auto must_equal = [&](const std::string& field, int64_t expected, const std::string& what) {
     auto v = number(field);
-    TORCH_CHECK(!v || *v == expected, where, "field '", field, "' is ", *v, ", but the model's ", what, " is ", expected);
+    TORCH_CHECK(!v || *v == expected, where, "field '", field, "' is ", *v, ", but the model's ", what, " is ",
+                expected);
   };
   auto virtual_tokens = number("num_virtual_tokens");
   TORCH_CHECK(virtual_tokens && *virtual_tokens > 0, where, "field 'num_virtual_tokens' must be a positive integer");

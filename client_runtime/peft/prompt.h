@@ -74,7 +74,7 @@ class PTuningAdapterImpl : public PromptLearningAdapterImpl {
   // mlp_head(embedding): Linear(hidden, enc), ReLU, Linear(enc, enc), ReLU, Linear(enc, hidden).
   at::Tensor prompt_embeddings() override;
   at::Tensor saved_embeddings() override { return prompt_embeddings(); }
-  at::Tensor embedding;  // [P, hidden]
+  at::Tensor embedding;                                              // [P, hidden]
   torch::nn::Linear mlp_0{nullptr}, mlp_2{nullptr}, mlp_4{nullptr};  // PEFT's mlp_head.0/.2/.4
 };
 

@@ -21,7 +21,8 @@ std::pair<std::string, std::string> merge_pair(const nlohmann::json& merge, cons
     const size_t space = text.find(' ', 1);  // the first token may itself be a space in some files
     if (space != std::string::npos && space + 1 < text.size()) return {text.substr(0, space), text.substr(space + 1)};
   }
-  TORCH_CHECK(false, where, ".merges[", rank, "] should be [\"left\", \"right\"] or \"left right\", got ", merge.dump());
+  TORCH_CHECK(false, where, ".merges[", rank, "] should be [\"left\", \"right\"] or \"left right\", got ",
+              merge.dump());
 }
 
 }  // namespace

@@ -40,8 +40,8 @@ class BpeModel {
   }
 
   std::unordered_map<std::string, int32_t> vocab_;
-  std::vector<std::string> tokens_;   // by id; "" where no token has the id
-  std::vector<bool> has_token_;       // by id
+  std::vector<std::string> tokens_;             // by id; "" where no token has the id
+  std::vector<bool> has_token_;                 // by id
   std::unordered_map<uint64_t, Merge> merges_;  // (left id, right id) -> rank and the merged token's id
   std::optional<int32_t> unk_id_;
   bool fuse_unk_ = false;

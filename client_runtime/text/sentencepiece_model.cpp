@@ -138,7 +138,9 @@ std::unique_ptr<Tokenizer> open_sentencepiece_model(const std::filesystem::path&
               "and tokenizer_config.json's tokenizer_class is ",
               written.tokenizer_class ? "'" + *written.tokenizer_class + "'" : std::string("not given"),
               ": transformers builds such a tokenizer with that class's own converter, and only these classes' are "
-              "implemented here: ", classes_building_pipelines(), " (with or without Fast); save the tokenizer with "
+              "implemented here: ",
+              classes_building_pipelines(),
+              " (with or without Fast); save the tokenizer with "
               "transformers (AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) to write its tokenizer.json");
   const std::vector<Piece> pieces = read_pieces(file);
   std::unordered_map<std::string, int64_t> ids;
@@ -153,8 +155,13 @@ std::unique_ptr<Tokenizer> open_sentencepiece_model(const std::filesystem::path&
   for (size_t id = 0; id < pieces.size(); ++id) {
     const bool control = pieces[id].type == PieceType::kControl;
     if (!control && pieces[id].type != PieceType::kUserDefined) continue;
-    added.push_back({{"id", id}, {"content", pieces[id].text}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", control}});
+    added.push_back({{"id", id},
+                     {"content", pieces[id].text},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", control}});
   }
   const TokenizerConfig config = with_class_defaults(written, *built);
   json single = json::array();
@@ -162,7 +169,8 @@ std::unique_ptr<Tokenizer> open_sentencepiece_model(const std::filesystem::path&
   const auto around = [&](const std::optional<bool>& add, const std::string& name, const char* field) {
     if (!add.value_or(false)) return;
     const auto it = ids.find(name);
-    TORCH_CHECK(it != ids.end(), "tokenizer_config.json: ", field, " is true, but '", name, "' is not a piece of ", where);
+    TORCH_CHECK(it != ids.end(), "tokenizer_config.json: ", field, " is true, but '", name, "' is not a piece of ",
+                where);
     single.push_back({{"SpecialToken", {{"id", name}, {"type_id", 0}}}});
     special_tokens[name] = {{"id", name}, {"ids", {it->second}}, {"tokens", {name}}};
   };

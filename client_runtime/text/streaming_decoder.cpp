@@ -5,12 +5,15 @@
 namespace symbiosis {
 namespace {
 
-bool ends_with_replacement(const std::string& s) { return s.size() >= 3 && s.compare(s.size() - 3, 3, "\xEF\xBF\xBD") == 0; }
+bool ends_with_replacement(const std::string& s) {
+  return s.size() >= 3 && s.compare(s.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+}
 
 // A byte-fallback token: "<0x" two hexadecimal digits ">".
 bool is_byte_token(const std::optional<std::string>& token) {
   return token && token->size() == 6 && token->compare(0, 3, "<0x") == 0 && (*token)[5] == '>' &&
-         std::isxdigit(static_cast<unsigned char>((*token)[3])) && std::isxdigit(static_cast<unsigned char>((*token)[4]));
+         std::isxdigit(static_cast<unsigned char>((*token)[3])) &&
+         std::isxdigit(static_cast<unsigned char>((*token)[4]));
 }
 
 }  // namespace

@@ -55,7 +55,8 @@ const json& array_field(const json& object, const char* name, const std::string&
 // A "Sequence" part's steps (its `name` array), each read by `read`, which leaves a step out by
 // returning null.
 template <typename Part, typename Read>
-std::vector<std::unique_ptr<Part>> read_steps(const json& object, const char* name, const std::string& where, Read read) {
+std::vector<std::unique_ptr<Part>> read_steps(const json& object, const char* name, const std::string& where,
+                                              Read read) {
   std::vector<std::unique_ptr<Part>> steps;
   const json& list = array_field(object, name, where);
   for (size_t i = 0; i < list.size(); ++i) {
@@ -237,9 +238,7 @@ void split_piece(const Piece& piece, const UnicodeRegex& pattern, SplitBehavior 
         if (!part.is_match) kept.push_back(part);
       }
       break;
-    case SplitBehavior::kIsolated:
-      kept = parts;
-      break;
+    case SplitBehavior::kIsolated: kept = parts; break;
     case SplitBehavior::kMergedWithPrevious:
       for (const Part& part : parts) {
         if (part.is_match && !previous_match && !kept.empty()) {
@@ -304,7 +303,8 @@ class SplitPreTokenizer : public PreTokenizer {
 class ByteLevelPreTokenizer : public PreTokenizer {
  public:
   ByteLevelPreTokenizer(bool add_prefix_space, bool use_regex)
-      : add_prefix_space_(add_prefix_space), regex_(use_regex ? std::make_unique<UnicodeRegex>(kGpt2Pattern) : nullptr) {}
+      : add_prefix_space_(add_prefix_space),
+        regex_(use_regex ? std::make_unique<UnicodeRegex>(kGpt2Pattern) : nullptr) {}
   std::vector<Piece> apply(std::vector<Piece> pieces) const override {
     std::vector<Piece> split;
     for (Piece& piece : pieces) {
@@ -569,7 +569,8 @@ class StripDecoder : public Decoder {
 // The replacement ("▁") back to spaces; the first token's leading space dropped unless prepend_scheme is never.
 class MetaspaceDecoder : public Decoder {
  public:
-  MetaspaceDecoder(std::string replacement, bool strip_first) : replacement_(std::move(replacement)), strip_first_(strip_first) {}
+  MetaspaceDecoder(std::string replacement, bool strip_first)
+      : replacement_(std::move(replacement)), strip_first_(strip_first) {}
   std::vector<std::string> apply(std::vector<std::string> tokens) const override {
     for (size_t i = 0; i < tokens.size(); ++i) {
       std::string out;
@@ -607,15 +608,18 @@ std::unique_ptr<Decoder> read_decoder(const json& object, const std::string& whe
   }
   if (type == "Metaspace") {
     std::string scheme = "always";
-    if (object.contains("prepend_scheme")) scheme = string_field(object, "prepend_scheme", where);
-    else if (!bool_field(object, "add_prefix_space", where, true)) scheme = "never";
+    if (object.contains("prepend_scheme"))
+      scheme = string_field(object, "prepend_scheme", where);
+    else if (!bool_field(object, "add_prefix_space", where, true))
+      scheme = "never";
     return std::make_unique<MetaspaceDecoder>(string_field(object, "replacement", where), scheme != "never");
   }
   if (type == "Sequence") {
     return std::make_unique<SequenceDecoder>(read_steps<Decoder>(object, "decoders", where, read_decoder));
   }
-  TORCH_CHECK_NOT_IMPLEMENTED(false, where, ": the decoder type '", type,
-                              "' is not supported (ByteLevel, ByteFallback, Fuse, Replace, Strip, Metaspace, Sequence are)");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      false, where, ": the decoder type '", type,
+      "' is not supported (ByteLevel, ByteFallback, Fuse, Replace, Strip, Metaspace, Sequence are)");
 }
 
 // ---- Added tokens ----
@@ -772,8 +776,11 @@ constexpr TokenizerClass kClassesBuildingPipelines[] = {
 json as_transformers_builds(json file, const TokenizerClass& built, const TokenizerConfig& config) {
   if (!file.contains("model") || file["model"].value("type", "BPE") != "BPE") return file;
   const json& model = file["model"];
-  json rebuilt = {{"type", "BPE"}, {"vocab", model.value("vocab", json::object())},
-                  {"merges", model.value("merges", json::array())}, {"fuse_unk", true}, {"byte_fallback", true}};
+  json rebuilt = {{"type", "BPE"},
+                  {"vocab", model.value("vocab", json::object())},
+                  {"merges", model.value("merges", json::array())},
+                  {"fuse_unk", true},
+                  {"byte_fallback", true}};
   const json replace_replacement = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
   json decoders = json::array({replace_replacement, {{"type", "ByteFallback"}}, {{"type", "Fuse"}}});
   switch (built.pipeline) {
@@ -781,8 +788,8 @@ json as_transformers_builds(json file, const TokenizerClass& built, const Tokeni
       const bool prefix = config.add_prefix_space.value_or(true);
       file["normalizer"] = nullptr;
       const char* scheme = !prefix ? "never" : config.legacy.value_or(false) ? "always" : "first";
-      file["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"split", false},
-                               {"prepend_scheme", scheme}};
+      file["pre_tokenizer"] = {
+          {"type", "Metaspace"}, {"replacement", "\u2581"}, {"split", false}, {"prepend_scheme", scheme}};
       if (prefix) decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
       break;
     }
@@ -791,8 +798,8 @@ json as_transformers_builds(json file, const TokenizerClass& built, const Tokeni
       // when the file is read, so one the vocabulary lacks is left out (byte fallback leaves nothing unknown).
       if (config.unk_token && rebuilt["vocab"].contains(*config.unk_token)) rebuilt["unk_token"] = *config.unk_token;
       file["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}};
-      file["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"},
-                               {"invert", false}};
+      file["pre_tokenizer"] = {
+          {"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"}, {"invert", false}};
       break;
   }
   file["model"] = std::move(rebuilt);
@@ -806,16 +813,16 @@ JsonTokenizer::JsonTokenizer(const json& written, const std::string& where, cons
   const json file = built ? as_transformers_builds(written, *built, config) : written;
   const json& model = field(file, "model", where);
   const std::string model_type = model.contains("type") ? type_of(model, where + ": model") : "BPE";
-  TORCH_CHECK_NOT_IMPLEMENTED(model_type == "BPE", where, ": model.type '", model_type,
-                              "' is not supported (BPE is)");
+  TORCH_CHECK_NOT_IMPLEMENTED(model_type == "BPE", where, ": model.type '", model_type, "' is not supported (BPE is)");
   model_ = std::make_unique<BpeModel>(model, where + ": model");
   if (file.contains("added_tokens") && !file["added_tokens"].is_null()) {
     const json& list = array_field(file, "added_tokens", where);
     for (size_t i = 0; i < list.size(); ++i) {
       const std::string item = where + ": added_tokens[" + std::to_string(i) + "]";
       added_tokens_.push_back({int_field(list[i], "id", item), string_field(list[i], "content", item),
-                               bool_field(list[i], "single_word", item, false), bool_field(list[i], "lstrip", item, false),
-                               bool_field(list[i], "rstrip", item, false), bool_field(list[i], "normalized", item, true),
+                               bool_field(list[i], "single_word", item, false),
+                               bool_field(list[i], "lstrip", item, false), bool_field(list[i], "rstrip", item, false),
+                               bool_field(list[i], "normalized", item, true),
                                bool_field(list[i], "special", item, false)});
     }
   }
@@ -996,10 +1003,9 @@ TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
                 root["tokenizer_class"].dump());
     config.tokenizer_class = root["tokenizer_class"].get<std::string>();
   }
-  for (const auto& [name, slot] : {std::pair{"add_bos_token", &config.add_bos_token},
-                                   std::pair{"add_eos_token", &config.add_eos_token},
-                                   std::pair{"legacy", &config.legacy},
-                                   std::pair{"add_prefix_space", &config.add_prefix_space}}) {
+  for (const auto& [name, slot] :
+       {std::pair{"add_bos_token", &config.add_bos_token}, std::pair{"add_eos_token", &config.add_eos_token},
+        std::pair{"legacy", &config.legacy}, std::pair{"add_prefix_space", &config.add_prefix_space}}) {
     if (!root.contains(name) || root[name].is_null()) continue;
     TORCH_CHECK(root[name].is_boolean(), where, ": ", name, " should be true or false, got ", root[name].dump());
     *slot = root[name].get<bool>();
@@ -1017,7 +1023,8 @@ TokenizerConfig read_tokenizer_config(const std::filesystem::path& file) {
       } catch (const std::exception&) {
       }
       TORCH_CHECK(number >= 0, item, ": the key should be an id (a whole number >= 0)");
-      config.added_tokens.push_back({number, string_field(entry, "content", item), bool_field(entry, "special", item, false)});
+      config.added_tokens.push_back(
+          {number, string_field(entry, "content", item), bool_field(entry, "special", item, false)});
     }
   }
   return config;
@@ -1027,7 +1034,8 @@ std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file
   return std::make_unique<JsonTokenizer>(read_json(file), file.string(), config);
 }
 
-std::unique_ptr<Tokenizer> make_tokenizer_json(const json& file, const std::string& where, const TokenizerConfig& config) {
+std::unique_ptr<Tokenizer> make_tokenizer_json(const json& file, const std::string& where,
+                                               const TokenizerConfig& config) {
   return std::make_unique<JsonTokenizer>(file, where, config);
 }
 

@@ -99,7 +99,8 @@ char32_t next_code_point(std::string_view s, size_t& pos) {
   const auto lead = static_cast<unsigned char>(s[pos]);
   const size_t length = utf8_length(lead);
   char32_t c = length == 1 ? lead : lead & (0x7F >> length);
-  for (size_t k = 1; k < length && pos + k < s.size(); ++k) c = (c << 6) | (static_cast<unsigned char>(s[pos + k]) & 0x3F);
+  for (size_t k = 1; k < length && pos + k < s.size(); ++k)
+    c = (c << 6) | (static_cast<unsigned char>(s[pos + k]) & 0x3F);
   pos += length;
   return c;
 }
@@ -112,9 +113,9 @@ namespace {
 // (found by comparing every code point with the tokenizers package). All are starters that compose with nothing
 // else, so the text between them is normalized on its own.
 bool decomposed_since_unicode_12(char32_t c) {
-  return c == 0x32FF || (c >= 0xA7F2 && c <= 0xA7F4) || c == 0xAB69 || (c >= 0x10781 && c <= 0x107BA && c != 0x10786 &&
-         c != 0x107B1) || c == 0x11930 || c == 0x11938 || (c >= 0x1E030 && c <= 0x1E06D) || c == 0x1F16C ||
-         (c >= 0x1FBF0 && c <= 0x1FBF9);
+  return c == 0x32FF || (c >= 0xA7F2 && c <= 0xA7F4) || c == 0xAB69 ||
+         (c >= 0x10781 && c <= 0x107BA && c != 0x10786 && c != 0x107B1) || c == 0x11930 || c == 0x11938 ||
+         (c >= 0x1E030 && c <= 0x1E06D) || c == 0x1F16C || (c >= 0x1FBF0 && c <= 0x1FBF9);
 }
 
 std::string normalize_run(std::string_view s, NormalForm form) {
@@ -126,9 +127,9 @@ std::string normalize_run(std::string_view s, NormalForm form) {
     case NormalForm::kNfkd: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
   }
   utf8proc_uint8_t* result = nullptr;
-  const utf8proc_ssize_t length = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                               static_cast<utf8proc_ssize_t>(s.size()), &result,
-                                               static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t length =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()),
+                   &result, static_cast<utf8proc_option_t>(options));
   TORCH_CHECK(length >= 0, "tokenizer: Unicode normalization failed: ", utf8proc_errmsg(length));
   std::string out(reinterpret_cast<const char*>(result), static_cast<size_t>(length));
   std::free(result);

@@ -14,15 +14,16 @@ namespace symbiosis {
 namespace {
 
 // A token id array field of one line; `where` is "<file>:<line>: ".
-std::vector<int64_t> read_ids(const nlohmann::json& line, const char* field, bool allow_ignore, const std::string& where) {
+std::vector<int64_t> read_ids(const nlohmann::json& line, const char* field, bool allow_ignore,
+                              const std::string& where) {
   const auto& value = line.at(field);
   TORCH_CHECK(value.is_array(), where, field, ": expected an array of token ids, got ", value.type_name());
   std::vector<int64_t> ids;
   ids.reserve(value.size());
   for (size_t i = 0; i < value.size(); ++i) {
     const auto& v = value[i];
-    const bool integer = v.is_number_integer() &&
-                         (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()));
+    const bool integer = v.is_number_integer() && (!v.is_number_unsigned() ||
+                                                   v.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()));
     const int64_t id = integer ? v.get<int64_t>() : 0;
     TORCH_CHECK(integer && (id >= 0 || (allow_ignore && id == kIgnoreIndex)), where, field, "[", i, "]: expected ",
                 allow_ignore ? "a token id or -100" : "a token id (a non-negative integer)", ", got ", v.dump());
@@ -35,7 +36,8 @@ std::vector<int64_t> read_ids(const nlohmann::json& line, const char* field, boo
 void check_example(TokenExample& example, const std::string& where) {
   TORCH_CHECK(!example.input_ids.empty(), where, "input_ids: is empty");
   for (size_t i = 0; i < example.input_ids.size(); ++i) {
-    TORCH_CHECK(example.input_ids[i] >= 0, where, "input_ids[", i, "]: expected a token id, got ", example.input_ids[i]);
+    TORCH_CHECK(example.input_ids[i] >= 0, where, "input_ids[", i, "]: expected a token id, got ",
+                example.input_ids[i]);
   }
   if (example.labels.empty()) example.labels = example.input_ids;
   TORCH_CHECK(example.labels.size() == example.input_ids.size(), where, "labels: has ", example.labels.size(),
@@ -64,7 +66,8 @@ struct SplitMix64 {
   uint64_t below(uint64_t bound) {
     const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % bound;
     uint64_t x;
-    do x = next(); while (x >= limit);
+    do x = next();
+    while (x >= limit);
     return x % bound;
   }
 };
@@ -82,8 +85,9 @@ std::string text_field(const nlohmann::json& line, const char* field, const std:
 // [Text examples]
 TokenExample text_example(const nlohmann::json& line, const Tokenizer* tokenizer, const std::string& where) {
   const bool text = line.contains("text");
-  TORCH_CHECK(tokenizer, where, text ? "text" : "prompt",
-              ": a line of text needs the checkpoint's tokenizer (tokenizer.json or tokenizer.model beside config.json)");
+  TORCH_CHECK(
+      tokenizer, where, text ? "text" : "prompt",
+      ": a line of text needs the checkpoint's tokenizer (tokenizer.json or tokenizer.model beside config.json)");
   TokenExample example;
   if (text) {
     example.input_ids = tokenizer->encode(text_field(line, "text", where));
@@ -196,7 +200,8 @@ namespace {
 
 int64_t cut_length(const TokenExample& e, const MicroBatchOptions& options) {
   int64_t limit = options.max_length;
-  if (options.mode == BatchingMode::kPacking && (limit == 0 || limit > options.pack_length)) limit = options.pack_length;
+  if (options.mode == BatchingMode::kPacking && (limit == 0 || limit > options.pack_length))
+    limit = options.pack_length;
   const auto n = static_cast<int64_t>(e.input_ids.size());
   return limit > 0 ? std::min(n, limit) : n;
 }

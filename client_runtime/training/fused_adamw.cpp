@@ -76,8 +76,8 @@ void FusedAdamW::load_state(const std::vector<at::Tensor>& saved) {
   TORCH_CHECK(saved.size() == now.size(), "FusedAdamW: the saved state holds ", saved.size(), " tensors, expected ",
               now.size(), " (three per parameter)");
   for (size_t i = 0; i < now.size(); ++i) {
-    TORCH_CHECK(saved[i].sizes() == now[i].sizes(), "FusedAdamW: saved state tensor ", i, " has shape ", saved[i].sizes(),
-                ", expected ", now[i].sizes());
+    TORCH_CHECK(saved[i].sizes() == now[i].sizes(), "FusedAdamW: saved state tensor ", i, " has shape ",
+                saved[i].sizes(), ", expected ", now[i].sizes());
   }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < now.size(); ++i) now[i].copy_(saved[i]);

@@ -59,9 +59,8 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels, at
   // Shift the labels rather than the logits (as transformers does): position t predicts
   // labels[t+1], the last position predicts nothing. The [B, T, vocab] logits are never copied.
   auto targets = labels.to(logits.device());
-  auto shifted_labels = at::cat({targets.narrow(1, 1, labels.size(1) - 1),
-                                 at::full({labels.size(0), 1}, kIgnoreIndex, targets.options())},
-                                1);
+  auto shifted_labels = at::cat(
+      {targets.narrow(1, 1, labels.size(1) - 1), at::full({labels.size(0), 1}, kIgnoreIndex, targets.options())}, 1);
   return token_cross_entropy(logits.reshape({-1, logits.size(2)}), shifted_labels.reshape({-1}), reduction);
 }
 

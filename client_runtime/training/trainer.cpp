@@ -44,7 +44,8 @@ void TrainerOptions::validate() const {
   TORCH_CHECK(eval_every >= 0, "eval_every is ", eval_every, ", expected >= 0");
   TORCH_CHECK(save_every >= 0, "save_every is ", save_every, ", expected >= 0");
   TORCH_CHECK(save_every == 0 || !save_dir.empty(), "save_every is ", save_every, " but save_dir is empty");
-  TORCH_CHECK(save_total_limit >= 0, "save_total_limit is ", save_total_limit, ", expected >= 0 (0: keep every checkpoint)");
+  TORCH_CHECK(save_total_limit >= 0, "save_total_limit is ", save_total_limit,
+              ", expected >= 0 (0: keep every checkpoint)");
 }
 
 double warmup_cosine_learning_rate(int64_t step, int64_t total, int64_t warmup, double peak, double min) {
@@ -59,7 +60,8 @@ int64_t planned_steps(const TokenDataset& train, const TrainerOptions& options) 
   int64_t total = 0;
   for (int64_t e = 0; e < options.epochs; ++e) {
     const auto micro_batches = static_cast<int64_t>(
-        plan_micro_batches(train, epoch_order(train.size(), options.seed, e, options.shuffle), options.batching).size());
+        plan_micro_batches(train, epoch_order(train.size(), options.seed, e, options.shuffle), options.batching)
+            .size());
     total += (micro_batches + options.grad_accum - 1) / options.grad_accum;
   }
   return total;
@@ -91,7 +93,8 @@ std::string clock_text(double seconds) {
   const auto s = static_cast<int64_t>(seconds + 0.5);
   char text[32];
   if (s >= 3600) {
-    std::snprintf(text, sizeof text, "%lld:%02lld:%02lld", (long long)(s / 3600), (long long)(s / 60 % 60), (long long)(s % 60));
+    std::snprintf(text, sizeof text, "%lld:%02lld:%02lld", (long long)(s / 3600), (long long)(s / 60 % 60),
+                  (long long)(s % 60));
   } else {
     std::snprintf(text, sizeof text, "%02lld:%02lld", (long long)(s / 60), (long long)(s % 60));
   }
@@ -135,19 +138,19 @@ class ProgressDisplay {
 
 nlohmann::json options_json(const TrainerOptions& o, const TokenDataset& train) {
   nlohmann::json settings = {{"seed", o.seed},
-          {"shuffle", o.shuffle},
-          {"micro_batch_size", o.batching.micro_batch_size},
-          {"batching", o.batching.mode == BatchingMode::kPacking ? "packing" : "padding"},
-          {"pack_length", o.batching.pack_length},
-          {"max_length", o.batching.max_length},
-          {"grad_accum", o.grad_accum},
-          {"epochs", o.epochs},
-          {"max_steps", o.max_steps},
-          {"learning_rate", o.learning_rate},
-          {"warmup_steps", o.warmup_steps},
-          {"min_learning_rate", o.min_learning_rate},
-          {"train_examples", train.size()},
-          {"train_tokens", train.num_tokens()}};
+                             {"shuffle", o.shuffle},
+                             {"micro_batch_size", o.batching.micro_batch_size},
+                             {"batching", o.batching.mode == BatchingMode::kPacking ? "packing" : "padding"},
+                             {"pack_length", o.batching.pack_length},
+                             {"max_length", o.batching.max_length},
+                             {"grad_accum", o.grad_accum},
+                             {"epochs", o.epochs},
+                             {"max_steps", o.max_steps},
+                             {"learning_rate", o.learning_rate},
+                             {"warmup_steps", o.warmup_steps},
+                             {"min_learning_rate", o.min_learning_rate},
+                             {"train_examples", train.size()},
+                             {"train_tokens", train.num_tokens()}};
   if (!o.model_hash.empty()) settings["model_hash"] = o.model_hash;
   return settings;
 }
@@ -194,8 +197,9 @@ class Trainer::Impl {
     check_vocab(data);
     packed = this->options.batching.mode == BatchingMode::kPacking;
     if (packed) {
-      TORCH_CHECK(dynamic_cast<LlamaForCausalLMImpl*>(lm.module.get()) || dynamic_cast<GPT2LMHeadModelImpl*>(lm.module.get()),
-                  "packing needs position ids, which only LlamaForCausalLM and GPT2LMHeadModel take here");
+      TORCH_CHECK(
+          dynamic_cast<LlamaForCausalLMImpl*>(lm.module.get()) || dynamic_cast<GPT2LMHeadModelImpl*>(lm.module.get()),
+          "packing needs position ids, which only LlamaForCausalLM and GPT2LMHeadModel take here");
     }
     device = params.front().device();
     const auto& o = this->options;
@@ -210,8 +214,10 @@ class Trainer::Impl {
 
   std::unique_ptr<torch::optim::AdamW> make_optimizer() const {
     const auto& o = options;
-    return std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(o.learning_rate).betas({o.beta1, o.beta2}).eps(o.epsilon).weight_decay(o.weight_decay));
+    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(o.learning_rate)
+                                                             .betas({o.beta1, o.beta2})
+                                                             .eps(o.epsilon)
+                                                             .weight_decay(o.weight_decay));
   }
 
   std::unique_ptr<FusedAdamW> make_fused_optimizer() const {
@@ -320,7 +326,8 @@ class Trainer::Impl {
     for (const auto& batch : batches) {
       if (batch.num_targets == 0) continue;
       const auto mb = to_device(batch);
-      auto part = causal_lm_loss(model_forward(lm, mb, packed), mb.labels, at::Reduction::Sum) / static_cast<double>(stats.targets);
+      auto part = causal_lm_loss(model_forward(lm, mb, packed), mb.labels, at::Reduction::Sum) /
+                  static_cast<double>(stats.targets);
       part.backward();
       loss += part.item<double>();
     }
@@ -331,7 +338,8 @@ class Trainer::Impl {
     }
     lm.settle();  // a base-layer call that failed must not update the adapters
     stats.loss = loss;
-    stats.grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm > 0 ? options.max_grad_norm : INFINITY);
+    stats.grad_norm =
+        torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm > 0 ? options.max_grad_norm : INFINITY);
     for (auto& group : optimizer->param_groups()) group.options().set_lr(stats.learning_rate);
     optimizer->step();
   }
@@ -496,9 +504,9 @@ class Trainer::Impl {
     torch::save(generator_states(), (partial / "rng_state.pt").string());
     nlohmann::json steps = nlohmann::json::array();
     for (const auto& s : history) {
-      nlohmann::json j = {{"step", s.step},         {"epoch", s.epoch},   {"loss", s.loss},
-                          {"learning_rate", s.learning_rate}, {"grad_norm", s.grad_norm}, {"tokens", s.tokens},
-                          {"targets", s.targets},   {"seconds", s.seconds}};
+      nlohmann::json j = {
+          {"step", s.step},           {"epoch", s.epoch},   {"loss", s.loss},       {"learning_rate", s.learning_rate},
+          {"grad_norm", s.grad_norm}, {"tokens", s.tokens}, {"targets", s.targets}, {"seconds", s.seconds}};
       if (s.eval_loss) j["eval_loss"] = *s.eval_loss;
       steps.push_back(j);
     }
@@ -544,8 +552,8 @@ class Trainer::Impl {
                   " trainable tensors (attach the same adapter before loading)");
       std::vector<at::Tensor> values;
       torch::load(values, (dir / "trainable.pt").string());
-      TORCH_CHECK(values.size() == params.size(), dir / "trainable.pt", ": holds ", values.size(), " tensors, expected ",
-                  params.size());
+      TORCH_CHECK(values.size() == params.size(), dir / "trainable.pt", ": holds ", values.size(),
+                  " tensors, expected ", params.size());
       for (size_t i = 0; i < params.size(); ++i) {
         TORCH_CHECK(values[i].sizes() == params[i].sizes(), dir / "trainable.pt", ": tensor ", i, " has shape ",
                     values[i].sizes(), " but the model's has ", params[i].sizes());
@@ -643,13 +651,13 @@ class Trainer::Impl {
   bool packed = false;
   at::Device device = at::kCPU;
   std::unique_ptr<torch::optim::AdamW> optimizer;  // on the CPU
-  std::unique_ptr<DeviceStep> gpu;                  // on a GPU ([Training on a GPU])
+  std::unique_ptr<DeviceStep> gpu;                 // on a GPU ([Training on a GPU])
   TrainerHooks hooks;
-  int64_t total = 0;                    // optimizer steps in the schedule
+  int64_t total = 0;  // optimizer steps in the schedule
   int64_t steps_done = 0;
-  int64_t epoch = 0;                    // the epoch `plans` belongs to
-  std::vector<MicroBatchPlan> plans;    // this epoch's micro-batches
-  size_t next_micro_batch = 0;          // index into plans
+  int64_t epoch = 0;                  // the epoch `plans` belongs to
+  std::vector<MicroBatchPlan> plans;  // this epoch's micro-batches
+  size_t next_micro_batch = 0;        // index into plans
   std::vector<StepStats> history;
 };
 
@@ -659,9 +667,7 @@ Trainer::Trainer(CausalLM model, std::vector<at::Tensor> parameters, TokenDatase
                                    std::move(save_adapter))) {}
 Trainer::~Trainer() = default;
 
-void Trainer::set_hooks(TrainerHooks hooks) {
-  impl_->hooks = std::move(hooks);
-}
+void Trainer::set_hooks(TrainerHooks hooks) { impl_->hooks = std::move(hooks); }
 
 void Trainer::set_eval_data(TokenDataset eval) {
   impl_->check_vocab(eval);
@@ -710,7 +716,8 @@ fs::path latest_checkpoint(const fs::path& save_dir) {
   if (fs::exists(save_dir / "trainer_state.json")) return save_dir;
   TORCH_CHECK(fs::is_directory(save_dir), save_dir.string(), ": no such checkpoint directory");
   const auto found = checkpoints_in(save_dir);
-  TORCH_CHECK(!found.empty(), save_dir.string(), ": holds no trainer checkpoint (checkpoint-<step>/trainer_state.json)");
+  TORCH_CHECK(!found.empty(), save_dir.string(),
+              ": holds no trainer checkpoint (checkpoint-<step>/trainer_state.json)");
   return found.back();
 }
 

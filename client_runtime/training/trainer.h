@@ -55,19 +55,19 @@
 namespace symbiosis {
 
 struct TrainerOptions {
-  MicroBatchOptions batching;      // micro-batch size, padding or packing (dataset.h)
-  int64_t grad_accum = 1;          // micro-batches per optimizer step
-  bool shuffle = true;             // a new order each epoch, drawn from (seed, epoch)
+  MicroBatchOptions batching;  // micro-batch size, padding or packing (dataset.h)
+  int64_t grad_accum = 1;      // micro-batches per optimizer step
+  bool shuffle = true;         // a new order each epoch, drawn from (seed, epoch)
   uint64_t seed = 0;
-  int64_t epochs = 1;              // passes over the data, when max_steps is 0
-  int64_t max_steps = 0;           // > 0: stop after this many steps (passes repeat as needed)
+  int64_t epochs = 1;     // passes over the data, when max_steps is 0
+  int64_t max_steps = 0;  // > 0: stop after this many steps (passes repeat as needed)
 
   double learning_rate = 1e-4;     // the peak, reached at the end of warm-up
   int64_t warmup_steps = 0;        // linear from 0 to learning_rate over these steps
   double min_learning_rate = 0.0;  // the cosine decays to this at the last step
   double weight_decay = 0.0;       // AdamW (decoupled); 0 as in transformers (LibTorch's default is 0.01)
   double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8;
-  double max_grad_norm = 1.0;      // clip the global gradient norm to this; 0: no clipping
+  double max_grad_norm = 1.0;  // clip the global gradient norm to this; 0: no clipping
 
   int64_t eval_every = 0;          // evaluate every N steps (and at the end); 0: only at the end
   int64_t save_every = 0;          // train(): checkpoint every N steps (and at the end) into save_dir
@@ -78,8 +78,8 @@ struct TrainerOptions {
   // train(): once it turns true (a signal handler's flag), the step in progress is the last, and
   // its checkpoint is saved as at the end.
   const std::atomic<bool>* stop = nullptr;
-  bool progress = true;            // train(): the progress display on stderr
-  bool capture = true;             // on a CUDA device: captured steps ([Training on a GPU])
+  bool progress = true;  // train(): the progress display on stderr
+  bool capture = true;   // on a CUDA device: captured steps ([Training on a GPU])
   // The base model's hash (Checkpoint::model_hash), recorded in checkpoints: resuming on another
   // base model is refused naming both. Empty: not recorded or checked.
   std::string model_hash;
@@ -96,14 +96,14 @@ double warmup_cosine_learning_rate(int64_t step, int64_t total, int64_t warmup, 
 int64_t planned_steps(const TokenDataset& train, const TrainerOptions& options);
 
 struct StepStats {
-  int64_t step = 0;         // 1-based: the number of optimizer steps done after this one
-  int64_t epoch = 0;        // 0-based epoch the step's data came from
-  double loss = 0;          // [Loss over an optimizer step]
-  double learning_rate = 0; // used by this step
-  double grad_norm = 0;     // before clipping
-  int64_t tokens = 0;       // real (non-padding) input tokens
-  int64_t targets = 0;      // trained positions
-  double seconds = 0;       // wall time of the step
+  int64_t step = 0;                 // 1-based: the number of optimizer steps done after this one
+  int64_t epoch = 0;                // 0-based epoch the step's data came from
+  double loss = 0;                  // [Loss over an optimizer step]
+  double learning_rate = 0;         // used by this step
+  double grad_norm = 0;             // before clipping
+  int64_t tokens = 0;               // real (non-padding) input tokens
+  int64_t targets = 0;              // trained positions
+  double seconds = 0;               // wall time of the step
   std::optional<double> eval_loss;  // when train() evaluated after this step
 };
 

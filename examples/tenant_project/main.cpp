@@ -14,8 +14,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto checkpoint = symbiosis::Checkpoint::open(argv[2]);
-  auto client = symbiosis::Client::connect({.endpoint = argv[1], .tenant = "tenant-example",
-                                            .expected_model_hash = checkpoint->model_hash()});
+  auto client = symbiosis::Client::connect(
+      {.endpoint = argv[1], .tenant = "tenant-example", .expected_model_hash = checkpoint->model_hash()});
   auto model = symbiosis::open_causal_lm(*checkpoint, client);  // base layers run on the executor
 
   symbiosis::LoraConfig lora{.r = 8, .alpha = 16, .target_modules = {"q_proj", "v_proj"}};

@@ -79,9 +79,9 @@ TEST(BatchingTest, OpportunisticWaitsForCompanionsUntilTheBudgetThenBatchesThem)
   TestBatcher b(opportunistic());
   for (uint64_t c : {1, 2, 3}) b.add_client(c);
   recently_used(b, {1, 2, 3});
-  b.push(request(1, 0, 100, t0));            // budget 600 us
-  b.push(request(2, 0, 200, t0 + 100us));    // budget 700 us
-  EXPECT_FALSE(b.pop(t0 + 599us));           // client 3 could still come
+  b.push(request(1, 0, 100, t0));          // budget 600 us
+  b.push(request(2, 0, 200, t0 + 100us));  // budget 700 us
+  EXPECT_FALSE(b.pop(t0 + 599us));         // client 3 could still come
   EXPECT_EQ(b.next_deadline(t0), t0 + 600us);
   auto batch = b.pop(t0 + 600us);
   ASSERT_TRUE(batch);
@@ -106,8 +106,8 @@ TEST(BatchingTest, ASmallDecodeRequestIsNotHeldBehindALargeOne) {
   TestBatcher b(opportunistic());
   for (uint64_t c : {1, 2, 3}) b.add_client(c);
   recently_used(b, {1, 2, 3});
-  b.push(request(1, 0, 1024, t0));                                          // fine-tuning, budget 1524 us
-  b.push(request(2, 0, 1, t0 + 10us, LatencyClass::kInferenceDecode));      // decode, budget 51 us
+  b.push(request(1, 0, 1024, t0));                                      // fine-tuning, budget 1524 us
+  b.push(request(2, 0, 1, t0 + 10us, LatencyClass::kInferenceDecode));  // decode, budget 51 us
   EXPECT_FALSE(b.pop(t0 + 60us));
   auto batch = b.pop(t0 + 61us);  // the decode deadline closes the batch; the big one rides along
   ASSERT_TRUE(batch);
@@ -172,7 +172,7 @@ TEST(BatchingTest, AClientPredictedToGoElsewhereIsNotWaitedFor) {
   TestBatcher b(opportunistic());
   b.add_client(1);
   b.add_client(2);
-  recently_used(b, {1, 2});  // both come to layer 0 next...
+  recently_used(b, {1, 2});       // both come to layer 0 next...
   b.push(request(2, 7, 10, t0));  // ...but client 2 went to layer 7 instead: heading elsewhere now
   ASSERT_TRUE(b.pop(t0));
   b.push(request(1, 0, 10, t0 + 10us));
@@ -393,7 +393,7 @@ TEST(BatchingTest, LockstepDropsAStalledClientAfterTheTimeoutAndTakesItBackLater
   ASSERT_TRUE(b.pop(t0 + 100ms));  // client 2 stalled: dropped from the lockstep set
   EXPECT_EQ(b.lockstep_set_size(), 1u);
   b.push(request(1, 1, 10, t0 + 101ms));
-  EXPECT_TRUE(b.pop(t0 + 101ms));  // no more waiting for client 2
+  EXPECT_TRUE(b.pop(t0 + 101ms));         // no more waiting for client 2
   b.push(request(2, 2, 10, t0 + 200ms));  // client 2 is back, and is waited for again
   EXPECT_EQ(b.lockstep_set_size(), 2u);
   EXPECT_FALSE(b.pop(t0 + 200ms));
@@ -462,7 +462,7 @@ struct Tenants {
 };
 
 struct Outcome {
-  double per_second = 0;  // decode requests served per second over the measured span
+  double per_second = 0;             // decode requests served per second over the measured span
   std::optional<bool> waits_better;  // the judge's verdict at the end
 };
 
@@ -541,12 +541,12 @@ TEST(BatchingTest, TheJudgeKeepsDecodeWaitsWhenPackingPays) {
 // than the host's cores, never fewer than one.
 TEST(CpuThreads, ATeamIsSizedFromItsBatchsWork) {
   constexpr int kCores = 16;
-  EXPECT_EQ(cpu_threads_for(/*rows=*/64, 64, 64, /*fp32*/ 4, kCores), 1);             // tiny-llama q_proj
-  EXPECT_EQ(cpu_threads_for(128, 64, 128, 4, kCores), 1);                              // its MLP, two tenants' batch
-  EXPECT_EQ(cpu_threads_for(2048, 64, 128, 4, kCores), 4);                             // 16 Mi multiply-adds
-  EXPECT_EQ(cpu_threads_for(512, 2048, 2048, /*bf16*/ 2, kCores), kCores);             // Llama-3.2-1B prefill
-  EXPECT_EQ(cpu_threads_for(1, 2048, 2048, 2, kCores), 8);                             // its decode: 8 MiB of weights
-  EXPECT_EQ(cpu_threads_for(1, 2048, 8192, 2, kCores), kCores);                        // its MLP's decode: 32 MiB
+  EXPECT_EQ(cpu_threads_for(/*rows=*/64, 64, 64, /*fp32*/ 4, kCores), 1);   // tiny-llama q_proj
+  EXPECT_EQ(cpu_threads_for(128, 64, 128, 4, kCores), 1);                   // its MLP, two tenants' batch
+  EXPECT_EQ(cpu_threads_for(2048, 64, 128, 4, kCores), 4);                  // 16 Mi multiply-adds
+  EXPECT_EQ(cpu_threads_for(512, 2048, 2048, /*bf16*/ 2, kCores), kCores);  // Llama-3.2-1B prefill
+  EXPECT_EQ(cpu_threads_for(1, 2048, 2048, 2, kCores), 8);                  // its decode: 8 MiB of weights
+  EXPECT_EQ(cpu_threads_for(1, 2048, 8192, 2, kCores), kCores);             // its MLP's decode: 32 MiB
   EXPECT_EQ(cpu_threads_for(8, 2048, 2048, 2, /*cores=*/4), 4);
   EXPECT_EQ(cpu_threads_for(8, 2048, 2048, 2, /*cores=*/0), 1);
 }

@@ -149,8 +149,9 @@ TEST(ExecutorOptionsTest, OverloadLimitsOutOfRangeAreRefusedNamingTheFlag) {
   EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_message_bytes = 1024; }).find("must be at least a payload frame"),
             std::string::npos);
   EXPECT_EQ(options.message_limit(), wire::kPayloadFrameBytes + (size_t{64} << 10));
-  EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_queued_tokens = 0; }).find("--max-queued-tokens must be >= 1, got 0"),
-            std::string::npos);
+  EXPECT_NE(
+      refusal([](ExecutorOptions& o) { o.max_queued_tokens = 0; }).find("--max-queued-tokens must be >= 1, got 0"),
+      std::string::npos);
   EXPECT_NE(refusal([](ExecutorOptions& o) { o.max_buffer_bytes = 0; }).find("--max-buffer-bytes must be >= 1, got 0"),
             std::string::npos);
   // [Metrics]: HOST:PORT, on loopback unless --insecure.
@@ -362,16 +363,16 @@ TEST(LayerGroupsTest, SiblingsAreServedStackedAsOneLayerWithoutMoreMemory) {
   const auto dir = testing::temp_dir("layer-groups");
   at::manual_seed(2);
   const std::map<std::string, at::Tensor> w = {{"model.layers.0.self_attn.q_proj.weight", at::randn({8, 4})},
-                                         {"model.layers.0.self_attn.k_proj.weight", at::randn({2, 4})},
-                                         {"model.layers.0.self_attn.v_proj.weight", at::randn({2, 4})},
-                                         {"model.layers.0.mlp.gate_proj.weight", at::randn({6, 4})},
-                                         {"model.layers.0.mlp.gate_proj.bias", at::randn({6})},
-                                         {"model.layers.0.mlp.up_proj.weight", at::randn({6, 4})},
-                                         {"model.layers.0.mlp.up_proj.bias", at::randn({6})},
-                                         {"model.layers.0.mlp.down_proj.weight", at::randn({4, 6})},
-                                         {"model.layers.1.self_attn.q_proj.weight", at::randn({8, 4})},
-                                         {"model.layers.1.self_attn.k_proj.weight", at::randn({2, 3})},
-                                         {"model.layers.1.self_attn.v_proj.weight", at::randn({2, 4})}};
+                                               {"model.layers.0.self_attn.k_proj.weight", at::randn({2, 4})},
+                                               {"model.layers.0.self_attn.v_proj.weight", at::randn({2, 4})},
+                                               {"model.layers.0.mlp.gate_proj.weight", at::randn({6, 4})},
+                                               {"model.layers.0.mlp.gate_proj.bias", at::randn({6})},
+                                               {"model.layers.0.mlp.up_proj.weight", at::randn({6, 4})},
+                                               {"model.layers.0.mlp.up_proj.bias", at::randn({6})},
+                                               {"model.layers.0.mlp.down_proj.weight", at::randn({4, 6})},
+                                               {"model.layers.1.self_attn.q_proj.weight", at::randn({8, 4})},
+                                               {"model.layers.1.self_attn.k_proj.weight", at::randn({2, 3})},
+                                               {"model.layers.1.self_attn.v_proj.weight", at::randn({2, 4})}};
   write_safetensors(dir / "model.safetensors", {w.begin(), w.end()});
   std::ofstream(dir / "config.json") << R"({"model_type": "llama", "hidden_size": 4})";
   auto executor = testing::start_executor(dir);
@@ -488,8 +489,9 @@ TEST(ClientOptionsTest, EndpointsWithoutASchemeAreRefusedNamingTheExpectedForm) 
   }
   ClientOptions options;
   options.endpoint = "tcp://localhost";
-  EXPECT_NE(testing::error_of([&] { options.validate(); })
-                .find("client option endpoint 'tcp://localhost' names no host and port: expected tcp://HOST:PORT"),
+  EXPECT_NE(testing::error_of([&] {
+              options.validate();
+            }).find("client option endpoint 'tcp://localhost' names no host and port: expected tcp://HOST:PORT"),
             std::string::npos);
   options.endpoint = "http://localhost:5555";
   EXPECT_NE(testing::error_of([&] { options.validate(); }).find("'http://localhost:5555' is not a ZeroMQ endpoint"),
@@ -497,12 +499,14 @@ TEST(ClientOptionsTest, EndpointsWithoutASchemeAreRefusedNamingTheExpectedForm) 
   options.endpoint = "ipc:///tmp/symbiosis.sock";
   EXPECT_NO_THROW(options.validate());
   options.connect_timeout_ms = 0;
-  EXPECT_NE(testing::error_of([&] { options.validate(); }).find("client option connect_timeout_ms must be positive, got 0"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { options.validate(); }).find("client option connect_timeout_ms must be positive, got 0"),
+      std::string::npos);
   options.connect_timeout_ms = 1000;
   options.reconnect_ms = -1;  // [Executor restart]
-  EXPECT_NE(testing::error_of([&] { options.validate(); })
-                .find("client option reconnect_ms must be >= 0 (0: never reconnect), got -1"),
+  EXPECT_NE(testing::error_of([&] {
+              options.validate();
+            }).find("client option reconnect_ms must be >= 0 (0: never reconnect), got -1"),
             std::string::npos);
 
   ExecutorOptions executor_options;
@@ -551,15 +555,15 @@ TEST_F(ExecutorTest, EveryBadRequestGetsAnErrorNamingTheProblem) {
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2000, 4}, {32000}).find("exceed the executor's limit of 4096"),
             std::string::npos);
-  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {}).find("expected the payload in frames after the "
-                                                                       "header, got none"),
+  EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {})
+                .find("expected the payload in frames after the "
+                      "header, got none"),
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {31}).find("payload has 31 bytes, expected 32"),
             std::string::npos);
   EXPECT_NE(peer.request_error(1, proto::FORWARD, F32, {2, 4}, {16, 8, 9}).find("payload has 33 bytes, expected 32"),
             std::string::npos);
-  EXPECT_NE(peer.request_error(1, proto::OP_UNSPECIFIED, F32, {2, 4}, {32}).find("is not FORWARD"),
-            std::string::npos);
+  EXPECT_NE(peer.request_error(1, proto::OP_UNSPECIFIED, F32, {2, 4}, {32}).find("is not FORWARD"), std::string::npos);
   // A header that is not an Envelope at all.
   peer.socket.send(zmq::str_buffer("\xff\xff\xff not protobuf"), zmq::send_flags::none);
   auto env = peer.receive();
@@ -616,7 +620,6 @@ TEST_F(ExecutorTest, ClientKilledMidRequestLeavesTheExecutorServing) {
   expect_still_serving();
   EXPECT_EQ(executor_->stats().errors, 0u);
 }
-
 
 // [Overload]: each limit is refused with RESOURCE_EXHAUSTED naming it, its value and its flag,
 // while the clients already served go on.
@@ -741,7 +744,6 @@ TEST_F(ExecutorTest, AClientThatNeverReadsItsRepliesCannotGrowTheExecutor) {
   auto y = other->forward(*other->find_layer("model.layers.0.mlp.up_proj"), x, true);
   EXPECT_LT(relative_error(y, at::addmm(up_bias(), x, up_weight().t())), 1e-6);
 }
-
 
 int memfd_mappings() {
   std::ifstream maps("/proc/self/maps");
@@ -931,8 +933,9 @@ TEST_F(ExecutorTest, SharedMemoryPastMaxBufferBytesIsRefusedNamingTheLimitAndGiv
   EXPECT_LT(relative_error(first->forward(up, x, true), expected), 1e-6);
   EXPECT_EQ(executor->stats().buffer_bytes, control + payload);
   auto expect_refusal = [&](const std::string& message, const char* what) {
-    for (const std::string part : {std::string(what), std::string("limit of ") + std::to_string(options.max_buffer_bytes),
-                                   std::string("max_buffer_bytes"), std::string("--max-buffer-bytes")}) {
+    for (const std::string part :
+         {std::string(what), std::string("limit of ") + std::to_string(options.max_buffer_bytes),
+          std::string("max_buffer_bytes"), std::string("--max-buffer-bytes")}) {
       EXPECT_NE(message.find(part), std::string::npos) << message;
     }
   };
@@ -978,7 +981,7 @@ TEST_F(ExecutorTest, TcpClientsWhoseConnectionClosesAreForgottenAtOnce) {
         ::raise(SIGKILL);
       }
       RawPeer peer(endpoint);  // its Hello answered
-      ::_exit(0);               // no Goodbye
+      ::_exit(0);              // no Goodbye
     }
     int status = 0;
     ::waitpid(pid, &status, 0);

@@ -62,8 +62,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, CpuClientGpuExecutorTest, ::testing::Values
 // attached to every part: clients on CPU (shm, tcp) and on the parts' GPUs (cuda-ipc) fine-tune, each equal to its
 // monolithic run (demo clients with --verify: fp32, 5e-5 and the adapters 1e-4, as the sharded CPU
 // tests explain).
-const std::vector<std::string> kVerifyAgainstMonolithic = {"--verify", "--steps", "3", "--tolerance", "5e-5",
-                                                           "--adapter-tolerance", "1e-4"};
+const std::vector<std::string> kVerifyAgainstMonolithic = {
+    "--verify", "--steps", "3", "--tolerance", "5e-5", "--adapter-tolerance", "1e-4"};
 
 std::vector<std::vector<std::string>> clients_of_parts(const std::vector<std::string>& endpoints,
                                                        const std::filesystem::path& dir) {
@@ -186,9 +186,10 @@ TEST(PackedBatchTest, PackedRowsEqualTheSameGemmOfThePackedShape) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   auto checkpoint = Checkpoint::open(dir);
-  testing::ExecutorProcess executor(dir, {"--device", "cuda:0", "--batching", "lockstep", "--lockstep-timeout", "50", "--log-level", "warn"});
-  const std::vector<std::pair<std::string, std::string>> placements = {{"cuda-ipc", "cuda:0"}, {"cuda-ipc", "cuda:0"},
-                                                                       {"shm", "cpu"}};
+  testing::ExecutorProcess executor(
+      dir, {"--device", "cuda:0", "--batching", "lockstep", "--lockstep-timeout", "50", "--log-level", "warn"});
+  const std::vector<std::pair<std::string, std::string>> placements = {
+      {"cuda-ipc", "cuda:0"}, {"cuda-ipc", "cuda:0"}, {"shm", "cpu"}};
   std::vector<std::shared_ptr<Client>> clients;
   for (const auto& [transport, device] : placements) {
     ClientOptions options;
@@ -274,8 +275,8 @@ TEST(PackedBatchTest, PackedRowsEqualTheSameGemmOfThePackedShape) {
     exact_rounds += best == 0;
     for (size_t c = 0; c < clients.size(); ++c) {
       const auto& y = outputs[c][r];
-      largest_alone = std::max(largest_alone, (gemm(inputs[c][r]) - y).abs().max().item<double>() /
-                                                  y.abs().max().item<double>());
+      largest_alone =
+          std::max(largest_alone, (gemm(inputs[c][r]) - y).abs().max().item<double>() / y.abs().max().item<double>());
     }
   }
   std::cout << "[packed rows] " << exact_rounds << " of " << kRounds << " rounds equal bit for bit" << std::endl;

@@ -90,7 +90,9 @@ TEST_F(MetricsTest, ScrapedCountsEqualWhatEachTenantSentAndBadRequestsShowUnderT
   }
   LayerInfo unserved = *bob->find_layer(q);
   unserved.id = 42;
-  EXPECT_NE(testing::error_of([&] { bob->forward(unserved, at::randn({2, 4}), false); }).find("NOT_FOUND"),
+  EXPECT_NE(testing::error_of([&] {
+              bob->forward(unserved, at::randn({2, 4}), false);
+            }).find("NOT_FOUND"),
             std::string::npos);
 
   // A batch is counted just after its replies went out: the last one may still be on its way.

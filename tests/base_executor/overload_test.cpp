@@ -257,8 +257,9 @@ TEST(OverloadTest, ACallRefusedForOverloadIsSentAgainUntilTaken) {
 TEST(OverloadTest, ACallRefusedUntilItsTimeoutFailsNamingTheOverloadAndHowLongItRetried) {
   ScriptedExecutor executor(/*refusals=*/-1);
   auto client = connect_to(executor, 300);
-  const std::string error =
-      testing::error_of([&] { client->forward(*client->find_layer(ScriptedExecutor::layer().name), at::randn({3, 4}), true); });
+  const std::string error = testing::error_of([&] {
+    client->forward(*client->find_layer(ScriptedExecutor::layer().name), at::randn({3, 4}), true);
+  });
   for (const char* part : {"is overloaded", "on layer 'model.layers.0.mlp.up_proj' (3 tokens)", "ms of retries",
                            "call timeout of 300 ms", "timeout_ms", "RESOURCE_EXHAUSTED", "--max-queued-tokens"}) {
     EXPECT_TRUE(contains(error, part)) << part << " not in: " << error;
@@ -272,8 +273,9 @@ TEST(OverloadTest, ACallRefusedUntilItsTimeoutFailsNamingTheOverloadAndHowLongIt
 TEST(OverloadTest, ACallOverMaxRequestBytesIsNotSentAgain) {
   ScriptedExecutor executor(/*refusals=*/-1);
   auto client = connect_to(executor, 30000);
-  const std::string error = testing::error_of(
-      [&] { client->forward(*client->find_layer(ScriptedExecutor::layer().name), at::randn({2000, 4}), true); });
+  const std::string error = testing::error_of([&] {
+    client->forward(*client->find_layer(ScriptedExecutor::layer().name), at::randn({2000, 4}), true);
+  });
   EXPECT_TRUE(contains(error, "RESOURCE_EXHAUSTED")) << error;
   EXPECT_FALSE(contains(error, "is overloaded")) << error;
   EXPECT_EQ(executor.calls(), 1);
@@ -451,7 +453,8 @@ TEST(OverloadTest, AFloodingTenantIsRefusedWhileHonestTenantsTrainExactlyAsAlone
     const auto adapter = testing::lora_adapter(testing::moving_lora());
     h.split = std::make_unique<testing::TrainingRun>(
         testing::make_training_run(*checkpoint, h.client, adapter, {}, 1e-2, 1234));
-    h.mono = std::make_unique<testing::TrainingRun>(testing::make_training_run(*checkpoint, nullptr, adapter, {}, 1e-2, 1234));
+    h.mono = std::make_unique<testing::TrainingRun>(
+        testing::make_training_run(*checkpoint, nullptr, adapter, {}, 1e-2, 1234));
     honest.push_back(std::move(h));
   }
   at::manual_seed(7);
@@ -486,8 +489,7 @@ TEST(OverloadTest, AFloodingTenantIsRefusedWhileHonestTenantsTrainExactlyAsAlone
             static_cast<double>(flooder.refused.load()));
   EXPECT_EQ(m["symbiosis_errors_total{code=\"RESOURCE_EXHAUSTED\"}"], static_cast<double>(flooder.refused.load()));
   for (const char* tenant : {"alice", "bob"}) {
-    EXPECT_EQ(m[std::string("symbiosis_tenant_errors_total{tenant=\"") + tenant + "\",code=\"RESOURCE_EXHAUSTED\"}"],
-              0)
+    EXPECT_EQ(m[std::string("symbiosis_tenant_errors_total{tenant=\"") + tenant + "\",code=\"RESOURCE_EXHAUSTED\"}"], 0)
         << tenant;
     EXPECT_GT(m[std::string("symbiosis_tenant_requests_total{tenant=\"") + tenant + "\"}"], 0) << tenant;
   }

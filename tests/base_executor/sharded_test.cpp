@@ -139,7 +139,8 @@ TEST_P(ShardedGenerationTest, GenerationOnOnePartEqualsMonolithicWhileAnotherPar
   auto run = testing::make_training_run(*checkpoint, testing::connect(*parts[0], *checkpoint),
                                         testing::lora_adapter(testing::test_lora()), {}, 1e-3, 5);
   testing::BackgroundTraining fine_tuning(run, at::randint(200, {2, 12}, at::kLong));
-  const auto [split, mono] = testing::generate_split_and_monolithic(*checkpoint, testing::connect(*parts[1], *checkpoint));
+  const auto [split, mono] =
+      testing::generate_split_and_monolithic(*checkpoint, testing::connect(*parts[1], *checkpoint));
   EXPECT_GT(fine_tuning.stop(), 0);
   testing::expect_same(split, mono, GetParam());
   for (const auto& part : parts) EXPECT_EQ(part->stats().errors, 0u);
@@ -160,7 +161,9 @@ TEST(ShardedExecutorTest, BadPartOptionsAreRefusedNamingTheFlag) {
   EXPECT_NE(refused({.rendezvous = "nowhere"}).find("--rendezvous must be HOST:PORT"), std::string::npos);
   // A part whose others never come gives up after its timeout, saying what it waited for.
   const auto started = std::chrono::steady_clock::now();
-  const auto alone = refused({.rank = 1, .world_size = 2, .rendezvous = free_loopback_rendezvous(),
+  const auto alone = refused({.rank = 1,
+                              .world_size = 2,
+                              .rendezvous = free_loopback_rendezvous(),
                               .timeout = std::chrono::milliseconds(1500)});
   EXPECT_NE(alone.find("rendezvous"), std::string::npos) << alone;
   EXPECT_NE(alone.find("part 1 of 2"), std::string::npos) << alone;
@@ -189,8 +192,8 @@ TEST(ShardedProcessesTest, KillingOnePartFailsEveryClientClearlyAndLeavesNoProce
   ASSERT_EQ(launched.endpoints.size(), 2u) << bench::read_file(logs / "err");
   ASSERT_EQ(launched.pids.size(), 2u);
   std::vector<std::shared_ptr<Client>> clients;
-  for (const auto& [endpoint, transport] : {std::pair{launched.endpoints[0], "shm"}, {launched.endpoints[0], "tcp"},
-                                            {launched.endpoints[1], "tcp"}}) {
+  for (const auto& [endpoint, transport] :
+       {std::pair{launched.endpoints[0], "shm"}, {launched.endpoints[0], "tcp"}, {launched.endpoints[1], "tcp"}}) {
     ClientOptions options;
     options.endpoint = endpoint;
     options.transport = transport;

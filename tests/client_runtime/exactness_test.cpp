@@ -41,8 +41,8 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 
   LoraConfig lora;
   lora.r = 4;
-  lora.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc", "qkv_proj", "query_key_value",
-                         "dense_4h_to_h", "fc2"};
+  lora.target_modules = {"q_proj",   "v_proj",          "down_proj",     "c_attn", "c_fc",
+                         "qkv_proj", "query_key_value", "dense_4h_to_h", "fc2"};
   lora.init_b_zero = false;  // non-zero gradients everywhere from the first step
   auto split = testing::make_training_run(*checkpoint, client, testing::lora_adapter(lora), {}, 1e-2, 1234);
   auto mono = testing::make_training_run(*checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
@@ -57,14 +57,16 @@ TEST_P(ExactnessTest, SplitEqualsMonolithicInLossLogitsGradientsAndAfterFiveStep
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ExactnessTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",
-                                                              "tiny-gemma2", "tiny-gpt2", "tiny-gpt2-hub",
-                                                              "tiny-gpt-bigcode", "tiny-phi3", "tiny-phi3-longrope",
-                                                              "tiny-gpt-neox", "tiny-phi", "tiny-opt", "tiny-opt-projected"),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-llama-tied", "tiny-qwen2",
+                                                              "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gpt2",
+                                                              "tiny-gpt2-hub", "tiny-gpt-bigcode", "tiny-phi3",
+                                                              "tiny-phi3-longrope", "tiny-gpt-neox", "tiny-phi",
+                                                              "tiny-opt", "tiny-opt-projected"),
                                             ::testing::Values("tcp", "shm", std::string("shm") + kZmqControl)),
                          [](const auto& info) {
                            auto name = std::get<0>(info.param) + "_" + std::get<1>(info.param);
-                           std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+                           std::replace_if(
+                               name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
                            return name;
                          });
 
@@ -99,8 +101,9 @@ TEST_P(MultiProcessExactness, EveryClientEqualsItsMonolithicRun) {
       {"--rank", "16", "--targets", "all-linear", "--seed", "4", "--batch", "3", "--seq", "5"}};
   std::vector<pid_t> pids;
   for (const auto& extra : configs) {
-    std::vector<std::string> args = {program, "--executor", executor->endpoint(), "--model", dir.string(),
-                                     "--steps", "4", "--verify", "--quiet", "--transport", transport};
+    std::vector<std::string> args = {program,   "--executor", executor->endpoint(), "--model", dir.string(),
+                                     "--steps", "4",          "--verify",           "--quiet", "--transport",
+                                     transport};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

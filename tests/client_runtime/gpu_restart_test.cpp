@@ -36,7 +36,8 @@ class GpuRestartTest : public ::testing::Test {
     SKIP_WITHOUT_GPUS(1);
     dir = testing::make_checkpoint("tiny-llama");
     checkpoint = Checkpoint::open(dir);
-    executor = std::make_unique<ExecutorProcess>(dir, std::vector<std::string>{"--device", "cuda:0", "--log-level", "warn"});
+    executor =
+        std::make_unique<ExecutorProcess>(dir, std::vector<std::string>{"--device", "cuda:0", "--log-level", "warn"});
   }
 
   std::filesystem::path dir;
@@ -55,8 +56,8 @@ TEST_F(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
   options.max_sequences = 3;
   options.max_tokens = 40;
   options.capture_warmup = 1;
-  const auto requests = std::vector<GenerationRequest>{testing::request({5, 9, 33, 2, 7}, 20),
-                                                       testing::request({100, 4, 18}, 18)};
+  const auto requests =
+      std::vector<GenerationRequest>{testing::request({5, 9, 33, 2, 7}, 20), testing::request({100, 4, 18}, 18)};
   Generator generator(split_lm, options);
   std::vector<std::vector<int64_t>> split(requests.size());
   int tokens = 0;
@@ -136,7 +137,8 @@ TEST_F(GpuRestartTest, NcclTrainingAcrossAKillEqualsARunWithout) {
   const auto without = train_losses(*checkpoint, gpu_client(*executor, "cuda:1"), {}, "cuda:1");
   auto client = gpu_client(*executor, "cuda:1");
   const auto across = train_losses(
-      *checkpoint, client, [&](int64_t step) {
+      *checkpoint, client,
+      [&](int64_t step) {
         if (step == 3) executor->restart(SIGKILL, dir);
       },
       "cuda:1");

@@ -68,7 +68,8 @@ TEST_P(RestartTest, FineTuningAcrossARestartEqualsARunWithout) {
 INSTANTIATE_TEST_SUITE_P(TransportsAndEndings, RestartTest,
                          ::testing::Combine(::testing::Values("tcp", "shm"), ::testing::Values(SIGTERM, SIGKILL)),
                          [](const auto& info) {
-                           return std::get<0>(info.param) + (std::get<1>(info.param) == SIGKILL ? "_killed" : "_stopped");
+                           return std::get<0>(info.param) +
+                                  (std::get<1>(info.param) == SIGKILL ? "_killed" : "_stopped");
                          });
 
 // A generation under way when the executor is killed goes on where it was (its cache is the
@@ -146,7 +147,8 @@ TEST(RestartRefusalTest, AClientGivesUpPastReconnectMsNamingTheEndpoint) {
       << message;
   // A client whose reconnection failed tries again at its next call, and fails as clearly.
   const auto again = testing::error_of([&] { patient->forward(*q, x, false); });
-  EXPECT_NE(again.find("connecting again failed before; no executor took this client back"), std::string::npos) << again;
+  EXPECT_NE(again.find("connecting again failed before; no executor took this client back"), std::string::npos)
+      << again;
   const auto start = Clock::now();
   const auto at_once = testing::error_of([&] { impatient->forward(*q, x, false); });
   EXPECT_NE(at_once.find("this client does not reconnect (reconnect_ms is 0)"), std::string::npos) << at_once;

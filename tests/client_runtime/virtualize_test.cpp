@@ -186,10 +186,10 @@ TEST(VirtualizeTest, SiblingsComputedAsOneStackedProductEqualEachLayersForward) 
   std::vector<std::vector<at::Tensor>> outputs;
   for (auto* model : {&reference, &mono, &split}) {
     inputs.push_back(x.clone().requires_grad_(true));
-    outputs.push_back(model == &reference ? std::vector<at::Tensor>{(*model)->q_proj(inputs.back()),
-                                                                    (*model)->k_proj(inputs.back()),
-                                                                    (*model)->v_proj(inputs.back())}
-                                          : (*model)->forward(inputs.back()));
+    outputs.push_back(model == &reference
+                          ? std::vector<at::Tensor>{(*model)->q_proj(inputs.back()), (*model)->k_proj(inputs.back()),
+                                                    (*model)->v_proj(inputs.back())}
+                          : (*model)->forward(inputs.back()));
     (at::cat(outputs.back(), -1) * projection).sum().backward();
   }
   for (size_t i : {1, 2}) {
@@ -226,7 +226,8 @@ TEST(VirtualizeTest, RequireAllNamesAServedLayerTheModelLacks) {
     virtualize(*lone, testing::connect(*executor), {.require_all = true});
     FAIL() << "virtualize should have thrown";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("but the model has no base layer of that name"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("but the model has no base layer of that name"), std::string::npos)
+        << e.what();
   }
 }
 

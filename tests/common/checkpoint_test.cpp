@@ -15,7 +15,8 @@ namespace {
 namespace fs = std::filesystem;
 using testing::error_of;
 
-void write_config(const fs::path& dir, const std::string& text = R"({"model_type": "llama", "rope_scaling": {"factor": 8.0}})") {
+void write_config(const fs::path& dir,
+                  const std::string& text = R"({"model_type": "llama", "rope_scaling": {"factor": 8.0}})") {
   std::ofstream(dir / "config.json") << text;
 }
 
@@ -23,8 +24,7 @@ TEST(CheckpointTest, ReadsEveryDtypeAndTheConfig) {
   auto dir = testing::temp_dir("ckpt");
   write_config(dir);
   auto a = at::randn({3, 5});
-  write_safetensors(dir / "model.safetensors",
-                    {{"a", a}, {"b", a.to(at::kBFloat16)}, {"c", a.to(at::kHalf)}});
+  write_safetensors(dir / "model.safetensors", {{"a", a}, {"b", a.to(at::kBFloat16)}, {"c", a.to(at::kHalf)}});
   auto ckpt = Checkpoint::open(dir);
   EXPECT_TRUE(ckpt->tensor("a", {3, 5}).equal(a));
   EXPECT_TRUE(ckpt->tensor("b").equal(a.to(at::kBFloat16)));
@@ -165,7 +165,9 @@ TEST(CheckpointTest, ErrorsNameTheFileAndTheProblem) {
   write_safetensors(dir / "model.safetensors", {{"w", at::zeros({2, 3})}});
   auto ckpt = Checkpoint::open(dir);
   EXPECT_NE(error_of([&] { ckpt->tensor("missing"); }).find("is missing tensor 'missing'"), std::string::npos);
-  EXPECT_NE(error_of([&] { ckpt->tensor("w", {3, 2}); }).find("tensor 'w' has shape [2, 3], expected [3, 2]"),
+  EXPECT_NE(error_of([&] {
+              ckpt->tensor("w", {3, 2});
+            }).find("tensor 'w' has shape [2, 3], expected [3, 2]"),
             std::string::npos);
   EXPECT_NE(error_of([&] { ckpt->config_number("model_type"); }).find("field 'model_type' should be a number"),
             std::string::npos);

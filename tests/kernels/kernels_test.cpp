@@ -72,8 +72,8 @@ TEST(DirectGemmTest, EqualsAtenForEachLayoutAndDtype) {
   EXPECT_FALSE(cuda::gemm_into(at::randn({16, 4}, options).t(), at::randn({16, 8}, options), out));
   EXPECT_FALSE(cuda::gemm_into(at::randn({4, 16}, options), at::randn({16, 8}), out));  // a host matrix
   auto ints = at::empty({4, 8}, options.dtype(at::kInt));
-  EXPECT_FALSE(cuda::gemm_into(at::ones({4, 16}, options.dtype(at::kInt)), at::ones({16, 8}, options.dtype(at::kInt)),
-                               ints));
+  EXPECT_FALSE(
+      cuda::gemm_into(at::ones({4, 16}, options.dtype(at::kInt)), at::ones({16, 8}, options.dtype(at::kInt)), ints));
 }
 
 // [Few-row GEMM]: a forward product of 1 to kFewRowsMax tokens equals ATen's within the dtype's
@@ -138,7 +138,8 @@ TEST(FusedCrossEntropyTest, EqualsAtenInFp32ForEachDtypeVocabularyAndReduction) 
           const auto values = (at::randn({kRows * vocab + shift}, options.dtype(at::kFloat)) * 8).to(dtype);
           const auto logits = values.narrow(0, shift, kRows * vocab).view({kRows, vocab});
           const auto ignored = at::arange(0, kRows, 5, options.dtype(at::kLong));
-          const auto labels = at::randint(0, vocab, {kRows}, options.dtype(at::kLong)).index_fill_(0, ignored, kIgnoreIndex);
+          const auto labels =
+              at::randint(0, vocab, {kRows}, options.dtype(at::kLong)).index_fill_(0, ignored, kIgnoreIndex);
 
           const auto ours_in = logits.detach().clone().requires_grad_(true);
           const auto ours = token_cross_entropy(ours_in, labels, reduction);
@@ -201,8 +202,8 @@ TEST(MultiLoraKernelTest, EqualsThePlainLoopForMixedRanksAndFollowsItsTablesInAG
       if (slots[i] < 0 || !entries[slots[i]].a.defined()) continue;
       const auto& e = entries[slots[i]];
       const auto row = x[static_cast<int64_t>(i)].to(at::kDouble).unsqueeze(0);
-      want[static_cast<int64_t>(i)].add_(
-          at::mm(at::mm(row, e.a.to(at::kDouble).t()), e.b.to(at::kDouble).t())[0] * e.scaling);
+      want[static_cast<int64_t>(i)].add_(at::mm(at::mm(row, e.a.to(at::kDouble).t()), e.b.to(at::kDouble).t())[0] *
+                                         e.scaling);
     }
     return want;
   };
@@ -307,7 +308,8 @@ TEST(FusedDecodeAttentionTest, WritesTheNewKeysAndAttendsUpToEachPosition) {
         // [heads, p + 1, dim] keys and values of each query head's kv head, in float64.
         auto own_keys = expected_keys[s].narrow(1, 0, p + 1).to(at::kDouble).repeat_interleave(group, 0);
         auto own_values = expected_values[s].narrow(1, 0, p + 1).to(at::kDouble).repeat_interleave(group, 0);
-        auto scores = at::matmul(q[b].to(at::kDouble).unsqueeze(1), own_keys.transpose(1, 2)) / std::sqrt(double(shape.dim));
+        auto scores =
+            at::matmul(q[b].to(at::kDouble).unsqueeze(1), own_keys.transpose(1, 2)) / std::sqrt(double(shape.dim));
         rows.push_back(at::matmul(at::softmax(scores, -1), own_values).squeeze(1));
       }
       EXPECT_TRUE(at::equal(keys, expected_keys));
@@ -318,7 +320,7 @@ TEST(FusedDecodeAttentionTest, WritesTheNewKeysAndAttendsUpToEachPosition) {
   const auto options = at::TensorOptions().device(at::kCUDA);
   EXPECT_FALSE(kernels::decode_attention_supports(12, 1, 128, at::kFloat));  // 12 query heads a kv head
   EXPECT_FALSE(kernels::decode_attention_supports(64, 8, 128, at::kFloat));  // 8 x 128 elements a group
-  EXPECT_FALSE(kernels::decode_attention_supports(8, 8, 80, at::kFloat));   // a head_dim not a multiple of 32
+  EXPECT_FALSE(kernels::decode_attention_supports(8, 8, 80, at::kFloat));    // a head_dim not a multiple of 32
   auto keys = at::zeros({2, 2, 4, 64}, options), values = at::zeros({2, 2, 4, 64}, options);
   const auto index = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
   try {
@@ -356,7 +358,8 @@ TEST(FusedRotaryTest, EqualsTheExpressionForwardAndBackwardForEachLayoutAndDtype
       for (const auto& x : {transposed, transposed.contiguous()}) {
         for (bool backward : {false, true}) {
           SCOPED_TRACE(std::string(c10::toString(dtype)) + (x.is_contiguous() ? ", contiguous" : ", transposed") +
-                       (backward ? ", backward" : ", forward") + ", " + std::to_string(angle_batches) + " batch(es) of angles");
+                       (backward ? ", backward" : ", forward") + ", " + std::to_string(angle_batches) +
+                       " batch(es) of angles");
           const auto got = kernels::rotary(x, cos, sin, backward);
           EXPECT_EQ(got.sizes(), x.sizes());
           expect_rounded_like(got, rotary_reference(x, cos, sin, backward));
@@ -449,9 +452,9 @@ TEST(GroupedLoraTest, EqualsTheExpressionAndEveryGradientForEachDtype) {
         const auto grad_h = at::matmul(wm, b) * lora.scaling;  // [2, 5, r]
         want_dx += at::matmul(grad_h, a);
         expect_rounded_like(lora.lora_A.grad(), at::matmul(grad_h.reshape({10, -1}).t(), x64.reshape({10, in})));
-        expect_rounded_like(lora.lora_B.grad(),
-                            at::matmul(wm.reshape({10, -1}).t(), at::matmul(x64, a.t()).reshape({10, -1})) *
-                                lora.scaling);
+        expect_rounded_like(
+            lora.lora_B.grad(),
+            at::matmul(wm.reshape({10, -1}).t(), at::matmul(x64, a.t()).reshape({10, -1})) * lora.scaling);
       }
       expect_rounded_like(got, want);
       expect_rounded_like(x.grad(), want_dx);
@@ -538,7 +541,8 @@ NoiseReference host_choice(uint64_t secret, uint64_t call, int64_t rows, int64_t
 // The signed sum of the chosen rows of `table`, in float64.
 at::Tensor mixed(const at::Tensor& table, const NoiseReference& choice) {
   const auto mix = choice.index.size(0), rows = choice.index.size(1);
-  return (table.to(at::kDouble).cpu().index_select(0, choice.index.view(-1)).view({mix, rows, -1}) * choice.sign).sum(0);
+  return (table.to(at::kDouble).cpu().index_select(0, choice.index.view(-1)).view({mix, rows, -1}) * choice.sign)
+      .sum(0);
 }
 
 TEST(NoiseMaskKernelTest, MasksAndUnmasksLikeTheExpressionWithTheHostsChoice) {
@@ -557,8 +561,8 @@ TEST(NoiseMaskKernelTest, MasksAndUnmasksLikeTheExpressionWithTheHostsChoice) {
         const auto x64 = x.to(at::kDouble).cpu();
         const double scale = 4.0 * x64.square().mean().sqrt().item<double>();
         const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
-        const std::string what = std::string(c10::toString(dtype)) + " mix " + std::to_string(mix) + " features " +
-                                 std::to_string(features);
+        const std::string what =
+            std::string(c10::toString(dtype)) + " mix " + std::to_string(mix) + " features " + std::to_string(features);
         EXPECT_NEAR(masked.factor * masked.norm.item<double>(), scale, 1e-5 * scale) << what;
         const auto want = x64 + scale * mixed(bank, choice);
         EXPECT_LT((masked.masked.to(at::kDouble).cpu() - want).abs().max().item<double>(),

@@ -30,8 +30,8 @@ struct GpuServed {
   ~GpuServed() { bench::stop(executor.pid); }
   // A client on cuda:0 (CUDA IPC), masked or not, its effects here or at the executor.
   std::shared_ptr<Client> connect(bool mask, bool effects_here = false, int64_t rotate_after = 0) const {
-    ClientOptions options{.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(),
-                          .device = "cuda:0"};
+    ClientOptions options{
+        .endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"};
     options.privacy.mask = mask;
     options.privacy.secret = 20261126;
     options.privacy.rotate_after = rotate_after;

@@ -70,7 +70,8 @@ TEST_P(MaskedTenantTest, TrainsAsTheMonolithicModelDoes) {
   auto served = serve_masked(preset, transport, policy);
   ASSERT_EQ(served.client->transport(), transport);
   LoraConfig lora = testing::test_lora();
-  auto split = testing::make_training_run(*served.checkpoint, served.client, testing::lora_adapter(lora), {}, 1e-2, 1234);
+  auto split =
+      testing::make_training_run(*served.checkpoint, served.client, testing::lora_adapter(lora), {}, 1e-2, 1234);
   auto mono = testing::make_training_run(*served.checkpoint, nullptr, testing::lora_adapter(lora), {}, 1e-2, 1234);
   at::manual_seed(7);
   const auto ids = at::randint(0, 200, {2, 12}, at::kLong);
@@ -96,8 +97,8 @@ std::string test_name(const ::testing::TestParamInfo<MaskedTenantTest::ParamType
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, MaskedTenantTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"), ::testing::Values("tcp", "shm"),
-                                            ::testing::Values("opportunistic")),
+                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"),
+                                            ::testing::Values("tcp", "shm"), ::testing::Values("opportunistic")),
                          test_name);
 INSTANTIATE_TEST_SUITE_P(Policies, MaskedTenantTest,
                          ::testing::Combine(::testing::Values("tiny-llama"), ::testing::Values("shm"),
@@ -243,7 +244,7 @@ TEST(NoiseMaskTest, RotateDrawsEveryBankAnewInPlaceAndStaysExact) {
   EXPECT_EQ(bank_calls, 4);
   ASSERT_EQ(banks.size(), 2u);
   EXPECT_GT((copies[1] - copies[0]).abs().max().item<double>(), 0.1);  // new rows
-  EXPECT_TRUE(banks[0].equal(copies[1]));  // written where the first bank lay
+  EXPECT_TRUE(banks[0].equal(copies[1]));                              // written where the first bank lay
   step();
   EXPECT_EQ(mask.banks_drawn(), 4);  // and kept after
 }
@@ -515,9 +516,10 @@ TEST(SeveralMaskedTenantsTest, EachTrainsAsItsOwnMonolithicRunWhileTheirCallsBat
     }
   }
   EXPECT_GT(masked_together, 0);
-  std::printf("[several masked tenants] %zu batches: %d with both masked tenants, %d with the unmasked one and "
-              "another\n",
-              batches.size(), masked_together, with_unmasked);
+  std::printf(
+      "[several masked tenants] %zu batches: %d with both masked tenants, %d with the unmasked one and "
+      "another\n",
+      batches.size(), masked_together, with_unmasked);
 }
 
 // ---- Masked over CURVE ----
@@ -662,10 +664,11 @@ TEST_P(ExecutorViewTest, WhatTheExecutorReceivesDiffersFromTheRawRowsByTheNoiseR
   const double overall = correlation(at::cat(all_seen), at::cat(all_raw));
   EXPECT_LT(std::abs(overall), 0.3);
   EXPECT_LE(shared_noise, 1);
-  std::printf("[executor view] %s over %s, noise ratio %.1f: %d calls, received - raw %.2f to %.2f x the raw norm, "
-              "correlation %.3f overall, %.3f at most in a call; %d pairs of rows sharing their noise\n",
-              preset.c_str(), transport.c_str(), noise_ratio, pairs, lowest_ratio, highest_ratio, overall,
-              highest_correlation, shared_noise);
+  std::printf(
+      "[executor view] %s over %s, noise ratio %.1f: %d calls, received - raw %.2f to %.2f x the raw norm, "
+      "correlation %.3f overall, %.3f at most in a call; %d pairs of rows sharing their noise\n",
+      preset.c_str(), transport.c_str(), noise_ratio, pairs, lowest_ratio, highest_ratio, overall, highest_correlation,
+      shared_noise);
 }
 
 INSTANTIATE_TEST_SUITE_P(Calls, ExecutorViewTest,
@@ -742,13 +745,13 @@ TEST_P(MaskedPrecisionTest, MaskedErrorStaysWithinABoundOfTheUnmaskedError) {
     if (plain_value > 0) std::snprintf(text, sizeof text, "x%.1f", masked_value / plain_value);
     return std::string(text);
   };
-  std::printf("[precision] %s executor (CPU), tiny-llama, 256 tokens, noise ratio 4, error against the fp32 monolithic "
-              "run (norm of the difference over the reference's), masked / unmasked: logits %.2e / %.2e (%s), "
-              "loss %.2e / %.2e, adapter gradients %.2e / %.2e (%s)\n",
-              dtype.c_str(), masked_error.logits, plain_error.logits,
-              times(masked_error.logits, plain_error.logits).c_str(), masked_error.loss, plain_error.loss,
-              masked_error.gradients, plain_error.gradients,
-              times(masked_error.gradients, plain_error.gradients).c_str());
+  std::printf(
+      "[precision] %s executor (CPU), tiny-llama, 256 tokens, noise ratio 4, error against the fp32 monolithic "
+      "run (norm of the difference over the reference's), masked / unmasked: logits %.2e / %.2e (%s), "
+      "loss %.2e / %.2e, adapter gradients %.2e / %.2e (%s)\n",
+      dtype.c_str(), masked_error.logits, plain_error.logits, times(masked_error.logits, plain_error.logits).c_str(),
+      masked_error.loss, plain_error.loss, masked_error.gradients, plain_error.gradients,
+      times(masked_error.gradients, plain_error.gradients).c_str());
   if (dtype == "fp32") {
     EXPECT_LT(masked_error.logits, kTolerance);
     EXPECT_LT(masked_error.gradients, kTolerance);

@@ -423,9 +423,9 @@ int bogus_handle(Connection& c, const Options& options, const Signals& signals, 
     return kLeftUnanswered;
   }
   push_announced(c, 1, 1, options.tokens);
-  const bool answered = testing::wait_until(
-      [&] { return shm::reached(c.control().results_ready.load(std::memory_order_acquire), 1); },
-      std::chrono::seconds(20));
+  const bool answered =
+      testing::wait_until([&] { return shm::reached(c.control().results_ready.load(std::memory_order_acquire), 1); },
+                          std::chrono::seconds(20));
   std::printf("hostile tenant: the call after the bogus handles was %s\n", answered ? "answered" : "NOT answered");
   return answered ? kAttackMade : kLeftUnanswered;
 }
@@ -455,9 +455,10 @@ int stall_ahead(Connection& c, const Options& options, const Signals& signals, K
       c.push(record);
       if (announce) c.control().slots[slot].input_ready.store(1, std::memory_order_release);
     }
-    return !announce || testing::wait_until(
-                            [&] { return shm::reached(c.control().results_ready.load(std::memory_order_acquire), sequence); },
-                            std::chrono::seconds(20));
+    return !announce ||
+           testing::wait_until(
+               [&] { return shm::reached(c.control().results_ready.load(std::memory_order_acquire), sequence); },
+               std::chrono::seconds(20));
   };
   bool ahead = false;
   for (int i = 0; i < 200 && !ahead; ++i) {

@@ -30,8 +30,8 @@ class HostileTenant {
  public:
   HostileTenant(const std::string& endpoint, const std::string& attack, const std::vector<std::string>& extra = {})
       : signals_(temp_dir("hostile-" + attack)) {
-    std::vector<std::string> args = {hostile_tenant_binary(), "--executor", endpoint, "--attack", attack,
-                                     "--signals", signals_.string()};
+    std::vector<std::string> args = {hostile_tenant_binary(), "--executor", endpoint, "--attack", attack, "--signals",
+                                     signals_.string()};
     args.insert(args.end(), extra.begin(), extra.end());
     pid_ = spawn(args);
   }

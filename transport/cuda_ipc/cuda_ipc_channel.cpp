@@ -111,7 +111,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         shm::reached(control_block()->results_ready.load(std::memory_order_acquire), launched_last_)) {
       return;
     }
-    for (const uint32_t slot : launched_slots_) control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+    for (const uint32_t slot : launched_slots_)
+      control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
     launched_at_.reset();
     stalled_ = true;
   }
@@ -175,7 +176,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
     if (!shm::reached(done, last_out_)) return {};
     const auto& waiting = pending();
-    if (broken() || waiting.empty() || waiting.front().slot != 1 || waiting.front().latency_class != proto::INFERENCE_DECODE) {
+    if (broken() || waiting.empty() || waiting.front().slot != 1 ||
+        waiting.front().latency_class != proto::INFERENCE_DECODE) {
       return {};
     }
     finish_recording();  // every call before this one has its result: the run recorded is whole
@@ -210,7 +212,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     const cuda::Stream stream = ahead_stream_.get();
     use_stream(stream);
     run->work.launch(stream);
-    std::vector<shm::CallHeader> calls(waiting.begin(), waiting.begin() + static_cast<std::ptrdiff_t>(run->calls.size()));
+    std::vector<shm::CallHeader> calls(waiting.begin(),
+                                       waiting.begin() + static_cast<std::ptrdiff_t>(run->calls.size()));
     last_out_ = calls.back().sequence;
     // results_ready before the last call's result flag, which lets the client go on: its next
     // run then finds every call before it answered.
@@ -317,8 +320,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   static bool same_call(const shm::CallHeader& a, const shm::CallHeader& b) {
     return a.layer_id == b.layer_id && a.op == b.op && a.dtype == b.dtype && a.latency_class == b.latency_class &&
            a.tokens == b.tokens && a.features == b.features && a.in_offset == b.in_offset &&
-           a.out_offset == b.out_offset && a.buffer_generation == b.buffer_generation &&
-           a.in_segment == b.in_segment && a.out_segment == b.out_segment && a.slot == b.slot;
+           a.out_offset == b.out_offset && a.buffer_generation == b.buffer_generation && a.in_segment == b.in_segment &&
+           a.out_segment == b.out_segment && a.slot == b.slot;
   }
 
   // A decode call computed in place from its replay: slot 1 starts a run, the next slot with the
@@ -347,7 +350,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       return;
     }
     const bool known = std::any_of(runs_.begin(), runs_.end(), [&](const Run& run) {
-      return run.calls.size() == recording_.size() && std::equal(run.calls.begin(), run.calls.end(), recording_.begin(), same_call);
+      return run.calls.size() == recording_.size() &&
+             std::equal(run.calls.begin(), run.calls.end(), recording_.begin(), same_call);
     });
     if (!known) {
       if (runs_.size() == kRuns) {
@@ -381,8 +385,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       cuda::CurrentStreamScope scope(stream);
       for (const auto& h : calls) {
         void* input_ready = control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready);
-        cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1},
-                                            {cuda::MemoryOp::kWrite, input_ready, 0}});
+        cuda::memory_ops_on_stream(
+            stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1}, {cuda::MemoryOp::kWrite, input_ready, 0}});
         enqueuer.enqueue(*this, h);
         // The last call's flag is set at each launch, after results_ready.
         if (&h != &calls.back()) cuda::write_value_on_stream(stream, result_ready(h), 1);
@@ -395,7 +399,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   void release_launched() {
     std::lock_guard<std::mutex> lock(launched_mutex_);
     if (!launched_at_) return;
-    for (const uint32_t slot : launched_slots_) control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+    for (const uint32_t slot : launched_slots_)
+      control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
   }
 
   void forget_runs() {
@@ -415,12 +420,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::unordered_map<uint32_t, Replay> replays_;
   bool replays_failed_ = false;
   // [Steps launched ahead]
-  std::vector<Run> runs_;                     // recorded, at most kRuns
-  std::vector<shm::CallHeader> recording_;    // the run being computed call by call
+  std::vector<Run> runs_;                   // recorded, at most kRuns
+  std::vector<shm::CallHeader> recording_;  // the run being computed call by call
   uint64_t uses_ = 0;
-  cuda::OwnedStream ahead_stream_;            // made at the first launch
-  uint32_t last_out_ = 0;                     // the sequence of the last numbered call handed out
-  uint32_t hold_sequence_ = 0;                // a run's first call held for its other headers, until
+  cuda::OwnedStream ahead_stream_;  // made at the first launch
+  uint32_t last_out_ = 0;           // the sequence of the last numbered call handed out
+  uint32_t hold_sequence_ = 0;      // a run's first call held for its other headers, until
   std::optional<Clock::time_point> hold_until_;
   bool ahead_failed_ = false;
   // The run launched last, shared with AheadWatchdog's thread.
@@ -472,7 +477,6 @@ std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto:
                                              const ClientEndOptions& options);
 
 // [Transports]: this transport's row in transport.cpp's table.
-extern const TransportPlugin kPlugin{TransportKind::kCudaIpc, &cuda::cuda_available, &make_channel,
-                                     &make_client};
+extern const TransportPlugin kPlugin{TransportKind::kCudaIpc, &cuda::cuda_available, &make_channel, &make_client};
 
 }  // namespace symbiosis::cuda_ipc

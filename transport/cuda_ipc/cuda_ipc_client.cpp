@@ -293,7 +293,6 @@ class CudaIpcPayload : public RegisteredBuffer {
   uint32_t next_segment_ = 1;                // 0 names the payload buffer
 };
 
-
 SegmentFrees::SegmentFrees() {
   using Trace = c10::CachingDeviceAllocator::TraceEntry;
   // The allocator attaches a tracker to the devices it has set up, which it does at LibTorch's
@@ -311,12 +310,13 @@ SegmentFrees::SegmentFrees() {
 
 std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto::Welcome& welcome,
                                              const ClientEndOptions& options) {
-  TORCH_CHECK(options.device.is_cuda(), "transport cuda-ipc needs a client on the executor's GPU; this client's device is ",
-              options.device);
+  TORCH_CHECK(options.device.is_cuda(),
+              "transport cuda-ipc needs a client on the executor's GPU; this client's device is ", options.device);
 #ifdef SYMBIOSIS_WITH_CUDA
   const int device = options.device.has_index() ? options.device.index() : 0;
-  return make_payload_transport(socket, welcome, options,
-                                [&] { return std::make_unique<CudaIpcPayload>(socket, device, options.direct_operands); });
+  return make_payload_transport(socket, welcome, options, [&] {
+    return std::make_unique<CudaIpcPayload>(socket, device, options.direct_operands);
+  });
 #else
   TORCH_CHECK(false, "transport cuda-ipc: this build of symbiosis has no CUDA");
 #endif

@@ -228,9 +228,10 @@ class NcclChannel : public Channel {
     std::unique_lock<std::mutex> lock(watch_mutex_);
     while (!watch_wake_.wait_for(lock, kWatchInterval, [&] { return closing_; })) {
       if (!transfers_.stuck()) continue;
-      spdlog::warn("client {}: an NCCL transfer has waited {} s for the client's side of it (it never posted its "
-                   "send or receive, or aborted in the middle); dropping the client ([NCCL transfer watchdog])",
-                   client_id(), kTransferLimit.count());
+      spdlog::warn(
+          "client {}: an NCCL transfer has waited {} s for the client's side of it (it never posted its "
+          "send or receive, or aborted in the middle); dropping the client ([NCCL transfer watchdog])",
+          client_id(), kTransferLimit.count());
       stuck_.store(true);
       abort();
       return;
@@ -245,9 +246,9 @@ class NcclChannel : public Channel {
   std::atomic<bool> stuck_{false};
   std::shared_ptr<std::atomic<int>> gpu_clients_;
   std::optional<shm::CallHeader> held_reply_;
-  mutable std::mutex comm_mutex_;  // guards comm_ being set (scheduler thread) against abort() (front door)
+  mutable std::mutex comm_mutex_;             // guards comm_ being set (scheduler thread) against abort() (front door)
   std::shared_ptr<nccl::Communicator> comm_;  // set once; the scheduler thread reads it without the lock
-  std::mutex watch_mutex_;  // guards closing_
+  std::mutex watch_mutex_;                    // guards closing_
   std::condition_variable watch_wake_;
   bool closing_ = false;
   std::thread watchdog_;  // started with the communicator; joined before the members it reads go

@@ -38,8 +38,8 @@ class NcclPayload : public ClientPayload {
   void send_input(const at::Tensor& x, uint64_t) override {
     check_usable();
     // x is freed when the call returns; the caching allocator reuses it only in this stream's order.
-    comm_->send(x.device() == at::Device(at::kCUDA, device_) ? x : x.to(at::Device(at::kCUDA, device_)),
-                kExecutorRank, cuda::current_stream(device_).handle);
+    comm_->send(x.device() == at::Device(at::kCUDA, device_) ? x : x.to(at::Device(at::kCUDA, device_)), kExecutorRank,
+                cuda::current_stream(device_).handle);
   }
 
   at::Tensor receive_output(uint64_t, at::ScalarType dtype, at::IntArrayRef shape, at::Device device) override {
@@ -67,7 +67,8 @@ class NcclPayload : public ClientPayload {
 std::unique_ptr<ClientTransport> make_client(ControlSocket& socket, const proto::Welcome& welcome,
                                              const ClientEndOptions& options) {
 #ifdef SYMBIOSIS_WITH_NCCL
-  return make_payload_transport(socket, welcome, options, [&] { return std::make_unique<NcclPayload>(options, socket); });
+  return make_payload_transport(socket, welcome, options,
+                                [&] { return std::make_unique<NcclPayload>(options, socket); });
 #else
   (void)socket;
   (void)welcome;

@@ -105,8 +105,8 @@ void join_and_connect(const std::shared_ptr<Communicator::Joining>& joining, con
     config.blocking = 1;
     const ncclResult_t status = ncclCommInitRankConfig(&comm, 2, id, rank, &config);
     if (status != ncclSuccess) {
-      error = std::string("cannot join the 2-rank communicator as rank ") + std::to_string(rank) + " on cuda:" +
-              std::to_string(device) + ": " + ncclGetErrorString(status);
+      error = std::string("cannot join the 2-rank communicator as rank ") + std::to_string(rank) +
+              " on cuda:" + std::to_string(device) + ": " + ncclGetErrorString(status);
       comm = nullptr;
     } else {
       error = connect_peers(comm, peer, timeout);
@@ -198,7 +198,8 @@ bool Communicator::failed() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (comm_ == nullptr) return false;
   ncclResult_t state = ncclSuccess;
-  return ncclCommGetAsyncError(as_comm(comm_), &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress);
+  return ncclCommGetAsyncError(as_comm(comm_), &state) != ncclSuccess ||
+         (state != ncclSuccess && state != ncclInProgress);
 }
 
 bool Communicator::aborted() const {

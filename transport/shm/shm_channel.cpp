@@ -15,7 +15,8 @@ namespace {
 // results move by DMA without a staging copy.
 class HostShmChannel : public RegisteredBufferChannel {
  public:
-  HostShmChannel(uint64_t client_id, at::Device device) : RegisteredBufferChannel(TransportKind::kShm, client_id), device_(device) {}
+  HostShmChannel(uint64_t client_id, at::Device device)
+      : RegisteredBufferChannel(TransportKind::kShm, client_id), device_(device) {}
 
  protected:
   void map(const proto::RegisterBuffer& r, UniqueFd segment, proto::BufferRegistered*) override {

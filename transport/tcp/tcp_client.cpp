@@ -24,10 +24,10 @@ class TcpTransport : public ClientTransport {
     }
     frames.erase(frames.begin());  // the Reply's
     const auto dtype = wire::from_proto(reply.dtype());
-    TORCH_CHECK(!frames.empty() && reply.shape_size() == 2 && reply.shape(0) >= 0 && reply.shape(1) >= 0 &&
-                    wire::frame_bytes(frames) == static_cast<size_t>(reply.shape(0) * reply.shape(1)) *
-                                                     at::elementSize(dtype),
-                "executor reply to request ", spec.request_id, " lacks its payload");
+    TORCH_CHECK(
+        !frames.empty() && reply.shape_size() == 2 && reply.shape(0) >= 0 && reply.shape(1) >= 0 &&
+            wire::frame_bytes(frames) == static_cast<size_t>(reply.shape(0) * reply.shape(1)) * at::elementSize(dtype),
+        "executor reply to request ", spec.request_id, " lacks its payload");
     auto out = wire::frames_to_tensor(std::move(frames), dtype, {reply.shape(0), reply.shape(1)});
     return x.device().is_cpu() ? out : out.to(x.device());
   }

@@ -24,12 +24,15 @@ using LogitsLog = std::map<uint64_t, std::vector<at::Tensor>>;
 struct Generated {
   std::vector<GenerationResult> results;
   std::vector<std::vector<at::Tensor>> logits;  // per request, per produced token
-  int64_t captured = 0;  // decode graphs the generator captured ([Captured decode])
+  int64_t captured = 0;                         // decode graphs the generator captured ([Captured decode])
 };
 
-inline Generated generate(const CausalLM& lm, const std::vector<GenerationRequest>& requests, GeneratorOptions options = {}) {
+inline Generated generate(const CausalLM& lm, const std::vector<GenerationRequest>& requests,
+                          GeneratorOptions options = {}) {
   auto log = std::make_shared<LogitsLog>();
-  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) {
+    (*log)[id].push_back(row.to(at::kCPU, at::kFloat));
+  };
   Generator generator(lm, options);
   Generated out;
   out.results = generator.generate(requests);
@@ -42,7 +45,9 @@ inline Generated generate(const CausalLM& lm, const std::vector<GenerationReques
 inline Generated generate_host_decode(const CausalLM& prefill, const CausalLM& decode,
                                       const std::vector<GenerationRequest>& requests, GeneratorOptions options = {}) {
   auto log = std::make_shared<LogitsLog>();
-  options.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  options.logits_observer = [log](uint64_t id, const at::Tensor& row) {
+    (*log)[id].push_back(row.to(at::kCPU, at::kFloat));
+  };
   Generator generator(prefill, decode, options);
   Generated out;
   out.results = generator.generate(requests);
@@ -51,8 +56,8 @@ inline Generated generate_host_decode(const CausalLM& prefill, const CausalLM& d
   return out;
 }
 
-inline GenerationRequest request(std::vector<int64_t> prompt, int64_t new_tokens, double temperature = 0.0, int64_t top_k = 0,
-                          double top_p = 1.0, uint64_t seed = 0) {
+inline GenerationRequest request(std::vector<int64_t> prompt, int64_t new_tokens, double temperature = 0.0,
+                                 int64_t top_k = 0, double top_p = 1.0, uint64_t seed = 0) {
   GenerationRequest r;
   r.prompt_ids = std::move(prompt);
   r.sampling.max_new_tokens = new_tokens;
@@ -77,8 +82,8 @@ inline LoraConfig test_lora() {
   LoraConfig lora;
   lora.r = 4;
   // Each architecture's attention and an MLP layer (Phi-3's and GPT-NeoX's fused q, k and v).
-  lora.target_modules = {"q_proj", "v_proj", "c_attn", "down_proj", "c_fc", "qkv_proj", "query_key_value",
-                         "dense_4h_to_h", "fc2"};
+  lora.target_modules = {"q_proj",   "v_proj",          "c_attn",        "down_proj", "c_fc",
+                         "qkv_proj", "query_key_value", "dense_4h_to_h", "fc2"};
   lora.init_b_zero = false;
   return lora;
 }
@@ -91,7 +96,7 @@ inline void add_test_lora(CausalLM& lm) {
 // mixed_requests() with the test LoRA, 3 sequences at once and 24 tokens, through `client` (split)
 // and in this process (monolithic): {split, monolithic}.
 inline std::pair<Generated, Generated> generate_split_and_monolithic(const Checkpoint& checkpoint,
-                                                                      const std::shared_ptr<Client>& client) {
+                                                                     const std::shared_ptr<Client>& client) {
   auto split_lm = open_causal_lm(checkpoint, client);
   auto mono_lm = open_causal_lm(checkpoint);
   add_test_lora(split_lm);
@@ -140,7 +145,8 @@ inline void expect_same(const Generated& a, const Generated& b, const std::strin
     EXPECT_EQ(a.results[i].finish_reason, b.results[i].finish_reason) << what << ", request " << i;
     ASSERT_EQ(a.logits[i].size(), b.logits[i].size()) << what << ", request " << i;
     for (size_t t = 0; t < a.logits[i].size(); ++t) {
-      EXPECT_LT(relative_error(a.logits[i][t], b.logits[i][t]), tolerance) << what << ", request " << i << " token " << t;
+      EXPECT_LT(relative_error(a.logits[i][t], b.logits[i][t]), tolerance)
+          << what << ", request " << i << " token " << t;
     }
     for (size_t t = 0; t < a.results[i].logprobs.size(); ++t) {
       EXPECT_NEAR(a.results[i].logprobs[t], b.results[i].logprobs[t], 1e-4) << what << ", request " << i;

@@ -172,10 +172,12 @@ TEST_P(GeneratorTest, BadRequestsAreRefusedNamingTheFieldAndTheOthersGoOn) {
   });
   auto refusal = [&](GenerationRequest r) { return testing::error_of([&] { generator.submit(r); }); };
   EXPECT_NE(refusal(request({}, 4)).find("prompt_ids is empty"), std::string::npos);
-  EXPECT_NE(refusal(request({1, vocab}, 4)).find("prompt_ids[1] is " + std::to_string(vocab) + ", expected a token id in [0, " +
-                                                 std::to_string(vocab) + ")"),
+  EXPECT_NE(refusal(request({1, vocab}, 4))
+                .find("prompt_ids[1] is " + std::to_string(vocab) + ", expected a token id in [0, " +
+                      std::to_string(vocab) + ")"),
             std::string::npos);
-  EXPECT_NE(refusal(request(std::vector<int64_t>(14, 1), 4)).find("more than the generator holds per request (max_tokens = 16)"),
+  EXPECT_NE(refusal(request(std::vector<int64_t>(14, 1), 4))
+                .find("more than the generator holds per request (max_tokens = 16)"),
             std::string::npos);
   EXPECT_NE(refusal(request({1}, 4, 1.0, 0, 0.0)).find("top_p is 0, expected a value in (0, 1]"), std::string::npos);
   EXPECT_NE(refusal(request({1}, 4, 1.0, 0, 1.5)).find("top_p is 1.5"), std::string::npos);
@@ -241,7 +243,8 @@ TEST_P(GeneratorTest, FixedShapeDecodeStepEqualsThePackedOne) {
     padded_ids.insert(padded_ids.end(), 2, 0);
     padded_slots.insert(padded_slots.end(), 2, cache.spare_slot());
     starts.insert(starts.end(), 2, 0);
-    const auto step = CachedStep::fixed_decode(cache, at::tensor(padded_slots, at::kLong), at::tensor(starts, at::kLong));
+    const auto step =
+        CachedStep::fixed_decode(cache, at::tensor(padded_slots, at::kLong), at::tensor(starts, at::kLong));
     const auto embeddings = model.embed(at::tensor(padded_ids, at::kLong)).unsqueeze(0);
     return model.logits(model.forward_cached(embeddings, step))[0].narrow(0, 0, 2);
   };
@@ -251,7 +254,8 @@ TEST_P(GeneratorTest, FixedShapeDecodeStepEqualsThePackedOne) {
 // "tiny-qwen2" -> "qwen2": a preset's name as a test name.
 std::string model_name(const std::string& preset) {
   auto name = preset.substr(preset.find('-') + 1);
-  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+  std::replace_if(
+      name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
   return name;
 }
 
@@ -259,8 +263,8 @@ std::string model_name(const std::string& preset) {
 // requests outgrow, in prefill and in decode.
 INSTANTIATE_TEST_SUITE_P(Models, GeneratorTest,
                          ::testing::Values("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
-                                           "tiny-gpt2", "tiny-gpt-bigcode", "tiny-phi3", "tiny-phi3-longrope", "tiny-gpt-neox", "tiny-phi",
-                                           "tiny-opt", "tiny-opt-projected"),
+                                           "tiny-gpt2", "tiny-gpt-bigcode", "tiny-phi3", "tiny-phi3-longrope",
+                                           "tiny-gpt-neox", "tiny-phi", "tiny-opt", "tiny-opt-projected"),
                          [](const auto& info) { return model_name(info.param); });
 
 // Split equals monolithic under each batching policy, with a fine-tuning client training on the
@@ -279,7 +283,8 @@ TEST_P(SplitGenerationTest, SplitEqualsMonolithicWhileAnotherTenantTrains) {
   auto run = testing::make_training_run(*checkpoint, testing::connect(*executor, *checkpoint),
                                         testing::lora_adapter(test_lora()), {}, 1e-3, 5);
   testing::BackgroundTraining fine_tuning(run, at::randint(200, {2, 12}, at::kLong));
-  const auto [split, mono] = testing::generate_split_and_monolithic(*checkpoint, testing::connect(*executor, *checkpoint));
+  const auto [split, mono] =
+      testing::generate_split_and_monolithic(*checkpoint, testing::connect(*executor, *checkpoint));
   EXPECT_GT(fine_tuning.stop(), 0);
   expect_same(split, mono, policy);
   EXPECT_EQ(executor->stats().errors, 0u);
@@ -299,11 +304,11 @@ TEST_P(SplitGenerationTest, SplitEqualsMonolithicWhileAnotherTenantTrains) {
   EXPECT_GT(requests[proto::FINE_TUNING], 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, SplitGenerationTest,
-                         ::testing::Combine(::testing::Values("tiny-llama", "tiny-mistral", "tiny-gemma2", "tiny-gpt2",
-                                                              "tiny-gpt-bigcode"),
-                                            ::testing::Values("none", "lockstep", "opportunistic")),
-                         [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    Policies, SplitGenerationTest,
+    ::testing::Combine(::testing::Values("tiny-llama", "tiny-mistral", "tiny-gemma2", "tiny-gpt2", "tiny-gpt-bigcode"),
+                       ::testing::Values("none", "lockstep", "opportunistic")),
+    [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
 // The loop reinforcement-learning tenants run, in one process: sample from the adapter, score the
 // samples, train on the best one, sample again. Split and monolithic give the same second round.
@@ -318,7 +323,9 @@ TEST(ReinforcementLoop, SampleScoreTrainSampleEqualsMonolithic) {
     options.max_tokens = 16;
     const auto first = generate(run.lm, prompts, options);
     // Score: the sample with more even tokens wins; one training step on it.
-    auto score = [](const GenerationResult& r) { return std::count_if(r.output_ids.begin(), r.output_ids.end(), [](int64_t t) { return t % 2 == 0; }); };
+    auto score = [](const GenerationResult& r) {
+      return std::count_if(r.output_ids.begin(), r.output_ids.end(), [](int64_t t) { return t % 2 == 0; });
+    };
     const auto& best = score(first.results[0]) >= score(first.results[1]) ? first.results[0] : first.results[1];
     std::vector<int64_t> ids = best.prompt_ids;
     ids.insert(ids.end(), best.output_ids.begin(), best.output_ids.end());
@@ -357,8 +364,9 @@ void write_peft_prompts(const fs::path& work) {
 // writing `output` and saving the adapter PEFT makes to `adapter`.
 std::vector<std::string> peft_generate_args(const fs::path& checkpoint, const fs::path& work, const fs::path& output,
                                             const std::string& method, const fs::path& adapter) {
-  std::vector<std::string> args{"--checkpoint", checkpoint.string(), "--inputs", (work / "inputs.safetensors").string(),
-                                "--output", output.string(), "--new-tokens", std::to_string(kPeftNewTokens)};
+  std::vector<std::string> args{
+      "--checkpoint", checkpoint.string(), "--inputs",     (work / "inputs.safetensors").string(),
+      "--output",     output.string(),     "--new-tokens", std::to_string(kPeftNewTokens)};
   if (method != "none") args.insert(args.end(), {"--method", method, "--adapter", adapter.string()});
   return args;
 }
@@ -399,25 +407,30 @@ TEST_P(HfGenerateTest, GreedyEqualsTransformersPeftGenerate) {
 INSTANTIATE_TEST_SUITE_P(Methods, HfGenerateTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2", "tiny-gpt-bigcode"),
                                             ::testing::Values("lora", "ia3", "prompt_tuning", "prefix_tuning")),
-                         [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
+                         [](const auto& info) {
+                           return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param);
+                         });
 
 // [Llama family]: Qwen2, Mistral and Gemma 2, the base model ("none") and with a LoRA; prompts plus
 // new tokens outgrow their sliding windows (5, 4 and 4 tokens), so transformers' sliding-window cache
 // is held to ours, and Gemma 2's soft caps hold in the cached decode.
-INSTANTIATE_TEST_SUITE_P(LlamaFamily, HfGenerateTest,
-                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
-                                            ::testing::Values("none", "lora")),
-                         [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    LlamaFamily, HfGenerateTest,
+    ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
+                       ::testing::Values("none", "lora")),
+    [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
 // [Phi-3] (its fused layers, partial rotary and a window of 5 that prompts and new tokens outgrow) and
 // the [GPT-NeoX family] (GPT-NeoX, Phi, OPT's learned positions): the base model, LoRA on each one's
 // attention and MLP, IA3 (PEFT's own targets, GPT-NeoX's fused query_key_value among them; Phi-3 has
 // none in PEFT) and prefix tuning through the cache.
 INSTANTIATE_TEST_SUITE_P(NewFamilies, HfGenerateTest,
-                         ::testing::Combine(::testing::Values("tiny-phi3", "tiny-phi3-longrope", "tiny-gpt-neox", "tiny-phi",
-                                                              "tiny-opt", "tiny-opt-projected"),
+                         ::testing::Combine(::testing::Values("tiny-phi3", "tiny-phi3-longrope", "tiny-gpt-neox",
+                                                              "tiny-phi", "tiny-opt", "tiny-opt-projected"),
                                             ::testing::Values("none", "lora", "ia3", "prefix_tuning")),
-                         [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
+                         [](const auto& info) {
+                           return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param);
+                         });
 
 // [Multi-adapter batches]: requests of two PEFT-made LoRA adapters of different ranks and targets
 // (X: r 4 on the attention; Y: rsLoRA over every linear layer with rank and alpha patterns) and of
@@ -437,7 +450,8 @@ TEST_P(MultiAdapterTest, EachRequestEqualsItsAdapterAloneInPeftAndInOurGenerator
   auto served = testing::serve_model(preset);
   write_peft_prompts(work);
   // The adapters ("": the base), PEFT's method for each; PEFT makes the adapters and gives their tokens.
-  const std::vector<std::pair<std::string, std::string>> kinds = {{"x", "lora"}, {"y", "lora_rslora_patterns"}, {"", "none"}};
+  const std::vector<std::pair<std::string, std::string>> kinds = {
+      {"x", "lora"}, {"y", "lora_rslora_patterns"}, {"", "none"}};
   std::map<std::string, std::vector<std::vector<int64_t>>> peft_tokens;
   std::vector<std::future<int>> runs;  // both at once
   const auto output = [&](const std::string& name) { return work / ("hf-" + name); };
@@ -445,7 +459,8 @@ TEST_P(MultiAdapterTest, EachRequestEqualsItsAdapterAloneInPeftAndInOurGenerator
     const auto& [name, method] = kinds[k];
     const auto args = peft_generate_args(served.dir, work, output(name).string() + ".safetensors", method, work / name);
     const auto log = output(name).string() + ".log";
-    runs.push_back(std::async(std::launch::async, [args, log] { return testing::run_reference("peft_generate.py", args, log); }));
+    runs.push_back(
+        std::async(std::launch::async, [args, log] { return testing::run_reference("peft_generate.py", args, log); }));
   }
   for (size_t k = 0; k < runs.size(); ++k) {
     const auto& name = kinds[k].first;
@@ -567,7 +582,8 @@ TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests)
   auto edited = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
     const auto dir = work / name;
     fs::create_directories(dir);
-    fs::copy_file(good / "adapter_model.safetensors", dir / "adapter_model.safetensors", fs::copy_options::overwrite_existing);
+    fs::copy_file(good / "adapter_model.safetensors", dir / "adapter_model.safetensors",
+                  fs::copy_options::overwrite_existing);
     nlohmann::json config;
     std::ifstream(good / "adapter_config.json") >> config;
     edit(config);
@@ -593,7 +609,8 @@ TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests)
             std::string::npos);
   EXPECT_NE(load("a", dora).find("field 'use_dora' is true"), std::string::npos);
   const auto foreign = load("a", other_model);
-  EXPECT_NE(foreign.find("target_modules (c_attn) matched no base layer of the model (llama)"), std::string::npos) << foreign;
+  EXPECT_NE(foreign.find("target_modules (c_attn) matched no base layer of the model (llama)"), std::string::npos)
+      << foreign;
   EXPECT_NE(load("a", wide).find("has rank 8, more than the generator's max_lora_rank (4)"), std::string::npos);
   EXPECT_NE(load("", good).find("the name is empty"), std::string::npos);
   EXPECT_TRUE(generator.adapters().empty());
@@ -604,14 +621,16 @@ TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests)
 
   generator.load_adapter("a", good);
   EXPECT_NE(load("a", good).find("an adapter named 'a' is loaded already"), std::string::npos);
-  EXPECT_NE(load("b", good).find("the generator holds max_loras (1) adapters already (1 loaded: a)"), std::string::npos);
+  EXPECT_NE(load("b", good).find("the generator holds max_loras (1) adapters already (1 loaded: a)"),
+            std::string::npos);
   auto named = [](std::string adapter) {
     auto r = request({5, 9, 33}, 6);
     r.adapter = std::move(adapter);
     return r;
   };
-  EXPECT_NE(testing::error_of([&] { generator.submit(named("b")); })
-                .find("adapter is 'b', which is not loaded; loaded adapters: a"),
+  EXPECT_NE(testing::error_of([&] {
+              generator.submit(named("b"));
+            }).find("adapter is 'b', which is not loaded; loaded adapters: a"),
             std::string::npos);
   // Unloaded with a request waiting: the request runs on it; the name is gone at once.
   std::vector<int64_t> tokens;
@@ -634,8 +653,9 @@ TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests)
   auto ia3_lm = open_causal_lm(*checkpoint);
   add_ia3(*ia3_lm.module, IA3Config{});
   Generator ia3_generator(ia3_lm);
-  EXPECT_NE(testing::error_of([&] { ia3_generator.load_adapter("a", good); })
-                .find("this generator's model cannot serve several adapters"),
+  EXPECT_NE(testing::error_of([&] {
+              ia3_generator.load_adapter("a", good);
+            }).find("this generator's model cannot serve several adapters"),
             std::string::npos);
 }
 
@@ -646,21 +666,27 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
   const auto work = testing::temp_dir("symbiosis-generate-cli");
   {
     std::ofstream input(work / "requests.jsonl");
-    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})" << "\n"
-          << R"({"prompt_ids": [7, 7], "top_p": 2.0})" << "\n"
-          << R"({"prompt_ids": "seven"})" << "\n"
-          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n"
-          << R"({"prompt_ids": [1, 2], "stop_token_ids": ["eos"]})" << "\n"
-          << R"({"prompt_ids": [1, 2], "max_tokens": 3})" << "\n";
+    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})"
+          << "\n"
+          << R"({"prompt_ids": [7, 7], "top_p": 2.0})"
+          << "\n"
+          << R"({"prompt_ids": "seven"})"
+          << "\n"
+          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})"
+          << "\n"
+          << R"({"prompt_ids": [1, 2], "stop_token_ids": ["eos"]})"
+          << "\n"
+          << R"({"prompt_ids": [1, 2], "max_tokens": 3})"
+          << "\n";
   }
   std::map<std::string, std::map<int64_t, nlohmann::json>> lines;  // by run, by index
   for (const std::string run : {"split", "monolithic"}) {
     const auto out = work / (run + ".jsonl");
-    const int status = testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
-                                      "' --executor " + served.executor->endpoint() +
-                                      (run == "monolithic" ? " --monolithic" : "") + " --max-new-tokens 6 --input '" +
-                                      (work / "requests.jsonl").string() + "' > '" + out.string() + "' 2> '" +
-                                      (work / (run + ".log")).string() + "'");
+    const int status =
+        testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
+                       "' --executor " + served.executor->endpoint() + (run == "monolithic" ? " --monolithic" : "") +
+                       " --max-new-tokens 6 --input '" + (work / "requests.jsonl").string() + "' > '" + out.string() +
+                       "' 2> '" + (work / (run + ".log")).string() + "'");
     EXPECT_EQ(status, 1) << run << ": a refused line makes the exit status 1; see " << work;
     std::ifstream in(out);
     for (std::string text; std::getline(in, text);) {
@@ -673,15 +699,18 @@ TEST(GenerateCli, SplitEqualsMonolithicAndABadLineIsRefusedAlone) {
   EXPECT_EQ(lines["split"][1]["output_ids"].size(), 4u);
   EXPECT_EQ(lines["split"][1]["logprobs"].size(), 4u);
   EXPECT_EQ(lines["split"][1]["finish_reason"], "length");
-  EXPECT_NE(lines["split"][2]["error"].get<std::string>().find("top_p is 2, expected a value in (0, 1]"), std::string::npos);
-  EXPECT_NE(lines["split"][3]["error"].get<std::string>().find("field 'prompt_ids' is \"seven\", expected a list of integer token ids"),
+  EXPECT_NE(lines["split"][2]["error"].get<std::string>().find("top_p is 2, expected a value in (0, 1]"),
+            std::string::npos);
+  EXPECT_NE(lines["split"][3]["error"].get<std::string>().find(
+                "field 'prompt_ids' is \"seven\", expected a list of integer token ids"),
             std::string::npos);
   EXPECT_EQ(lines["split"][4]["output_ids"].size(), 6u);
   EXPECT_NE(lines["split"][5]["error"].get<std::string>().find(
                 "field 'stop_token_ids' is [\"eos\"], expected a list of integer token ids"),
             std::string::npos);
-  EXPECT_NE(lines["split"][6]["error"].get<std::string>().find("field 'max_tokens' is unknown, expected only prompt_ids"),
-            std::string::npos);
+  EXPECT_NE(
+      lines["split"][6]["error"].get<std::string>().find("field 'max_tokens' is unknown, expected only prompt_ids"),
+      std::string::npos);
 }
 
 // [Stop strings] through symbiosis-generate (a tiny Llama with a SentencePiece tokenizer): a stop
@@ -693,13 +722,16 @@ TEST(GenerateCli, AStopStringEndsTheRequestBeforeItsText) {
   const auto* reference = testing::reference_tokenizers(why);
   if (!reference) GTEST_SKIP() << why;
   const auto work = testing::temp_dir("symbiosis-generate-stop");
-  const auto model = testing::with_tokenizer(*reference, "spm_unigram", testing::make_checkpoint("tiny-llama"), work / "model");
-  const std::string generate = testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
-                               " --max-new-tokens 40 --stop-token-ids ''";
+  const auto model =
+      testing::with_tokenizer(*reference, "spm_unigram", testing::make_checkpoint("tiny-llama"), work / "model");
+  const std::string generate = testing::binary("examples/symbiosis-generate") + " --monolithic --model " +
+                               model.string() + " --max-new-tokens 40 --stop-token-ids ''";
   auto reply_to = [&](const nlohmann::json& request, const std::string& name, int status) {
     std::ofstream(work / (name + ".jsonl")) << request.dump() << "\n";
     EXPECT_EQ(testing::shell(generate + " --input " + (work / (name + ".jsonl")).string() + " > " +
-                             (work / (name + ".out")).string()), status) << name;
+                             (work / (name + ".out")).string()),
+              status)
+        << name;
     std::ifstream in(work / (name + ".out"));
     std::string line;
     std::getline(in, line);
@@ -716,7 +748,8 @@ TEST(GenerateCli, AStopStringEndsTheRequestBeforeItsText) {
   const auto stopped = reply_to({{"prompt", "hello world"}, {"stop", stop}}, "stopped", 0);
   EXPECT_EQ(stopped.at("finish_reason"), "stop") << stopped.dump();
   EXPECT_EQ(stopped.at("text"), text.substr(0, text.find(stop))) << "stop " << nlohmann::json(stop).dump();
-  const auto ids = stopped.at("output_ids").get<std::vector<int64_t>>(), all = whole.at("output_ids").get<std::vector<int64_t>>();
+  const auto ids = stopped.at("output_ids").get<std::vector<int64_t>>(),
+             all = whole.at("output_ids").get<std::vector<int64_t>>();
   ASSERT_LT(ids.size(), all.size());
   EXPECT_TRUE(std::equal(ids.begin(), ids.end(), all.begin()));
 
@@ -727,7 +760,8 @@ TEST(GenerateCli, AStopStringEndsTheRequestBeforeItsText) {
 
   const auto bad = reply_to({{"prompt", "hello world"}, {"stop", 5}}, "bad", 1);
   EXPECT_NE(bad.at("error").get<std::string>().find("field 'stop' is 5, expected a string or a list of strings"),
-            std::string::npos) << bad.dump();
+            std::string::npos)
+      << bad.dump();
 }
 
 // A tool given --device cuda:0 on a host without a GPU says so, naming the flag (as the executor
@@ -738,9 +772,9 @@ TEST(GenerateCli, ACudaDeviceOnAHostWithoutAGpuIsRefusedNamingTheFlag) {
   const auto work = testing::temp_dir("symbiosis-no-gpu");
   for (const std::string tool : {"symbiosis-generate --prompt hi", "symbiosis-finetune --train /dev/null"}) {
     const auto err = work / "err.log";
-    const int status = testing::shell(testing::binary("examples/" + tool.substr(0, tool.find(' '))) + tool.substr(tool.find(' ')) +
-                                      " --monolithic --device cuda:0 --model " + model.string() + " > /dev/null 2> " +
-                                      err.string());
+    const int status =
+        testing::shell(testing::binary("examples/" + tool.substr(0, tool.find(' '))) + tool.substr(tool.find(' ')) +
+                       " --monolithic --device cuda:0 --model " + model.string() + " > /dev/null 2> " + err.string());
     EXPECT_EQ(status, 2) << tool;
     std::ifstream in(err);
     const std::string said(std::istreambuf_iterator<char>(in), {});
@@ -758,11 +792,12 @@ TEST(GenerateCli, ASignalAnswersEveryRequestWithWhatItHas) {
     std::ofstream input(work / "requests.jsonl");
     for (int i = 0; i < 3; ++i) input << R"({"stop_token_ids": [], "prompt_ids": [5, 9, )" << 30 + i << "]}\n";
   }
-  const std::string command = testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
-                              " --max-new-tokens 100000 --max-tokens 100010 --max-sequences 3 --input " +
-                              (work / "requests.jsonl").string();
-  const pid_t pid = testing::spawn({"/bin/sh", "-c", "exec " + command + " > " + (work / "out.jsonl").string() +
-                                                         " 2> " + (work / "err.log").string()});
+  const std::string command =
+      testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
+      " --max-new-tokens 100000 --max-tokens 100010 --max-sequences 3 --input " + (work / "requests.jsonl").string();
+  const pid_t pid = testing::spawn(
+      {"/bin/sh", "-c",
+       "exec " + command + " > " + (work / "out.jsonl").string() + " 2> " + (work / "err.log").string()});
   std::this_thread::sleep_for(std::chrono::seconds(3));  // loaded, and decoding (100 000 tokens take minutes)
   ASSERT_EQ(::kill(pid, SIGINT), 0);
   int status = 0;
@@ -784,13 +819,15 @@ TEST(GenerateCli, ASignalAnswersEveryRequestWithWhatItHas) {
     const auto again = work / "again.jsonl";
     {
       std::ofstream one(work / "one.jsonl");
-      one << nlohmann::json{{"prompt_ids", first.at("prompt_ids")}, {"max_new_tokens", produced}, {"stop_token_ids", nlohmann::json::array()}}
+      one << nlohmann::json{{"prompt_ids", first.at("prompt_ids")},
+                            {"max_new_tokens", produced},
+                            {"stop_token_ids", nlohmann::json::array()}}
                  .dump()
           << "\n";
     }
-    ASSERT_EQ(testing::shell(testing::binary("examples/symbiosis-generate") + " --monolithic --model " + model.string() +
-                             " --max-tokens 100010 --max-sequences 1 --input " + (work / "one.jsonl").string() + " > " +
-                             again.string()),
+    ASSERT_EQ(testing::shell(testing::binary("examples/symbiosis-generate") + " --monolithic --model " +
+                             model.string() + " --max-tokens 100010 --max-sequences 1 --input " +
+                             (work / "one.jsonl").string() + " > " + again.string()),
               0);
     std::ifstream again_in(again);
     std::string text;

@@ -44,9 +44,10 @@ void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance, cons
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
   // CUDA IPC takes two processes: the executor runs as its own.
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
-                                              testing::temp_dir("gpu-generator-executor"));
+  const auto executor =
+      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
+                             dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
+                            testing::temp_dir("gpu-generator-executor"));
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   EXPECT_EQ(client->transport(), "cuda-ipc");
@@ -139,10 +140,11 @@ TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", "fp32", "--log-level", "warn"},
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
                                               testing::temp_dir("gpu-generator-tcp-executor"));
-  auto options = ClientOptions{.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"};
+  auto options =
+      ClientOptions{.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"};
   options.transport = "tcp";
   auto client = Client::connect(options);
   ASSERT_EQ(client->transport(), "tcp");
@@ -168,14 +170,17 @@ TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
 void expect_host_decode_equals_cpu_and_monolithic(const std::string& preset) {
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", "fp32", "--log-level", "warn"},
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
                                               testing::temp_dir("gpu-host-decode-executor"));
   auto connect = [&](const std::string& device, const std::string& tenant) {
-    return Client::connect({.endpoint = executor.endpoint, .tenant = tenant, .expected_model_hash = checkpoint->model_hash(),
+    return Client::connect({.endpoint = executor.endpoint,
+                            .tenant = tenant,
+                            .expected_model_hash = checkpoint->model_hash(),
                             .device = device});
   };
-  auto prefill_client = connect("cuda:0", "prefill"), decode_client = connect("cpu", "decode"), cpu_client = connect("cpu", "cpu");
+  auto prefill_client = connect("cuda:0", "prefill"), decode_client = connect("cpu", "decode"),
+       cpu_client = connect("cpu", "cpu");
   EXPECT_EQ(prefill_client->transport(), "cuda-ipc");
   auto prefill_lm = open_causal_lm(*checkpoint, prefill_client, {at::kFloat, at::Device("cuda:0")});
   auto decode_lm = open_causal_lm(*checkpoint, decode_client);
@@ -187,8 +192,10 @@ void expect_host_decode_equals_cpu_and_monolithic(const std::string& preset) {
   options.max_tokens = 24;
   const auto heterogeneous = testing::generate_host_decode(prefill_lm, decode_lm, testing::mixed_requests(), options);
   EXPECT_TRUE(heterogeneous.results.size() == 5);
-  testing::expect_same(heterogeneous, testing::generate(cpu_lm, testing::mixed_requests(), options), preset + " all-CPU split", 1e-3);
-  testing::expect_same(heterogeneous, testing::generate(mono_lm, testing::mixed_requests(), options), preset + " monolithic", 1e-3);
+  testing::expect_same(heterogeneous, testing::generate(cpu_lm, testing::mixed_requests(), options),
+                       preset + " all-CPU split", 1e-3);
+  testing::expect_same(heterogeneous, testing::generate(mono_lm, testing::mixed_requests(), options),
+                       preset + " monolithic", 1e-3);
   EXPECT_GT(prefill_client->calls(), 0u);
   EXPECT_GT(decode_client->calls(), 0u);
   EXPECT_EQ(request_stats(executor.endpoint, 10000).errors(), 0u);
@@ -218,9 +225,10 @@ TEST(GpuGeneration, HostDecodeEqualsAllCpuAndMonolithicGpt2) {
 void expect_offloaded_equals_all_gpu(at::ScalarType dtype, double tolerance, const std::string& preset) {
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
-                                              testing::temp_dir("gpu-offloaded-executor"));
+  const auto executor =
+      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
+                             dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
+                            testing::temp_dir("gpu-offloaded-executor"));
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, dtype);
@@ -236,7 +244,8 @@ void expect_offloaded_equals_all_gpu(at::ScalarType dtype, double tolerance, con
   const auto reference = testing::generate(split_lm, testing::mixed_requests(), all_gpu);
   const std::string what = preset + " offloaded " + c10::toString(dtype);
   testing::expect_same(testing::generate(split_lm, testing::mixed_requests(), offloaded), reference, what, tolerance);
-  testing::expect_same(testing::generate(mono_lm, testing::mixed_requests(), offloaded), reference, what + " monolithic", tolerance);
+  testing::expect_same(testing::generate(mono_lm, testing::mixed_requests(), offloaded), reference,
+                       what + " monolithic", tolerance);
   split_lm = {};
   client.reset();
   bench::stop(executor.pid);
@@ -246,7 +255,8 @@ TEST(GpuGeneration, OffloadedCacheEqualsAllGpuInFp32) {
   SKIP_WITHOUT_GPUS(1);
   expect_offloaded_equals_all_gpu(at::kFloat, 1e-5, "tiny-llama");
   expect_offloaded_equals_all_gpu(at::kFloat, 1e-5, "tiny-gpt2");
-  expect_offloaded_equals_all_gpu(at::kFloat, 1e-5, "tiny-mistral");  // a sliding window: eager attention over the staged layer
+  expect_offloaded_equals_all_gpu(at::kFloat, 1e-5,
+                                  "tiny-mistral");  // a sliding window: eager attention over the staged layer
 }
 
 TEST(GpuGeneration, OffloadedCacheGivesTheAllGpuTokensInBf16) {
@@ -273,8 +283,8 @@ std::string generate_command(const std::filesystem::path& dir, const std::string
                              const std::string& run) {
   return testing::binary("examples/symbiosis-generate") + " --model '" + dir.string() + "' --executor " + executor +
          (run == "monolithic" ? " --monolithic" : "") + " --device cuda:0 --max-sequences 4 --max-tokens 544" +
-         " --max-new-tokens 24 --input '" + requests.string() + "' > '" + (work / (run + ".jsonl")).string() + "' 2> '" +
-         (work / (run + ".log")).string() + "'";
+         " --max-new-tokens 24 --input '" + requests.string() + "' > '" + (work / (run + ".jsonl")).string() +
+         "' 2> '" + (work / (run + ".log")).string() + "'";
 }
 
 // A run's output lines (one per request as it finishes), sorted.
@@ -298,12 +308,13 @@ TEST(GpuGeneration, PrefillsAfterCapturedDecodeStepsStayExactInAFreshProcess) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
   const auto work = testing::temp_dir("gpu-generate-cli");
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", "fp32", "--log-level", "warn"},
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
                                               work / "executor");
   const auto requests = write_requests(work, 8);
   for (const std::string run : {"split", "monolithic"}) {
-    EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, run)), 0) << run << "; see " << work;
+    EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, run)), 0)
+        << run << "; see " << work;
   }
   const auto split = sorted_lines(work, "split");
   EXPECT_EQ(std::count(split.begin(), split.end(), '\n'), 8);
@@ -320,10 +331,10 @@ TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
   const auto work = testing::temp_dir("gpu-generate-packed");
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", "fp32", "--batching", "lockstep", "--lockstep-timeout", "60000",
-                                               "--log-level", "warn"},
-                                              work / "executor");
+  const auto executor =
+      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
+                             "fp32", "--batching", "lockstep", "--lockstep-timeout", "60000", "--log-level", "warn"},
+                            work / "executor");
   const auto requests = write_requests(work, 4);
   std::string together, waits;
   for (const std::string tenant : {"a", "b", "c"}) {
@@ -335,7 +346,8 @@ TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
   EXPECT_EQ(stats.max_batch_requests(), 3u);
   EXPECT_GT(stats.replayed_calls(), 0u);
   EXPECT_EQ(stats.errors(), 0u);
-  ASSERT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "monolithic")), 0) << "see " << work;
+  ASSERT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "monolithic")), 0)
+      << "see " << work;
   const auto monolithic = sorted_lines(work, "monolithic");
   EXPECT_EQ(std::count(monolithic.begin(), monolithic.end(), '\n'), 4);
   for (const std::string tenant : {"a", "b", "c"}) EXPECT_EQ(sorted_lines(work, tenant), monolithic) << tenant;
@@ -348,22 +360,26 @@ TEST(GpuGeneration, GenerateCliHostDecodeAndOffloadedCacheEqualTheAllGpuRun) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto work = testing::temp_dir("gpu-generate-long-context-cli");
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", "fp32", "--log-level", "warn"},
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
                                               work / "executor");
   {
     std::ofstream input(work / "requests.jsonl");
-    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4})" << "\n"
-          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n"
-          << R"({"prompt_ids": [1, 2]})" << "\n";
+    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4})"
+          << "\n"
+          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})"
+          << "\n"
+          << R"({"prompt_ids": [1, 2]})"
+          << "\n";
   }
   std::map<std::string, std::string> outputs;
   for (const std::string run : {"all-gpu", "host-decode", "offload-cache"}) {
     const std::string flags = run == "all-gpu" ? "" : " --" + run;
-    EXPECT_EQ(testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + dir.string() + "' --executor " +
-                             executor.endpoint + " --device cuda:0" + flags +
+    EXPECT_EQ(testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + dir.string() +
+                             "' --executor " + executor.endpoint + " --device cuda:0" + flags +
                              " --max-sequences 2 --max-new-tokens 6 --input '" + (work / "requests.jsonl").string() +
-                             "' > '" + (work / (run + ".jsonl")).string() + "' 2> '" + (work / (run + ".log")).string() + "'"),
+                             "' > '" + (work / (run + ".jsonl")).string() + "' 2> '" +
+                             (work / (run + ".log")).string() + "'"),
               0)
         << run << "; see " << work;
     outputs[run] = sorted_lines(work, run);
@@ -401,8 +417,8 @@ TEST(GpuGeneration, MixedAdaptersInCapturedStepsEqualEachAdapterAloneInFp32) {
   save("x", x, 1);
   save("y", y, 2);
   save("z", x, 3);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
-                                               "--dtype", "fp32", "--log-level", "warn"},
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
                                               work / "executor");
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
@@ -412,7 +428,9 @@ TEST(GpuGeneration, MixedAdaptersInCapturedStepsEqualEachAdapterAloneInFp32) {
   options.max_sequences = 4;
   auto log = std::make_shared<testing::LogitsLog>();
   auto logged = options;
-  logged.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kCPU, at::kFloat)); };
+  logged.logits_observer = [log](uint64_t id, const at::Tensor& row) {
+    (*log)[id].push_back(row.to(at::kCPU, at::kFloat));
+  };
   Generator generator(split_lm, logged);
   generator.load_adapter("x", work / "x");
   generator.load_adapter("y", work / "y");

@@ -78,7 +78,8 @@ TEST_P(HostDecodeTest, EqualsAllCpuSplitAndMonolithic) {
 // No executor: both sides monolithic (the CPU copy computes its base layers in-process).
 TEST_P(HostDecodeTest, MonolithicBothSidesEqualsMonolithic) {
   const auto checkpoint = Checkpoint::open(testing::make_checkpoint(GetParam()));
-  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint), mono_lm = open_causal_lm(*checkpoint);
+  auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint),
+       mono_lm = open_causal_lm(*checkpoint);
   add_test_lora(prefill_lm);
   add_other_lora(decode_lm);
   add_test_lora(mono_lm);
@@ -105,7 +106,8 @@ TEST_P(HostDecodeTest, TheDecodeSideFollowsTheTrainedAdapter) {
   const auto after = generator.generate(requests);
   const auto reference = testing::generate(prefill_lm, requests, small_options());
   ASSERT_EQ(after.size(), reference.results.size());
-  for (size_t i = 0; i < after.size(); ++i) EXPECT_EQ(after[i].output_ids, reference.results[i].output_ids) << "request " << i;
+  for (size_t i = 0; i < after.size(); ++i)
+    EXPECT_EQ(after[i].output_ids, reference.results[i].output_ids) << "request " << i;
   EXPECT_NE(before[0].output_ids, after[0].output_ids);  // the step changed what it generates
 
   AdapterMirror mirror(*prefill_lm.module, *decode_lm.module);
@@ -122,10 +124,11 @@ TEST_P(HostDecodeTest, ACacheBeyondTheHostCapacityIsRefusedNamingTheSizes) {
   auto options = small_options();  // 2 x 24 positions
   options.host_cache_capacity_bytes = per_position * 2 * 24 - 1;
   const auto refused = testing::error_of([&] { Generator generator(prefill_lm, decode_lm, options); });
-  EXPECT_NE(refused.find("the KV cache of max_sequences (2) x max_tokens (24) positions needs " +
-                         std::to_string(per_position * 48) + " bytes (" + std::to_string(per_position) +
-                         " a position), more than host_cache_capacity_bytes (" + std::to_string(per_position * 48 - 1) + ")"),
-            std::string::npos)
+  EXPECT_NE(
+      refused.find("the KV cache of max_sequences (2) x max_tokens (24) positions needs " +
+                   std::to_string(per_position * 48) + " bytes (" + std::to_string(per_position) +
+                   " a position), more than host_cache_capacity_bytes (" + std::to_string(per_position * 48 - 1) + ")"),
+      std::string::npos)
       << refused;
   // The cache fits; a request longer than the capacity is refused at submit, naming its size, and
   // the others go on.
@@ -141,11 +144,14 @@ TEST_P(HostDecodeTest, ACacheBeyondTheHostCapacityIsRefusedNamingTheSizes) {
   EXPECT_EQ(results[0].output_ids.size(), 4u);
   // The all-CPU generator's cache is in host memory too: the same limit holds.
   options.host_cache_capacity_bytes = 1;
-  EXPECT_NE(testing::error_of([&] { Generator all_cpu(prefill_lm, options); }).find("more than host_cache_capacity_bytes (1)"),
+  EXPECT_NE(testing::error_of([&] {
+              Generator all_cpu(prefill_lm, options);
+            }).find("more than host_cache_capacity_bytes (1)"),
             std::string::npos);
   options.host_cache_capacity_bytes = -1;
-  EXPECT_NE(testing::error_of([&] { Generator all_cpu(prefill_lm, options); })
-                .find("host_cache_capacity_bytes is -1, expected at least 0 (0: no limit)"),
+  EXPECT_NE(testing::error_of([&] {
+              Generator all_cpu(prefill_lm, options);
+            }).find("host_cache_capacity_bytes is -1, expected at least 0 (0: no limit)"),
             std::string::npos);
 }
 
@@ -153,13 +159,15 @@ TEST_P(HostDecodeTest, ModelsThatDoNotMatchAreRefused) {
   const auto checkpoint = Checkpoint::open(testing::make_checkpoint(GetParam()));
   auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint);
   add_test_lora(prefill_lm);
-  EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, decode_lm, small_options()); })
-                .find("the decode-side model has no trainable parameter "),
+  EXPECT_NE(testing::error_of([&] {
+              Generator generator(prefill_lm, decode_lm, small_options());
+            }).find("the decode-side model has no trainable parameter "),
             std::string::npos);
   auto bf16_lm = open_causal_lm(*checkpoint, nullptr, {.dtype = at::kBFloat16});
   add_test_lora(bf16_lm);
-  EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, bf16_lm, small_options()); })
-                .find("open both from one checkpoint in one dtype"),
+  EXPECT_NE(testing::error_of([&] {
+              Generator generator(prefill_lm, bf16_lm, small_options());
+            }).find("open both from one checkpoint in one dtype"),
             std::string::npos);
 }
 
@@ -170,9 +178,12 @@ TEST(GenerateCliHostDecode, EqualsThePlainRun) {
   const auto work = testing::temp_dir("symbiosis-generate-host-decode");
   {
     std::ofstream input(work / "requests.jsonl");
-    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})" << "\n"
-          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})" << "\n"
-          << R"({"prompt_ids": [1, 2]})" << "\n";
+    input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4, "logprobs": true})"
+          << "\n"
+          << R"({"prompt_ids": [100, 4, 18, 3], "temperature": 0.9, "seed": 4})"
+          << "\n"
+          << R"({"prompt_ids": [1, 2]})"
+          << "\n";
   }
   std::map<std::string, std::string> outputs;
   const std::map<std::string, std::string> flags_of = {{"plain", ""},
@@ -181,10 +192,11 @@ TEST(GenerateCliHostDecode, EqualsThePlainRun) {
                                                        {"offload-cache", " --offload-cache"}};
   for (const auto& [run, flags] : flags_of) {
     const auto out = work / (run + ".jsonl");
-    const int status = testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
-                                      "' --executor " + served.executor->endpoint() + flags +
-                                      " --max-sequences 2 --max-new-tokens 6 --input '" + (work / "requests.jsonl").string() +
-                                      "' > '" + out.string() + "' 2> '" + (work / (run + ".log")).string() + "'");
+    const int status =
+        testing::shell(testing::binary("examples/symbiosis-generate") + " --model '" + served.dir.string() +
+                       "' --executor " + served.executor->endpoint() + flags +
+                       " --max-sequences 2 --max-new-tokens 6 --input '" + (work / "requests.jsonl").string() +
+                       "' > '" + out.string() + "' 2> '" + (work / (run + ".log")).string() + "'");
     EXPECT_EQ(status, 0) << run << ": see " << work;
     std::ifstream in(out);
     std::stringstream text;
@@ -258,8 +270,9 @@ TEST(OffloadedDecode, StagesTheStepsSlotsPrefixesAndWritesNewTokensBack) {
   cache.write_back(2, {{3, 6, 1}, {0, 2, 1}}, new_keys, new_values);
   EXPECT_TRUE(cache.keys(2)[3].select(1, 6).equal(new_keys[0]));
   EXPECT_TRUE(cache.values(2)[0].select(1, 2).equal(new_values[1]));
-  EXPECT_NE(testing::error_of([&] { KvCache on_gpu(shape, 1, 8, at::kFloat, at::Device(at::kCUDA), 0, false, at::Device(at::kCUDA)); })
-                .find("an offloaded cache lies in host memory, but the device is cuda"),
+  EXPECT_NE(testing::error_of([&] {
+              KvCache on_gpu(shape, 1, 8, at::kFloat, at::Device(at::kCUDA), 0, false, at::Device(at::kCUDA));
+            }).find("an offloaded cache lies in host memory, but the device is cuda"),
             std::string::npos);
 }
 
@@ -268,8 +281,9 @@ TEST(OffloadedDecode, IsRefusedWithAHostDecodeModel) {
   auto prefill_lm = open_causal_lm(*checkpoint), decode_lm = open_causal_lm(*checkpoint);
   auto options = small_options();
   options.offload_cache = true;
-  EXPECT_NE(testing::error_of([&] { Generator generator(prefill_lm, decode_lm, options); })
-                .find("offload_cache and a host-decode model are two placements of the cache: choose one"),
+  EXPECT_NE(testing::error_of([&] {
+              Generator generator(prefill_lm, decode_lm, options);
+            }).find("offload_cache and a host-decode model are two placements of the cache: choose one"),
             std::string::npos);
 }
 
@@ -289,10 +303,12 @@ TEST(CpuDecodeAttention, EqualsLibTorchsAttention) {
       const auto out = detail::cpu_decode_attention(q, keys, values, rows, positions, window, scale);
       ASSERT_EQ(out.sizes(), q.sizes());
       for (size_t b = 0; b < rows.size(); ++b) {
-        const int64_t first = window ? std::max<int64_t>(0, positions[b] - window + 1) : 0, count = positions[b] + 1 - first;
+        const int64_t first = window ? std::max<int64_t>(0, positions[b] - window + 1) : 0,
+                      count = positions[b] + 1 - first;
         auto span = [&](const at::Tensor& t) { return t[rows[b]].narrow(1, first, count).unsqueeze(0).to(at::kFloat); };
-        const auto expected = detail::attention_over(q[b].unsqueeze(0).unsqueeze(2).to(at::kFloat), span(keys), span(values), {},
-                                                     {.scale = scale})[0].squeeze(1);
+        const auto expected = detail::attention_over(q[b].unsqueeze(0).unsqueeze(2).to(at::kFloat), span(keys),
+                                                     span(values), {}, {.scale = scale})[0]
+                                  .squeeze(1);
         const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
         EXPECT_LT(testing::relative_error(out[b].to(at::kFloat), expected), tolerance)
             << c10::toString(dtype) << " window " << window << " sequence " << b;
@@ -300,7 +316,8 @@ TEST(CpuDecodeAttention, EqualsLibTorchsAttention) {
     }
   }
   EXPECT_FALSE(detail::cpu_decode_attention_supports(at::zeros({1, 4, 32}), at::zeros({1, 2, 8, 32}), {.softcap = 50}));
-  EXPECT_FALSE(detail::cpu_decode_attention_supports(at::zeros({1, 4, 24}, at::kHalf), at::zeros({1, 2, 8, 24}, at::kHalf), {}));
+  EXPECT_FALSE(
+      detail::cpu_decode_attention_supports(at::zeros({1, 4, 24}, at::kHalf), at::zeros({1, 2, 8, 24}, at::kHalf), {}));
 }
 
 // [CPU decode threads] (models/attention.h): inside a StepThreads LibTorch runs at one thread and a
@@ -372,14 +389,16 @@ TEST(CpuDecodeProduct, EqualsLibTorchsProductRoundedOnce) {
   EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({1, 96}), weight));
   EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({1, 48}).to(at::kBFloat16), weight));
   EXPECT_FALSE(nn::detail::cpu_decode_product_supports(at::randn({1, 96}).to(at::kBFloat16).requires_grad_(), weight));
-  EXPECT_NE(testing::error_of([&] { nn::detail::cpu_decode_product(at::randn({1, 96}), weight); })
-                .find("cpu_decode_product takes x [..., in] and a contiguous weight [out, in], both bf16"),
+  EXPECT_NE(testing::error_of([&] {
+              nn::detail::cpu_decode_product(at::randn({1, 96}), weight);
+            }).find("cpu_decode_product takes x [..., in] and a contiguous weight [out, in], both bf16"),
             std::string::npos);
 }
 
 std::string model_name(const std::string& preset) {
   auto name = preset.substr(preset.find('-') + 1);
-  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+  std::replace_if(
+      name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
   return name;
 }
 

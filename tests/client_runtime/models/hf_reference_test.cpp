@@ -60,7 +60,8 @@ class HfReferenceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new fs::path(fs::temp_directory_path() / ("symbiosis_hf_reference_" + std::to_string(::getpid())));
     fs::create_directories(*dir_);
-    have_transformers_ = testing::run_reference("probe.py", {"transformers", "safetensors", "torch"}, *dir_ / "probe.log") == 0;
+    have_transformers_ =
+        testing::run_reference("probe.py", {"transformers", "safetensors", "torch"}, *dir_ / "probe.log") == 0;
   }
   static void TearDownTestSuite() {
     std::error_code ec;
@@ -88,8 +89,10 @@ class HfReferenceTest : public ::testing::Test {
                                {"attention_mask", batch.attention_mask.to(at::kFloat)},
                                {"labels", batch.labels.to(at::kFloat)}});
     const fs::path log = *dir_ / (ckpt.filename().string() + "_reference.log");
-    EXPECT_EQ(testing::run_reference("hf_logits.py", {"--checkpoint", ckpt.string(), "--inputs", inputs.string(),
-                                                      "--output", output.string()}, log), 0)
+    EXPECT_EQ(testing::run_reference(
+                  "hf_logits.py",
+                  {"--checkpoint", ckpt.string(), "--inputs", inputs.string(), "--output", output.string()}, log),
+              0)
         << "see " << log;
     return {testing::read_safetensors_f32(output, "logits"), testing::read_safetensors_f32(output, "loss")};
   }
@@ -120,7 +123,8 @@ class HfReferenceTest : public ::testing::Test {
 
   // The logits of the batch from the checkpoint's model with its config changed by `change`.
   template <typename Config>
-  static at::Tensor logits_with(const Config& config, const fs::path& ckpt, const std::function<void(Config&)>& change) {
+  static at::Tensor logits_with(const Config& config, const fs::path& ckpt,
+                                const std::function<void(Config&)>& change) {
     auto changed = config;
     change(changed);
     typename std::conditional_t<std::is_same_v<Config, LlamaConfig>, LlamaForCausalLM, GPTNeoXForCausalLM> model(
@@ -164,8 +168,9 @@ class HfReferenceTest : public ::testing::Test {
 
   // Each setting, changed as `settings` says, changes the logits: matching transformers proves each.
   template <typename Config>
-  static void expect_settings_matter(const Config& config, const fs::path& ckpt,
-                                     const std::vector<std::pair<std::string, std::function<void(Config&)>>>& settings) {
+  static void expect_settings_matter(
+      const Config& config, const fs::path& ckpt,
+      const std::vector<std::pair<std::string, std::function<void(Config&)>>>& settings) {
     const at::Tensor expected = logits_with<Config>(config, ckpt, [](Config&) {});
     const double scale = expected.abs().max().item<double>();
     for (const auto& [name, change] : settings) {
@@ -354,8 +359,8 @@ TEST_F(HfReferenceTest, TinyPhi3MatchesTransformers) {
   EXPECT_EQ(layer->mlp->gate_up_proj->weight.sizes(), at::IntArrayRef({2 * 128, 64}));
   expect_matches_reference(model, ckpt);
   expect_window_matters(model, ckpt, 5);
-  expect_settings_matter<LlamaConfig>(config, ckpt,
-                                      {{"partial_rotary_factor", [](LlamaConfig& c) { c.partial_rotary_factor = 1.0; }}});
+  expect_settings_matter<LlamaConfig>(
+      config, ckpt, {{"partial_rotary_factor", [](LlamaConfig& c) { c.partial_rotary_factor = 1.0; }}});
 }
 
 // [LongRoPE]: Phi-3-mini-128k's scaling over an original context of 8 positions. The 12-token batch
@@ -405,8 +410,8 @@ TEST_F(HfReferenceTest, TinyPhi3LongRopeCachedStepsEqualTheUncachedForward) {
   expect_uncached(sequences[0], logits[9]);
   expect_uncached(sequences[1], logits[12]);
   for (int64_t next = 11; next <= 16; ++next) {  // the second sequence decodes positions 3 .. 8: it crosses at 8
-    const CachedStep decode(cache, {{0, static_cast<int64_t>(sequences[0].size()), 1},
-                                    {1, static_cast<int64_t>(sequences[1].size()), 1}});
+    const CachedStep decode(
+        cache, {{0, static_cast<int64_t>(sequences[0].size()), 1}, {1, static_cast<int64_t>(sequences[1].size()), 1}});
     for (auto& s : sequences) s.push_back(next);
     logits = step_logits({next, next}, decode);
     expect_uncached(sequences[0], logits[0]);
@@ -575,7 +580,10 @@ TEST_F(HfReferenceTest, GPTNeoXFamilyRefusesWhatItCannotComputeNamingTheField) {
       {opt, "opt-gelu", [](nlohmann::json& c) { c["activation_function"] = "silu"; },
        "activation 'silu' is not supported (expected 'gelu', 'gelu_new' or 'relu')"},
       {phi, "phi-qk-norm", [](nlohmann::json& c) { c["qk_layernorm"] = true; }, "qk_layernorm=true is not supported"},
-      {neox, "neox-scaled-rope", [](nlohmann::json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; },
+      {neox, "neox-scaled-rope",
+       [](nlohmann::json& c) {
+         c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+       },
        "rope type 'linear' is not supported (expected 'default')"},
       {neox, "neox-no-hidden", [](nlohmann::json& c) { c.erase("hidden_size"); }, "missing field 'hidden_size'"},
   };
@@ -792,7 +800,8 @@ TEST_F(HfReferenceTest, WrongShapeIsNamed) {
 
 TEST_F(HfReferenceTest, ToolRefusesUnknownPreset) {
   const fs::path out = *dir_ / "unknown";
-  EXPECT_NE(testing::shell("'" + kTool.string() + "' --preset llama-9000 --out '" + out.string() + "' > /dev/null 2>&1"), 0);
+  EXPECT_NE(
+      testing::shell("'" + kTool.string() + "' --preset llama-9000 --out '" + out.string() + "' > /dev/null 2>&1"), 0);
   EXPECT_FALSE(fs::exists(out / "config.json"));
 }
 

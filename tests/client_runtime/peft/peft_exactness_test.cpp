@@ -120,7 +120,8 @@ TEST(LoraNode, MatchesAutogradOfTheExpression) {
   config.init_b_zero = false;
   for (const auto adapter_dtype : {at::kDouble, at::kFloat}) {
     for (const bool input_grad : {true, false}) {
-      SCOPED_TRACE(std::string(c10::toString(adapter_dtype)) + (input_grad ? ", input with gradient" : ", input without"));
+      SCOPED_TRACE(std::string(c10::toString(adapter_dtype)) +
+                   (input_grad ? ", input with gradient" : ", input without"));
       auto lora = std::make_shared<LoraAdapterImpl>(7, 4, config);
       lora->to(adapter_dtype);
       const auto opts = at::TensorOptions().dtype(at::kDouble);
@@ -171,8 +172,10 @@ TEST(PeftDora, NormsThroughTheExecutorAndDropoutPathMatchMonolithic) {
   c.use_dora = true;
   c.target_modules = {"c_attn", "mlp.c_proj"};
   c.init_b_zero = false;
-  MethodRun split = make_run(*checkpoint, client, {"dora_dropout", [&](torch::nn::Module& m) { return add_lora(m, c); }});
-  MethodRun mono = make_run(*checkpoint, nullptr, {"dora_dropout", [&](torch::nn::Module& m) { return add_lora(m, c); }});
+  MethodRun split =
+      make_run(*checkpoint, client, {"dora_dropout", [&](torch::nn::Module& m) { return add_lora(m, c); }});
+  MethodRun mono =
+      make_run(*checkpoint, nullptr, {"dora_dropout", [&](torch::nn::Module& m) { return add_lora(m, c); }});
 
   int checked = 0;
   for (const auto& item : mono.lm.module->named_modules("", false)) {
@@ -180,11 +183,11 @@ TEST(PeftDora, NormsThroughTheExecutorAndDropoutPathMatchMonolithic) {
     auto dora = base ? std::dynamic_pointer_cast<DoraAdapterImpl>(base->adapter()) : nullptr;
     if (!dora) continue;
     auto split_base = split.lm.module->named_modules("", false)[item.key()];
-    auto split_dora = std::dynamic_pointer_cast<DoraAdapterImpl>(
-        std::dynamic_pointer_cast<nn::BaseLayerImpl>(split_base)->adapter());
+    auto split_dora =
+        std::dynamic_pointer_cast<DoraAdapterImpl>(std::dynamic_pointer_cast<nn::BaseLayerImpl>(split_base)->adapter());
     ASSERT_TRUE(split_dora) << item.key();
-    auto direct = at::linalg_vector_norm(base->weight.t() + dora->scaling * at::matmul(dora->lora_B, dora->lora_A),
-                                         2, {1});
+    auto direct =
+        at::linalg_vector_norm(base->weight.t() + dora->scaling * at::matmul(dora->lora_B, dora->lora_A), 2, {1});
     EXPECT_LT(relative_error(split_dora->weight_norm(), direct), 1e-6) << item.key();
     EXPECT_LT(relative_error(split_dora->lora_magnitude_vector, direct), 1e-6) << item.key();  // PEFT's init
     ++checked;
@@ -256,7 +259,8 @@ TEST(PeftAdaLora, SplitEqualsMonolithicThroughRankAllocation) {
       EXPECT_EQ(split_allocator.config().rank_pattern.empty(), step == 1) << "step " << step;
       if (step >= 3) {  // the final allocation keeps exactly the target budget
         int64_t kept = 0;
-        for (const auto& [key, keep] : mono_allocator.config().rank_pattern) kept += std::count(keep.begin(), keep.end(), true);
+        for (const auto& [key, keep] : mono_allocator.config().rank_pattern)
+          kept += std::count(keep.begin(), keep.end(), true);
         EXPECT_EQ(kept, c.target_r * layers) << "step " << step;
         int64_t zeros = 0;  // masked singular values are zero
         for (size_t i = 1; i < mono.adapter.size(); i += 3) zeros += (mono.adapter[i] == 0).sum().item<int64_t>();

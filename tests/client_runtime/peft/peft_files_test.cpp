@@ -56,7 +56,8 @@ TEST(PeftTargets, TargetsThatMatchNothingListTheModelsNames) {
             std::string::npos)
       << message;
   auto llama = model_of("tiny-llama");
-  message = error_of([&] { add_ia3(*llama.module, IA3Config{.target_modules = {"c_attn"}, .feedforward_modules = {}}); });
+  message =
+      error_of([&] { add_ia3(*llama.module, IA3Config{.target_modules = {"c_attn"}, .feedforward_modules = {}}); });
   EXPECT_NE(message.find("IA3 field 'target_modules' (c_attn) matched no base layer of the model (llama); its base "
                          "layers are named q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
             std::string::npos)
@@ -86,10 +87,12 @@ TEST(PeftFilesLoad, AnAdapterForADeeperModelNamesTheModulesThisOneLacks) {
   auto shallow = model_of("tiny-llama", "--layers 1");
   const auto message = error_of([&] { load_peft_adapter(*shallow.module, adapter); });
   const auto file = adapter / "adapter_model.safetensors";
-  EXPECT_NE(message.find("\"" + file.string() + "\": this adapter's tensors name modules (model.layers.1.self_attn.q_proj"),
-            std::string::npos)
+  EXPECT_NE(
+      message.find("\"" + file.string() + "\": this adapter's tensors name modules (model.layers.1.self_attn.q_proj"),
+      std::string::npos)
       << message;
-  EXPECT_NE(message.find("that this model does not have (made for 'my-org/deeper-llama'"), std::string::npos) << message;
+  EXPECT_NE(message.find("that this model does not have (made for 'my-org/deeper-llama'"), std::string::npos)
+      << message;
   EXPECT_NE(message.find("the model's LoRA layers are model.layers.0.self_attn.q_proj"), std::string::npos) << message;
   for (const auto& entry : fs::directory_iterator(fs::temp_directory_path())) {
     EXPECT_NE(entry.path().filename().string(), "symbiosis-lora-" + std::to_string(::getpid())) << entry.path();
@@ -114,9 +117,9 @@ TEST(PeftFilesLoad, AdaLoraAndIA3AdaptersForAnotherArchitectureNameTheAdapter) {
     edit_config(adapter, [](nlohmann::json& j) { j["base_model_name_or_path"] = "openai-community/gpt2"; });
     auto llama = model_of("tiny-llama");
     const auto message = error_of([&] { load_peft_adapter(*llama.module, adapter); });
-    EXPECT_NE(message.find(std::string(method) + " adapter \"" + adapter.string() +
-                           "\" (made for 'openai-community/gpt2'"),
-              std::string::npos)
+    EXPECT_NE(
+        message.find(std::string(method) + " adapter \"" + adapter.string() + "\" (made for 'openai-community/gpt2'"),
+        std::string::npos)
         << message;
     EXPECT_NE(message.find("matched no base layer of the model (llama); its base layers are named q_proj"),
               std::string::npos)
@@ -174,8 +177,9 @@ TEST(PeftFilesLoad, FieldsOfTheWrongTypeAreRefusedNamingTheFileAndField) {
   EXPECT_NE(message.find("type must be array, but is boolean"), std::string::npos) << message;
   edit_config(lora, [](nlohmann::json& j) { j["peft_type"] = false; });
   message = error_of([&] { load_peft_adapter(*fresh.module, lora); });
-  EXPECT_NE(message.find("\"" + (lora / "adapter_config.json").string() + "\": field 'peft_type' is ''; supported: LORA"),
-            std::string::npos)
+  EXPECT_NE(
+      message.find("\"" + (lora / "adapter_config.json").string() + "\": field 'peft_type' is ''; supported: LORA"),
+      std::string::npos)
       << message;
   // [Fuzzing] peft_files' finding (regex-rank-pattern): a rank_pattern or alpha_pattern key is a
   // regular expression; one that does not compile escaped as std::regex_error.

@@ -52,8 +52,8 @@ LoraConfig lora_rslora_patterns() {
 
 LoraConfig lora_dora() {
   LoraConfig c = lora_plain();
-  c.target_modules = {"q_proj", "v_proj", "down_proj", "c_attn", "c_fc", "query_key_value", "qkv_proj", "dense_4h_to_h",
-                      "fc2"};
+  c.target_modules = {"q_proj",          "v_proj",   "down_proj",     "c_attn", "c_fc",
+                      "query_key_value", "qkv_proj", "dense_4h_to_h", "fc2"};
   c.use_dora = true;
   return c;
 }
@@ -114,10 +114,7 @@ std::vector<Method> methods() {
        [](torch::nn::Module& m, const fs::path& d) { save_lora(m, lora_plain(), d); }},
       {"lora_rslora_patterns", [](torch::nn::Module& m) { add_lora(m, lora_rslora_patterns()); },
        [](torch::nn::Module& m, const fs::path& d) { save_lora(m, lora_rslora_patterns(), d); }},
-      {"ia3",
-       [](torch::nn::Module& m) {
-         add_ia3(m, ia3_config(m));
-       },
+      {"ia3", [](torch::nn::Module& m) { add_ia3(m, ia3_config(m)); },
        [](torch::nn::Module& m, const fs::path& d) { save_ia3(m, ia3_config(m), d); }},
       {"prompt_tuning", [](torch::nn::Module& m) { add_prompt_tuning(m, PromptTuningConfig{5}); }, prompt_save},
       {"p_tuning",
@@ -172,8 +169,9 @@ class PeftInteropTest : public ::testing::TestWithParam<Param> {
 
   // peft_interop.py MODE ARGS... on our checkpoint and inputs, its logits to peft_logits.safetensors.
   int python(std::vector<std::string> args) {
-    args.insert(args.end(), {"--checkpoint", checkpoint_dir_.string(), "--inputs", (dir_ / "inputs.safetensors").string(),
-                             "--output", (dir_ / "peft_logits.safetensors").string()});
+    args.insert(args.end(),
+                {"--checkpoint", checkpoint_dir_.string(), "--inputs", (dir_ / "inputs.safetensors").string(),
+                 "--output", (dir_ / "peft_logits.safetensors").string()});
     return testing::run_reference("peft_interop.py", args, dir_ / "python.log");
   }
 
@@ -232,14 +230,15 @@ INSTANTIATE_TEST_SUITE_P(Methods, PeftInteropTest,
 // Mistral and Gemma 2 (soft caps, scaled embeddings), whose sliding windows the batch outgrows, with
 // every method.
 INSTANTIATE_TEST_SUITE_P(LlamaFamily, PeftInteropTest,
-                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"),
+                         ::testing::Combine(::testing::Values("tiny-qwen2", "tiny-qwen3", "tiny-mistral",
+                                                              "tiny-gemma2"),
                                             ::testing::Range(0, 9)),
                          param_name);
 
 // [Phi-3] (a setting of [Llama family]): adapters on the fused qkv_proj and gate_up_proj's sibling
 // down_proj, as PEFT names them, with every method.
-INSTANTIATE_TEST_SUITE_P(Phi3, PeftInteropTest, ::testing::Combine(::testing::Values("tiny-phi3"), ::testing::Range(0, 9)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Phi3, PeftInteropTest,
+                         ::testing::Combine(::testing::Values("tiny-phi3"), ::testing::Range(0, 9)), param_name);
 
 // [GPT-NeoX family]: GPT-NeoX (query_key_value, each head's q, k and v side by side; embed_out, not
 // an all-linear target), Phi (grouped-query attention, lm_head with a bias) and OPT (learned
@@ -284,12 +283,13 @@ TEST(PeftDefaultTargetsTest, EachArchitectureGetsPeftsTargets) {
     EXPECT_EQ(ia3.feedforward_modules, e.ia3_feedforward);
   }
   auto phi3 = open_causal_lm(*Checkpoint::open(testing::make_checkpoint("tiny-phi3")));
-  EXPECT_NE(testing::error_of([&] { default_lora_targets(*phi3.module); })
-                .find("model_type 'phi3') has no default LoRA targets in PEFT: name them"),
+  EXPECT_NE(testing::error_of([&] {
+              default_lora_targets(*phi3.module);
+            }).find("model_type 'phi3') has no default LoRA targets in PEFT: name them"),
             std::string::npos);
-  EXPECT_NE(testing::error_of([&] { IA3Config{}.resolved_for(*phi3.module); })
-                .find("IA3 field 'target_modules' is empty"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { IA3Config{}.resolved_for(*phi3.module); }).find("IA3 field 'target_modules' is empty"),
+      std::string::npos);
 }
 
 }  // namespace

@@ -81,7 +81,8 @@ const ReferenceTokenizers* reference_tokenizers(std::string& why) {
                          ("reference-tokenizers-" + std::to_string(std::hash<std::string>{}(text)));
     const int code = make_once(script, dir);
     if (code == 3) {
-      failure = std::string("the Python at ") + SYMBIOSIS_PYTHON + " lacks tokenizers, sentencepiece, protobuf or transformers";
+      failure = std::string("the Python at ") + SYMBIOSIS_PYTHON +
+                " lacks tokenizers, sentencepiece, protobuf or transformers";
     } else if (code != 0) {
       ADD_FAILURE() << script << " failed (" << code << "): see " << dir.string() << ".log";
       failure = "the reference script failed";

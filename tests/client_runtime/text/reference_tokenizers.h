@@ -11,10 +11,21 @@
 
 namespace symbiosis::testing {
 
-inline const std::vector<std::string> kTokenizerFamilies = {
-    "gpt2", "llama3", "qwen2", "starcoder", "lowercase", "spm_bpe", "spm_bpe_legacy", "spm_bpe_no_prefix",
-    "spm_unigram", "llama2_json", "llama2_legacy_json", "gemma_spm", "gemma_spm_eos", "gemma_json",
-    "gemma_rewritten_json"};
+inline const std::vector<std::string> kTokenizerFamilies = {"gpt2",
+                                                            "llama3",
+                                                            "qwen2",
+                                                            "starcoder",
+                                                            "lowercase",
+                                                            "spm_bpe",
+                                                            "spm_bpe_legacy",
+                                                            "spm_bpe_no_prefix",
+                                                            "spm_unigram",
+                                                            "llama2_json",
+                                                            "llama2_legacy_json",
+                                                            "gemma_spm",
+                                                            "gemma_spm_eos",
+                                                            "gemma_json",
+                                                            "gemma_rewritten_json"};
 
 struct ReferenceTokenizers {
   std::filesystem::path dir;  // <dir>/<family>/ holds each family's files

@@ -146,7 +146,9 @@ TEST_P(StreamingDecoderTest, TextThatMayBeginAStopStringIsHeldBackUntilTheEnd) {
     EXPECT_EQ(full.compare(0, given.size(), given), 0) << json(full).dump();
     EXPECT_EQ(given + text.finish(), full) << json(full).dump();
   }
-  EXPECT_NE(testing::error_message([&] { StopStrings(*tokenizer_, {"ok", ""}); }).find("stop string 1 is empty"),
+  EXPECT_NE(testing::error_message([&] {
+              StopStrings(*tokenizer_, {"ok", ""});
+            }).find("stop string 1 is empty"),
             std::string::npos);
 }
 

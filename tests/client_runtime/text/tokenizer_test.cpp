@@ -40,7 +40,8 @@ TEST_P(ReferenceTest, EncodeEqualsHuggingFace) {
   for (const json& c : expected_->at("cases")) {
     const std::string text = c.at("text");
     EXPECT_EQ(tokenizer_->encode(text), ids_of(c.at("ids"))) << "text " << escaped(text);
-    EXPECT_EQ(tokenizer_->encode(text, /*add_special_tokens=*/false), ids_of(c.at("ids_plain"))) << "text " << escaped(text);
+    EXPECT_EQ(tokenizer_->encode(text, /*add_special_tokens=*/false), ids_of(c.at("ids_plain")))
+        << "text " << escaped(text);
     ++compared;
   }
   EXPECT_GE(compared, 25);
@@ -166,14 +167,20 @@ TEST_F(TokenizerFilesTest, CorruptTokenizerJsonNamesTheField) {
   expect_named(refusal([](json& f) { f.erase("model"); }), "missing field 'model'");
   expect_named(refusal([](json& f) { f["model"]["vocab"] = json::array(); }), "model.vocab should be an object");
   expect_named(refusal([](json& f) { f["model"]["merges"][3] = 7; }), "model.merges[3] should be");
-  expect_named(refusal([](json& f) { f["model"]["merges"][0] = {"no-such-token", "x"}; }),
+  expect_named(refusal([](json& f) {
+                 f["model"]["merges"][0] = {"no-such-token", "x"};
+               }),
                "model.merges[0] (\"no-such-token\", \"x\") names a token that");
-  expect_named(refusal([](json& f) { f["added_tokens"][0].erase("content"); }), "added_tokens[0]: missing field 'content'");
+  expect_named(refusal([](json& f) { f["added_tokens"][0].erase("content"); }),
+               "added_tokens[0]: missing field 'content'");
   expect_named(refusal([](json& f) { f["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; }),
                "pre_tokenizer.pretokenizers[0].behavior 'Sideways' is none of");
-  expect_named(refusal([](json& f) { f["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(unclosed"}}; }),
+  expect_named(refusal([](json& f) {
+                 f["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(unclosed"}};
+               }),
                "'(unclosed' does not compile");
-  expect_named(refusal([](json& f) { f["decoder"]["type"] = "CTC"; }), "decoder: the decoder type 'CTC' is not supported");
+  expect_named(refusal([](json& f) { f["decoder"]["type"] = "CTC"; }),
+               "decoder: the decoder type 'CTC' is not supported");
   write("tokenizer.json", "{\"model\": ");
   expect_named(error_message([&] { Tokenizer::from_directory(dir_); }), "is not valid JSON");
 }
@@ -228,8 +235,9 @@ TEST_F(TokenizerFilesTest, TokenizerJsonReadWithoutItsClassDiffersFromTransforme
 // pipeline.
 TEST_F(TokenizerFilesTest, TokenizerModelOfAnotherClassIsRefused) {
   std::filesystem::copy_file(family_file("spm_bpe", "tokenizer.model"), dir_ / "tokenizer.model");
-  for (const auto& [config, named] : {std::pair{R"({"tokenizer_class": "T5Tokenizer"})", "tokenizer_class is 'T5Tokenizer'"},
-                                      std::pair{R"({"bos_token": "<s>"})", "tokenizer_class is not given"}}) {
+  for (const auto& [config, named] :
+       {std::pair{R"({"tokenizer_class": "T5Tokenizer"})", "tokenizer_class is 'T5Tokenizer'"},
+        std::pair{R"({"bos_token": "<s>"})", "tokenizer_class is not given"}}) {
     write("tokenizer_config.json", config);
     const std::string message = error_message([&] { Tokenizer::from_directory(dir_); });
     EXPECT_NE(message.find(named), std::string::npos) << message;
@@ -241,7 +249,11 @@ TEST_F(TokenizerFilesTest, TokenizerModelOfAnotherClassIsRefused) {
 TEST_F(TokenizerFilesTest, TextThatIsNotUtf8AndNegativeIdsAreRefused) {
   for (const char* family : {"gpt2", "spm_bpe"}) {
     const auto tokenizer = Tokenizer::from_directory(reference_->dir / family);
-    const std::string message = error_message([&] { tokenizer->encode("ab\xff" "c"); });
+    const std::string message = error_message([&] {
+      tokenizer->encode(
+          "ab\xff"
+          "c");
+    });
     EXPECT_NE(message.find("not UTF-8 (byte 2 of 4)"), std::string::npos) << family << ": " << message;
     const std::string negative = error_message([&] { tokenizer->decode({1, -3}); });
     EXPECT_NE(negative.find("-3"), std::string::npos) << family << ": " << negative;

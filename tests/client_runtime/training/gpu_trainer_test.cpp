@@ -85,9 +85,9 @@ TEST(GpuTrainerTest, CapturedStepsGiveTheLossesOfEagerStepsSplitAndMonolithic) {
   const auto model = testing::make_checkpoint("tiny-llama");
   auto checkpoint = Checkpoint::open(model);
   // An executor process of its own: CUDA IPC does not open memory of the process that made it.
-  const auto executor = bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--log-level", "warn"},
-                                              testing::temp_dir("gpu-trainer-executor"));
+  const auto executor = bench::start_executor(
+      {"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--log-level", "warn"},
+      testing::temp_dir("gpu-trainer-executor"));
   struct Stop {
     int pid;
     ~Stop() { bench::stop(pid); }

@@ -264,9 +264,8 @@ TEST(TrainerTest, ResumeFromACheckpointIsExactAgainstAnExecutor) {
   const auto saved = testing::temp_dir("trainer-resume") / "checkpoint-5";
   {
     auto first_tenant = make_tenant(*checkpoint, testing::connect(*executor, *checkpoint), lora);
-    Trainer first(first_tenant.lm, first_tenant.adapter, data, options, [&](const fs::path& d) {
-      save_lora(*first_tenant.lm.module, lora, d);
-    });
+    Trainer first(first_tenant.lm, first_tenant.adapter, data, options,
+                  [&](const fs::path& d) { save_lora(*first_tenant.lm.module, lora, d); });
     at::manual_seed(99);
     first.train(5);
     first.save_checkpoint(saved);
@@ -316,7 +315,8 @@ TEST(TrainerTest, ResumeRefusesOtherSettingsNamingTheField) {
 
 TEST(TrainerTest, RefusesTokenIdsOutsideTheVocabularyNamingTheLine) {
   auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
-  auto file = write_file(testing::temp_dir("trainer-vocab"), "t.jsonl", "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 300]}\n");
+  auto file =
+      write_file(testing::temp_dir("trainer-vocab"), "t.jsonl", "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 300]}\n");
   auto tenant = make_tenant(*checkpoint, nullptr, test_lora());
   auto message = error_of([&] { Trainer(tenant.lm, tenant.adapter, TokenDataset::from_jsonl(file), quiet_options()); });
   EXPECT_NE(message.find("t.jsonl:2: input_ids[1] = 300 is not below the model's vocab_size 256"), std::string::npos)
@@ -362,14 +362,15 @@ TEST(FinetuneProgramTest, TrainsResumesAndWritesALoadableAdapter) {
   // A full split run of 6 steps saves checkpoint-3 and checkpoint-6. Removing checkpoint-6 and
   // resuming the save directory continues from checkpoint-3, as after an interruption at step 3.
   const auto split_dir = dir / "split";
-  const auto full_text = run("--executor " + executor->endpoint() + " --save-dir " + split_dir.string(), dir / "full.out");
+  const auto full_text =
+      run("--executor " + executor->endpoint() + " --save-dir " + split_dir.string(), dir / "full.out");
   EXPECT_NE(full_text.find("step 6 eval_loss"), std::string::npos) << full_text;
   ASSERT_TRUE(fs::exists(split_dir / "checkpoint-3" / "trainer_state.json"));
   ASSERT_TRUE(fs::exists(split_dir / "checkpoint-6" / "adapter" / "adapter_config.json"));
   fs::remove_all(split_dir / "checkpoint-6");
-  const auto resumed_text =
-      run("--executor " + executor->endpoint() + " --save-dir " + split_dir.string() + " --resume " + split_dir.string(),
-          dir / "resumed.out");
+  const auto resumed_text = run(
+      "--executor " + executor->endpoint() + " --save-dir " + split_dir.string() + " --resume " + split_dir.string(),
+      dir / "resumed.out");
   const auto mono_text = run("--monolithic --save-dir " + (dir / "mono").string(), dir / "mono.out");
   const auto full_last = last_line(full_text);
   const auto resumed_last = last_line(resumed_text);
@@ -429,16 +430,16 @@ TEST(FinetuneProgramTest, EveryMethodTrainsSplitAsMonolithicAndSavesItsAdapter) 
   const auto dir = testing::temp_dir("finetune-methods");
   const auto train = write_file(dir, "train.jsonl", ids_jsonl(random_examples(6, 41)));
   const std::vector<std::pair<std::string, std::string>> methods = {
-      {"dora", "LORA"},         {"adalora", "ADALORA"},       {"ia3", "IA3"},
-      {"prompt", "PROMPT_TUNING"}, {"p-tuning", "P_TUNING"}, {"prefix", "PREFIX_TUNING"}};
+      {"dora", "LORA"},         {"adalora", "ADALORA"},     {"ia3", "IA3"}, {"prompt", "PROMPT_TUNING"},
+      {"p-tuning", "P_TUNING"}, {"prefix", "PREFIX_TUNING"}};
   for (const auto& [method, peft_type] : methods) {
     SCOPED_TRACE(method);
     const std::string common = "--model " + model.string() + " --train " + train.string() + " --method " + method +
                                " --steps 3 --micro-batch 2 --lr 1e-2 --seed 5 --no-progress --virtual-tokens 4"
                                " --adalora-init-r 4 --adalora-target-r 2";
     const auto save = dir / method;
-    const auto split = run_finetune(common + " --executor " + executor->endpoint() + " --save-dir " + save.string(), dir,
-                                    method + "-split");
+    const auto split = run_finetune(common + " --executor " + executor->endpoint() + " --save-dir " + save.string(),
+                                    dir, method + "-split");
     const auto mono = run_finetune(common + " --monolithic", dir, method + "-mono");
     ASSERT_EQ(split.status, 0) << split.err;
     ASSERT_EQ(mono.status, 0) << mono.err;
@@ -489,11 +490,11 @@ TEST(FinetuneProgramTest, ASignalSavesACheckpointAndStopsAndEveryRunSaves) {
   const std::string common = "--monolithic --model " + model.string() + " --train " + train.string() +
                              " --micro-batch 2 --lr 1e-2 --min-lr 1e-2 --seed 3 --no-progress";
   const auto save = dir / "run";
-  const pid_t pid = testing::spawn({"/bin/sh", "-c",
-                                    "exec " + testing::binary("examples/symbiosis-finetune") + " " + common +
-                                        " --steps 1000000 --save-every 1 --save-total-limit 2 --save-dir " +
-                                        save.string() + " > " + (dir / "stop.out").string() + " 2> " +
-                                        (dir / "stop.err").string()});
+  const pid_t pid =
+      testing::spawn({"/bin/sh", "-c",
+                      "exec " + testing::binary("examples/symbiosis-finetune") + " " + common +
+                          " --steps 1000000 --save-every 1 --save-total-limit 2 --save-dir " + save.string() + " > " +
+                          (dir / "stop.out").string() + " 2> " + (dir / "stop.err").string()});
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   // Three steps in: checkpoint-3 or a later one (--save-total-limit may have pruned checkpoint-3 already).
   auto three_steps_in = [&] {
@@ -508,7 +509,8 @@ TEST(FinetuneProgramTest, ASignalSavesACheckpointAndStopsAndEveryRunSaves) {
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   std::ifstream out_file(dir / "stop.out"), err_file(dir / "stop.err");
-  const std::string out(std::istreambuf_iterator<char>(out_file), {}), err(std::istreambuf_iterator<char>(err_file), {});
+  const std::string out(std::istreambuf_iterator<char>(out_file), {}),
+      err(std::istreambuf_iterator<char>(err_file), {});
   ASSERT_TRUE(WIFEXITED(status)) << err;
   EXPECT_EQ(WEXITSTATUS(status), 130) << err;
   ASSERT_EQ(out.rfind("stopped: step ", 0), 0u) << out << err;
@@ -556,13 +558,14 @@ TEST(FinetuneProgramTest, AnExecutorLostForGoodLeavesACheckpointOfTheStepsDone) 
   auto executor = testing::start_executor(model);
   const auto save = dir / "run";
   const auto requests = executor->stats().requests;
-  const pid_t pid = testing::spawn(
-      {"/bin/sh", "-c",
-       "exec " + testing::binary("examples/symbiosis-finetune") + common + " --executor " + executor->endpoint() +
-           " --reconnect-ms 500 --steps 1000000 --save-dir " + save.string() + " > " + (dir / "lost.out").string() +
-           " 2> " + (dir / "lost.err").string()});
+  const pid_t pid =
+      testing::spawn({"/bin/sh", "-c",
+                      "exec " + testing::binary("examples/symbiosis-finetune") + common + " --executor " +
+                          executor->endpoint() + " --reconnect-ms 500 --steps 1000000 --save-dir " + save.string() +
+                          " > " + (dir / "lost.out").string() + " 2> " + (dir / "lost.err").string()});
   // A few steps in (a step of the tiny model is dozens of calls), the executor stops for good.
-  EXPECT_TRUE(testing::wait_until([&] { return executor->stats().requests > requests + 300; }, std::chrono::seconds(120)));
+  EXPECT_TRUE(
+      testing::wait_until([&] { return executor->stats().requests > requests + 300; }, std::chrono::seconds(120)));
   executor.reset();
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -586,8 +589,8 @@ TEST(FinetuneProgramTest, AnExecutorLostForGoodLeavesACheckpointOfTheStepsDone) 
   const auto whole = run_finetune("--monolithic" + common + length, dir, "whole");
   ASSERT_EQ(whole.status, 0) << whole.err;
   auto final_loss = [](const std::string& out) { return std::stod(out.substr(out.find(" loss ") + 6)); };
-  EXPECT_NEAR(final_loss(resumed.out), final_loss(whole.out), 1e-4 * std::abs(final_loss(whole.out))) << resumed.out
-                                                                                                       << whole.out;
+  EXPECT_NEAR(final_loss(resumed.out), final_loss(whole.out), 1e-4 * std::abs(final_loss(whole.out)))
+      << resumed.out << whole.out;
 }
 
 // --resume keeps the saved adapter and base model: a method flag that disagrees with the adapter,
@@ -613,7 +616,8 @@ TEST(FinetuneProgramTest, ResumeRefusesChangedAdapterFlagsAndExtendsAFinishedRun
   const auto other = testing::make_checkpoint("tiny-llama", "--seed 99");
   const auto other_model = run_finetune("--monolithic --model " + other.string() + " --train " + train.string() +
                                             " --lr 1e-2 --min-lr 1e-2 --micro-batch 2 --seed 7 --no-progress"
-                                            " --steps 3 --resume " + save.string(),
+                                            " --steps 3 --resume " +
+                                            save.string(),
                                         dir, "other-model");
   EXPECT_EQ(other_model.status, 2);
   EXPECT_NE(other_model.err.find("was trained on base model \"" + Checkpoint::open(model)->model_hash() +
@@ -640,7 +644,8 @@ TEST(FinetuneProgramTest, TrainsOnTextAndGeneratesText) {
   const auto* reference = testing::reference_tokenizers(why);
   if (!reference) GTEST_SKIP() << why;
   const auto dir = testing::temp_dir("finetune-text");
-  const auto model = testing::with_tokenizer(*reference, "spm_unigram", testing::make_checkpoint("tiny-llama"), dir / "model");
+  const auto model =
+      testing::with_tokenizer(*reference, "spm_unigram", testing::make_checkpoint("tiny-llama"), dir / "model");
   const auto tokenizer = Tokenizer::from_directory(model);
   ASSERT_LE(tokenizer->vocab_size(), 256);  // within the tiny model's vocabulary
 
@@ -678,7 +683,8 @@ TEST(FinetuneProgramTest, TrainsOnTextAndGeneratesText) {
                                " --max-new-tokens 12";
   const auto streamed_file = dir / "streamed.txt", json_file = dir / "reply.jsonl";
   ASSERT_EQ(std::system((generate + " --prompt 'hello world' > " + streamed_file.string()).c_str()), 0);
-  ASSERT_EQ(std::system(("echo '{\"prompt\": \"hello world\"}' | " + generate + " > " + json_file.string()).c_str()), 0);
+  ASSERT_EQ(std::system(("echo '{\"prompt\": \"hello world\"}' | " + generate + " > " + json_file.string()).c_str()),
+            0);
   std::ifstream streamed_in(streamed_file), json_in(json_file);
   std::string streamed((std::istreambuf_iterator<char>(streamed_in)), {});
   std::string line;
@@ -726,7 +732,8 @@ TEST_P(SplitTrainerTest, LossesAndAdapterEqualMonolithic) {
     EXPECT_TRUE(std::isfinite(split_stats[i].loss));
   }
   ASSERT_TRUE(split_stats.back().eval_loss && mono_stats.back().eval_loss);
-  EXPECT_LT(std::abs(*split_stats.back().eval_loss - *mono_stats.back().eval_loss) / *mono_stats.back().eval_loss, 1e-5);
+  EXPECT_LT(std::abs(*split_stats.back().eval_loss - *mono_stats.back().eval_loss) / *mono_stats.back().eval_loss,
+            1e-5);
   for (size_t i = 0; i < split.adapter.size(); ++i) {
     EXPECT_LT(relative_error(split.adapter[i], mono.adapter[i]), 1e-5) << "tensor " << i;
   }
@@ -736,8 +743,9 @@ INSTANTIATE_TEST_SUITE_P(Models, SplitTrainerTest,
                          ::testing::Combine(::testing::Values("tiny-llama", "tiny-gpt2"),
                                             ::testing::Values(BatchingMode::kPadding, BatchingMode::kPacking)),
                          [](const auto& info) {
-                           std::string name = std::get<0>(info.param) +
-                                              (std::get<1>(info.param) == BatchingMode::kPacking ? "_packing" : "_padding");
+                           std::string name =
+                               std::get<0>(info.param) +
+                               (std::get<1>(info.param) == BatchingMode::kPacking ? "_packing" : "_padding");
                            for (auto& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
                            return name;
                          });

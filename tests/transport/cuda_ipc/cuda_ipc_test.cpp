@@ -26,14 +26,13 @@
 namespace symbiosis {
 namespace {
 
-
 // (dtype, control, batch, sequence, direct operands): headers through the control segment order
 // calls by its flags ([Stream-ordered hand-off]), and the executor reads and writes the client's
 // own tensors ([Direct operands]) or copies go through the payload buffer; headers over ZeroMQ
 // order calls by interprocess events, through the buffer. A batch of 1 × 3 tokens runs each
 // forward product through the executor's [Few-row GEMM].
-class SameGpuExactness
-    : public ::testing::TestWithParam<std::tuple<std::string, std::string, int64_t, int64_t, bool>> {};
+class SameGpuExactness : public ::testing::TestWithParam<std::tuple<std::string, std::string, int64_t, int64_t, bool>> {
+};
 
 TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   SKIP_WITHOUT_GPUS(1);
@@ -42,8 +41,8 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   const double tolerance = dtype == at::kFloat ? 1e-5 : 5e-2;
   const auto dir = testing::make_checkpoint("tiny-llama");
   auto checkpoint = Checkpoint::open(dir);
-  auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                         "cuda:0", "--dtype", dtype_name, "--log-level", "warn"},
+  auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0",
+                                         "--dtype", dtype_name, "--log-level", "warn"},
                                         testing::temp_dir("cuda-ipc-executor"));
   ClientOptions options;
   options.endpoint = executor.endpoint;
@@ -71,14 +70,12 @@ TEST_P(SameGpuExactness, SplitOverCudaIpcEqualsMonolithicOnTheSameGpu) {
   bench::stop(executor.pid);
 }
 
-INSTANTIATE_TEST_SUITE_P(DtypesAndControls, SameGpuExactness,
-                         ::testing::Values(std::make_tuple("fp32", "auto", 3, 24, true),
-                                           std::make_tuple("bf16", "auto", 3, 24, true),
-                                           std::make_tuple("fp32", "auto", 3, 24, false),
-                                           std::make_tuple("fp32", "zmq", 3, 24, true),
-                                           std::make_tuple("fp32", "auto", 1, 3, true),
-                                           std::make_tuple("bf16", "auto", 1, 3, true),
-                                           std::make_tuple("bf16", "auto", 1, 3, false)));
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndControls, SameGpuExactness,
+    ::testing::Values(std::make_tuple("fp32", "auto", 3, 24, true), std::make_tuple("bf16", "auto", 3, 24, true),
+                      std::make_tuple("fp32", "auto", 3, 24, false), std::make_tuple("fp32", "zmq", 3, 24, true),
+                      std::make_tuple("fp32", "auto", 1, 3, true), std::make_tuple("bf16", "auto", 1, 3, true),
+                      std::make_tuple("bf16", "auto", 1, 3, false)));
 
 // [Captured steps]: a step captured in CUDA graphs and replayed gives, step by step, what the same
 // step gives run eagerly on the same GPU by the monolithic model: a split client, whose calls are
@@ -144,9 +141,9 @@ TEST(CapturedStepsRefused, ACaptureWithoutDirectOperandsFailsNamingWhy) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   auto checkpoint = Checkpoint::open(dir);
-  auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                         "cuda:0", "--log-level", "warn"},
-                                        testing::temp_dir("captured-refused-executor"));
+  auto executor = bench::start_executor(
+      {"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--log-level", "warn"},
+      testing::temp_dir("captured-refused-executor"));
   auto client = Client::connect({.endpoint = executor.endpoint, .device = "cuda:0", .direct_operands = false});
   auto lm = open_causal_lm(*checkpoint, client, {at::kFloat, at::Device(at::kCUDA, 0)});
   auto adapter = add_lora(*lm.module, testing::same_gpu_lora());
@@ -266,8 +263,9 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
   EXPECT_TRUE(testing::run_all({
       client("cuda:0", "cuda-ipc",
              exact({"--rank", "4", "--batch", "2", "--seq", "16", "--seed", "1", "--tenant", "ipc-direct"})),
-      client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2", "--targets",
-                                          "all-linear", "--buffer-copies", "--tenant", "ipc-buffer"})),
+      client("cuda:0", "cuda-ipc",
+             exact({"--rank", "16", "--batch", "1", "--seq", "40", "--seed", "2", "--targets", "all-linear",
+                    "--buffer-copies", "--tenant", "ipc-buffer"})),
       client("cpu", "shm", cross_device({"--rank", "8", "--batch", "3", "--seq", "8", "--seed", "3"})),
       client("cpu", "tcp", cross_device({"--rank", "2", "--batch", "1", "--seq", "5", "--seed", "4"})),
       client("cuda:0", "cuda-ipc",
@@ -293,8 +291,8 @@ TEST_F(GpuExecutorWithClientProcesses, SegmentsGivenBackToCudaAreReleasedFirstAn
   SKIP_WITHOUT_GPUS(1);
   const size_t used_before = start_warm();
   const auto direct_before = executor_->stats().direct_calls;
-  EXPECT_TRUE(testing::run_all({client(
-      "cuda:0", "cuda-ipc", {"--verify", "--steps", "4", "--batch", "2", "--seq", "64", "--empty-cache"})}));
+  EXPECT_TRUE(testing::run_all(
+      {client("cuda:0", "cuda-ipc", {"--verify", "--steps", "4", "--batch", "2", "--seq", "64", "--empty-cache"})}));
   EXPECT_EQ(executor_->stats().errors, 0u);
   EXPECT_GT(executor_->stats().direct_calls, direct_before);
   ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
@@ -474,8 +472,8 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
   // Same-GPU tenants pack into batches whose cuBLAS kernel differs in the last bits from the
   // monolithic run's: adapters within 1e-3 (MixedTransports); a CPU tenant's reference is on the
   // CPU: 1e-3 throughout.
-  const std::vector<std::string> same_gpu = {"--verify", "--steps", "4", "--tolerance", "1e-5",
-                                             "--adapter-tolerance", "1e-3"};
+  const std::vector<std::string> same_gpu = {"--verify", "--steps", "4", "--tolerance", "1e-5", "--adapter-tolerance",
+                                             "1e-3"};
   auto with = [](std::vector<std::string> flags, const std::vector<std::string>& more) {
     flags.insert(flags.end(), more.begin(), more.end());
     return flags;
@@ -485,8 +483,8 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
       testing::spawn(client("cuda:0", "cuda-ipc", with(same_gpu, {"--seed", "1", "--tenant", "honest-ipc"}))),
       testing::spawn(client("cuda:0", "cuda-ipc",
                             with(same_gpu, {"--seed", "2", "--control", "zmq", "--tenant", "honest-ipc-zmq"}))),
-      testing::spawn(client("cpu", "shm", {"--verify", "--steps", "4", "--seed", "3", "--tolerance", "1e-3",
-                                           "--tenant", "honest-shm"})),
+      testing::spawn(client(
+          "cpu", "shm", {"--verify", "--steps", "4", "--seed", "3", "--tolerance", "1e-3", "--tenant", "honest-shm"})),
   };
   // The attack comes once the honest tenants call (what the test asserts holds either way).
   EXPECT_TRUE(testing::requests_reach(*executor_, requests, 50)) << "the honest tenants did not start calling";
@@ -518,8 +516,8 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
 }
 
 INSTANTIATE_TEST_SUITE_P(Attacks, HostileCudaIpcTenant,
-                         ::testing::Values("free-buffer", "stuck-event", "destroy-event", "bogus-handle",
-                                           "die-in-call", "stall-ahead"),
+                         ::testing::Values("free-buffer", "stuck-event", "destroy-event", "bogus-handle", "die-in-call",
+                                           "stall-ahead"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');

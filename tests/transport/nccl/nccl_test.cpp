@@ -35,15 +35,16 @@ class RemoteGpuClients : public ::testing::Test {
   std::unique_ptr<Executor> executor_;
 };
 
-#define SKIP_WITHOUT_NCCL()                                                               \
-  SKIP_WITHOUT_GPUS(2);                                                                   \
+#define SKIP_WITHOUT_NCCL() \
+  SKIP_WITHOUT_GPUS(2);     \
   if (!nccl::nccl_available()) GTEST_SKIP() << "this build of symbiosis has no NCCL"
 
 TEST_F(RemoteGpuClients, ANcclClientOnAnotherGpuEqualsItsMonolithicRun) {
   SKIP_WITHOUT_NCCL();
   start();
-  EXPECT_TRUE(testing::run_all({client("cuda:1", "auto", {"--verify", "--steps", "4", "--tolerance", "1e-5",
-                                                          "--rank", "8", "--targets", "all-linear"})}));
+  EXPECT_TRUE(testing::run_all(
+      {client("cuda:1", "auto",
+              {"--verify", "--steps", "4", "--tolerance", "1e-5", "--rank", "8", "--targets", "all-linear"})}));
   EXPECT_EQ(executor_->stats().errors, 0u);
 }
 
@@ -64,10 +65,9 @@ TEST_F(RemoteGpuClients, Bf16NcclClientsAreWithinBf16Tolerance) {
 TEST_F(RemoteGpuClients, NcclWithHeadersOverZeroMQEqualsItsMonolithicRun) {
   SKIP_WITHOUT_NCCL();
   start();
-  EXPECT_TRUE(testing::run_all({client("cuda:1", "nccl", {"--verify", "--steps", "3", "--tolerance", "1e-5",
-                                                          "--control", "zmq", "--seed", "5"}),
-                                client("cuda:1", "nccl", {"--verify", "--steps", "3", "--tolerance", "1e-5",
-                                                          "--seed", "6", "--batch", "3"})}));
+  EXPECT_TRUE(testing::run_all(
+      {client("cuda:1", "nccl", {"--verify", "--steps", "3", "--tolerance", "1e-5", "--control", "zmq", "--seed", "5"}),
+       client("cuda:1", "nccl", {"--verify", "--steps", "3", "--tolerance", "1e-5", "--seed", "6", "--batch", "3"})}));
   EXPECT_EQ(executor_->stats().errors, 0u);
 }
 
@@ -88,10 +88,12 @@ TEST_P(MixedPlacements, NcclCudaIpcShmAndTcpClientsShareOneExecutorEachExact) {
       client("cuda:1", "nccl", exact({"--rank", "8", "--batch", "1", "--seq", "33", "--seed", "2"})),
       client("cuda:0", "cuda-ipc", exact({"--rank", "16", "--batch", "2", "--seq", "9", "--seed", "3"})),
       // A CPU client's reference is on the CPU: held to 1e-3 (see cuda_ipc_test.cpp, MixedTransports).
-      client("cpu", "shm", {"--rank", "2", "--batch", "1", "--seq", "12", "--seed", "4", "--verify", "--steps", "4",
-                            "--tolerance", "1e-3"}),
-      client("cpu", "tcp", {"--rank", "4", "--batch", "2", "--seq", "7", "--seed", "5", "--verify", "--steps", "4",
-                            "--tolerance", "1e-3"}),
+      client("cpu", "shm",
+             {"--rank", "2", "--batch", "1", "--seq", "12", "--seed", "4", "--verify", "--steps", "4", "--tolerance",
+              "1e-3"}),
+      client("cpu", "tcp",
+             {"--rank", "4", "--batch", "2", "--seq", "7", "--seed", "5", "--verify", "--steps", "4", "--tolerance",
+              "1e-3"}),
   })) << "a client's split run differed from its monolithic run (see its output above)";
   EXPECT_EQ(executor_->stats().errors, 0u);
 }
@@ -112,7 +114,8 @@ TEST_F(RemoteGpuClients, ARemoteClientKilledMidIterationLeavesTheOthersServedAnd
         testing::spawn(client("cpu", "shm", {"--verify", "--steps", "12", "--seed", "9", "--tolerance", "1e-3"}));
     ASSERT_TRUE(testing::same_host_clients_become(*executor_, 2));
     const auto requests = executor_->stats().requests;
-    ASSERT_TRUE(testing::requests_reach(*executor_, requests, 150)) << "the victim stopped calling before it was killed";
+    ASSERT_TRUE(testing::requests_reach(*executor_, requests, 150))
+        << "the victim stopped calling before it was killed";
     kill(victim, SIGKILL);
     waitpid(victim, nullptr, 0);
     EXPECT_TRUE(testing::exited_ok(bystander)) << "a client beside the killed one failed or differed";
@@ -122,8 +125,8 @@ TEST_F(RemoteGpuClients, ARemoteClientKilledMidIterationLeavesTheOthersServedAnd
   ASSERT_TRUE(testing::same_host_clients_become(*executor_, 0));
   const size_t bound = used_before + (size_t{64} << 20);
   const size_t used_after = testing::gpu_memory_used_settled(0, bound, std::chrono::seconds(10));
-  EXPECT_LE(used_after, bound)
-      << "executor GPU memory in use grew from " << used_before << " to " << used_after << " bytes";
+  EXPECT_LE(used_after, bound) << "executor GPU memory in use grew from " << used_before << " to " << used_after
+                               << " bytes";
 }
 
 // Issue 44, its GPU half ([Hostile GPU tenants] in tests/transport/hostile_gpu_tenant.cpp): an
@@ -166,8 +169,8 @@ TEST_P(HostileNcclTenant, HonestTenantsFinishExactAndTheAttackerIsDroppedWithARe
       testing::spawn(client("cuda:1", "nccl", exact({"--seed", "1", "--tenant", "honest-nccl"}))),
       testing::spawn(client("cuda:0", "cuda-ipc", exact({"--seed", "2", "--tenant", "honest-ipc"}))),
       // A CPU client's reference is on the CPU: held to 1e-3 (see cuda_ipc_test.cpp, MixedTransports).
-      testing::spawn(client("cpu", "shm", {"--verify", "--steps", "4", "--seed", "3", "--tolerance", "1e-3",
-                                           "--tenant", "honest-shm"})),
+      testing::spawn(client(
+          "cpu", "shm", {"--verify", "--steps", "4", "--seed", "3", "--tolerance", "1e-3", "--tenant", "honest-shm"})),
   };
   // The attack comes once the honest tenants call (what the test asserts holds either way).
   EXPECT_TRUE(testing::requests_reach(*executor_, requests, 50)) << "the honest tenants did not start calling";
@@ -177,8 +180,8 @@ TEST_P(HostileNcclTenant, HonestTenantsFinishExactAndTheAttackerIsDroppedWithARe
   // registered and pinned), trains and leaves then, and must wait, not fail.
   std::optional<pid_t> late;
   if (withholds) {
-    late = testing::spawn(client("cpu", "shm", {"--verify", "--steps", "3", "--seed", "5", "--tolerance", "1e-3",
-                                                "--tenant", "honest-late"}));
+    late = testing::spawn(client(
+        "cpu", "shm", {"--verify", "--steps", "3", "--seed", "5", "--tolerance", "1e-3", "--tenant", "honest-late"}));
   }
   for (const pid_t pid : honest) {
     EXPECT_TRUE(testing::exited_ok(pid)) << "an honest tenant failed or left its monolithic run beside " << attack;
@@ -191,8 +194,8 @@ TEST_P(HostileNcclTenant, HonestTenantsFinishExactAndTheAttackerIsDroppedWithARe
   EXPECT_GT(id, 0u) << "the executor's log has no line of the hostile tenant connecting";
   if (withholds) {
     // Dropped while it stays: its transfer waited past the watchdog's limit (10 s).
-    EXPECT_TRUE(testing::wait_until([&] { return executor_->stats().same_host_clients == 0; },
-                                    std::chrono::seconds(60)))
+    EXPECT_TRUE(
+        testing::wait_until([&] { return executor_->stats().same_host_clients == 0; }, std::chrono::seconds(60)))
         << "the executor still holds the tenant that withholds its transfer";
     EXPECT_TRUE(attacker.alive()) << "the hostile tenant left before the executor dropped it";
     EXPECT_NE(log_.drop_reason(id).find("[NCCL transfer watchdog]"), std::string::npos)
@@ -211,8 +214,7 @@ TEST_P(HostileNcclTenant, HonestTenantsFinishExactAndTheAttackerIsDroppedWithARe
 INSTANTIATE_TEST_SUITE_P(Attacks, HostileNcclTenant,
                          // An attack that wedges the executor ends the test binary's use of the GPU:
                          // the one seen to do so (issue 44) comes last.
-                         ::testing::Values("abort-mid-transfer", "no-send", "no-receive"),
-                         [](const auto& info) {
+                         ::testing::Values("abort-mid-transfer", "no-send", "no-receive"), [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
