@@ -14,11 +14,14 @@ APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libzmq3-dev cp
   nlohmann-json3-dev libcli11-dev python3-venv python3-dev libpcre2-dev libutf8proc-dev libsodium-dev libcpp-httplib-dev libgloo-dev)
 # pybind11 (the Python package's binding, python/CMakeLists.txt) at the version torch's own headers
 # carry; pytest runs the Python package's tests (tests/python/). symbiosis-serve (python/symbiosis/
-# serve/) runs on FastAPI, uvicorn and prometheus_client; its tests' client is the openai package.
+# serve/) runs on FastAPI, uvicorn (on uvloop and httptools, which uvicorn takes when they are there:
+# the HTTP path's tokens/s 1.36x of asyncio's, docs/serving.md) and prometheus_client; its tests'
+# client is the openai package.
 # symbiosis-tinker (python/symbiosis/tinker/) reads and writes the tinker SDK's own protobuf schema
 # ([Tinker wire]), and its tests' client is that SDK.
 PYBIND11_VERSION=3.0.1
-SERVE_PACKAGES=(fastapi==0.165.0 uvicorn==0.54.0 prometheus_client==0.26.0 openai==3.57.0 tinker==0.38.0)
+SERVE_PACKAGES=(fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 httptools==0.9.0 prometheus_client==0.26.0
+  openai==3.57.0 tinker==0.38.0)
 PIP_PACKAGES=(torch==$TORCH_VERSION transformers peft safetensors numpy matplotlib sentencepiece protobuf
   pybind11==$PYBIND11_VERSION pytest "${SERVE_PACKAGES[@]}")
 
