@@ -42,6 +42,7 @@
 #include <symbiosis/peft.h>
 #include <symbiosis/training.h>
 
+#include "bench/op_profile.h"
 #include "bench/transport_name.h"
 
 using namespace symbiosis;
@@ -70,83 +71,22 @@ size_t gpu_peak_reserved_bytes(const at::Device& device) {
   return 0;
 }
 
-// [Op profile] Where a client's host time goes: for a few iterations, every top-level LibTorch
-// operation of each thread (an operator the model called, an autograd node the backward ran, or
-// a call to the executor) is counted and timed from its start to its end, nested operations
-// inside it included. On a GPU most operations launch one kernel or more, so the count per
-// iteration is also a floor on the kernel launches the client makes.
-class OpProfile {
- public:
-  // One at a time: LibTorch's callbacks are plain functions, so they find the profile here.
-  OpProfile() {
-    active() = this;
-    handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(
-            [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-              if (depth()++ != 0) return nullptr;
-              auto context = std::make_unique<Started>();
-              context->at = Clock::now();
-              return context;
-            },
-            [](const at::RecordFunction& fn, at::ObserverContext* context) {
-              --depth();
-              if (context == nullptr) return;
-              const double seconds =
-                  std::chrono::duration<double>(Clock::now() - static_cast<Started*>(context)->at).count();
-              OpProfile* self = active();
-              std::lock_guard<std::mutex> lock(self->mutex_);
-              auto& op = self->ops_[fn.name()];
-              op.count++;
-              op.seconds += seconds;
-            })
-            .needsInputs(false));
+// [Op profile] (bench/op_profile.h), per iteration: each operation's count and host milliseconds,
+// the largest first.
+nlohmann::json op_report(const std::vector<bench::OpProfile::Op>& ops, int iterations, double seconds) {
+  nlohmann::json rows = nlohmann::json::array();
+  int64_t count = 0;
+  for (const auto& op : ops) {
+    count += op.count;
+    rows.push_back({{"name", op.name},
+                    {"per_iteration", double(op.count) / iterations},
+                    {"ms_per_iteration", 1e3 * op.seconds / iterations}});
   }
-  ~OpProfile() {
-    at::removeCallback(handle_);
-    active() = nullptr;
-  }
-
-  // Per iteration: count and host milliseconds of each operation, the largest first.
-  nlohmann::json report(int iterations, double seconds) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<std::pair<std::string, Op>> sorted(ops_.begin(), ops_.end());
-    std::sort(sorted.begin(), sorted.end(),
-              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
-    nlohmann::json ops = nlohmann::json::array();
-    int64_t count = 0;
-    for (const auto& [name, op] : sorted) {
-      count += op.count;
-      ops.push_back({{"name", name},
-                     {"per_iteration", double(op.count) / iterations},
-                     {"ms_per_iteration", 1e3 * op.seconds / iterations}});
-    }
-    return {{"iterations", iterations},
-            {"iteration_ms", 1e3 * seconds / iterations},
-            {"top_level_ops_per_iteration", double(count) / iterations},
-            {"ops", ops}};
-  }
-
- private:
-  using Clock = std::chrono::steady_clock;
-  struct Started : at::ObserverContext {
-    Clock::time_point at;
-  };
-  struct Op {
-    int64_t count = 0;
-    double seconds = 0;
-  };
-  static OpProfile*& active() {
-    static OpProfile* profile = nullptr;
-    return profile;
-  }
-  static int& depth() {
-    thread_local int d = 0;
-    return d;
-  }
-  at::CallbackHandle handle_;
-  mutable std::mutex mutex_;
-  std::map<std::string, Op> ops_;
-};
+  return {{"iterations", iterations},
+          {"iteration_ms", 1e3 * seconds / iterations},
+          {"top_level_ops_per_iteration", double(count) / iterations},
+          {"ops", rows}};
+}
 
 }  // namespace
 
@@ -318,10 +258,10 @@ int main(int argc, char** argv) {
     }
     nlohmann::json profile;
     if (op_profile > 0) {
-      OpProfile recorder;
+      bench::OpProfile recorder(bench::OpProfile::Threads::kAll);
       const double t0 = epoch_seconds();
       for (int i = 0; i < op_profile; ++i) iteration();
-      profile = recorder.report(op_profile, epoch_seconds() - t0);
+      profile = op_report(recorder.ops(), op_profile, epoch_seconds() - t0);
     }
 
     std::vector<double> latencies;

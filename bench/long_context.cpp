@@ -65,6 +65,7 @@
 #include <symbiosis/models.h>
 #include <symbiosis/peft.h>
 
+#include "bench/op_profile.h"
 #include "bench/process.h"
 #include "client_runtime/models/attention.h"
 
@@ -169,76 +170,22 @@ std::string first_line(const std::string& text) {
   return line.size() > 240 ? line.substr(0, 240) + "..." : line;
 }
 
-// [Decode profile] Where a decode step's CPU time goes, in the spirit of [Op profile]
-// (bench/bench_client.cpp): while recording, every top-level LibTorch operation of the stepping
-// thread is counted and timed from its start to its end, nested operations included: the model's
-// operators, its calls to the executor (symbiosis::executor_call, which wait for the executor) and
-// [CPU decode attention] (symbiosis::cpu_decode_attention). Only the thread that constructs it is
-// observed (a thread-local callback), so the attention's worker threads add nothing of their own.
-class DecodeProfile {
- public:
-  DecodeProfile() {
-    handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(
-                                             [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-                                               auto* self = active();
-                                               if (self == nullptr || !self->recording || self->depth_++ != 0)
-                                                 return nullptr;
-                                               auto context = std::make_unique<Started>();
-                                               context->at = now_s();
-                                               return context;
-                                             },
-                                             [](const at::RecordFunction& fn, at::ObserverContext* context) {
-                                               auto* self = active();
-                                               if (self == nullptr) return;
-                                               if (self->depth_ > 0) --self->depth_;
-                                               if (context == nullptr) return;
-                                               auto& op = self->ops_[fn.name()];
-                                               op.count++;
-                                               op.seconds += now_s() - static_cast<Started*>(context)->at;
-                                             })
-                                             .needsInputs(false));
-    active() = this;
-  }
-  ~DecodeProfile() {
-    at::removeCallback(handle_);
-    active() = nullptr;
-  }
-  DecodeProfile(const DecodeProfile&) = delete;
-  DecodeProfile& operator=(const DecodeProfile&) = delete;
-
-  bool recording = false;  // set from the stepping thread (the generator's token callback)
-
-  struct Op {
-    std::string name;
-    double calls_per_step = 0, ms_per_step = 0;
-  };
-  // The `top` operations that took longest over `steps` steps, per step, the longest first.
-  std::vector<Op> report(int64_t steps, size_t top) const {
-    std::vector<Op> out;
-    for (const auto& [name, op] : ops_) {
-      out.push_back({name, static_cast<double>(op.count) / steps, op.seconds * 1e3 / steps});
-    }
-    std::sort(out.begin(), out.end(), [](const Op& a, const Op& b) { return a.ms_per_step > b.ms_per_step; });
-    if (out.size() > top) out.resize(top);
-    return out;
-  }
-
- private:
-  struct Started : at::ObserverContext {
-    double at = 0;
-  };
-  struct Counted {
-    int64_t count = 0;
-    double seconds = 0;
-  };
-  static DecodeProfile*& active() {
-    thread_local DecodeProfile* profile = nullptr;
-    return profile;
-  }
-  at::CallbackHandle handle_;
-  int depth_ = 0;
-  std::map<std::string, Counted> ops_;
+// [Decode profile] Where a decode step's CPU time goes: the [Op profile] (bench/op_profile.h) of
+// the stepping thread alone, recording from the first token (the prefill's) to the last; its model's
+// operators, its calls to the executor and [CPU decode attention].
+struct StepOp {
+  std::string name;
+  double calls_per_step = 0, ms_per_step = 0;
 };
+// The `top` operations that took longest over `steps` steps, per step, the longest first.
+std::vector<StepOp> step_ops(const std::vector<bench::OpProfile::Op>& ops, int64_t steps, size_t top) {
+  std::vector<StepOp> out;
+  for (const auto& op : ops) {
+    if (out.size() == top) break;
+    out.push_back({op.name, static_cast<double>(op.count) / steps, op.seconds * 1e3 / steps});
+  }
+  return out;
+}
 
 // The CPUs this process may use, and what LibTorch makes of them: a VM or container may show more
 // CPUs than it may run on (an affinity mask, a CFS quota), and threads beyond those only contend.
@@ -299,10 +246,10 @@ struct Row {
   std::string reason;
   int64_t requests = 1;
   double prefill_s = 0, itl_ms = 0, tokens_per_s = 0;
-  double cache_gib = 0;                    // the cache the run allocated
-  double cache_read_gb_per_s = 0;          // bytes of keys and values a decode step reads / inter-token latency
-  double seconds = 0;                      // the run's wall time, allocation included
-  std::vector<DecodeProfile::Op> profile;  // host: the decode steps' top operations ([Decode profile])
+  double cache_gib = 0;            // the cache the run allocated
+  double cache_read_gb_per_s = 0;  // bytes of keys and values a decode step reads / inter-token latency
+  double seconds = 0;              // the run's wall time, allocation included
+  std::vector<StepOp> profile;     // host: the decode steps' top operations ([Decode profile])
 };
 
 // The models, their clients and the executor they share.
@@ -367,8 +314,9 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
     std::vector<double> times;  // each token's arrival
     std::string error;
     // [Decode profile]: the decode steps, from the first token (the prefill's) to the last.
-    std::optional<DecodeProfile> profile;
-    if (profile_ops > 0) profile.emplace();
+    std::optional<bench::OpProfile> profile;
+    if (profile_ops > 0) profile.emplace(bench::OpProfile::Threads::kThisOne);
+    if (profile) profile->recording = false;
     generator->submit(make_request(prompt, new_tokens, vocab, 1), [&](const TokenEvent& event) {
       if (event.token >= 0) times.push_back(now_s());
       if (event.finished && !event.error.empty() && error.empty()) error = event.error;
@@ -378,7 +326,7 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
     generator->run();
     TORCH_CHECK(error.empty(), error);
     if (profile && times.size() >= 2)
-      row.profile = profile->report(static_cast<int64_t>(times.size() - 1), profile_ops);
+      row.profile = step_ops(profile->ops(), static_cast<int64_t>(times.size() - 1), profile_ops);
     TORCH_CHECK(times.size() >= 2, "the request produced ", times.size(), " tokens, expected ", new_tokens);
     row.prefill_s = times.front() - submitted;
     const size_t from = times.size() >= 8 ? 3 : 0;

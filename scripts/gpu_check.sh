@@ -41,7 +41,7 @@
 #   bench-128-ends the same at N = 1 and 8 only
 #   patched        the scenario in SCENARIO with the JSON in PATCH merged over its top level
 #                  (e.g. PATCH='{"executor": {...}, "baselines": []}'), at COUNTS, under MPS
-#   op-profile     where one 1B client's host time goes ([Op profile] in bench/bench_client.cpp): split
+#   op-profile     where one 1B client's host time goes ([Op profile] in bench/op_profile.h): split
 #                  (CUDA IPC) and monolithic, batch 2 x 512 and 1 x 128, under MPS
 #   targets        issue 4's target points under MPS: batch 2 x 512 at N = 1 and 8, batch 1 x 128 at N = 8
 #                  (targets-512 and targets-128: one shape each); our clients with captured steps and eager
