@@ -12,10 +12,17 @@ cmake --install "$bin" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/lib/python/symbiosis/__init__.py"
 ls "$work/prefix/lib/python/symbiosis/"_C*.so > /dev/null
 "$work/prefix/bin/symbiosis-make-checkpoint" --preset tiny-llama --out "$work/model" > /dev/null
-"$work/prefix/bin/symbiosis-executor" --model "$work/model" --listen 'tcp://127.0.0.1:*' > "$work/executor.out" 2>/dev/null &
+"$work/prefix/bin/symbiosis-executor" --model "$work/model" --listen 'tcp://127.0.0.1:*' > "$work/executor.out" \
+  2> "$work/executor.log" &
 executor_pid=$!
-for _ in $(seq 100); do grep -q '^ready ' "$work/executor.out" && break; sleep 0.1; done
+# Its [Ready line] (base_executor/main.cpp), for up to a minute, or its log if it ends first.
+for _ in $(seq 600); do
+  grep -q '^ready ' "$work/executor.out" && break
+  kill -0 "$executor_pid" 2>/dev/null || break
+  sleep 0.1
+done
 endpoint=$(sed -n 's/^ready //p' "$work/executor.out")
+[ -n "$endpoint" ] || { echo "the installed executor did not start; its log:"; cat "$work/executor.log"; exit 1; }
 cd "$work"
 env -u LD_LIBRARY_PATH PYTHONPATH="$work/prefix/lib/python" PYTHONDONTWRITEBYTECODE=1 "$python" -c "
 import sys, torch, symbiosis
