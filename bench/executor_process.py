@@ -3,8 +3,8 @@ benchmarks (bench/*.py) and the Python tests (tests/python/conftest.py) for the 
 symbiosis-serve and symbiosis-tinker.
 
 Each of these prints "ready ADDRESS" on stdout once it takes requests and logs on stderr ([Ready
-line] in python/symbiosis/serve/cli.py; base_executor/main.cpp; an executor launcher of several
-parts prints one such line a part, in rank order: base_executor/launch.cpp). ReadyProcess starts
+line] in base_executor/main.cpp; an executor launcher of several parts prints one such line a part,
+in rank order). ReadyProcess starts
 one, reads its stdout on a thread of its own (so that the pipe never fills), waits for its ready
 lines under a timeout, and when the program dies or the time runs out raises NotReady with the end
 of its stderr; stop() ends it (SIGTERM, then SIGKILL).
