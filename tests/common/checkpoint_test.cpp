@@ -202,6 +202,16 @@ void write_raw_safetensors(const fs::path& file, const std::string& header, size
 // [Fuzzing] (docs/fuzzing.md; inputs in fuzz/regressions/checkpoint/): numbers in a header that overflow a sum or a
 // product, entries of the wrong JSON type, and shards outside the folder are refused naming the
 // file and the tensor, never read past the file or thrown as another exception.
+// A safetensors header is a map: a tensor listed twice would leave one of its two data ranges
+// unnamed, so the writer refuses it, naming the tensor (and writes nothing past the refusal).
+TEST(CheckpointTest, WritingATensorListedTwiceIsRefusedNamingIt) {
+  auto dir = testing::temp_dir("ckpt");
+  EXPECT_NE(error_of([&] {
+              write_safetensors(dir / "model.safetensors", {{"w", at::zeros({2})}, {"w", at::ones({2})}});
+            }).find("tensor 'w' listed twice"),
+            std::string::npos);
+}
+
 TEST(CheckpointTest, HostileHeadersAndIndexesAreRefusedNamingTheFile) {
   auto dir = testing::temp_dir("ckpt-hostile");
   write_config(dir);
