@@ -50,6 +50,9 @@ class ClientPayload {
   virtual void announce_input(uint32_t) {}
   // ... and holds later work until results_ready reaches `sequence`.
   virtual void await_result(uint32_t) {}
+  // Before a capture begins, on the stream to be captured: orders that stream after this payload's
+  // earlier calls now, since a capture cannot wait on work outside it ([Capture's stream]).
+  virtual void before_capture() {}
   // [Captured calls] (transport/call_ring.h), instead of those two, on the stream being captured:
   // sets slot `slot`'s input flag, waits for its result flag and clears it.
   virtual void announce_captured(uint32_t) {}

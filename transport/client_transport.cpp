@@ -158,6 +158,7 @@ class PayloadTransport : public ClientTransport {
     TORCH_CHECK(ordered_, kCaptureNeeds, "; this ", kind_, " client's calls are answered ",
                 zmq_control_ ? "over ZeroMQ" : "by reply");
     TORCH_CHECK(!capture_, "begin_capture: this client is capturing already");
+    payload_->before_capture();
     capture_ = std::make_shared<CapturedCalls>();
   }
 

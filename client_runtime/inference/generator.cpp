@@ -632,16 +632,13 @@ void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequenc
     for (auto* s : sequences) finish(*s, FinishReason::kError, e.what_without_backtrace());
     return;
   }
-  const bool all_greedy = std::all_of(sequences.begin(), sequences.end(), [](auto* s) { return s->params.greedy(); });
   const auto fp32 = logits.to(at::kFloat);
-  // Greedy rows: one argmax for all and one copy of the ids.
-  const auto greedy = all_greedy ? fp32.argmax(-1).cpu() : at::Tensor();
-  std::vector<int64_t> tokens(sequences.size());
-  for (size_t i = 0; i < sequences.size(); ++i) {
-    auto& s = *sequences[i];
-    if (options_.logits_observer) options_.logits_observer(s.id, logits[static_cast<int64_t>(i)]);
-    tokens[i] = all_greedy ? greedy.data_ptr<int64_t>()[i] : s.sampler.sample(fp32[i]);
+  std::vector<TokenSampler*> samplers;
+  for (auto* s : sequences) {
+    if (options_.logits_observer) options_.logits_observer(s->id, logits[static_cast<int64_t>(samplers.size())]);
+    samplers.push_back(&s->sampler);
   }
+  const auto tokens = choose_tokens(fp32, samplers);
   // Log-probabilities: of every row's token in one gather, and the most any row asks of the
   // likeliest in one topk, each one copy to the host.
   int64_t most_top = 0;

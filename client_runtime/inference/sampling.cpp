@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 namespace symbiosis {
 
@@ -24,22 +25,62 @@ void SamplingParams::validate(int64_t vocab_size) const {
 TokenSampler::TokenSampler(const SamplingParams& params)
     : params_(params), generator_(at::make_generator<at::CPUGeneratorImpl>(params.seed)) {}
 
-int64_t TokenSampler::sample(const at::Tensor& logits) {
-  if (params_.greedy()) return logits.argmax().item<int64_t>();
-  // transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in that order.
-  const float removed = -std::numeric_limits<float>::infinity();
-  auto scores = logits.to(at::kCPU, at::kFloat) / params_.temperature;
-  if (params_.top_k > 0 && params_.top_k < scores.size(0)) {
-    const auto kth = std::get<0>(scores.topk(params_.top_k)).select(0, params_.top_k - 1);
-    scores = scores.masked_fill(scores < kth, removed);
+double TokenSampler::draw() {
+  std::lock_guard<std::mutex> lock(generator_.mutex());
+  const uint64_t bits = generator_.get<at::CPUGeneratorImpl>()->random64() >> 11;  // 53 random bits
+  return static_cast<double>(bits + 1) * 0x1.0p-53;                                 // (0, 1]
+}
+
+std::vector<int64_t> choose_tokens(const at::Tensor& logits, const std::vector<TokenSampler*>& samplers) {
+  const auto rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(static_cast<int64_t>(samplers.size()) == rows, "choose_tokens: ", samplers.size(),
+              " samplers for ", rows, " rows");
+  std::vector<uint8_t> sampled(rows);
+  std::vector<float> temperature(rows, 1.0f), keep_mass(rows, 1.0f), draw(rows, 1.0f);
+  std::vector<int64_t> top_k(rows, 0);
+  int64_t most_k = 0;
+  bool any_sampled = false, any_top_p = false;
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto& p = samplers[i]->params();
+    if (p.greedy()) continue;
+    any_sampled = true;
+    sampled[i] = 1;
+    temperature[i] = static_cast<float>(p.temperature);
+    if (p.top_k > 0 && p.top_k < vocab) top_k[i] = p.top_k;
+    most_k = std::max(most_k, top_k[i]);
+    keep_mass[i] = static_cast<float>(p.top_p);
+    any_top_p = any_top_p || p.top_p < 1.0;
+    draw[i] = static_cast<float>(samplers[i]->draw());
   }
-  if (params_.top_p < 1.0) {
-    const auto [sorted, order] = scores.sort(/*dim=*/0, /*descending=*/false);
-    auto drop = sorted.softmax(0).cumsum(0) <= (1.0 - params_.top_p);
-    drop.select(0, drop.size(0) - 1).fill_(false);  // the most likely token always stays
-    scores = scores.masked_fill(drop.scatter(0, order, drop), removed);
+  auto tokens = logits.argmax(-1);
+  if (any_sampled) {
+    // transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in that order.
+    const auto device = logits.device();
+    const auto column = [&](const auto& values, at::ScalarType type) {
+      return at::tensor(at::ArrayRef(values)).to(device, type).unsqueeze(1);
+    };
+    const float removed = -std::numeric_limits<float>::infinity();
+    auto scores = logits / column(temperature, at::kFloat);
+    if (most_k > 0) {
+      // Each row's k-th largest score (rows without top-k: -inf, removing nothing).
+      const auto k = column(top_k, at::kLong);
+      const auto kth = std::get<0>(scores.topk(most_k)).gather(1, (k - 1).clamp_min(0));
+      scores = scores.masked_fill(scores < kth.masked_fill(k == 0, removed), removed);
+    }
+    if (any_top_p) {
+      const auto [sorted, order] = scores.sort(/*dim=*/1, /*descending=*/false);
+      auto drop = sorted.softmax(1).cumsum(1) <= (1.0f - column(keep_mass, at::kFloat));
+      drop.select(1, vocab - 1).fill_(false);  // the most likely token always stays
+      scores = scores.masked_fill(drop.scatter(1, order, drop), removed);
+    }
+    const auto cumulative = scores.softmax(1).cumsum(1);
+    const auto target = column(draw, at::kFloat) * cumulative.narrow(1, vocab - 1, 1);
+    // The first token whose cumulative probability reaches the draw: never one of probability 0.
+    const auto drawn = at::searchsorted(cumulative, target).squeeze(1).clamp_max(vocab - 1);
+    tokens = at::where(column(sampled, at::kBool).squeeze(1), drawn, tokens);
   }
-  return at::multinomial(scores.softmax(0), 1, /*replacement=*/false, generator_).item<int64_t>();
+  const auto on_host = tokens.cpu();
+  return {on_host.data_ptr<int64_t>(), on_host.data_ptr<int64_t>() + rows};
 }
 
 }  // namespace symbiosis

@@ -26,17 +26,25 @@ struct SamplingParams {
   void validate(int64_t vocab_size) const;
 };
 
-// One request's token choices. Not thread-safe; one per request.
+// One request's random stream: a uniform draw in (0, 1] for each token it samples, from its seed.
+// Not thread-safe; one per request.
 class TokenSampler {
  public:
   explicit TokenSampler(const SamplingParams& params);
-  // The next token for logits [vocab] (any dtype and device); sampled rows are drawn on the CPU
-  // from the request's generator.
-  int64_t sample(const at::Tensor& logits);
+  const SamplingParams& params() const { return params_; }
+  double draw();
 
  private:
   SamplingParams params_;
   at::Generator generator_;
 };
+
+// [Batched sampling]: the next token of each row of `logits` ([rows, vocab], fp32, any device),
+// row i chosen as samplers[i]'s request asks, all rows in one pass on the logits' device (one copy
+// of the ids to the host): greedy rows take the argmax; sampled rows apply temperature, top-k and
+// top-p, then take the token where their draw falls in the cumulative distribution (inverse
+// transform sampling: one draw a token, so a request's tokens depend on its seed and its logits
+// alone, not on the rows it shares a step with).
+std::vector<int64_t> choose_tokens(const at::Tensor& logits, const std::vector<TokenSampler*>& samplers);
 
 }  // namespace symbiosis

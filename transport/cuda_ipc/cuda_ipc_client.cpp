@@ -171,6 +171,10 @@ class CudaIpcPayload : public RegisteredBuffer {
                                               {cuda::MemoryOp::kWaitReached, result_ready, 1},
                                               {cuda::MemoryOp::kWrite, result_ready, 0}});
   }
+  // [Capture's stream]: a decode graph is warmed up on its own stream and captured on it later,
+  // after other steps (a prefill, another batch size's graph) ran on other streams; the wait that
+  // use_stream() would add is made here, before the capture, not recorded into it.
+  void before_capture() override { use_stream(); }
   void replayed(uint32_t sequence) override { announced_.store(sequence, std::memory_order_release); }
 
  protected:

@@ -130,6 +130,49 @@ TEST_P(GeneratorTest, SampledGenerationRepeatsWithItsSeedAndDiffersWithAnother) 
   EXPECT_NE(first.results[0].output_ids, differently.results[0].output_ids);
 }
 
+// [Batched sampling] (client_runtime/inference/sampling.h): over 3 000 seeds, each warped row's
+// tokens come as often as its warped softmax says, only from its top-k or nucleus, greedy rows
+// take the argmax, and a seed's token does not depend on the rows it is drawn beside.
+TEST(Sampling, BatchedDrawsFollowEachRowsWarpedDistributionAndItsSeedAlone) {
+  const auto logits = at::tensor({0.5f, 2.0f, -1.0f, 1.0f, 0.0f, 1.5f}).repeat({4, 1});
+  const auto params = [](double temperature, int64_t top_k, double top_p, uint64_t seed) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.top_k = top_k;
+    p.top_p = top_p;
+    p.seed = seed;
+    return p;
+  };
+  // Each row's expected frequencies: softmax(logits / t) over the tokens kept.
+  const auto expected = [&](double temperature, std::vector<int64_t> kept) {
+    const auto kept_ids = at::tensor(kept);
+    auto p = at::zeros({6});
+    p.index_put_({kept_ids}, (logits[0].index({kept_ids}) / temperature).softmax(0));
+    return p;
+  };
+  const std::vector<at::Tensor> wanted = {expected(1.0, {0, 1, 2, 3, 4, 5}), expected(0.7, {1, 5}),
+                                          expected(1.0, {1, 5, 3}), at::one_hot(at::tensor(int64_t{1}), 6).to(at::kFloat)};
+  std::vector<at::Tensor> counts;
+  for (int row = 0; row < 4; ++row) counts.push_back(at::zeros({6}));
+  const int draws = 3000;
+  for (int seed = 0; seed < draws; ++seed) {
+    TokenSampler full(params(1.0, 0, 1.0, seed)), top_k(params(0.7, 2, 1.0, seed)),
+        top_p(params(1.0, 0, 0.8, seed)), greedy(params(0.0, 0, 1.0, seed));
+    const auto tokens = choose_tokens(logits, {&full, &top_k, &top_p, &greedy});
+    for (int row = 0; row < 4; ++row) counts[row][tokens[row]] += 1;
+    if (seed < 50) {  // the same seed alone draws the same token
+      TokenSampler again(params(0.7, 2, 1.0, seed));
+      EXPECT_EQ(choose_tokens(logits.narrow(0, 0, 1), {&again})[0], tokens[1]) << "seed " << seed;
+    }
+  }
+  for (int row = 0; row < 4; ++row) {
+    const auto frequency = counts[row] / draws;
+    EXPECT_TRUE(frequency.masked_select(wanted[row] == 0).eq(0).all().item<bool>()) << "row " << row << ": " << frequency;
+    EXPECT_LT((frequency - wanted[row]).abs().max().item<float>(), 0.03)
+        << "row " << row << ": " << frequency << " against " << wanted[row];
+  }
+}
+
 TEST_P(GeneratorTest, StopTokensEndARequestAndCancelEndsAnother) {
   auto lm = open_causal_lm(*checkpoint_);
   const auto plain = generate(lm, {request({5, 9, 33, 2, 7}, 8)}).results[0].output_ids;

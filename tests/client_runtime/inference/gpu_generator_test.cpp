@@ -100,6 +100,37 @@ TEST(GpuGeneration, SplitOverCudaIpcGivesTheMonolithicTokensInBf16) {
   expect_split_equals_monolithic(at::kBFloat16, 2e-2);
 }
 
+// [Capture's stream] (transport/cuda_ipc/cuda_ipc_client.cpp): a request that joins between a
+// bucket's eager warm-up step and its capture is prefilled on the caller's stream; the capture that
+// follows must still succeed (it once failed, "dependency created on uncaptured work in another
+// stream", and the generator decoded eagerly from then on: the tinker sampler's every run).
+TEST(GpuGeneration, ARequestJoiningBetweenWarmUpAndCaptureKeepsDecodeCaptured) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  const auto executor =
+      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
+                             "fp32", "--log-level", "warn"},
+                            testing::temp_dir("gpu-generator-join"));
+  auto client = Client::connect(
+      {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
+  auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, at::kFloat);
+  auto options = captured_options();
+  options.max_sequences = 2;
+  auto eager = options;
+  eager.capture_decode = false;
+  // The first ends after one decode step (bucket 2's warm-up); the third is prefilled then, before
+  // bucket 2's second step, its capture.
+  const std::vector<GenerationRequest> requests = {testing::request({5, 9, 33}, 2), testing::request({100, 4}, 8),
+                                                   testing::request({42, 7, 1, 3}, 8)};
+  const auto split = testing::generate(split_lm, requests, options);
+  EXPECT_EQ(split.captured, 2);  // buckets 2 and 1, neither given up
+  testing::expect_same(split, testing::generate(mono_lm, requests, eager), "joined between warm-up and capture");
+  split_lm = {};
+  client.reset();
+  bench::stop(executor.pid);
+}
+
 // [Sliding window] on a GPU: Mistral's window of 4 tokens, which the requests outgrow, in captured
 // decode steps (their window masks made from the device's starts at each replay, the fused decode
 // kernel left to full-attention layers) against eager monolithic decode.
