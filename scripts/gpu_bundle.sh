@@ -20,6 +20,12 @@ for f in base_executor/symbiosis-executor examples/symbiosis-demo-client tools/s
   mkdir -p "$out/$(dirname "$f")"
   strip --strip-debug -o "$out/$f" "$BUILD_DIR/$f"
 done
+# The Python programs' launchers ([Python programs' launchers] in python/CMakeLists.txt), run by the
+# GPU machine's python3 (its PYTHONPATH finds the package).
+for f in symbiosis-serve symbiosis-tinker; do
+  [ -f "$BUILD_DIR/examples/$f" ] || continue
+  sed '1s|.*|#!/usr/bin/env python3|' "$BUILD_DIR/examples/$f" > "$out/examples/$f" && chmod +x "$out/examples/$f"
+done
 # The Python package's extension module for the GPU machine's CPython (3.12; [Extension for another
 # Python] in python/CMakeLists.txt: configure with -DSYMBIOSIS_BUNDLE_PYTHON=<a python3.12> and build
 # symbiosis_python_extension_bundle). gpu_check.sh's Python stages put .gpu-build/python on PYTHONPATH
