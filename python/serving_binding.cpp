@@ -153,6 +153,16 @@ class ServingEngine {
     py::gil_scoped_release no_gil;  // reads the adapter's files
     generator_->load_adapter(name, adapter_in(path));
   }
+  // The same from an adapter's files' contents in memory: `tensors` by their names in
+  // adapter_model.safetensors (host tensors, as a trainer's save hands them over), `folder` what
+  // messages name (where the trainer wrote them).
+  void load_adapter_contents(const std::string& name, const std::string& folder, const std::string& config_json,
+                             const std::map<std::string, at::Tensor>& tensors) {
+    AdapterContents adapter{folder, config_json, {}};
+    for (const auto& [key, tensor] : tensors) adapter.tensors[key] = tensor.detach();
+    py::gil_scoped_release no_gil;
+    generator_->load_adapter(name, adapter);
+  }
   // The slot is freed at a step boundary once no request holds it: the stepping thread is woken
   // for that step even when nothing runs, so that a load after this one finds the slot free.
   void unload_adapter(const std::string& name) {
@@ -306,6 +316,8 @@ void bind_serving_engine(py::module_& m) {
            py::arg("stop"), py::arg("logprobs"), py::arg("top_logprobs"), py::arg("on_event"))
       .def("cancel", &ServingEngine::cancel, py::arg("request"))
       .def("load_adapter", &ServingEngine::load_adapter, py::arg("name"), py::arg("path"))
+      .def("load_adapter_contents", &ServingEngine::load_adapter_contents, py::arg("name"), py::arg("folder"),
+           py::arg("config_json"), py::arg("tensors"))
       .def("unload_adapter", &ServingEngine::unload_adapter, py::arg("name"))
       .def_property_readonly("adapters", &ServingEngine::adapters)
       .def("shutdown", &ServingEngine::shutdown)

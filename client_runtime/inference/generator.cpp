@@ -255,6 +255,14 @@ std::string Generator::adapter_names() const {
 }
 
 void Generator::load_adapter(const std::string& name, const std::filesystem::path& peft_dir) {
+  add_adapter(name, [&] { return read_banked_lora(*bank_model_, peft_dir, options_.max_lora_rank); });
+}
+
+void Generator::load_adapter(const std::string& name, const AdapterContents& adapter) {
+  add_adapter(name, [&] { return banked_lora(*bank_model_, adapter, options_.max_lora_rank); });
+}
+
+void Generator::add_adapter(const std::string& name, const std::function<BankedLora()>& read) {
   TORCH_CHECK(!name.empty(), "load_adapter: the name is empty (requests naming no adapter get the model's own)");
   TORCH_CHECK(!host_decode_, "load_adapter: a [Host decode] generator serves its model's own adapter only");
   TORCH_CHECK(options_.max_loras > 0, "load_adapter: max_loras is 0; set GeneratorOptions::max_loras to hold adapters");
@@ -268,7 +276,7 @@ void Generator::load_adapter(const std::string& name, const std::filesystem::pat
   auto named = std::make_shared<NamedLora>();
   named->name = name;
   try {
-    named->lora = read_banked_lora(*bank_model_, peft_dir, options_.max_lora_rank);
+    named->lora = read();
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "load_adapter '", name, "': ", e.what_without_backtrace());
   }

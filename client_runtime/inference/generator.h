@@ -161,6 +161,8 @@ class Generator {
   // match no layer, tensors of other names or shapes), a [Host decode] generator, a model whose own
   // adapter is not plain LoRA in its dtype.
   void load_adapter(const std::string& name, const std::filesystem::path& peft_dir);
+  // The same from the files' contents in memory (a trainer's adapter it just saved), checked alike.
+  void load_adapter(const std::string& name, const AdapterContents& adapter);
   // Forgets `name` now; its running and waiting requests finish on it, and its slot is freed at the
   // step boundary after the last. Throws naming the loaded adapters when `name` is not one.
   void unload_adapter(const std::string& name);
@@ -184,6 +186,8 @@ class Generator {
   const KvCache& cache() const;
 
  private:
+  // load_adapter's checks and naming around `read`, which gives the adapter.
+  void add_adapter(const std::string& name, const std::function<BankedLora()>& read);
   struct Sequence;
   struct Submitted;
   struct DecodeGraph;

@@ -20,6 +20,12 @@ nlohmann::json read_config(const std::filesystem::path& dir, const std::string& 
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, "bad JSON in ", path, ": ", e.what());
   }
+  check_config(j, dir, expected_type);
+  return j;
+}
+
+void check_config(const nlohmann::json& j, const std::filesystem::path& dir, const std::string& expected_type) {
+  const auto path = dir / "adapter_config.json";
   TORCH_CHECK(j.is_object(), path, " is not a JSON object");
   const auto type = j.contains("peft_type") && j["peft_type"].is_string() ? j["peft_type"].get<std::string>() : "";
   TORCH_CHECK(expected_type.empty() || type == expected_type, path, ": field 'peft_type' is '", type, "', expected '",
@@ -28,7 +34,6 @@ nlohmann::json read_config(const std::filesystem::path& dir, const std::string& 
     TORCH_CHECK(j["task_type"] == "CAUSAL_LM", path, ": field 'task_type' is ", j["task_type"].dump(),
                 ", expected \"CAUSAL_LM\"");
   }
-  return j;
 }
 
 std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir) {
@@ -167,7 +172,10 @@ std::string no_layer_matched(const std::string& model_type, const std::vector<st
 std::string adapter_origin(const std::filesystem::path& dir) {
   std::ifstream in(dir / "adapter_config.json");
   if (!in) return "";
-  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return adapter_origin(nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false));
+}
+
+std::string adapter_origin(const nlohmann::json& j) {
   if (!j.is_object() || !j.contains("base_model_name_or_path") || !j["base_model_name_or_path"].is_string()) return "";
   return " (made for '" + j["base_model_name_or_path"].get<std::string>() +
          "', its adapter_config.json's base_model_name_or_path)";
@@ -194,7 +202,13 @@ void add_saved_adapter(const std::filesystem::path& dir, const std::string& meth
 
 void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
                 const std::string& method) {
-  const auto saved = read_tensors(dir);
+  std::ifstream config(dir / "adapter_config.json");
+  load_state(read_tensors(dir), nlohmann::json::parse(config, nullptr, /*allow_exceptions=*/false), dir, state, method);
+}
+
+void load_state(const std::map<std::string, at::Tensor>& saved, const nlohmann::json& config,
+                const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                const std::string& method) {
   const auto file = dir / "adapter_model.safetensors";
   // An adapter for another architecture (or another depth) names modules this model lacks: say so,
   // rather than only which tensor is missing.
@@ -209,7 +223,7 @@ void load_state(const std::filesystem::path& dir, const std::vector<std::pair<st
     if (!known && std::find(foreign.begin(), foreign.end(), module) == foreign.end()) foreign.push_back(module);
   }
   TORCH_CHECK(foreign.empty(), file, ": this adapter's tensors name modules (", some_of(foreign),
-              ") that this model does not have", adapter_origin(dir), "; the model's ", method, " layers are ",
+              ") that this model does not have", adapter_origin(config), "; the model's ", method, " layers are ",
               model_modules.empty() ? std::string("none") : some_of(model_modules),
               ". Was the adapter made for another model?");
   TORCH_CHECK(saved.size() == state.size(), file, " holds ", saved.size(), " tensors, but the model's ", method,

@@ -20,9 +20,12 @@ namespace symbiosis::peft {
 // PEFT's prefix of a layer's key in adapter_model.safetensors: base_model.model.<module path>.
 inline const std::string kKeyPrefix = "base_model.model.";
 
-// adapter_config.json, parsed; throws naming the file for a missing file or bad JSON, and when
-// its peft_type is not `expected_type` (empty: any).
+// adapter_config.json, parsed; throws naming the file for a missing file or bad JSON, and as
+// check_config does.
 nlohmann::json read_config(const std::filesystem::path& dir, const std::string& expected_type = "");
+// Throws naming `dir`'s adapter_config.json when `config` is not an object, its peft_type is not
+// `expected_type` (empty: any) or its task_type is not CAUSAL_LM.
+void check_config(const nlohmann::json& config, const std::filesystem::path& dir, const std::string& expected_type);
 // Every tensor of adapter_model.safetensors, copied into memory (fp32/bf16/fp16, as stored).
 std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir);
 // Fills a model's adapter tensors, `state` (their PEFT keys and the tensors themselves, as
@@ -30,6 +33,11 @@ std::map<std::string, at::Tensor> read_tensors(const std::filesystem::path& dir)
 // its tensor's dtype. The file must hold exactly these keys in these shapes: otherwise throws,
 // naming the file, the tensor and `method`'s adapters ("LoRA", "IA3", ...), having changed nothing.
 void load_state(const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                const std::string& method);
+// The same from `saved`, the file's tensors already in memory (`config`: its adapter_config.json,
+// for messages; `dir`: the folder the messages name).
+void load_state(const std::map<std::string, at::Tensor>& saved, const nlohmann::json& config,
+                const std::filesystem::path& dir, const std::vector<std::pair<std::string, at::Tensor>>& state,
                 const std::string& method);
 // Writes both files (tensors contiguous, on the CPU, in their own dtype).
 void write_adapter(const std::filesystem::path& dir, const nlohmann::json& config,
@@ -78,6 +86,7 @@ std::string no_layer_matched(const std::string& model_type, const std::vector<st
 // Where an adapter in `dir` says it came from, for errors: " (made for 'gpt2', its
 // adapter_config.json's base_model_name_or_path)", or "" when it does not say.
 std::string adapter_origin(const std::filesystem::path& dir);
+std::string adapter_origin(const nlohmann::json& config);
 // Runs `add` (add_lora, add_ia3, add_adalora with a saved adapter's config) for load_lora, load_ia3
 // and load_adalora: its refusal (target_modules that match no layer of this model: an adapter for
 // another architecture) names the user's adapter folder and where the adapter says it came from,

@@ -352,9 +352,9 @@ void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::fi
 
 namespace {
 
-LoraConfig read_lora_fields(const std::filesystem::path& dir) {
+LoraConfig lora_fields(const nlohmann::json& j, const std::filesystem::path& dir) {
   const auto path = dir / "adapter_config.json";
-  const auto j = peft::read_config(dir, "LORA");
+  peft::check_config(j, dir, "LORA");
   LoraConfig config;
   config.r = peft::integer_field(j, "r", config.r, path.string() + ": ");
   config.alpha = j.value("lora_alpha", config.alpha);
@@ -397,9 +397,11 @@ LoraConfig read_lora_fields(const std::filesystem::path& dir) {
 
 }  // namespace
 
-LoraConfig read_lora_config(const std::filesystem::path& dir) {
+LoraConfig read_lora_config(const std::filesystem::path& dir) { return parse_lora_config(peft::read_config(dir), dir); }
+
+LoraConfig parse_lora_config(const nlohmann::json& config, const std::filesystem::path& dir) {
   try {
-    return read_lora_fields(dir);
+    return lora_fields(config, dir);
   } catch (const nlohmann::json::exception& e) {
     // A field of the wrong JSON type ("target_modules": false) names the file, as AdaLoRA's does.
     TORCH_CHECK(false, dir / "adapter_config.json", ": bad LoRA field: ", e.what());

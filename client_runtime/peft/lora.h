@@ -4,6 +4,7 @@
 // adapter_model.safetensors with keys base_model.model.<layer>.lora_A.weight).
 #include <filesystem>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,9 @@ void require_every_lora_target_matches(torch::nn::Module& model, const std::vect
 
 void save_lora(torch::nn::Module& model, const LoraConfig& config, const std::filesystem::path& dir);
 LoraConfig read_lora_config(const std::filesystem::path& dir);
+// The same from adapter_config.json's contents, `config`, already in memory (its messages name the
+// file in `dir`).
+LoraConfig parse_lora_config(const nlohmann::json& config, const std::filesystem::path& dir);
 // Attaches adapters as the saved config says (when the model has none yet) and loads their weights.
 LoraConfig load_lora(torch::nn::Module& model, const std::filesystem::path& dir);
 

@@ -43,8 +43,15 @@ BankModel bank_model(torch::nn::Module& model, at::ScalarType dtype) {
 }
 
 BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path& dir, int64_t max_rank) {
+  return banked_lora(model, {dir, peft::read_config(dir).dump(), peft::read_tensors(dir)}, max_rank);
+}
+
+BankedLora banked_lora(const BankModel& model, const AdapterContents& adapter, int64_t max_rank) {
+  const auto& dir = adapter.dir;
   const auto config_file = dir / "adapter_config.json";
-  const auto json = peft::read_config(dir);
+  const auto json = nlohmann::json::parse(adapter.config_json, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(!json.is_discarded(), "bad JSON in ", config_file, " (in memory)");
+  peft::check_config(json, dir, "");
   std::string type;
   if (json.contains("peft_type")) {
     type = json["peft_type"].is_string() ? json["peft_type"].get<std::string>() : json["peft_type"].dump();
@@ -53,7 +60,7 @@ BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path&
               "'; a multi-adapter generator serves LORA adapters only");
   BankedLora lora;
   lora.dir = dir;
-  lora.config = read_lora_config(dir);
+  lora.config = parse_lora_config(json, dir);
   TORCH_CHECK(!lora.config.use_dora, config_file,
               ": field 'use_dora' is true; a multi-adapter generator serves plain LoRA (DoRA's magnitude needs the"
               " base weights' norms per layer)");
@@ -76,11 +83,11 @@ BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path&
   if (lora.layers.empty()) {
     std::vector<std::string> paths;
     for (const auto& layer : model.layers) paths.push_back(layer.path);
-    TORCH_CHECK(false, "LoRA adapter ", dir, peft::adapter_origin(dir), ": ",
+    TORCH_CHECK(false, "LoRA adapter ", dir, peft::adapter_origin(json), ": ",
                 peft::no_layer_matched(model.model_type, paths, "its target_modules", lora.config.target_modules),
                 ". Was the adapter made for another model?");
   }
-  peft::load_state(dir, state, "LoRA");  // names and shapes, naming what differs
+  peft::load_state(adapter.tensors, json, dir, state, "LoRA");  // names and shapes, naming what differs
   return lora;
 }
 

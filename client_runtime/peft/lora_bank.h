@@ -69,11 +69,22 @@ struct BankedLora {
   std::vector<Layer> layers;  // in module order
 };
 
+// A PEFT adapter's two files' contents: read from its folder, or handed over in memory by the
+// trainer that just saved them (symbiosis-tinker's sampler weights), `dir` then the folder they
+// were written to, which messages name.
+struct AdapterContents {
+  std::filesystem::path dir;
+  std::string config_json;                    // adapter_config.json
+  std::map<std::string, at::Tensor> tensors;  // adapter_model.safetensors' tensors, on the host
+};
+
 // Reads and checks the adapter in `dir` for `model`. Refused, naming the folder and what differs:
 // a peft_type other than LORA (naming it), DoRA, the LoRA fields read_lora_config refuses, a
 // layer's rank above max_rank, target_modules that name no base layer of the model, tensors whose
 // names or shapes are not the model's layers' (an adapter of another base model).
 BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path& dir, int64_t max_rank);
+// The same from contents in memory, checked as the files would be.
+BankedLora banked_lora(const BankModel& model, const AdapterContents& adapter, int64_t max_rank);
 
 // The slot each row of the model's current forward takes (-1: none, the base alone), set by the
 // generator before each forward of its steps and cleared after them (undefined slots: not a step):

@@ -7,6 +7,7 @@ load with the optimizer resume with identical losses; bad input is refused namin
 the run goes on."""
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -19,6 +20,7 @@ import tinker
 import torch
 from tinker import types
 
+import symbiosis
 from conftest import VOCAB, TinkerServer, add_tokenizer, reference_model, served
 from symbiosis.tinker import worker
 
@@ -204,6 +206,36 @@ def test_a_checkpoint_downloads_as_a_peft_adapter(server, tmp_path):
     lp = adapter(input_ids=torch.tensor([SEQUENCES[0][:-1]])).logits.float().log_softmax(-1)[0]
     expected = lp.gather(-1, torch.tensor(SEQUENCES[0][1:])[:, None])[:, 0].detach().numpy()
     np.testing.assert_allclose(forward.loss_fn_outputs[0]["logprobs"].to_numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_weights_are_handed_over_in_memory(server, tmp_path):
+    """[Sampler hand-over] (python/symbiosis/tinker/app.py): a run's save for the sampler hands over
+    what it wrote, tensor for tensor, and the sampler's engine loads that with the folder gone."""
+    import safetensors.torch
+    from symbiosis.serve.engine import Engine
+
+    run = worker.TrainingRun(server.checkpoint, None, rank=4, seed=3, train_mlp=True, train_attn=True,
+                             train_unembed=False)
+    folder = tmp_path / "saved"
+    contents = run.save(str(folder), False, hand_over=True)
+    assert json.loads(contents["config_json"]) == json.loads((folder / "adapter_config.json").read_text())
+    written = safetensors.torch.load_file(str(folder / "adapter_model.safetensors"))
+    assert sorted(contents["tensors"]) == sorted(written)
+    for name, tensor in written.items():
+        assert torch.equal(contents["tensors"][name], tensor), name
+    assert run.save(str(tmp_path / "plain"), False) is None
+    run.close()
+    engine = Engine(server.checkpoint, None, max_loras=2, max_lora_rank=8)
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    engine.load_adapter_contents("handed", str(folder), contents["config_json"], contents["tensors"])
+    assert engine.adapters == ["handed"]
+    broken = dict(contents["tensors"])
+    broken.pop(next(iter(broken)))
+    with pytest.raises(symbiosis.Error, match=re.escape(f"{folder}/adapter_model.safetensors") + '" holds'):
+        engine.load_adapter_contents("broken", str(folder), contents["config_json"], broken)
+    engine.shutdown()
 
 
 def test_two_keys_runs_are_isolated(server):

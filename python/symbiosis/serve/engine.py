@@ -9,7 +9,9 @@
 import asyncio
 import dataclasses
 import weakref
-from typing import AsyncIterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
 
 from .. import _C
 from ..client import Client
@@ -74,6 +76,13 @@ class Engine:
         """Serves the LoRA adapter at `path` (a PEFT folder, or a symbiosis-finetune run or checkpoint
         folder: its newest adapter) as `name` from the next step on."""
         self._native.load_adapter(name, str(path))
+
+    def load_adapter_contents(self, name: str, folder: str, config_json: str, tensors: Dict[str, torch.Tensor]) -> None:
+        """The same from an adapter's files' contents in memory, as a trainer that just wrote them
+        to `folder` hands them over: `config_json` (adapter_config.json) and `tensors` (those of
+        adapter_model.safetensors, by name, on the CPU). Checked as the files would be; messages
+        name `folder`."""
+        self._native.load_adapter_contents(name, str(folder), config_json, tensors)
 
     def unload_adapter(self, name: str) -> None:
         """Forgets `name`; its requests already submitted finish on it."""

@@ -192,23 +192,35 @@ class Service:
 
     # -- checkpoints --
 
-    async def save(self, run: Run, kind: str, name: str, optimizer: bool, overwrite: bool) -> str:
+    @staticmethod
+    def new_checkpoint(run: Run, kind: str, name: str, overwrite: bool) -> str:
+        """The folder of checkpoint `name`; refused when it exists and `overwrite` is false."""
         folder = run.checkpoint_folder(kind, name)
         if os.path.exists(folder) and not overwrite:
             raise UserError(f"checkpoint {TINKER}{run.id}/{kind}/{name} exists: choose another path or overwrite")
+        return folder
+
+    async def save(self, run: Run, kind: str, name: str, optimizer: bool, overwrite: bool) -> str:
+        folder = self.new_checkpoint(run, kind, name, overwrite)
         await self.worker_of(run).call("save", folder, optimizer)
         return folder
+
+    async def save_for_sampler(self, run: Run, folder: str) -> None:
+        """[Sampler hand-over] Saves the run's adapter to `folder` (kept for download and for
+        samplers made later) and loads it into its base's sampler at once from what the run hands
+        over in memory: the sampler does not read the files back."""
+        contents = await self.worker_of(run).call("save", folder, False, True)
+        await self.bases[run.base_model].adapter(folder, contents)
 
     async def ephemeral_sampler(self, run: Run, session_id: str) -> str:
         """Saves the run's adapter for a new sampling session and loads it into the sampler at once;
         returns its folder. The run keeps its MAX_EPHEMERAL newest ones."""
         folder = os.path.join(run.folder, "ephemeral", session_id.rsplit(":", 1)[-1])
-        await self.worker_of(run).call("save", folder, False)
+        await self.save_for_sampler(run, folder)
         kept = self._ephemeral.setdefault(run.id, [])
         kept.append(folder)
         while len(kept) > MAX_EPHEMERAL:
             shutil.rmtree(kept.pop(0), ignore_errors=True)
-        await self.bases[run.base_model].adapter(folder)
         return folder
 
     def sign(self, path: str) -> str:
@@ -426,8 +438,8 @@ def app(service: Service) -> FastAPI:
     async def save_weights_for_sampler(run: Run, body: Dict[str, Any], owner: str):
         if body.get("path") is not None:
             name = field(body, "path")
-            folder = await service.save(run, "sampler_weights", name, False, bool(body.get("overwrite", False)))
-            await service.bases[run.base_model].adapter(folder)
+            folder = service.new_checkpoint(run, "sampler_weights", name, bool(body.get("overwrite", False)))
+            await service.save_for_sampler(run, folder)
             return {"path": f"{TINKER}{run.id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
         session_id = f"{run.id.split(':train:')[0]}:sample:{field(body, 'sampling_session_seq_id', int)}"
         folder = await service.ephemeral_sampler(run, session_id)

@@ -58,15 +58,20 @@ class BaseModel:
         return {"model_name": self.name, "max_context_length": self.max_model_len, "trainable": True,
                 "sampleable": True}
 
-    async def adapter(self, folder: Optional[str]) -> str:
-        """The Engine's name of the adapter in `folder` (loaded now if it is not); "" for the base."""
+    async def adapter(self, folder: Optional[str], contents: Optional[Dict[str, Any]] = None) -> str:
+        """The Engine's name of the adapter in `folder` (loaded now if it is not); "" for the base.
+        contents: what the run that just saved `folder` handed over (TrainingRun.save's hand_over):
+        loaded from memory rather than read back ([Sampler hand-over])."""
         if folder is None:
             return ""
         async with self._loading:
             if folder in self._adapters:
-                self._adapters.move_to_end(folder)
-                return self._adapters[folder]
-            if not os.path.isdir(folder):
+                if contents is None:
+                    self._adapters.move_to_end(folder)
+                    return self._adapters[folder]
+                # Saved again over the same path (overwrite): its requests so far finish on the old.
+                self.engine.unload_adapter(self._adapters.pop(folder))
+            if contents is None and not os.path.isdir(folder):
                 raise UserError(f"the sampler weights {folder} are gone (deleted, or an ephemeral save replaced by "
                                 "newer ones of its run)")
             while len(self._adapters) >= self._max_loras:
@@ -77,7 +82,11 @@ class BaseModel:
             deadline = asyncio.get_running_loop().time() + WAIT_FOR_SLOT_S
             while True:
                 try:
-                    await asyncio.to_thread(self.engine.load_adapter, name, folder)
+                    if contents is None:
+                        await asyncio.to_thread(self.engine.load_adapter, name, folder)
+                    else:
+                        await asyncio.to_thread(self.engine.load_adapter_contents, name, folder,
+                                                contents["config_json"], contents["tensors"])
                     break
                 except Error as error:
                     # An unloaded adapter's slot is free once its last request ends.

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.multiprocessing  # noqa: F401 - a Pipe then passes tensors in shared memory, not copied
 
 import symbiosis
 from symbiosis.tinker import losses
@@ -203,15 +204,27 @@ class TrainingRun:
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
-    def save(self, folder: str, optimizer: bool) -> None:
+    def save(self, folder: str, optimizer: bool, hand_over: bool = False) -> Optional[Dict[str, Any]]:
         """Writes the adapter to `folder` as PEFT does (adapter_config.json, adapter_model.safetensors:
         what peft.PeftModel.from_pretrained and the C++ runtime's loader read), with `optimizer`
         the AdamW state (optimizer.pt), and tinker.json: the run's settings, which load() checks.
-        Gradients accumulated since the last optim_step are not saved."""
+        Gradients accumulated since the last optim_step are not saved. With `hand_over`, returns
+        what the files hold, for the sampler to load in memory ([Sampler hand-over]):
+        {"config_json": adapter_config.json's text, "tensors": adapter_model.safetensors' tensors,
+        by name, on the CPU}."""
+        import peft
+
         os.makedirs(folder, exist_ok=True)
         # save_embedding_layers=False: an adapter on lm_head would otherwise make PEFT copy the
         # base's whole unembedding into the adapter.
         self.model.save_pretrained(folder, save_embedding_layers=False)
+        contents = None
+        if hand_over:
+            with open(os.path.join(folder, "adapter_config.json")) as f:
+                config_json = f.read()
+            state = peft.get_peft_model_state_dict(self.model, save_embedding_layers=False)
+            contents = {"config_json": config_json,
+                        "tensors": {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}}
         if optimizer:
             torch.save(self.optimizer.state_dict(), os.path.join(folder, OPTIMIZER_FILE))
         run = {"base_checkpoint": self.checkpoint, "model_type": self.model_type, "rank": self.rank,
@@ -219,6 +232,7 @@ class TrainingRun:
                "train_attn": self.train_attn, "train_unembed": self.train_unembed, "optimizer": bool(optimizer)}
         with open(os.path.join(folder, RUN_FILE), "w") as f:
             json.dump(run, f, indent=2)
+        return contents
 
     def load(self, folder: str, optimizer: bool) -> None:
         """Restores the adapter saved in `folder` (by save(), or any PEFT LoRA adapter of this run's

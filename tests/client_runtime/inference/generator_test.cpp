@@ -17,11 +17,13 @@
 #include <nlohmann/json.hpp>
 #include <cctype>
 #include <map>
+#include <sstream>
 #include <thread>
 #include <torch/cuda.h>
 
 #include "client_runtime/inference/generator.h"
 #include "client_runtime/peft/adapter.h"
+#include "client_runtime/peft/files.h"
 #include "transport/client_transport.h"
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/client_runtime/text/reference_tokenizers.h"
@@ -700,6 +702,59 @@ TEST(MultiAdapter, BadAdaptersAndNamesAreRefusedAndUnloadingWaitsForItsRequests)
               ia3_generator.load_adapter("a", good);
             }).find("this generator's model cannot serve several adapters"),
             std::string::npos);
+}
+
+// [Multi-adapter batches] from memory: an adapter's files' contents handed over (as symbiosis-tinker's
+// runs hand over the sampler weights they just saved) generate what the folder generates, and
+// contents that are wrong are refused as the files would be, naming the folder.
+TEST(MultiAdapter, ContentsInMemoryServeAsTheirFolderAndAreCheckedAlike) {
+  const auto work = testing::temp_dir("symbiosis-multi-adapter-contents");
+  auto checkpoint = Checkpoint::open(testing::make_checkpoint("tiny-llama"));
+  auto lm = open_causal_lm(*checkpoint);
+  LoraConfig config;
+  config.r = 4;
+  config.target_modules = {"q_proj", "v_proj"};
+  config.init_b_zero = false;
+  {
+    auto trained = open_causal_lm(*checkpoint);
+    at::manual_seed(5);
+    add_lora(*trained.module, config);
+    save_lora(*trained.module, config, work / "saved");
+  }
+  std::stringstream config_json;
+  config_json << std::ifstream(work / "saved" / "adapter_config.json").rdbuf();
+  const AdapterContents contents{work / "saved", config_json.str(), peft::read_tensors(work / "saved")};
+  GeneratorOptions options;
+  options.max_loras = 2;
+  options.max_lora_rank = 4;
+  Generator generator(lm, options);
+  generator.load_adapter("file", work / "saved");
+  generator.load_adapter("memory", contents);
+  auto named = [](std::string adapter) {
+    auto r = request({5, 9, 33}, 6);
+    r.adapter = std::move(adapter);
+    return r;
+  };
+  const auto results = generator.generate({named("file"), named("memory"), named("")});
+  EXPECT_EQ(results[1].output_ids, results[0].output_ids);
+  EXPECT_EQ(results[1].logprobs, results[0].logprobs);
+  EXPECT_NE(results[2].output_ids, results[0].output_ids);  // the adapter changes them
+  generator.unload_adapter("file");
+  generator.step();
+  auto refusal = [&](AdapterContents bad) { return testing::error_of([&] { generator.load_adapter("bad", bad); }); };
+  auto wrong_shape = contents;
+  wrong_shape.tensors.begin()->second = at::zeros({3, 3});
+  const auto shape = refusal(wrong_shape);
+  EXPECT_NE(shape.find((work / "saved" / "adapter_model.safetensors").string()), std::string::npos) << shape;
+  EXPECT_NE(shape.find("has shape [3, 3], expected"), std::string::npos) << shape;
+  auto ia3 = contents;
+  ia3.config_json = R"({"peft_type": "IA3"})";
+  EXPECT_NE(refusal(ia3).find("field 'peft_type' is 'IA3'; a multi-adapter generator serves LORA adapters only"),
+            std::string::npos);
+  auto not_json = contents;
+  not_json.config_json = "{";
+  EXPECT_NE(refusal(not_json).find("bad JSON in"), std::string::npos);
+  EXPECT_EQ(generator.adapters(), std::vector<std::string>{"memory"});
 }
 
 // symbiosis-generate, split and monolithic, on JSON Lines with a request that is refused: the same
