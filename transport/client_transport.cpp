@@ -21,15 +21,6 @@
 
 namespace symbiosis {
 
-[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message,
-                                       bool can_send_again) {
-  std::string what = "executor error (" + proto::ErrorCode_Name(code) + ") on layer '" + layer.name + "': " + message;
-  if (code == proto::RESOURCE_EXHAUSTED && can_send_again) {
-    throw ExecutorBusy({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(what));
-  }
-  TORCH_CHECK(false, what);
-}
-
 // A call's Request header (its payload, if any, follows in a frame of its own).
 proto::Envelope request_envelope(const CallSpec& spec, const at::Tensor& x) {
   proto::Envelope env;
@@ -147,7 +138,8 @@ class PayloadTransport : public ClientTransport {
       payload_->abandon_output();
       // [Back-pressure]: a refused call may be sent again, but for nccl: its abandoned send aborted
       // the communicator (transport/nccl/nccl_client.cpp), so the refusal stays an error there.
-      throw_executor_error(*spec.layer, code, message, kind_ != transport_name(TransportKind::kNccl));
+      throw_executor_error(code, message, "layer '" + spec.layer->name + "'",
+                           kind_ != transport_name(TransportKind::kNccl));
     }
     return payload_->receive_output(h.out_offset, x.scalar_type(), {x.size(0), spec.out_features}, x.device());
   }
@@ -261,9 +253,9 @@ class PayloadTransport : public ClientTransport {
   void raise_errors() {
     while (auto reply = control_->replies.pop()) {
       if (reply->error_code == proto::OK) continue;  // answers calls made before ordering (none) or that timed out
-      TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(static_cast<proto::ErrorCode>(reply->error_code)),
-                  ") on an earlier call (request ", reply->header.request_id,
-                  "), whose result is void: ", reply->message_text());
+      throw_executor_error(static_cast<proto::ErrorCode>(reply->error_code), reply->message_text(),
+                           "an earlier call (request " + std::to_string(reply->header.request_id) +
+                               "), whose result is void");
     }
     if (gave_up_.load() && socket_.executor_gone()) socket_.check_not_gone();  // [Executor restart]
     TORCH_CHECK(!gave_up_.load(), "executor at ", socket_.endpoint(), " let calls go unanswered for ",

@@ -75,10 +75,6 @@ proto::Envelope request_envelope(const CallSpec& spec, const at::Tensor& x);
 // The executor's Reply to this call over ZeroMQ, its frames in `frames`; skips late answers to
 // calls that timed out.
 proto::Reply await_reply(ControlSocket& socket, const CallSpec& spec, std::vector<zmq::message_t>& frames);
-// Throws the executor's answer to a call on `layer` as a c10::Error; RESOURCE_EXHAUSTED as
-// ExecutorBusy where `can_send_again` (the transport survives the refusal: [Back-pressure]).
-[[noreturn]] void throw_executor_error(const LayerInfo& layer, proto::ErrorCode code, const std::string& message,
-                                       bool can_send_again = true);
 
 // Where this process runs, for the Hello.
 proto::Placement local_placement(const std::string& device);

@@ -491,10 +491,18 @@ proto::Envelope ControlSocket::exchange_setup(const proto::Envelope& envelope, c
 proto::Envelope ControlSocket::parse_or_throw(const std::vector<zmq::message_t>& frames) {
   proto::Envelope env;
   TORCH_CHECK(!frames.empty() && wire::parse(frames[0], &env), "executor sent a message that does not parse");
-  if (env.has_error()) {
-    TORCH_CHECK(false, "executor error (", proto::ErrorCode_Name(env.error().code()), "): ", env.error().message());
-  }
+  if (env.has_error()) throw_executor_error(env.error().code(), env.error().message());
   return env;
+}
+
+[[noreturn]] void throw_executor_error(proto::ErrorCode code, const std::string& message, const std::string& on,
+                                       bool can_send_again) {
+  std::string what =
+      "executor error (" + proto::ErrorCode_Name(code) + ")" + (on.empty() ? "" : " on " + on) + ": " + message;
+  if (code == proto::RESOURCE_EXHAUSTED && can_send_again) {
+    throw ExecutorBusy({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(what));
+  }
+  TORCH_CHECK(false, what);
 }
 
 proto::Stats request_stats(const std::string& endpoint, int timeout_ms, const ClientKeys& keys) {

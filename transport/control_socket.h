@@ -35,6 +35,13 @@ class ExecutorBusy : public c10::Error {
   using c10::Error::Error;
 };
 
+// [Error model] (common/status.h): the one place an executor's error answer becomes an exception, as
+// "executor error (CODE)[ on ON]: message": `on` says what it answered ("layer 'NAME'"; empty for
+// an answer to no call); RESOURCE_EXHAUSTED is ExecutorBusy where `can_send_again` (the transport
+// survives the refusal: [Back-pressure]), every other a c10::Error.
+[[noreturn]] void throw_executor_error(proto::ErrorCode code, const std::string& message, const std::string& on = "",
+                                       bool can_send_again = false);
+
 // [Admission keys] (transport/keys.h): what a client needs for an executor started with keys.
 struct ClientKeys {
   std::string executor_key;  // the executor's public key (Z85); empty: no keys

@@ -20,7 +20,8 @@ class TcpTransport : public ClientTransport {
     std::vector<zmq::message_t> frames;
     const auto reply = await_reply(socket_, spec, frames);
     if (reply.has_error() && reply.error().code() != proto::OK) {
-      throw_executor_error(*spec.layer, reply.error().code(), reply.error().message());
+      throw_executor_error(reply.error().code(), reply.error().message(), "layer '" + spec.layer->name + "'",
+                           /*can_send_again=*/true);
     }
     frames.erase(frames.begin());  // the Reply's
     const auto dtype = wire::from_proto(reply.dtype());
