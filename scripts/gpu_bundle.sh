@@ -35,6 +35,16 @@ for f in "$BUILD_DIR"/python/symbiosis/_C.cpython-312-*.so; do
   mkdir -p "$out/python/symbiosis"
   strip --strip-debug -o "$out/python/symbiosis/$(basename "$f")" "$f"
 done
+# [GPU suites in ctest]: the carried GPU suites' ctest entries (what gtest_discover_tests wrote, label
+# gpu), the build tree's path left as @BUILD@ for gpu_check.sh to fill in where the bundle lands;
+# there `ctest --test-dir .gpu-build -L gpu` runs them.
+build_path=$(cd "$BUILD_DIR" && pwd)
+: > "$out/CTestTestfile.cmake.in"
+for f in $(cd "$BUILD_DIR" && grep -rl --include='*_tests.cmake' 'LABELS gpu' tests | sort); do
+  [ -f "$out/${f%\[1\]_tests.cmake}" ] || continue  # a suite not carried
+  sed "s|$build_path|@BUILD@|g" "$BUILD_DIR/$f" > "$out/$f.in"
+  echo "include(\"@BUILD@/$f\")" >> "$out/CTestTestfile.cmake.in"
+done
 git rev-parse HEAD > "$out/COMMIT"
 git diff --stat HEAD > "$out/DIFF" || true
 echo "bundled $(du -sh "$out" | cut -f1) into $out"

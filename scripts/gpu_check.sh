@@ -5,8 +5,9 @@
 # with carry: [".gpu", ".gpu-build"]. It uses the binaries that scripts/gpu_bundle.sh carried in
 # .gpu-build when they load here, and builds from source into build-gpu otherwise.
 # Stages:
-#   tests          the GPU test suites (1 GPU: executor, kernels, CUDA IPC, generation; 2 GPUs: NCCL too), under MPS,
-#                  and runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
+#   tests          `ctest -L gpu`: every GPU suite a test a process ([GPU suites in ctest] in gpu_bundle.sh; those that
+#                  need 2 GPUs skip themselves on one; CTEST_JOBS at once, default 1), under MPS, and
+#                  runtime_binding_test ([libstdc++ first]) built with this machine's toolchain
 #   gtest          one test binary, GPU_TEST, with GPU_FILTER (default *); its log printed
 #   shell          GPU_SHELL, a command line run with this script's environment ($B the binaries, $out, the
 #                  loader's paths): a diagnosis that no stage makes
@@ -132,6 +133,8 @@ if [ -x "$B/base_executor/symbiosis-executor" ] && \
    LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH" "$B/base_executor/symbiosis-executor" --help > /dev/null 2>&1; then
   export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
   log "using the carried build ($(cat "$B/COMMIT" 2>/dev/null))"
+  # [GPU suites in ctest] (scripts/gpu_bundle.sh): the carried ctest entries, pointed at this tree.
+  for f in $(cd "$B" && find . -name '*.cmake.in'); do sed "s|@BUILD@|$B|g" "$B/$f" > "$B/${f%.in}"; done
 else
   log "carried build does not load here; building from source"
   LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH" ldd "$B/base_executor/symbiosis-executor" 2>&1 | grep "not found" | head
@@ -193,23 +196,10 @@ start_executor() {
 # At most 8 files come back from the GPU machine: logs stay in /tmp unless something failed.
 logs=/tmp/gpu-check-logs
 mkdir -p $logs
-# Where each GPU suite lies in the build tree (tests mirror the source tree).
-gtest_path() {
-  case $1 in
-    gpu_executor_test) echo "$B/tests/base_executor/$1" ;;
-    kernels_test) echo "$B/tests/kernels/$1" ;;
-    runtime_binding_test) echo "$B/tests/common/$1" ;;
-    cuda_ipc_test) echo "$B/tests/transport/cuda_ipc/$1" ;;
-    nccl_test) echo "$B/tests/transport/nccl/$1" ;;
-    gpu_generator_test) echo "$B/tests/client_runtime/inference/$1" ;;
-    gpu_trainer_test) echo "$B/tests/client_runtime/training/$1" ;;
-    gpu_restart_test) echo "$B/tests/client_runtime/$1" ;;
-    gpu_privacy_test) echo "$B/tests/privacy/$1" ;;
-  esac
-}
 run_gtest() {  # name, then filter
   local name=$1 log_file=$logs/$1.log
-  timeout "${GTEST_TIMEOUT:-300}" "$(gtest_path "$name")" --gtest_filter="${2:-*}" > "$log_file" 2>&1
+  timeout "${GTEST_TIMEOUT:-300}" "$(find "$B/tests" -name "$name" -type f | head -1)" --gtest_filter="${2:-*}" \
+    > "$log_file" 2>&1
   local failed=$(grep -cE '^\[ +FAILED +\] [A-Z]' "$log_file")
   log "$name: $(grep -cE '^\[ +OK' "$log_file") ok, $failed failed, $(grep -cE '^\[ +SKIPPED' "$log_file") skipped"
   if [ "$failed" != 0 ] || ! grep -q "PASSED" "$log_file"; then
@@ -379,14 +369,11 @@ for stage in "$@"; do
     tests)
       run_gtest runtime_binding_test  # [libstdc++ first] with this machine's toolchain
       mps_on
-      run_gtest gpu_executor_test
-      run_gtest kernels_test
-      run_gtest cuda_ipc_test
-      run_gtest gpu_generator_test
-      run_gtest gpu_trainer_test
-      run_gtest gpu_restart_test
-      run_gtest gpu_privacy_test
-      [ "$gpus" -ge 2 ] && run_gtest nccl_test
+      # Every suite labelled gpu, a test a process (those needing more GPUs than here skip themselves).
+      ctest --test-dir "$B" -L gpu --timeout "${GTEST_TIMEOUT:-300}" -j "${CTEST_JOBS:-1}" > $logs/ctest-gpu.log 2>&1
+      log "ctest -L gpu: $(grep -E 'tests passed' $logs/ctest-gpu.log)"
+      grep -E '\*\*\*|Failed|Not Run' $logs/ctest-gpu.log | grep -v 'tests passed' | head -20
+      grep -q '100% tests passed' $logs/ctest-gpu.log || cp $logs/ctest-gpu.log "$out/"
       mps_off
       ;;
     gtest)
