@@ -74,13 +74,19 @@ std::vector<int64_t> choose_tokens(const at::Tensor& logits, const std::vector<T
       scores = scores.masked_fill(drop.scatter(1, order, drop), removed);
     }
     const auto cumulative = scores.softmax(1).cumsum(1);
-    const auto target = column(draw, at::kFloat) * cumulative.narrow(1, vocab - 1, 1);
-    // The first token whose cumulative probability reaches the draw: never one of probability 0.
-    const auto drawn = at::searchsorted(cumulative, target).squeeze(1).clamp_max(vocab - 1);
-    tokens = at::where(column(sampled, at::kBool).squeeze(1), drawn, tokens);
+    const auto total = cumulative.narrow(1, vocab - 1, 1);
+    // The first token whose cumulative probability reaches the draw: never one of probability 0;
+    // -1 for a row with nothing to draw from (NaN logits).
+    const auto drawn = at::searchsorted(cumulative, column(draw, at::kFloat) * total).clamp_max(vocab - 1);
+    const auto valid = total > 0;  // false for NaN
+    tokens = at::where(column(sampled, at::kBool), at::where(valid, drawn, -1), tokens.unsqueeze(1)).squeeze(1);
   }
   const auto on_host = tokens.cpu();
-  return {on_host.data_ptr<int64_t>(), on_host.data_ptr<int64_t>() + rows};
+  std::vector<int64_t> chosen(on_host.data_ptr<int64_t>(), on_host.data_ptr<int64_t>() + rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(chosen[i] >= 0, "sampling row ", i, ": its logits hold NaN; there is no distribution to draw from");
+  }
+  return chosen;
 }
 
 }  // namespace symbiosis

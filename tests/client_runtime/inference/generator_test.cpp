@@ -167,6 +167,10 @@ TEST(Sampling, BatchedDrawsFollowEachRowsWarpedDistributionAndItsSeedAlone) {
       EXPECT_EQ(choose_tokens(logits.narrow(0, 0, 1), {&again})[0], tokens[1]) << "seed " << seed;
     }
   }
+  TokenSampler sampled(params(1.0, 0, 1.0, 1));
+  const auto nan = at::full({1, 6}, std::numeric_limits<float>::quiet_NaN());
+  EXPECT_NE(testing::error_of([&] { choose_tokens(nan, {&sampled}); }).find("sampling row 0: its logits hold NaN"),
+            std::string::npos);
   for (int row = 0; row < 4; ++row) {
     const auto frequency = counts[row] / draws;
     EXPECT_TRUE(frequency.masked_select(wanted[row] == 0).eq(0).all().item<bool>()) << "row " << row << ": " << frequency;
