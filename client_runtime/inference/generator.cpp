@@ -333,7 +333,8 @@ void Generator::update_bank() {
     }
     if (!bank_) {
       const auto where = model_.token_embeddings().options();
-      bank_ = std::make_unique<LoraBank>(*lm_.module, *bank_model_, options_.max_loras, options_.max_lora_rank, where);
+      bank_ = std::make_unique<LoraBank>(*lm_.module, *bank_model_, options_.max_loras, options_.max_lora_rank, where,
+                                         options_.overlap_adapters);
       changed = true;
     }
     named->slot = bank_->add(named->lora);
