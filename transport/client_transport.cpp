@@ -253,9 +253,9 @@ class PayloadTransport : public ClientTransport {
   void raise_errors() {
     while (auto reply = control_->replies.pop()) {
       if (reply->error_code == proto::OK) continue;  // answers calls made before ordering (none) or that timed out
-      throw_executor_error(static_cast<proto::ErrorCode>(reply->error_code), reply->message_text(),
-                           "an earlier call (request " + std::to_string(reply->header.request_id) +
-                               "), whose result is void");
+      throw_executor_error(
+          static_cast<proto::ErrorCode>(reply->error_code), reply->message_text(),
+          "an earlier call (request " + std::to_string(reply->header.request_id) + "), whose result is void");
     }
     if (gave_up_.load() && socket_.executor_gone()) socket_.check_not_gone();  // [Executor restart]
     TORCH_CHECK(!gave_up_.load(), "executor at ", socket_.endpoint(), " let calls go unanswered for ",

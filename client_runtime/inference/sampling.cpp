@@ -28,13 +28,13 @@ TokenSampler::TokenSampler(const SamplingParams& params)
 double TokenSampler::draw() {
   std::lock_guard<std::mutex> lock(generator_.mutex());
   const uint64_t bits = generator_.get<at::CPUGeneratorImpl>()->random64() >> 11;  // 53 random bits
-  return static_cast<double>(bits + 1) * 0x1.0p-53;                                 // (0, 1]
+  return static_cast<double>(bits + 1) * 0x1.0p-53;                                // (0, 1]
 }
 
 std::vector<int64_t> choose_tokens(const at::Tensor& logits, const std::vector<TokenSampler*>& samplers) {
   const auto rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(static_cast<int64_t>(samplers.size()) == rows, "choose_tokens: ", samplers.size(),
-              " samplers for ", rows, " rows");
+  TORCH_CHECK(static_cast<int64_t>(samplers.size()) == rows, "choose_tokens: ", samplers.size(), " samplers for ", rows,
+              " rows");
   std::vector<uint8_t> sampled(rows);
   std::vector<float> temperature(rows, 1.0f), keep_mass(rows, 1.0f), draw(rows, 1.0f);
   std::vector<int64_t> top_k(rows, 0);

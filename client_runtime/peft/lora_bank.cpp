@@ -257,9 +257,8 @@ std::shared_ptr<LoraBank::Layer> LoraBank::wrap(const std::string& path) {
   auto& layer = wrapped_[path];
   if (!layer) {
     auto* base = base_layers_.at(path);
-    layer =
-        std::make_shared<Layer>(base->take_adapter(), rows_, static_cast<int64_t>(used_.size()), max_rank_, options_,
-                                base->out_features(), overlap_);
+    layer = std::make_shared<Layer>(base->take_adapter(), rows_, static_cast<int64_t>(used_.size()), max_rank_,
+                                    options_, base->out_features(), overlap_);
     base->set_adapter(layer);
     layers_changed_ = true;
   }

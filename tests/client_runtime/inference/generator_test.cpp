@@ -153,13 +153,14 @@ TEST(Sampling, BatchedDrawsFollowEachRowsWarpedDistributionAndItsSeedAlone) {
     return p;
   };
   const std::vector<at::Tensor> wanted = {expected(1.0, {0, 1, 2, 3, 4, 5}), expected(0.7, {1, 5}),
-                                          expected(1.0, {1, 5, 3}), at::one_hot(at::tensor(int64_t{1}), 6).to(at::kFloat)};
+                                          expected(1.0, {1, 5, 3}),
+                                          at::one_hot(at::tensor(int64_t{1}), 6).to(at::kFloat)};
   std::vector<at::Tensor> counts;
   for (int row = 0; row < 4; ++row) counts.push_back(at::zeros({6}));
   const int draws = 3000;
   for (int seed = 0; seed < draws; ++seed) {
-    TokenSampler full(params(1.0, 0, 1.0, seed)), top_k(params(0.7, 2, 1.0, seed)),
-        top_p(params(1.0, 0, 0.8, seed)), greedy(params(0.0, 0, 1.0, seed));
+    TokenSampler full(params(1.0, 0, 1.0, seed)), top_k(params(0.7, 2, 1.0, seed)), top_p(params(1.0, 0, 0.8, seed)),
+        greedy(params(0.0, 0, 1.0, seed));
     const auto tokens = choose_tokens(logits, {&full, &top_k, &top_p, &greedy});
     for (int row = 0; row < 4; ++row) counts[row][tokens[row]] += 1;
     if (seed < 50) {  // the same seed alone draws the same token
@@ -173,7 +174,8 @@ TEST(Sampling, BatchedDrawsFollowEachRowsWarpedDistributionAndItsSeedAlone) {
             std::string::npos);
   for (int row = 0; row < 4; ++row) {
     const auto frequency = counts[row] / draws;
-    EXPECT_TRUE(frequency.masked_select(wanted[row] == 0).eq(0).all().item<bool>()) << "row " << row << ": " << frequency;
+    EXPECT_TRUE(frequency.masked_select(wanted[row] == 0).eq(0).all().item<bool>())
+        << "row " << row << ": " << frequency;
     EXPECT_LT((frequency - wanted[row]).abs().max().item<float>(), 0.03)
         << "row " << row << ": " << frequency << " against " << wanted[row];
   }

@@ -108,10 +108,9 @@ TEST(GpuGeneration, ARequestJoiningBetweenWarmUpAndCaptureKeepsDecodeCaptured) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor =
-      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
-                             "fp32", "--log-level", "warn"},
-                            testing::temp_dir("gpu-generator-join"));
+  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
+                                              testing::temp_dir("gpu-generator-join"));
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, at::kFloat);
