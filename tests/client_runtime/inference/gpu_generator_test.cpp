@@ -31,6 +31,17 @@ std::pair<CausalLM, CausalLM> split_and_monolithic(const Checkpoint& checkpoint,
   return {std::move(split_lm), std::move(mono_lm)};
 }
 
+// An executor of the model in `dir` on cuda:0 (CUDA IPC takes two processes: it runs as its own), in
+// `dtype`, with `more` of its flags; its log in `log_dir`.
+bench::ExecutorProcess start_gpu_executor(const std::filesystem::path& dir, const std::filesystem::path& log_dir,
+                                          const std::string& dtype = "fp32",
+                                          const std::vector<std::string>& more = {}) {
+  std::vector<std::string> args = {"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
+                                   "cuda:0",  "--dtype",    dtype,      "--log-level",       "warn"};
+  args.insert(args.end(), more.begin(), more.end());
+  return bench::start_executor(args, log_dir);
+}
+
 // Three sequences of up to 24 tokens, decode captured after one eager step of each bucket.
 GeneratorOptions captured_options() {
   GeneratorOptions captured;
@@ -43,11 +54,8 @@ GeneratorOptions captured_options() {
 void expect_split_equals_monolithic(at::ScalarType dtype, double tolerance, const std::string& preset = "tiny-llama") {
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
-  // CUDA IPC takes two processes: the executor runs as its own.
   const auto executor =
-      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
-                             dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
-                            testing::temp_dir("gpu-generator-executor"));
+      start_gpu_executor(dir, testing::temp_dir("gpu-generator-executor"), dtype == at::kFloat ? "fp32" : "bf16");
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   EXPECT_EQ(client->transport(), "cuda-ipc");
@@ -108,9 +116,7 @@ TEST(GpuGeneration, ARequestJoiningBetweenWarmUpAndCaptureKeepsDecodeCaptured) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
-                                              testing::temp_dir("gpu-generator-join"));
+  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-join"));
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, at::kFloat);
@@ -170,9 +176,7 @@ TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
-                                              testing::temp_dir("gpu-generator-tcp-executor"));
+  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-tcp-executor"));
   auto options =
       ClientOptions{.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"};
   options.transport = "tcp";
@@ -200,9 +204,7 @@ TEST(GpuGeneration, AClientThatCannotBeCapturedDecodesEagerlyAndExactly) {
 void expect_host_decode_equals_cpu_and_monolithic(const std::string& preset) {
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
-                                              testing::temp_dir("gpu-host-decode-executor"));
+  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-host-decode-executor"));
   auto connect = [&](const std::string& device, const std::string& tenant) {
     return Client::connect({.endpoint = executor.endpoint,
                             .tenant = tenant,
@@ -256,9 +258,7 @@ void expect_offloaded_equals_all_gpu(at::ScalarType dtype, double tolerance, con
   const auto dir = testing::make_checkpoint(preset);
   const auto checkpoint = Checkpoint::open(dir);
   const auto executor =
-      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
-                             dtype == at::kFloat ? "fp32" : "bf16", "--log-level", "warn"},
-                            testing::temp_dir("gpu-offloaded-executor"));
+      start_gpu_executor(dir, testing::temp_dir("gpu-offloaded-executor"), dtype == at::kFloat ? "fp32" : "bf16");
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, dtype);
@@ -338,9 +338,7 @@ TEST(GpuGeneration, PrefillsAfterCapturedDecodeStepsStayExactInAFreshProcess) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
   const auto work = testing::temp_dir("gpu-generate-cli");
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
-                                              work / "executor");
+  const auto executor = start_gpu_executor(dir, work / "executor");
   const auto requests = write_requests(work, 8);
   for (const std::string run : {"split", "monolithic"}) {
     EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, run)), 0)
@@ -362,9 +360,7 @@ TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
   const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
   const auto work = testing::temp_dir("gpu-generate-packed");
   const auto executor =
-      bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device", "cuda:0", "--dtype",
-                             "fp32", "--batching", "lockstep", "--lockstep-timeout", "60000", "--log-level", "warn"},
-                            work / "executor");
+      start_gpu_executor(dir, work / "executor", "fp32", {"--batching", "lockstep", "--lockstep-timeout", "60000"});
   const auto requests = write_requests(work, 4);
   std::string together, waits;
   for (const std::string tenant : {"a", "b", "c"}) {
@@ -390,9 +386,7 @@ TEST(GpuGeneration, GenerateCliHostDecodeAndOffloadedCacheEqualTheAllGpuRun) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto work = testing::temp_dir("gpu-generate-long-context-cli");
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
-                                              work / "executor");
+  const auto executor = start_gpu_executor(dir, work / "executor");
   {
     std::ofstream input(work / "requests.jsonl");
     input << R"({"prompt_ids": [5, 9, 33], "max_new_tokens": 4})"
@@ -447,9 +441,7 @@ void expect_mixed_adapters_equal_each_alone(bool overlap) {
   save("x", x, 1);
   save("y", y, 2);
   save("z", x, 3);
-  const auto executor = bench::start_executor({"--model", dir.string(), "--listen", "tcp://127.0.0.1:*", "--device",
-                                               "cuda:0", "--dtype", "fp32", "--log-level", "warn"},
-                                              work / "executor");
+  const auto executor = start_gpu_executor(dir, work / "executor");
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
