@@ -102,6 +102,8 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--server-flags", default="", help="more of symbiosis-serve's flags, space-separated "
+                        "(e.g. --server-flags=--overlap-adapters)")
     args = parser.parse_args()
     logs = os.path.splitext(args.out)[0]
     vocab = vocabulary_with_a_tokenizer(args.model)
@@ -111,7 +113,8 @@ def main():
     serve = [sys.executable, "-m", "symbiosis.serve", "--model", args.model, "--device", args.device, "--dtype",
              args.dtype, "--port", "0", "--max-num-seqs", str(args.requests), "--max-model-len",
              str(args.prompt + args.new_tokens), "--max-loras", str(len(names)), "--max-lora-rank",
-             str(args.max_lora_rank), "--lora-modules"] + [f"{n}={d}" for n, d in zip(names, args.adapters)]
+             str(args.max_lora_rank), *args.server_flags.split(), "--lora-modules"] + \
+        [f"{n}={d}" for n, d in zip(names, args.adapters)]
     results = {"requests": args.requests, "prompt": args.prompt, "new_tokens": args.new_tokens,
                "adapters": len(names)}
     with start_executor(executor_binary(args.build), args.model,

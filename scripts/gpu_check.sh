@@ -63,7 +63,8 @@
 #   tinker-rl      symbiosis-tinker: TINKER_RUNS (1,4,8) concurrent RL runs of the tinker SDK against one after another
 #                  (bench/tinker_rl.py, Llama-3.2-1B, bf16); needs the wheels in .whl (tinker, pyqwest, ...)
 #   serve-bench    symbiosis-serve over HTTP (bench/serve_bench.py, the openai client): 64 streams over 8 adapters, split
-#                  against --monolithic, on multi-lora's model and adapters; needs the wheels in .whl (fastapi, openai, ...)
+#                  against --monolithic, on multi-lora's model and adapters; needs the wheels in .whl (fastapi, openai, ...);
+#                  SERVE_BENCH_FLAGS: more of symbiosis-serve's flags (e.g. --overlap-adapters)
 #   gemm-shapes    the executor's GEMMs of the 1B shapes, one request alone against several packed (bench/gemm_shapes.py)
 #   bench-nomps    both shapes at N = 1 and 8, every process without MPS
 #   nomps-512      batch 2 x 512 at N = 8 without MPS
@@ -824,7 +825,7 @@ PY
       mps_on
       timeout 400 python3 bench/serve_bench.py --build "$B" --model /tmp/multi-lora/model-llama-3.2-1b-bf16 \
         --adapters $(for i in 0 1 2 3 4 5 6 7; do echo /tmp/multi-lora/adapters/$i; done) --device cuda:0 --dtype bf16 \
-        --out "$out/serve-bench.json" > $logs/serve-bench.txt 2>&1
+        ${SERVE_BENCH_FLAGS:+--server-flags="$SERVE_BENCH_FLAGS"} --out "$out/serve-bench.json" > $logs/serve-bench.txt 2>&1
       log "serve-bench exited $?: $(grep -E '^(split|monolithic) ' $logs/serve-bench.txt | cut -c1-200)"
       mps_off
       ;;
