@@ -315,8 +315,10 @@ void generate(Models& m, const std::string& mode, int64_t prompt, int64_t new_to
     std::string error;
     // [Decode profile]: the decode steps, from the first token (the prefill's) to the last.
     std::optional<bench::OpProfile> profile;
-    if (profile_ops > 0) profile.emplace(bench::OpProfile::Threads::kThisOne);
-    if (profile) profile->recording = false;
+    if (profile_ops > 0) {
+      profile.emplace(bench::OpProfile::Threads::kThisOne);
+      profile->recording = false;  // from the first token on
+    }
     generator->submit(make_request(prompt, new_tokens, vocab, 1), [&](const TokenEvent& event) {
       if (event.token >= 0) times.push_back(now_s());
       if (event.finished && !event.error.empty() && error.empty()) error = event.error;

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <limits>
-#include <mutex>
 
 namespace symbiosis {
 
@@ -26,7 +25,6 @@ TokenSampler::TokenSampler(const SamplingParams& params)
     : params_(params), generator_(at::make_generator<at::CPUGeneratorImpl>(params.seed)) {}
 
 double TokenSampler::draw() {
-  std::lock_guard<std::mutex> lock(generator_.mutex());
   const uint64_t bits = generator_.get<at::CPUGeneratorImpl>()->random64() >> 11;  // 53 random bits
   return static_cast<double>(bits + 1) * 0x1.0p-53;                                // (0, 1]
 }

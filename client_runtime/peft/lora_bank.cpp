@@ -47,16 +47,14 @@ BankModel bank_model(torch::nn::Module& model, at::ScalarType dtype) {
   return shape;
 }
 
-BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path& dir, int64_t max_rank) {
-  return banked_lora(model, {dir, peft::read_config(dir).dump(), peft::read_tensors(dir)}, max_rank);
-}
+namespace {
 
-BankedLora banked_lora(const BankModel& model, const AdapterContents& adapter, int64_t max_rank) {
-  const auto& dir = adapter.dir;
+// read_banked_lora and banked_lora: `json` (checked by peft::check_config) and `tensors` are the
+// adapter's two files, read from `dir` or handed over in memory.
+BankedLora banked_lora_of(const BankModel& model, const nlohmann::json& json,
+                          const std::map<std::string, at::Tensor>& tensors, const std::filesystem::path& dir,
+                          int64_t max_rank) {
   const auto config_file = dir / "adapter_config.json";
-  const auto json = nlohmann::json::parse(adapter.config_json, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(!json.is_discarded(), "bad JSON in ", config_file, " (in memory)");
-  peft::check_config(json, dir, "");
   std::string type;
   if (json.contains("peft_type")) {
     type = json["peft_type"].is_string() ? json["peft_type"].get<std::string>() : json["peft_type"].dump();
@@ -92,8 +90,22 @@ BankedLora banked_lora(const BankModel& model, const AdapterContents& adapter, i
                 peft::no_layer_matched(model.model_type, paths, "its target_modules", lora.config.target_modules),
                 ". Was the adapter made for another model?");
   }
-  peft::load_state(adapter.tensors, json, dir, state, "LoRA");  // names and shapes, naming what differs
+  peft::load_state(tensors, json, dir, state, "LoRA");  // names and shapes, naming what differs
   return lora;
+}
+
+}  // namespace
+
+BankedLora read_banked_lora(const BankModel& model, const std::filesystem::path& dir, int64_t max_rank) {
+  const auto config = peft::read_config(dir);  // its refusals before the tensors' file is read
+  return banked_lora_of(model, config, peft::read_tensors(dir), dir, max_rank);
+}
+
+BankedLora banked_lora(const BankModel& model, const AdapterContents& adapter, int64_t max_rank) {
+  const auto json = nlohmann::json::parse(adapter.config_json, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(!json.is_discarded(), "bad JSON in ", adapter.dir / "adapter_config.json", " (in memory)");
+  peft::check_config(json, adapter.dir, "");
+  return banked_lora_of(model, json, adapter.tensors, adapter.dir, max_rank);
 }
 
 // A base layer of the bank: the base for every row, then each row's adapter.

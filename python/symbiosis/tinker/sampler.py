@@ -14,6 +14,7 @@ log-probability of each prompt token after the first.
 """
 import asyncio
 import collections
+import functools
 import json
 import math
 import os
@@ -79,14 +80,15 @@ class BaseModel:
                 self.engine.unload_adapter(name)
             self._names += 1
             name = f"weights-{self._names}"
+            if contents is None:
+                load = functools.partial(self.engine.load_adapter, name, folder)
+            else:
+                load = functools.partial(self.engine.load_adapter_contents, name, folder, contents["config_json"],
+                                         contents["tensors"])
             deadline = asyncio.get_running_loop().time() + WAIT_FOR_SLOT_S
             while True:
                 try:
-                    if contents is None:
-                        await asyncio.to_thread(self.engine.load_adapter, name, folder)
-                    else:
-                        await asyncio.to_thread(self.engine.load_adapter_contents, name, folder,
-                                                contents["config_json"], contents["tensors"])
+                    await asyncio.to_thread(load)
                     break
                 except Error as error:
                     # An unloaded adapter's slot is free once its last request ends.
