@@ -199,6 +199,41 @@ void BatchRunner::enqueue(Channel& channel, const shm::CallHeader& h) {
   model_.compute_into(h.layer_id, op, channel.input(h, layer.dtype, {h.tokens, h.features}), destination);
 }
 
+at::Tensor BatchRunner::packing_scratch(int64_t rows) {
+  int64_t widest = 0;  // bytes of the widest row of any layer, in or out
+  for (uint32_t i = 0; i < model_.layer_count(); ++i) {
+    const auto& layer = model_.layer(i);
+    widest = std::max(widest, std::max(layer.in_features, layer.out_features) *
+                                  static_cast<int64_t>(c10::elementSize(layer.dtype)));
+  }
+  return at::empty({2, rows * widest}, at::TensorOptions().dtype(at::kByte).device(model_.device()));
+}
+
+void BatchRunner::enqueue_packed(const std::vector<std::pair<Channel*, shm::CallHeader>>& calls,
+                                 const at::Tensor& scratch) {
+  const auto& first = calls[0].second;
+  const auto& layer = model_.layer(first.layer_id);
+  const auto op = to_layer_op(first.op);
+  const int64_t out_features = result_features(layer, op);
+  int64_t rows = 0;
+  for (const auto& [channel, h] : calls) rows += h.tokens;
+  const auto element = static_cast<int64_t>(c10::elementSize(layer.dtype));
+  const auto x = scratch[0].narrow(0, 0, rows * first.features * element).view(layer.dtype).view({rows, first.features});
+  auto y = scratch[1].narrow(0, 0, rows * out_features * element).view(layer.dtype).view({rows, out_features});
+  std::vector<at::Tensor> inputs, packed, results, destinations;
+  int64_t row = 0;
+  for (const auto& [channel, h] : calls) {
+    inputs.push_back(channel->input(h, layer.dtype, {h.tokens, h.features}));
+    destinations.push_back(channel->destination(h, layer.dtype, {h.tokens, out_features}));
+    packed.push_back(x.narrow(0, row, h.tokens));
+    results.push_back(y.narrow(0, row, h.tokens));
+    row += h.tokens;
+  }
+  copy_rows(inputs, packed);
+  model_.compute_into(first.layer_id, op, x, y);
+  copy_rows(results, destinations);
+}
+
 void BatchRunner::warm_up_stream() {
 #ifdef SYMBIOSIS_WITH_CUDA
   if (model_.layer_count() == 0) return;

@@ -49,6 +49,9 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       queue_shares_(options.max_queued_tokens),
       batcher_(options.batching),
       runner_(model, statistics, options.on_input, parts),
+      gathering_({.together = options.launch_together,
+                  .wait = options.launch_together_wait,
+                  .max_members = options.launch_together_max}),
       parts_(parts),
       on_lost_(std::move(on_lost)) {}
 
@@ -281,13 +284,16 @@ bool Scheduler::poll_channels() {
       it = held_calls_.erase(it);
     }
   }
+  const auto held = launch_ready_runs();
   for (auto it = channels_.begin(); it != channels_.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
-    // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it.
-    launch_ahead(*channel);
-    while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+    // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A run
+    // held for others goes whole, never call by call.
+    if (!held.count(it->first)) {
+      while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+    }
     holding = channel->waiting() || holding;
     if (!channel->broken()) {
       ++it;
@@ -299,6 +305,7 @@ bool Scheduler::poll_channels() {
           "the client",
           channel->client_id());
     }
+    gathering_.forget(it->first);
     it = channels_.erase(it);
   }
   return holding;
@@ -306,17 +313,35 @@ bool Scheduler::poll_channels() {
 
 // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp). Not for a sharded executor (the
 // parts compute every batch together), nor under lockstep (its batches wait for every client's
-// call), nor while an [Input observer] must see each input.
-void Scheduler::launch_ahead(Channel& channel) {
+// call), nor while an [Input observer] must see each input. A refused client's calls go call by
+// call, to be refused.
+std::set<uint64_t> Scheduler::launch_ready_runs() {
+  std::set<uint64_t> held;
   if (!options_.launch_ahead || parts_ != nullptr || options_.batching.policy == BatchingPolicy::kLockstep ||
-      options_.on_input || lost_ || refused_.count(channel.client_id()) != 0) {
-    return;
+      options_.on_input || lost_) {
+    return held;
   }
-  const auto calls = channel.launch_ahead(runner_);
-  if (calls.empty()) return;
-  std::vector<std::pair<uint32_t, int64_t>> counted;
-  for (const auto& h : calls) counted.emplace_back(h.layer_id, h.tokens);
-  statistics_.record_ahead(channel.client_id(), wire::latency_from_proto(calls[0].latency_class), counted);
+  std::vector<std::pair<uint64_t, uint64_t>> ready;  // (client, its run's signature)
+  for (const auto& [id, channel] : channels_) {
+    if (refused_.count(id) != 0) continue;
+    if (const auto signature = channel->run_ready()) ready.emplace_back(id, *signature);
+  }
+  if (ready.empty()) return held;
+  for (const auto& [id, signature] : ready) held.insert(id);
+  for (const auto& group : gathering_.decide(ready, RunGathering::Clock::now())) {
+    for (const uint64_t id : group) held.erase(id);
+    std::vector<Channel*> together;
+    for (const uint64_t id : group) together.push_back(channels_.at(id).get());
+    const auto launched = together[0]->launch_ahead(together, runner_);
+    for (size_t i = 0; i < together.size(); ++i) {
+      if (launched[i].empty()) continue;
+      std::vector<std::pair<uint32_t, int64_t>> counted;
+      for (const auto& h : launched[i]) counted.emplace_back(h.layer_id, h.tokens);
+      statistics_.record_ahead(together[i]->client_id(), wire::latency_from_proto(launched[i][0].latency_class),
+                               counted, together.size() > 1);
+    }
+  }
+  return held;
 }
 
 void Scheduler::finish_setups() {

@@ -12,6 +12,7 @@
 #include <deque>
 #include <chrono>
 #include <map>
+#include <set>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,7 @@
 
 #include "base_executor/base_model.h"
 #include "base_executor/batch_runner.h"
+#include "base_executor/run_gathering.h"
 #include "base_executor/executor.h"
 #include "base_executor/overload.h"
 #include "base_executor/parts.h"
@@ -109,7 +111,10 @@ class Scheduler {
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
-  void launch_ahead(Channel& channel);
+  // [Steps launched ahead] and [Runs launched together]: launches the runs of the channels whose
+  // calls begin with one, alone or together, as gathering_ decides; returns the clients whose runs
+  // wait for others.
+  std::set<uint64_t> launch_ready_runs();
   void finish_setups();
   // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
   // a call, then sleeps in poll() until then; returns by `deadline` at the latest.
@@ -151,6 +156,7 @@ class Scheduler {
   // Owned by the scheduler's thread.
   CallBatcher batcher_;
   BatchRunner runner_;
+  RunGathering gathering_;
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
   std::map<uint64_t, Status> refused_;                     // ClientRefused: why, by client id
   std::map<uint64_t, uint64_t> buffer_bytes_;              // [Buffer budget]: each client's registered buffer

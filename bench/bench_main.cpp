@@ -322,7 +322,7 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    "--spin-us",
                                    std::to_string(ex.value("spin_us", -1)),
                                    "--log-level",
-                                   "warn"};
+                                   ex.value("log_level", "warn")};
   if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
   if (ex.contains("decode_align_wait_us")) {
     args.insert(args.end(), {"--decode-align-wait", std::to_string(ex["decode_align_wait_us"].get<int64_t>())});
@@ -333,6 +333,14 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
   if (ex.contains("launch_ahead"))
     args.insert(args.end(), {"--launch-ahead", ex["launch_ahead"].get<bool>() ? "true" : "false"});
+  if (ex.contains("launch_together"))
+    args.insert(args.end(), {"--launch-together", ex["launch_together"].get<bool>() ? "true" : "false"});
+  if (ex.contains("launch_together_max")) {
+    args.insert(args.end(), {"--launch-together-max", std::to_string(ex["launch_together_max"].get<int>())});
+  }
+  if (ex.contains("launch_together_wait_us")) {
+    args.insert(args.end(), {"--launch-together-wait", std::to_string(ex["launch_together_wait_us"].get<int64_t>())});
+  }
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
   }
@@ -360,6 +368,7 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
     result["mean_batch_requests"] = stats.batches() ? batched / stats.batches() : 0.0;
     result["mean_call_tokens"] = stats.requests() ? double(stats.tokens()) / stats.requests() : 0.0;
     result["ahead_share"] = stats.requests() ? double(stats.ahead_calls()) / stats.requests() : 0.0;
+    result["together_share"] = stats.requests() ? double(stats.together_calls()) / stats.requests() : 0.0;
   }
   result["executor_peak_rss_bytes"] = peak_rss_bytes(executor.pid);
   result["policy"] = policy;

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <span>
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -253,13 +254,13 @@ void wait_value_on_stream(Stream stream, void* word, uint32_t value) {
   memory_ops_on_stream(stream, {{MemoryOp::kWaitReached, word, value}});
 }
 
-void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops) {
+void memory_ops_on_stream(Stream stream, const MemoryOp* ops, size_t count) {
   using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
   static const auto batch = driver_entry<BatchMemOp>("cuStreamBatchMemOp");
-  CUstreamBatchMemOpParams params[4] = {};
-  TORCH_CHECK(ops.size() <= 4, "memory_ops_on_stream takes at most 4 operations, got ", ops.size());
+  CUstreamBatchMemOpParams params[kMaxMemoryOps] = {};
+  TORCH_CHECK(count <= kMaxMemoryOps, "memory_ops_on_stream takes at most ", kMaxMemoryOps, " operations, got ", count);
   unsigned int n = 0;
-  for (const auto& op : ops) {
+  for (const MemoryOp& op : std::span(ops, count)) {
     auto& p = params[n++];
     if (op.kind == MemoryOp::kWrite) {
       p.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;

@@ -199,7 +199,12 @@ struct MemoryOp {
   void* word;
   uint32_t value;
 };
-void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops);
+// In order, as one batch (a wait holds back the operations after it); at most kMaxMemoryOps.
+constexpr size_t kMaxMemoryOps = 64;
+void memory_ops_on_stream(Stream stream, const MemoryOp* ops, size_t count);
+inline void memory_ops_on_stream(Stream stream, std::initializer_list<MemoryOp> ops) {
+  memory_ops_on_stream(stream, ops.begin(), ops.size());
+}
 // cudaMemcpyAsync device to device on `stream`: what a payload copy needs, without ATen's
 // per-operation overhead (a few microseconds per call, on every base-layer call).
 void copy_on_stream(void* destination, const void* source, size_t bytes, Stream stream);

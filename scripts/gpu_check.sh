@@ -33,6 +33,8 @@
 #                  in one mixed batch (N_MAX: the largest count), under MPS
 #   launch-ahead   [Steps launched ahead]: N = 1, 2, 4, 8 (or COUNTS) decode tenants as in generate, their steps
 #                  launched ahead or taken up call by call, against N monolithic processes
+#   launch-together [Runs launched together]: N = 2, 4, 8 (or COUNTS) decode tenants as in generate, their steps launched
+#                  together (waiting 1 ms, then 4 ms) or each alone, against N monolithic processes
 #   mixed-generate 6 inference tenants (8 x (512 + 128) tokens each) and 2 fine-tuning tenants (2 x 512) on one
 #                  executor, against each group alone (Llama-3.2-1B, bf16, MPS; the paper's 4.4)
 #   table5         8 inference tenants of batches 2 to 256, two LoRA shapes, under none, lockstep and
@@ -135,7 +137,14 @@ if [ -x "$B/base_executor/symbiosis-executor" ] && \
   export LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH"
   log "using the carried build ($(cat "$B/COMMIT" 2>/dev/null))"
   # [GPU suites in ctest] (scripts/gpu_bundle.sh): the carried ctest entries, pointed at this tree.
-  for f in $(cd "$B" && find . -name '*.cmake.in'); do sed "s|@BUILD@|$B|g" "$B/$f" > "$B/${f%.in}"; done
+  # A suite trimmed from the bundle after it was made (its binary gone) is left out.
+  for f in $(cd "$B" && find . -name '*_tests.cmake.in'); do
+    [ -f "$B/${f%\[1\]_tests.cmake.in}" ] && sed "s|@BUILD@|$B|g" "$B/$f" > "$B/${f%.in}"
+  done
+  while read -r line; do
+    f=$(sed -n 's|include("@BUILD@/\(.*\)")|\1|p' <<< "$line")
+    [ -f "$B/$f" ] && echo "include(\"$B/$f\")"
+  done < "$B/CTestTestfile.cmake.in" > "$B/CTestTestfile.cmake"
 else
   log "carried build does not load here; building from source"
   LD_LIBRARY_PATH="$B/client_runtime:$B/virt_layer:$LD_LIBRARY_PATH" ldd "$B/base_executor/symbiosis-executor" 2>&1 | grep "not found" | head
@@ -371,7 +380,7 @@ for stage in "$@"; do
       run_gtest runtime_binding_test  # [libstdc++ first] with this machine's toolchain
       mps_on
       # Every suite labelled gpu, a test a process (those needing more GPUs than here skip themselves).
-      ctest --test-dir "$B" -L gpu --timeout "${GTEST_TIMEOUT:-300}" -j "${CTEST_JOBS:-1}" > $logs/ctest-gpu.log 2>&1
+      ctest --test-dir "$B" -L gpu --output-on-failure --timeout "${GTEST_TIMEOUT:-300}" -j "${CTEST_JOBS:-1}" > $logs/ctest-gpu.log 2>&1
       log "ctest -L gpu: $(grep -E 'tests passed' $logs/ctest-gpu.log)"
       grep -E '\*\*\*|Failed|Not Run' $logs/ctest-gpu.log | grep -v 'tests passed' | head -20
       grep -q '100% tests passed' $logs/ctest-gpu.log || cp $logs/ctest-gpu.log "$out/"
@@ -518,6 +527,13 @@ for path in sys.argv[1:]:
     extra = {k: round(v * 1e3, 2) for k, v in r.items() if k.endswith("_s") and "token" in k}
     print(f"{path.split('/')[-1]}: {r['tokens_per_s']:.0f} output tokens/s, batch {r['batch']}, ms: {extra}")
 PY
+      mps_off
+      ;;
+    launch-together)
+      # [Runs launched together]: decode tenants' steps launched ahead together or each alone, against monolithic processes.
+      make_1b
+      mps_on
+      bench launch-together bench/scenarios/gpu_launch_together_llama1b.json --checkpoint $model_1b --counts "${COUNTS:-2,4,8}"
       mps_off
       ;;
     launch-ahead)

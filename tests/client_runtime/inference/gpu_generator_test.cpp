@@ -352,15 +352,13 @@ TEST(GpuGeneration, PrefillsAfterCapturedDecodeStepsStayExactInAFreshProcess) {
   bench::stop(executor.pid);
 }
 
-// [Replayed batches]: three tenants, processes of their own, decode in step under lockstep, so every
-// call of theirs is packed with the others' (and their captured decode calls, packed, are replayed
-// from the second step on); each generates what the model generates monolithic.
-TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
-  SKIP_WITHOUT_GPUS(1);
+// Three tenants, processes of their own, generate at once on an executor started with `flags`;
+// each generates what the model generates monolithic. Returns the executor's statistics.
+proto::Stats three_tenants_generate_the_monolithic_tokens(const std::string& name,
+                                                         const std::vector<std::string>& flags) {
   const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
-  const auto work = testing::temp_dir("gpu-generate-packed");
-  const auto executor =
-      start_gpu_executor(dir, work / "executor", "fp32", {"--batching", "lockstep", "--lockstep-timeout", "60000"});
+  const auto work = testing::temp_dir(name);
+  const auto executor = start_gpu_executor(dir, work / "executor", "fp32", flags);
   const auto requests = write_requests(work, 4);
   std::string together, waits;
   for (const std::string tenant : {"a", "b", "c"}) {
@@ -369,15 +367,36 @@ TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
   }
   EXPECT_EQ(testing::shell(together + "failed=0; " + waits + "exit $failed"), 0) << "see " << work;
   const auto stats = request_stats(executor.endpoint, 10000);
-  EXPECT_EQ(stats.max_batch_requests(), 3u);
-  EXPECT_GT(stats.replayed_calls(), 0u);
   EXPECT_EQ(stats.errors(), 0u);
-  ASSERT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "monolithic")), 0)
+  EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "monolithic")), 0)
       << "see " << work;
   const auto monolithic = sorted_lines(work, "monolithic");
   EXPECT_EQ(std::count(monolithic.begin(), monolithic.end(), '\n'), 4);
   for (const std::string tenant : {"a", "b", "c"}) EXPECT_EQ(sorted_lines(work, tenant), monolithic) << tenant;
   bench::stop(executor.pid);
+  return stats;
+}
+
+// [Replayed batches]: under lockstep every call of the three tenants is packed with the others'
+// (and their captured decode calls, packed, are replayed from the second step on).
+TEST(GpuGeneration, PackedCapturedDecodeCallsOfSeveralTenantsStayExact) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto stats = three_tenants_generate_the_monolithic_tokens(
+      "gpu-generate-packed", {"--batching", "lockstep", "--lockstep-timeout", "60000"});
+  EXPECT_EQ(stats.max_batch_requests(), 3u);
+  EXPECT_GT(stats.replayed_calls(), 0u);
+}
+
+// [Runs launched together] (experimental, off by default): the three tenants' decode steps,
+// launched ahead, go together (a wait long enough that they fall into step at once), each call one
+// GEMM for the three. Disabled: on an H200 (2026-11-29) the tenants stayed exact but no step of
+// theirs was launched together (together_calls 0), where the benchmark's tenants were; not found
+// why yet.
+TEST(GpuGeneration, DISABLED_DecodeStepsOfSeveralTenantsLaunchedTogetherStayExact) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto stats = three_tenants_generate_the_monolithic_tokens(
+      "gpu-generate-together", {"--launch-together", "true", "--launch-together-wait", "20000"});
+  EXPECT_GT(stats.together_calls(), 0u) << "calls launched ahead: " << stats.ahead_calls();
 }
 
 // symbiosis-generate --host-decode and --offload-cache on cuda:0 print what the all-GPU run prints
