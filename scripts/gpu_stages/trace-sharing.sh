@@ -1,0 +1,20 @@
+# stages: trace-sharing
+# trace-sharing  issue 45's workloads traced, the executor and every tenant on one timeline ([Traced runs] in
+#                bench/bench_main.cpp, docs/tracing.md): decode at N = 1 and 8 (or TRACE_COUNTS) with the
+#                monolithic baseline, and the mixed workload with each group alone; each run's trace_summary
+#                and the merged traces that fit go back in traces.tgz (open them in ui.perfetto.dev)
+make_1b
+mps_on
+python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["executor"]["policies"] = ["opportunistic"]; print(json.dumps(s))' \
+  bench/scenarios/gpu_generate_llama1b.json > /tmp/trace-decode.json
+bench trace-decode /tmp/trace-decode.json --checkpoint $model_1b --counts "${TRACE_COUNTS:-1,8}" --trace 1
+bench trace-mixed bench/scenarios/gpu_mixed_llama1b.json --checkpoint $model_1b --trace 1
+mps_off
+(cd /tmp && for f in bench-trace-*/*/*/trace_summary.txt; do echo "== $f"; cat "$f"; done) | tee "$out/trace-summaries.txt"
+# The merged traces, smallest first, while the bundle stays under the 16 MiB a file may be.
+mkdir -p /tmp/traces && rm -f /tmp/traces/*
+for f in $(cd /tmp && ls -S -r bench-trace-*/*/*/trace.json); do
+  gzip -c "/tmp/$f" > "/tmp/traces/$(echo "$f" | tr / -).gz"
+  [ "$(du -cb /tmp/traces | tail -1 | cut -f1)" -lt 15000000 ] || rm "/tmp/traces/$(echo "$f" | tr / -).gz"
+done
+tar cf "$out/traces.tar" -C /tmp/traces . && ls -la /tmp/traces
