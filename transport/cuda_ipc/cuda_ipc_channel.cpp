@@ -104,6 +104,42 @@ class AheadWatchdog {
   bool started_ = false;
 };
 
+// [Runs launched together]: the streams runs are launched on, one a client that leads (or goes
+// alone), kept for the process's life and handed to the next client when one goes: a client whose
+// steps went with another's on that other's stream orders its later calls after that stream, which
+// must outlive the client that led. Never destroyed (a channel may go at exit).
+class AheadStreams {
+ public:
+  static AheadStreams& instance() {
+    static auto* streams = new AheadStreams();
+    return *streams;
+  }
+  // A free stream of `device`, or a new one whose GEMM library `enqueuer` has warmed up.
+  cuda::Stream take(int device, CallEnqueuer& enqueuer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = std::find_if(free_.begin(), free_.end(), [&](const cuda::Stream& s) { return s.device == device; });
+    if (it != free_.end()) {
+      const cuda::Stream stream = *it;
+      free_.erase(it);
+      return stream;
+    }
+    auto stream = cuda::OwnedStream::create(device, /*high_priority=*/true);
+    cuda::CurrentStreamScope scope(stream.get());
+    enqueuer.warm_up_stream();
+    owned_.push_back(std::move(stream));
+    return owned_.back().get();
+  }
+  void give_back(cuda::Stream stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(stream);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<cuda::OwnedStream> owned_;
+  std::vector<cuda::Stream> free_;
+};
+
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
   CudaIpcChannel(uint64_t client_id, at::Device device)
@@ -119,6 +155,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     if (watched_) AheadWatchdog::instance().remove(this);
     release_launched();
     synchronize_streams();
+    if (ahead_stream_.valid()) AheadStreams::instance().give_back(ahead_stream_);
   }
 
   // AheadWatchdog's thread: releases the run launched last if it has stalled.
@@ -227,12 +264,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     cuda::CapturedWork* work = nullptr;
     const std::atomic<uint32_t>* waits_passed = nullptr;
     try {
-      if (!ahead_stream_.valid()) {
-        auto stream = cuda::OwnedStream::create(device_, /*high_priority=*/true);
-        cuda::CurrentStreamScope scope(stream.get());
-        enqueuer.warm_up_stream();
-        ahead_stream_ = std::move(stream);
-      }
+      if (!ahead_stream_.valid()) ahead_stream_ = AheadStreams::instance().take(device_, enqueuer);
       if (members.size() == 1) {
         if (!ready_->work.valid()) ready_->work = capture_run(ready_->calls, enqueuer);
         work = &ready_->work;
@@ -257,7 +289,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launch_ahead({members[i]}, enqueuer)[0];
       return launched;
     }
-    const cuda::Stream stream = ahead_stream_.get();
+    const cuda::Stream stream = ahead_stream_;
     for (auto* member : members) member->use_stream(stream);
     work->launch(stream);
     for (size_t i = 0; i < members.size(); ++i) {
@@ -460,7 +492,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   cuda::CapturedWork capture_run(const std::vector<shm::CallHeader>& calls, CallEnqueuer& enqueuer) {
-    const cuda::Stream stream = ahead_stream_.get();
+    const cuda::Stream stream = ahead_stream_;
     return cuda::CapturedWork::capture(stream, [&] {
       cuda::CurrentStreamScope scope(stream);
       for (const auto& h : calls) {
@@ -526,7 +558,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     }
     const at::Tensor& scratch = leading_->scratch;
     void* passed = leading_->pin.device_pointer(leading_->waits_passed());
-    const cuda::Stream stream = ahead_stream_.get();
+    const cuda::Stream stream = ahead_stream_;
     group.work = cuda::CapturedWork::capture(stream, [&] {
       cuda::CurrentStreamScope scope(stream);
       cuda::write_value_on_stream(stream, passed, 0);
@@ -612,7 +644,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::vector<shm::CallHeader> recording_;  // the run being computed call by call
   Run* ready_ = nullptr;                    // the run the pending calls begin with (run_ready), until launched
   uint64_t uses_ = 0;
-  cuda::OwnedStream ahead_stream_;  // made at the first launch this client leads
+  cuda::Stream ahead_stream_;  // AheadStreams', from the first launch this client leads
   bool watched_ = false;            // by AheadWatchdog
   // [Runs launched together]: graphs of groups this client leads, and what they share.
   std::vector<std::unique_ptr<Group>> groups_;
