@@ -94,9 +94,9 @@ struct ExecutorOptions {
   bool launch_ahead = true;
   // [Runs launched together] (base_executor/run_gathering.h): such steps of several tenants, ready
   // at once, are one launch whose calls are one GEMM each; a ready step waits up to
-  // launch_together_wait for the other tenants decoding. Experimental, off: on an H200 it brought
-  // the executor down with 8 tenants (a GPU fault not found yet), and was 0.92x alone with 2
-  // (docs/benchmarks.md).
+  // launch_together_wait for the other tenants decoding. Experimental, off: on an H200 it was 0.92x
+  // alone with 2 tenants, and with 8 it brought the executor down as they left (likely a leader's
+  // stream destroyed under the others, since fixed: AheadStreams; not yet run on a GPU again).
   bool launch_together = false;
   std::chrono::microseconds launch_together_wait{1000};
   size_t launch_together_max = 16;  // tenants' steps in one launch at most

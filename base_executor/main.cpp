@@ -115,8 +115,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--launch-together", options.launch_together,
                  "experimental: launch the steps of several same-GPU tenants that --launch-ahead launches, ready at "
-                 "once, as one, each call one GEMM for all (true/false; with 8 tenants on an H200 it brought the "
-                 "executor down)")
+                 "once, as one, each call one GEMM for all (true/false; not yet verified on a GPU since a fault "
+                 "that ended the executor)")
       ->capture_default_str();
   int64_t launch_together_wait_us = options.launch_together_wait.count();
   app.add_option("--launch-together-wait", launch_together_wait_us,

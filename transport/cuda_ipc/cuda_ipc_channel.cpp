@@ -106,8 +106,12 @@ class AheadWatchdog {
 
 // [Runs launched together]: the streams runs are launched on, one a client that leads (or goes
 // alone), kept for the process's life and handed to the next client when one goes: a client whose
-// steps went with another's on that other's stream orders its later calls after that stream, which
-// must outlive the client that led. Never destroyed (a channel may go at exit).
+// steps went with another's on that other's stream orders its later calls after that stream, and
+// waits for it as it goes, so the stream must outlive the client that led. (Destroyed with that
+// client, it is the likely end of the executor seen on an H200 with 8 tenants, V16 to V19 in
+// docs/benchmarks-history.md: the crash came as the tenants left, "context is destroyed" from a
+// synchronize.) A stream handed on may order such a client's next call after the new holder's run
+// too, which the watchdog bounds. Never destroyed (a channel may go at exit).
 class AheadStreams {
  public:
   static AheadStreams& instance() {
@@ -154,7 +158,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     // the last reference; a run launched ahead waits for flags the client may never set.
     if (watched_) AheadWatchdog::instance().remove(this);
     release_launched();
-    synchronize_streams();
+    try {
+      synchronize_streams();
+    } catch (const c10::Error& e) {  // a destructor must not throw: that would end the executor
+      spdlog::error("client {}: waiting for its work as it goes failed: {}", client_id(), e.what_without_backtrace());
+    }
     if (ahead_stream_.valid()) AheadStreams::instance().give_back(ahead_stream_);
   }
 
