@@ -25,6 +25,8 @@
 
 namespace symbiosis::testing {
 
+// A new folder under the system's temporary one, removed after the program's tests if they all
+// passed ([Temporary folders] in test_util.cpp).
 std::filesystem::path temp_dir(const std::string& prefix);
 // Runs symbiosis-make-checkpoint --preset PRESET (cached per process).
 std::filesystem::path make_checkpoint(const std::string& preset, const std::string& extra_args = "");
