@@ -7,8 +7,9 @@
 // for the other clients that launched runs of its signature within `active` (those still
 // decoding), and the runs ready then go together. Once launched together, the tenants finish their
 // steps together and their next runs come within microseconds of each other: the wait is paid
-// while they fall into step, and seldom after. Nobody waits for a client that stopped decoding for
-// longer than `active` (its prefill, or its last token), nor longer than `wait` for anyone.
+// while they fall into step, and seldom after. Nobody waits for a client that made a call of
+// another kind since its last step (a prefill) or launched none for `active` (its last token),
+// nor longer than `wait` for anyone.
 // Decided from the clock it is given (tests: a fake one), with no state of the channels'.
 #include <algorithm>
 #include <chrono>
@@ -76,6 +77,11 @@ class RunGathering {
 
   // The client left.
   void forget(uint64_t client) { clients_.erase(client); }
+  // The client made a call of another kind than decode (a prefill, a fine-tuning step): nobody
+  // waits for it until it launches a decode step again.
+  void stopped_decoding(uint64_t client) {
+    if (auto it = clients_.find(client); it != clients_.end()) it->second.launched.reset();
+  }
 
  private:
   struct Seen {

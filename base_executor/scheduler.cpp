@@ -238,6 +238,7 @@ void Scheduler::answer_error(const std::string& identity, uint64_t client_id, co
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape,
                        bool admitted) {
+  if (h.latency_class != proto::INFERENCE_DECODE) gathering_.stopped_decoding(channel->client_id());
   const auto refused = refused_.find(channel->client_id());
   Status status = refused != refused_.end() ? refused->second
                   : lost_                   ? *lost_

@@ -585,6 +585,17 @@ TEST(RunGathering, NobodyWaitsForAClientThatStoppedDecodingOrLeftOrRunsAnotherMo
   EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 60ms), (Launches{{1}}));
 }
 
+TEST(RunGathering, NobodyWaitsForAClientThatTurnedToAPrefill) {
+  RunGathering gathering({.wait = 1ms});
+  ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
+  gathering.stopped_decoding(2);  // a new request's prefill
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 5ms), (Launches{{1}}));
+  // Decoding again, it waits for 1 (who is decoding), and is waited for again.
+  EXPECT_TRUE(gathering.decide({{2, 7}}, t0 + 6ms).empty());
+  ASSERT_EQ(gathering.decide({{2, 7}}, t0 + 7ms), (Launches{{2}}));
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 9ms).empty());
+}
+
 TEST(RunGathering, ARunThatStopsBeingReadyForgetsHowLongItWaited) {
   RunGathering gathering({.wait = 1ms});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
