@@ -49,7 +49,7 @@ namespace {
 
 struct Settings {
   std::string model, preset = "llama-3.2-1b";
-  std::string device = "cuda:0", executor_device = "cuda:0", dtype = "bf16";
+  std::string device = "cuda:0", executor_device, dtype = "bf16";  // executor_device: --device's by default
   std::vector<int64_t> adapters = {1, 8, 32};
   int64_t requests = 64, prompt = 512, new_tokens = 128, warmup_tokens = 4, rank = 16, max_sequences = 64;
   std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
   app.add_option("--preset", s.preset, "without --model: a symbiosis-make-checkpoint preset written under --out")
       ->capture_default_str();
   app.add_option("--device", s.device, "the clients' device")->capture_default_str();
-  app.add_option("--executor-device", s.executor_device, "the executor's device")->capture_default_str();
+  app.add_option("--executor-device", s.executor_device, "the executor's device (default: --device's)");
   app.add_option("--dtype", s.dtype, "bf16, fp16 or fp32")->capture_default_str();
   app.add_option("--adapters", s.adapters, "adapter counts N, comma-separated")->delimiter(',')->capture_default_str();
   app.add_option("--requests", s.requests, "requests a run")->capture_default_str()->check(CLI::PositiveNumber);
@@ -251,6 +251,7 @@ int main(int argc, char** argv) {
                "also the split generator with its adapters beside the base calls ([Overlapped adapters])");
   app.add_option("--out", s.out, "where the checkpoint, adapters, logs and results go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (s.executor_device.empty()) s.executor_device = s.device;
   fs::create_directories(s.out);
   fs::path model = s.model;
   if (model.empty()) {

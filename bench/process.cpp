@@ -116,12 +116,18 @@ ExecutorProcess start_executor(const std::vector<std::string>& args, const fs::p
   all.insert(all.end(), args.begin(), args.end());
   ExecutorProcess executor;
   executor.pid = spawn(all, dir / "executor.out", dir / "executor.err");
+  const auto started = std::chrono::steady_clock::now();
   const auto endpoints = wait_ready(executor.pid, dir / "executor.out", 1, timeout_s * 1000);
   if (endpoints.empty()) {
-    kill(executor.pid, SIGKILL);
-    waitpid(executor.pid, nullptr, 0);
-    throw std::runtime_error("executor did not start within " + std::to_string(timeout_s) +
-                             " s: " + read_file(dir / "executor.err"));
+    // Back before the deadline: wait_ready saw it exit (and reaped it).
+    const bool gone = std::chrono::steady_clock::now() - started < std::chrono::seconds(timeout_s);
+    if (!gone) {
+      kill(executor.pid, SIGKILL);
+      waitpid(executor.pid, nullptr, 0);
+    }
+    throw std::runtime_error((gone ? std::string("the executor exited before it was ready")
+                                   : "the executor was not ready within " + std::to_string(timeout_s) + " s") +
+                             " (" + (dir / "executor.err").string() + "): " + read_file(dir / "executor.err"));
   }
   executor.endpoint = endpoints.front();
   return executor;
