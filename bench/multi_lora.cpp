@@ -57,7 +57,6 @@ struct Settings {
   std::string out = "multi-lora-bench";
   std::string python, hf_peft_script = "bench/hf_peft_client.py";  // the transformers + PEFT baseline
   int64_t finetune_tenants = 0, beside_adapters = 8;
-  bool overlap_adapters = false;  // also the split generator with [Overlapped adapters], row "one overlapped"
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -247,8 +246,6 @@ int main(int argc, char** argv) {
   app.add_option("--beside-adapters", s.beside_adapters, "the adapters of the run beside fine-tuning")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_flag("--overlap-adapters", s.overlap_adapters,
-               "also the split generator with its adapters beside the base calls ([Overlapped adapters])");
   app.add_option("--out", s.out, "where the checkpoint, adapters, logs and results go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (s.executor_device.empty()) s.executor_device = s.device;
@@ -350,13 +347,6 @@ int main(int argc, char** argv) {
         Generator generator(lm, options);
         for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
         report("one", n, measure(s, through(generator, names)));
-      }
-      if (s.overlap_adapters) {
-        auto overlapped = options;
-        overlapped.overlap_adapters = true;
-        Generator generator(lm, overlapped);
-        for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
-        report("one overlapped", n, measure(s, through(generator, names)));
       }
       {
         auto local = open_causal_lm(*checkpoint, nullptr, {dtype, at::Device(s.device)});

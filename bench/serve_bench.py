@@ -103,7 +103,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--server-flags", default="", help="more of symbiosis-serve's flags, space-separated "
-                        "(e.g. --server-flags=--overlap-adapters)")
+                        "(e.g. --server-flags=--no-capture-decode)")
     args = parser.parse_args()
     logs = os.path.splitext(args.out)[0]
     vocab = vocabulary_with_a_tokenizer(args.model)

@@ -333,8 +333,7 @@ void Generator::update_bank() {
     }
     if (!bank_) {
       const auto where = model_.token_embeddings().options();
-      bank_ = std::make_unique<LoraBank>(*lm_.module, *bank_model_, options_.max_loras, options_.max_lora_rank, where,
-                                         options_.overlap_adapters);
+      bank_ = std::make_unique<LoraBank>(*lm_.module, *bank_model_, options_.max_loras, options_.max_lora_rank, where);
       changed = true;
     }
     named->slot = bank_->add(named->lora);

@@ -131,9 +131,6 @@ struct GeneratorOptions {
   // allocated for them until an adapter is loaded.
   int64_t max_loras = 8;
   int64_t max_lora_rank = 64;
-  // [Overlapped adapters] (peft/lora_bank.h): on a GPU, the loaded adapters computed on a side
-  // stream while each layer's base call is in flight. Off by default: not yet measured.
-  bool overlap_adapters = false;
   void validate() const;  // throws naming the field
 };
 

@@ -11,11 +11,6 @@
 #include "client_runtime/peft/prompt.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
 #include "kernels/multi_lora.h"
 static_assert(symbiosis::kMaxBankLoraRank == symbiosis::kernels::kMultiLoraMaxRank);
 #endif
@@ -112,13 +107,8 @@ BankedLora banked_lora(const BankModel& model, const AdapterContents& adapter, i
 class LoraBank::Layer : public LayerAdapterImpl {
  public:
   Layer(std::shared_ptr<LayerAdapterImpl> own, std::shared_ptr<LoraRows> rows, int64_t slots, int64_t max_rank,
-        const at::TensorOptions& options, int64_t out_features, bool overlap)
-      : own(std::move(own)),
-        rows_(std::move(rows)),
-        entries_(static_cast<size_t>(slots)),
-        max_rank_(max_rank),
-        out_features_(out_features),
-        overlap_(overlap) {
+        const at::TensorOptions& options)
+      : own(std::move(own)), rows_(std::move(rows)), entries_(static_cast<size_t>(slots)), max_rank_(max_rank) {
 #ifdef SYMBIOSIS_WITH_CUDA
     if (options.device().is_cuda()) {
       table_ = at::zeros({kernels::multi_lora_table_bytes(slots)}, options.dtype(at::kByte));
@@ -152,15 +142,11 @@ class LoraBank::Layer : public LayerAdapterImpl {
     // Outside the generator's steps (a tenant training its own adapter between them): the layer
     // as it was.
     if (!rows.slots.defined()) return own ? own->forward(x, base) : base(x);
-    if (filled_ == 0) return base(x);
-    const int64_t in = x.size(-1), n = x.numel() / in;
+    auto y = base(x);
+    if (filled_ == 0) return y;
+    const int64_t in = x.size(-1), out = y.size(-1), n = x.numel() / in;
     TORCH_CHECK(rows.slots.size(0) == n, "[Multi-adapter batches]: a layer saw ", n,
                 " rows but the generator named slots for ", rows.slots.size(0));
-#ifdef SYMBIOSIS_WITH_CUDA
-    if (x.is_cuda() && overlap_) return overlapped(x, base, n);
-#endif
-    auto y = base(x);
-    const int64_t out = y.size(-1);
     const auto x2 = x.reshape({n, in});
 #ifdef SYMBIOSIS_WITH_CUDA
     if (x.is_cuda()) {
@@ -191,33 +177,6 @@ class LoraBank::Layer : public LayerAdapterImpl {
   std::shared_ptr<LayerAdapterImpl> own;  // the layer's adapter before the bank, in kOwnSlot
 
  private:
-#ifdef SYMBIOSIS_WITH_CUDA
-  // [Overlapped adapters]: the rows' adapters into a buffer of their own on a side stream, forked
-  // from the caller's before the base call and joined after it (captured alike in a CUDA graph:
-  // two branches), then added to the base's output.
-  at::Tensor overlapped(const at::Tensor& x, const BaseFn& base, int64_t n) {
-    const auto device = x.device().index();
-    const auto caller = c10::cuda::getCurrentCUDAStream(device);
-    const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device);
-    const auto x2 = x.reshape({n, x.size(-1)}).contiguous();
-    auto zeros = at::empty({n, out_features_}, x.options());  // the caller's stream's memory
-    at::Tensor adapters;
-    forked_.record(caller);
-    forked_.block(side);
-    {
-      c10::cuda::CUDAStreamGuard on_side(side);
-      zeros.zero_();
-      adapters = kernels::multi_lora(zeros, x2, rows_->slots, table_, max_rank_);
-      // Allocated on the side stream, read on the caller's: not reused before the caller is past it.
-      c10::cuda::CUDACachingAllocator::recordStream(adapters.storage().data_ptr(), caller);
-    }
-    joined_.record(side);
-    const auto y = base(x);
-    joined_.block(caller);
-    return y + adapters.view(y.sizes());
-  }
-  at::cuda::CUDAEvent forked_, joined_;
-#endif
   struct Entry {
     at::Tensor a, b;
     double scaling = 1.0;
@@ -226,19 +185,16 @@ class LoraBank::Layer : public LayerAdapterImpl {
   std::vector<Entry> entries_;  // by slot
   int64_t filled_ = 0;
   int64_t max_rank_;
-  int64_t out_features_;
-  bool overlap_;
   at::Tensor table_;  // on a GPU: the entries as the kernel reads them
 };
 
 LoraBank::LoraBank(torch::nn::Module& model, const BankModel& shape, int64_t max_loras, int64_t max_rank,
-                   at::TensorOptions options, bool overlap)
+                   at::TensorOptions options)
     : model_(model),
       used_(static_cast<size_t>(max_loras) + 1, false),
       max_rank_(max_rank),
       options_(options),
-      rows_(std::make_shared<LoraRows>()),
-      overlap_(overlap) {
+      rows_(std::make_shared<LoraRows>()) {
   TORCH_CHECK(shape.refusal.empty(), "this generator's model cannot serve several adapters: ", shape.refusal);
   std::vector<std::string> own_layers;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
@@ -269,8 +225,8 @@ std::shared_ptr<LoraBank::Layer> LoraBank::wrap(const std::string& path) {
   auto& layer = wrapped_[path];
   if (!layer) {
     auto* base = base_layers_.at(path);
-    layer = std::make_shared<Layer>(base->take_adapter(), rows_, static_cast<int64_t>(used_.size()), max_rank_,
-                                    options_, base->out_features(), overlap_);
+    layer =
+        std::make_shared<Layer>(base->take_adapter(), rows_, static_cast<int64_t>(used_.size()), max_rank_, options_);
     base->set_adapter(layer);
     layers_changed_ = true;
   }

@@ -22,12 +22,6 @@
 // cannot be told apart by row and is refused. Adapters apply without dropout (inference). The
 // Generator (inference/generator.h) loads, slots and unloads them at step boundaries and says which
 // slot each row takes (LoraRows).
-//
-// [Overlapped adapters] (opt-in: `overlap`): on a GPU, a layer's adapters need only its input, so
-// the layer can compute them on a side stream while its base call is in flight (a split layer's
-// call waits on the GPU for the executor's result), then add them to the base's output: the
-// adapters leave the step's critical path. The sum is the same products, added after the base
-// rather than into it (bf16: one rounding more).
 #include <ATen/ATen.h>
 
 #include <filesystem>
@@ -109,7 +103,7 @@ class LoraBank {
   // live in `options`' dtype on its device; wraps the layers of the model's own LoRA, if it has one
   // (shape.refusal must be empty).
   LoraBank(torch::nn::Module& model, const BankModel& shape, int64_t max_loras, int64_t max_rank,
-           at::TensorOptions options, bool overlap = false);
+           at::TensorOptions options);
   ~LoraBank();  // every layer gets its own adapter back, or none
   LoraBank(const LoraBank&) = delete;
   LoraBank& operator=(const LoraBank&) = delete;
@@ -135,7 +129,6 @@ class LoraBank {
   int64_t max_rank_;
   at::TensorOptions options_;
   std::shared_ptr<LoraRows> rows_;
-  bool overlap_;
   bool has_own_ = false;
   bool layers_changed_ = false;
 };

@@ -439,9 +439,9 @@ TEST(GpuGeneration, GenerateCliHostDecodeAndOffloadedCacheEqualTheAllGpuRun) {
 // v_proj at rank 2 by rank_pattern, rsLoRA) and the base in one split generator over CUDA IPC whose
 // decode steps are captured (the rows' slots filled before each replay), through the [Multi-LoRA
 // kernel], against eager monolithic generators with each adapter alone; then Z, on X's layers,
-// loaded between runs: the graphs captured before serve it (no layer wrapped anew). With `overlap`,
-// the adapters computed beside the base calls ([Overlapped adapters] in peft/lora_bank.h).
-void expect_mixed_adapters_equal_each_alone(bool overlap) {
+// loaded between runs: the graphs captured before serve it (no layer wrapped anew).
+TEST(GpuGeneration, MixedAdaptersInCapturedStepsEqualEachAdapterAloneInFp32) {
+  SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
   const auto work = testing::temp_dir("gpu-generate-multi-adapter");
@@ -469,7 +469,6 @@ void expect_mixed_adapters_equal_each_alone(bool overlap) {
   auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
   auto options = captured_options();
   options.max_sequences = 4;
-  options.overlap_adapters = overlap;
   auto log = std::make_shared<testing::LogitsLog>();
   auto logged = options;
   logged.logits_observer = [log](uint64_t id, const at::Tensor& row) {
@@ -529,16 +528,6 @@ void expect_mixed_adapters_equal_each_alone(bool overlap) {
   split_lm = {};
   client.reset();
   bench::stop(executor.pid);
-}
-
-TEST(GpuGeneration, MixedAdaptersInCapturedStepsEqualEachAdapterAloneInFp32) {
-  SKIP_WITHOUT_GPUS(1);
-  expect_mixed_adapters_equal_each_alone(/*overlap=*/false);
-}
-
-TEST(GpuGeneration, MixedAdaptersOverlappedWithTheBaseCallsEqualEachAdapterAloneInFp32) {
-  SKIP_WITHOUT_GPUS(1);
-  expect_mixed_adapters_equal_each_alone(/*overlap=*/true);
 }
 
 }  // namespace
