@@ -37,6 +37,22 @@ void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Ten
   for (size_t i = 0; i < sources.size(); ++i) targets[i].copy_(sources[i]);
 }
 
+// `inputs` packed into x's rows in order, the layer's GEMM into y, and y's rows to `destinations`
+// (each as many rows as its input): a packed batch replayed, or calls launched together.
+void packed_gemm(const BaseModel& model, uint32_t layer_id, LayerOp op, const std::vector<at::Tensor>& inputs,
+                 const std::vector<at::Tensor>& destinations, const at::Tensor& x, at::Tensor& y) {
+  std::vector<at::Tensor> packed, results;
+  int64_t row = 0;
+  for (const auto& input : inputs) {
+    packed.push_back(x.narrow(0, row, input.size(0)));
+    results.push_back(y.narrow(0, row, input.size(0)));
+    row += input.size(0);
+  }
+  copy_rows(inputs, packed);
+  model.compute_into(layer_id, op, x, y);
+  copy_rows(results, destinations);
+}
+
 }  // namespace
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -118,22 +134,14 @@ class ReplayedBatches {
     const auto options = at::TensorOptions().dtype(layer.dtype).device(model_.device());
     entry.x = at::empty({batch.tokens, requests[0].payload.header.features}, options);
     entry.y = at::empty({batch.tokens, out_features}, options);
-    std::vector<at::Tensor> sources, packed, results, destinations;
-    int64_t row = 0;
+    std::vector<at::Tensor> sources, destinations;
     for (size_t i : order) {
-      const int64_t tokens = requests[i].payload.header.tokens;
       sources.push_back(inputs[i]);
-      packed.push_back(entry.x.narrow(0, row, tokens));
-      results.push_back(entry.y.narrow(0, row, tokens));
       destinations.push_back(requests[i].payload.destination);
-      row += tokens;
     }
     try {
-      entry.work = cuda::CapturedWork::capture(stream, [&] {
-        copy_rows(sources, packed);
-        model_.compute_into(batch.layer_id, batch.op, entry.x, entry.y);
-        copy_rows(results, destinations);
-      });
+      entry.work = cuda::CapturedWork::capture(
+          stream, [&] { packed_gemm(model_, batch.layer_id, batch.op, sources, destinations, entry.x, entry.y); });
     } catch (const c10::Error& e) {
       failed_ = true;
       spdlog::warn("packed batches run without graphs: {}", e.what_without_backtrace());
@@ -220,18 +228,12 @@ void BatchRunner::enqueue_packed(const std::vector<std::pair<Channel*, shm::Call
   const auto element = static_cast<int64_t>(c10::elementSize(layer.dtype));
   const auto x = scratch[0].narrow(0, 0, rows * first.features * element).view(layer.dtype).view({rows, first.features});
   auto y = scratch[1].narrow(0, 0, rows * out_features * element).view(layer.dtype).view({rows, out_features});
-  std::vector<at::Tensor> inputs, packed, results, destinations;
-  int64_t row = 0;
+  std::vector<at::Tensor> inputs, destinations;
   for (const auto& [channel, h] : calls) {
     inputs.push_back(channel->input(h, layer.dtype, {h.tokens, h.features}));
     destinations.push_back(channel->destination(h, layer.dtype, {h.tokens, out_features}));
-    packed.push_back(x.narrow(0, row, h.tokens));
-    results.push_back(y.narrow(0, row, h.tokens));
-    row += h.tokens;
   }
-  copy_rows(inputs, packed);
-  model_.compute_into(first.layer_id, op, x, y);
-  copy_rows(results, destinations);
+  packed_gemm(model_, first.layer_id, op, inputs, destinations, x, y);
 }
 
 void BatchRunner::warm_up_stream() {

@@ -80,6 +80,7 @@ class RunGathering {
   // The client made a call of another kind than decode (a prefill, a fine-tuning step): nobody
   // waits for it until it launches a decode step again.
   void stopped_decoding(uint64_t client) {
+    if (!options_.together) return;  // nothing waits (the scheduler tells it of every such call)
     if (auto it = clients_.find(client); it != clients_.end()) it->second.launched.reset();
   }
 
