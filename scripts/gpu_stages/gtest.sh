@@ -1,6 +1,5 @@
 # stages: gtest
 # gtest          one test binary, GPU_TEST, with GPU_FILTER (default *); its log printed
-# One GPU test binary, GPU_TEST (e.g. gpu_executor_test), filtered by GPU_FILTER; its log is printed.
 # GPU_MPS=1: under MPS (same-GPU tenants' [Device flags] need it).
 [ -n "${GPU_MPS:-}" ] && mps_on
 run_gtest "$GPU_TEST" "${GPU_FILTER:-*}"

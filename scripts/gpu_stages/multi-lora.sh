@@ -3,9 +3,6 @@
 #                adapters in one generator, against the one-process bound, separate tenants, a monolithic generator,
 #                transformers + PEFT, and beside two fine-tuning tenants (Llama-3.2-1B, bf16, LoRA r16), under MPS
 #                (MULTI_LORA_FLAGS: the bench's flags after those, default '--python python3 --finetune-tenants 2')
-# [Multi-adapter batches] (issue 47): 64 requests over 1, 8 and 32 adapters in one generator, against the
-# one-process bound, as many single-adapter tenants, the base alone, a monolithic generator of as many
-# adapters and transformers + PEFT; then 8 adapters beside two fine-tuning tenants (bench/multi_lora.cpp), under MPS.
 mps_on
 "$B/bench/symbiosis-bench-multi-lora" --preset llama-3.2-1b --dtype bf16 --adapters "${ADAPTERS:-1,8,32}" \
   --requests 64 --prompt 512 --new-tokens 128 --rank 16 ${MULTI_LORA_FLAGS:---python python3 --finetune-tenants 2} \

@@ -2,8 +2,6 @@
 # serve-bench    symbiosis-serve over HTTP (bench/serve_bench.py, the openai client): 64 streams over 8 adapters, split
 #                against --monolithic, on multi-lora's model and adapters; needs the wheels in .whl (fastapi, openai, ...);
 #                SERVE_BENCH_FLAGS: more of symbiosis-serve's flags (e.g. --no-capture-decode)
-# symbiosis-serve through its HTTP API (bench/serve_bench.py): 64 streamed completions over 8 adapters, split
-# against monolithic, on multi-lora's model and adapters (run that stage first).
 python_package || return
 mps_on
 timeout 400 python3 bench/serve_bench.py --build "$B" --model /tmp/multi-lora/model-llama-3.2-1b-bf16 \

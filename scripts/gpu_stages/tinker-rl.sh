@@ -1,8 +1,6 @@
 # stages: tinker-rl
 # tinker-rl      symbiosis-tinker: TINKER_RUNS (1,4,8) concurrent RL runs of the tinker SDK against one after another
 #                (bench/tinker_rl.py, Llama-3.2-1B, bf16); needs the wheels in .whl (tinker, pyqwest, ...)
-# symbiosis-tinker (issue 48, bench/tinker_rl.py): TINKER_RUNS (1,4,8) concurrent RL runs of the tinker SDK on
-# Llama-3.2-1B (bf16, LoRA r16) against as many one after another; needs the wheels in .whl (tinker, ...).
 make_1b
 python_package || return
 mps_on
