@@ -20,6 +20,7 @@
 #include "base_executor/base_model.h"
 #include "base_executor/batching.h"
 #include "base_executor/parts.h"
+#include "base_executor/run_gathering.h"
 
 namespace symbiosis {
 
@@ -99,7 +100,7 @@ struct ExecutorOptions {
   // stream destroyed under the others, since fixed: AheadStreams; not yet run on a GPU again).
   bool launch_together = false;
   std::chrono::microseconds launch_together_wait{1000};
-  size_t launch_together_max = 16;  // tenants' steps in one launch at most
+  size_t launch_together_max = kMaxRunsTogether;  // tenants' steps in one launch at most
   // [Admission] (base_executor/admission.h, docs/operating.md): the keys folder. With it, traffic is
   // encrypted and only the tenants listed there are served. Without it the executor listens on
   // loopback only, unless `insecure` says to listen elsewhere anyway.

@@ -121,12 +121,10 @@ int main(int argc, char** argv) {
   int64_t launch_together_wait_us = options.launch_together_wait.count();
   app.add_option("--launch-together-wait", launch_together_wait_us,
                  "microseconds a tenant's step launched ahead waits for the other tenants decoding, to go together")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->capture_default_str();
   app.add_option("--launch-together-max", options.launch_together_max,
                  "tenants' steps launched together in one launch at most (1 to 16)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 16));
+      ->capture_default_str();
   app.add_option("--keys", keys_dir,
                  "keys folder (executor.key, tenants/, operators/, revoked/): encrypt, and admit only listed tenants "
                  "(docs/operating.md)");

@@ -11,6 +11,8 @@
 // another kind since its last step (a prefill) or launched none for `active` (its last token),
 // nor longer than `wait` for anyone.
 // Decided from the clock it is given (tests: a fake one), with no state of the channels'.
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -21,6 +23,10 @@
 
 namespace symbiosis {
 
+// Runs launched together at most: each adds three stream memory operations a call to the launch's
+// batch of them (cuda::kMaxMemoryOps, 64).
+constexpr size_t kMaxRunsTogether = 16;
+
 class RunGathering {
  public:
   using Clock = std::chrono::steady_clock;
@@ -28,9 +34,15 @@ class RunGathering {
     bool together = true;  // false: each ready run goes at once, alone
     Clock::duration wait = std::chrono::microseconds(1000);
     Clock::duration active = std::chrono::milliseconds(50);
-    size_t max_members = 16;  // runs in one launch at most
+    size_t max_members = kMaxRunsTogether;  // runs in one launch at most
   };
-  explicit RunGathering(Options options) : options_(options) {}
+  // Throws naming the executor's flag of a setting out of range.
+  explicit RunGathering(Options options) : options_(options) {
+    TORCH_CHECK(options.max_members >= 1 && options.max_members <= kMaxRunsTogether,
+                "--launch-together-max must be 1 to ", kMaxRunsTogether, ", got ", options.max_members);
+    TORCH_CHECK(options.wait.count() >= 0, "--launch-together-wait must be >= 0, got ",
+                std::chrono::duration_cast<std::chrono::microseconds>(options.wait).count(), " us");
+  }
 
   // The clients whose runs are ready now, each with its run's signature, in the order to launch
   // them: which to launch now, a group each (client ids in the order given). The others wait.

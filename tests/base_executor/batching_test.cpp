@@ -605,6 +605,20 @@ TEST(RunGathering, ARunThatStopsBeingReadyForgetsHowLongItWaited) {
   EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 4ms + 500us), (Launches{{1}}));
 }
 
+TEST(RunGathering, SettingsOutOfRangeAreRefusedNamingTheFlag) {
+  const auto refusal = [](RunGathering::Options options) {
+    try {
+      RunGathering gathering(options);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal({.max_members = 0}).find("--launch-together-max must be 1 to 16, got 0"), std::string::npos);
+  EXPECT_NE(refusal({.max_members = 17}).find("--launch-together-max must be 1 to 16, got 17"), std::string::npos);
+  EXPECT_NE(refusal({.wait = -5us}).find("--launch-together-wait must be >= 0, got -5 us"), std::string::npos);
+}
+
 TEST(RunGathering, LaunchesHoldAtMostMaxMembersAndAloneMeansAlone) {
   RunGathering gathering({.max_members = 2});
   EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0), (Launches{{1, 2}, {3}}));
