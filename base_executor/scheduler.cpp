@@ -291,9 +291,15 @@ bool Scheduler::poll_channels() {
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
     // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A run
-    // held for others goes whole, never call by call.
+    // held for others goes whole, never call by call; nor does one that became ready since
+    // launch_ready_runs asked (its client's last results came while other runs were launched, and its
+    // first input may be written by now): it is launched at the next look.
     if (!held.count(it->first)) {
-      while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+      if (launches_ahead() && !refused_.count(it->first) && channel->run_ready()) {
+        holding = true;
+      } else {
+        while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+      }
     }
     holding = channel->waiting() || holding;
     if (!channel->broken()) {
@@ -316,12 +322,14 @@ bool Scheduler::poll_channels() {
 // parts compute every batch together), nor under lockstep (its batches wait for every client's
 // call), nor while an [Input observer] must see each input. A refused client's calls go call by
 // call, to be refused.
+bool Scheduler::launches_ahead() const {
+  return options_.launch_ahead && parts_ == nullptr && options_.batching.policy != BatchingPolicy::kLockstep &&
+         !options_.on_input && !lost_;
+}
+
 std::set<uint64_t> Scheduler::launch_ready_runs() {
   std::set<uint64_t> held;
-  if (!options_.launch_ahead || parts_ != nullptr || options_.batching.policy == BatchingPolicy::kLockstep ||
-      options_.on_input || lost_) {
-    return held;
-  }
+  if (!launches_ahead()) return held;
   std::vector<std::pair<uint64_t, uint64_t>> ready;  // (client, its run's signature)
   for (const auto& [id, channel] : channels_) {
     if (refused_.count(id) != 0) continue;

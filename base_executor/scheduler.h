@@ -115,6 +115,7 @@ class Scheduler {
   // calls begin with one, alone or together, as gathering_ decides; returns the clients whose runs
   // wait for others.
   std::set<uint64_t> launch_ready_runs();
+  bool launches_ahead() const;  // whether runs are launched ahead here (launch_ready_runs says when not)
   void finish_setups();
   // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
   // a call, then sleeps in poll() until then; returns by `deadline` at the latest.
