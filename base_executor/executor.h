@@ -90,6 +90,10 @@ struct ExecutorOptions {
   // faster than packing them (measured in docs/benchmarks-history.md). 0: such requests batch as
   // others.
   int64_t concurrent_tokens = 128;
+  // [Fine-tuning's SMs] (kernels/direct_gemm.h): a GPU executor sizes the GEMMs of batches of
+  // fine-tuning calls alone for this many multiprocessors, so that decode calls find the others
+  // free at once; 0: all of them.
+  int finetune_sms = 0;
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a same-GPU tenant's captured
   // decode steps, once seen, run as one launch each, their calls waiting on the GPU for their inputs.
   bool launch_ahead = true;

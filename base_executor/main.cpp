@@ -109,6 +109,11 @@ int main(int argc, char** argv) {
                  "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "
                  "on its client's stream (0: such requests batch as others)")
       ->capture_default_str();
+  app.add_option("--finetune-sms", options.finetune_sms,
+                 "a GPU executor sizes the GEMMs of fine-tuning calls for this many multiprocessors, leaving the "
+                 "others to decode calls (0: all)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   app.add_option("--launch-ahead", options.launch_ahead,
                  "run a same-GPU tenant's captured decode steps, once seen, as one launch each, its calls waiting on "
                  "the GPU for their inputs (true/false)")

@@ -10,6 +10,9 @@
 
 #include "base_executor/call_check.h"
 #include "common/cuda.h"
+#ifdef SYMBIOSIS_WITH_CUDA
+#include "kernels/direct_gemm.h"
+#endif
 #include "transport/zmq_wire.h"
 
 namespace symbiosis {
@@ -459,11 +462,14 @@ void Scheduler::run() {
       if (take_part(batch)) continue;
     } else if (batch) {
 #ifdef SYMBIOSIS_WITH_CUDA
+      const auto& first = batch->requests[0];
+      const bool fine_tuning = std::all_of(batch->requests.begin(), batch->requests.end(),
+                                           [](const auto& r) { return r.latency == LatencyClass::kFineTuning; });
       if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
-        const auto& first = batch->requests[0];
         const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
-        streams->use(in_place ? first.client_id : 0, in_place && first.latency == LatencyClass::kFineTuning);
+        streams->use(in_place ? first.client_id : 0, in_place && fine_tuning);
       }
+      cuda::GemmSmTarget sms(fine_tuning ? options_.finetune_sms : 0);  // [Fine-tuning's SMs]
 #endif
       runner_.run(*batch);
       continue;

@@ -341,6 +341,7 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   if (ex.contains("launch_together_wait_us")) {
     args.insert(args.end(), {"--launch-together-wait", std::to_string(ex["launch_together_wait_us"].get<int64_t>())});
   }
+  if (ex.contains("finetune_sms")) args.insert(args.end(), {"--finetune-sms", std::to_string(ex["finetune_sms"].get<int>())});
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
   }

@@ -19,6 +19,7 @@ namespace {
 // threads, and GEMMs of one handle running at once on two streams would share its workspace.
 struct Handle {
   cublasHandle_t handle = nullptr;
+  int sm_target = 0;  // as last set ([Fine-tuning's SMs])
   explicit Handle(cudaStream_t stream) {
     SYMBIOSIS_CUBLAS_CHECK(cublasCreate(&handle));
     SYMBIOSIS_CUBLAS_CHECK(cublasSetStream(handle, stream));
@@ -28,10 +29,16 @@ struct Handle {
   Handle& operator=(const Handle&) = delete;
 };
 
+thread_local int sm_target = 0;  // [Fine-tuning's SMs]: this thread's GemmSmTarget
+
 cublasHandle_t handle_for(cudaStream_t stream) {
   static thread_local std::unordered_map<cudaStream_t, std::unique_ptr<Handle>> handles;
   auto& h = handles[stream];
   if (!h) h = std::make_unique<Handle>(stream);
+  if (h->sm_target != sm_target) {
+    SYMBIOSIS_CUBLAS_CHECK(cublasSetSmCountTarget(h->handle, sm_target));
+    h->sm_target = sm_target;
+  }
   return h->handle;
 }
 
@@ -44,6 +51,9 @@ cudaDataType_t data_type(at::ScalarType t) {
 }
 
 }  // namespace
+
+GemmSmTarget::GemmSmTarget(int sms) : previous_(sm_target) { sm_target = sms; }
+GemmSmTarget::~GemmSmTarget() { sm_target = previous_; }
 
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   const auto device_guard = kernels::on_device_of(x);  // [Operands' device]
