@@ -90,18 +90,17 @@ struct ExecutorOptions {
   // faster than packing them (measured in docs/benchmarks-history.md). 0: such requests batch as
   // others.
   int64_t concurrent_tokens = 128;
-  // [Fine-tuning's SMs] (kernels/direct_gemm.h): a GPU executor sizes the GEMMs of batches of
-  // fine-tuning calls alone for this many multiprocessors, so that decode calls find the others
-  // free at once; 0: all of them.
-  int finetune_sms = 0;
+  // [Fine-tuning's SMs] (kernels/direct_gemm.h): while a tenant decodes (a decode call in the last
+  // 50 ms), a GPU executor sizes the GEMMs of batches of fine-tuning calls alone for this percent of
+  // the GPU's multiprocessors, so that decode calls find the others free at once; 100: all of them.
+  int finetune_sm_percent = 50;
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a same-GPU tenant's captured
   // decode steps, once seen, run as one launch each, their calls waiting on the GPU for their inputs.
   bool launch_ahead = true;
   // [Runs launched together] (base_executor/run_gathering.h): such steps of several tenants, ready
   // at once, are one launch whose calls are one GEMM each; a ready step waits up to
   // launch_together_wait for the other tenants decoding. Experimental, off: on an H200 it was 0.92x
-  // alone with 2 tenants, and with 8 it brought the executor down as they left (likely a leader's
-  // stream destroyed under the others, since fixed: AheadStreams; not yet run on a GPU again).
+  // the steps launched alone with 2 tenants and 0.89x with 8 (docs/benchmarks.md).
   bool launch_together = false;
   std::chrono::microseconds launch_together_wait{1000};
   size_t launch_together_max = kMaxRunsTogether;  // tenants' steps in one launch at most

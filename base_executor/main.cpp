@@ -109,10 +109,9 @@ int main(int argc, char** argv) {
                  "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "
                  "on its client's stream (0: such requests batch as others)")
       ->capture_default_str();
-  app.add_option("--finetune-sms", options.finetune_sms,
-                 "a GPU executor sizes the GEMMs of fine-tuning calls for this many multiprocessors, leaving the "
-                 "others to decode calls (0: all)")
-      ->check(CLI::Range(0, 1024))
+  app.add_option("--finetune-sm-percent", options.finetune_sm_percent,
+                 "while a tenant decodes, a GPU executor sizes the GEMMs of fine-tuning calls for this percent of the "
+                 "GPU's multiprocessors, leaving the others to decode calls (1 to 100; 100: all)")
       ->capture_default_str();
   app.add_option("--launch-ahead", options.launch_ahead,
                  "run a same-GPU tenant's captured decode steps, once seen, as one launch each, its calls waiting on "
@@ -120,8 +119,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--launch-together", options.launch_together,
                  "experimental: launch the steps of several same-GPU tenants that --launch-ahead launches, ready at "
-                 "once, as one, each call one GEMM for all (true/false; not yet verified on a GPU since a fault "
-                 "that ended the executor)")
+                 "once, as one, each call one GEMM for all (true/false; slower than alone so far on an H200)")
       ->capture_default_str();
   int64_t launch_together_wait_us = options.launch_together_wait.count();
   app.add_option("--launch-together-wait", launch_together_wait_us,

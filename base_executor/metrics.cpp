@@ -151,6 +151,9 @@ std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauge
   w.single("symbiosis_together_calls_total", "counter",
            "Of the calls launched ahead, those launched with other clients' (runs launched together).",
            count(m.together_calls));
+  w.single("symbiosis_yielding_calls_total", "counter",
+           "Fine-tuning calls computed on part of the GPU while tenants decoded (--finetune-sm-percent).",
+           count(m.yielding_calls));
 
   w.each("symbiosis_class_requests_total", "counter", "Calls batched, by latency class.", "class", m.classes,
          [](const Class& c) { return count(c.requests); });

@@ -264,6 +264,7 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
   queued.tokens = h.tokens;
   queued.latency = wire::latency_from_proto(h.latency_class);
   queued.arrival = Clock::now();
+  if (h.latency_class == proto::INFERENCE_DECODE) last_decode_ = queued.arrival;
   queued.alone = options_.streams > 1 && options_.concurrent_tokens > 0 && h.tokens >= options_.concurrent_tokens &&
                  channel->orders_by_flags() && model_.device().is_cuda() && parts_ == nullptr;
   if (batcher_.runs_alone(queued)) statistics_.concurrent_calls++;
@@ -340,7 +341,8 @@ std::set<uint64_t> Scheduler::launch_ready_runs() {
   }
   if (ready.empty()) return held;
   for (const auto& [id, signature] : ready) held.insert(id);
-  for (const auto& group : gathering_.decide(ready, RunGathering::Clock::now())) {
+  last_decode_ = Clock::now();  // runs are decode steps, whether launched now or held
+  for (const auto& group : gathering_.decide(ready, last_decode_)) {
     for (const uint64_t id : group) held.erase(id);
     std::vector<Channel*> together;
     for (const uint64_t id : group) together.push_back(channels_.at(id).get());
@@ -469,7 +471,11 @@ void Scheduler::run() {
         const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
         streams->use(in_place ? first.client_id : 0, in_place && fine_tuning);
       }
-      cuda::GemmSmTarget sms(fine_tuning ? options_.finetune_sms : 0);  // [Fine-tuning's SMs]
+      // [Fine-tuning's SMs]
+      const bool yielding = streams && fine_tuning && now - last_decode_ < kDecodingLately &&
+                            options_.finetune_sm_percent < 100;
+      if (yielding) statistics_.yielding_calls += batch->requests.size();
+      cuda::GemmSmTarget sms(yielding ? options_.finetune_sm_percent : 100);
 #endif
       runner_.run(*batch);
       continue;

@@ -158,6 +158,10 @@ class Scheduler {
   CallBatcher batcher_;
   BatchRunner runner_;
   RunGathering gathering_;
+  // [Fine-tuning's SMs] (kernels/direct_gemm.h): when a decode call came or a decode step was ready
+  // last; fine-tuning GEMMs leave multiprocessors free for kDecodingLately after.
+  std::chrono::steady_clock::time_point last_decode_{};
+  static constexpr auto kDecodingLately = std::chrono::milliseconds(50);
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
   std::map<uint64_t, Status> refused_;                     // ClientRefused: why, by client id
   std::map<uint64_t, uint64_t> buffer_bytes_;              // [Buffer budget]: each client's registered buffer

@@ -160,6 +160,7 @@ proto::Stats Statistics::snapshot() const {
   s.set_replayed_calls(replayed_calls);
   s.set_ahead_calls(ahead_calls);
   s.set_together_calls(together_calls);
+  s.set_yielding_calls(yielding_calls);
   s.set_policy(policy_);
   s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   s.set_queue_depth(queue_depth);
@@ -207,6 +208,7 @@ MetricsSnapshot Statistics::metrics() const {
   m.replayed_calls = replayed_calls;
   m.ahead_calls = ahead_calls;
   m.together_calls = together_calls;
+  m.yielding_calls = yielding_calls;
   m.compute_seconds = compute_nanos * 1e-9;
   m.deliver_seconds = deliver_nanos * 1e-9;
   m.queued_calls = queue_depth;

@@ -58,7 +58,7 @@ struct MetricsSnapshot {
   };
   double uptime_seconds = 0;
   uint64_t requests = 0, tokens = 0, direct_calls = 0, concurrent_calls = 0, replayed_calls = 0, ahead_calls = 0,
-           together_calls = 0;
+           together_calls = 0, yielding_calls = 0;
   double compute_seconds = 0, deliver_seconds = 0;
   uint64_t queued_calls = 0;
   int64_t queued_tokens = 0;
@@ -86,6 +86,7 @@ class Statistics {
       0};  // captured calls whose GEMM was launched as a graph ([Replayed calls], [Replayed batches])
   std::atomic<uint64_t> ahead_calls{0};    // of those, launched ahead of their inputs ([Steps launched ahead])
   std::atomic<uint64_t> together_calls{0};  // of those, launched with other clients' ([Runs launched together])
+  std::atomic<uint64_t> yielding_calls{0};  // fine-tuning calls computed on part of the GPU ([Fine-tuning's SMs])
   std::atomic<uint64_t> compute_nanos{0};  // running batches, delivery included
   std::atomic<uint64_t> deliver_nanos{0};  // the part of compute_nanos spent delivering results
   std::atomic<uint64_t> queue_depth{0};    // calls queued, as the scheduler last saw them

@@ -341,7 +341,9 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   if (ex.contains("launch_together_wait_us")) {
     args.insert(args.end(), {"--launch-together-wait", std::to_string(ex["launch_together_wait_us"].get<int64_t>())});
   }
-  if (ex.contains("finetune_sms")) args.insert(args.end(), {"--finetune-sms", std::to_string(ex["finetune_sms"].get<int>())});
+  if (ex.contains("finetune_sm_percent")) {
+    args.insert(args.end(), {"--finetune-sm-percent", std::to_string(ex["finetune_sm_percent"].get<int>())});
+  }
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
   }
@@ -370,6 +372,7 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
     result["mean_call_tokens"] = stats.requests() ? double(stats.tokens()) / stats.requests() : 0.0;
     result["ahead_share"] = stats.requests() ? double(stats.ahead_calls()) / stats.requests() : 0.0;
     result["together_share"] = stats.requests() ? double(stats.together_calls()) / stats.requests() : 0.0;
+    result["yielding_calls"] = stats.yielding_calls();
   }
   result["executor_peak_rss_bytes"] = peak_rss_bytes(executor.pid);
   result["policy"] = policy;

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <memory>
 #include <unordered_map>
 
@@ -29,15 +30,24 @@ struct Handle {
   Handle& operator=(const Handle&) = delete;
 };
 
-thread_local int sm_target = 0;  // [Fine-tuning's SMs]: this thread's GemmSmTarget
+thread_local int sm_percent = 100;  // [Fine-tuning's SMs]: this thread's GemmSmTarget
+
+// cuBLAS's SM count target for sm_percent of the current device's multiprocessors (0: all).
+int sm_target() {
+  if (sm_percent >= 100) return 0;
+  int device = 0, sms = 0;
+  SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&device));
+  SYMBIOSIS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(1, sms * sm_percent / 100);
+}
 
 cublasHandle_t handle_for(cudaStream_t stream) {
   static thread_local std::unordered_map<cudaStream_t, std::unique_ptr<Handle>> handles;
   auto& h = handles[stream];
   if (!h) h = std::make_unique<Handle>(stream);
-  if (h->sm_target != sm_target) {
-    SYMBIOSIS_CUBLAS_CHECK(cublasSetSmCountTarget(h->handle, sm_target));
-    h->sm_target = sm_target;
+  if (const int target = sm_target(); h->sm_target != target) {
+    SYMBIOSIS_CUBLAS_CHECK(cublasSetSmCountTarget(h->handle, target));
+    h->sm_target = target;
   }
   return h->handle;
 }
@@ -52,8 +62,8 @@ cudaDataType_t data_type(at::ScalarType t) {
 
 }  // namespace
 
-GemmSmTarget::GemmSmTarget(int sms) : previous_(sm_target) { sm_target = sms; }
-GemmSmTarget::~GemmSmTarget() { sm_target = previous_; }
+GemmSmTarget::GemmSmTarget(int percent) : previous_(sm_percent) { sm_percent = percent; }
+GemmSmTarget::~GemmSmTarget() { sm_percent = previous_; }
 
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   const auto device_guard = kernels::on_device_of(x);  // [Operands' device]

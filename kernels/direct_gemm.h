@@ -23,11 +23,12 @@ bool cublas_gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor&
 // [Fine-tuning's SMs]
 // A large GEMM's kernel on Hopper keeps one block on every multiprocessor until the product is
 // done, so a decode call that comes meanwhile waits for it whatever its stream's priority. While a
-// GemmSmTarget lives on a thread, the cuBLAS GEMMs that thread enqueues are sized for `sms`
-// multiprocessors (cublasSetSmCountTarget; 0: all of them), leaving the rest to other streams.
+// GemmSmTarget lives on a thread, the cuBLAS GEMMs that thread enqueues are sized for `percent` of
+// the current GPU's multiprocessors (cublasSetSmCountTarget; 100: all of them), leaving the rest to
+// other streams.
 class GemmSmTarget {
  public:
-  explicit GemmSmTarget(int sms);
+  explicit GemmSmTarget(int percent);
   ~GemmSmTarget();
   GemmSmTarget(const GemmSmTarget&) = delete;
   GemmSmTarget& operator=(const GemmSmTarget&) = delete;

@@ -16,6 +16,7 @@
 #include "client_runtime/peft/prompt.h"
 #include "client_runtime/training/trainer.h"
 #include "tests/gpu_test_util.h"
+#include "transport/client_transport.h"
 
 namespace symbiosis {
 namespace {
@@ -118,6 +119,36 @@ TEST(GpuTrainerTest, CapturedStepsGiveTheLossesOfEagerStepsSplitAndMonolithic) {
   }
 }
 
+// The training set of examples() as symbiosis-finetune reads it, in `dir`.
+fs::path write_train(const fs::path& dir) {
+  const auto train = dir / "train.jsonl";
+  std::ofstream out(train);
+  const auto data = examples();
+  for (size_t i = 0; i < data.size(); ++i) {
+    std::string ids;
+    for (auto id : data[i].input_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    out << "{\"input_ids\": [" << ids << "]}\n";
+  }
+  return train;
+}
+
+// symbiosis-finetune's loss after 6 steps on `train` with `args` (its output in dir/NAME.out).
+double finetune_final_loss(const fs::path& model, const fs::path& train, const fs::path& dir, const std::string& args,
+                           const std::string& name) {
+  const auto out = dir / (name + ".out");
+  const std::string command = testing::binary("examples/symbiosis-finetune") + " --model " + model.string() +
+                              " --train " + train.string() +
+                              " --device cuda:0 --lora-r 4 --lr 1e-2 --steps 6 --micro-batch 2 --grad-accum 2"
+                              " --seed 3 --no-progress " +
+                              args + " > " + out.string() + " 2> " + out.string() + ".err";
+  EXPECT_EQ(testing::shell(command), 0) << command;
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  const auto at = text.rfind("done: step 6 loss ");
+  EXPECT_NE(at, std::string::npos) << text;
+  return at == std::string::npos ? NAN : std::stod(text.substr(at + 18));
+}
+
 // The test: symbiosis-finetune on cuda:0, split (the executor on the same GPU) and
 // monolithic, trains to the same losses; its eager steps (--no-capture) agree too.
 TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
@@ -128,35 +159,44 @@ TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
   executor_options.device = "cuda:0";
   auto executor = testing::start_executor(model, executor_options);
   const auto dir = testing::temp_dir("gpu-finetune");
-  const auto train = dir / "train.jsonl";
-  {
-    std::ofstream out(train);
-    const auto data = examples();
-    for (size_t i = 0; i < data.size(); ++i) {
-      std::string ids;
-      for (auto id : data[i].input_ids) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
-      out << "{\"input_ids\": [" << ids << "]}\n";
-    }
-  }
-  auto final_loss = [&](const std::string& args, const std::string& name) {
-    const auto out = dir / (name + ".out");
-    const std::string command = testing::binary("examples/symbiosis-finetune") + " --model " + model.string() +
-                                " --train " + train.string() +
-                                " --device cuda:0 --lora-r 4 --lr 1e-2 --steps 6 --micro-batch 2 --grad-accum 2"
-                                " --seed 3 --no-progress " +
-                                args + " > " + out.string() + " 2> " + out.string() + ".err";
-    EXPECT_EQ(testing::shell(command), 0) << command;
-    std::ifstream in(out);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    const auto at = text.rfind("done: step 6 loss ");
-    EXPECT_NE(at, std::string::npos) << text;
-    return at == std::string::npos ? NAN : std::stod(text.substr(at + 18));
-  };
-  const double split = final_loss("--executor " + executor->endpoint(), "split");
-  const double mono = final_loss("--monolithic", "mono");
-  const double eager = final_loss("--monolithic --no-capture", "eager");
+  const auto train = write_train(dir);
+  const double split = finetune_final_loss(model, train, dir, "--executor " + executor->endpoint(), "split");
+  const double mono = finetune_final_loss(model, train, dir, "--monolithic", "mono");
+  const double eager = finetune_final_loss(model, train, dir, "--monolithic --no-capture", "eager");
   EXPECT_NEAR(split, mono, 1e-4 * mono);
   EXPECT_NEAR(eager, mono, 1e-4 * mono);
+}
+
+// [Fine-tuning's SMs] (kernels/direct_gemm.h): beside a tenant decoding on the same executor, the
+// fine-tuning tenant's GEMMs are sized for part of the GPU (--finetune-sm-percent, half by default),
+// and it trains to the monolithic losses as alone.
+TEST(GpuTrainerTest, FinetuneBesideADecodingTenantTrainsToTheMonolithicLosses) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto model = testing::make_checkpoint("tiny-llama");
+  ExecutorOptions executor_options;
+  executor_options.device = "cuda:0";
+  auto executor = testing::start_executor(model, executor_options);
+  const auto dir = testing::temp_dir("gpu-finetune-beside-decode");
+  const auto train = write_train(dir);
+  // The decoding tenant: many requests of 200 new tokens, stopped once the fine-tuning is done.
+  const auto requests = dir / "requests.jsonl";
+  {
+    std::ofstream out(requests);
+    for (int r = 0; r < 2048; ++r) out << "{\"prompt_ids\": [" << 1 + r % 200 << ", 7, 9], \"max_new_tokens\": 200}\n";
+  }
+  const std::string generate = testing::binary("examples/symbiosis-generate") + " --model " + model.string() +
+                               " --executor " + executor->endpoint() +
+                               " --device cuda:0 --max-sequences 8 --max-tokens 208 --input " + requests.string() +
+                               " > " + (dir / "generate.jsonl").string() + " 2> " + (dir / "generate.log").string();
+  const auto pid_file = dir / "generate.pid";
+  ASSERT_EQ(testing::shell(generate + " & echo $! > " + pid_file.string() + "; sleep 3"), 0);
+  const double beside = finetune_final_loss(model, train, dir, "--executor " + executor->endpoint(), "beside");
+  const auto stats = request_stats(executor->endpoint(), 10000);
+  testing::shell("kill $(cat " + pid_file.string() + ")");
+  const double mono = finetune_final_loss(model, train, dir, "--monolithic", "mono");
+  EXPECT_NEAR(beside, mono, 1e-4 * mono);
+  EXPECT_EQ(stats.errors(), 0u);
+  EXPECT_GT(stats.yielding_calls(), 0u) << "decode calls: none seen beside the fine-tuning? see " << dir;
 }
 
 }  // namespace
