@@ -472,8 +472,8 @@ void Scheduler::run() {
         streams->use(in_place ? first.client_id : 0, in_place && fine_tuning);
       }
       // [Fine-tuning's SMs]
-      const bool yielding = streams && fine_tuning && now - last_decode_ < kDecodingLately &&
-                            options_.finetune_sm_percent < 100;
+      const bool yielding =
+          streams && fine_tuning && now - last_decode_ < kDecodingLately && options_.finetune_sm_percent < 100;
       if (yielding) statistics_.yielding_calls += batch->requests.size();
       cuda::GemmSmTarget sms(yielding ? options_.finetune_sm_percent : 100);
 #endif

@@ -84,13 +84,13 @@ class Statistics {
   std::atomic<uint64_t> concurrent_calls{0};  // calls run alone on their client's compute stream ([Compute streams])
   std::atomic<uint64_t> replayed_calls{
       0};  // captured calls whose GEMM was launched as a graph ([Replayed calls], [Replayed batches])
-  std::atomic<uint64_t> ahead_calls{0};    // of those, launched ahead of their inputs ([Steps launched ahead])
+  std::atomic<uint64_t> ahead_calls{0};     // of those, launched ahead of their inputs ([Steps launched ahead])
   std::atomic<uint64_t> together_calls{0};  // of those, launched with other clients' ([Runs launched together])
   std::atomic<uint64_t> yielding_calls{0};  // fine-tuning calls computed on part of the GPU ([Fine-tuning's SMs])
-  std::atomic<uint64_t> compute_nanos{0};  // running batches, delivery included
-  std::atomic<uint64_t> deliver_nanos{0};  // the part of compute_nanos spent delivering results
-  std::atomic<uint64_t> queue_depth{0};    // calls queued, as the scheduler last saw them
-  std::atomic<int64_t> queued_tokens{0};   // their tokens
+  std::atomic<uint64_t> compute_nanos{0};   // running batches, delivery included
+  std::atomic<uint64_t> deliver_nanos{0};   // the part of compute_nanos spent delivering results
+  std::atomic<uint64_t> queue_depth{0};     // calls queued, as the scheduler last saw them
+  std::atomic<int64_t> queued_tokens{0};    // their tokens
 
   // A client was admitted (front door), or forgotten. Tenants are counted by name; past
   // kMaxTenants names, new ones count together as "(other tenants)", so that peers cannot grow the
