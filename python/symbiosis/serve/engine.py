@@ -8,6 +8,7 @@
 """
 import asyncio
 import dataclasses
+import threading
 import weakref
 from typing import AsyncIterator, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -68,9 +69,9 @@ class Engine:
         self._native = _C.ServingEngine(str(checkpoint), client._native if client is not None else None, device,
                                         dtype, max_sequences, max_tokens, max_waiting, max_loras, max_lora_rank,
                                         capture_decode)
-        # The stepping thread stops when this Engine goes, or at the interpreter's exit at the latest
-        # (before Python can no longer take the callbacks' GIL).
-        self._shutdown = weakref.finalize(self, self._native.shutdown)
+        self._streams = _Streams(self._native)
+        # The stepping thread stops when this Engine goes, or at the interpreter's exit at the latest.
+        self._shutdown = weakref.finalize(self, self._streams.close)
 
     def load_adapter(self, name: str, path: str) -> None:
         """Serves the LoRA adapter at `path` (a PEFT folder, or a symbiosis-finetune run or checkpoint
@@ -106,15 +107,6 @@ class Engine:
         """Ends every request ("cancelled") and stops the stepping thread."""
         self._shutdown()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, adapter: str = "",
-               on_event=None) -> int:
-        """Queues a request; on_event(TokenEvent) runs on the stepping thread for each of its events.
-        Returns its id. Raises symbiosis.Error naming the field of a refused request."""
-        return self._native.submit(
-            [int(t) for t in prompt_ids], adapter, params.max_new_tokens, params.temperature, params.top_k,
-            params.top_p, params.seed, [int(t) for t in params.stop_token_ids], list(params.stop), params.logprobs,
-            params.top_logprobs, lambda *event: on_event(TokenEvent(*event)))
-
     def cancel(self, request: int) -> None:
         """Ends the request at the next step boundary (its last event "cancelled"); finished or
         unknown ids are ignored."""
@@ -125,16 +117,10 @@ class Engine:
         as they are produced through the Stream's events, the last with finish_reason set. Called in
         a running event loop. Leaving the iteration early (a client gone) cancels the request, which
         frees its cache slot at the next step boundary."""
-        loop = asyncio.get_running_loop()
-        events: "asyncio.Queue[TokenEvent]" = asyncio.Queue()
-
-        def on_event(event: TokenEvent) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop closed: nobody waits for this request any more
-                pass
-
-        request = self.submit(prompt_ids, params, adapter, on_event)
+        request, events = self._streams.open(
+            self._native.submit, [int(t) for t in prompt_ids], adapter, params.max_new_tokens, params.temperature,
+            params.top_k, params.top_p, params.seed, [int(t) for t in params.stop_token_ids], list(params.stop),
+            params.logprobs, params.top_logprobs)
         return Stream(request, self._events(request, events))
 
     async def _events(self, request: int, events: "asyncio.Queue[TokenEvent]") -> AsyncIterator[TokenEvent]:
@@ -146,4 +132,79 @@ class Engine:
                 yield event
         finally:
             if not finished:
+                self._streams.leave(request)
                 self._native.cancel(request)
+
+
+class _Streams:
+    """[Serving engine] (python/serving_binding.cpp): the streams waiting for an engine's events, by
+    request id, each with its event loop and queue; and the loop that watches the engine's eventfd
+    and hands the events out (the last loop to open a stream). The lock keeps a request's events
+    from being taken before its stream is known."""
+
+    def __init__(self, native):
+        self._native = native
+        self._lock = threading.Lock()
+        self._waiting: Dict[int, Tuple[asyncio.AbstractEventLoop, "asyncio.Queue[TokenEvent]"]] = {}
+        self._watching: Optional[asyncio.AbstractEventLoop] = None
+
+    def open(self, submit, *request) -> Tuple[int, "asyncio.Queue[TokenEvent]"]:
+        """Submits a request (submit(*request) returns its id) from the running loop, whose queue
+        gets its events."""
+        loop = asyncio.get_running_loop()
+        if self._watching is not loop:
+            self._unwatch()
+            loop.add_reader(self._native.notify_fd, self.take)
+            self._watching = loop
+        events: "asyncio.Queue[TokenEvent]" = asyncio.Queue()
+        with self._lock:
+            request_id = submit(*request)
+            self._waiting[request_id] = (loop, events)
+        return request_id, events
+
+    def leave(self, request: int) -> None:
+        with self._lock:
+            self._waiting.pop(request, None)
+
+    def take(self) -> None:
+        """Every event waiting, to its stream's queue (on the watching loop)."""
+        with self._lock:
+            for request, *fields in self._native.take_events():
+                event = TokenEvent(*fields)
+                stream = self._waiting.get(request)
+                if stream is None:  # its stream was left: nobody waits for it
+                    continue
+                if event.finish_reason is not None:
+                    del self._waiting[request]
+                loop, queue = stream
+                if loop is self._watching:
+                    queue.put_nowait(event)
+                elif not loop.is_closed():
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def close(self) -> None:
+        """Stops the stepping thread: every request left ends "cancelled", and its stream is told."""
+        self._native.shutdown()
+        loop = self._watching
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._last_events)
+            except RuntimeError:  # closed meanwhile
+                pass
+
+    def _last_events(self) -> None:
+        self.take()
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        loop, self._watching = self._watching, None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._stop_watching, loop)
+        except RuntimeError:  # closed meanwhile
+            pass
+
+    def _stop_watching(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._watching is not loop:  # unless it watches again since
+            loop.remove_reader(self._native.notify_fd)
