@@ -211,8 +211,8 @@ at::Tensor BatchRunner::packing_scratch(int64_t rows) {
   int64_t widest = 0;  // bytes of the widest row of any layer, in or out
   for (uint32_t i = 0; i < model_.layer_count(); ++i) {
     const auto& layer = model_.layer(i);
-    widest = std::max(widest, std::max(layer.in_features, layer.out_features) *
-                                  static_cast<int64_t>(c10::elementSize(layer.dtype)));
+    widest = std::max(
+        widest, std::max(layer.in_features, layer.out_features) * static_cast<int64_t>(c10::elementSize(layer.dtype)));
   }
   return at::empty({2, rows * widest}, at::TensorOptions().dtype(at::kByte).device(model_.device()));
 }
@@ -226,7 +226,8 @@ void BatchRunner::enqueue_packed(const std::vector<std::pair<Channel*, shm::Call
   int64_t rows = 0;
   for (const auto& [channel, h] : calls) rows += h.tokens;
   const auto element = static_cast<int64_t>(c10::elementSize(layer.dtype));
-  const auto x = scratch[0].narrow(0, 0, rows * first.features * element).view(layer.dtype).view({rows, first.features});
+  const auto x =
+      scratch[0].narrow(0, 0, rows * first.features * element).view(layer.dtype).view({rows, first.features});
   auto y = scratch[1].narrow(0, 0, rows * out_features * element).view(layer.dtype).view({rows, out_features});
   std::vector<at::Tensor> inputs, destinations;
   for (const auto& [channel, h] : calls) {

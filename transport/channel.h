@@ -164,8 +164,7 @@ class Channel {
   // calls of the same place in their runs one GEMM ([Runs launched together]). Returns each
   // channel's calls, handed out (next_request() goes on after them); empty ones where the launch
   // failed (the channel then goes call by call).
-  virtual std::vector<std::vector<shm::CallHeader>> launch_ahead(const std::vector<Channel*>& together,
-                                                                 CallEnqueuer&) {
+  virtual std::vector<std::vector<shm::CallHeader>> launch_ahead(const std::vector<Channel*>& together, CallEnqueuer&) {
     return std::vector<std::vector<shm::CallHeader>>(together.size());
   }
   // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only

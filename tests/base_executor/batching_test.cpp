@@ -600,7 +600,7 @@ TEST(RunGathering, ARunThatStopsBeingReadyForgetsHowLongItWaited) {
   RunGathering gathering({.wait = 1ms});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
   EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 2ms).empty());
-  EXPECT_TRUE(gathering.decide({}, t0 + 2ms + 100us).empty());  // 1 dropped its run (a new buffer, say)
+  EXPECT_TRUE(gathering.decide({}, t0 + 2ms + 100us).empty());        // 1 dropped its run (a new buffer, say)
   EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 3ms + 500us).empty());  // it waits afresh
   EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 4ms + 500us), (Launches{{1}}));
 }

@@ -178,7 +178,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         launched_.waits_passed->load(std::memory_order_acquire) % launched_.members != launched_.position) {
       return;
     }
-    for (const uint32_t slot : launched_.slots) control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+    for (const uint32_t slot : launched_.slots)
+      control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
     launched_at_.reset();
     stalled_ = true;
   }
@@ -301,8 +302,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     for (auto* member : members) member->use_stream(stream);
     work->launch(stream);
     for (size_t i = 0; i < members.size(); ++i) {
-      launched[i] = members[i]->launched_on(stream, {{}, waits_passed, static_cast<uint32_t>(members.size()),
-                                                     static_cast<uint32_t>(i)});
+      launched[i] = members[i]->launched_on(
+          stream, {{}, waits_passed, static_cast<uint32_t>(members.size()), static_cast<uint32_t>(i)});
     }
     return launched;
   }
@@ -589,7 +590,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         // The last call's flags are set at each launch, after results_ready.
         if (i + 1 == calls.size()) continue;
         ops.clear();
-        for (const auto* member : members) ops.push_back({cuda::MemoryOp::kWrite, member->result_ready(member->ready_->calls[i]), 1});
+        for (const auto* member : members)
+          ops.push_back({cuda::MemoryOp::kWrite, member->result_ready(member->ready_->calls[i]), 1});
         cuda::memory_ops_on_stream(stream, ops.data(), ops.size());
       }
     });
@@ -600,7 +602,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     Run* run = ready_;
     ready_ = nullptr;
     const auto& waiting = pending();
-    std::vector<shm::CallHeader> calls(waiting.begin(), waiting.begin() + static_cast<std::ptrdiff_t>(run->calls.size()));
+    std::vector<shm::CallHeader> calls(waiting.begin(),
+                                       waiting.begin() + static_cast<std::ptrdiff_t>(run->calls.size()));
     last_out_ = calls.back().sequence;
     // results_ready before the last call's result flag, which lets the client go on: its next
     // run then finds every call before it answered.
@@ -627,7 +630,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   void release_launched() {
     std::lock_guard<std::mutex> lock(launched_mutex_);
     if (!launched_at_) return;
-    for (const uint32_t slot : launched_.slots) control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+    for (const uint32_t slot : launched_.slots)
+      control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
   }
 
   void forget_runs() {
@@ -653,13 +657,13 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   Run* ready_ = nullptr;                    // the run the pending calls begin with (run_ready), until launched
   uint64_t uses_ = 0;
   cuda::Stream ahead_stream_;  // AheadStreams', from the first launch this client leads
-  bool watched_ = false;            // by AheadWatchdog
+  bool watched_ = false;       // by AheadWatchdog
   // [Runs launched together]: graphs of groups this client leads, and what they share.
   std::vector<std::unique_ptr<Group>> groups_;
   std::unique_ptr<Leading> leading_;
   bool groups_failed_ = false;
-  uint32_t last_out_ = 0;           // the sequence of the last numbered call handed out
-  uint32_t hold_sequence_ = 0;      // a run's first call held for its other headers, until
+  uint32_t last_out_ = 0;       // the sequence of the last numbered call handed out
+  uint32_t hold_sequence_ = 0;  // a run's first call held for its other headers, until
   std::optional<Clock::time_point> hold_until_;
   bool ahead_failed_ = false;
   // The run launched last, shared with AheadWatchdog's thread.

@@ -313,8 +313,9 @@ std::string generate_command(const std::filesystem::path& dir, const std::string
                              const std::string& run, int new_tokens = 24) {
   return testing::binary("examples/symbiosis-generate") + " --model '" + dir.string() + "' --executor " + executor +
          (run == "monolithic" ? " --monolithic" : "") + " --device cuda:0 --max-sequences 4 --max-tokens " +
-         std::to_string(520 + new_tokens) + " --max-new-tokens " + std::to_string(new_tokens) + " --input '" + requests.string() + "' > '" +
-         (work / (run + ".jsonl")).string() + "' 2> '" + (work / (run + ".log")).string() + "'";
+         std::to_string(520 + new_tokens) + " --max-new-tokens " + std::to_string(new_tokens) + " --input '" +
+         requests.string() + "' > '" + (work / (run + ".jsonl")).string() + "' 2> '" +
+         (work / (run + ".log")).string() + "'";
 }
 
 // A run's output lines (one per request as it finishes), sorted.
@@ -355,16 +356,16 @@ TEST(GpuGeneration, PrefillsAfterCapturedDecodeStepsStayExactInAFreshProcess) {
 // Three tenants, processes of their own, generate at once (`new_tokens` a request) on an executor
 // started with `flags`; each generates what the model generates monolithic. Returns the
 // executor's statistics.
-proto::Stats three_tenants_generate_the_monolithic_tokens(const std::string& name, const std::vector<std::string>& flags,
-                                                         int new_tokens = 24) {
+proto::Stats three_tenants_generate_the_monolithic_tokens(const std::string& name,
+                                                          const std::vector<std::string>& flags, int new_tokens = 24) {
   const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
   const auto work = testing::temp_dir(name);
   const auto executor = start_gpu_executor(dir, work / "executor", "fp32", flags);
   const auto requests = write_requests(work, 4);
   std::string together, waits;
   for (const std::string tenant : {"a", "b", "c"}) {
-    together += generate_command(dir, executor.endpoint, requests, work, tenant, new_tokens) + " & pid_" + tenant +
-                "=$!; ";
+    together +=
+        generate_command(dir, executor.endpoint, requests, work, tenant, new_tokens) + " & pid_" + tenant + "=$!; ";
     waits += "wait $pid_" + tenant + " || failed=1; ";
   }
   EXPECT_EQ(testing::shell(together + "failed=0; " + waits + "exit $failed"), 0) << "see " << work;
