@@ -1,5 +1,5 @@
 # stages: serve-bench
-# serve-bench    symbiosis-serve over HTTP (bench/serve_bench.py, the openai client): 64 streams over 8 adapters, split
+# serve-bench    symbiosis-serve over HTTP (bench/serve_bench.py, the openai client in 4 processes): 64 streams over 8 adapters, split
 #                against --monolithic, on multi-lora's model and adapters; needs the wheels in .whl (fastapi, openai, ...);
 #                SERVE_BENCH_FLAGS: more of symbiosis-serve's flags (e.g. --no-capture-decode)
 python_package || return
