@@ -132,37 +132,45 @@ fs::path write_train(const fs::path& dir) {
   return train;
 }
 
-// symbiosis-finetune's loss after 6 steps on `train` with `args` (its output in dir/NAME.out).
-double finetune_final_loss(const fs::path& model, const fs::path& train, const fs::path& dir, const std::string& args,
-                           const std::string& name) {
-  const auto out = dir / (name + ".out");
-  const std::string command = testing::binary("examples/symbiosis-finetune") + " --model " + model.string() +
-                              " --train " + train.string() +
-                              " --device cuda:0 --lora-r 4 --lr 1e-2 --steps 6 --micro-batch 2 --grad-accum 2"
-                              " --seed 3 --no-progress " +
-                              args + " > " + out.string() + " 2> " + out.string() + ".err";
-  EXPECT_EQ(testing::shell(command), 0) << command;
-  std::ifstream in(out);
-  std::string text((std::istreambuf_iterator<char>(in)), {});
-  const auto at = text.rfind("done: step 6 loss ");
-  EXPECT_NE(at, std::string::npos) << text;
-  return at == std::string::npos ? NAN : std::stod(text.substr(at + 18));
-}
+// symbiosis-finetune on cuda:0 and an executor on the same GPU in this process (the program's
+// client is another process: CUDA IPC), on a tiny Llama with examples() as its training set; the
+// programs' output in `dir`.
+struct GpuFinetune {
+  explicit GpuFinetune(const std::string& name) : dir(testing::temp_dir(name)), train(write_train(dir)) {
+    ExecutorOptions options;
+    options.device = "cuda:0";
+    executor = testing::start_executor(model, options);
+  }
+  // The loss after 6 steps with `args` (its output in dir/RUN.out).
+  double loss(const std::string& args, const std::string& run) const {
+    const auto out = dir / (run + ".out");
+    const std::string command = testing::binary("examples/symbiosis-finetune") + " --model " + model.string() +
+                                " --train " + train.string() +
+                                " --device cuda:0 --lora-r 4 --lr 1e-2 --steps 6 --micro-batch 2 --grad-accum 2"
+                                " --seed 3 --no-progress " +
+                                args + " > " + out.string() + " 2> " + out.string() + ".err";
+    EXPECT_EQ(testing::shell(command), 0) << command;
+    std::ifstream in(out);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    const auto at = text.rfind("done: step 6 loss ");
+    EXPECT_NE(at, std::string::npos) << text;
+    return at == std::string::npos ? NAN : std::stod(text.substr(at + 18));
+  }
+  double split_loss(const std::string& run) const { return loss("--executor " + executor->endpoint(), run); }
+
+  const fs::path model = testing::make_checkpoint("tiny-llama");
+  const fs::path dir, train;
+  std::unique_ptr<Executor> executor;
+};
 
 // The test: symbiosis-finetune on cuda:0, split (the executor on the same GPU) and
 // monolithic, trains to the same losses; its eager steps (--no-capture) agree too.
 TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
   SKIP_WITHOUT_GPUS(1);
-  const auto model = testing::make_checkpoint("tiny-llama");
-  // In this process: the program's client is another process, on the same GPU (CUDA IPC).
-  ExecutorOptions executor_options;
-  executor_options.device = "cuda:0";
-  auto executor = testing::start_executor(model, executor_options);
-  const auto dir = testing::temp_dir("gpu-finetune");
-  const auto train = write_train(dir);
-  const double split = finetune_final_loss(model, train, dir, "--executor " + executor->endpoint(), "split");
-  const double mono = finetune_final_loss(model, train, dir, "--monolithic", "mono");
-  const double eager = finetune_final_loss(model, train, dir, "--monolithic --no-capture", "eager");
+  const GpuFinetune finetune("gpu-finetune");
+  const double split = finetune.split_loss("split");
+  const double mono = finetune.loss("--monolithic", "mono");
+  const double eager = finetune.loss("--monolithic --no-capture", "eager");
   EXPECT_NEAR(split, mono, 1e-4 * mono);
   EXPECT_NEAR(eager, mono, 1e-4 * mono);
 }
@@ -172,28 +180,25 @@ TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
 // and it trains to the monolithic losses as alone.
 TEST(GpuTrainerTest, FinetuneBesideADecodingTenantTrainsToTheMonolithicLosses) {
   SKIP_WITHOUT_GPUS(1);
-  const auto model = testing::make_checkpoint("tiny-llama");
-  ExecutorOptions executor_options;
-  executor_options.device = "cuda:0";
-  auto executor = testing::start_executor(model, executor_options);
-  const auto dir = testing::temp_dir("gpu-finetune-beside-decode");
-  const auto train = write_train(dir);
+  const GpuFinetune finetune("gpu-finetune-beside-decode");
+  const auto& dir = finetune.dir;
+  const auto endpoint = finetune.executor->endpoint();
   // The decoding tenant: many requests of 200 new tokens, stopped once the fine-tuning is done.
   const auto requests = dir / "requests.jsonl";
   {
     std::ofstream out(requests);
     for (int r = 0; r < 2048; ++r) out << "{\"prompt_ids\": [" << 1 + r % 200 << ", 7, 9], \"max_new_tokens\": 200}\n";
   }
-  const std::string generate = testing::binary("examples/symbiosis-generate") + " --model " + model.string() +
-                               " --executor " + executor->endpoint() +
+  const std::string generate = testing::binary("examples/symbiosis-generate") + " --model " +
+                               finetune.model.string() + " --executor " + endpoint +
                                " --device cuda:0 --max-sequences 8 --max-tokens 208 --input " + requests.string() +
                                " > " + (dir / "generate.jsonl").string() + " 2> " + (dir / "generate.log").string();
   const auto pid_file = dir / "generate.pid";
   ASSERT_EQ(testing::shell(generate + " & echo $! > " + pid_file.string() + "; sleep 3"), 0);
-  const double beside = finetune_final_loss(model, train, dir, "--executor " + executor->endpoint(), "beside");
-  const auto stats = request_stats(executor->endpoint(), 10000);
+  const double beside = finetune.split_loss("beside");
+  const auto stats = request_stats(endpoint, 10000);
   testing::shell("kill $(cat " + pid_file.string() + ")");
-  const double mono = finetune_final_loss(model, train, dir, "--monolithic", "mono");
+  const double mono = finetune.loss("--monolithic", "mono");
   EXPECT_NEAR(beside, mono, 1e-4 * mono);
   EXPECT_EQ(stats.errors(), 0u);
   EXPECT_GT(stats.yielding_calls(), 0u) << "decode calls: none seen beside the fine-tuning? see " << dir;
