@@ -189,8 +189,8 @@ TEST(GpuTrainerTest, FinetuneBesideADecodingTenantTrainsToTheMonolithicLosses) {
     std::ofstream out(requests);
     for (int r = 0; r < 2048; ++r) out << "{\"prompt_ids\": [" << 1 + r % 200 << ", 7, 9], \"max_new_tokens\": 200}\n";
   }
-  const std::string generate = testing::binary("examples/symbiosis-generate") + " --model " +
-                               finetune.model.string() + " --executor " + endpoint +
+  const std::string generate = testing::binary("examples/symbiosis-generate") + " --model " + finetune.model.string() +
+                               " --executor " + endpoint +
                                " --device cuda:0 --max-sequences 8 --max-tokens 208 --input " + requests.string() +
                                " > " + (dir / "generate.jsonl").string() + " 2> " + (dir / "generate.log").string();
   const auto pid_file = dir / "generate.pid";
