@@ -52,9 +52,6 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       queue_shares_(options.max_queued_tokens),
       batcher_(options.batching),
       runner_(model, statistics, options.on_input, parts),
-      gathering_({.together = options.launch_together,
-                  .wait = options.launch_together_wait,
-                  .max_members = options.launch_together_max}),
       parts_(parts),
       on_lost_(std::move(on_lost)) {}
 
@@ -241,7 +238,6 @@ void Scheduler::answer_error(const std::string& identity, uint64_t client_id, co
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape,
                        bool admitted) {
-  if (h.latency_class != proto::INFERENCE_DECODE) gathering_.stopped_decoding(channel->client_id());
   const auto refused = refused_.find(channel->client_id());
   Status status = refused != refused_.end() ? refused->second
                   : lost_                   ? *lost_
@@ -289,22 +285,14 @@ bool Scheduler::poll_channels() {
       it = held_calls_.erase(it);
     }
   }
-  const auto held = launch_ready_runs();
   for (auto it = channels_.begin(); it != channels_.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
-    // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A run
-    // held for others goes whole, never call by call; nor does one that became ready since
-    // launch_ready_runs asked (its client's last results came while other runs were launched, and its
-    // first input may be written by now): it is launched at the next look.
-    if (!held.count(it->first)) {
-      if (launches_ahead() && !refused_.count(it->first) && channel->run_ready()) {
-        holding = true;
-      } else {
-        while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
-      }
-    }
+    // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A ready
+    // run goes whole, never call by call.
+    launch_if_ready(*channel);
+    while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
     holding = channel->waiting() || holding;
     if (!channel->broken()) {
       ++it;
@@ -316,7 +304,6 @@ bool Scheduler::poll_channels() {
           "the client",
           channel->client_id());
     }
-    gathering_.forget(it->first);
     it = channels_.erase(it);
   }
   return holding;
@@ -331,31 +318,14 @@ bool Scheduler::launches_ahead() const {
          !options_.on_input && !lost_;
 }
 
-std::set<uint64_t> Scheduler::launch_ready_runs() {
-  std::set<uint64_t> held;
-  if (!launches_ahead()) return held;
-  std::vector<std::pair<uint64_t, uint64_t>> ready;  // (client, its run's signature)
-  for (const auto& [id, channel] : channels_) {
-    if (refused_.count(id) != 0) continue;
-    if (const auto signature = channel->run_ready()) ready.emplace_back(id, *signature);
-  }
-  if (ready.empty()) return held;
-  for (const auto& [id, signature] : ready) held.insert(id);
-  last_decode_ = Clock::now();  // runs are decode steps, whether launched now or held
-  for (const auto& group : gathering_.decide(ready, last_decode_)) {
-    for (const uint64_t id : group) held.erase(id);
-    std::vector<Channel*> together;
-    for (const uint64_t id : group) together.push_back(channels_.at(id).get());
-    const auto launched = together[0]->launch_ahead(together, runner_);
-    for (size_t i = 0; i < together.size(); ++i) {
-      if (launched[i].empty()) continue;
-      std::vector<std::pair<uint32_t, int64_t>> counted;
-      for (const auto& h : launched[i]) counted.emplace_back(h.layer_id, h.tokens);
-      statistics_.record_ahead(together[i]->client_id(), wire::latency_from_proto(launched[i][0].latency_class),
-                               counted, together.size() > 1);
-    }
-  }
-  return held;
+void Scheduler::launch_if_ready(Channel& channel) {
+  if (!launches_ahead() || refused_.count(channel.client_id()) || !channel.run_ready()) return;
+  last_decode_ = Clock::now();  // runs are decode steps
+  const auto launched = channel.launch_ahead(runner_);
+  if (launched.empty()) return;  // it goes call by call from now on
+  std::vector<std::pair<uint32_t, int64_t>> counted;
+  for (const auto& h : launched) counted.emplace_back(h.layer_id, h.tokens);
+  statistics_.record_ahead(channel.client_id(), wire::latency_from_proto(launched[0].latency_class), counted);
 }
 
 void Scheduler::finish_setups() {

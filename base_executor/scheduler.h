@@ -12,7 +12,6 @@
 #include <deque>
 #include <chrono>
 #include <map>
-#include <set>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -26,7 +25,6 @@
 
 #include "base_executor/base_model.h"
 #include "base_executor/batch_runner.h"
-#include "base_executor/run_gathering.h"
 #include "base_executor/executor.h"
 #include "base_executor/overload.h"
 #include "base_executor/parts.h"
@@ -111,11 +109,9 @@ class Scheduler {
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
-  // [Steps launched ahead] and [Runs launched together]: launches the runs of the channels whose
-  // calls begin with one, alone or together, as gathering_ decides; returns the clients whose runs
-  // wait for others.
-  std::set<uint64_t> launch_ready_runs();
-  bool launches_ahead() const;  // whether runs are launched ahead here (launch_ready_runs says when not)
+  // [Steps launched ahead]: launches the channel's run if its calls begin with one.
+  void launch_if_ready(Channel& channel);
+  bool launches_ahead() const;  // whether runs are launched ahead here
   void finish_setups();
   // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
   // a call, then sleeps in poll() until then; returns by `deadline` at the latest.
@@ -157,7 +153,6 @@ class Scheduler {
   // Owned by the scheduler's thread.
   CallBatcher batcher_;
   BatchRunner runner_;
-  RunGathering gathering_;
   // [Fine-tuning's SMs] (kernels/direct_gemm.h): when a decode call came or a decode step was ready
   // last; fine-tuning GEMMs leave multiprocessors free for kDecodingLately after.
   std::chrono::steady_clock::time_point last_decode_{};

@@ -16,39 +16,38 @@
 namespace symbiosis::cuda {
 namespace {
 
+thread_local int sm_percent = 100;  // [Fine-tuning's SMs]: this thread's GemmSmTarget
+
 // One handle per thread and stream, made on first use: a cuBLAS handle is not shared between
 // threads, and GEMMs of one handle running at once on two streams would share its workspace.
 struct Handle {
   cublasHandle_t handle = nullptr;
+  int sms = 0;        // the stream's device's multiprocessors
   int sm_target = 0;  // as last set ([Fine-tuning's SMs])
   explicit Handle(cudaStream_t stream) {
     SYMBIOSIS_CUBLAS_CHECK(cublasCreate(&handle));
     SYMBIOSIS_CUBLAS_CHECK(cublasSetStream(handle, stream));
+    int device = 0;
+    SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&device));
+    SYMBIOSIS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   }
   ~Handle() { SYMBIOSIS_CUBLAS_WARN(cublasDestroy(handle)); }
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
+  // cuBLAS's SM count target for sm_percent of the multiprocessors (0: all).
+  void target_sms() {
+    const int target = sm_percent >= 100 ? 0 : std::max(1, sms * sm_percent / 100);
+    if (target == sm_target) return;
+    SYMBIOSIS_CUBLAS_CHECK(cublasSetSmCountTarget(handle, target));
+    sm_target = target;
+  }
 };
-
-thread_local int sm_percent = 100;  // [Fine-tuning's SMs]: this thread's GemmSmTarget
-
-// cuBLAS's SM count target for sm_percent of the current device's multiprocessors (0: all).
-int sm_target() {
-  if (sm_percent >= 100) return 0;
-  int device = 0, sms = 0;
-  SYMBIOSIS_CUDA_CHECK(cudaGetDevice(&device));
-  SYMBIOSIS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(1, sms * sm_percent / 100);
-}
 
 cublasHandle_t handle_for(cudaStream_t stream) {
   static thread_local std::unordered_map<cudaStream_t, std::unique_ptr<Handle>> handles;
   auto& h = handles[stream];
   if (!h) h = std::make_unique<Handle>(stream);
-  if (const int target = sm_target(); h->sm_target != target) {
-    SYMBIOSIS_CUBLAS_CHECK(cublasSetSmCountTarget(h->handle, target));
-    h->sm_target = target;
-  }
+  h->target_sms();
   return h->handle;
 }
 

@@ -65,21 +65,7 @@ namespace {
 //    packed with other tenants' ([Replayed batches] in base_executor/batch_runner.cpp) are not
 //    recorded.
 //  - A new payload buffer or a change of shared segments forgets the runs (their operands moved).
-//
-// [Runs launched together]
-// Tenants decoding the same model make the same calls at every step; launched alone, each step's
-// calls read the layer's weights for its own few rows, and N tenants read them N times. So the
-// ready runs of several clients with one signature (the same layers, ops and widths, call by call)
-// are launched as one graph on the stream of the first (the leader): for each call, a wait on each
-// client's input flag, one GEMM over all their rows (packed in, and out again to each client's
-// buffer: CallEnqueuer::enqueue_packed), each client's result flag. The scheduler decides who goes
-// together and when (base_executor/run_gathering.h); the tenants then finish their steps together,
-// and their next runs come within a few microseconds of each other.
-//  - Everyone else: a client that stalls holds back the clients launched with it, up to kStall;
-//    the graph counts the waits it has passed in a word of the executor's own, so the watchdog
-//    releases the client it waits on, and only that client is dropped.
-//  - A group's graph is kept by its leader (kGroups, the least recently used going), under the
-//    runs it was made of: a run its client forgets, or a group of other members, makes a new one.
+
 class CudaIpcChannel;
 
 // [Steps launched ahead]: the thread that releases stalled runs, over every channel that launched
@@ -104,14 +90,9 @@ class AheadWatchdog {
   bool started_ = false;
 };
 
-// [Runs launched together]: the streams runs are launched on, one a client that leads (or goes
-// alone), kept for the process's life and handed to the next client when one goes: a client whose
-// steps went with another's on that other's stream orders its later calls after that stream, and
-// waits for it as it goes, so the stream must outlive the client that led. (Destroyed with that
-// client, it is the likely end of the executor seen on an H200 with 8 tenants, V16 to V19 in
-// docs/benchmarks-history.md: the crash came as the tenants left, "context is destroyed" from a
-// synchronize.) A stream handed on may order such a client's next call after the new holder's run
-// too, which the watchdog bounds. Never destroyed (a channel may go at exit).
+// [Steps launched ahead]: the streams runs are launched on, one a client's, handed to the next
+// client when one goes, so that the streams (and the GEMM library's workspace for each) do not grow
+// with the clients that came and went. Never destroyed (a channel may go at exit).
 class AheadStreams {
  public:
   static AheadStreams& instance() {
@@ -173,12 +154,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         shm::reached(control_block()->results_ready.load(std::memory_order_acquire), launched_last_)) {
       return;
     }
-    // [Runs launched together]: the graph waits on another client's input, not this one's.
-    if (launched_.waits_passed != nullptr &&
-        launched_.waits_passed->load(std::memory_order_acquire) % launched_.members != launched_.position) {
-      return;
-    }
-    for (const uint32_t slot : launched_.slots)
+    for (const uint32_t slot : launched_slots_)
       control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
     launched_at_.reset();
     stalled_ = true;
@@ -233,20 +209,20 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   // [Steps launched ahead]
-  std::optional<uint64_t> run_ready() override {
+  bool run_ready() override {
     ready_ = nullptr;
     if (stalled_) {
       drop("its GPU did not write the inputs of the calls launched ahead for it within " +
            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s");
-      return std::nullopt;
+      return false;
     }
-    if (ahead_failed_ || replays_failed_) return std::nullopt;
+    if (ahead_failed_ || replays_failed_) return false;
     const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
-    if (!shm::reached(done, last_out_)) return std::nullopt;
+    if (!shm::reached(done, last_out_)) return false;
     const auto& waiting = pending();
     if (broken() || waiting.empty() || waiting.front().slot != 1 ||
         waiting.front().latency_class != proto::INFERENCE_DECODE) {
-      return std::nullopt;
+      return false;
     }
     finish_recording();  // every call before this one has its result: the run recorded is whole
     bool partial = false;
@@ -260,52 +236,25 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         hold_sequence_ = waiting.front().sequence;
         hold_until_ = Clock::now() + kAwaitRun;
       }
-      return std::nullopt;
+      return false;
     }
-    return ready_->signature;
+    return true;
   }
 
-  std::vector<std::vector<shm::CallHeader>> launch_ahead(const std::vector<Channel*>& together,
-                                                         CallEnqueuer& enqueuer) override {
-    std::vector<CudaIpcChannel*> members;  // this transport's, by run_ready's contract
-    for (Channel* channel : together) members.push_back(static_cast<CudaIpcChannel*>(channel));
-    std::vector<std::vector<shm::CallHeader>> launched(members.size());
-    cuda::CapturedWork* work = nullptr;
-    const std::atomic<uint32_t>* waits_passed = nullptr;
+  std::vector<shm::CallHeader> launch_ahead(CallEnqueuer& enqueuer) override {
     try {
       if (!ahead_stream_.valid()) ahead_stream_ = AheadStreams::instance().take(device_, enqueuer);
-      if (members.size() == 1) {
-        if (!ready_->work.valid()) ready_->work = capture_run(ready_->calls, enqueuer);
-        work = &ready_->work;
-      } else {
-        work = &group_for(members, enqueuer).work;
-        waits_passed = leading_->waits_passed();
-      }
+      if (!ready_->work.valid()) ready_->work = capture_run(ready_->calls, enqueuer);
     } catch (const c10::Error& e) {
-      if (members.size() == 1) {
-        ahead_failed_ = true;
-        runs_.clear();
-        ready_ = nullptr;
-        spdlog::warn("client {}: its decode steps are not launched ahead: {}", client_id(), e.what_without_backtrace());
-        return launched;
-      }
-      if (!groups_failed_) {
-        groups_failed_ = true;
-        groups_.clear();
-        spdlog::warn("client {}: decode steps are not launched together with its: {}", client_id(),
-                     e.what_without_backtrace());
-      }
-      for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launch_ahead({members[i]}, enqueuer)[0];
-      return launched;
+      ahead_failed_ = true;
+      runs_.clear();
+      ready_ = nullptr;
+      spdlog::warn("client {}: its decode steps are not launched ahead: {}", client_id(), e.what_without_backtrace());
+      return {};
     }
-    const cuda::Stream stream = ahead_stream_;
-    for (auto* member : members) member->use_stream(stream);
-    work->launch(stream);
-    for (size_t i = 0; i < members.size(); ++i) {
-      launched[i] = members[i]->launched_on(
-          stream, {{}, waits_passed, static_cast<uint32_t>(members.size()), static_cast<uint32_t>(i)});
-    }
-    return launched;
+    use_stream(ahead_stream_);
+    ready_->work.launch(ahead_stream_);
+    return launched();
   }
 
   void finish_writes(const shm::CallHeader& h) override {
@@ -387,53 +336,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   static constexpr auto kAwaitRun = std::chrono::microseconds(200);
   static constexpr size_t kRuns = 8;  // recorded runs kept (a decode bucket each), the least recently used going
 
-  static constexpr size_t kGroups = 8;  // [Runs launched together]: group graphs a leader keeps
-  static constexpr size_t kPage = 4096;
-
   struct Run {
     std::vector<shm::CallHeader> calls;  // as first handed out
-    uint64_t signature = 0;              // of its calls' layers, ops, dtypes and widths
-    uint64_t id = 0;                     // unique in the process: names it in a group's key
-    cuda::CapturedWork work;             // captured at the run's first launch (alone)
+    cuda::CapturedWork work;             // captured at the run's first launch
     uint64_t last_use = 0;
   };
-
-  // [Runs launched together]: one graph for the runs of several clients, kept by the first.
-  struct Group {
-    std::vector<uint64_t> runs;  // the members' runs' ids, in launch order
-    cuda::CapturedWork work;
-    uint64_t last_use = 0;
-  };
-
-  // What a client leading groups keeps for all of them (its groups run one at a time, on its stream).
-  struct Leading {
-    at::Tensor scratch;  // the packed rows (CallEnqueuer::packing_scratch), for `rows` rows
-    int64_t rows = 0;
-    // The waits the group launched last has passed, counted by its graph: a page of its own, pinned.
-    std::unique_ptr<void, decltype(&std::free)> page{std::aligned_alloc(kPage, kPage), &std::free};
-    cuda::PinnedRange pin{page.get(), kPage, /*mapped=*/true};
-    std::atomic<uint32_t>* waits_passed() const { return static_cast<std::atomic<uint32_t>*>(page.get()); }
-    Leading() { new (page.get()) std::atomic<uint32_t>(0); }
-  };
-
-  // What the watchdog needs of the run launched last.
-  struct Launched {
-    std::vector<uint32_t> slots;
-    const std::atomic<uint32_t>* waits_passed = nullptr;  // a group's: which wait it is at
-    uint32_t members = 1, position = 0;                   // this client's place among them
-  };
-
-  // A run's signature: what must agree, call by call, for runs of several clients to be one graph.
-  static uint64_t signature_of(const std::vector<shm::CallHeader>& calls) {
-    uint64_t hash = calls.size();
-    for (const auto& h : calls) {
-      for (const uint64_t part : {uint64_t{h.layer_id}, static_cast<uint64_t>(h.op), static_cast<uint64_t>(h.dtype),
-                                  static_cast<uint64_t>(h.features)}) {
-        hash = (hash ^ part) * 0x100000001b3ULL;
-      }
-    }
-    return hash;
-  }
 
   // Whether two calls are the same call of a step: all but their request ids and sequences.
   static bool same_call(const shm::CallHeader& a, const shm::CallHeader& b) {
@@ -477,9 +384,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         runs_.erase(std::min_element(runs_.begin(), runs_.end(),
                                      [](const Run& a, const Run& b) { return a.last_use < b.last_use; }));
       }
-      static std::atomic<uint64_t> runs_made{0};
-      const uint64_t signature = signature_of(recording_);
-      runs_.push_back({std::move(recording_), signature, ++runs_made, {}, ++uses_});
+      runs_.push_back({std::move(recording_), {}, ++uses_});
     }
     recording_.clear();
   }
@@ -519,86 +424,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     return control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready);
   }
 
-  // [Runs launched together]: the graph of `members`' ready runs (this channel first), made at the
-  // group's first launch.
-  Group& group_for(const std::vector<CudaIpcChannel*>& members, CallEnqueuer& enqueuer) {
-    TORCH_CHECK(!groups_failed_, "launching together failed before");
-    std::vector<uint64_t> runs;
-    for (const auto* member : members) runs.push_back(member->ready_->id);
-    auto it = std::find_if(groups_.begin(), groups_.end(), [&](const auto& g) { return g->runs == runs; });
-    if (it == groups_.end()) {
-      if (groups_.size() == kGroups) {
-        groups_.erase(std::min_element(groups_.begin(), groups_.end(),
-                                       [](const auto& a, const auto& b) { return a->last_use < b->last_use; }));
-      }
-      std::string who;
-      for (const auto* member : members) who += (who.empty() ? "" : ", ") + std::to_string(member->client_id());
-      spdlog::info("client {}: a graph of the decode steps of clients {} launched together ({} kept)", client_id(), who,
-                   groups_.size() + 1);
-      auto group = std::make_unique<Group>();
-      group->runs = std::move(runs);
-      capture_group(*group, members, enqueuer);
-      groups_.push_back(std::move(group));
-      it = std::prev(groups_.end());
-    }
-    (*it)->last_use = ++uses_;
-    return **it;
-  }
-
-  void capture_group(Group& group, const std::vector<CudaIpcChannel*>& members, CallEnqueuer& enqueuer) {
-    const auto& calls = members[0]->ready_->calls;
-    int64_t rows = 0;
-    for (const auto* member : members) {
-      const auto& theirs = member->ready_->calls;
-      TORCH_CHECK(theirs.size() == calls.size(), "runs of different lengths launched together");
-      for (size_t i = 0; i < calls.size(); ++i) {
-        TORCH_CHECK(theirs[i].layer_id == calls[i].layer_id && theirs[i].op == calls[i].op &&
-                        theirs[i].dtype == calls[i].dtype && theirs[i].features == calls[i].features,
-                    "runs of different calls launched together");
-      }
-      rows += theirs[0].tokens;
-      for (const auto& h : theirs) TORCH_CHECK(h.tokens == theirs[0].tokens, "a run whose calls differ in rows");
-    }
-    if (!leading_) leading_ = std::make_unique<Leading>();
-    if (leading_->rows < rows) {  // a larger scratch: the graphs made on the smaller one go
-      groups_.clear();
-      leading_->scratch = enqueuer.packing_scratch(rows);
-      leading_->rows = rows;
-    }
-    const at::Tensor& scratch = leading_->scratch;
-    void* passed = leading_->pin.device_pointer(leading_->waits_passed());
-    const cuda::Stream stream = ahead_stream_;
-    group.work = cuda::CapturedWork::capture(stream, [&] {
-      cuda::CurrentStreamScope scope(stream);
-      cuda::write_value_on_stream(stream, passed, 0);
-      uint32_t waits = 0;
-      std::vector<std::pair<Channel*, shm::CallHeader>> packed;
-      std::vector<cuda::MemoryOp> ops;  // each call's waits in one batch, then its results' flags in one
-      for (size_t i = 0; i < calls.size(); ++i) {
-        packed.clear();
-        ops.clear();
-        for (auto* member : members) {
-          const auto& h = member->ready_->calls[i];
-          void* input_ready = member->input_ready_flag(h);
-          ops.insert(ops.end(), {{cuda::MemoryOp::kWaitReached, input_ready, 1},
-                                 {cuda::MemoryOp::kWrite, input_ready, 0},
-                                 {cuda::MemoryOp::kWrite, passed, ++waits}});
-          packed.emplace_back(member, h);
-        }
-        cuda::memory_ops_on_stream(stream, ops.data(), ops.size());
-        enqueuer.enqueue_packed(packed, scratch);
-        // The last call's flags are set at each launch, after results_ready.
-        if (i + 1 == calls.size()) continue;
-        ops.clear();
-        for (const auto* member : members)
-          ops.push_back({cuda::MemoryOp::kWrite, member->result_ready(member->ready_->calls[i]), 1});
-        cuda::memory_ops_on_stream(stream, ops.data(), ops.size());
-      }
-    });
-  }
-
-  // After the launch of this client's ready run (alone or with others) on `stream`: hands its calls out.
-  std::vector<shm::CallHeader> launched_on(cuda::Stream stream, Launched launched) {
+  // After the launch of this client's ready run: hands its calls out.
+  std::vector<shm::CallHeader> launched() {
     Run* run = ready_;
     ready_ = nullptr;
     const auto& waiting = pending();
@@ -607,7 +434,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     last_out_ = calls.back().sequence;
     // results_ready before the last call's result flag, which lets the client go on: its next
     // run then finds every call before it answered.
-    cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
+    cuda::memory_ops_on_stream(ahead_stream_, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
                                         {cuda::MemoryOp::kWrite, result_ready(calls.back()), 1}});
     run->last_use = ++uses_;
     if (!watched_) {
@@ -616,8 +443,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     }
     {
       std::lock_guard<std::mutex> lock(launched_mutex_);
-      for (const auto& h : run->calls) launched.slots.push_back(h.slot);
-      launched_ = std::move(launched);
+      launched_slots_.clear();
+      for (const auto& h : run->calls) launched_slots_.push_back(h.slot);
       launched_last_ = last_out_;
       launched_at_ = Clock::now();
     }
@@ -630,7 +457,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   void release_launched() {
     std::lock_guard<std::mutex> lock(launched_mutex_);
     if (!launched_at_) return;
-    for (const uint32_t slot : launched_.slots)
+    for (const uint32_t slot : launched_slots_)
       control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
   }
 
@@ -656,19 +483,15 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::vector<shm::CallHeader> recording_;  // the run being computed call by call
   Run* ready_ = nullptr;                    // the run the pending calls begin with (run_ready), until launched
   uint64_t uses_ = 0;
-  cuda::Stream ahead_stream_;  // AheadStreams', from the first launch this client leads
+  cuda::Stream ahead_stream_;  // AheadStreams', from this client's first launch
   bool watched_ = false;       // by AheadWatchdog
-  // [Runs launched together]: graphs of groups this client leads, and what they share.
-  std::vector<std::unique_ptr<Group>> groups_;
-  std::unique_ptr<Leading> leading_;
-  bool groups_failed_ = false;
   uint32_t last_out_ = 0;       // the sequence of the last numbered call handed out
   uint32_t hold_sequence_ = 0;  // a run's first call held for its other headers, until
   std::optional<Clock::time_point> hold_until_;
   bool ahead_failed_ = false;
   // The run launched last, shared with AheadWatchdog's thread.
   std::mutex launched_mutex_;
-  Launched launched_;
+  std::vector<uint32_t> launched_slots_;
   uint32_t launched_last_ = 0;  // its last call's sequence
   std::optional<Clock::time_point> launched_at_;
   std::atomic<bool> stalled_{false};  // released by the watchdog: the client is dropped
