@@ -2,7 +2,8 @@
 // against one executor process that this program starts.
 //
 // For each count N of --adapters, --requests requests (--prompt random token ids and --new-tokens
-// greedy new tokens each, every request exactly that long) are spread round-robin over N LoRA
+// greedy new tokens each, every request exactly that long; with --mixed-lengths SEED, each request's
+// prompt and new tokens drawn, seeded, from 1/8 of those to all of them) are spread round-robin over N LoRA
 // adapters (random, rank --rank on --targets, saved as PEFT files under --out) and generated
 //  one       by one Generator holding the N adapters (load_adapter), --max-sequences at once: one
 //            batch of every adapter's requests, each layer's adapters in one grouped kernel;
@@ -15,7 +16,8 @@
 // and once, `bound`: one monolithic process decoding every request with one adapter (the bound no
 // multi-process system passes), and `base`: every request by one split Generator of the base
 // model alone (LoRA's cost is `one` at N = 1 against it). Each run is repeated after a warm-up run
-// of --warmup-tokens new tokens (so that the decode graphs are captured), and gives output tokens/s
+// of --warmup-tokens new tokens (so that the decode graphs are captured; with --mixed-lengths the warm-up
+// is the measured workload itself, whose batch shrinks through every size), and gives output tokens/s
 // (every request's new tokens over the wall time from the first submission to the last token), the
 // time per output token after each request's first (p50 and p99 over the requests) and the ratios
 // to `base` and `bound`. With --finetune-tenants K, `one` of --beside-adapters adapters is measured
@@ -33,6 +35,7 @@
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <thread>
 
 #include <symbiosis/client.h>
@@ -57,20 +60,29 @@ struct Settings {
   std::string out = "multi-lora-bench";
   std::string python, hf_peft_script = "bench/hf_peft_client.py";  // the transformers + PEFT baseline
   int64_t finetune_tenants = 0, beside_adapters = 8;
+  int64_t mixed_lengths = -1;  // the seed of the lengths' mix; -1: every request --prompt + --new-tokens
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// Requests of `new_tokens` new tokens each, request i naming names[i % N] (none when names is empty).
+// Requests of `new_tokens` new tokens each (with --mixed-lengths, a seeded draw of 1/8 of them to
+// all, and of --prompt's prompt tokens likewise), request i naming names[i % N] (none when names is
+// empty).
 std::vector<GenerationRequest> make_requests(const Settings& s, int64_t vocab, const std::vector<std::string>& names,
                                              int64_t new_tokens) {
   std::vector<GenerationRequest> requests;
   at::manual_seed(17);
+  std::mt19937_64 lengths(static_cast<uint64_t>(s.mixed_lengths));
+  auto length = [&](int64_t most) {
+    if (s.mixed_lengths < 0) return most;
+    return std::uniform_int_distribution<int64_t>(std::max<int64_t>(1, most / 8), most)(lengths);
+  };
   for (int64_t i = 0; i < s.requests; ++i) {
     GenerationRequest r;
-    const auto ids = at::randint(vocab, {s.prompt}, at::kLong);
-    r.prompt_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + s.prompt);
-    r.sampling.max_new_tokens = new_tokens;
+    const int64_t prompt = length(s.prompt);
+    const auto ids = at::randint(vocab, {prompt}, at::kLong);
+    r.prompt_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + prompt);
+    r.sampling.max_new_tokens = length(new_tokens);
     if (!names.empty()) r.adapter = names[static_cast<size_t>(i) % names.size()];
     requests.push_back(std::move(r));
   }
@@ -103,9 +115,10 @@ double percentile(std::vector<double> values, double q) {
   return values[static_cast<size_t>(q * static_cast<double>(values.size() - 1) + 0.5)];
 }
 
-// Runs `generate(new_tokens)` once to warm up (warmup_tokens) and once measured.
+// Runs `generate(new_tokens)` once to warm up (warmup_tokens; the measured workload with
+// --mixed-lengths) and once measured.
 Figures measure(const Settings& s, const std::function<TokenTimes(int64_t)>& generate) {
-  generate(s.warmup_tokens);
+  generate(s.mixed_lengths < 0 ? s.warmup_tokens : s.new_tokens);
   const double t0 = now_s();
   const auto times = generate(s.new_tokens);
   double last = t0;
@@ -246,6 +259,10 @@ int main(int argc, char** argv) {
   app.add_option("--beside-adapters", s.beside_adapters, "the adapters of the run beside fine-tuning")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--mixed-lengths", s.mixed_lengths,
+                 "a seed: each request's prompt and new tokens drawn from 1/8 of --prompt and --new-tokens to all of "
+                 "them (without it, every request is that long); transformers + PEFT is left out")
+      ->capture_default_str();
   app.add_option("--out", s.out, "where the checkpoint, adapters, logs and results go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (s.executor_device.empty()) s.executor_device = s.device;
@@ -309,9 +326,11 @@ int main(int argc, char** argv) {
     std::ofstream csv(fs::path(s.out) / "multi_lora.csv");
     csv << "mode,adapters,requests,prompt,new_tokens,output_tokens_per_s,tpot_p50_ms,tpot_p99_ms,of_base,of_bound\n";
     double base = 0, bound = 0;
+    // The lengths in the table: "mix<seed>:" before the longest with --mixed-lengths.
+    const std::string mix = s.mixed_lengths < 0 ? "" : "mix" + std::to_string(s.mixed_lengths) + ":";
     auto report = [&](const std::string& mode, int64_t n, const Figures& f) {
-      csv << mode << "," << n << "," << s.requests << "," << s.prompt << "," << s.new_tokens << "," << f.tokens_per_s
-          << "," << f.tpot_p50_ms << "," << f.tpot_p99_ms << "," << f.tokens_per_s / base << ","
+      csv << mode << "," << n << "," << s.requests << "," << mix << s.prompt << "," << mix << s.new_tokens << ","
+          << f.tokens_per_s << "," << f.tpot_p50_ms << "," << f.tpot_p99_ms << "," << f.tokens_per_s / base << ","
           << f.tokens_per_s / bound << std::endl;
       std::cout << std::left << std::setw(22) << mode << std::right << std::setw(4) << n << " adapters  " << std::fixed
                 << std::setprecision(1) << std::setw(10) << f.tokens_per_s << " output tokens/s  TPOT p50 "
@@ -387,7 +406,7 @@ int main(int argc, char** argv) {
              }));
       generators.clear();
       lms.clear();
-      if (!s.python.empty()) report("transformers+peft", n, hf_peft(s, model, n));
+      if (!s.python.empty() && s.mixed_lengths < 0) report("transformers+peft", n, hf_peft(s, model, n));
     }
     // The server's decode beside fine-tuning: `one` of beside_adapters adapters alone, then with the
     // fine-tuning tenants training; and they alone for as long.

@@ -435,7 +435,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     // results_ready before the last call's result flag, which lets the client go on: its next
     // run then finds every call before it answered.
     cuda::memory_ops_on_stream(ahead_stream_, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
-                                        {cuda::MemoryOp::kWrite, result_ready(calls.back()), 1}});
+                                               {cuda::MemoryOp::kWrite, result_ready(calls.back()), 1}});
     run->last_use = ++uses_;
     if (!watched_) {
       AheadWatchdog::instance().add(this);
@@ -483,8 +483,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::vector<shm::CallHeader> recording_;  // the run being computed call by call
   Run* ready_ = nullptr;                    // the run the pending calls begin with (run_ready), until launched
   uint64_t uses_ = 0;
-  cuda::Stream ahead_stream_;  // AheadStreams', from this client's first launch
-  bool watched_ = false;       // by AheadWatchdog
+  cuda::Stream ahead_stream_;   // AheadStreams', from this client's first launch
+  bool watched_ = false;        // by AheadWatchdog
   uint32_t last_out_ = 0;       // the sequence of the last numbered call handed out
   uint32_t hold_sequence_ = 0;  // a run's first call held for its other headers, until
   std::optional<Clock::time_point> hold_until_;

@@ -256,14 +256,6 @@ class Server:
         """Server-sent events: a chunk per token of each choice (chat: a first one with the role),
         the last with its finish reason, a usage chunk when asked, then [DONE]. A client that
         disconnects closes this generator: every choice's request is cancelled at once."""
-        merged: "asyncio.Queue[Tuple[int, Optional[TokenEvent]]]" = asyncio.Queue()
-
-        async def pump(index: int, stream: AsyncIterator[TokenEvent]) -> None:
-            async with contextlib.aclosing(stream):
-                async for event in stream:
-                    await merged.put((index, event))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         offsets = [0] * len(streams)
@@ -276,39 +268,37 @@ class Server:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(streams))])
-            completion_tokens, open_streams = 0, len(streams)
-            while open_streams:
-                index, event = await merged.get()
-                completion_tokens += event.token >= 0
-                finish = None
-                if event.finish_reason is not None:
-                    open_streams -= 1
-                    try:
-                        finish = self._finish_reason(event)
-                    except ApiError as error:
-                        yield "data: " + json.dumps(error.body()) + "\n\n"
-                        break
-                if not event.text and finish is None and request.logprobs is None:
-                    continue
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = self._chat_logprobs([event]) if chat else \
-                        self._completion_logprobs([event], offsets[index])
-                offsets[index] += len(event.text)
-                if chat:
-                    delta = {"content": event.text} if event.text or finish is None else {}
-                    yield chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+            completion_tokens = 0
+            async with contextlib.aclosing(_merged(streams)) as events:
+                async for index, event in events:
+                    completion_tokens += event.token >= 0
+                    finish = None
+                    if event.finish_reason is not None:
+                        try:
+                            finish = self._finish_reason(event)
+                        except ApiError as error:
+                            yield "data: " + json.dumps(error.body()) + "\n\n"
+                            break
+                    if not event.text and finish is None and request.logprobs is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._chat_logprobs([event]) if chat else \
+                            self._completion_logprobs([event], offsets[index])
+                    offsets[index] += len(event.text)
+                    if chat:
+                        delta = {"content": event.text} if event.text or finish is None else {}
+                        yield chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+                    else:
+                        yield chunk([{"index": index, "text": event.text, "logprobs": logprobs,
+                                      "finish_reason": finish}])
                 else:
-                    yield chunk([{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": finish}])
-            else:
-                if request.include_usage:
-                    yield chunk([], usage={"prompt_tokens": usage_prompt, "completion_tokens": completion_tokens,
-                                           "total_tokens": usage_prompt + completion_tokens})
+                    if request.include_usage:
+                        yield chunk([], usage={"prompt_tokens": usage_prompt, "completion_tokens": completion_tokens,
+                                               "total_tokens": usage_prompt + completion_tokens})
             yield "data: [DONE]\n\n"
         finally:
             self._cancel(requests)
-            for task in tasks:
-                task.cancel()
 
     # --- the application ------------------------------------------------------------------------
 
@@ -408,6 +398,34 @@ async def _unless_disconnected(http: Request, work: Awaitable[Any]) -> Any:
                 return None
     finally:
         task.cancel()
+
+
+async def _merged(streams: List[AsyncIterator[TokenEvent]]) -> AsyncIterator[Tuple[int, TokenEvent]]:
+    """(index, event) of every stream's events as they come, until each has ended; leaving early
+    closes them all. One stream (n = 1, most requests) is read as it is: each token passes one
+    queue less."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):
+            async for event in streams[0]:
+                yield 0, event
+        return
+    merged: "asyncio.Queue[Tuple[int, TokenEvent]]" = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TokenEvent]) -> None:
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                await merged.put((index, event))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, event = await merged.get()
+            open_streams -= event.finish_reason is not None
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _collect(stream: AsyncIterator[TokenEvent]) -> List[TokenEvent]:

@@ -51,6 +51,9 @@ class Metrics:
         """`events` of one sequence of `model`, timed and counted as they pass (arrived: its
         time.monotonic() at arrival)."""
         self.prompt_tokens.labels(model).inc(prompt_tokens)
+        # Each token passes here: its metrics' children are looked up once.
+        first_token, per_token = self.time_to_first_token.labels(model), self.time_per_output_token.labels(model)
+        generated = self.generation_tokens.labels(model)
         last, finished = None, False
         async with contextlib.aclosing(events):  # leaving early cancels the request at once
             try:
@@ -58,11 +61,11 @@ class Metrics:
                     if event.token >= 0:
                         now = time.monotonic()
                         if last is None:
-                            self.time_to_first_token.labels(model).observe(now - arrived)
+                            first_token.observe(now - arrived)
                         else:
-                            self.time_per_output_token.labels(model).observe(now - last)
+                            per_token.observe(now - last)
                         last = now
-                        self.generation_tokens.labels(model).inc()
+                        generated.inc()
                     if event.finish_reason is not None:
                         self.requests.labels(model, event.finish_reason).inc()
                         finished = True
