@@ -38,6 +38,27 @@ void warm_up(BatchRunner& runner, cuda::ComputeStreams& streams, int count) {
 }
 #endif
 
+// Warns, as it goes, when what it times held the scheduler's thread for long: work there that waits
+// for the GPU (a channel's teardown, an IPC mapping closed) holds every client's calls meanwhile,
+// and any GPU work of theirs that waits for one of those calls.
+class HeldScheduler {
+ public:
+  HeldScheduler(const char* what, uint64_t client_id) : what_(what), client_id_(client_id) {}
+  ~HeldScheduler() {
+    const auto held = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_);
+    if (held >= std::chrono::milliseconds(100)) {
+      spdlog::warn("client {}: {} held the scheduler for {} ms", client_id_, what_, held.count());
+    }
+  }
+  HeldScheduler(const HeldScheduler&) = delete;
+  HeldScheduler& operator=(const HeldScheduler&) = delete;
+
+ private:
+  const char* what_;
+  uint64_t client_id_;
+  Clock::time_point started_ = Clock::now();
+};
+
 }  // namespace
 
 Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Statistics& statistics,
@@ -180,6 +201,7 @@ void Scheduler::handle(SetupArrived& message) {
   auto& channel = *message.channel;
   const auto& env = message.envelope;
   const uint64_t id = channel.client_id();
+  HeldScheduler held("its set-up message (a buffer or segments mapped, or let go of)", id);
   try {
     proto::Envelope answer;
     if (env.has_register_buffer()) {
@@ -304,6 +326,7 @@ bool Scheduler::poll_channels() {
           "the client",
           channel->client_id());
     }
+    HeldScheduler held("its channel's teardown (waiting for the GPU work on the streams its calls went on)", it->first);
     it = channels_.erase(it);
   }
   return holding;
