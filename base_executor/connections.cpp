@@ -21,39 +21,6 @@ void FrontDoor::forget(const std::string& key) {
   teardown_.hand_over(std::move(record->channel));
 }
 
-Teardown::Teardown() : thread_([this] { run(); }) {}
-
-Teardown::~Teardown() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-  }
-  wake_.notify_one();
-  thread_.join();
-}
-
-void Teardown::hand_over(std::shared_ptr<Channel> channel) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    channels_.push_back(std::move(channel));
-  }
-  wake_.notify_one();
-}
-
-void Teardown::run() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    wake_.wait(lock, [&] { return stopping_ || !channels_.empty(); });
-    if (channels_.empty()) return;  // stopping, and nothing left
-    auto channel = std::move(channels_.front());
-    channels_.pop_front();
-    lock.unlock();
-    channel->abort();
-    channel.reset();
-    lock.lock();
-  }
-}
-
 void FrontDoor::check_liveness() {
   for (const auto& key : registry_.gone()) {
     const auto* client = registry_.find(key);

@@ -31,36 +31,12 @@
 #include "base_executor/overload.h"
 #include "base_executor/scheduler.h"
 #include "base_executor/statistics.h"
+#include "base_executor/teardown.h"
 #include "common/untrusted.h"
 #include "symbiosis.pb.h"
 #include "transport/local_socket.h"
 
 namespace symbiosis {
-
-// [Teardown off the front door]
-// Letting go of a client that left can wait for the GPU: aborting its NCCL communicator frees its
-// memory, and giving back a pinned payload buffer (cudaHostUnregister) waits for the device. While
-// the GPU is stalled (an NCCL tenant withholding a transfer, up to the [NCCL transfer watchdog]'s
-// limit), the front door must still answer handshakes and calls, so it hands each forgotten
-// client's channel to this thread, which aborts it and drops the front door's reference; the
-// scheduler drops its own when the ClientLeft reaches it. The channel ends on whichever of the two
-// threads lets go last, never the front door's.
-class Teardown {
- public:
-  Teardown();
-  ~Teardown();  // tears down what is still handed over, then ends the thread
-  Teardown(const Teardown&) = delete;
-  Teardown& operator=(const Teardown&) = delete;
-  void hand_over(std::shared_ptr<Channel> channel);
-
- private:
-  void run();
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::shared_ptr<Channel>> channels_;  // guarded by mutex_
-  bool stopping_ = false;                          // guarded by mutex_
-  std::thread thread_;
-};
 
 class FrontDoor {
  public:

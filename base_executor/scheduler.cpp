@@ -148,7 +148,11 @@ void Scheduler::handle(ClientJoined& message) {
 void Scheduler::handle(ClientLeft& message) {
   const uint64_t id = message.client_id;
   batcher_.remove_client(id);  // lockstep queues may be ready now
-  channels_.erase(id);
+  std::erase_if(pending_setups_, [id](const PendingSetup& p) { return p.channel->client_id() == id; });
+  if (const auto it = channels_.find(id); it != channels_.end()) {
+    teardown_.hand_over(std::move(it->second));  // [Teardown off the front door] (teardown.h)
+    channels_.erase(it);
+  }
   refused_.erase(id);
   tenants_.erase(id);
   queue_shares_.leave(id);
@@ -156,7 +160,6 @@ void Scheduler::handle(ClientLeft& message) {
     buffers_.give_back(it->second);
     buffer_bytes_.erase(it);
   }
-  std::erase_if(pending_setups_, [id](const PendingSetup& p) { return p.channel->client_id() == id; });
 }
 
 void Scheduler::handle(ClientRefused& message) {
@@ -298,7 +301,8 @@ bool Scheduler::poll_channels() {
   for (auto it = held_calls_.begin(); it != held_calls_.end();) {
     auto& call = *it;
     if (call.channel->broken() || !channels_.count(call.channel->client_id())) {
-      it = held_calls_.erase(it);  // its client left
+      teardown_.hand_over(std::move(call.channel));  // its client left
+      it = held_calls_.erase(it);
     } else if (!call.channel->input_written(call.header)) {
       holding = true;
       ++it;
@@ -326,7 +330,7 @@ bool Scheduler::poll_channels() {
           "the client",
           channel->client_id());
     }
-    HeldScheduler held("its channel's teardown (waiting for the GPU work on the streams its calls went on)", it->first);
+    teardown_.hand_over(std::move(it->second));  // [Teardown off the front door] (teardown.h)
     it = channels_.erase(it);
   }
   return holding;

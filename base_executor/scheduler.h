@@ -29,6 +29,7 @@
 #include "base_executor/overload.h"
 #include "base_executor/parts.h"
 #include "base_executor/statistics.h"
+#include "base_executor/teardown.h"
 #include "base_executor/tracing.h"
 #include "symbiosis.pb.h"
 #include "transport/channel.h"
@@ -158,10 +159,11 @@ class Scheduler {
   std::chrono::steady_clock::time_point last_decode_{};
   static constexpr auto kDecodingLately = std::chrono::milliseconds(50);
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
-  std::map<uint64_t, Status> refused_;                     // ClientRefused: why, by client id
-  std::map<uint64_t, uint64_t> buffer_bytes_;              // [Buffer budget]: each client's registered buffer
-  std::map<uint64_t, std::string> tenants_;                // [Fair shares]: ClientJoined's tenant, by client id
-  struct PendingSetup {                                    // [Transport set-up] not yet finished
+  Teardown teardown_;                   // of the channels it lets go of ([Teardown off the front door] in teardown.h)
+  std::map<uint64_t, Status> refused_;  // ClientRefused: why, by client id
+  std::map<uint64_t, uint64_t> buffer_bytes_;  // [Buffer budget]: each client's registered buffer
+  std::map<uint64_t, std::string> tenants_;    // [Fair shares]: ClientJoined's tenant, by client id
+  struct PendingSetup {                        // [Transport set-up] not yet finished
     std::shared_ptr<Channel> channel;
     std::string identity;    // the client's ZeroMQ routing id
     proto::Envelope answer;  // what the channel's set_up answered, sent once setup_done()
