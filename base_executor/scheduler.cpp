@@ -39,8 +39,8 @@ void warm_up(BatchRunner& runner, cuda::ComputeStreams& streams, int count) {
 #endif
 
 // Warns, as it goes, when what it times held the scheduler's thread for long: work there that waits
-// for the GPU (a channel's teardown, an IPC mapping closed) holds every client's calls meanwhile,
-// and any GPU work of theirs that waits for one of those calls.
+// for the GPU (an IPC mapping closed, a replaced buffer's work awaited) holds every client's calls
+// meanwhile, and any GPU work of theirs that waits for one of those calls.
 class HeldScheduler {
  public:
   HeldScheduler(const char* what, uint64_t client_id) : what_(what), client_id_(client_id) {}
