@@ -8,8 +8,9 @@
 // batching]) whenever a request waits or runs, without the GIL; Python threads submit and cancel
 // requests and load or unload adapters, the Generator's thread-safe side ([Multi-adapter
 // batches]). The stepping thread never takes the GIL: once a step is over it appends the step's
-// events to an outbox and writes an eventfd, which the server's event loop watches; the loop then
-// takes every event waiting at once (take_events) and hands each to its request's stream
+// events to an outbox and wakes a socket ([Wake sockets] in transport/call_ring.h) that the
+// server's event loop watches; the loop then takes every event waiting at once (take_events) and
+// hands each to its request's stream
 // (python/symbiosis/serve/engine.py). So a step never waits for Python: with the GIL taken on the
 // stepping thread, a server of 64 streams on an H200 served 4 045 tokens/s where its engine alone
 // made 7 266, the step waiting for the event loop to let go of the GIL.
@@ -21,13 +22,8 @@
 // the token that completes it, with no extra step.
 #include <torch/csrc/utils/pybind.h>
 
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <atomic>
-#include <cerrno>
 #include <condition_variable>
-#include <cstring>
 #include <iterator>
 #include <functional>
 #include <iostream>
@@ -46,6 +42,7 @@
 #include "client_runtime/text/tokenizer.h"
 #include "client_runtime/training/trainer.h"
 #include "common/checkpoint.h"
+#include "transport/call_ring.h"
 
 namespace py = pybind11;
 
@@ -58,9 +55,7 @@ class ServingEngine {
   // ([Multi-adapter batches]).
   ServingEngine(const std::string& checkpoint_dir, const py::object& native, const std::string& device,
                 const std::string& dtype, int64_t max_sequences, int64_t max_tokens, int64_t max_waiting,
-                int64_t max_loras, int64_t max_lora_rank, bool capture_decode)
-      : notify_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
-    TORCH_CHECK(notify_fd_ >= 0, "symbiosis.ServingEngine: eventfd failed: ", std::strerror(errno));
+                int64_t max_loras, int64_t max_lora_rank, bool capture_decode) {
     const auto client = native.is_none() ? nullptr : native.cast<std::shared_ptr<Client>>();
     py::gil_scoped_release no_gil;  // reads the weights, and with a client waits on the executor
     auto checkpoint = Checkpoint::open(checkpoint_dir);
@@ -79,10 +74,7 @@ class ServingEngine {
     stepper_ = std::thread([this] { step_loop(); });
   }
 
-  ~ServingEngine() {
-    shutdown();
-    ::close(notify_fd_);
-  }
+  ~ServingEngine() { shutdown(); }
   ServingEngine(const ServingEngine&) = delete;
   ServingEngine& operator=(const ServingEngine&) = delete;
 
@@ -161,16 +153,13 @@ class ServingEngine {
     return static_cast<int64_t>(requests_.size()) - running_.load();
   }
 
-  // The eventfd written after each step that produced events: readable while events wait.
-  int notify_fd() const { return notify_fd_; }
+  // Readable while events wait: woken after each step that produced events.
+  int notify_fd() const { return notify_.reader(); }
 
   // Every event waiting, oldest first, as (request, token, logprob, top_logprobs, text,
   // finish_reason or None, error); token -1 for an end without one (cancelled, or an error).
   py::list take_events() {
-    uint64_t count = 0;
-    // The eventfd first: an event appended after the swap below writes it again.
-    while (::read(notify_fd_, &count, sizeof count) < 0 && errno == EINTR) {
-    }
+    shm::drain(notify_.reader());  // first: an event appended after the swap below wakes it again
     std::vector<Delivery> taken;
     {
       std::lock_guard<std::mutex> lock(outbox_mutex_);
@@ -241,7 +230,7 @@ class ServingEngine {
     deliveries_.push_back(std::move(delivery));
   }
 
-  // On the stepping thread, after a step: its events to the outbox, the eventfd written.
+  // On the stepping thread, after a step: its events to the outbox, the event loop woken.
   void deliver_all() {
     if (deliveries_.empty()) return;
     {
@@ -249,9 +238,7 @@ class ServingEngine {
       std::move(deliveries_.begin(), deliveries_.end(), std::back_inserter(outbox_));
     }
     deliveries_.clear();
-    const uint64_t one = 1;
-    while (::write(notify_fd_, &one, sizeof one) < 0 && errno == EINTR) {
-    }
+    shm::wake(notify_.writer());
   }
 
   void step_loop() {
@@ -294,7 +281,7 @@ class ServingEngine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Generator> generator_;
   std::vector<Delivery> deliveries_;  // the current step's events; the stepping thread's
-  const int notify_fd_;               // written after each step with events (take_events reads it)
+  shm::WakeSocket notify_;            // [Wake sockets]: woken after each step with events (take_events drains it)
   std::mutex outbox_mutex_;           // guards outbox_
   std::vector<Delivery> outbox_;      // events not yet taken
 

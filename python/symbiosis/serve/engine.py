@@ -138,9 +138,9 @@ class Engine:
 
 class _Streams:
     """[Serving engine] (python/serving_binding.cpp): the streams waiting for an engine's events, by
-    request id, each with its event loop and queue; and the loop that watches the engine's eventfd
-    and hands the events out (the last loop to open a stream). The lock keeps a request's events
-    from being taken before its stream is known."""
+    request id, each with its event loop and queue; and the loop that watches the engine's
+    notify_fd and hands the events out (the last loop to open a stream). The lock keeps a
+    request's events from being taken before its stream is known."""
 
     def __init__(self, native):
         self._native = native
