@@ -311,13 +311,14 @@ bool Scheduler::poll_channels() {
       it = held_calls_.erase(it);
     }
   }
+  const bool ahead = launches_ahead();
   for (auto it = channels_.begin(); it != channels_.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
     // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A ready
     // run goes whole, never call by call.
-    launch_if_ready(*channel);
+    if (ahead) launch_if_ready(*channel);
     while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
     holding = channel->waiting() || holding;
     if (!channel->broken()) {
@@ -346,7 +347,7 @@ bool Scheduler::launches_ahead() const {
 }
 
 void Scheduler::launch_if_ready(Channel& channel) {
-  if (!launches_ahead() || refused_.count(channel.client_id()) || !channel.run_ready()) return;
+  if (refused_.count(channel.client_id()) || !channel.run_ready()) return;
   last_decode_ = Clock::now();  // runs are decode steps
   const auto launched = channel.launch_ahead(runner_);
   if (launched.empty()) return;  // it goes call by call from now on

@@ -110,7 +110,8 @@ class Scheduler {
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
-  // [Steps launched ahead]: launches the channel's run if its calls begin with one.
+  // [Steps launched ahead]: launches the channel's run if its calls begin with one (where
+  // launches_ahead()).
   void launch_if_ready(Channel& channel);
   bool launches_ahead() const;  // whether runs are launched ahead here
   void finish_setups();
