@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include "bench/process.h"
@@ -396,6 +397,49 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
   SKIP_WITHOUT_GPUS(1);
   const auto stats = three_tenants_generate_the_monolithic_tokens("gpu-generate-ahead", {}, /*new_tokens=*/160);
   EXPECT_GT(stats.ahead_calls(), 0u);
+}
+
+// [Step streams] (client_runtime/training/step_graph.cpp): twelve generators in threads of one
+// process, each over a client of its own, decode requests of mixed lengths at once. Their batches
+// shrink, so each captures its decode buckets (3) while the others replay theirs: 36 captured steps
+// alive, more than LibTorch's pool of 32 streams a priority, from which they once came (and a
+// capture then took in another generator's replay, whose client the executor dropped 5 s later).
+// Each generates what the model generates monolithic, and no client was dropped.
+TEST(GpuGeneration, GeneratorsInThreadsOfOneProcessCaptureWhileTheOthersDecode) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-threads"));
+  constexpr int kGenerators = 12;
+  std::vector<std::shared_ptr<Client>> clients;
+  std::vector<CausalLM> lms;  // made here, one by one: the test LoRA is drawn from the global generator
+  for (int i = 0; i < kGenerators; ++i) {
+    clients.push_back(Client::connect(
+        {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"}));
+    lms.push_back(open_causal_lm(*checkpoint, clients.back(), {at::kFloat, at::Device("cuda:0")}));
+    testing::add_test_lora(lms.back());
+  }
+  auto mono_lm = open_causal_lm(*checkpoint, nullptr, {at::kFloat, at::Device("cuda:0")});
+  testing::add_test_lora(mono_lm);
+  const auto captured = captured_options();
+  auto eager = captured;
+  eager.capture_decode = false;
+  const auto mono = testing::generate(mono_lm, testing::mixed_requests(), eager);
+  std::vector<testing::Generated> split(kGenerators);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kGenerators; ++i) {
+    threads.emplace_back([&, i] { split[i] = testing::generate(lms[i], testing::mixed_requests(), captured); });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int i = 0; i < kGenerators; ++i) {
+    EXPECT_GE(split[i].captured, 2) << "generator " << i;
+    testing::expect_same(split[i], mono, "generator " + std::to_string(i), 1e-5);
+    EXPECT_EQ(clients[i]->connection(), 1u) << "generator " << i << "'s client was dropped and connected again";
+  }
+  EXPECT_EQ(request_stats(executor.endpoint, 10000).errors(), 0u);
+  lms.clear();
+  clients.clear();
+  bench::stop(executor.pid);
 }
 
 // symbiosis-generate --host-decode and --offload-cache on cuda:0 print what the all-GPU run prints
