@@ -180,6 +180,28 @@ void OwnedStream::Destroy::operator()(void* stream) const {
   SYMBIOSIS_CUDA_WARN(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
 }
 
+KeptStreams& KeptStreams::instance() {
+  static auto* streams = new KeptStreams();  // never destroyed: a user may go at exit
+  return *streams;
+}
+
+Stream KeptStreams::take(int device, bool high_priority) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& free = free_[{device, high_priority}];
+  if (free.empty()) {
+    owned_.push_back(OwnedStream::create(device, high_priority));
+    return owned_.back().get();
+  }
+  const Stream stream = free.back();
+  free.pop_back();
+  return stream;
+}
+
+void KeptStreams::give_back(Stream stream, bool high_priority) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_[{stream.device, high_priority}].push_back(stream);
+}
+
 CurrentStreamScope::CurrentStreamScope(Stream stream) {
   const auto device = static_cast<c10::DeviceIndex>(stream.device);
   previous_ = c10::cuda::getCurrentCUDAStream(device).unwrap();

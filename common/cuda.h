@@ -15,8 +15,11 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/unique_handle.h"
@@ -148,6 +151,27 @@ class OwnedStream {
   };
   UniqueHandle<void*, Destroy> stream_;  // cudaStream_t; [Owned handles]
   int device_ = -1;
+};
+
+// [Kept streams]
+// Streams made on demand and kept for the process's life, each held by one user at a time and
+// handed to the next when given back: a user's later work may be ordered after the stream of one
+// gone (so the stream must outlive it), per-stream resources (the GEMM library's workspace) do not
+// grow with users that came and went, and no two users share one while they hold it (LibTorch's
+// pool hands its 32 streams a priority out in turn). The executor's runs launched ahead and the
+// client's captured steps take theirs here. Thread-safe; never destroyed.
+class KeptStreams {
+ public:
+  static KeptStreams& instance();
+  // A free stream of `device` at that priority, or a new one.
+  Stream take(int device, bool high_priority);
+  void give_back(Stream stream, bool high_priority);
+
+ private:
+  KeptStreams() = default;
+  std::mutex mutex_;
+  std::vector<OwnedStream> owned_;
+  std::map<std::pair<int, bool>, std::vector<Stream>> free_;  // by device and priority
 };
 
 // Makes `stream` LibTorch's current stream of its device for the scope (what LibTorch's operations,

@@ -2,11 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <map>
-#include <mutex>
 #include <optional>
-#include <utility>
-#include <vector>
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -20,49 +16,6 @@
 #endif
 
 namespace symbiosis {
-
-#ifdef SYMBIOSIS_WITH_CUDA
-namespace {
-
-// [Step streams]
-// Each StepGraph runs on a stream no other StepGraph uses while it lives. LibTorch's pool hands its
-// 32 streams a priority out in turn, so in a process with more than 32 captured steps alive (many
-// generators' decode buckets, each a StepGraph) two would share one; a capture on it (relaxed)
-// then takes in the other's replay instead of running it, and that other's calls wait at the
-// executor for inputs that never come, until its watchdog drops the client. The streams are kept
-// for the process's life and handed to the next StepGraph when one goes: a client orders its next
-// call after the stream of its last, which must outlive the StepGraph it came from. Never
-// destroyed.
-class StepStreams {
- public:
-  static StepStreams& instance() {
-    static auto* streams = new StepStreams();
-    return *streams;
-  }
-  c10::cuda::CUDAStream take(c10::DeviceIndex device, bool high_priority) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& free = free_[{device, high_priority}];
-    if (free.empty()) {
-      owned_.push_back(cuda::OwnedStream::create(device, high_priority));
-      free.push_back(static_cast<cudaStream_t>(owned_.back().get().handle));
-    }
-    const cudaStream_t stream = free.back();
-    free.pop_back();
-    return c10::cuda::getStreamFromExternal(stream, device);
-  }
-  void give_back(const c10::cuda::CUDAStream& stream, bool high_priority) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_[{stream.device_index(), high_priority}].push_back(stream.stream());
-  }
-
- private:
-  std::mutex mutex_;
-  std::vector<cuda::OwnedStream> owned_;
-  std::map<std::pair<c10::DeviceIndex, bool>, std::vector<cudaStream_t>> free_;  // by device and priority
-};
-
-}  // namespace
-#endif
 
 struct StepGraph::Impl {
   std::function<void()> compute, apply;
@@ -78,7 +31,11 @@ struct StepGraph::Impl {
 
 #ifdef SYMBIOSIS_WITH_CUDA
   // Warm-up, capture and replays all run on this stream: a graph is captured on a stream of its
-  // own, and a client's calls order after the stream of its previous call ([Step streams]).
+  // own, and a client's calls order after the stream of its previous call. It is one of the [Kept
+  // streams] (common/cuda.h), which no other StepGraph uses while this one lives: from LibTorch's
+  // pool, which hands its 32 streams a priority out in turn, two of more than 32 captured steps
+  // alive in a process (many generators' decode buckets) shared one, and a capture on it (relaxed)
+  // took in the other's replay instead of running it.
   std::optional<c10::cuda::CUDAStream> stream;
   std::unique_ptr<at::cuda::CUDAGraph> compute_graph, apply_graph;  // apply_graph shares compute_graph's memory
   std::shared_ptr<const CapturedCalls> calls;                       // what compute_graph's replays send
@@ -92,7 +49,7 @@ struct StepGraph::Impl {
     stream->synchronize();
     apply_graph.reset();
     compute_graph.reset();
-    StepStreams::instance().give_back(*stream, /*high_priority=*/!apply);
+    cuda::KeptStreams::instance().give_back({stream->stream(), stream->device_index()}, /*high_priority=*/!apply);
   }
 
   // Captures `part` into `graph` on the current stream (the side stream). Relaxed: the client
@@ -185,7 +142,9 @@ StepGraph::StepGraph(std::function<void()> compute, std::function<void()> apply,
     // high-priority stream, so that the GPU starts their blocks before those of training work queued
     // beside them (under MPS, other processes' too).
     const bool decode = !impl_->apply;
-    impl_->stream = StepStreams::instance().take(device.has_index() ? device.index() : 0, /*high_priority=*/decode);
+    const int index = device.has_index() ? device.index() : 0;
+    const auto kept = cuda::KeptStreams::instance().take(index, /*high_priority=*/decode);
+    impl_->stream = c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(kept.handle), index);
   }
 #endif
 }

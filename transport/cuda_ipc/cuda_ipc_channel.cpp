@@ -90,41 +90,6 @@ class AheadWatchdog {
   bool started_ = false;
 };
 
-// [Steps launched ahead]: the streams runs are launched on, one a client's, handed to the next
-// client when one goes, so that the streams (and the GEMM library's workspace for each) do not grow
-// with the clients that came and went. Never destroyed (a channel may go at exit).
-class AheadStreams {
- public:
-  static AheadStreams& instance() {
-    static auto* streams = new AheadStreams();
-    return *streams;
-  }
-  // A free stream of `device`, or a new one whose GEMM library `enqueuer` has warmed up.
-  cuda::Stream take(int device, CallEnqueuer& enqueuer) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = std::find_if(free_.begin(), free_.end(), [&](const cuda::Stream& s) { return s.device == device; });
-    if (it != free_.end()) {
-      const cuda::Stream stream = *it;
-      free_.erase(it);
-      return stream;
-    }
-    auto stream = cuda::OwnedStream::create(device, /*high_priority=*/true);
-    cuda::CurrentStreamScope scope(stream.get());
-    enqueuer.warm_up_stream();
-    owned_.push_back(std::move(stream));
-    return owned_.back().get();
-  }
-  void give_back(cuda::Stream stream) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_.push_back(stream);
-  }
-
- private:
-  std::mutex mutex_;
-  std::vector<cuda::OwnedStream> owned_;
-  std::vector<cuda::Stream> free_;
-};
-
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
   CudaIpcChannel(uint64_t client_id, at::Device device)
@@ -144,7 +109,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     } catch (const c10::Error& e) {  // a destructor must not throw: that would end the executor
       spdlog::error("client {}: waiting for its work as it goes failed: {}", client_id(), e.what_without_backtrace());
     }
-    if (ahead_stream_.valid()) AheadStreams::instance().give_back(ahead_stream_);
+    if (ahead_stream_.valid()) cuda::KeptStreams::instance().give_back(ahead_stream_, /*high_priority=*/true);
   }
 
   // AheadWatchdog's thread: releases the run launched last if it has stalled.
@@ -243,7 +208,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   std::vector<shm::CallHeader> launch_ahead(CallEnqueuer& enqueuer) override {
     try {
-      if (!ahead_stream_.valid()) ahead_stream_ = AheadStreams::instance().take(device_, enqueuer);
+      if (!ahead_stream_.valid()) {
+        // [Kept streams] (common/cuda.h), its GEMM library's handle and workspace made before any capture.
+        ahead_stream_ = cuda::KeptStreams::instance().take(device_, /*high_priority=*/true);
+        cuda::CurrentStreamScope scope(ahead_stream_);
+        enqueuer.warm_up_stream();
+      }
       if (!ready_->work.valid()) ready_->work = capture_run(ready_->calls, enqueuer);
     } catch (const c10::Error& e) {
       ahead_failed_ = true;
@@ -483,7 +453,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::vector<shm::CallHeader> recording_;  // the run being computed call by call
   Run* ready_ = nullptr;                    // the run the pending calls begin with (run_ready), until launched
   uint64_t uses_ = 0;
-  cuda::Stream ahead_stream_;   // AheadStreams', from this client's first launch
+  cuda::Stream ahead_stream_;   // from this client's first launch ([Kept streams])
   bool watched_ = false;        // by AheadWatchdog
   uint32_t last_out_ = 0;       // the sequence of the last numbered call handed out
   uint32_t hold_sequence_ = 0;  // a run's first call held for its other headers, until

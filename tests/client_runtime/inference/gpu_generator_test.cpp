@@ -399,11 +399,11 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
   EXPECT_GT(stats.ahead_calls(), 0u);
 }
 
-// [Step streams] (client_runtime/training/step_graph.cpp): twelve generators in threads of one
+// [Kept streams] (common/cuda.h) for captured steps: twelve generators in threads of one
 // process, each over a client of its own, decode requests of mixed lengths at once. Their batches
 // shrink, so each captures its decode buckets (3) while the others replay theirs: 36 captured steps
 // alive, more than LibTorch's pool of 32 streams a priority, from which they once came (and a
-// capture then took in another generator's replay, whose client the executor dropped 5 s later).
+// capture could take in another generator's replay, whose client the executor would drop 5 s later).
 // Each generates what the model generates monolithic, and no client was dropped.
 TEST(GpuGeneration, GeneratorsInThreadsOfOneProcessCaptureWhileTheOthersDecode) {
   SKIP_WITHOUT_GPUS(1);
