@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -128,25 +129,54 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   bool orders_by_flags() const override { return true; }
 
   // [Transport set-up]: ShareSegments ([Direct operands] in cuda_ipc_client.cpp) maps the client's
-  // allocations it adds, and lets go of those it releases (no call in flight names them).
+  // allocations it adds, and lets go of those it releases (no call in flight names them), on a
+  // thread of its own ([Segments mapped aside]); answered once that is done.
   proto::Envelope set_up(const proto::Envelope& message) override {
     if (!message.has_share_segments()) return Channel::set_up(message);
+    TORCH_CHECK(!segment_change_.valid(), "ShareSegments came before the executor answered the client's last one; "
+                "send the next once it is answered");
     const proto::ShareSegments& r = message.share_segments();
+    std::vector<cuda::MappedDeviceBuffer> released;
     for (const uint32_t id : r.release()) {
-      TORCH_CHECK(segments_.erase(id) == 1, "ShareSegments releases segment ", id, ", which is not shared");
+      const auto it = segments_.find(id);
+      TORCH_CHECK(it != segments_.end(), "ShareSegments releases segment ", id, ", which is not shared");
+      released.push_back(std::move(it->second));
+      segments_.erase(it);
     }
-    for (const auto& s : r.add()) {
+    std::vector<proto::Segment> added(r.add().begin(), r.add().end());
+    for (size_t i = 0; i < added.size(); ++i) {
+      const auto& s = added[i];
       TORCH_CHECK(s.id() != 0, "ShareSegments: segment id 0 is the payload buffer; shared segments count from 1");
       TORCH_CHECK(s.bytes() > 0, "ShareSegments: segment ", s.id(), " has no bytes");
-      TORCH_CHECK(!segments_.count(s.id()), "ShareSegments adds segment ", s.id(), ", which is already shared");
-      TORCH_CHECK(segments_.size() < kMaxSegments, "ShareSegments: a client shares at most ", kMaxSegments,
+      TORCH_CHECK(!segments_.count(s.id()) &&
+                      std::none_of(added.begin(), added.begin() + i, [&](const auto& o) { return o.id() == s.id(); }),
+                  "ShareSegments adds segment ", s.id(), ", which is already shared");
+      TORCH_CHECK(segments_.size() + i < kMaxSegments, "ShareSegments: a client shares at most ", kMaxSegments,
                   " segments at once");
-      segments_.emplace(s.id(), cuda::MappedDeviceBuffer::open(device_, s.cuda_ipc_handle(), s.bytes()));
     }
     forget_runs();
+    segment_change_ = std::async(std::launch::async, [device = device_, client = client_id(),
+                                                      released = std::move(released), added = std::move(added)]() mutable {
+      const auto start = Clock::now();
+      released.clear();
+      std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>> opened;
+      for (const auto& s : added) opened.emplace_back(s.id(), cuda::MappedDeviceBuffer::open(device, s.cuda_ipc_handle(), s.bytes()));
+      if (const auto took = Clock::now() - start; took >= std::chrono::milliseconds(100)) {
+        spdlog::warn("client {}: mapping its shared segments took {} ms", client,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+      }
+      return opened;
+    });
     proto::Envelope answer;
     answer.mutable_segments_shared();
     return answer;
+  }
+
+  bool setup_done() override {
+    if (!segment_change_.valid()) return true;
+    if (segment_change_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    for (auto& [id, mapped] : segment_change_.get()) segments_.emplace(id, std::move(mapped));  // rethrows its error
+    return true;
   }
 
   bool recurs(const shm::CallHeader& h) const override { return captured_slot(h) != nullptr && !replays_failed_; }
@@ -472,6 +502,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // [Direct operands]: the client's allocations its calls may name, by id.
   static constexpr size_t kMaxSegments = size_t{1} << 16;
   std::unordered_map<uint32_t, cuda::MappedDeviceBuffer> segments_;
+  // [Segments mapped aside] A mapping's close waits for the whole GPU to finish what it was given,
+  // including other clients' runs launched ahead, which wait on their clients' GPU work, which may
+  // wait on a call that only the scheduler's thread takes up: closed there, it held every client
+  // until AheadWatchdog dropped some (M8, M9, V26: 5 s). So ShareSegments' closes and opens go on a
+  // thread of their own, the scheduler's thread goes on, and the client's answer waits for them.
+  std::future<std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>>> segment_change_;
 };
 
 void AheadWatchdog::add(CudaIpcChannel* channel) {
