@@ -212,30 +212,6 @@ CurrentStreamScope::~CurrentStreamScope() {
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, *previous_));
 }
 
-StreamOfOwn::StreamOfOwn(int device) : stream_(KeptStreams::instance().take(device, /*high_priority=*/false)) {}
-
-StreamOfOwn::~StreamOfOwn() {
-  try {
-    synchronize_stream(stream_);
-  } catch (const c10::Error& e) {  // a destructor must not throw
-    LOG(ERROR) << "a stream of its own: waiting for its work failed: " << e.what_without_backtrace();
-  }
-  KeptStreams::instance().give_back(stream_, /*high_priority=*/false);
-}
-
-StreamOfOwn::Scope::Scope(const StreamOfOwn& own)
-    : own_(own.stream_), caller_(current_stream(own_.device)), current_(own_) {
-  stream_after(own_, caller_);
-}
-
-StreamOfOwn::Scope::~Scope() {
-  try {
-    stream_after(caller_, own_);
-  } catch (const c10::Error& e) {
-    LOG(ERROR) << "a stream of its own: ordering the caller's work after it failed: " << e.what_without_backtrace();
-  }
-}
-
 CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
   DeviceScope scope(stream.device);
   auto s = cuda_stream(stream);

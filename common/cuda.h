@@ -187,33 +187,6 @@ class CurrentStreamScope {
   std::optional<c10::Stream> previous_;  // LibTorch's, as it was
 };
 
-// [Stream of its own] Takes one of the [Kept streams] for the object's life; each Scope puts
-// LibTorch's work on it, ordered after what the caller's current stream enqueued before the scope,
-// and the caller's later work after the scope's. What runs in threads of one process (several
-// generators) then shares no stream: on the thread's current one, LibTorch's default stream, each
-// one's work waited on the GPU for the others'.
-class StreamOfOwn {
- public:
-  explicit StreamOfOwn(int device);
-  ~StreamOfOwn();  // waits for the stream's work, then gives it back
-  StreamOfOwn(const StreamOfOwn&) = delete;
-  StreamOfOwn& operator=(const StreamOfOwn&) = delete;
-
-  class Scope {
-   public:
-    explicit Scope(const StreamOfOwn& own);
-    ~Scope();
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-
-   private:
-    Stream own_, caller_;
-    CurrentStreamScope current_;
-  };
- private:
-  Stream stream_;
-};
-
 // [Replayed calls]
 // Work on a stream captured once into a CUDA graph and launched again as a whole: one launch
 // (~2.5 µs of host time) in place of what the work enqueues (a cuBLAS GEMM: 8–11 µs). The

@@ -13,9 +13,6 @@
 #include "client_runtime/client.h"
 #include "client_runtime/peft/prompt.h"
 #include "client_runtime/training/step_graph.h"
-#ifdef SYMBIOSIS_WITH_CUDA
-#include "common/cuda.h"
-#endif
 
 namespace symbiosis {
 
@@ -64,20 +61,6 @@ struct Generator::DecodeGraph {
   at::Tensor logits;  // [B, vocab]: what the last run wrote
   std::unique_ptr<StepGraph> graph;
   int runs = 0;
-};
-
-// [Generator's stream]
-// A generator's steps run on a stream of its own (cuda::StreamOfOwn), not on its thread's current
-// stream. Generators in threads of one process (the bench's separate tenants, a service's runs)
-// all had LibTorch's default stream there, so each one's step waited on the GPU for the others'
-// work, their calls to the executor included; with requests of mixed lengths, one generator's
-// prefill going call by call while another's decode step was launched ahead at the executor,
-// they held each other until the executor dropped them (M8, M9, V26).
-struct Generator::OwnStream {
-#ifdef SYMBIOSIS_WITH_CUDA
-  explicit OwnStream(int device) : stream(device) {}
-  cuda::StreamOfOwn stream;
-#endif
 };
 
 struct Generator::Sequence {
@@ -211,9 +194,6 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
   cache_ = std::make_unique<KvCache>(shape, options_.max_sequences, options_.max_tokens, table.scalar_type(),
                                      cache_device, spare, pinned, decode_device);
   bank_model_ = std::make_unique<BankModel>(bank_model(*lm_.module, table.scalar_type()));
-#ifdef SYMBIOSIS_WITH_CUDA
-  if (table.device().is_cuda()) own_stream_ = std::make_unique<OwnStream>(table.device().index());
-#endif
 }
 
 Generator::~Generator() = default;
@@ -435,10 +415,6 @@ void Generator::take_incoming() {
 }
 
 bool Generator::step() {
-#ifdef SYMBIOSIS_WITH_CUDA
-  std::optional<cuda::StreamOfOwn::Scope> on_own;
-  if (own_stream_) on_own.emplace(own_stream_->stream);
-#endif
   take_incoming();
   update_bank();
   at::NoGradGuard no_grad;

@@ -246,8 +246,6 @@ class Generator {
   std::vector<std::shared_ptr<NamedLora>> loras_to_slot_;
   int64_t unloaded_holding_ = 0;
   std::unique_ptr<BankModel> bank_model_;  // the model as load_adapter checks adapters against it
-  struct OwnStream;
-  std::unique_ptr<OwnStream> own_stream_;  // [Generator's stream], on a GPU
 
   // Owned by the stepping thread.
   std::deque<std::unique_ptr<Sequence>> waiting_;
