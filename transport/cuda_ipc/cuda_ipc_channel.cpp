@@ -120,6 +120,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         shm::reached(control_block()->results_ready.load(std::memory_order_acquire), launched_last_)) {
       return;
     }
+    stall_state_ = launched_state();
     for (const uint32_t slot : launched_slots_)
       control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
     launched_at_.reset();
@@ -207,8 +208,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   bool run_ready() override {
     ready_ = nullptr;
     if (stalled_) {
+      std::lock_guard<std::mutex> lock(launched_mutex_);
       drop("its GPU did not write the inputs of the calls launched ahead for it within " +
-           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s");
+           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s (" + stall_state_ + ")");
       return false;
     }
     if (ahead_failed_ || replays_failed_) return false;
@@ -420,6 +422,22 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     });
   }
 
+  // Where a stalled run stood, for the drop's message: which of its calls' flags are up (input:
+  // written by the client's GPU and not yet taken by the run; result: set by the run and not yet
+  // taken by the client's GPU), and the two counters. launched_mutex_ held.
+  std::string launched_state() const {
+    const auto& block = *control_block();
+    std::string inputs, results;
+    for (const uint32_t slot : launched_slots_) {
+      inputs += block.slots[slot].input_ready.load(std::memory_order_acquire) ? '1' : '0';
+      results += block.slots[slot].result_ready.load(std::memory_order_acquire) ? '1' : '0';
+    }
+    return std::to_string(launched_slots_.size()) + " calls launched; input flags " + inputs + "; result flags " +
+           results + "; results_ready " + std::to_string(block.results_ready.load(std::memory_order_acquire)) +
+           " of " + std::to_string(launched_last_) + "; inputs_ready " +
+           std::to_string(block.inputs_ready.load(std::memory_order_acquire));
+  }
+
   void* input_ready_flag(const shm::CallHeader& h) const {
     return control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready);
   }
@@ -495,6 +513,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   uint32_t launched_last_ = 0;  // its last call's sequence
   std::optional<Clock::time_point> launched_at_;
   std::atomic<bool> stalled_{false};  // released by the watchdog: the client is dropped
+  std::string stall_state_;           // where the run stood then (launched_state)
   cuda::InterprocessEvent executor_event_, client_event_;
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -120,12 +121,18 @@ class CudaIpcPayload : public RegisteredBuffer {
     std::lock_guard<std::mutex> lock(socket_mutex_);
     const auto it = segments_.find(base);
     if (it == segments_.end()) return;
+    const Segment segment = it->second;
     proto::Envelope env;
-    env.mutable_share_segments()->add_release(it->second.id);
+    env.mutable_share_segments()->add_release(segment.id);
     segments_.erase(it);
     try {
+      const auto start = std::chrono::steady_clock::now();
       wait_for_calls();
       socket_.exchange_setup(env, "a segment's release");
+      // The allocator's lock is held all along, so every thread of this process that allocates waits too.
+      if (const auto took = std::chrono::steady_clock::now() - start; took >= std::chrono::milliseconds(100)) {
+        spdlog::warn("cuda-ipc client: the release of segment {} ({} bytes) took {} ms", segment.id, segment.bytes, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+      }
     } catch (const c10::Error& e) {
       spdlog::warn("cuda-ipc client: the executor did not release a segment before it was freed: {}",
                    e.what_without_backtrace());
