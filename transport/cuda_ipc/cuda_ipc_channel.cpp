@@ -260,7 +260,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   void finish_writes(const shm::CallHeader& h) override {
-    use_stream(cuda::current_stream(device_));
+    const cuda::Stream now = cuda::current_stream(device_);
+    if (stream_ == ahead_stream_ && now != stream_) warn_if_after_unfinished_run(h);
+    use_stream(now);
     if (auto* slot = captured_slot(h)) {
       // results_ready first: a client that goes on past the slot's flag finds the call answered.
       cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, results_ready_, h.sequence},
@@ -319,6 +321,20 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   void synchronize_streams() {
     for (const cuda::Stream& stream : streams_) cuda::synchronize_stream(stream);
+  }
+
+  // A diagnostic of the stall of generators in threads of one process (benchmarks-history.md,
+  // V29): a call of this client taken up while its run launched ahead has not finished orders a
+  // compute stream that every client uses after that run, which waits on this client's GPU.
+  void warn_if_after_unfinished_run(const shm::CallHeader& h) {
+    std::lock_guard<std::mutex> lock(launched_mutex_);
+    const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
+    if (!launched_at_ || shm::reached(done, launched_last_) || warned_after_run_) return;
+    warned_after_run_ = true;
+    spdlog::warn("client {}: its call (layer {}, slot {}, sequence {}, {} tokens) went on a shared compute stream "
+                 "ordered after its run launched ahead, which has not finished (results_ready {} of {}): every call "
+                 "on that stream waits for this client's GPU",
+                 client_id(), h.layer_id, h.slot, h.sequence, h.tokens, done, launched_last_);
   }
 
   // [Compute streams]: a batch of another client's, or a run launched ahead, may put this client's
@@ -514,6 +530,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::optional<Clock::time_point> launched_at_;
   std::atomic<bool> stalled_{false};  // released by the watchdog: the client is dropped
   std::string stall_state_;           // where the run stood then (launched_state)
+  bool warned_after_run_ = false;     // warn_if_after_unfinished_run, once
   cuda::InterprocessEvent executor_event_, client_event_;
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready
