@@ -134,7 +134,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // thread of its own ([Segments mapped aside]); answered once that is done.
   proto::Envelope set_up(const proto::Envelope& message) override {
     if (!message.has_share_segments()) return Channel::set_up(message);
-    TORCH_CHECK(!segment_change_.valid(), "ShareSegments came before the executor answered the client's last one; "
+    TORCH_CHECK(!segment_change_.valid(),
+                "ShareSegments came before the executor answered the client's last one; "
                 "send the next once it is answered");
     const proto::ShareSegments& r = message.share_segments();
     std::vector<cuda::MappedDeviceBuffer> released;
@@ -156,21 +157,27 @@ class CudaIpcChannel : public RegisteredBufferChannel {
                   " segments at once");
     }
     forget_runs();
-    segment_change_ = std::async(std::launch::async, [device = device_, client = client_id(),
-                                                      released = std::move(released), added = std::move(added)]() mutable {
-      const auto start = Clock::now();
-      released.clear();
-      std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>> opened;
-      for (const auto& s : added) opened.emplace_back(s.id(), cuda::MappedDeviceBuffer::open(device, s.cuda_ipc_handle(), s.bytes()));
-      if (const auto took = Clock::now() - start; took >= std::chrono::milliseconds(100)) {
-        spdlog::warn("client {}: mapping its shared segments took {} ms", client,
-                     std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
-      }
-      return opened;
-    });
+    segment_change_ =
+        std::async(std::launch::async, change_segments, device_, client_id(), std::move(released), std::move(added));
     proto::Envelope answer;
     answer.mutable_segments_shared();
     return answer;
+  }
+
+  // [Segments mapped aside]: on a thread of its own, closes the mappings of the segments released
+  // and opens those added.
+  static std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>> change_segments(
+      int device, uint64_t client, std::vector<cuda::MappedDeviceBuffer> released, std::vector<proto::Segment> added) {
+    const auto start = Clock::now();
+    released.clear();
+    std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>> opened;
+    for (const auto& s : added)
+      opened.emplace_back(s.id(), cuda::MappedDeviceBuffer::open(device, s.cuda_ipc_handle(), s.bytes()));
+    if (const auto took = Clock::now() - start; took >= std::chrono::milliseconds(100)) {
+      spdlog::warn("client {}: mapping its shared segments took {} ms", client,
+                   std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+    }
+    return opened;
   }
 
   bool setup_done() override {
@@ -210,7 +217,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     if (stalled_) {
       std::lock_guard<std::mutex> lock(launched_mutex_);
       drop("its GPU did not write the inputs of the calls launched ahead for it within " +
-           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s (" + stall_state_ + ")");
+           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s (" + stall_state_ +
+           ")");
       return false;
     }
     if (ahead_failed_ || replays_failed_) return false;
@@ -331,10 +339,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
     if (!launched_at_ || shm::reached(done, launched_last_) || warned_after_run_) return;
     warned_after_run_ = true;
-    spdlog::warn("client {}: its call (layer {}, slot {}, sequence {}, {} tokens) went on a shared compute stream "
-                 "ordered after its run launched ahead, which has not finished (results_ready {} of {}): every call "
-                 "on that stream waits for this client's GPU",
-                 client_id(), h.layer_id, h.slot, h.sequence, h.tokens, done, launched_last_);
+    spdlog::warn(
+        "client {}: its call (layer {}, slot {}, sequence {}, {} tokens) went on a shared compute stream "
+        "ordered after its run launched ahead, which has not finished (results_ready {} of {}): every call "
+        "on that stream waits for this client's GPU",
+        client_id(), h.layer_id, h.slot, h.sequence, h.tokens, done, launched_last_);
   }
 
   // [Compute streams]: a batch of another client's, or a run launched ahead, may put this client's
@@ -449,8 +458,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       results += block.slots[slot].result_ready.load(std::memory_order_acquire) ? '1' : '0';
     }
     return std::to_string(launched_slots_.size()) + " calls launched; input flags " + inputs + "; result flags " +
-           results + "; results_ready " + std::to_string(block.results_ready.load(std::memory_order_acquire)) +
-           " of " + std::to_string(launched_last_) + "; inputs_ready " +
+           results + "; results_ready " + std::to_string(block.results_ready.load(std::memory_order_acquire)) + " of " +
+           std::to_string(launched_last_) + "; inputs_ready " +
            std::to_string(block.inputs_ready.load(std::memory_order_acquire));
   }
 

@@ -131,7 +131,8 @@ class CudaIpcPayload : public RegisteredBuffer {
       socket_.exchange_setup(env, "a segment's release");
       // The allocator's lock is held all along, so every thread of this process that allocates waits too.
       if (const auto took = std::chrono::steady_clock::now() - start; took >= std::chrono::milliseconds(100)) {
-        spdlog::warn("cuda-ipc client: the release of segment {} ({} bytes) took {} ms", segment.id, segment.bytes, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+        spdlog::warn("cuda-ipc client: the release of segment {} ({} bytes) took {} ms", segment.id, segment.bytes,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
       }
     } catch (const c10::Error& e) {
       spdlog::warn("cuda-ipc client: the executor did not release a segment before it was freed: {}",
