@@ -10,6 +10,7 @@
 
 #include "base_executor/call_check.h"
 #include "common/cuda.h"
+#include "common/slow_scope.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/direct_gemm.h"
 #endif
@@ -37,27 +38,6 @@ void warm_up(BatchRunner& runner, cuda::ComputeStreams& streams, int count) {
   streams.use(0);
 }
 #endif
-
-// Warns, as it goes, when what it times held the scheduler's thread for long: work there that waits
-// for the GPU (an IPC mapping closed, a replaced buffer's work awaited) holds every client's calls
-// meanwhile, and any GPU work of theirs that waits for one of those calls.
-class HeldScheduler {
- public:
-  HeldScheduler(const char* what, uint64_t client_id) : what_(what), client_id_(client_id) {}
-  ~HeldScheduler() {
-    const auto held = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_);
-    if (held >= std::chrono::milliseconds(100)) {
-      spdlog::warn("client {}: {} held the scheduler for {} ms", client_id_, what_, held.count());
-    }
-  }
-  HeldScheduler(const HeldScheduler&) = delete;
-  HeldScheduler& operator=(const HeldScheduler&) = delete;
-
- private:
-  const char* what_;
-  uint64_t client_id_;
-  Clock::time_point started_ = Clock::now();
-};
 
 }  // namespace
 
@@ -204,7 +184,8 @@ void Scheduler::handle(SetupArrived& message) {
   auto& channel = *message.channel;
   const auto& env = message.envelope;
   const uint64_t id = channel.client_id();
-  HeldScheduler held("its set-up message (a buffer or segments mapped, or let go of)", id);
+  // [Slow scopes]: work here that waits for the GPU holds every client's calls meanwhile.
+  const SlowScope slow("client " + std::to_string(id) + ": its set-up message on the scheduler's thread");
   try {
     proto::Envelope answer;
     if (env.has_register_buffer()) {

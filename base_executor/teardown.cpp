@@ -1,9 +1,9 @@
 // [Teardown off the front door] (teardown.h).
 #include "base_executor/teardown.h"
 
-#include <spdlog/spdlog.h>
+#include <string>
 
-#include <chrono>
+#include "common/slow_scope.h"
 
 namespace symbiosis {
 
@@ -34,12 +34,11 @@ void Teardown::run() {
     auto channel = std::move(channels_.front());
     channels_.pop_front();
     lock.unlock();
-    const auto started = std::chrono::steady_clock::now();
-    const uint64_t id = channel->client_id();
-    channel->abort();
-    channel.reset();
-    const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started);
-    if (took >= std::chrono::milliseconds(100)) spdlog::warn("client {}: its teardown took {} ms", id, took.count());
+    {
+      const SlowScope slow("client " + std::to_string(channel->client_id()) + ": its teardown");
+      channel->abort();
+      channel.reset();
+    }
     lock.lock();
   }
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/cuda.h"
+#include "common/slow_scope.h"
 #include "transport/channel.h"
 #include "transport/transport.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
@@ -168,15 +169,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // and opens those added.
   static std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>> change_segments(
       int device, uint64_t client, std::vector<cuda::MappedDeviceBuffer> released, std::vector<proto::Segment> added) {
-    const auto start = Clock::now();
+    const SlowScope slow("client " + std::to_string(client) + ": mapping its shared segments");
     released.clear();
     std::vector<std::pair<uint32_t, cuda::MappedDeviceBuffer>> opened;
     for (const auto& s : added)
       opened.emplace_back(s.id(), cuda::MappedDeviceBuffer::open(device, s.cuda_ipc_handle(), s.bytes()));
-    if (const auto took = Clock::now() - start; took >= std::chrono::milliseconds(100)) {
-      spdlog::warn("client {}: mapping its shared segments took {} ms", client,
-                   std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
-    }
     return opened;
   }
 

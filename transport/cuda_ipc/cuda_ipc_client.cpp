@@ -4,12 +4,12 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <vector>
 
 #include "common/cuda.h"
+#include "common/slow_scope.h"
 #include "transport/call_ring.h"
 #include "transport/client_payload.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
@@ -126,14 +126,11 @@ class CudaIpcPayload : public RegisteredBuffer {
     env.mutable_share_segments()->add_release(segment.id);
     segments_.erase(it);
     try {
-      const auto start = std::chrono::steady_clock::now();
+      // The allocator's lock is held all along: every thread of this process that allocates waits too.
+      const SlowScope slow("cuda-ipc client: the release of segment " + std::to_string(segment.id) + " (" +
+                           std::to_string(segment.bytes) + " bytes)");
       wait_for_calls();
       socket_.exchange_setup(env, "a segment's release");
-      // The allocator's lock is held all along, so every thread of this process that allocates waits too.
-      if (const auto took = std::chrono::steady_clock::now() - start; took >= std::chrono::milliseconds(100)) {
-        spdlog::warn("cuda-ipc client: the release of segment {} ({} bytes) took {} ms", segment.id, segment.bytes,
-                     std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
-      }
     } catch (const c10::Error& e) {
       spdlog::warn("cuda-ipc client: the executor did not release a segment before it was freed: {}",
                    e.what_without_backtrace());
