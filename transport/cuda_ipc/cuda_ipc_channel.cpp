@@ -265,9 +265,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   void finish_writes(const shm::CallHeader& h) override {
-    const cuda::Stream now = cuda::current_stream(device_);
-    if (stream_ == ahead_stream_ && now != stream_) warn_if_after_unfinished_run(h);
-    use_stream(now);
+    use_stream(cuda::current_stream(device_));
     if (auto* slot = captured_slot(h)) {
       // results_ready first: a client that goes on past the slot's flag finds the call answered.
       cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, results_ready_, h.sequence},
@@ -301,6 +299,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   bool input_ready(const shm::CallHeader& h) const override {
     // [Steps launched ahead]: held while the rest of its run's headers come.
     if (hold_until_ && h.slot == 1 && h.sequence == hold_sequence_ && Clock::now() < *hold_until_) return false;
+    if (after_unfinished_run()) return false;
     if (h.slot != 0) {  // [Captured calls]; a slot out of range is handed out to be refused
       const auto* slot = captured_slot(h);
       return slot == nullptr || slot->input_ready.load(std::memory_order_acquire) != 0;
@@ -328,19 +327,16 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     for (const cuda::Stream& stream : streams_) cuda::synchronize_stream(stream);
   }
 
-  // A diagnostic of the stall of generators in threads of one process (benchmarks-history.md,
-  // V29): a call of this client taken up while its run launched ahead has not finished orders a
-  // compute stream that every client uses after that run, which waits on this client's GPU.
-  void warn_if_after_unfinished_run(const shm::CallHeader& h) {
-    std::lock_guard<std::mutex> lock(launched_mutex_);
-    const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
-    if (!launched_at_ || shm::reached(done, launched_last_) || warned_after_run_) return;
-    warned_after_run_ = true;
-    spdlog::warn(
-        "client {}: its call (layer {}, slot {}, sequence {}, {} tokens) went on a shared compute stream "
-        "ordered after its run launched ahead, which has not finished (results_ready {} of {}): every call "
-        "on that stream waits for this client's GPU",
-        client_id(), h.layer_id, h.slot, h.sequence, h.tokens, done, launched_last_);
+  // [Calls after a run] No call is taken up while the run launched before it has not finished: its
+  // GEMM would go on a compute stream that every client uses, ordered after that run (use_stream),
+  // which waits for this client's GPU. An honest client writes a call's input only after the run's
+  // results, so it is never held; a client that writes a later call's input and never the run's
+  // would hold every client's calls on that stream until AheadWatchdog drops it.
+  bool after_unfinished_run() const {
+    if (!unfinished_run_) return false;
+    if (!shm::reached(control_block()->results_ready.load(std::memory_order_acquire), *unfinished_run_)) return true;
+    unfinished_run_.reset();
+    return false;
   }
 
   // [Compute streams]: a batch of another client's, or a run launched ahead, may put this client's
@@ -488,6 +484,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       launched_last_ = last_out_;
       launched_at_ = Clock::now();
     }
+    unfinished_run_ = last_out_;
     hand_out(calls.size());
     return calls;
   }
@@ -536,7 +533,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::optional<Clock::time_point> launched_at_;
   std::atomic<bool> stalled_{false};  // released by the watchdog: the client is dropped
   std::string stall_state_;           // where the run stood then (launched_state)
-  bool warned_after_run_ = false;     // warn_if_after_unfinished_run, once
+  // [Calls after a run]: the last call's sequence of the run launched last, until its results are
+  // written (the scheduler's thread).
+  mutable std::optional<uint32_t> unfinished_run_;
   cuda::InterprocessEvent executor_event_, client_event_;
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready
