@@ -17,9 +17,10 @@
 #include "common/checkpoint.h"
 
 int main(int argc, char** argv) {
-  // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a tenant's stream may wait on
-  // the GPU for its flags; with CUDA's default 8 hardware queues, streams share them, and a wait
-  // would hold back whatever shares its queue. 32 is CUDA's most; an operator's setting stays.
+  // [Hardware queues] (client_runtime/training/step_graph.cpp): the runs launched ahead for its
+  // tenants wait on the GPU for their flags, each on a stream of its own; with CUDA's default 8
+  // hardware queues, streams share them, and a wait would hold back whatever shares its queue. 32
+  // is CUDA's most; an operator's setting stays.
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   symbiosis::ExecutorOptions options;
   std::string model_dir, keys_dir, dtype, log_level = "info";

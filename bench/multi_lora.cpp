@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -229,6 +230,9 @@ double finetuning(const Settings& s, const std::string& endpoint, const fs::path
 }  // namespace
 
 int main(int argc, char** argv) {
+  // [Hardware queues] (client_runtime/training/step_graph.cpp): `separate` runs N generators in
+  // threads of this process, each step waiting on the GPU for the executor.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
   Settings s;
   CLI::App app{"symbiosis-bench-multi-lora: N adapters' requests in one generator against N single-adapter generators"};
   app.add_option("--model", s.model, "a checkpoint directory");

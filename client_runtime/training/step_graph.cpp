@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <optional>
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -12,10 +14,53 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <spdlog/spdlog.h>
+
 #include "common/cuda.h"
 #endif
 
 namespace symbiosis {
+
+#ifdef SYMBIOSIS_WITH_CUDA
+namespace {
+
+// [Hardware queues]
+// CUDA spreads a process's streams over CUDA_DEVICE_MAX_CONNECTIONS hardware queues, 8 unless set,
+// and a stream's wait on the GPU holds back whatever shares its queue. A captured step's stream
+// waits for the executor's results, and the executor's run launched ahead waits for the step's
+// inputs ([Steps launched ahead] in transport/cuda_ipc/cuda_ipc_channel.cpp): with eight
+// generators decoding in threads of one process, steps stood behind one another's waits until the
+// executor dropped a client after 5 s (benchmarks-history.md, V29 and V30), and with 32 queues in
+// that process they did not (V31, V33). The executor asks for 32 itself (base_executor/main.cpp).
+// A client's process does not: under MPS every process's queues come from one pool, and 32 in
+// each ran the GPU tests' processes out of it (V32). So a process with more steps running at once
+// than queues to spare says so, once, and how to give it more.
+class RunningSteps {
+ public:
+  RunningSteps() {
+    const int now = running_.fetch_add(1) + 1;
+    static const int queues = [] {
+      const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+      return set != nullptr && std::atoi(set) > 0 ? std::atoi(set) : 8;
+    }();
+    // One queue stays for the rest of the process's work (its default stream's among it).
+    if (now < queues || warned_.exchange(true)) return;
+    spdlog::warn(
+        "{} captured steps run at once in this process, over {} hardware queues: a step's wait for the executor "
+        "may hold back another's, until the executor drops a client that stood still 5 s; set "
+        "CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment the process starts in (under MPS every process's "
+        "queues come from one pool)",
+        now, queues);
+  }
+  ~RunningSteps() { running_.fetch_sub(1); }
+
+ private:
+  static inline std::atomic<int> running_{0};
+  static inline std::atomic<bool> warned_{false};
+};
+
+}  // namespace
+#endif
 
 struct StepGraph::Impl {
   std::function<void()> compute, apply;
@@ -102,7 +147,7 @@ struct StepGraph::Impl {
       }
     }
     // The eager runs' blocks stay in the allocator's cache, and the graphs never use them.
-    c10::cuda::CUDACachingAllocator::emptyCache();
+    if (options.empty_cache) c10::cuda::CUDACachingAllocator::emptyCache();
   }
 
   // [Executor restart] (client_runtime/client.cpp): the client connected again since the capture,
@@ -171,6 +216,7 @@ void StepGraph::run() {
   auto& s = *impl_;
 #ifdef SYMBIOSIS_WITH_CUDA
   if (s.stream) {
+    const RunningSteps running;  // [Hardware queues]
     c10::cuda::CUDAGuard device_guard(s.stream->device_index());
     const auto caller = c10::cuda::getCurrentCUDAStream(s.stream->device_index());
     s.caller_ready.record(caller);
