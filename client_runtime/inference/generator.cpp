@@ -582,7 +582,7 @@ int64_t Generator::decode_bucket(int64_t sequences) const {
 // the executor close its mapping of each one it shared first (SegmentFrees in
 // transport/cuda_ipc/cuda_ipc_client.cpp), under the allocator's lock: every thread that
 // allocates waits, and the close waits for the executor's whole GPU, the other generators' runs
-// launched ahead among it (V30: 5 s, inside a stall of [Hardware queues] in
+// launched ahead among it (V32: 237 ms; V30: 5 s, caught in a stall of [Hardware queues] in
 // client_runtime/training/step_graph.cpp). A decode step's warm-up memory is one step's
 // activations, and the allocator reuses it.
 at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens) {
