@@ -13,7 +13,10 @@ namespace symbiosis {
 void FrontDoor::forget(const std::string& key) {
   auto record = registry_.remove(key);
   if (!record) return;
-  if (record->link) links_.erase(record->link.get());
+  if (record->link) {
+    links_.erase(record->link.get());
+    if (record->channel) record->channel->close_link_when_gone(std::move(record->link));  // [Link closed last]
+  }
   if (record->transport != TransportKind::kTcp) buffers_.give_back(kControlSegmentBytes);
   statistics_.client_left(record->id);
   scheduler_.post(ClientLeft{record->id});

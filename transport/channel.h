@@ -62,6 +62,16 @@ class Channel {
   // [Wake sockets] (transport/call_ring.h): the client's end of its wake socket, to hand over with
   // the control segment (once; the channel keeps no copy); none for a channel without a segment.
   UniqueFd take_wake_writer();
+  // [Link closed last]
+  // A same-host client takes its local link's close for the executor lost: it connects again and
+  // redoes its work since its last settle() ([Executor restart] in client_runtime/client.cpp). A
+  // dropped client's channel may still have work on the GPU that writes the client's memory: a run
+  // launched ahead that the watchdog released computes on whatever the client's tensors hold and
+  // writes its results into them, and the channel's destructor waits for it (a cuda-ipc channel's
+  // streams). So the front door, forgetting the client, hands its link to the channel, which
+  // closes it only as it goes, after that wait: a late write can no longer land in the tensors of
+  // the redo (V28: the steps redone after a drop gave other tokens).
+  void close_link_when_gone(UniqueFd link) { link_ = std::move(link); }
   // Front door, at the handshake: headers come over ZeroMQ (the front door hands them to the scheduler
   // thread), and replies go to the client `identity` names through a socket of the channel's own
   // connected to the front door's `replies_endpoint`. The control segment is not used.
@@ -198,6 +208,7 @@ class Channel {
   virtual void ok_reply(const shm::CallHeader&, proto::Reply&, std::vector<zmq::message_t>&) {}
 
  private:
+  UniqueFd link_;  // [Link closed last]: first, so that it closes after everything else
   TransportKind kind_;
   uint64_t client_id_;
   shm::SharedMemory control_;

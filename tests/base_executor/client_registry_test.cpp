@@ -1,10 +1,13 @@
 // The client registry's liveness rules, on an injected clock and process table: a client of this
 // host is gone when its process is; a ZeroMQ client when it has been silent past the idle limit;
-// any client when its channel broke.
+// any client when its channel broke. And [Link closed last]: a forgotten client's local link,
+// handed to its channel, closes only with the channel's last reference.
 #include "base_executor/client_registry.h"
 
 #include <gtest/gtest.h>
 
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <set>
@@ -65,6 +68,25 @@ TEST_F(ClientRegistryTest, AClientOfThisHostIsGoneWhenItsProcessIs) {
 TEST(ClientRegistryProcess, ThisProcessIsAliveAndAnUnusedPidIsNot) {
   EXPECT_TRUE(ClientRegistry::default_process_alive(::getpid()));
   EXPECT_FALSE(ClientRegistry::default_process_alive(0x3ffffff0));  // above pid_max
+}
+
+// [Link closed last] (transport/channel.h): while the teardown still holds the channel (its
+// destructor waits for the channel's GPU work), the client's end of the link sees no hang-up.
+TEST_F(ClientRegistryTest, AForgottenClientsLinkClosesOnlyWithItsChannel) {
+  int ends[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, ends), 0);
+  const UniqueFd client_end(ends[1]);
+  auto channel = tcp_channel(1);
+  auto teardowns = channel;
+  channel->close_link_when_gone(UniqueFd(ends[0]));
+  channel.reset();
+  pollfd look{client_end.get(), POLLIN, 0};
+  EXPECT_EQ(::poll(&look, 1, 0), 0) << "the link closed while the channel lived";
+  teardowns.reset();
+  ASSERT_EQ(::poll(&look, 1, 1000), 1) << "the link stayed open after the channel went";
+  EXPECT_NE(look.revents & (POLLHUP | POLLIN), 0);
+  char byte = 0;
+  EXPECT_EQ(::read(client_end.get(), &byte, 1), 0) << "the client's end reads the close";
 }
 
 }  // namespace
