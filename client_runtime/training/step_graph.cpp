@@ -2,8 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <optional>
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -13,8 +11,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
-
 #include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cstdlib>
 
 #include "common/cuda.h"
 #endif
@@ -41,7 +41,8 @@ class RunningSteps {
     const int now = running_.fetch_add(1) + 1;
     static const int queues = [] {
       const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-      return set != nullptr && std::atoi(set) > 0 ? std::atoi(set) : 8;
+      const int asked = set != nullptr ? std::atoi(set) : 0;
+      return asked > 0 ? asked : 8;  // CUDA's default
     }();
     // One queue stays for the rest of the process's work (its default stream's among it).
     if (now < queues || warned_.exchange(true)) return;
