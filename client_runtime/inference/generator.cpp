@@ -575,16 +575,6 @@ int64_t Generator::decode_bucket(int64_t sequences) const {
   return std::min(bucket, options_.max_sequences);
 }
 
-// [Cache kept after a capture]
-// A generator captures a decode step for each batch size it meets, while it decodes and, in a
-// process of several, while the others decode. Giving the warm-up runs' memory back to CUDA then
-// (StepGraph's emptyCache) frees every cached segment of the process, and a cuda-ipc client has
-// the executor close its mapping of each one it shared first (SegmentFrees in
-// transport/cuda_ipc/cuda_ipc_client.cpp), under the allocator's lock: every thread that
-// allocates waits, and the close waits for the executor's whole GPU, the other generators' runs
-// launched ahead among it (V32: 237 ms; V30: 5 s, caught in a stall of [Hardware queues] in
-// client_runtime/training/step_graph.cpp). A decode step's warm-up memory is one step's
-// activations, and the allocator reuses it.
 at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens) {
   const auto sequences = static_cast<int64_t>(layout.size());
   const auto count = decode_bucket(sequences);
@@ -605,8 +595,7 @@ at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, c
           const auto hidden = model_.forward_cached(model_.embed(g->inputs[0]).unsqueeze(0), step);
           g->logits = model_.logits(hidden)[0];  // every token is its sequence's last
         },
-        std::function<void()>(), lm_.client, g->inputs.device(),
-        StepGraphOptions{.warmup = options_.capture_warmup, .empty_cache = false});  // [Cache kept after a capture]
+        std::function<void()>(), lm_.client, g->inputs.device(), StepGraphOptions{.warmup = options_.capture_warmup});
   }
   auto& g = *slot;
   // Token ids, slots and starts; padding rows: token 0 into the spare slot at position 0.

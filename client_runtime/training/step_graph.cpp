@@ -147,8 +147,17 @@ struct StepGraph::Impl {
                     e.what_without_backtrace(), "); run it with StepGraphOptions::capture = false");
       }
     }
-    // The eager runs' blocks stay in the allocator's cache, and the graphs never use them.
-    if (options.empty_cache) c10::cuda::CUDACachingAllocator::emptyCache();
+    // [Cache kept after a capture]
+    // A training step's eager runs leave their activations in the allocator's cache, and the graphs
+    // never use them: they go back to CUDA. A decode step's (nothing to apply) are one step's, and
+    // stay for the allocator to reuse: a generator captures a step for each batch size it meets
+    // while it, and in a process of several the others, decode. emptyCache then frees every cached
+    // segment of the process, and a cuda-ipc client has the executor close its mapping of each one
+    // it shared first (SegmentFrees in transport/cuda_ipc/cuda_ipc_client.cpp), under the
+    // allocator's lock: every thread that allocates waits, and the close waits for the executor's
+    // whole GPU, the other generators' runs launched ahead among it (V32: 237 ms; V30: 5 s, caught
+    // in a stall of [Hardware queues]).
+    if (apply) c10::cuda::CUDACachingAllocator::emptyCache();
   }
 
   // [Executor restart] (client_runtime/client.cpp): the client connected again since the capture,

@@ -37,9 +37,6 @@ namespace symbiosis {
 struct StepGraphOptions {
   bool capture = true;  // false: every run is eager
   int warmup = 3;       // eager runs before the capture (at least 1)
-  // After the capture, the warm-up runs' memory, which the graph never uses, is given back to CUDA
-  // (emptyCache). [Cache kept after a capture]: false keeps it in the allocator's cache.
-  bool empty_cache = true;
 };
 
 class StepGraph {
