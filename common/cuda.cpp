@@ -146,12 +146,15 @@ void* PinnedRange::device_pointer(void* host) const {
 void PinnedRange::Unregister::operator()(void* data) const { SYMBIOSIS_CUDA_WARN(cudaHostUnregister(data)); }
 
 ComputeStreams::ComputeStreams(int device, int count) {
-  TORCH_CHECK(count >= 1 && count <= 32, "compute stream count must be 1 to 32 (LibTorch's pool), got ", count);
+  TORCH_CHECK(count >= 1 && count <= 16, "compute stream count must be 1 to 16 (two priorities of CUDA's 32 ",
+              "hardware queues), got ", count);
   const auto index = static_cast<c10::DeviceIndex>(device);
   c10::cuda::set_device(index);
-  // The pool hands its 32 streams of a priority out in turn: consecutive ones are distinct.
-  for (const bool high : {true, false}) {
-    for (int i = 0; i < count; ++i) streams_.push_back(c10::cuda::getStreamFromPool(high, index));
+  for (const bool high : {true, false}) {  // [Queues of their own]
+    for (int i = 0; i < count; ++i) {
+      owned_.push_back(OwnedStream::create(device, high));
+      streams_.push_back(c10::cuda::getStreamFromExternal(cuda_stream(owned_.back().get()), index).unwrap());
+    }
   }
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, streams_[0]));
 }

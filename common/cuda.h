@@ -114,27 +114,6 @@ class PinnedRange {
   UniqueHandle<void*, Unregister> range_;  // [Owned handles]
 };
 
-// [Compute streams]
-// Makes `device` the calling thread's current device and gives the thread `count` high-priority
-// streams of its own (LibTorch's pool; no implicit syncs with the legacy stream), and as many of
-// normal priority. use(key) makes stream key % count current. The executor's scheduler thread puts
-// a batch of one same-GPU request, computed in place in the client's memory, on the client's
-// stream, so that the small GEMMs of different clients run side by side instead of one after
-// another; every other batch (packed rows, host rows, NCCL receives), whose buffers come from the
-// allocator, goes on the first stream, so that the executor keeps one set of such buffers, as with
-// one stream. [Inference first on the GPU]: a fine-tuning request computed in place goes on the
-// client's normal-priority stream (use(key, /*yield=*/true)), so the GPU starts the blocks of
-// inference batches, on high-priority streams, before those of fine-tuning GEMMs queued beside
-// them: a decode call waits behind at most the fine-tuning blocks already running.
-class ComputeStreams {
- public:
-  ComputeStreams(int device, int count);
-  void use(uint64_t key, bool yield = false);
-
- private:
-  std::vector<c10::Stream> streams_;  // count high-priority streams, then count of normal priority
-  size_t current_ = 0;
-};
 // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a stream of the caller's own
 // (LibTorch's pool hands the same few streams to everyone), non-blocking, at the GPU's highest or
 // default priority.
@@ -151,6 +130,36 @@ class OwnedStream {
   };
   UniqueHandle<void*, Destroy> stream_;  // cudaStream_t; [Owned handles]
   int device_ = -1;
+};
+
+// [Compute streams]
+// Makes `device` the calling thread's current device and gives the thread `count` high-priority
+// streams of its own (no implicit syncs with the legacy stream), and as many of normal priority.
+// use(key) makes stream key % count current. The executor's scheduler thread puts a batch of one
+// same-GPU request, computed in place in the client's memory, on the client's stream, so that the
+// small GEMMs of different clients run side by side instead of one after another; every other batch
+// (packed rows, host rows, NCCL receives), whose buffers come from the allocator, goes on the first
+// stream, so that the executor keeps one set of such buffers, as with one stream.
+// [Inference first on the GPU]: a fine-tuning request computed in place goes on the client's
+// normal-priority stream (use(key, /*yield=*/true)), so the GPU starts the blocks of inference
+// batches, on high-priority streams, before those of fine-tuning GEMMs queued beside them: a decode
+// call waits behind at most the fine-tuning blocks already running.
+// [Queues of their own]: the streams are made here, not taken from LibTorch's pool. CUDA gives a
+// process's streams its hardware queues in turn as they are made ([Hardware queues] in
+// client_runtime/training/step_graph.cpp), and the pool makes its streams 32 a priority at once:
+// the kept streams made after it for runs launched ahead, whose waits on their clients' flags hold
+// back whatever shares their queue, then took the very queues of the compute streams, so that a
+// tenant's run waiting for its inputs held back the batches of every client on that queue. Made
+// first, the 2 x count compute streams take queues that the next 32 - 2 x count kept streams do not.
+class ComputeStreams {
+ public:
+  ComputeStreams(int device, int count);
+  void use(uint64_t key, bool yield = false);
+
+ private:
+  std::vector<OwnedStream> owned_;    // count high-priority streams, then count of normal priority
+  std::vector<c10::Stream> streams_;  // the same, as LibTorch's
+  size_t current_ = 0;
 };
 
 // [Kept streams]
