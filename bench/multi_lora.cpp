@@ -231,8 +231,10 @@ double finetuning(const Settings& s, const std::string& endpoint, const fs::path
 
 int main(int argc, char** argv) {
   // [Hardware queues] (client_runtime/training/step_graph.cpp): `separate` runs N generators in
-  // threads of this process, each step waiting on the GPU for the executor.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  // threads of this process, each step waiting on the GPU for the executor. For this process alone:
+  // under MPS every process's queues come from one pool, and with 32 for the fine-tuning tenants too
+  // the pool ran out (their first cudaEventCreate failed, "out of memory").
+  bench::set_for_this_process("CUDA_DEVICE_MAX_CONNECTIONS", "32");
   Settings s;
   CLI::App app{"symbiosis-bench-multi-lora: N adapters' requests in one generator against N single-adapter generators"};
   app.add_option("--model", s.model, "a checkpoint directory");

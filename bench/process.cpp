@@ -6,8 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -29,6 +31,16 @@ fs::path build_dir() {
   return exe.parent_path().parent_path();
 }
 
+namespace {
+std::vector<std::string> set_here;  // names of variables set_for_this_process set, each "NAME="
+}  // namespace
+
+void set_for_this_process(const char* name, const char* value) {
+  if (std::getenv(name) != nullptr) return;
+  setenv(name, value, /*overwrite=*/0);
+  set_here.push_back(std::string(name) + "=");
+}
+
 pid_t spawn(const std::vector<std::string>& args, const fs::path& stdout_file, const fs::path& stderr_file) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -39,7 +51,13 @@ pid_t spawn(const std::vector<std::string>& args, const fs::path& stdout_file, c
   for (auto& a : copy) argv.push_back(a.data());
   argv.push_back(nullptr);
   pid_t pid = 0;
-  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  std::vector<char*> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const auto ours = [&](const std::string& prefix) { return std::strncmp(*e, prefix.data(), prefix.size()) == 0; };
+    if (std::none_of(set_here.begin(), set_here.end(), ours)) env.push_back(*e);
+  }
+  env.push_back(nullptr);
+  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) throw std::runtime_error("cannot start " + args[0] + ": " + std::strerror(rc));
   return pid;

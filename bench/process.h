@@ -13,6 +13,9 @@ namespace symbiosis::bench {
 // The build directory: the nearest folder above the running program that holds the executor.
 std::filesystem::path build_dir();
 
+// Sets environment variable `name` to `value` for this process alone, unless it is set already: the
+// processes spawn() starts get the environment without it.
+void set_for_this_process(const char* name, const char* value);
 pid_t spawn(const std::vector<std::string>& args, const std::filesystem::path& stdout_file,
             const std::filesystem::path& stderr_file);
 bool wait_ok(pid_t pid);  // true when it exited 0
