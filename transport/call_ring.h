@@ -150,6 +150,9 @@ struct ControlBlock {
   alignas(64) std::atomic<uint32_t> results_ready{0};
   // [Wake sockets]: set by the executor while its scheduler sleeps; read by the client.
   alignas(64) std::atomic<uint32_t> executor_sleeping{0};
+  // [Voided runs] (transport/cuda_ipc/cuda_ipc_channel.cpp): set by the executor's host before it
+  // lets a run launched ahead go without its client's inputs; read by the client's host.
+  alignas(64) std::atomic<uint32_t> runs_voided{0};
   alignas(64) CallSlot slots[kCallSlots + 1];  // [Captured calls]: slot 0 is never used
 };
 

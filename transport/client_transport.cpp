@@ -174,7 +174,8 @@ class PayloadTransport : public ClientTransport {
   }
 
   bool results_lost() const override {
-    return ordered_ && (voided_ || !shm::reached(control_->results_ready.load(), issued_.load()));
+    return ordered_ && (voided_ || control_->runs_voided.load() != 0 ||
+                        !shm::reached(control_->results_ready.load(), issued_.load()));
   }
 
   // [Stream-ordered hand-off]: waits on the host until every call made so far has its result,
@@ -199,6 +200,13 @@ class PayloadTransport : public ClientTransport {
       give_up();
       TORCH_CHECK(false, "executor at ", socket_.endpoint(), " did not answer call ", issued, " within ",
                   socket_.timeout_ms(), " ms (is it running?)");
+    }
+    if (control_->runs_voided.load(std::memory_order_acquire) != 0) {  // [Voided runs]
+      give_up();
+      throw ExecutorLost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                         "the executor at " + socket_.endpoint() +
+                             " let this client's calls launched ahead go without their inputs (it drops a client "
+                             "whose run stands still), so their results are void");
     }
     raise_errors();
   }

@@ -30,7 +30,7 @@
 //    its inputs ([Steps launched ahead] in transport/cuda_ipc/cuda_ipc_channel.cpp); then pushes
 //    the run once more and never announces its inputs, so that a stream of the executor's waits on
 //    the GPU for flags that never come. Stays 60 s (or until killed): the executor must drop it,
-//    saying why, while the honest tenants go on.
+//    saying why, while the honest tenants go on, and let the run go marked void (signal "voided").
 //  - no-receive (nccl, on cuda:1): sends a call's input, never posts the receive of its result (too
 //    large for NCCL to buffer: [Buffered sends]), then sends another call's input and pushes it;
 //    stays 15 s. The executor's send of the first result waits on its side stream, the second
@@ -474,6 +474,16 @@ int stall_ahead(Connection& c, const Options& options, const Signals& signals, K
   }
   run(/*announce=*/false);
   std::printf("hostile tenant: pushed a run the executor launches ahead, and never announces its inputs\n");
+  // [Voided runs] (transport/cuda_ipc/cuda_ipc_channel.cpp): once the executor lets the run go
+  // without its inputs, results_ready comes, and the word saying its results are void must be up.
+  std::thread([&c, &signals, sequence] {
+    auto& control = c.control();
+    if (testing::wait_until(
+            [&] { return shm::reached(control.results_ready.load(std::memory_order_acquire), sequence); },
+            std::chrono::seconds(60))) {
+      signals.say(control.runs_voided.load(std::memory_order_acquire) != 0 ? "voided" : "not-voided");
+    }
+  }).detach();
   return kAttackMade;
 }
 

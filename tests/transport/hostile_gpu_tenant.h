@@ -46,6 +46,10 @@ class HostileTenant {
   void attack() const { std::ofstream(signals_ / "go") << "go\n"; }
   // It says it has made its attack (at most `limit`); false when it exited without saying so.
   bool attacked(std::chrono::milliseconds limit = std::chrono::seconds(60)) { return signalled("attacked", limit); }
+  // It gave signal `name` (at most `limit`), an attack's own (stall-ahead's "voided").
+  bool said(const char* name, std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+    return signalled(name, limit);
+  }
   bool alive() {
     reap(WNOHANG);
     return pid_ > 0;

@@ -122,8 +122,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       return;
     }
     stall_state_ = launched_state();
-    for (const uint32_t slot : launched_slots_)
-      control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
+    void_launched();
     launched_at_.reset();
     stalled_ = true;
   }
@@ -493,7 +492,22 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // from here, so that it drains (its results are void: the client is gone or dropped).
   void release_launched() {
     std::lock_guard<std::mutex> lock(launched_mutex_);
-    if (!launched_at_) return;
+    if (launched_at_ && !shm::reached(control_block()->results_ready.load(std::memory_order_acquire), launched_last_))
+      void_launched();
+  }
+
+  // [Voided runs]
+  // A run let go without its client's inputs computes on whatever its client's memory holds, and
+  // sets its result flags and results_ready as a run with inputs would. The client may still be
+  // there: one whose GPU stood still (behind another stream's wait on its hardware queue: [Hardware
+  // queues] in client_runtime/training/step_graph.cpp) and was dropped for it. Its GPU then goes on
+  // with these results, and its host, whose settle() waits for results_ready alone, took them for
+  // real ones: a generator kept the token the voided step chose (V36). So the word runs_voided is set
+  // first, before the input flags that let the run go, and the client's settle() reads it once
+  // results_ready has come: set, the results are void, and the client redoes the step on a new
+  // connection. launched_mutex_ held.
+  void void_launched() {
+    control_block()->runs_voided.store(1, std::memory_order_release);
     for (const uint32_t slot : launched_slots_)
       control_block()->slots[slot].input_ready.store(1, std::memory_order_release);
   }

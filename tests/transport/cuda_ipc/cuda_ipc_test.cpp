@@ -499,6 +499,8 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
     EXPECT_TRUE(attacker.alive()) << "the tenant that never writes its inputs left before the honest ones finished";
     if (attack == "stall-ahead") {  // [Steps launched ahead]: dropped once its run stalls
       EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0)) << "the executor still holds the stalled tenant";
+      // [Voided runs]: the run it let go computed without inputs; a client still there must know.
+      EXPECT_TRUE(attacker.said("voided")) << "the executor let the stalled run go without marking its results void";
     }
     attacker.end(SIGKILL);
   } else {
