@@ -8,10 +8,17 @@
 
 #include <cmath>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "client_runtime/inference/generator.h"
+#include "client_runtime/training/step_graph.h"
 #include "client_runtime/training/trainer.h"
+#include "common/cuda.h"
 #include "tests/client_runtime/inference/generation_util.h"
 #include "tests/gpu_test_util.h"
+#include "transport/control_socket.h"
 
 namespace symbiosis {
 namespace {
@@ -80,6 +87,57 @@ TEST_F(GpuRestartTest, CapturedGenerationResumesAcrossAKill) {
   eager.capture_decode = false;
   const auto mono = Generator(mono_lm, eager).generate(requests);
   for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(split[i], mono[i].output_ids) << "request " << i;
+}
+
+// The base layer of `lm` whose path ends with `suffix`.
+std::shared_ptr<nn::BaseLayerImpl> base_layer(const CausalLM& lm, const std::string& suffix) {
+  for (const auto& item : lm.module->named_modules()) {
+    const auto& path = item.key();
+    if (path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      if (auto layer = std::dynamic_pointer_cast<nn::BaseLayerImpl>(item.value())) return layer;
+    }
+  }
+  ADD_FAILURE() << "no base layer ends with " << suffix;
+  return nullptr;
+}
+
+// [Voided runs] (transport/cuda_ipc/cuda_ipc_channel.cpp): the executor launches a captured step's
+// run ahead while this client's GPU stands still (the step's stream waits for the caller's, held
+// here by a wait on a host word, as another stream's wait on a shared hardware queue holds it), lets
+// the run go without its inputs after 5 s, and drops the client. The run's results come, and are
+// void: the step throws ResultsLost, and run again on the new connection once the GPU goes on, it
+// computes what the layers compute.
+TEST_F(GpuRestartTest, AStepWhoseRunTheExecutorLetGoWithoutItsInputsIsVoid) {
+  auto client = gpu_client(*executor);
+  const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
+  auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
+  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
+  const auto q = base_layer(split_lm, "layers.0.self_attn.q_proj");
+  const auto o = base_layer(split_lm, "layers.0.self_attn.o_proj");
+  ASSERT_TRUE(q && o);
+  at::manual_seed(3);
+  const auto x = at::randn({4, q->in_features()}, at::TensorOptions().device(at::kCUDA));
+  at::Tensor out;
+  client->set_latency_class(LatencyClass::kInferenceDecode);  // the executor launches decode steps ahead
+  StepGraph step([&] { out = o->forward(q->forward(x)); }, {}, client, at::Device("cuda:0"), {.warmup = 1});
+  for (int i = 0; i < 200 && request_stats(executor->endpoint(), 10000).ahead_calls() == 0; ++i) step.run();
+  ASSERT_GT(request_stats(executor->endpoint(), 10000).ahead_calls(), 0u) << "the executor launched no run ahead";
+  const auto reference = base_layer(mono_lm, "layers.0.self_attn.o_proj")
+                             ->forward(base_layer(mono_lm, "layers.0.self_attn.q_proj")->forward(x));
+  EXPECT_TRUE(at::allclose(out, reference, 1e-5, 1e-5));
+  std::vector<uint32_t> word(1024, 0);
+  const cuda::PinnedRange pinned(word.data(), word.size() * sizeof(uint32_t), /*mapped=*/true);
+  cuda::wait_value_on_stream(cuda::current_stream(0), pinned.device_pointer(word.data()), 1);
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::seconds(10));  // past the executor's 5 s
+    std::atomic_ref<uint32_t>(word[0]).store(1, std::memory_order_release);
+  });
+  out.zero_();
+  EXPECT_THROW(step.run(), ResultsLost);
+  step.run();  // captured anew, once the held stream goes
+  release.join();
+  EXPECT_EQ(client->connection(), 2u);
+  EXPECT_TRUE(at::allclose(out, reference, 1e-5, 1e-5));
 }
 
 // Trainer losses on `device` through `client` (captured steps on the executor's GPU); `after_step`
