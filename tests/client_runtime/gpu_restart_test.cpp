@@ -1,15 +1,16 @@
 // [Executor restart] (client_runtime/client.cpp) on a GPU: an executor process on cuda:0 is killed
 // while a same-GPU (cuda-ipc) tenant generates with captured decode steps, or trains with captured
-// steps (or, with two GPUs, a tenant on cuda:1 trains over NCCL), and is started again. Calls ordered on the GPU lose their results (ResultsLost): the
-// generator and the trainer run the step again, StepGraph captures anew on the new connection, and
-// the tokens and losses are those of a run without the restart.
+// steps (or, with two GPUs, a tenant on cuda:1 trains over NCCL), and is started again. Calls
+// ordered on the GPU lose their results (ResultsLost): the generator and the trainer run the step
+// again, StepGraph captures anew on the new connection, and the tokens and losses are those of a run
+// without the restart. The same holds for a tenant the executor drops while it lives, having let its
+// step's run go without its inputs ([Voided runs]).
 #include <gtest/gtest.h>
 #include <signal.h>
 
-#include <cmath>
-
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "client_runtime/inference/generator.h"
