@@ -42,13 +42,16 @@ class HostileTenant {
   HostileTenant& operator=(const HostileTenant&) = delete;
 
   // Set up and waiting for the word to attack (at most `limit`); false when it exited first.
-  bool ready(std::chrono::milliseconds limit = std::chrono::seconds(60)) { return signalled("ready", limit); }
+  bool ready(std::chrono::milliseconds limit = std::chrono::seconds(60)) { return said("ready", limit); }
   void attack() const { std::ofstream(signals_ / "go") << "go\n"; }
   // It says it has made its attack (at most `limit`); false when it exited without saying so.
-  bool attacked(std::chrono::milliseconds limit = std::chrono::seconds(60)) { return signalled("attacked", limit); }
-  // It gave signal `name` (at most `limit`), an attack's own (stall-ahead's "voided").
+  bool attacked(std::chrono::milliseconds limit = std::chrono::seconds(60)) { return said("attacked", limit); }
+  // It gave signal `name` (at most `limit`): ready, attacked, or an attack's own (stall-ahead's
+  // "voided"); false when it exited without giving it.
   bool said(const char* name, std::chrono::milliseconds limit = std::chrono::seconds(60)) {
-    return signalled(name, limit);
+    const auto file = signals_ / name;
+    wait_until([&] { return std::filesystem::exists(file) || !alive(); }, limit);
+    return std::filesystem::exists(file);
   }
   bool alive() {
     reap(WNOHANG);
@@ -66,11 +69,6 @@ class HostileTenant {
   }
 
  private:
-  bool signalled(const char* name, std::chrono::milliseconds limit) {
-    const auto file = signals_ / name;
-    wait_until([&] { return std::filesystem::exists(file) || !alive(); }, limit);
-    return std::filesystem::exists(file);
-  }
   void reap(int options) {
     if (pid_ <= 0) return;
     int status = 0;
