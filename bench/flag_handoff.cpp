@@ -1,13 +1,13 @@
-// symbiosis-bench-flag-handoff: what a captured call's GPU-to-GPU hand-off costs ([Device flags] in
-// transport/cuda_ipc/device_flags.h), against the same work on one stream. Two streams of one process,
+// symbiosis-bench-flag-handoff: what a captured call's GPU-to-GPU hand-off costs ([Device words] in
+// transport/cuda_ipc/device_words.h), against the same work on one stream. Two streams of one process,
 // or two processes (--processes 2, under MPS, as a same-GPU tenant and the executor are), stand for a
 // tenant and the executor running a step launched ahead ([Steps launched ahead] in
 // transport/cuda_ipc/cuda_ipc_channel.cpp): each step is `calls` calls, captured as one graph a side;
 // the tenant's graph runs its own kernels, sets a call's input flag and waits for its result flag; the
 // executor's waits for the input flag, clears it, runs the GEMM and sets the result flag. Three ways:
 // the driver's stream memory operations on flags in mapped host memory (the transport's way) and in
-// device memory, and kernels spinning on flags in device memory ([Device flags] in
-// flag_handoff_kernel.h). Prints, as JSON, the step's time and each call's hand-off cost over the
+// device memory, and the transport's [Device words]: a kernel spinning on a word in device memory
+// for each wait. Prints, as JSON, the step's time and each call's hand-off cost over the
 // one-stream step.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -26,9 +26,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "bench/flag_handoff_kernel.h"
 #include "common/cuda.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
+#include "transport/cuda_ipc/device_words.h"
 
 namespace {
 
@@ -95,8 +95,8 @@ cuda::CapturedWork capture(cuda::Stream stream, Work& work, const std::function<
   return cuda::CapturedWork::capture(stream, calls);
 }
 
-void handoff(cuda::Stream stream, const bench::FlagHandoff& h) {
-  const cudaError_t status = bench::launch_flag_handoff(h, static_cast<cudaStream_t>(stream.handle));
+void await_word(cuda::Stream stream, const cuda::DeviceWordWait& wait) {
+  const cudaError_t status = cuda::launch_device_word_wait(wait, static_cast<cudaStream_t>(stream.handle));
   TORCH_CHECK(status == cudaSuccess, "flag-handoff: the kernel did not launch: ", cudaGetErrorString(status));
 }
 
@@ -108,11 +108,12 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
       work.own_kernels(o.own_kernels);
       if (side == nullptr) {
         work.gemm();
-      } else if (how == Handoff::kDeviceFlags) {
-        handoff(stream, {.set_device = side->device_input[c],
-                         .set_host = side->host_input[c],
-                         .await_device = side->device_result[c],
-                         .await_host = side->host_result[c]});
+      } else if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_client.cpp's announce_captured
+        cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, side->host_input[c], 1},
+                                            {cuda::MemoryOp::kWrite, side->device_input[c], 1}});
+        await_word(stream, {.word = side->device_result[c],
+                            .release = side->host_result[c],
+                            .also_clear = {side->host_result[c], side->device_input[c]}});
       } else {
         const bool host = how == Handoff::kHostMemoryOps;
         void* input = host ? side->host_input[c] : side->device_input[c];
@@ -129,11 +130,10 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
 cuda::CapturedWork executor_step(const Options& o, Work& work, cuda::Stream stream, const Side& side, Handoff how) {
   return capture(stream, work, [&] {
     for (int c = 0; c < o.calls; ++c) {
-      if (how == Handoff::kDeviceFlags) {
-        handoff(stream,
-                {.await_device = side.device_input[c], .await_host = side.host_input[c], .await_host_too = true});
+      if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_channel.cpp's await_input and result_word
+        await_word(stream, {.word = side.device_input[c], .also_clear = {side.host_input[c], nullptr}});
         work.gemm();
-        handoff(stream, {.set_device = side.device_result[c]});
+        cuda::write_value_on_stream(stream, side.device_result[c], 1);
         continue;
       }
       const bool host = how == Handoff::kHostMemoryOps;

@@ -154,6 +154,11 @@ struct ControlBlock {
   // lets a run launched ahead go without its client's inputs; read by the client's host.
   alignas(64) std::atomic<uint32_t> runs_voided{0};
   alignas(64) CallSlot slots[kCallSlots + 1];  // [Captured calls]: slot 0 is never used
+  // [Device words] (transport/cuda_ipc/device_words.h): a cuda-ipc client's words in its own GPU
+  // memory for its captured calls' flags, offered (1) once their CUDA IPC handle is written here;
+  // written by the client before its first call, read by the executor's host.
+  alignas(64) std::atomic<uint32_t> device_words_offered{0};
+  char device_words_handle[64] = {};  // cudaIpcMemHandle_t's bytes
 };
 
 // Whether a word that counts calls modulo 2^32 has reached `sequence`.

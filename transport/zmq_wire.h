@@ -18,11 +18,12 @@
 
 namespace symbiosis::wire {
 
-constexpr uint32_t kProtocolVersion = 7;  // 2: captured calls (slots in the control segment); 3: layer groups;
+constexpr uint32_t kProtocolVersion = 8;  // 2: captured calls (slots in the control segment); 3: layer groups;
                                           // 4: proven placement (ProveHost, the local link);
                                           // 5: wake sockets in place of the doorbell, sealed segments;
                                           // 6: payloads in bounded frames; 7: voided runs (a word of
-                                          // the control segment)
+                                          // the control segment); 8: device words (the
+                                          // control segment offers them)
 
 // [Bounded frames]
 // ZeroMQ holds a frame whole before anyone reads it, and it decodes a CURVE peer's handshake

@@ -31,6 +31,8 @@
 //    the run once more and never announces its inputs, so that a stream of the executor's waits on
 //    the GPU for flags that never come. Stays 60 s (or until killed): the executor must drop it,
 //    saying why, while the honest tenants go on, and let the run go marked void (signal "voided").
+//    It offers random bytes as its device words ([Device words] in transport/cuda_ipc/device_words.h):
+//    the executor must say they do not map and use the host words.
 //  - no-receive (nccl, on cuda:1): sends a call's input, never posts the receive of its result (too
 //    large for NCCL to buffer: [Buffered sends]), then sends another call's input and pushes it;
 //    stays 15 s. The executor's send of the first result waits on its side stream, the second
@@ -57,6 +59,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -442,6 +445,11 @@ int bogus_handle(Connection& c, const Options& options, const Signals& signals, 
 
 int stall_ahead(Connection& c, const Options& options, const Signals& signals, Kept& kept) {
   kept.registration = register_buffer(c, options.tokens);
+  // [Device words] (transport/cuda_ipc/device_words.h): random bytes offered as its words; the
+  // executor must say they do not map and hand over through the host words, which this tenant sets.
+  const std::string bogus_words = random_bytes(sizeof(c.control().device_words_handle));
+  std::memcpy(c.control().device_words_handle, bogus_words.data(), bogus_words.size());
+  c.control().device_words_offered.store(1, std::memory_order_release);
   signals.say("ready");
   signals.await_go();
   uint32_t sequence = 0;

@@ -112,10 +112,8 @@ class ExecutorLog {
   // What the executor said when it let client `id` go (dropped it, or found it gone), " | "
   // between lines; empty if it said nothing.
   std::string drop_reason(uint64_t id) const {
-    const std::string named = "client " + std::to_string(id);
     std::string reason;
-    for (const auto& line : sink_->lines()) {
-      if (line.rfind(named + " ", 0) != 0 && line.rfind(named + ":", 0) != 0) continue;
+    for (const auto& line : lines_of(id)) {
       for (const char* word : {"dropping", "is gone", "closed its local link", "disconnected", " left"}) {
         if (line.find(word) == std::string::npos) continue;
         reason += (reason.empty() ? "" : " | ") + line;
@@ -124,8 +122,24 @@ class ExecutorLog {
     }
     return reason;
   }
+  // Whether a line the executor logged of client `id` says `text`.
+  bool logged(uint64_t id, const std::string& text) const {
+    const auto lines = lines_of(id);
+    return std::any_of(lines.begin(), lines.end(),
+                       [&](const auto& line) { return line.find(text) != std::string::npos; });
+  }
 
  private:
+  // The lines that begin "client ID " or "client ID:".
+  std::vector<std::string> lines_of(uint64_t id) const {
+    const std::string named = "client " + std::to_string(id);
+    std::vector<std::string> found;
+    for (const auto& line : sink_->lines()) {
+      if (line.rfind(named + " ", 0) == 0 || line.rfind(named + ":", 0) == 0) found.push_back(line);
+    }
+    return found;
+  }
+
   class Sink : public spdlog::sinks::base_sink<std::mutex> {
    public:
     std::vector<std::string> lines() {

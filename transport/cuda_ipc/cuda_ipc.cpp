@@ -23,9 +23,11 @@ DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
   DeviceScope scope(device);
   void* data = nullptr;
   const cudaError_t status = cudaMalloc(&data, bytes);
-  TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC payload buffer on cuda:", device,
-              ": ", cudaGetErrorString(status));
-  return DeviceBuffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaFree(p)); });
+  TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC buffer on cuda:", device, ": ",
+              cudaGetErrorString(status));
+  DeviceBuffer buffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaFree(p)); });
+  SYMBIOSIS_CUDA_CHECK(cudaMemset(data, 0, bytes));
+  return buffer;
 }
 
 std::string memory_ipc_handle(int device, void* base) {

@@ -22,10 +22,11 @@ namespace symbiosis::cuda {
 
 #ifdef SYMBIOSIS_WITH_CUDA
 
-// The client's payload buffer: cudaMalloc'd, so its IPC handle names exactly this allocation.
+// The client's payload buffer (and [Device words]): cudaMalloc'd, so its IPC handle names exactly
+// this allocation.
 class DeviceBuffer : public DeviceMemory {
  public:
-  static DeviceBuffer allocate(int device, size_t bytes);
+  static DeviceBuffer allocate(int device, size_t bytes);  // zero-filled
   DeviceBuffer() = default;
   std::string ipc_handle() const;  // cudaIpcMemHandle_t's bytes
 

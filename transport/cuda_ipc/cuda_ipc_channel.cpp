@@ -23,6 +23,7 @@
 #include "transport/channel.h"
 #include "transport/transport.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
+#include "transport/cuda_ipc/device_words.h"
 
 namespace symbiosis::cuda_ipc {
 
@@ -112,6 +113,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       spdlog::error("client {}: waiting for its work as it goes failed: {}", client_id(), e.what_without_backtrace());
     }
     if (ahead_stream_.valid()) cuda::KeptStreams::instance().give_back(ahead_stream_, /*high_priority=*/true);
+    if (words_.data() != nullptr) word_clients_.fetch_sub(1);
   }
 
   // AheadWatchdog's thread: releases the run launched last if it has stalled.
@@ -267,8 +269,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     use_stream(cuda::current_stream(device_));
     if (auto* slot = captured_slot(h)) {
       // results_ready first: a client that goes on past the slot's flag finds the call answered.
-      cuda::memory_ops_on_stream(stream_, {{cuda::MemoryOp::kWrite, results_ready_, h.sequence},
-                                           {cuda::MemoryOp::kWrite, result_ready(h), 1}});
+      cuda::memory_ops_on_stream(
+          stream_, {{cuda::MemoryOp::kWrite, results_ready_, h.sequence}, {cuda::MemoryOp::kWrite, result_word(h), 1}});
     } else if (h.sequence != 0) {
       cuda::write_value_on_stream(stream_, results_ready_, h.sequence);
     } else {
@@ -385,8 +387,42 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     }
   }
 
-  void* result_ready(const shm::CallHeader& h) const {
+  // Where the executor's stream sets a captured call's result flag: the slot's device word ([Device
+  // words]), or its host word when the client offered none.
+  void* result_word(const shm::CallHeader& h) {
+    if (void* words = device_words()) return cuda::device_result_word(words, shm::kCallSlots, h.slot);
     return control_pin_.device_pointer(&control_block()->slots[h.slot].result_ready);
+  }
+
+  // [Device words]: the client's, mapped when its first captured call is answered, or nullptr (it
+  // offered none then, the executor runs without MPS, kMaxWordClients have theirs mapped, or they
+  // do not map: its flags are then the host words, for good).
+  void* device_words() {
+    if (words_looked_) return words_.data();
+    words_looked_ = true;
+    const auto& block = *control_block();
+    if (block.device_words_offered.load(std::memory_order_acquire) == 0 || !cuda::mps_active()) return nullptr;
+    if (word_clients_.fetch_add(1) >= kMaxWordClients) {
+      word_clients_.fetch_sub(1);
+      spdlog::info(
+          "client {}: {} clients' captured calls hand over through words in their GPU memory already; its "
+          "go through the control segment's words",
+          client_id(), kMaxWordClients);
+      return nullptr;
+    }
+    try {
+      words_ = cuda::MappedDeviceBuffer::open(device_,
+                                              std::string(block.device_words_handle, sizeof(block.device_words_handle)),
+                                              sizeof(uint32_t) * cuda::device_word_count(shm::kCallSlots));
+      spdlog::info("client {}: its captured calls hand over through words in its GPU memory", client_id());
+    } catch (const c10::Error& e) {
+      spdlog::warn(
+          "client {}: the words it offered in its GPU memory do not map ({}); its captured calls hand "
+          "over through the control segment's words",
+          client_id(), e.what_without_backtrace());
+      word_clients_.fetch_sub(1);
+    }
+    return words_.data();
   }
 
   void finish_recording() {
@@ -429,12 +465,10 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     return cuda::CapturedWork::capture(stream, [&] {
       cuda::CurrentStreamScope scope(stream);
       for (const auto& h : calls) {
-        void* input_ready = input_ready_flag(h);
-        cuda::memory_ops_on_stream(
-            stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1}, {cuda::MemoryOp::kWrite, input_ready, 0}});
+        await_input(stream, h);
         enqueuer.enqueue(*this, h);
         // The last call's flag is set at each launch, after results_ready.
-        if (&h != &calls.back()) cuda::write_value_on_stream(stream, result_ready(h), 1);
+        if (&h != &calls.back()) cuda::write_value_on_stream(stream, result_word(h), 1);
       }
     });
   }
@@ -449,14 +483,30 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       inputs += block.slots[slot].input_ready.load(std::memory_order_acquire) ? '1' : '0';
       results += block.slots[slot].result_ready.load(std::memory_order_acquire) ? '1' : '0';
     }
+    if (words_.data() != nullptr) results = "in its GPU memory";  // [Device words]
     return std::to_string(launched_slots_.size()) + " calls launched; input flags " + inputs + "; result flags " +
            results + "; results_ready " + std::to_string(block.results_ready.load(std::memory_order_acquire)) + " of " +
            std::to_string(launched_last_) + "; inputs_ready " +
            std::to_string(block.inputs_ready.load(std::memory_order_acquire));
   }
 
-  void* input_ready_flag(const shm::CallHeader& h) const {
-    return control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready);
+  // A run's wait for a call's input, and the input flags cleared: on the slot's device input word
+  // ([Device words]; runs_voided lets it go), or a stream wait on its host word.
+  void await_input(cuda::Stream stream, const shm::CallHeader& h) {
+    void* input_ready = control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready);
+    void* words = device_words();
+    if (words == nullptr) {
+      cuda::memory_ops_on_stream(
+          stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1}, {cuda::MemoryOp::kWrite, input_ready, 0}});
+      return;
+    }
+    cuda::DeviceWordWait wait;
+    wait.word = cuda::device_input_word(words, shm::kCallSlots, h.slot);
+    wait.release = static_cast<const uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
+    wait.also_clear[0] = static_cast<uint32_t*>(input_ready);
+    const cudaError_t status = cuda::launch_device_word_wait(wait, static_cast<cudaStream_t>(stream.handle));
+    TORCH_CHECK(status == cudaSuccess, "the wait for call slot ", h.slot,
+                "'s input did not launch: ", cudaGetErrorString(status));
   }
 
   // After the launch of this client's ready run: hands its calls out.
@@ -470,7 +520,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     // results_ready before the last call's result flag, which lets the client go on: its next
     // run then finds every call before it answered.
     cuda::memory_ops_on_stream(ahead_stream_, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
-                                               {cuda::MemoryOp::kWrite, result_ready(calls.back()), 1}});
+                                               {cuda::MemoryOp::kWrite, result_word(calls.back()), 1}});
     run->last_use = ++uses_;
     if (!watched_) {
       AheadWatchdog::instance().add(this);
@@ -503,9 +553,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // queues] in client_runtime/training/step_graph.cpp) and was dropped for it. Its GPU then goes on
   // with these results, and its host, whose settle() waits for results_ready alone, took them for
   // real ones: a generator kept the token the voided step chose (V36). So the word runs_voided is set
-  // first, before the input flags that let the run go, and the client's settle() reads it once
-  // results_ready has come: set, the results are void, and the client redoes the step on a new
-  // connection. launched_mutex_ held.
+  // first, before the input flags that let the run go (with [Device words], the word itself lets its
+  // waits go), and the client's settle() reads it once results_ready has come: set, the results are
+  // void, and the client redoes the step on a new connection. launched_mutex_ held.
   void void_launched() {
     control_block()->runs_voided.store(1, std::memory_order_release);
     for (const uint32_t slot : launched_slots_)
@@ -554,6 +604,16 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready
   cuda::MappedDeviceBuffer buffer_;
+  // [Device words]: the client's, once looked for (device_words). A GPU runs at most 128 kernels at
+  // once (an H100's or H200's resident grids), and each client with its words mapped may have a wait
+  // running here (its run launched ahead) and one in its own process: were all 128 waits, the GEMMs
+  // and kernels that end them could not start. At most kMaxWordClients clients' waits run here, so
+  // that such a stall needs 80 same-GPU clients waiting at once (MPS serves some tens of processes a
+  // GPU).
+  static constexpr int kMaxWordClients = 48;
+  static inline std::atomic<int> word_clients_{0};  // channels with their client's words mapped
+  bool words_looked_ = false;
+  cuda::MappedDeviceBuffer words_;
   // [Direct operands]: the client's allocations its calls may name, by id.
   static constexpr size_t kMaxSegments = size_t{1} << 16;
   std::unordered_map<uint32_t, cuda::MappedDeviceBuffer> segments_;

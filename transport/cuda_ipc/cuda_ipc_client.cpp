@@ -4,6 +4,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "transport/call_ring.h"
 #include "transport/client_payload.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
+#include "transport/cuda_ipc/device_words.h"
 #include "transport/shared_memory.h"
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -160,6 +163,7 @@ class CudaIpcPayload : public RegisteredBuffer {
     inputs_ready_ = control_pin_.device_pointer(&block_->inputs_ready);
     watching_frees_ = direct_;  // calls ordered so may name segments
     if (watching_frees_) SegmentFrees::instance().add(this);
+    offer_device_words();
     return true;
   }
   // On the stream send_input just used.
@@ -170,11 +174,27 @@ class CudaIpcPayload : public RegisteredBuffer {
   void await_result(uint32_t sequence) override { cuda::wait_value_on_stream(stream_, results_ready_, sequence); }
   void announce_captured(uint32_t slot) override {
     auto& flags = block_->slots[slot];
-    void* input_ready = control_pin_.device_pointer(&flags.input_ready);
-    void* result_ready = control_pin_.device_pointer(&flags.result_ready);
-    cuda::memory_ops_on_stream(use_stream(), {{cuda::MemoryOp::kWrite, input_ready, 1},
-                                              {cuda::MemoryOp::kWaitReached, result_ready, 1},
-                                              {cuda::MemoryOp::kWrite, result_ready, 0}});
+    auto* input_ready = static_cast<uint32_t*>(control_pin_.device_pointer(&flags.input_ready));
+    auto* result_ready = static_cast<uint32_t*>(control_pin_.device_pointer(&flags.result_ready));
+    const cuda::Stream stream = use_stream();
+    if (words_.data() == nullptr) {
+      cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, input_ready, 1},
+                                          {cuda::MemoryOp::kWaitReached, result_ready, 1},
+                                          {cuda::MemoryOp::kWrite, result_ready, 0}});
+      return;
+    }
+    // [Device words]: the host input word first, which whoever sees the device one then finds set.
+    uint32_t* device_input = cuda::device_input_word(words_.data(), shm::kCallSlots, slot);
+    cuda::memory_ops_on_stream(stream,
+                               {{cuda::MemoryOp::kWrite, input_ready, 1}, {cuda::MemoryOp::kWrite, device_input, 1}});
+    cuda::DeviceWordWait wait;
+    wait.word = cuda::device_result_word(words_.data(), shm::kCallSlots, slot);
+    wait.release = result_ready;  // give_up()
+    wait.also_clear[0] = result_ready;
+    wait.also_clear[1] = device_input;
+    const cudaError_t status = cuda::launch_device_word_wait(wait, static_cast<cudaStream_t>(stream.handle));
+    TORCH_CHECK(status == cudaSuccess, "cuda-ipc client: the wait for call slot ", slot,
+                "'s result did not launch: ", cudaGetErrorString(status));
   }
   // [Capture's stream]: a decode graph is warmed up on its own stream and captured on it later,
   // after other steps (a prefill, another batch size's graph) ran on other streams; the wait that
@@ -271,6 +291,26 @@ class CudaIpcPayload : public RegisteredBuffer {
     return Place{it->second.id, offset};
   }
 
+  // [Device words] (device_words.h): allocated, zeroed and offered through the control block, under
+  // MPS and unless SYMBIOSIS_DEVICE_WORDS is 0; a client whose GPU cannot share them keeps the host
+  // words alone.
+  void offer_device_words() {
+    const char* wanted = std::getenv("SYMBIOSIS_DEVICE_WORDS");
+    if ((wanted != nullptr && std::string(wanted) == "0") || !cuda::mps_active()) return;
+    try {
+      auto words = cuda::DeviceBuffer::allocate(device_, sizeof(uint32_t) * cuda::device_word_count(shm::kCallSlots));
+      const std::string handle = words.ipc_handle();
+      TORCH_CHECK(handle.size() == sizeof(block_->device_words_handle), "a CUDA IPC handle of ", handle.size(),
+                  " bytes");
+      std::memcpy(block_->device_words_handle, handle.data(), handle.size());
+      words_ = std::move(words);
+      block_->device_words_offered.store(1, std::memory_order_release);
+    } catch (const c10::Error& e) {
+      spdlog::info("cuda-ipc client: captured calls hand over through host words alone ({})",
+                   e.what_without_backtrace());
+    }
+  }
+
   // Until the executor has answered every call announced so far (at most the call timeout).
   void wait_for_calls() const {
     const uint32_t last = announced_.load(std::memory_order_acquire);
@@ -290,6 +330,7 @@ class CudaIpcPayload : public RegisteredBuffer {
   shm::ControlBlock* block_ = nullptr;  // the control segment, once ordering through its flags
   void* inputs_ready_ = nullptr;        // GPU addresses of the control block's flags
   void* results_ready_ = nullptr;
+  cuda::DeviceBuffer words_;            // [Device words], once offered
   std::atomic<uint32_t> announced_{0};  // the last call whose input was announced
   // [Direct operands]
   struct Segment {

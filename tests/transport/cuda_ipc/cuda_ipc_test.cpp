@@ -226,6 +226,9 @@ class GpuExecutorWithClientProcesses : public ::testing::Test {
     EXPECT_EQ(raw->welcome.welcome().transport(), "cuda-ipc") << raw->welcome.DebugString();
     return raw;
   }
+  // Before log_ goes: the executor's threads log into it.
+  void TearDown() override { testing::end_executor(executor_, log_, HasFailure()); }
+  testing::ExecutorLog log_;  // what the executor said
   std::filesystem::path dir_;
   std::unique_ptr<Executor> executor_;
 };
@@ -276,6 +279,10 @@ TEST_P(MixedTransports, ClientsOfEveryTransportShareOneGpuExecutorEachExact) {
   EXPECT_GT(executor_->stats().direct_calls, 0u);  // the first client's; the second copies through its buffer
   // The captured client's GEMMs were replayed as graphs ([Replayed calls]) where a batch held its call alone.
   if (policy == "none") EXPECT_GT(executor_->stats().replayed_calls, 0u);
+  // Its calls handed over through words in its GPU memory ([Device words], under MPS).
+  EXPECT_TRUE(!cuda::mps_active() ||
+              log_.logged(log_.client_id("ipc-graph"), "hand over through words in its GPU memory"))
+      << "the captured client's device words were not taken up";
   // The same-GPU clients' calls ran alone where their tokens reached concurrent_tokens (not under lockstep).
   if (concurrent_tokens <= 32 && streams > 1 && policy != "lockstep") {
     EXPECT_GT(executor_->stats().concurrent_calls, 0u);
@@ -451,12 +458,8 @@ TEST_F(GpuExecutorWithClientProcesses, ACapturedCallWithABadSlotIsRefusedNamingT
 // segment and over ZeroMQ, and a CPU tenant over shm), fine-tuning with --verify against their
 // monolithic runs, finish exact; the attacker is dropped with the reason in the executor's log;
 // the executor serves a new tenant exactly afterwards.
-class HostileCudaIpcTenant : public GpuExecutorWithClientProcesses, public ::testing::WithParamInterface<std::string> {
- protected:
-  // Before log_ goes: the executor's threads log into it.
-  void TearDown() override { testing::end_executor(executor_, log_, HasFailure()); }
-  testing::ExecutorLog log_;
-};
+class HostileCudaIpcTenant : public GpuExecutorWithClientProcesses,
+                             public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAReason) {
   SKIP_WITHOUT_GPUS(1);
@@ -511,7 +514,12 @@ TEST_P(HostileCudaIpcTenant, HonestTenantsStayExactAndTheAttackerIsDroppedWithAR
   const uint64_t id = log_.client_id("hostile-" + attack);
   EXPECT_GT(id, 0u) << "the executor's log has no line of the hostile tenant connecting";
   EXPECT_NE(log_.drop_reason(id), "") << "the executor's log does not say why client " << id << " went";
-  if (attack == "stall-ahead") EXPECT_NE(log_.drop_reason(id).find("launched ahead"), std::string::npos);
+  if (attack == "stall-ahead") {
+    EXPECT_NE(log_.drop_reason(id).find("launched ahead"), std::string::npos);
+    // [Device words] (under MPS): it offered random bytes as its words; its runs went through the host words.
+    EXPECT_TRUE(!cuda::mps_active() || log_.logged(id, "do not map"))
+        << "the executor did not say that the tenant's device words do not map";
+  }
   EXPECT_TRUE(testing::run_all({client("cuda:0", "cuda-ipc", with(same_gpu, {"--seed", "4", "--tenant", "after"}))}))
       << "the executor did not serve a new tenant exactly after " << attack;
   EXPECT_TRUE(testing::same_host_clients_become(*executor_, 0));

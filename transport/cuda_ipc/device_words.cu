@@ -1,0 +1,33 @@
+// [Device words] (device_words.h): the wait kernel.
+#include "transport/cuda_ipc/device_words.h"
+
+namespace symbiosis::cuda {
+namespace {
+
+// How often a waiting kernel also reads its release word (a read over the bus, where the device
+// word is read in the GPU's L2): every this many reads of the device word, some tens of microseconds.
+constexpr uint32_t kReleaseEvery = 256;
+
+// Volatile loads and stores: host memory takes no atomics over the bus, and a volatile access
+// skips the SM's L1, so that each read sees the other process's writes in L2.
+__global__ void device_word_wait(DeviceWordWait w) {
+  volatile uint32_t* word = w.word;
+  const volatile uint32_t* release = w.release;
+  for (uint32_t reads = 1; *word == 0; ++reads) {
+    if (release != nullptr && reads % kReleaseEvery == 0 && *release != 0) break;
+  }
+  *word = 0;
+  for (uint32_t* other : w.also_clear) {
+    if (other != nullptr) *reinterpret_cast<volatile uint32_t*>(other) = 0;
+  }
+  __threadfence_system();  // cleared before the stream's later work
+}
+
+}  // namespace
+
+cudaError_t launch_device_word_wait(const DeviceWordWait& wait, cudaStream_t stream) {
+  device_word_wait<<<1, 1, 0, stream>>>(wait);
+  return cudaGetLastError();
+}
+
+}  // namespace symbiosis::cuda

@@ -1,0 +1,57 @@
+#pragma once
+// [Device words]
+// A captured call's two hand-offs between the tenant's GPU and the executor's ([Captured calls] in
+// transport/call_ring.h) go through flags in host memory, which a stream memory operation's wait
+// reads over the bus: 5.5 to 8.5 µs a hand-off at N = 1 on an H200, eight a layer (V41). Words in
+// the tenant's GPU memory, read in the GPU's L2 by a one-thread kernel that spins on them, carry
+// them faster (V15, bench/flag_handoff.cpp). So a cuda-ipc client allocates two words a slot in its
+// own GPU memory (result words at [slot], input words at [kCallSlots + 1 + slot]), offers their
+// CUDA IPC handle through its control block (ControlBlock::device_words_handle), and the executor
+// maps them at its first captured call.
+//  - Results: the executor's stream writes the slot's device result word, instead of the host
+//    one, never both (a host word set beside a device one would let the slot's next wait through:
+//    V42). The client's graph waits on it in a DeviceWordWait, which also reads the host result
+//    word now and then: the client's own give_up() releases its waits by setting the host words.
+//    The wait clears the slot's device result and input words: the call is done.
+//  - Inputs: the client's graph sets the slot's host input word (what the executor's host reads
+//    to take the call up, [No waits on a client]) and then its device input word, with stream
+//    memory writes, each fenced after the work before it. A run launched ahead ([Steps launched
+//    ahead] in cuda_ipc_channel.cpp) waits on the device word in a DeviceWordWait, which clears
+//    both, and is released by the control block's runs_voided ([Voided runs]) instead.
+//  - Why no word is stale: a slot's device input word is cleared by the wait for the slot's
+//    result, on the client's stream before its next input is set; a run waits for a slot only
+//    after the run's earlier slots got inputs that the client's stream set after that clear.
+//  - Only under MPS, on both sides: without it the two processes' kernels take turns on the GPU,
+//    and a kernel spinning on a word would hold it through its time slice while the writer waits.
+//  - Whichever side cannot (no MPS, SYMBIOSIS_DEVICE_WORDS=0 in the client's environment, the
+//    executor unable to map them) uses the host words alone, as before.
+// Without LibTorch's headers ([Torch-free kernels] in kernels/launch.h): the kernel is also the
+// device way of bench/flag_handoff.cpp.
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace symbiosis::cuda {
+
+// One thread: waits until *word (device memory) is non-zero, or until *release (mapped host memory,
+// read every so many reads of the word; null: never) is; then clears word and each of also_clear.
+struct DeviceWordWait {
+  uint32_t* word = nullptr;
+  const uint32_t* release = nullptr;
+  uint32_t* also_clear[2] = {nullptr, nullptr};
+};
+
+// Enqueues the wait on `stream`; returns cudaGetLastError() after it.
+cudaError_t launch_device_word_wait(const DeviceWordWait& wait, cudaStream_t stream);
+
+// [Device words]' layout: words a client allocates, and where a slot's are.
+constexpr size_t device_word_count(uint32_t slots) { return 2 * (size_t{slots} + 1); }
+inline uint32_t* device_result_word(void* words, uint32_t slots, uint32_t slot) {
+  return static_cast<uint32_t*>(words) + slot;
+}
+inline uint32_t* device_input_word(void* words, uint32_t slots, uint32_t slot) {
+  return static_cast<uint32_t*>(words) + slots + 1 + slot;
+}
+
+}  // namespace symbiosis::cuda
