@@ -9,6 +9,14 @@
 //    A client that leaves is removed; when the oldest request has waited lockstep_timeout, the
 //    clients still missing are dropped from the set (re-added at their next request), so a
 //    stalled or dead client never deadlocks the others.
+//    [Lockstep catch-up]: clients out of step (one came a call later than the others, as a GPU
+//    client does whose set-up took longer) each wait in their own queue for the others, who
+//    cannot come: a client's next call follows its last one's result. So once every client of the
+//    set has a request queued and no queue holds them all, the queue holding the fewest requests
+//    (of those, the one whose latest request is youngest) runs: its clients, behind the others,
+//    catch up with them, and the others wait for them where they are. Without it, each such round
+//    waited out the timeout and the clients stayed out of step: every round of
+//    PackedBatchTest on a GPU did (tests/base_executor/gpu_executor_test.cpp).
 //  - Any policy but lockstep: a request marked `alone` bypasses the queues and runs by itself as
 //    soon as it is the oldest ready work (see [Compute streams] in common/cuda.h: the
 //    executor marks large same-GPU requests, whose GEMMs run best side by side, unpacked).
@@ -391,13 +399,37 @@ class Batcher {
     return set;
   }
 
+  // [Lockstep catch-up]: the queue of the clients behind, when every client of `set` has a request
+  // queued and none holds them all; nullptr otherwise.
+  const Queue* behind(const std::set<uint64_t>& set) const {
+    std::set<uint64_t> queued;
+    const Queue* fewest = nullptr;
+    for (const Queue* queue : active_) {
+      const auto ids = present(*queue);
+      const size_t members = std::count_if(ids.begin(), ids.end(), [&](uint64_t id) { return set.count(id) > 0; });
+      if (members == 0) continue;
+      if (members == set.size()) return nullptr;  // it runs as it is
+      queued.insert(ids.begin(), ids.end());
+      if (fewest == nullptr || queue->requests.size() < fewest->requests.size() ||
+          (queue->requests.size() == fewest->requests.size() &&
+           queue->requests.back().arrival > fewest->requests.back().arrival)) {
+        fewest = queue;
+      }
+    }
+    const bool all_queued = std::all_of(set.begin(), set.end(), [&](uint64_t id) { return queued.count(id) > 0; });
+    return all_queued ? fewest : nullptr;
+  }
+
   // The time at which the queue becomes ready by waiting alone.
   TimePoint deadline(const Queue& queue, TimePoint now) const {
     switch (options_.policy) {
       case BatchingPolicy::kNone: return queue.requests.front().arrival;
-      case BatchingPolicy::kLockstep:
-        return every_client_present(queue, lockstep_set()) ? now
-                                                           : queue.requests.front().arrival + options_.lockstep_timeout;
+      case BatchingPolicy::kLockstep: {
+        const auto set = lockstep_set();
+        return every_client_present(queue, set) || behind(set) == &queue
+                   ? now
+                   : queue.requests.front().arrival + options_.lockstep_timeout;
+      }
       case BatchingPolicy::kOpportunistic: {
         TimePoint earliest = TimePoint::max();
         for (const auto& r : queue.requests) {
@@ -416,7 +448,7 @@ class Batcher {
       case BatchingPolicy::kNone: return true;
       case BatchingPolicy::kLockstep: {
         const auto set = lockstep_set();
-        if (every_client_present(queue, set)) return true;
+        if (every_client_present(queue, set) || behind(set) == &queue) return true;
         if (now - queue.requests.front().arrival < options_.lockstep_timeout) return false;
         // Stalled or gone: drop the missing clients from the set so the others go on.
         const auto ids = present(queue);

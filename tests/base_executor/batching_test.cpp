@@ -403,6 +403,62 @@ TEST(BatchingTest, LockstepDropsAStalledClientAfterTheTimeoutAndTakesItBackLater
   EXPECT_EQ(batch->requests.size(), 2u);
 }
 
+// [Lockstep catch-up]: a client a round behind the others (its calls alternate two ops, as
+// PackedBatchTest's do) runs alone at once, not after the timeout, while the others wait for it;
+// then every round packs all three.
+TEST(BatchingTest, LockstepRunsAClientBehindAtOnceAndThenPacksEveryRound) {
+  TestBatcher b(lockstep());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  auto op = [](int round) { return round % 2 == 0 ? LayerOp::kForward : LayerOp::kBackwardInput; };
+  auto at = [](int round) { return t0 + std::chrono::milliseconds(round); };
+  b.push(request(1, 0, 4, at(1), LatencyClass::kFineTuning, op(1)));
+  b.push(request(3, 0, 4, at(1), LatencyClass::kFineTuning, op(1)));
+  EXPECT_FALSE(b.pop(at(1))) << "client 2 is not queued yet: it is waited for";
+  b.push(request(2, 0, 4, at(1) + 100us, LatencyClass::kFineTuning, op(0)));
+  EXPECT_EQ(b.next_deadline(at(1) + 100us), at(1) + 100us);
+  auto behind = b.pop(at(1) + 100us);
+  ASSERT_TRUE(behind);
+  EXPECT_EQ(payloads(*behind), (std::vector<int>{2}));
+  EXPECT_EQ(behind->op, op(0));
+  EXPECT_FALSE(b.pop(at(1) + 100us)) << "the others wait for client 2";
+  for (int round = 1; round < 6; ++round) {
+    for (uint64_t c : {2, 1, 3}) {
+      if (round > 1 || c == 2) b.push(request(c, 0, 4, at(round + 1), LatencyClass::kFineTuning, op(round)));
+    }
+    auto batch = b.pop(at(round + 1));
+    ASSERT_TRUE(batch) << "round " << round;
+    EXPECT_EQ(batch->requests.size(), 3u) << "round " << round;
+    EXPECT_EQ(batch->op, op(round));
+  }
+  EXPECT_EQ(b.lockstep_set_size(), 3u);
+}
+
+// [Lockstep catch-up]: in a step of several layers, a client five calls behind runs its five calls
+// alone while the others wait at theirs, then all meet; a client not queued anywhere (busy on its
+// own) is still waited for.
+TEST(BatchingTest, LockstepLetsAClientSeveralCallsBehindCatchUpAndWaitsForOneNotQueued) {
+  TestBatcher b(lockstep());
+  for (uint64_t c : {1, 2, 3}) b.add_client(c);
+  b.push(request(1, 5, 4, t0));
+  b.push(request(3, 5, 4, t0));
+  for (uint32_t layer = 0; layer < 5; ++layer) {
+    const auto now = t0 + std::chrono::milliseconds(layer + 1);
+    b.push(request(2, layer, 4, now));
+    auto batch = b.pop(now);
+    ASSERT_TRUE(batch) << "layer " << layer;
+    EXPECT_EQ(payloads(*batch), (std::vector<int>{2})) << "layer " << layer;
+  }
+  b.push(request(2, 5, 4, t0 + 6ms));
+  auto together = b.pop(t0 + 6ms);
+  ASSERT_TRUE(together);
+  EXPECT_EQ(together->requests.size(), 3u);
+  // Clients 1 and 3 come to layer 6; client 2 is busy on its own: nobody runs before the timeout.
+  b.push(request(1, 6, 4, t0 + 7ms));
+  b.push(request(3, 6, 4, t0 + 7ms));
+  EXPECT_FALSE(b.pop(t0 + 50ms));
+  EXPECT_EQ(b.next_deadline(t0 + 50ms), t0 + 107ms);
+}
+
 TEST(BatchingTest, LockstepPacksEvenRequestsMarkedAlone) {
   TestBatcher b(lockstep());
   for (uint64_t c : {1, 2}) b.add_client(c);
