@@ -3,7 +3,11 @@
 // saying so, where there is no GPU. The executor's kernels are tested in tests/kernels/.
 #include <signal.h>
 
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
 #include <limits>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -182,8 +186,9 @@ TEST(GpuMetricsTest, GpuAllocatedBytesHoldTheExecutorsWeights) {
 // printed, not held: another row count gets another kernel by design (issue 27's soak notes in
 // docs/benchmarks-history.md). [Lockstep catch-up] (base_executor/batching.h): the rounds pack all
 // three clients' calls but a few, although the clients start out of step (a cuda-ipc client's
-// first call waits for its segment to be mapped); before it, every round of these clients waited
-// out the lockstep timeout (95 s for 80 rounds at the default 1 s, on an H100).
+// first call waits for its segment to be mapped). Every round of this test used to wait out the
+// lockstep timeout (95 s for 80 rounds at the default 1 s, on an H100): its two cuda-ipc clients
+// shared one stream (below).
 TEST(PackedBatchTest, PackedRowsEqualTheSameGemmOfThePackedShape) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
@@ -222,6 +227,11 @@ TEST(PackedBatchTest, PackedRowsEqualTheSameGemmOfThePackedShape) {
   for (size_t c = 0; c < clients.size(); ++c) {
     threads.emplace_back([&, c] {
       const at::Device device(placements[c].second);
+      // A stream of each thread's own, as a tenant process has: on one stream (the legacy default,
+      // every thread's current), one client's wait for its result would hold back the other's input,
+      // and no round could meet before the lockstep timeout.
+      std::optional<c10::cuda::CUDAStreamGuard> own_stream;
+      if (device.is_cuda()) own_stream.emplace(c10::cuda::getStreamFromPool(false, device.index()));
       for (int r = 0; r < kRounds; ++r) {
         const auto x = inputs[c][r].to(device);
         const auto y = r % 2 == 0 ? clients[c]->forward(*layer, x, false) : clients[c]->backward_input(*layer, x);
