@@ -95,8 +95,8 @@ cuda::CapturedWork capture(cuda::Stream stream, Work& work, const std::function<
   return cuda::CapturedWork::capture(stream, calls);
 }
 
-void await_word(cuda::Stream stream, const cuda::DeviceWordWait& wait) {
-  const cudaError_t status = cuda::launch_device_word_wait(wait, static_cast<cudaStream_t>(stream.handle));
+void hand_off(cuda::Stream stream, const cuda::HandOff& h) {
+  const cudaError_t status = cuda::launch_hand_off(h, static_cast<cudaStream_t>(stream.handle));
   TORCH_CHECK(status == cudaSuccess, "flag-handoff: the kernel did not launch: ", cudaGetErrorString(status));
 }
 
@@ -109,11 +109,10 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
       if (side == nullptr) {
         work.gemm();
       } else if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_client.cpp's announce_captured
-        cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, side->host_input[c], 1},
-                                            {cuda::MemoryOp::kWrite, side->device_input[c], 1}});
-        await_word(stream, {.word = side->device_result[c],
-                            .release = side->host_result[c],
-                            .also_clear = {side->host_result[c], side->device_input[c]}});
+        hand_off(stream, {.set = {side->host_input[c], side->device_input[c]},
+                          .await = side->device_result[c],
+                          .release = side->host_result[c],
+                          .clear = {side->host_result[c], side->device_input[c]}});
       } else {
         const bool host = how == Handoff::kHostMemoryOps;
         void* input = host ? side->host_input[c] : side->device_input[c];
@@ -130,10 +129,10 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
 cuda::CapturedWork executor_step(const Options& o, Work& work, cuda::Stream stream, const Side& side, Handoff how) {
   return capture(stream, work, [&] {
     for (int c = 0; c < o.calls; ++c) {
-      if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_channel.cpp's await_input and result_word
-        await_word(stream, {.word = side.device_input[c], .also_clear = {side.host_input[c], nullptr}});
+      if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_channel.cpp's await_input and set_result
+        hand_off(stream, {.await = side.device_input[c], .clear = {side.host_input[c], nullptr}});
         work.gemm();
-        cuda::write_value_on_stream(stream, side.device_result[c], 1);
+        hand_off(stream, {.set = {side.device_result[c], nullptr}});
         continue;
       }
       const bool host = how == Handoff::kHostMemoryOps;

@@ -468,7 +468,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         await_input(stream, h);
         enqueuer.enqueue(*this, h);
         // The last call's flag is set at each launch, after results_ready.
-        if (&h != &calls.back()) cuda::write_value_on_stream(stream, result_word(h), 1);
+        if (&h != &calls.back()) set_result(stream, h);
       }
     });
   }
@@ -500,13 +500,28 @@ class CudaIpcChannel : public RegisteredBufferChannel {
           stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1}, {cuda::MemoryOp::kWrite, input_ready, 0}});
       return;
     }
-    cuda::DeviceWordWait wait;
-    wait.word = cuda::device_input_word(words, shm::kCallSlots, h.slot);
+    cuda::HandOff wait;
+    wait.await = cuda::device_input_word(words, shm::kCallSlots, h.slot);
     wait.release = static_cast<const uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
-    wait.also_clear[0] = static_cast<uint32_t*>(input_ready);
-    const cudaError_t status = cuda::launch_device_word_wait(wait, static_cast<cudaStream_t>(stream.handle));
-    TORCH_CHECK(status == cudaSuccess, "the wait for call slot ", h.slot,
-                "'s input did not launch: ", cudaGetErrorString(status));
+    wait.clear[0] = static_cast<uint32_t*>(input_ready);
+    launch_hand_off(stream, wait);
+  }
+
+  // A run's result flag of a call but its last ([Device words]: set by a kernel).
+  void set_result(cuda::Stream stream, const shm::CallHeader& h) {
+    void* word = result_word(h);
+    if (words_.data() == nullptr || !cuda::hand_off_sets_in_kernel()) {
+      cuda::write_value_on_stream(stream, word, 1);
+      return;
+    }
+    cuda::HandOff set;
+    set.set[0] = static_cast<uint32_t*>(word);
+    launch_hand_off(stream, set);
+  }
+
+  static void launch_hand_off(cuda::Stream stream, const cuda::HandOff& hand_off) {
+    const cudaError_t status = cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle));
+    TORCH_CHECK(status == cudaSuccess, "a hand-off kernel did not launch: ", cudaGetErrorString(status));
   }
 
   // After the launch of this client's ready run: hands its calls out.

@@ -185,16 +185,21 @@ class CudaIpcPayload : public RegisteredBuffer {
     }
     // [Device words]: the host input word first, which whoever sees the device one then finds set.
     uint32_t* device_input = cuda::device_input_word(words_.data(), shm::kCallSlots, slot);
-    cuda::memory_ops_on_stream(stream,
-                               {{cuda::MemoryOp::kWrite, input_ready, 1}, {cuda::MemoryOp::kWrite, device_input, 1}});
-    cuda::DeviceWordWait wait;
-    wait.word = cuda::device_result_word(words_.data(), shm::kCallSlots, slot);
-    wait.release = result_ready;  // give_up()
-    wait.also_clear[0] = result_ready;
-    wait.also_clear[1] = device_input;
-    const cudaError_t status = cuda::launch_device_word_wait(wait, static_cast<cudaStream_t>(stream.handle));
-    TORCH_CHECK(status == cudaSuccess, "cuda-ipc client: the wait for call slot ", slot,
-                "'s result did not launch: ", cudaGetErrorString(status));
+    cuda::HandOff hand_off;
+    if (cuda::hand_off_sets_in_kernel()) {
+      hand_off.set[0] = input_ready;
+      hand_off.set[1] = device_input;
+    } else {
+      cuda::memory_ops_on_stream(stream,
+                                 {{cuda::MemoryOp::kWrite, input_ready, 1}, {cuda::MemoryOp::kWrite, device_input, 1}});
+    }
+    hand_off.await = cuda::device_result_word(words_.data(), shm::kCallSlots, slot);
+    hand_off.release = result_ready;  // give_up()
+    hand_off.clear[0] = result_ready;
+    hand_off.clear[1] = device_input;
+    const cudaError_t status = cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle));
+    TORCH_CHECK(status == cudaSuccess, "cuda-ipc client: the hand-off of call slot ", slot,
+                " did not launch: ", cudaGetErrorString(status));
   }
   // [Capture's stream]: a decode graph is warmed up on its own stream and captured on it later,
   // after other steps (a prefill, another batch size's graph) ran on other streams; the wait that

@@ -10,14 +10,23 @@ constexpr uint32_t kReleaseEvery = 256;
 
 // Volatile loads and stores: host memory takes no atomics over the bus, and a volatile access
 // skips the SM's L1, so that each read sees the other process's writes in L2.
-__global__ void device_word_wait(DeviceWordWait w) {
-  volatile uint32_t* word = w.word;
-  const volatile uint32_t* release = w.release;
+__global__ void hand_off(HandOff h) {
+  for (uint32_t* word : h.set) {
+    if (word == nullptr) continue;
+    __threadfence_system();  // what came before (the stream's earlier work, the word before) first
+    *reinterpret_cast<volatile uint32_t*>(word) = 1;
+  }
+  if (h.await == nullptr) {
+    __threadfence_system();  // drained now: a host polling the word sees it
+    return;
+  }
+  volatile uint32_t* word = h.await;
+  const volatile uint32_t* release = h.release;
   for (uint32_t reads = 1; *word == 0; ++reads) {
     if (release != nullptr && reads % kReleaseEvery == 0 && *release != 0) break;
   }
   *word = 0;
-  for (uint32_t* other : w.also_clear) {
+  for (uint32_t* other : h.clear) {
     if (other != nullptr) *reinterpret_cast<volatile uint32_t*>(other) = 0;
   }
   __threadfence_system();  // cleared before the stream's later work
@@ -25,8 +34,8 @@ __global__ void device_word_wait(DeviceWordWait w) {
 
 }  // namespace
 
-cudaError_t launch_device_word_wait(const DeviceWordWait& wait, cudaStream_t stream) {
-  device_word_wait<<<1, 1, 0, stream>>>(wait);
+cudaError_t launch_hand_off(const HandOff& hand_off_words, cudaStream_t stream) {
+  hand_off<<<1, 1, 0, stream>>>(hand_off_words);
   return cudaGetLastError();
 }
 

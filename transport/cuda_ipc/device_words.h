@@ -10,13 +10,13 @@
 // maps them at its first captured call.
 //  - Results: the executor's stream writes the slot's device result word, instead of the host
 //    one, never both (a host word set beside a device one would let the slot's next wait through:
-//    V42). The client's graph waits on it in a DeviceWordWait, which also reads the host result
+//    V42). The client's graph waits on it in a HandOff kernel, which also reads the host result
 //    word now and then: the client's own give_up() releases its waits by setting the host words.
 //    The wait clears the slot's device result and input words: the call is done.
 //  - Inputs: the client's graph sets the slot's host input word (what the executor's host reads
 //    to take the call up, [No waits on a client]) and then its device input word, with stream
 //    memory writes, each fenced after the work before it. A run launched ahead ([Steps launched
-//    ahead] in cuda_ipc_channel.cpp) waits on the device word in a DeviceWordWait, which clears
+//    ahead] in cuda_ipc_channel.cpp) waits on the device word in a HandOff kernel, which clears
 //    both, and is released by the control block's runs_voided ([Voided runs]) instead.
 //  - Why no word is stale: a slot's device input word is cleared by the wait for the slot's
 //    result, on the client's stream before its next input is set; a run waits for a slot only
@@ -31,19 +31,34 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 namespace symbiosis::cuda {
 
-// One thread: waits until *word (device memory) is non-zero, or until *release (mapped host memory,
-// read every so many reads of the word; null: never) is; then clears word and each of also_clear.
-struct DeviceWordWait {
-  uint32_t* word = nullptr;
+// One thread, after the stream's earlier work: sets each of `set` to 1, in order, each visible
+// everywhere before the next (device or mapped host memory); then, given `await`, waits until
+// *await (device memory) is non-zero, or until *release (mapped host memory, read every so many
+// reads of the word; null: never) is, and clears await and each of `clear`.
+struct HandOff {
+  uint32_t* set[2] = {nullptr, nullptr};
+  uint32_t* await = nullptr;
   const uint32_t* release = nullptr;
-  uint32_t* also_clear[2] = {nullptr, nullptr};
+  uint32_t* clear[2] = {nullptr, nullptr};
 };
 
-// Enqueues the wait on `stream`; returns cudaGetLastError() after it.
-cudaError_t launch_device_word_wait(const DeviceWordWait& wait, cudaStream_t stream);
+// Enqueues the kernel on `stream`; returns cudaGetLastError() after it.
+cudaError_t launch_hand_off(const HandOff& hand_off, cudaStream_t stream);
+
+// Experiment (V49): the hand-off's flag writes in the kernel, not in stream memory operations
+// (SYMBIOSIS_HANDOFF_KERNEL=0: memory operations).
+inline bool hand_off_sets_in_kernel() {
+  static const bool in_kernel = [] {
+    const char* value = std::getenv("SYMBIOSIS_HANDOFF_KERNEL");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return in_kernel;
+}
 
 // [Device words]' layout: words a client allocates, and where a slot's are.
 constexpr size_t device_word_count(uint32_t slots) { return 2 * (size_t{slots} + 1); }
