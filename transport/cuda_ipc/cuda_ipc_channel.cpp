@@ -510,7 +510,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // A run's result flag of a call but its last ([Device words]: set by a kernel).
   void set_result(cuda::Stream stream, const shm::CallHeader& h) {
     void* word = result_word(h);
-    if (words_.data() == nullptr || !cuda::hand_off_sets_in_kernel()) {
+    if (words_.data() == nullptr) {
       cuda::write_value_on_stream(stream, word, 1);
       return;
     }

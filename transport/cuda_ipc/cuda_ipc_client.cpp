@@ -186,13 +186,8 @@ class CudaIpcPayload : public RegisteredBuffer {
     // [Device words]: the host input word first, which whoever sees the device one then finds set.
     uint32_t* device_input = cuda::device_input_word(words_.data(), shm::kCallSlots, slot);
     cuda::HandOff hand_off;
-    if (cuda::hand_off_sets_in_kernel()) {
-      hand_off.set[0] = input_ready;
-      hand_off.set[1] = device_input;
-    } else {
-      cuda::memory_ops_on_stream(stream,
-                                 {{cuda::MemoryOp::kWrite, input_ready, 1}, {cuda::MemoryOp::kWrite, device_input, 1}});
-    }
+    hand_off.set[0] = input_ready;
+    hand_off.set[1] = device_input;
     hand_off.await = cuda::device_result_word(words_.data(), shm::kCallSlots, slot);
     hand_off.release = result_ready;  // give_up()
     hand_off.clear[0] = result_ready;

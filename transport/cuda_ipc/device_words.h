@@ -8,16 +8,20 @@
 // own GPU memory (result words at [slot], input words at [kCallSlots + 1 + slot]), offers their
 // CUDA IPC handle through its control block (ControlBlock::device_words_handle), and the executor
 // maps them at its first captured call.
-//  - Results: the executor's stream writes the slot's device result word, instead of the host
-//    one, never both (a host word set beside a device one would let the slot's next wait through:
-//    V42). The client's graph waits on it in a HandOff kernel, which also reads the host result
-//    word now and then: the client's own give_up() releases its waits by setting the host words.
-//    The wait clears the slot's device result and input words: the call is done.
-//  - Inputs: the client's graph sets the slot's host input word (what the executor's host reads
-//    to take the call up, [No waits on a client]) and then its device input word, with stream
-//    memory writes, each fenced after the work before it. A run launched ahead ([Steps launched
-//    ahead] in cuda_ipc_channel.cpp) waits on the device word in a HandOff kernel, which clears
-//    both, and is released by the control block's runs_voided ([Voided runs]) instead.
+// Each hand-off is one kernel (HandOff): a client's captured call is one kernel that announces the
+// input and waits for the result, where stream memory operations and a waiting kernel cost a
+// quarter of a millisecond more a decode step at N = 1 (V49).
+//  - Results: a run launched ahead ([Steps launched ahead] in cuda_ipc_channel.cpp) sets the slot's
+//    device result word in a kernel after the call's GEMM, and a call taken up by the executor's
+//    host with a stream memory write; the device word instead of the host one, never both (a host
+//    word set beside a device one would let the slot's next wait through: V42). The client's kernel
+//    waits on it, reading the host result word now and then: the client's own give_up() releases
+//    its waits by setting the host words. The wait clears the slot's device result and input
+//    words: the call is done.
+//  - Inputs: the client's kernel first sets the slot's host input word (what the executor's host
+//    reads to take the call up, [No waits on a client]) and then its device input word, each
+//    fenced after what came before. A run launched ahead waits on the device word in a kernel,
+//    which clears both, and is released by the control block's runs_voided ([Voided runs]) instead.
 //  - Why no word is stale: a slot's device input word is cleared by the wait for the slot's
 //    result, on the client's stream before its next input is set; a run waits for a slot only
 //    after the run's earlier slots got inputs that the client's stream set after that clear.
@@ -31,8 +35,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 namespace symbiosis::cuda {
 
@@ -49,16 +51,6 @@ struct HandOff {
 
 // Enqueues the kernel on `stream`; returns cudaGetLastError() after it.
 cudaError_t launch_hand_off(const HandOff& hand_off, cudaStream_t stream);
-
-// Experiment (V49): the hand-off's flag writes in the kernel, not in stream memory operations
-// (SYMBIOSIS_HANDOFF_KERNEL=0: memory operations).
-inline bool hand_off_sets_in_kernel() {
-  static const bool in_kernel = [] {
-    const char* value = std::getenv("SYMBIOSIS_HANDOFF_KERNEL");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return in_kernel;
-}
 
 // [Device words]' layout: words a client allocates, and where a slot's are.
 constexpr size_t device_word_count(uint32_t slots) { return 2 * (size_t{slots} + 1); }
