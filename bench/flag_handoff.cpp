@@ -6,8 +6,8 @@
 // the tenant's graph runs its own kernels, sets a call's input flag and waits for its result flag; the
 // executor's waits for the input flag, clears it, runs the GEMM and sets the result flag. Three ways:
 // the driver's stream memory operations on flags in mapped host memory (the transport's way) and in
-// device memory, and the transport's [Device words]: a kernel spinning on a word in device memory
-// for each wait. Prints, as JSON, the step's time and each call's hand-off cost over the
+// device memory, and the transport's [Device words]: one kernel a hand-off, which sets its words
+// and spins on one in device memory. Prints, as JSON, the step's time and each call's hand-off cost over the
 // one-stream step.
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>

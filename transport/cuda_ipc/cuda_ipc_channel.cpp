@@ -406,7 +406,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       word_clients_.fetch_sub(1);
       spdlog::info(
           "client {}: {} clients' captured calls hand over through words in their GPU memory already; its "
-          "go through the control segment's words",
+          "calls go through the control segment's words",
           client_id(), kMaxWordClients);
       return nullptr;
     }
@@ -622,9 +622,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // [Device words]: the client's, once looked for (device_words). A GPU runs at most 128 kernels at
   // once (an H100's or H200's resident grids), and each client with its words mapped may have a wait
   // running here (its run launched ahead) and one in its own process: were all 128 waits, the GEMMs
-  // and kernels that end them could not start. At most kMaxWordClients clients' waits run here, so
-  // that such a stall needs 80 same-GPU clients waiting at once (MPS serves some tens of processes a
-  // GPU).
+  // and kernels that end them could not start. MPS takes 48 processes a GPU (the soak notes in
+  // docs/benchmarks-history.md), so at most 47 clients' waits run in each place; kMaxWordClients
+  // keeps that bound here should MPS take more.
   static constexpr int kMaxWordClients = 48;
   static inline std::atomic<int> word_clients_{0};  // channels with their client's words mapped
   bool words_looked_ = false;

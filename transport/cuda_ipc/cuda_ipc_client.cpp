@@ -301,7 +301,7 @@ class CudaIpcPayload : public RegisteredBuffer {
       auto words = cuda::DeviceBuffer::allocate(device_, sizeof(uint32_t) * cuda::device_word_count(shm::kCallSlots));
       const std::string handle = words.ipc_handle();
       TORCH_CHECK(handle.size() == sizeof(block_->device_words_handle), "a CUDA IPC handle of ", handle.size(),
-                  " bytes");
+                  " bytes, where the control block holds ", sizeof(block_->device_words_handle));
       std::memcpy(block_->device_words_handle, handle.data(), handle.size());
       words_ = std::move(words);
       block_->device_words_offered.store(1, std::memory_order_release);
