@@ -59,7 +59,9 @@
 //    set, then clears it.
 // The headers are recorded at capture; at each replay the client's host pushes them again, each
 // with a new request id and sequence, once the replay is launched. A client's calls still complete
-// in order, so no slot is set twice before its consumer has cleared it.
+// in order, so no slot is set twice before its consumer has cleared it. Under MPS the flags' GPU
+// halves are words in the client's GPU memory, set and waited on by one-thread kernels ([Device
+// words] in transport/cuda_ipc/device_words.h); the input flag here stays, for the executor's host.
 //
 // Trust: the executor never trusts what a client wrote. It keeps its own read position (a
 // corrupted head is detected as a ring that claims more than its capacity) and validates every
