@@ -295,7 +295,7 @@ class CudaIpcPayload : public RegisteredBuffer {
   // MPS and unless SYMBIOSIS_DEVICE_WORDS is 0; a client whose GPU cannot share them keeps the host
   // words alone.
   void offer_device_words() {
-    const char* wanted = std::getenv("SYMBIOSIS_DEVICE_WORDS");
+    const char* wanted = std::getenv(cuda::kDeviceWordsVariable);
     if ((wanted != nullptr && std::string(wanted) == "0") || !cuda::mps_active()) return;
     try {
       auto words = cuda::DeviceBuffer::allocate(device_, sizeof(uint32_t) * cuda::device_word_count(shm::kCallSlots));

@@ -52,6 +52,9 @@ struct HandOff {
 // Enqueues the kernel on `stream`; returns cudaGetLastError() after it.
 cudaError_t launch_hand_off(const HandOff& hand_off, cudaStream_t stream);
 
+// The client's environment variable that, set to 0, keeps its captured calls' flags in host memory.
+constexpr const char* kDeviceWordsVariable = "SYMBIOSIS_DEVICE_WORDS";
+
 // [Device words]' layout: words a client allocates, and where a slot's are.
 constexpr size_t device_word_count(uint32_t slots) { return 2 * (size_t{slots} + 1); }
 inline uint32_t* device_result_word(void* words, uint32_t slots, uint32_t slot) {
