@@ -95,9 +95,10 @@ class AheadWatchdog {
 
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
-  CudaIpcChannel(uint64_t client_id, at::Device device)
+  CudaIpcChannel(uint64_t client_id, at::Device device, bool mps)
       : RegisteredBufferChannel(TransportKind::kCudaIpc, client_id),
         device_(device.has_index() ? device.index() : 0),
+        mps_(mps),
         executor_event_(cuda::InterprocessEvent::create(device_)),
         control_pin_(control_memory().data(), control_memory().size(), /*mapped=*/true),
         results_ready_(control_pin_.device_pointer(&control_block()->results_ready)) {}
@@ -113,7 +114,6 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       spdlog::error("client {}: waiting for its work as it goes failed: {}", client_id(), e.what_without_backtrace());
     }
     if (ahead_stream_.valid()) cuda::KeptStreams::instance().give_back(ahead_stream_, /*high_priority=*/true);
-    if (words_.data() != nullptr) word_clients_.fetch_sub(1);
   }
 
   // AheadWatchdog's thread: releases the run launched last if it has stalled.
@@ -395,21 +395,17 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   // [Device words]: the client's, mapped when its first captured call is answered, or nullptr (it
-  // offered none then, the executor runs without MPS, kMaxWordClients have theirs mapped, or they
-  // do not map: its flags are then the host words, for good).
+  // offered none then, the executor runs without MPS, or they do not map: its flags are then the host
+  // words, for good). A GPU runs at most 128 kernels at once (an H100's or H200's resident grids),
+  // and each client with its words mapped may have a wait running here (its run launched ahead) and
+  // one in its own process: were all 128 waits, the kernels that end them could not start. MPS takes
+  // 48 processes a GPU (the soak notes in docs/benchmarks-history.md), so at most 47 clients' waits
+  // run in each place.
   void* device_words() {
     if (words_looked_) return words_.data();
     words_looked_ = true;
     const auto& block = *control_block();
-    if (block.device_words_offered.load(std::memory_order_acquire) == 0 || !cuda::mps_active()) return nullptr;
-    if (word_clients_.fetch_add(1) >= kMaxWordClients) {
-      word_clients_.fetch_sub(1);
-      spdlog::info(
-          "client {}: {} clients' captured calls hand over through words in their GPU memory already; its "
-          "calls go through the control segment's words",
-          client_id(), kMaxWordClients);
-      return nullptr;
-    }
+    if (block.device_words_offered.load(std::memory_order_acquire) == 0 || !mps_) return nullptr;
     try {
       words_ = cuda::MappedDeviceBuffer::open(device_,
                                               std::string(block.device_words_handle, sizeof(block.device_words_handle)),
@@ -420,7 +416,6 @@ class CudaIpcChannel : public RegisteredBufferChannel {
           "client {}: the words it offered in its GPU memory do not map ({}); its captured calls hand "
           "over through the control segment's words",
           client_id(), e.what_without_backtrace());
-      word_clients_.fetch_sub(1);
     }
     return words_.data();
   }
@@ -478,12 +473,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // taken by the client's GPU), and the two counters. launched_mutex_ held.
   std::string launched_state() const {
     const auto& block = *control_block();
-    std::string inputs, results;
+    const bool on_device = words_.data() != nullptr;  // [Device words]: the result flags are there
+    std::string inputs, results = on_device ? "in its GPU memory" : "";
     for (const uint32_t slot : launched_slots_) {
       inputs += block.slots[slot].input_ready.load(std::memory_order_acquire) ? '1' : '0';
-      results += block.slots[slot].result_ready.load(std::memory_order_acquire) ? '1' : '0';
+      if (!on_device) results += block.slots[slot].result_ready.load(std::memory_order_acquire) ? '1' : '0';
     }
-    if (words_.data() != nullptr) results = "in its GPU memory";  // [Device words]
     return std::to_string(launched_slots_.size()) + " calls launched; input flags " + inputs + "; result flags " +
            results + "; results_ready " + std::to_string(block.results_ready.load(std::memory_order_acquire)) + " of " +
            std::to_string(launched_last_) + "; inputs_ready " +
@@ -584,6 +579,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   int device_;
+  bool mps_;                           // NVIDIA MPS serves the executor: [Device words] only then
   cuda::Stream stream_;                // this client's last call's
   std::vector<cuda::Stream> streams_;  // every compute stream this client's calls went on (a few at most)
   // [Replayed calls]: each captured call's GEMM, by slot, with what it was captured for.
@@ -619,14 +615,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   cuda::PinnedRange control_pin_;  // the control segment, for the flags' stream writes
   void* results_ready_;            // the GPU's address of the control block's results_ready
   cuda::MappedDeviceBuffer buffer_;
-  // [Device words]: the client's, once looked for (device_words). A GPU runs at most 128 kernels at
-  // once (an H100's or H200's resident grids), and each client with its words mapped may have a wait
-  // running here (its run launched ahead) and one in its own process: were all 128 waits, the GEMMs
-  // and kernels that end them could not start. MPS takes 48 processes a GPU (the soak notes in
-  // docs/benchmarks-history.md), so at most 47 clients' waits run in each place; kMaxWordClients
-  // keeps that bound here should MPS take more.
-  static constexpr int kMaxWordClients = 48;
-  static inline std::atomic<int> word_clients_{0};  // channels with their client's words mapped
+  // [Device words]: the client's, once looked for (device_words).
   bool words_looked_ = false;
   cuda::MappedDeviceBuffer words_;
   // [Direct operands]: the client's allocations its calls may name, by id.
@@ -661,7 +650,7 @@ void AheadWatchdog::run() {
 }  // namespace
 
 std::shared_ptr<Channel> make_channel(const ChannelContext& context) {
-  return std::make_shared<CudaIpcChannel>(context.client_id, context.device);
+  return std::make_shared<CudaIpcChannel>(context.client_id, context.device, context.mps);
 }
 #else
 std::shared_ptr<Channel> make_channel(const ChannelContext&) {
