@@ -112,7 +112,9 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
         hand_off(stream, {.set = {side->host_input[c], side->device_input[c]},
                           .await = side->device_result[c],
                           .release = side->host_result[c],
-                          .clear = {side->host_result[c], side->device_input[c]}});
+                          .clear = {side->device_input[c], nullptr},
+                          .clear_release = true,
+                          .host_clears = false});
       } else {
         const bool host = how == Handoff::kHostMemoryOps;
         void* input = host ? side->host_input[c] : side->device_input[c];
@@ -132,7 +134,7 @@ cuda::CapturedWork executor_step(const Options& o, Work& work, cuda::Stream stre
       if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_channel.cpp's await_input and set_result
         hand_off(stream, {.await = side.device_input[c], .clear = {side.host_input[c], nullptr}});
         work.gemm();
-        hand_off(stream, {.set = {side.device_result[c], nullptr}});
+        cuda::write_value_on_stream(stream, side.device_result[c], 1);
         continue;
       }
       const bool host = how == Handoff::kHostMemoryOps;

@@ -462,8 +462,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       for (const auto& h : calls) {
         await_input(stream, h);
         enqueuer.enqueue(*this, h);
-        // The last call's flag is set at each launch, after results_ready.
-        if (&h != &calls.back()) set_result(stream, h);
+        // The last call's flag is set at each launch, after results_ready ([Device words]: a stream
+        // memory write, not a kernel, for the others too).
+        if (&h != &calls.back()) cuda::write_value_on_stream(stream, result_word(h), 1);
       }
     });
   }
@@ -497,21 +498,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     }
     cuda::HandOff wait;
     wait.await = cuda::device_input_word(words, shm::kCallSlots, h.slot);
-    wait.release = static_cast<const uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
+    wait.release = static_cast<uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
     wait.clear[0] = static_cast<uint32_t*>(input_ready);
     launch_hand_off(stream, wait);
-  }
-
-  // A run's result flag of a call but its last ([Device words]: set by a kernel).
-  void set_result(cuda::Stream stream, const shm::CallHeader& h) {
-    void* word = result_word(h);
-    if (words_.data() == nullptr) {
-      cuda::write_value_on_stream(stream, word, 1);
-      return;
-    }
-    cuda::HandOff set;
-    set.set[0] = static_cast<uint32_t*>(word);
-    launch_hand_off(stream, set);
   }
 
   static void launch_hand_off(cuda::Stream stream, const cuda::HandOff& hand_off) {

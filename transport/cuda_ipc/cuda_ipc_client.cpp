@@ -190,8 +190,9 @@ class CudaIpcPayload : public RegisteredBuffer {
     hand_off.set[1] = device_input;
     hand_off.await = cuda::device_result_word(words_.data(), shm::kCallSlots, slot);
     hand_off.release = result_ready;  // give_up()
-    hand_off.clear[0] = result_ready;
-    hand_off.clear[1] = device_input;
+    hand_off.clear_release = true;
+    hand_off.clear[0] = device_input;
+    hand_off.host_clears = false;
     const cudaError_t status = cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle));
     TORCH_CHECK(status == cudaSuccess, "cuda-ipc client: the hand-off of call slot ", slot,
                 " did not launch: ", cudaGetErrorString(status));

@@ -21,15 +21,17 @@ __global__ void hand_off(HandOff h) {
     return;
   }
   volatile uint32_t* word = h.await;
-  const volatile uint32_t* release = h.release;
-  for (uint32_t reads = 1; *word == 0; ++reads) {
-    if (release != nullptr && reads % kReleaseEvery == 0 && *release != 0) break;
+  volatile uint32_t* release = h.release;
+  bool released = false;
+  for (uint32_t reads = 1; *word == 0 && !released; ++reads) {
+    released = release != nullptr && reads % kReleaseEvery == 0 && *release != 0;
   }
   *word = 0;
   for (uint32_t* other : h.clear) {
     if (other != nullptr) *reinterpret_cast<volatile uint32_t*>(other) = 0;
   }
-  __threadfence_system();  // cleared before the stream's later work
+  if (released && h.clear_release) *release = 0;
+  if (h.host_clears || released) __threadfence_system();  // cleared before the stream's later work
 }
 
 }  // namespace

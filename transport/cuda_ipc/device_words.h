@@ -8,16 +8,18 @@
 // own GPU memory (result words at [slot], input words at [kCallSlots + 1 + slot]), offers their
 // CUDA IPC handle through its control block (ControlBlock::device_words_handle), and the executor
 // maps them at its first captured call.
-// Each hand-off is one kernel (HandOff): a client's captured call is one kernel that announces the
-// input and waits for the result, where stream memory operations and a waiting kernel cost a
-// quarter of a millisecond more a decode step at N = 1 (V49).
-//  - Results: a run launched ahead ([Steps launched ahead] in cuda_ipc_channel.cpp) sets the slot's
-//    device result word in a kernel after the call's GEMM, and a call taken up by the executor's
-//    host with a stream memory write; the device word instead of the host one, never both (a host
-//    word set beside a device one would let the slot's next wait through: V42). The client's kernel
-//    waits on it, reading the host result word now and then: the client's own give_up() releases
-//    its waits by setting the host words. The wait clears the slot's device result and input
-//    words: the call is done.
+// A client's captured call is one kernel (HandOff) that announces the input and waits for the
+// result, where stream memory operations and a waiting kernel cost a quarter of a millisecond more
+// a decode step at N = 1 (V49); the executor's side is a waiting kernel and a stream memory write.
+//  - Results: the executor sets the slot's device result word with a stream memory write after the
+//    call's GEMM, whether the call is in a run launched ahead ([Steps launched ahead] in
+//    cuda_ipc_channel.cpp) or taken up by its host (a kernel there costs a launch more on the
+//    call's path: N = 1's step 2.53 to 2.59 ms against 2.61 to 2.63 with it, V52, V53); the device
+//    word instead of the host one, never both (a host word set beside a device one would let the
+//    slot's next wait through: V42). The client's kernel waits on it, reading the host result word
+//    now and then: the client's own give_up() releases its waits by setting the host words. The
+//    wait clears the slot's device result and input words (the call is done), and the host result
+//    word only where that let it go: otherwise only give_up() sets it, and then every wait may go.
 //  - Inputs: the client's kernel first sets the slot's host input word (what the executor's host
 //    reads to take the call up, [No waits on a client]) and then its device input word, each
 //    fenced after what came before. A run launched ahead waits on the device word in a kernel,
@@ -41,12 +43,18 @@ namespace symbiosis::cuda {
 // One thread, after the stream's earlier work: sets each of `set` to 1, in order, each visible
 // everywhere before the next (device or mapped host memory); then, given `await`, waits until
 // *await (device memory) is non-zero, or until *release (mapped host memory, read every so many
-// reads of the word; null: never) is, and clears await and each of `clear`.
+// reads of the word; null: never) is, and clears await and each of `clear`, and *release too
+// where it let the wait go and `clear_release` is set. Cleared words in host memory (`clear`
+// with `host_clears`, or the release word) are fenced at system scope before the kernel ends;
+// device words need no fence: the stream's later kernels, and the other process's once they
+// are ordered after those, see them.
 struct HandOff {
   uint32_t* set[2] = {nullptr, nullptr};
   uint32_t* await = nullptr;
-  const uint32_t* release = nullptr;
+  uint32_t* release = nullptr;
   uint32_t* clear[2] = {nullptr, nullptr};
+  bool clear_release = false;
+  bool host_clears = true;
 };
 
 // Enqueues the kernel on `stream`; returns cudaGetLastError() after it.
