@@ -184,8 +184,8 @@ TEST(GpuMetricsTest, GpuAllocatedBytesHoldTheExecutorsWeights) {
 // (a row's result may depend on its place in the batch, or a round may be packed otherwise than
 // assumed); the same rows computed alone differ by up to 1.8e-7 of the largest value, which is
 // printed, not held: another row count gets another kernel by design (issue 27's soak notes in
-// docs/benchmarks-history.md). [Lockstep catch-up] (base_executor/batching.h): the rounds pack all
-// three clients' calls but a few, although the clients start out of step (a cuda-ipc client's
+// docs/benchmarks-history.md). [Lockstep catch-up] (base_executor/batching.h): most rounds pack all
+// three clients' calls, although the clients start out of step (a cuda-ipc client's
 // first call waits for its segment to be mapped). Every round of this test used to wait out the
 // lockstep timeout (95 s for 80 rounds at the default 1 s, on an H100): its two cuda-ipc clients
 // shared one stream (below).
@@ -243,8 +243,11 @@ TEST(PackedBatchTest, PackedRowsEqualTheSameGemmOfThePackedShape) {
   std::cout << "[packed rows] " << kRounds << " rounds of calls in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() << " s" << std::endl;
   const auto stats = request_stats(executor.endpoint(), 10000);
-  // A round split between batches is a round whose clients were out of step: a few at the start.
-  EXPECT_LE(stats.batches(), kRounds + 8u)
+  // A round split between batches is a round whose clients were out of step. How many split
+  // depends on when the calls arrive: alone on an H200, 80 batches or a few more (V48); beside two
+  // other GPU suites, 96 (V55). Clients that never catch up split every round: twice the rounds.
+  std::cout << "[packed rows] " << stats.requests() << " calls in " << stats.batches() << " batches" << std::endl;
+  EXPECT_LT(stats.batches(), kRounds * 3u / 2u)
       << "lockstep's clients did not catch up: " << stats.requests() << " calls in " << stats.batches() << " batches";
 
   auto round_outputs = [&](int r) {
