@@ -26,6 +26,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "bench/process.h"
@@ -346,6 +347,26 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   return args;
 }
 
+// What the executor warned about its tenants in `log` (its lines "[...] [warning] client N: ..."),
+// each line once with how often it came: a tenant whose steps stopped being launched ahead, or
+// whose captured calls stopped replaying, says why here, where the run's figures alone would not.
+json tenant_warnings(const std::string& log) {
+  json said = json::array();
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    const auto level = line.find("] [warning] client ");
+    if (level == std::string::npos) continue;
+    const std::string text = line.substr(level + std::string("] [warning] ").size());
+    const auto same = std::find_if(said.begin(), said.end(), [&](const json& w) { return w["text"] == text; });
+    if (same != said.end()) {
+      (*same)["count"] = (*same)["count"].get<int>() + 1;
+    } else {
+      said.push_back({{"text", text}, {"count", 1}});
+    }
+  }
+  return said;
+}
+
 json run_symbiosis(const json& scenario, const std::vector<json>& clients, const fs::path& model, const json& defaults,
                    const std::string& policy, const fs::path& dir, double window_s, int gpu) {
   auto executor = start_executor(executor_args(scenario, model, policy), dir);
@@ -372,6 +393,7 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
   result["executor_peak_rss_bytes"] = peak_rss_bytes(executor.pid);
   result["policy"] = policy;
   stop(executor.pid);
+  result["executor_tenant_warnings"] = tenant_warnings(read_file(dir / "executor.err"));  // its log's sink
   return result;
 }
 
@@ -462,6 +484,10 @@ void print_row(const json& run, double best_baseline) {
     std::printf("%-26s mean batch %.2f requests, %.1f tokens a call; %.0f%% of the calls launched ahead\n", "",
                 run["mean_batch_requests"].get<double>(), run["mean_call_tokens"].get<double>(),
                 100 * run.value("ahead_share", 0.0));
+  }
+  for (const auto& warning : run.value("executor_tenant_warnings", json::array())) {
+    std::printf("%-26s the executor: %s (%d times)\n", "", warning["text"].get<std::string>().c_str(),
+                warning["count"].get<int>());
   }
   const json groups = run.value("groups", json::object());
   for (const auto& [group, figures] : groups.items()) {
