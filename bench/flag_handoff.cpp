@@ -131,7 +131,7 @@ cuda::CapturedWork tenant_step(const Options& o, Work& work, cuda::Stream stream
 cuda::CapturedWork executor_step(const Options& o, Work& work, cuda::Stream stream, const Side& side, Handoff how) {
   return capture(stream, work, [&] {
     for (int c = 0; c < o.calls; ++c) {
-      if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_channel.cpp's await_input and set_result
+      if (how == Handoff::kDeviceFlags) {  // as cuda_ipc_channel.cpp's await_input and capture_run
         hand_off(stream, {.await = side.device_input[c], .clear = {side.host_input[c], nullptr}});
         work.gemm();
         cuda::write_value_on_stream(stream, side.device_result[c], 1);
