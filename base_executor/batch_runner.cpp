@@ -401,6 +401,7 @@ void BatchRunner::deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& re
   for (auto& r : requests) {
     statistics_.requests++;
     statistics_.tokens += r.tokens;
+    r.payload.channel->computed(r.payload.header);
     r.payload.channel->reply(r.payload.header);
   }
 }

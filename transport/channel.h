@@ -154,6 +154,9 @@ class Channel {
   virtual bool recurs(const shm::CallHeader&) const { return false; }
   // After the call's result is enqueued: orders it before the client's read.
   virtual void finish_writes(const shm::CallHeader&) {}
+  // The call was computed in a batch, alone or packed with other clients' calls, and its result is
+  // being delivered ([Steps launched ahead] records runs from such calls).
+  virtual void computed(const shm::CallHeader&) {}
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): whether the client's next
   // calls repeat, whole, a run of captured calls it made before, so that launch_ahead would launch
   // them; if not, next_request() hands the calls out one by one. May drop the client (a run it left

@@ -49,12 +49,13 @@ namespace {
 // at every step: the same layers, slots and operands. Taken up one by one, each call waits for the
 // executor's host to see its input flag, check it and launch its GEMM: 49 µs a call from one batch
 // to the next at N = 1 on an H200, where the GEMM takes 7 (benchmarks-history.md, V9). So once a
-// run of a client's decode calls, slot 1 up with consecutive sequences, has been computed in place
-// call by call (compute_replayed) and comes again with the same headers, the channel captures the
-// whole run into one CUDA graph on a stream of the client's own: for each call, a wait on the GPU
-// for its slot's input flag, the flag cleared, the GEMM, the result flag set. Each later run with
-// the same headers is then one launch, made as soon as its headers arrive, and the calls hand over
-// between the two processes' GPU work through the flags alone, with no host on their path.
+// run of a client's decode calls, slot 1 up with consecutive sequences, has been computed call by
+// call (computed(): alone, or packed with other clients') and comes again with the same headers,
+// the channel captures the whole run into one CUDA graph on a stream of the client's own: for each
+// call, a wait on the GPU for its slot's input flag, the flag cleared, the GEMM, the result flag
+// set. Each later run with the same headers is then one launch, made as soon as its headers
+// arrive, and the calls hand over between the two processes' GPU work through the flags alone,
+// with no host on their path.
 //  - Everyone else: the waits are on this client's stream, which nothing else uses (the executor
 //    asks CUDA for 32 hardware queues, base_executor/main.cpp, so that streams seldom share one).
 //    Whatever synchronizes the whole GPU (freeing memory, closing another client's IPC mapping)
@@ -65,8 +66,12 @@ namespace {
 //  - Order: a run is launched only once every call handed out before it has its result, after the
 //    client's last stream's work; results_ready is written after it.
 //  - Only decode calls: fine-tuning calls gain from packing with other clients' calls. Decode calls
-//    packed with other tenants' ([Replayed batches] in base_executor/batch_runner.cpp) are not
-//    recorded.
+//    packed with other tenants' ([Replayed batches] in base_executor/batch_runner.cpp) are
+//    recorded too, and their next step launched ahead, alone: runs launched ahead beat steps
+//    packed call by call (V47, V55), and when packed calls were not recorded, a tenant whose
+//    recording step was packed stayed packed: in V52 and V53 half the tenants of eight went call
+//    by call, packed up to seven together, for most of the run (TPOT p50 13.3 to 13.8 ms, the
+//    others 4.7 to 8.8; 63 to 64% of the calls launched ahead, against 99% in the other runs).
 //  - A new payload buffer or a change of shared segments forgets the runs (their operands moved).
 
 class CudaIpcChannel;
@@ -205,8 +210,11 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       replay.key = key;
     }
     replay.work.launch(stream);
-    record(h);
     return true;
+  }
+
+  void computed(const shm::CallHeader& h) override {
+    if (recurs(h)) record(h);
   }
 
   // [Steps launched ahead]
@@ -371,8 +379,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
            a.out_segment == b.out_segment && a.slot == b.slot;
   }
 
-  // A decode call computed in place from its replay: slot 1 starts a run, the next slot with the
-  // next sequence extends it, anything else ends the recording without a run.
+  // A decode call computed (computed()): slot 1 starts a run, the next slot with the next sequence
+  // extends it, anything else ends the recording without a run.
   void record(const shm::CallHeader& h) {
     if (h.latency_class != proto::INFERENCE_DECODE) {
       recording_.clear();

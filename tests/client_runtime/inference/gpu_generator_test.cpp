@@ -399,6 +399,23 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
   EXPECT_GT(stats.ahead_calls(), 0u);
 }
 
+// [Steps launched ahead]: a tenant's decode calls packed with the others' are recorded too, and its
+// later steps launched ahead. With decode waits always on (--judge-window 0) and a rendezvous at
+// each step's first call, the three tenants' decode steps are packed from the first one on; before
+// packed calls were recorded, such tenants never launched a step ahead (V52, V53).
+TEST(GpuGeneration, DecodeStepsPackedWithOtherTenantsAreLaunchedAheadAfter) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto stats = three_tenants_generate_the_monolithic_tokens(
+      "gpu-generate-packed-then-ahead", {"--judge-window", "0", "--decode-align-wait", "50000"}, /*new_tokens=*/160);
+  uint64_t decode = 0;
+  for (const auto& c : stats.classes()) {
+    if (c.latency_class() == proto::INFERENCE_DECODE) decode = c.requests();
+  }
+  std::cout << "[packed then ahead] " << stats.ahead_calls() << " of " << decode << " decode calls launched ahead; "
+            << stats.max_batch_requests() << " requests in the largest batch" << std::endl;
+  EXPECT_GT(stats.ahead_calls(), decode * 3 / 4);
+}
+
 // [Kept streams] (common/cuda.h) for captured steps: twelve generators in threads of one
 // process, each over a client of its own, decode requests of mixed lengths at once. Their batches
 // shrink, so each captures its decode buckets (3) while the others replay theirs: 36 captured steps
