@@ -27,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/cuda.h"
+#include "common/cuda_check.h"
 #include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/cuda_ipc/device_words.h"
 
@@ -96,8 +97,7 @@ cuda::CapturedWork capture(cuda::Stream stream, Work& work, const std::function<
 }
 
 void hand_off(cuda::Stream stream, const cuda::HandOff& h) {
-  const cudaError_t status = cuda::launch_hand_off(h, static_cast<cudaStream_t>(stream.handle));
-  TORCH_CHECK(status == cudaSuccess, "flag-handoff: the kernel did not launch: ", cudaGetErrorString(status));
+  SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(h, static_cast<cudaStream_t>(stream.handle)));
 }
 
 // The tenant's step: its own kernels, then each call handed over `how` (host memory operations are
@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
     monolithic.launch(stream.get());
     cuda::synchronize_stream(stream.get());
   });
-  const auto device_words = cuda::DeviceBuffer::allocate(0, flag_bytes);
+  const auto device_words = cuda::DeviceBuffer::allocate(0, flag_bytes, /*zeroed=*/true);
   TORCH_CHECK(cudaMemset(device_words.data(), 0, flag_bytes) == cudaSuccess, "flag-handoff: cudaMemset failed");
   const cuda::PinnedRange pin(host_words, flag_bytes, /*mapped=*/true);
   const Side side(host_words, pin, device_words.data(), o.calls);

@@ -19,14 +19,18 @@ cudaStream_t cuda_stream(Stream stream) {
 
 }  // namespace
 
-DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes) {
+DeviceBuffer DeviceBuffer::allocate(int device, size_t bytes, bool zeroed) {
   DeviceScope scope(device);
   void* data = nullptr;
   const cudaError_t status = cudaMalloc(&data, bytes);
   TORCH_CHECK(status == cudaSuccess, "cannot allocate a ", bytes, "-byte CUDA IPC buffer on cuda:", device, ": ",
               cudaGetErrorString(status));
   DeviceBuffer buffer(data, bytes, device, [](void* p) { SYMBIOSIS_CUDA_WARN(cudaFree(p)); });
-  SYMBIOSIS_CUDA_CHECK(cudaMemset(data, 0, bytes));
+  if (zeroed) {
+    SYMBIOSIS_CUDA_CHECK(cudaMemset(data, 0, bytes));
+    // Zero before any kernel reads it, on whatever stream (the memset goes on the legacy one).
+    SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+  }
   return buffer;
 }
 

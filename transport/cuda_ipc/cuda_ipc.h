@@ -26,7 +26,8 @@ namespace symbiosis::cuda {
 // this allocation.
 class DeviceBuffer : public DeviceMemory {
  public:
-  static DeviceBuffer allocate(int device, size_t bytes);  // zero-filled
+  // `zeroed`: filled with zeros, and done, before this returns ([Device words] start at 0).
+  static DeviceBuffer allocate(int device, size_t bytes, bool zeroed = false);
   DeviceBuffer() = default;
   std::string ipc_handle() const;  // cudaIpcMemHandle_t's bytes
 

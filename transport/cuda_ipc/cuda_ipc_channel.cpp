@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/cuda.h"
+#include "common/cuda_check.h"
 #include "common/slow_scope.h"
 #include "transport/channel.h"
 #include "transport/transport.h"
@@ -508,12 +509,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     wait.await = cuda::device_input_word(words, shm::kCallSlots, h.slot);
     wait.release = static_cast<uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
     wait.clear[0] = static_cast<uint32_t*>(input_ready);
-    launch_hand_off(stream, wait);
-  }
-
-  static void launch_hand_off(cuda::Stream stream, const cuda::HandOff& hand_off) {
-    const cudaError_t status = cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle));
-    TORCH_CHECK(status == cudaSuccess, "a hand-off kernel did not launch: ", cudaGetErrorString(status));
+    SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(wait, static_cast<cudaStream_t>(stream.handle)));
   }
 
   // After the launch of this client's ready run: hands its calls out.

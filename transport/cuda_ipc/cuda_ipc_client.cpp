@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/cuda.h"
+#include "common/cuda_check.h"
 #include "common/slow_scope.h"
 #include "transport/call_ring.h"
 #include "transport/client_payload.h"
@@ -193,9 +194,7 @@ class CudaIpcPayload : public RegisteredBuffer {
     hand_off.clear_release = true;
     hand_off.clear[0] = device_input;
     hand_off.host_clears = false;
-    const cudaError_t status = cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle));
-    TORCH_CHECK(status == cudaSuccess, "cuda-ipc client: the hand-off of call slot ", slot,
-                " did not launch: ", cudaGetErrorString(status));
+    SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle)));
   }
   // [Capture's stream]: a decode graph is warmed up on its own stream and captured on it later,
   // after other steps (a prefill, another batch size's graph) ran on other streams; the wait that
@@ -299,7 +298,8 @@ class CudaIpcPayload : public RegisteredBuffer {
     const char* wanted = std::getenv(cuda::kDeviceWordsVariable);
     if ((wanted != nullptr && std::string(wanted) == "0") || !cuda::mps_active()) return;
     try {
-      auto words = cuda::DeviceBuffer::allocate(device_, sizeof(uint32_t) * cuda::device_word_count(shm::kCallSlots));
+      auto words = cuda::DeviceBuffer::allocate(device_, sizeof(uint32_t) * cuda::device_word_count(shm::kCallSlots),
+                                                /*zeroed=*/true);
       const std::string handle = words.ipc_handle();
       TORCH_CHECK(handle.size() == sizeof(block_->device_words_handle), "a CUDA IPC handle of ", handle.size(),
                   " bytes, where the control block holds ", sizeof(block_->device_words_handle));

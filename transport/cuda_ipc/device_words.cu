@@ -16,10 +16,6 @@ __global__ void hand_off(HandOff h) {
     __threadfence_system();  // what came before (the stream's earlier work, the word before) first
     *reinterpret_cast<volatile uint32_t*>(word) = 1;
   }
-  if (h.await == nullptr) {
-    __threadfence_system();  // drained now: a host polling the word sees it
-    return;
-  }
   volatile uint32_t* word = h.await;
   volatile uint32_t* release = h.release;
   bool released = false;

@@ -41,7 +41,7 @@
 namespace symbiosis::cuda {
 
 // One thread, after the stream's earlier work: sets each of `set` to 1, in order, each visible
-// everywhere before the next (device or mapped host memory); then, given `await`, waits until
+// everywhere before the next (device or mapped host memory); then waits until
 // *await (device memory) is non-zero, or until *release (mapped host memory, read every so many
 // reads of the word; null: never) is, and clears await and each of `clear`, and *release too
 // where it let the wait go and `clear_release` is set. Cleared words in host memory (`clear`
@@ -50,7 +50,7 @@ namespace symbiosis::cuda {
 // are ordered after those, see them.
 struct HandOff {
   uint32_t* set[2] = {nullptr, nullptr};
-  uint32_t* await = nullptr;
+  uint32_t* await = nullptr;  // required
   uint32_t* release = nullptr;
   uint32_t* clear[2] = {nullptr, nullptr};
   bool clear_release = false;
