@@ -215,6 +215,21 @@ CurrentStreamScope::~CurrentStreamScope() {
   c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, *previous_));
 }
 
+void start_next_kernel_early(Stream stream) {
+  const auto s = cuda_stream(stream);
+  cudaStreamCaptureStatus status{};
+  const cudaGraphNode_t* last = nullptr;
+  size_t count = 0;
+  SYMBIOSIS_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &status, nullptr, nullptr, &last, nullptr, &count));
+  if (status != cudaStreamCaptureStatusActive || count != 1) return;
+  cudaGraphNode_t kernel = last[0];
+  cudaGraphEdgeData programmatic{};
+  programmatic.from_port = cudaGraphKernelNodePortProgrammatic;
+  programmatic.type = cudaGraphDependencyTypeProgrammatic;
+  SYMBIOSIS_CUDA_CHECK(
+      cudaStreamUpdateCaptureDependencies(s, &kernel, &programmatic, 1, cudaStreamSetCaptureDependencies));
+}
+
 CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
   DeviceScope scope(stream.device);
   auto s = cuda_stream(stream);

@@ -216,6 +216,14 @@ class CapturedWork {
   UniqueHandle<void*, Destroy> exec_;  // cudaGraphExec_t; [Owned handles]
 };
 
+// [Early dependents]
+// Called while capturing `stream`, right after a kernel that lets its dependents start before it
+// ends (PTX's griddepcontrol.launch_dependents, as HandOff's waits do once their word is up): the
+// next node captured on `stream`, which must be a kernel, becomes a programmatic dependent of it,
+// so it starts at that instruction, not at the kernel's end (the kernel's tail and the next one's
+// launch then overlap it). For a kernel whose later writes the next one does not read.
+void start_next_kernel_early(Stream stream);
+
 // The current CUDA stream of `device` (LibTorch's).
 Stream current_stream(int device);
 void synchronize_stream(Stream stream);

@@ -510,6 +510,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     wait.release = static_cast<uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
     wait.clear[0] = static_cast<uint32_t*>(input_ready);
     SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(wait, static_cast<cudaStream_t>(stream.handle)));
+    cuda::start_next_kernel_early(stream);  // [Early dependents]: the call's GEMM, once the input is up
   }
 
   // After the launch of this client's ready run: hands its calls out.

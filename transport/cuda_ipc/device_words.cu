@@ -22,6 +22,11 @@ __global__ void hand_off(HandOff h) {
   for (uint32_t reads = 1; *word == 0 && !released; ++reads) {
     released = release != nullptr && reads % kReleaseEvery == 0 && *release != 0;
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // [Early dependents] (common/cuda.h): a kernel captured as this one's programmatic dependent
+  // starts now, beside the clears below, which it does not read.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   *word = 0;
   for (uint32_t* other : h.clear) {
     if (other != nullptr) *reinterpret_cast<volatile uint32_t*>(other) = 0;
