@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -229,6 +230,19 @@ void start_next_kernel_early(Stream stream) {
   SYMBIOSIS_CUDA_CHECK(
       cudaStreamUpdateCaptureDependencies(s, &kernel, &programmatic, 1, cudaStreamSetCaptureDependencies));
 }
+
+namespace {
+std::atomic<bool> calls_may_start_early{true};
+thread_local bool calls_start_early_here = false;
+}  // namespace
+
+CallsStartEarly::CallsStartEarly() : previous_(calls_start_early_here) { calls_start_early_here = true; }
+
+CallsStartEarly::~CallsStartEarly() { calls_start_early_here = previous_; }
+
+bool CallsStartEarly::here() { return calls_start_early_here && calls_may_start_early.load(std::memory_order_relaxed); }
+
+void CallsStartEarly::stop() { calls_may_start_early.store(false, std::memory_order_relaxed); }
 
 CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
   DeviceScope scope(stream.device);

@@ -119,6 +119,8 @@ struct StepGraph::Impl {
     // false and the caller may go on eagerly.
     if (client) client->begin_capture();
     compute_graph = std::make_unique<at::cuda::CUDAGraph>();
+    std::optional<cuda::CallsStartEarly> early;  // [Early dependents] (common/cuda.h): a decode step's
+    if (!apply) early.emplace();
     try {
       capture(*compute_graph, compute, {0, 0});
     } catch (const ResultsLost&) {
@@ -130,6 +132,15 @@ struct StepGraph::Impl {
     } catch (const c10::Error& e) {
       if (client) client->end_capture();
       compute_graph.reset();
+      if (client && cuda::CallsStartEarly::here()) {  // [Early dependents]
+        spdlog::warn(
+            "StepGraph: the step could not be captured with its calls starting the next kernel early "
+            "({}); capturing it, and every later step of this process, without",
+            e.what_without_backtrace());
+        cuda::CallsStartEarly::stop();
+        early.reset();
+        return capture_step();
+      }
       TORCH_CHECK(false, "StepGraph: the step could not be captured in a CUDA graph (", e.what_without_backtrace(),
                   "); run it with StepGraphOptions::capture = false");
     }

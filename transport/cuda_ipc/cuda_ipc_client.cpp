@@ -195,6 +195,8 @@ class CudaIpcPayload : public RegisteredBuffer {
     hand_off.clear[0] = device_input;
     hand_off.host_clears = false;
     SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(hand_off, static_cast<cudaStream_t>(stream.handle)));
+    // [Early dependents]: the step's next kernel starts once the result is up.
+    if (cuda::CallsStartEarly::here()) cuda::start_next_kernel_early(stream);
   }
   // [Capture's stream]: a decode graph is warmed up on its own stream and captured on it later,
   // after other steps (a prefill, another batch size's graph) ran on other streams; the wait that
