@@ -16,6 +16,7 @@
 #include "common/cuda.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/batched_copy.h"
+#include "kernels/direct_gemm.h"
 #endif
 
 namespace symbiosis {
@@ -35,6 +36,16 @@ void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Ten
   if (sources[0].is_cuda()) return kernels::copy_tensors(sources, targets);
 #endif
   for (size_t i = 0; i < sources.size(); ++i) targets[i].copy_(sources[i]);
+}
+
+// What else decides the GEMMs a batch enqueues, for the graphs recorded of them: the share of the
+// GPU they are sized for ([Fine-tuning's SMs] in kernels/direct_gemm.h), which a graph keeps.
+int gemm_variant() {
+#ifdef SYMBIOSIS_WITH_CUDA
+  return cuda::GemmSmTarget::percent();
+#else
+  return 100;
+#endif
 }
 
 // `inputs` packed into x's rows in order, the layer's GEMM into y, and y's rows to `destinations`
@@ -277,7 +288,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
       for (size_t i = 0; i < requests.size(); ++i) {
         auto& w = requests[i].payload;
         const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
-        if (w.channel->compute_replayed(w.header, inputs[i], w.destination, compute)) {
+        if (w.channel->compute_replayed(w.header, inputs[i], w.destination, gemm_variant(), compute)) {
           statistics_.replayed_calls++;
         } else {
           compute();

@@ -25,11 +25,14 @@ bool cublas_gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor&
 // done, so a decode call that comes meanwhile waits for it whatever its stream's priority. While a
 // GemmSmTarget lives on a thread, the cuBLAS GEMMs that thread enqueues are sized for `percent` of
 // the current GPU's multiprocessors (cublasSetSmCountTarget; 100: all of them), leaving the rest to
-// other streams.
+// other streams. A graph recorded of such GEMMs keeps the target it was recorded with, so a
+// replayed call is recorded once for each target it comes under (Channel::compute_replayed's
+// variant): before, a call recorded before any tenant decoded kept all the SMs while one did.
 class GemmSmTarget {
  public:
   explicit GemmSmTarget(int percent);
   ~GemmSmTarget();
+  static int percent();  // this thread's, now (100 without one)
   GemmSmTarget(const GemmSmTarget&) = delete;
   GemmSmTarget& operator=(const GemmSmTarget&) = delete;
 

@@ -143,9 +143,11 @@ class Channel {
   // [Replayed calls] (common/cuda.h): enqueues `compute` (the call's GEMM from `input` into
   // `destination`) on the current stream, for a captured call from a graph made at its first run
   // and made again when its operands or stream change; true then. False for any other call: the
-  // caller runs `compute` itself.
+  // caller runs `compute` itself. `variant` names what else decides what `compute` enqueues (the
+  // GEMMs' share of the GPU, [Fine-tuning's SMs] in kernels/direct_gemm.h): a graph is kept for
+  // each.
   virtual bool compute_replayed(const shm::CallHeader&, const at::Tensor& /*input*/, const at::Tensor& /*destination*/,
-                                const std::function<void()>& /*compute*/) {
+                                int /*variant*/, const std::function<void()>& /*compute*/) {
     return false;
   }
   // Whether the call is one whose operands lie at the same addresses at each of its client's steps

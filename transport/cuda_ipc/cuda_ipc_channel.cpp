@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
@@ -193,12 +194,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   bool recurs(const shm::CallHeader& h) const override { return captured_slot(h) != nullptr && !replays_failed_; }
 
-  bool compute_replayed(const shm::CallHeader& h, const at::Tensor& input, const at::Tensor& destination,
+  bool compute_replayed(const shm::CallHeader& h, const at::Tensor& input, const at::Tensor& destination, int variant,
                         const std::function<void()>& compute) override {
     if (!recurs(h)) return false;
     const cuda::Stream stream = cuda::current_stream(device_);
     const Replay::Key key{h.layer_id, h.op, h.tokens, input.data_ptr(), destination.data_ptr(), stream.handle};
-    auto& replay = replays_[h.slot];
+    auto& replay = replays_[{h.slot, variant}];
     if (!replay.work.valid() || replay.key != key) {
       try {
         replay.work = cuda::CapturedWork::capture(stream, compute);
@@ -582,7 +583,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     Key key;  // layer, op, tokens, input, destination, stream
     cuda::CapturedWork work;
   };
-  std::unordered_map<uint32_t, Replay> replays_;
+  std::map<std::pair<uint32_t, int>, Replay> replays_;  // by slot and variant
   bool replays_failed_ = false;
   // [Steps launched ahead]
   std::vector<Run> runs_;                   // recorded, at most kRuns
