@@ -38,16 +38,6 @@ void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Ten
   for (size_t i = 0; i < sources.size(); ++i) targets[i].copy_(sources[i]);
 }
 
-// What else decides the GEMMs a batch enqueues, for the graphs recorded of them: the share of the
-// GPU they are sized for ([Fine-tuning's SMs] in kernels/direct_gemm.h), which a graph keeps.
-int gemm_variant() {
-#ifdef SYMBIOSIS_WITH_CUDA
-  return cuda::GemmSmTarget::percent();
-#else
-  return 100;
-#endif
-}
-
 // `inputs` packed into x's rows in order, the layer's GEMM into y, and y's rows to `destinations`
 // (each as many rows as its input): a packed batch replayed.
 void packed_gemm(const BaseModel& model, uint32_t layer_id, LayerOp op, const std::vector<at::Tensor>& inputs,
@@ -287,7 +277,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
       std::vector<at::Tensor> rows;
       for (size_t i = 0; i < requests.size(); ++i) {
         auto& w = requests[i].payload;
-        const auto compute = [&] { model_.compute_into(batch.layer_id, batch.op, inputs[i], w.destination); };
+        const auto compute = [&] { compute_in_pieces(batch.layer_id, batch.op, inputs[i], w.destination); };
         if (w.channel->compute_replayed(w.header, inputs[i], w.destination, gemm_variant(), compute)) {
           statistics_.replayed_calls++;
         } else {
@@ -311,6 +301,24 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
   for (size_t i = 0; i < requests.size(); ++i)
     rows.push_back(y.narrow(0, first_row[i], requests[i].payload.header.tokens));
   return rows;
+}
+
+void BatchRunner::compute_in_pieces(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const {
+  const int64_t rows = x.size(0);
+  if (piece_rows_ <= 0 || rows <= piece_rows_) return model_.compute_into(layer_id, op, x, out);
+  for (int64_t row = 0; row < rows; row += piece_rows_) {
+    const int64_t count = std::min<int64_t>(piece_rows_, rows - row);
+    auto piece = out.narrow(0, row, count);
+    model_.compute_into(layer_id, op, x.narrow(0, row, count), piece);
+  }
+}
+
+int BatchRunner::gemm_variant() const {
+#ifdef SYMBIOSIS_WITH_CUDA
+  return cuda::GemmSmTarget::percent() + 1000 * piece_rows_;
+#else
+  return 1000 * piece_rows_;
+#endif
 }
 
 at::Tensor BatchRunner::pack(CallBatcher::Batch& batch, uint64_t number, const std::vector<at::Tensor>& inputs,
@@ -417,7 +425,8 @@ void BatchRunner::deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& re
   }
 }
 
-void BatchRunner::run(CallBatcher::Batch& batch) {
+void BatchRunner::run(CallBatcher::Batch& batch, int piece_rows) {
+  piece_rows_ = piece_rows;
   // [Traces] (tracing.h): the batch's scope names its calls; built only while a profiler listens.
   std::string scope;
   at::RecordFunction guard(at::RecordScope::USER_SCOPE);

@@ -88,6 +88,8 @@ void ExecutorOptions::validate() const {
   TORCH_CHECK(spin_us >= -1, "executor option --spin-us must be >= 0 (or -1: by device), got ", spin_us);
   TORCH_CHECK(streams >= 1 && streams <= 32, "executor option --streams must be 1 to 32, got ", streams);
   TORCH_CHECK(concurrent_tokens >= 0, "executor option --concurrent-tokens must be >= 0, got ", concurrent_tokens);
+  TORCH_CHECK(finetune_piece_rows >= 0, "executor option --finetune-piece-rows must be 0 or more, got ",
+              finetune_piece_rows);
   TORCH_CHECK(finetune_sm_percent >= 1 && finetune_sm_percent <= 100,
               "executor option --finetune-sm-percent must be 1 to 100, got ", finetune_sm_percent);
 }

@@ -93,6 +93,11 @@ struct ExecutorOptions {
   // 50 ms), a GPU executor sizes the GEMMs of batches of fine-tuning calls alone for this percent of
   // the GPU's multiprocessors, so that decode calls find the others free at once; 100: all of them.
   int finetune_sm_percent = 50;
+  // [Fine-tuning in pieces] (base_executor/batch_runner.h): while a tenant decodes, a fine-tuning
+  // call of more rows runs as GEMMs of at most this many rows, on a high-priority stream as decode
+  // calls' are, so that a decode call waits behind one piece and fine-tuning is not left the GPU's
+  // gaps. 0: whole, on a normal-priority stream.
+  int finetune_piece_rows = 0;
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a same-GPU tenant's captured
   // decode steps, once seen, run as one launch each, their calls waiting on the GPU for their inputs.
   bool launch_ahead = true;

@@ -114,6 +114,10 @@ int main(int argc, char** argv) {
                  "while a tenant decodes, a GPU executor sizes the GEMMs of fine-tuning calls for this percent of the "
                  "GPU's multiprocessors, leaving the others to decode calls (1 to 100; 100: all)")
       ->capture_default_str();
+  app.add_option("--finetune-piece-rows", options.finetune_piece_rows,
+                 "while a tenant decodes, a GPU executor computes a fine-tuning call of more rows as GEMMs of at most "
+                 "this many rows, at the decode calls' stream priority (0: whole, at a lower priority)")
+      ->capture_default_str();
   app.add_option("--launch-ahead", options.launch_ahead,
                  "run a same-GPU tenant's captured decode steps, once seen, as one launch each, its calls waiting on "
                  "the GPU for their inputs (true/false)")

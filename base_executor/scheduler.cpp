@@ -442,21 +442,23 @@ void Scheduler::run() {
     if (parts_) {
       if (take_part(batch)) continue;
     } else if (batch) {
+      int piece_rows = 0;  // [Fine-tuning in pieces]: 0, whole
 #ifdef SYMBIOSIS_WITH_CUDA
       const auto& first = batch->requests[0];
       const bool fine_tuning = std::all_of(batch->requests.begin(), batch->requests.end(),
                                            [](const auto& r) { return r.latency == LatencyClass::kFineTuning; });
+      // [Fine-tuning's SMs], [Fine-tuning in pieces]
+      const bool yielding = streams && fine_tuning && now - last_decode_ < kDecodingLately &&
+                            (options_.finetune_sm_percent < 100 || options_.finetune_piece_rows > 0);
+      if (yielding) statistics_.yielding_calls += batch->requests.size();
+      if (yielding) piece_rows = options_.finetune_piece_rows;
       if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
         const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
-        streams->use(in_place ? first.client_id : 0, in_place && fine_tuning);
+        streams->use(in_place ? first.client_id : 0, in_place && fine_tuning && piece_rows == 0);
       }
-      // [Fine-tuning's SMs]
-      const bool yielding =
-          streams && fine_tuning && now - last_decode_ < kDecodingLately && options_.finetune_sm_percent < 100;
-      if (yielding) statistics_.yielding_calls += batch->requests.size();
       cuda::GemmSmTarget sms(yielding ? options_.finetune_sm_percent : 100);
 #endif
-      runner_.run(*batch);
+      runner_.run(*batch, piece_rows);
       continue;
     }
     auto deadline = batcher_.next_deadline(now);

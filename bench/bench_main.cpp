@@ -341,6 +341,9 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   if (ex.contains("finetune_sm_percent")) {
     args.insert(args.end(), {"--finetune-sm-percent", std::to_string(ex["finetune_sm_percent"].get<int>())});
   }
+  if (ex.contains("finetune_piece_rows")) {
+    args.insert(args.end(), {"--finetune-piece-rows", std::to_string(ex["finetune_piece_rows"].get<int>())});
+  }
   if (ex.contains("concurrent_tokens")) {
     args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
   }

@@ -136,8 +136,8 @@ fs::path write_train(const fs::path& dir) {
 // client is another process: CUDA IPC), on a tiny Llama with examples() as its training set; the
 // programs' output in `dir`.
 struct GpuFinetune {
-  explicit GpuFinetune(const std::string& name) : dir(testing::temp_dir(name)), train(write_train(dir)) {
-    ExecutorOptions options;
+  explicit GpuFinetune(const std::string& name, ExecutorOptions options = {})
+      : dir(testing::temp_dir(name)), train(write_train(dir)) {
     options.device = "cuda:0";
     executor = testing::start_executor(model, options);
   }
@@ -175,12 +175,10 @@ TEST(GpuTrainerTest, FinetuneProgramOnAGpuTrainsSplitToTheMonolithicLosses) {
   EXPECT_NEAR(eager, mono, 1e-4 * mono);
 }
 
-// [Fine-tuning's SMs] (kernels/direct_gemm.h): beside a tenant decoding on the same executor, the
-// fine-tuning tenant's GEMMs are sized for part of the GPU (--finetune-sm-percent, half by default),
-// and it trains to the monolithic losses as alone.
-TEST(GpuTrainerTest, FinetuneBesideADecodingTenantTrainsToTheMonolithicLosses) {
-  SKIP_WITHOUT_GPUS(1);
-  const GpuFinetune finetune("gpu-finetune-beside-decode");
+// Fine-tuning beside a tenant decoding on the same executor (the executor started with `options`)
+// trains to the monolithic losses as alone, and its calls yielded to the decode calls.
+void finetune_beside_decode(const std::string& name, const ExecutorOptions& options) {
+  const GpuFinetune finetune(name, options);
   const auto& dir = finetune.dir;
   const auto endpoint = finetune.executor->endpoint();
   // The decoding tenant: many requests of 200 new tokens, stopped once the fine-tuning is done.
@@ -202,6 +200,22 @@ TEST(GpuTrainerTest, FinetuneBesideADecodingTenantTrainsToTheMonolithicLosses) {
   EXPECT_NEAR(beside, mono, 1e-4 * mono);
   EXPECT_EQ(stats.errors(), 0u);
   EXPECT_GT(stats.yielding_calls(), 0u) << "decode calls: none seen beside the fine-tuning? see " << dir;
+}
+
+// [Fine-tuning's SMs] (kernels/direct_gemm.h): the fine-tuning tenant's GEMMs sized for part of the
+// GPU (--finetune-sm-percent, half by default).
+TEST(GpuTrainerTest, FinetuneBesideADecodingTenantTrainsToTheMonolithicLosses) {
+  SKIP_WITHOUT_GPUS(1);
+  finetune_beside_decode("gpu-finetune-beside-decode", {});
+}
+
+// [Fine-tuning in pieces] (base_executor/batch_runner.h): its calls computed as GEMMs of 16 rows at
+// most, at the decode calls' priority.
+TEST(GpuTrainerTest, FinetuneInPiecesBesideADecodingTenantTrainsToTheMonolithicLosses) {
+  SKIP_WITHOUT_GPUS(1);
+  ExecutorOptions options;
+  options.finetune_piece_rows = 16;
+  finetune_beside_decode("gpu-finetune-pieces-beside-decode", options);
 }
 
 }  // namespace
