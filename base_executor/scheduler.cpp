@@ -450,8 +450,10 @@ void Scheduler::run() {
       // [Fine-tuning's SMs], [Fine-tuning in pieces]
       const bool yielding = streams && fine_tuning && now - last_decode_ < kDecodingLately &&
                             (options_.finetune_sm_percent < 100 || options_.finetune_piece_rows > 0);
-      if (yielding) statistics_.yielding_calls += batch->requests.size();
-      if (yielding) piece_rows = options_.finetune_piece_rows;
+      if (yielding) {
+        statistics_.yielding_calls += batch->requests.size();
+        piece_rows = options_.finetune_piece_rows;
+      }
       if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
         const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
         streams->use(in_place ? first.client_id : 0, in_place && fine_tuning && piece_rows == 0);

@@ -219,9 +219,11 @@ class CapturedWork {
 // [Early dependents]
 // Called while capturing `stream`, right after a kernel that lets its dependents start before it
 // ends (PTX's griddepcontrol.launch_dependents, as HandOff's waits do once their word is up): the
-// next node captured on `stream`, which must be a kernel, becomes a programmatic dependent of it,
-// so it starts at that instruction, not at the kernel's end (the kernel's tail and the next one's
-// launch then overlap it). For a kernel whose later writes the next one does not read.
+// next node captured on `stream` becomes a programmatic dependent of it, so it starts at that
+// instruction, not at the kernel's end (the kernel's tail and the next one's launch then overlap
+// it). For a kernel whose later writes the next one does not read. That node must be a kernel: any
+// other fails its capture (the executor's run then goes call by call, with a warning: it is the
+// call's GEMM there). Outside a capture, nothing.
 void start_next_kernel_early(Stream stream);
 // On a tenant's side, a captured call's hand-off starts the step's next kernel so
 // (transport/cuda_ipc/cuda_ipc_client.cpp; N = 1's step 2.45 ms against 2.50, V60), in the capture

@@ -9,13 +9,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
-#include <map>
 #include <unordered_map>
 #include <vector>
 
