@@ -124,6 +124,7 @@ TEST(ExecutorOptionsTest, ComputeStreamOptionsOutOfRangeAreRefusedNamingTheFlag)
   refused({.model_dir = "model", .concurrent_tokens = -1}, "--concurrent-tokens");
   refused({.model_dir = "model", .finetune_sm_percent = 0}, "--finetune-sm-percent must be 1 to 100, got 0");
   refused({.model_dir = "model", .finetune_sm_percent = 101}, "--finetune-sm-percent");
+  refused({.model_dir = "model", .finetune_piece_rows = -1}, "--finetune-piece-rows must be 0 or more, got -1");
   EXPECT_NO_THROW(ExecutorOptions({.model_dir = "model", .streams = 1, .concurrent_tokens = 0}).validate());
 }
 
