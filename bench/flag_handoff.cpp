@@ -218,7 +218,6 @@ int main(int argc, char** argv) {
     cuda::synchronize_stream(stream.get());
   });
   const auto device_words = cuda::DeviceBuffer::allocate(0, flag_bytes, /*zeroed=*/true);
-  TORCH_CHECK(cudaMemset(device_words.data(), 0, flag_bytes) == cudaSuccess, "flag-handoff: cudaMemset failed");
   const cuda::PinnedRange pin(host_words, flag_bytes, /*mapped=*/true);
   const Side side(host_words, pin, device_words.data(), o.calls);
   if (processes == 2) {
