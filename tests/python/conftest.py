@@ -89,20 +89,31 @@ class Executor(ReadyProcess):
 
 class TinkerServer(ReadyProcess):
     """A symbiosis-tinker process on a free port (args: its flags); url: its base URL. Its clients
-    are the tinker SDK's, with KEY unless told another."""
+    are the tinker SDK's, with KEY unless told another. Stopping it first finishes the sessions of
+    the ServiceClients it made, as a user's `with ServiceClient(...)` does: their heartbeats stop
+    rather than wake the SDK's daemon thread while the interpreter shuts down."""
 
     KEY = "tml-alice-key"
 
     def __init__(self, args, log_path):
         program = os.environ.get("SYMBIOSIS_TINKER", os.path.join(BUILD, "examples", "symbiosis-tinker"))
         super().__init__([program, "--port", "0", *args], log_path, "symbiosis-tinker")
+        self.sessions = []  # the ServiceClients service() made
         self.wait_ready(timeout_s=120)
         self.url = self.address
 
     def service(self, key=KEY):
         import tinker
 
-        return tinker.ServiceClient(base_url=self.url, api_key=key)
+        client = tinker.ServiceClient(base_url=self.url, api_key=key)
+        self.sessions.append(client)
+        return client
+
+    def stop(self, timeout_s=30):
+        for client in self.sessions:
+            client.close("success").result(timeout=timeout_s)
+        self.sessions = []
+        super().stop(timeout_s)
 
     def rest(self, key=KEY):
         import tinker
