@@ -139,6 +139,7 @@ struct StepGraph::Impl {
             e.what_without_backtrace());
         cuda::CallsStartEarly::stop();
         early.reset();
+        (void)cudaGetLastError();  // the refused enqueue's error must not fail the next launch's check
         return capture_step();
       }
       TORCH_CHECK(false, "StepGraph: the step could not be captured in a CUDA graph (", e.what_without_backtrace(),
