@@ -26,6 +26,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -52,6 +53,70 @@ int trace_iterations = 0;  // 0: no traces
 
 double epoch_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// [Scenario keys] A scenario's keys are checked before anything runs: one the harness does not read
+// (a misspelt setting) is refused, naming it, where it stands and what that place takes; else the
+// run would use the default and report its figures as the setting's.
+const std::set<std::string> kClientKeys = {
+    "mode",  "batch",     "seq",     "rank",       "targets", "iterations",        "warmup",    "device",
+    "dtype", "transport", "threads", "cuda_graph", "mask",    "mask_effects_here", "new_tokens"};
+
+const std::set<std::string> kExecutorKeys = {"device",
+                                             "dtype",
+                                             "policies",
+                                             "max_wait_us",
+                                             "lockstep_timeout_ms",
+                                             "threads",
+                                             "spin_us",
+                                             "log_level",
+                                             "decode_align_wait_us",
+                                             "judge_window_ms",
+                                             "streams",
+                                             "launch_ahead",
+                                             "finetune_sm_percent",
+                                             "finetune_piece_rows",
+                                             "concurrent_tokens"};
+
+void check_keys(const json& object, const std::string& where, const std::set<std::string>& known) {
+  if (!object.is_object()) {
+    throw std::runtime_error(where + " is a JSON " + object.type_name() + "; expected an object");
+  }
+  for (const auto& entry : object.items()) {
+    if (known.count(entry.key())) continue;
+    std::string names;
+    for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
+    throw std::runtime_error(where + " has the key \"" + entry.key() +
+                             "\", which symbiosis-bench does not read; expected one of: " + names);
+  }
+}
+
+std::set<std::string> with(std::set<std::string> keys, std::initializer_list<const char*> more) {
+  keys.insert(more.begin(), more.end());
+  return keys;
+}
+
+void check_scenario(const json& scenario) {
+  check_keys(scenario, "the scenario",
+             {"name", "model", "executor", "client_defaults", "clients", "variants", "counts", "window_s", "alone",
+              "baseline", "baselines", "mode", "capacity_limit", "capacity_wave"});
+  if (!scenario.contains("model")) throw std::runtime_error("the scenario has no \"model\"; expected one");
+  check_keys(scenario["model"], "model", {"preset", "dtype", "layers", "checkpoint"});
+  if (scenario.contains("executor")) check_keys(scenario["executor"], "executor", kExecutorKeys);
+  if (scenario.contains("client_defaults")) check_keys(scenario["client_defaults"], "client_defaults", kClientKeys);
+  if (!scenario.contains("clients") || !scenario["clients"].is_array()) {
+    throw std::runtime_error("the scenario has no \"clients\" list; expected one");
+  }
+  for (size_t i = 0; i < scenario["clients"].size(); ++i) {
+    check_keys(scenario["clients"][i], "clients[" + std::to_string(i) + "]",
+               with(kClientKeys, {"count", "group", "mps_thread_percentage"}));
+  }
+  for (size_t i = 0; scenario.contains("variants") && i < scenario["variants"].size(); ++i) {
+    const std::string where = "variants[" + std::to_string(i) + "]";
+    const json& variant = scenario["variants"][i];
+    check_keys(variant, where, with(kClientKeys, {"name", "executor"}));
+    if (variant.contains("executor")) check_keys(variant["executor"], where + ".executor", kExecutorKeys);
+  }
 }
 
 // Each client entry may stand for several identical clients ("count"), and names their group
@@ -521,7 +586,9 @@ int main(int argc, char** argv) {
   std::string scenario_file, out_dir;
   CLI::App app{"symbiosis-bench: run a benchmark scenario (see docs/benchmarks.md)"};
   app.add_option("--scenario", scenario_file, "scenario JSON file")->required();
-  app.add_option("--out", out_dir, "directory for results.json, results.png and the logs")->required();
+  app.add_option("--out", out_dir, "directory for results.json, results.png and the logs (required to run)");
+  bool check_only = false;
+  app.add_flag("--check", check_only, "check the scenario's keys ([Scenario keys]) and run nothing");
   app.add_option("--python", python, "Python with transformers and peft (HF PEFT baseline, plot)")
       ->capture_default_str();
   app.add_option("--source-dir", source_dir, "the Symbiosis source tree")->capture_default_str();
@@ -536,6 +603,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const json scenario = json::parse(read_file(scenario_file));
+    check_scenario(scenario);
+    if (check_only) return 0;
+    if (out_dir.empty()) throw std::runtime_error("--out is required to run a scenario");
     const fs::path out = out_dir;
     fs::create_directories(out);
     json defaults = {{"mode", "finetune"},
@@ -664,7 +734,7 @@ int main(int argc, char** argv) {
     std::printf("results: %s\n", (out / "results.json").c_str());
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "symbiosis-bench: " << e.what() << std::endl;
+    std::cerr << "symbiosis-bench: " << scenario_file << ": " << e.what() << std::endl;
     return 1;
   }
 }
