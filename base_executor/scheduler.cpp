@@ -442,25 +442,21 @@ void Scheduler::run() {
     if (parts_) {
       if (take_part(batch)) continue;
     } else if (batch) {
-      int piece_rows = 0;  // [Fine-tuning in pieces]: 0, whole
+      GpuShare share;  // [GPU share] (gpu_share.h): whole, on all the multiprocessors
 #ifdef SYMBIOSIS_WITH_CUDA
-      const auto& first = batch->requests[0];
-      const bool fine_tuning = std::all_of(batch->requests.begin(), batch->requests.end(),
-                                           [](const auto& r) { return r.latency == LatencyClass::kFineTuning; });
-      // [Fine-tuning's SMs], [Fine-tuning in pieces]
-      const bool yielding = streams && fine_tuning && now - last_decode_ < kDecodingLately &&
-                            (options_.finetune_sm_percent < 100 || options_.finetune_piece_rows > 0);
-      if (yielding) {
-        statistics_.yielding_calls += batch->requests.size();
-        piece_rows = options_.finetune_piece_rows;
-      }
-      if (streams) {  // [Compute streams]: in place on the client's stream, or on the first
+      if (streams) {
+        const auto& first = batch->requests[0];
+        const bool fine_tuning = std::all_of(batch->requests.begin(), batch->requests.end(),
+                                             [](const auto& r) { return r.latency == LatencyClass::kFineTuning; });
+        share = gpu_share(fine_tuning, now - last_decode_, options_.finetune_sm_percent, options_.finetune_piece_rows);
+        if (share.yields()) statistics_.yielding_calls += batch->requests.size();
+        // [Compute streams]: in place on the client's stream, or on the first
         const bool in_place = batch->requests.size() == 1 && first.payload.channel->orders_by_flags();
-        streams->use(in_place ? first.client_id : 0, in_place && fine_tuning && piece_rows == 0);
+        streams->use(in_place ? first.client_id : 0, in_place && share.low_priority);
       }
-      cuda::GemmSmTarget sms(yielding ? options_.finetune_sm_percent : 100);
+      cuda::GemmSmTarget sms(share.sm_percent);
 #endif
-      runner_.run(*batch, piece_rows);
+      runner_.run(*batch, share.piece_rows);
       continue;
     }
     auto deadline = batcher_.next_deadline(now);

@@ -26,6 +26,7 @@
 #include "base_executor/base_model.h"
 #include "base_executor/batch_runner.h"
 #include "base_executor/executor.h"
+#include "base_executor/gpu_share.h"
 #include "base_executor/overload.h"
 #include "base_executor/parts.h"
 #include "base_executor/statistics.h"
@@ -155,10 +156,8 @@ class Scheduler {
   // Owned by the scheduler's thread.
   CallBatcher batcher_;
   BatchRunner runner_;
-  // [Fine-tuning's SMs] (kernels/direct_gemm.h): when a decode call came or a decode step was ready
-  // last; fine-tuning GEMMs leave multiprocessors free for kDecodingLately after.
+  // [GPU share] (gpu_share.h): when a decode call came or a decode step was ready last.
   std::chrono::steady_clock::time_point last_decode_{};
-  static constexpr auto kDecodingLately = std::chrono::milliseconds(50);
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id
   Teardown teardown_;                   // of the channels it lets go of ([Teardown off the front door] in teardown.h)
   std::map<uint64_t, Status> refused_;  // ClientRefused: why, by client id

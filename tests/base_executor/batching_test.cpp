@@ -3,7 +3,8 @@
 // client that leaves or stalls, the token cap splits batches, no queue starves, and a request
 // marked alone neither waits nor is packed (but under lockstep); and the [Paying waits] judge keeps
 // decode waits where they pay and drops them where they cost (simulated tenants). [CPU threads]: a
-// CPU executor's team for a batch, from its work.
+// CPU executor's team for a batch, from its work. [GPU share]: a fine-tuning batch's share of the GPU
+// while tenants decode.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include "base_executor/batching.h"
 #include "base_executor/cpu_threads.h"
+#include "base_executor/gpu_share.h"
 
 namespace symbiosis {
 namespace {
@@ -605,6 +607,44 @@ TEST(CpuThreads, ATeamIsSizedFromItsBatchsWork) {
   EXPECT_EQ(cpu_threads_for(1, 2048, 8192, 2, kCores), kCores);             // its MLP's decode: 32 MiB
   EXPECT_EQ(cpu_threads_for(8, 2048, 2048, 2, /*cores=*/4), 4);
   EXPECT_EQ(cpu_threads_for(8, 2048, 2048, 2, /*cores=*/0), 1);
+}
+
+// [GPU share]: a fine-tuning batch yields (half the multiprocessors by default, pieces when asked)
+// only while tenants decode lately; it runs at low priority unless in pieces; a decode or prefill
+// batch runs whole on every multiprocessor at normal priority, whenever it comes.
+TEST(GpuShareTest, AFineTuningBatchYieldsOnlyWhileTenantsDecodeLately) {
+  using Since = std::chrono::steady_clock::duration;  // since a decode call came or a step was ready
+  const Since lately = kDecodingLately - 1ms, long_ago = kDecodingLately + 1ms;
+  const Since never = std::chrono::steady_clock::now() - std::chrono::steady_clock::time_point{};
+
+  GpuShare halves = gpu_share(/*fine_tuning=*/true, lately, /*sm_percent=*/50, /*piece_rows=*/0);
+  EXPECT_EQ(halves.sm_percent, 50);
+  EXPECT_EQ(halves.piece_rows, 0);
+  EXPECT_TRUE(halves.low_priority);
+  EXPECT_TRUE(halves.yields());
+
+  GpuShare pieces = gpu_share(true, lately, 50, 256);
+  EXPECT_EQ(pieces.sm_percent, 50);
+  EXPECT_EQ(pieces.piece_rows, 256);
+  EXPECT_FALSE(pieces.low_priority);  // a piece runs at the decode calls' priority
+  EXPECT_TRUE(pieces.yields());
+
+  for (const auto since : {long_ago, never}) {  // no tenant decodes: whole, every multiprocessor
+    GpuShare alone = gpu_share(true, since, 50, 256);
+    EXPECT_EQ(alone.sm_percent, 100);
+    EXPECT_EQ(alone.piece_rows, 0);
+    EXPECT_TRUE(alone.low_priority);
+    EXPECT_FALSE(alone.yields());
+  }
+
+  EXPECT_FALSE(gpu_share(true, lately, 100, 0).yields());  // --finetune-sm-percent 100: as before
+
+  for (const auto since : {lately, long_ago}) {  // a batch with a decode or prefill call never yields
+    GpuShare other = gpu_share(/*fine_tuning=*/false, since, 50, 256);
+    EXPECT_EQ(other.sm_percent, 100);
+    EXPECT_EQ(other.piece_rows, 0);
+    EXPECT_FALSE(other.low_priority);
+  }
 }
 
 }  // namespace
