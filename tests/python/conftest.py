@@ -110,10 +110,12 @@ class TinkerServer(ReadyProcess):
         return client
 
     def stop(self, timeout_s=30):
-        for client in self.sessions:
-            client.close("success").result(timeout=timeout_s)
-        self.sessions = []
-        super().stop(timeout_s)
+        try:
+            for client in self.sessions:
+                client.close("success").result(timeout=timeout_s)
+        finally:  # the process ends even where a session could not be finished
+            self.sessions = []
+            super().stop(timeout_s)
 
     def rest(self, key=KEY):
         import tinker
