@@ -16,7 +16,6 @@
 #include "common/cuda.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include "kernels/batched_copy.h"
-#include "kernels/direct_gemm.h"
 #endif
 
 namespace symbiosis {
@@ -278,7 +277,7 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
       for (size_t i = 0; i < requests.size(); ++i) {
         auto& w = requests[i].payload;
         const auto compute = [&] { compute_in_pieces(batch.layer_id, batch.op, inputs[i], w.destination); };
-        if (w.channel->compute_replayed(w.header, inputs[i], w.destination, gemm_variant(), compute)) {
+        if (w.channel->compute_replayed(w.header, inputs[i], w.destination, share_.variant(), compute)) {
           statistics_.replayed_calls++;
         } else {
           compute();
@@ -304,21 +303,13 @@ std::vector<at::Tensor> BatchRunner::compute(CallBatcher::Batch& batch) {
 }
 
 void BatchRunner::compute_in_pieces(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const {
-  const int64_t rows = x.size(0);
-  if (piece_rows_ <= 0 || rows <= piece_rows_) return model_.compute_into(layer_id, op, x, out);
-  for (int64_t row = 0; row < rows; row += piece_rows_) {
-    const int64_t count = std::min<int64_t>(piece_rows_, rows - row);
+  const int64_t rows = x.size(0), piece_rows = share_.piece_rows;
+  if (piece_rows <= 0 || rows <= piece_rows) return model_.compute_into(layer_id, op, x, out);
+  for (int64_t row = 0; row < rows; row += piece_rows) {
+    const int64_t count = std::min<int64_t>(piece_rows, rows - row);
     auto piece = out.narrow(0, row, count);
     model_.compute_into(layer_id, op, x.narrow(0, row, count), piece);
   }
-}
-
-int BatchRunner::gemm_variant() const {
-#ifdef SYMBIOSIS_WITH_CUDA
-  return cuda::GemmSmTarget::percent() + 1000 * piece_rows_;
-#else
-  return 1000 * piece_rows_;
-#endif
 }
 
 at::Tensor BatchRunner::pack(CallBatcher::Batch& batch, uint64_t number, const std::vector<at::Tensor>& inputs,
@@ -425,8 +416,8 @@ void BatchRunner::deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& re
   }
 }
 
-void BatchRunner::run(CallBatcher::Batch& batch, int piece_rows) {
-  piece_rows_ = piece_rows;
+void BatchRunner::run(CallBatcher::Batch& batch, const GpuShare& share) {
+  share_ = share;
   // [Traces] (tracing.h): the batch's scope names its calls; built only while a profiler listens.
   std::string scope;
   at::RecordFunction guard(at::RecordScope::USER_SCOPE);

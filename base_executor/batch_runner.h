@@ -10,6 +10,7 @@
 #include "base_executor/base_model.h"
 #include "base_executor/batching.h"
 #include "base_executor/executor.h"
+#include "base_executor/gpu_share.h"
 #include "base_executor/statistics.h"
 #include "transport/call_ring.h"
 #include "transport/channel.h"
@@ -38,13 +39,14 @@ class BatchRunner : public CallEnqueuer {
   BatchRunner(const BaseModel& model, Statistics& statistics, InputObserver on_input = {}, Parts* parts = nullptr);
   ~BatchRunner();
   // With parts, the other parts must be computing this batch with it ([Rounds] in parts.h).
-  // piece_rows: [Fine-tuning in pieces]
-  // A call computed in place, of more rows than piece_rows (> 0), runs as GEMMs of at most that
-  // many rows, one after another: a kernel of the GEMM library on Hopper holds a block on each
-  // multiprocessor it runs on until its product is done, so a decode call that comes meanwhile
-  // waits for one piece, not the whole product. Results agree with the whole GEMM's within the
-  // dtype's rounding (another row count may take another kernel).
-  void run(CallBatcher::Batch& batch, int piece_rows = 0);
+  // share: the batch's share of the GPU ([GPU share] in gpu_share.h), under which its caller has
+  // set the GEMMs' multiprocessors. [Fine-tuning in pieces]: a call computed in place, of more
+  // rows than share.piece_rows (> 0), runs as GEMMs of at most that many rows, one after another:
+  // a kernel of the GEMM library on Hopper holds a block on each multiprocessor it runs on until
+  // its product is done, so a decode call that comes meanwhile waits for one piece, not the whole
+  // product. Results agree with the whole GEMM's within the dtype's rounding (another row count
+  // may take another kernel).
+  void run(CallBatcher::Batch& batch, const GpuShare& share = {});
   // Answers each of the batch's calls with `status`.
   void refuse(CallBatcher::Batch& batch, const Status& status);
   // [CPU threads] (cpu_threads.h): from now on the calling thread's OpenMP team is sized for each
@@ -66,12 +68,8 @@ class BatchRunner : public CallEnqueuer {
   at::Tensor pack(CallBatcher::Batch& batch, uint64_t number, const std::vector<at::Tensor>& inputs,
                   std::vector<int64_t>& first_row);
   void deliver(CallBatcher::Batch& batch, std::vector<at::Tensor>& results);
-  // A call's GEMM from x into out, in place, in pieces of piece_rows_ ([Fine-tuning in pieces]).
+  // A call's GEMM from x into out, in place, in pieces of share_.piece_rows ([Fine-tuning in pieces]).
   void compute_in_pieces(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const;
-  // What else decides the GEMMs a batch enqueues, for the graphs recorded of them (a graph keeps
-  // them): the share of the GPU they are sized for ([Fine-tuning's SMs] in kernels/direct_gemm.h)
-  // and piece_rows_.
-  int gemm_variant() const;
 
   const BaseModel& model_;
   Statistics& statistics_;
@@ -80,8 +78,8 @@ class BatchRunner : public CallEnqueuer {
   std::vector<Statistics::BatchCall> calls_;  // the batch's calls, for the statistics (kept: no allocation a batch)
   std::unique_ptr<ReplayedBatches> replays_;  // on a GPU
   Parts* const parts_;
-  int cpu_cores_ = 0;   // [CPU threads]: 0: the team is left as it is
-  int piece_rows_ = 0;  // the batch's, while it runs ([Fine-tuning in pieces])
+  int cpu_cores_ = 0;  // [CPU threads]: 0: the team is left as it is
+  GpuShare share_;     // the batch's, while it runs
 };
 
 }  // namespace symbiosis

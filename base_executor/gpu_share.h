@@ -15,6 +15,9 @@ struct GpuShare {
   int piece_rows = 0;         // a call's GEMMs of at most this many rows; 0: whole
   bool low_priority = false;  // run in place, on its client's low-priority stream
   bool yields() const { return sm_percent < 100 || piece_rows > 0; }
+  // Tells shares apart for the graphs recorded of a call's GEMMs, which keep the share they were
+  // recorded under (Channel::compute_replayed's variant).
+  int variant() const { return sm_percent + 1000 * piece_rows; }
 };
 
 // A batch of fine-tuning calls alone, while tenants decode lately, takes finetune_sm_percent of the

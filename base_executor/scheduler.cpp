@@ -456,7 +456,7 @@ void Scheduler::run() {
       }
       cuda::GemmSmTarget sms(share.sm_percent);
 #endif
-      runner_.run(*batch, share.piece_rows);
+      runner_.run(*batch, share);
       continue;
     }
     auto deadline = batcher_.next_deadline(now);

@@ -63,7 +63,6 @@ cudaDataType_t data_type(at::ScalarType t) {
 
 GemmSmTarget::GemmSmTarget(int percent) : previous_(sm_percent) { sm_percent = percent; }
 GemmSmTarget::~GemmSmTarget() { sm_percent = previous_; }
-int GemmSmTarget::percent() { return sm_percent; }
 
 bool gemm_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {
   const auto device_guard = kernels::on_device_of(x);  // [Operands' device]

@@ -32,7 +32,6 @@ class GemmSmTarget {
  public:
   explicit GemmSmTarget(int percent);
   ~GemmSmTarget();
-  static int percent();  // this thread's, now (100 without one)
   GemmSmTarget(const GemmSmTarget&) = delete;
   GemmSmTarget& operator=(const GemmSmTarget&) = delete;
 

@@ -639,6 +639,12 @@ TEST(GpuShareTest, AFineTuningBatchYieldsOnlyWhileTenantsDecodeLately) {
 
   EXPECT_FALSE(gpu_share(true, lately, 100, 0).yields());  // --finetune-sm-percent 100: as before
 
+  // A graph recorded under one share is not replayed under another.
+  const GpuShare whole = gpu_share(true, long_ago, 50, 256);
+  EXPECT_NE(halves.variant(), pieces.variant());
+  EXPECT_NE(halves.variant(), whole.variant());
+  EXPECT_NE(pieces.variant(), whole.variant());
+
   for (const auto since : {lately, long_ago}) {  // a batch with a decode or prefill call never yields
     GpuShare other = gpu_share(/*fine_tuning=*/false, since, 50, 256);
     EXPECT_EQ(other.sm_percent, 100);
