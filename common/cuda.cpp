@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <span>
 
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -244,9 +245,15 @@ bool CallsStartEarly::here() { return calls_start_early_here && calls_may_start_
 
 void CallsStartEarly::stop() { calls_may_start_early.store(false, std::memory_order_relaxed); }
 
+namespace {
+// [Captures and synchronizations]
+std::recursive_mutex capturing;  // recursive: a wait on the capturing thread fails rather than hangs
+}  // namespace
+
 CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& work) {
   DeviceScope scope(stream.device);
   auto s = cuda_stream(stream);
+  std::lock_guard<std::recursive_mutex> lock(capturing);
   SYMBIOSIS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   cudaGraph_t graph = nullptr;
   try {
@@ -254,6 +261,9 @@ CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& w
   } catch (...) {
     SYMBIOSIS_CUDA_WARN(cudaStreamEndCapture(s, &graph));  // the stream leaves capture mode whatever went wrong
     if (graph != nullptr) SYMBIOSIS_CUDA_WARN(cudaGraphDestroy(graph));
+    // The failed capture's error stays the thread's last one, and the GEMM library, reading it after
+    // its next launch, would take it for its own: the stream's next work would fail too.
+    (void)cudaGetLastError();
     throw;
   }
   SYMBIOSIS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
@@ -286,7 +296,17 @@ void copy_on_stream(void* destination, const void* source, size_t bytes, Stream 
 
 void synchronize_stream(Stream stream) {
   DeviceScope scope(stream.device);
-  SYMBIOSIS_CUDA_CHECK(cudaStreamSynchronize(cuda_stream(stream)));
+  cudaEvent_t event;
+  SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  {
+    std::lock_guard<std::recursive_mutex> lock(capturing);  // [Captures and synchronizations]
+    const auto recorded = cudaEventRecord(event, cuda_stream(stream));
+    if (recorded != cudaSuccess) SYMBIOSIS_CUDA_WARN(cudaEventDestroy(event));
+    SYMBIOSIS_CUDA_CHECK(recorded);
+  }
+  const auto waited = cudaEventSynchronize(event);
+  SYMBIOSIS_CUDA_WARN(cudaEventDestroy(event));
+  SYMBIOSIS_CUDA_CHECK(waited);
 }
 
 void stream_after(Stream stream, Stream earlier) {

@@ -245,6 +245,15 @@ class CallsStartEarly {
 
 // The current CUDA stream of `device` (LibTorch's).
 Stream current_stream(int device);
+// Waits for what `stream` has enqueued so far.
+//
+// [Captures and synchronizations]
+// The executor's compute streams are every client's, and a thread that lets a client go waits for
+// its work on them (CudaIpcChannel's destructor, transport/cuda_ipc/cuda_ipc_channel.cpp) while another
+// may be capturing one of them (CapturedWork). Synchronizing a stream that is being captured fails
+// and spoils the capture: in Table 5 under lockstep (V62), the capture of a packed batch failed as
+// a client left, and the failure's error then failed the calls after it. So captures and the
+// records these waits wait for are made one at a time, and the wait itself holds nothing.
 void synchronize_stream(Stream stream);
 // Orders `stream`'s later work after what `earlier` has enqueued so far (on the same GPU).
 void stream_after(Stream stream, Stream earlier);

@@ -1,15 +1,20 @@
 // The CUDA kernels (kernels/): the executor's direct cuBLAS GEMM and few-row kernel, the batch
 // packing kernel, and the clients' fused cross-entropy, decode attention, rotary embedding, SwiGLU,
-// grouped LoRA, multi-LoRA and noise masking, each held to ATen's or the plain expression's result. Skipped,
+// grouped LoRA, multi-LoRA and noise masking, each held to ATen's or the plain expression's result; and
+// common/cuda.h's captured work beside another thread's wait. Skipped,
 // with a message saying so, where there is no GPU.
+#include <chrono>
 #include <cmath>
+#include <future>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client_runtime/peft/lora.h"
 #include "client_runtime/peft/dora.h"
 #include "client_runtime/training/loss.h"
+#include "common/cuda.h"
 #include "kernels/batched_copy.h"
 #include "kernels/decode_attention.h"
 #include "kernels/direct_gemm.h"
@@ -25,6 +30,7 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 namespace symbiosis {
 namespace {
@@ -614,6 +620,48 @@ TEST(NoiseMaskKernelTest, AReplayedGraphChoosesAnewEachTime) {
   }
   EXPECT_EQ(seen.size(), 4u);  // four replays, four choices
   EXPECT_EQ(call.item<int64_t>(), 5);
+}
+
+// [Captures and synchronizations] (common/cuda.h): a stream synchronized from another thread while
+// it is being captured waits for the capture rather than spoiling it, and a capture that fails
+// leaves no error behind for the stream's next GEMM to take for its own.
+TEST(CapturedWorkTest, AWaitFromAnotherThreadLetsTheCaptureEndAndAFailedCaptureLeavesNoError) {
+  SKIP_WITHOUT_GPUS(1);
+  at::manual_seed(13);
+  const cuda::Stream stream{c10::cuda::getStreamFromPool().stream(), 0};
+  const cuda::CurrentStreamScope current(stream);
+  const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto x = at::randn({8, 64}, options), matrix = at::randn({64, 96}, options);
+  auto out = at::zeros({8, 96}, options);
+  const auto expected = at::mm(x, matrix);
+  ASSERT_TRUE(cuda::gemm_into(x, matrix, out));  // the GEMM library's handle is made outside the capture
+  cuda::synchronize_stream(stream);
+
+  std::future<void> waited;
+  const auto work = cuda::CapturedWork::capture(stream, [&] {
+    ASSERT_TRUE(cuda::gemm_into(x, matrix, out));
+    waited = std::async(std::launch::async, [&] { cuda::synchronize_stream(stream); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the other thread's wait has begun
+    ASSERT_TRUE(cuda::gemm_into(x, matrix, out));
+  });
+  waited.get();  // throws what the wait threw
+  work.launch(stream);
+  cuda::synchronize_stream(stream);
+  EXPECT_TRUE(at::allclose(out, expected, 1e-2, 1e-2));
+
+  EXPECT_THROW(cuda::CapturedWork::capture(stream,
+                                           [&] {
+                                             // Not allowed while capturing: the capture fails.
+                                             const auto status =
+                                                 cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle));
+                                             TORCH_CHECK(status == cudaSuccess, cudaGetErrorString(status));
+                                           }),
+               c10::Error);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  out.zero_();
+  ASSERT_TRUE(cuda::gemm_into(x, matrix, out));
+  cuda::synchronize_stream(stream);
+  EXPECT_TRUE(at::allclose(out, expected, 1e-2, 1e-2));
 }
 
 }  // namespace
