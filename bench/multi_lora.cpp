@@ -24,8 +24,9 @@
 // again beside K fine-tuning tenants training on the same executor (and they alone for as long).
 //
 // The executor batches with --batching (its default, opportunistic: the separate tenants' calls are
-// batched as they meet). Results: --out/multi_lora.csv and a table on stdout. --device cpu runs it all on the CPU (the code
-// paths, not the speed).
+// batched as they meet), and takes any other flag of its in --executor-flags. Results:
+// --out/multi_lora.csv and a table on stdout. --device cpu runs it all on the CPU (the code paths,
+// not the speed).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -37,6 +38,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include <symbiosis/client.h>
@@ -58,6 +60,7 @@ struct Settings {
   int64_t requests = 64, prompt = 512, new_tokens = 128, warmup_tokens = 4, rank = 16, max_sequences = 64;
   std::vector<std::string> targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
   std::string batching = "opportunistic";
+  std::string executor_flags;  // more of the executor's flags, split at spaces
   std::string out = "multi-lora-bench";
   std::string python, hf_peft_script = "bench/hf_peft_client.py";  // the transformers + PEFT baseline
   int64_t finetune_tenants = 0, beside_adapters = 8;
@@ -256,6 +259,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--batching", s.batching, "the executor's batching policy (its --batching)")->capture_default_str();
+  app.add_option("--executor-flags", s.executor_flags,
+                 "more of the executor's flags, in one argument (e.g. '--finetune-sm-percent 25')");
   app.add_option("--python", s.python, "with it, also transformers + PEFT's mixed-adapter generate, run by this python")
       ->capture_default_str();
   app.add_option("--hf-peft-script", s.hf_peft_script, "the baseline's script")->capture_default_str();
@@ -285,10 +290,12 @@ int main(int argc, char** argv) {
     }
   }
   const auto dtype = parse_dtype_name(s.dtype);
-  const auto executor =
-      bench::start_executor({"--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device", s.executor_device,
-                             "--dtype", s.dtype, "--log-level", "warn", "--batching", s.batching},
-                            fs::path(s.out) / "executor", 900);
+  std::vector<std::string> executor_args = {
+      "--model", model.string(), "--listen", "tcp://127.0.0.1:*", "--device", s.executor_device, "--dtype",
+      s.dtype,   "--log-level",  "warn",     "--batching",        s.batching};
+  std::istringstream more(s.executor_flags);
+  for (std::string flag; more >> flag;) executor_args.push_back(flag);
+  const auto executor = bench::start_executor(executor_args, fs::path(s.out) / "executor", 900);
   int status = 0;
   try {
     const auto checkpoint = Checkpoint::open(model);
