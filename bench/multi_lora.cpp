@@ -177,6 +177,7 @@ Figures hf_peft(const Settings& s, const fs::path& model, int64_t n) {
 double finetuning(const Settings& s, const std::string& endpoint, const fs::path& model, const std::string& tag,
                   const std::function<void()>& during) {
   const auto dir = fs::path(s.out) / ("finetune-" + tag);
+  fs::remove_all(dir);  // an earlier run's stop file in the same --out would stop the tenants at once
   fs::create_directories(dir);
   std::vector<pid_t> pids;
   for (int64_t i = 0; i < s.finetune_tenants; ++i) {
