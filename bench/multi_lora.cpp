@@ -226,7 +226,10 @@ double finetuning(const Settings& s, const std::string& endpoint, const fs::path
   for (int64_t i = 0; i < s.finetune_tenants; ++i) {
     const auto me = dir / std::to_string(i);
     TORCH_CHECK(bench::wait_ok(pids[i]), "fine-tuning tenant ", i, " failed: ", bench::read_file(me.string() + ".err"));
-    tokens_per_s += nlohmann::json::parse(bench::read_file(me.string() + ".json"))["tokens_per_s"].get<double>();
+    const auto result = nlohmann::json::parse(bench::read_file(me.string() + ".json"));
+    TORCH_CHECK(result["iterations"].get<int64_t>() > 0, "fine-tuning tenant ", i, " finished no step in the run ", tag,
+                ": no figure of it, nor of what ran beside it, would mean anything");
+    tokens_per_s += result["tokens_per_s"].get<double>();
   }
   return tokens_per_s;
 }
