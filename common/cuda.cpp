@@ -298,15 +298,14 @@ void synchronize_stream(Stream stream) {
   DeviceScope scope(stream.device);
   cudaEvent_t event;
   SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  cudaError_t recorded_and_waited;
   {
     std::lock_guard<std::recursive_mutex> lock(capturing);  // [Captures and synchronizations]
-    const auto recorded = cudaEventRecord(event, cuda_stream(stream));
-    if (recorded != cudaSuccess) SYMBIOSIS_CUDA_WARN(cudaEventDestroy(event));
-    SYMBIOSIS_CUDA_CHECK(recorded);
+    recorded_and_waited = cudaEventRecord(event, cuda_stream(stream));
   }
-  const auto waited = cudaEventSynchronize(event);
+  if (recorded_and_waited == cudaSuccess) recorded_and_waited = cudaEventSynchronize(event);
   SYMBIOSIS_CUDA_WARN(cudaEventDestroy(event));
-  SYMBIOSIS_CUDA_CHECK(waited);
+  SYMBIOSIS_CUDA_CHECK(recorded_and_waited);
 }
 
 void stream_after(Stream stream, Stream earlier) {
