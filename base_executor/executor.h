@@ -84,10 +84,11 @@ struct ExecutorOptions {
   // place, on its client's; every other batch on the first (see [Compute streams] in common/cuda.h).
   // 1: every batch on one stream.
   int streams = 8;
-  // With more than one stream, a same-GPU (CUDA IPC) request of at least this many tokens runs
-  // alone, at once, on its client's stream, beside other clients' GEMMs: at this size that is
-  // faster than packing them (measured in docs/benchmarks-history.md). 0: such requests batch as
-  // others.
+  // [Calls by themselves] (gpu_share.h): a GPU executor's request of at least this many tokens whose
+  // rows are on its GPU runs alone, at once: a same-GPU (CUDA IPC) one on its client's stream, beside
+  // other clients' GEMMs (with more than one stream), an NCCL one on the first stream. At this size
+  // that is faster than packing them (measured in docs/benchmarks-history.md). 0: such requests
+  // batch as others.
   int64_t concurrent_tokens = 128;
   // [Fine-tuning's SMs] (kernels/direct_gemm.h): while a tenant decodes (a decode call in the last
   // 50 ms), a GPU executor sizes the GEMMs of batches of fine-tuning calls alone for this percent of

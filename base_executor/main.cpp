@@ -107,8 +107,9 @@ int main(int argc, char** argv) {
                  "batches on the first (1: all on one)")
       ->capture_default_str();
   app.add_option("--concurrent-tokens", options.concurrent_tokens,
-                 "with --streams > 1, a same-GPU (CUDA IPC) request of at least this many tokens runs alone, at once, "
-                 "on its client's stream (0: such requests batch as others)")
+                 "a GPU executor's request of at least this many tokens whose rows are on its GPU runs alone, at once: "
+                 "a same-GPU (CUDA IPC) one on its client's stream (with --streams > 1), an NCCL one on the first "
+                 "(0: such requests batch as others)")
       ->capture_default_str();
   app.add_option("--finetune-sm-percent", options.finetune_sm_percent,
                  "while a tenant decodes, a GPU executor sizes the GEMMs of fine-tuning calls for this percent of the "

@@ -267,9 +267,13 @@ void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader 
   queued.latency = wire::latency_from_proto(h.latency_class);
   queued.arrival = Clock::now();
   if (h.latency_class == proto::INFERENCE_DECODE) last_decode_ = queued.arrival;
-  queued.alone = options_.streams > 1 && options_.concurrent_tokens > 0 && h.tokens >= options_.concurrent_tokens &&
-                 channel->orders_by_flags() && model_.device().is_cuda() && parts_ == nullptr;
-  if (batcher_.runs_alone(queued)) statistics_.concurrent_calls++;
+  const CallRows rows = channel->orders_by_flags()                ? CallRows::kInPlace
+                        : channel->kind() == TransportKind::kNccl ? CallRows::kReceived
+                                                                  : CallRows::kHost;
+  // [Calls by themselves] (gpu_share.h)
+  queued.alone = model_.device().is_cuda() && parts_ == nullptr &&
+                 runs_by_itself(rows, h.tokens, options_.concurrent_tokens, options_.streams);
+  if (batcher_.runs_alone(queued) && rows == CallRows::kInPlace) statistics_.concurrent_calls++;
   queued.payload.header = h;
   queued.payload.channel = channel;
   batcher_.push(std::move(queued));

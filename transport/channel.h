@@ -54,6 +54,7 @@ class Channel {
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
 
+  TransportKind kind() const { return kind_; }
   const char* kind_name() const { return transport_name(kind_); }
   uint64_t client_id() const { return client_id_; }
   // The control segment's descriptor, to hand to the proven client ([Proven placement] in

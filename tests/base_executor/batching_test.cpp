@@ -653,5 +653,23 @@ TEST(GpuShareTest, AFineTuningBatchYieldsOnlyWhileTenantsDecodeLately) {
   }
 }
 
+// [Calls by themselves] (gpu_share.h): a call of concurrent_tokens rows or more that is on the GPU
+// already runs by itself; a same-GPU one only where it can run beside the others (streams > 1).
+TEST(GpuShareTest, LargeCallsOnTheGpuRunByThemselvesAndHostCallsBatch) {
+  const int64_t at_least = 128;
+  for (const int streams : {1, 8}) {
+    EXPECT_TRUE(runs_by_itself(CallRows::kReceived, 1024, at_least, streams)) << streams << " streams";
+    EXPECT_TRUE(runs_by_itself(CallRows::kReceived, at_least, at_least, streams));
+    EXPECT_FALSE(runs_by_itself(CallRows::kReceived, at_least - 1, at_least, streams));  // a decode call batches
+    EXPECT_FALSE(runs_by_itself(CallRows::kHost, 1024, at_least, streams));
+    EXPECT_FALSE(runs_by_itself(CallRows::kInPlace, 8, at_least, streams));
+  }
+  EXPECT_TRUE(runs_by_itself(CallRows::kInPlace, 1024, at_least, 8));
+  EXPECT_FALSE(runs_by_itself(CallRows::kInPlace, 1024, at_least, 1));  // nothing to run beside
+  for (const auto rows : {CallRows::kHost, CallRows::kInPlace, CallRows::kReceived}) {
+    EXPECT_FALSE(runs_by_itself(rows, 1 << 20, /*concurrent_tokens=*/0, 8));  // --concurrent-tokens 0: all batch
+  }
+}
+
 }  // namespace
 }  // namespace symbiosis
