@@ -10,6 +10,7 @@
 #include <fstream>
 #include <mutex>
 #include <span>
+#include <vector>
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -294,18 +295,36 @@ void copy_on_stream(void* destination, const void* source, size_t bytes, Stream 
   SYMBIOSIS_CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, cuda_stream(stream)));
 }
 
+namespace {
+// The calling thread's event on `device` that synchronize_stream records and waits for, made once:
+// a batch of host rows waits at every call ([Batch data path] in base_executor/batch_runner.cpp),
+// where making and destroying an event each time would cost microseconds. Destroyed as the thread
+// ends (an error then, with CUDA already gone at exit, is of no use to anyone).
+cudaEvent_t waiting_event(int device) {
+  struct Events {
+    std::vector<cudaEvent_t> by_device;
+    ~Events() {
+      for (cudaEvent_t event : by_device) {
+        if (event != nullptr) (void)cudaEventDestroy(event);
+      }
+    }
+  };
+  thread_local Events events;
+  if (events.by_device.size() <= static_cast<size_t>(device)) events.by_device.resize(device + 1, nullptr);
+  cudaEvent_t& event = events.by_device[device];
+  if (event == nullptr) SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return event;
+}
+}  // namespace
+
 void synchronize_stream(Stream stream) {
   DeviceScope scope(stream.device);
-  cudaEvent_t event;
-  SYMBIOSIS_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  cudaError_t recorded_and_waited;
+  const cudaEvent_t event = waiting_event(stream.device);
   {
     std::lock_guard<std::recursive_mutex> lock(capturing);  // [Captures and synchronizations]
-    recorded_and_waited = cudaEventRecord(event, cuda_stream(stream));
+    SYMBIOSIS_CUDA_CHECK(cudaEventRecord(event, cuda_stream(stream)));
   }
-  if (recorded_and_waited == cudaSuccess) recorded_and_waited = cudaEventSynchronize(event);
-  SYMBIOSIS_CUDA_WARN(cudaEventDestroy(event));
-  SYMBIOSIS_CUDA_CHECK(recorded_and_waited);
+  SYMBIOSIS_CUDA_CHECK(cudaEventSynchronize(event));
 }
 
 void stream_after(Stream stream, Stream earlier) {
