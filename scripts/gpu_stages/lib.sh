@@ -78,6 +78,14 @@ bench() {  # tag, scenario, extra args
 }
 
 model_1b=/tmp/llama-1b
+patch_scenario() {  # scenario file, JSON merged over its top level; prints the result
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+scenario = json.load(open(sys.argv[1]))
+scenario.update(json.loads(sys.argv[2]))
+print(json.dumps(scenario))
+PY
+}
 make_1b() {
   [ -f $model_1b/config.json ] || "$B/tools/symbiosis-make-checkpoint" --preset llama-3.2-1b --dtype bf16 --out $model_1b > /dev/null
 }
