@@ -38,7 +38,7 @@ void copy_rows(const std::vector<at::Tensor>& sources, const std::vector<at::Ten
 }
 
 // `inputs` packed into x's rows in order, the layer's GEMM into y, and y's rows to `destinations`
-// (each as many rows as its input): a packed batch replayed.
+// (each as many rows as its input): a packed batch replayed, or calls launched together.
 void packed_gemm(const BaseModel& model, uint32_t layer_id, LayerOp op, const std::vector<at::Tensor>& inputs,
                  const std::vector<at::Tensor>& destinations, const at::Tensor& x, at::Tensor& y) {
   std::vector<at::Tensor> packed, results;
@@ -205,6 +205,36 @@ void BatchRunner::enqueue(Channel& channel, const shm::CallHeader& h) {
   const auto op = to_layer_op(h.op);
   auto destination = channel.destination(h, layer.dtype, {h.tokens, result_features(layer, op)});
   model_.compute_into(h.layer_id, op, channel.input(h, layer.dtype, {h.tokens, h.features}), destination);
+}
+
+at::Tensor BatchRunner::packing_scratch(int64_t rows) {
+  int64_t widest = 0;  // bytes of the widest row of any layer, in or out
+  for (uint32_t i = 0; i < model_.layer_count(); ++i) {
+    const auto& layer = model_.layer(i);
+    widest = std::max(
+        widest, std::max(layer.in_features, layer.out_features) * static_cast<int64_t>(c10::elementSize(layer.dtype)));
+  }
+  return at::empty({2, rows * widest}, at::TensorOptions().dtype(at::kByte).device(model_.device()));
+}
+
+void BatchRunner::enqueue_packed(const std::vector<std::pair<Channel*, shm::CallHeader>>& calls,
+                                 const at::Tensor& scratch) {
+  const auto& first = calls[0].second;
+  const auto& layer = model_.layer(first.layer_id);
+  const auto op = to_layer_op(first.op);
+  const int64_t out_features = result_features(layer, op);
+  int64_t rows = 0;
+  for (const auto& [channel, h] : calls) rows += h.tokens;
+  const auto element = static_cast<int64_t>(c10::elementSize(layer.dtype));
+  const auto x =
+      scratch[0].narrow(0, 0, rows * first.features * element).view(layer.dtype).view({rows, first.features});
+  auto y = scratch[1].narrow(0, 0, rows * out_features * element).view(layer.dtype).view({rows, out_features});
+  std::vector<at::Tensor> inputs, destinations;
+  for (const auto& [channel, h] : calls) {
+    inputs.push_back(channel->input(h, layer.dtype, {h.tokens, h.features}));
+    destinations.push_back(channel->destination(h, layer.dtype, {h.tokens, out_features}));
+  }
+  packed_gemm(model_, first.layer_id, op, inputs, destinations, x, y);
 }
 
 void BatchRunner::warm_up_stream() {

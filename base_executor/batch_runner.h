@@ -56,6 +56,10 @@ class BatchRunner : public CallEnqueuer {
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): a call's GEMM in place in its
   // channel's memory, on the current stream; a first GEMM on a stream before any capture on it.
   void enqueue(Channel& channel, const shm::CallHeader& h) override;
+  // [Runs launched together]: the scratch holds both the packed inputs and the packed results.
+  void enqueue_packed(const std::vector<std::pair<Channel*, shm::CallHeader>>& calls,
+                      const at::Tensor& scratch) override;
+  at::Tensor packing_scratch(int64_t rows) override;
   void warm_up_stream() override;
 
  private:

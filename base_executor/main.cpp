@@ -123,6 +123,18 @@ int main(int argc, char** argv) {
                  "run a same-GPU tenant's captured decode steps, once seen, as one launch each, its calls waiting on "
                  "the GPU for their inputs (true/false)")
       ->capture_default_str();
+  app.add_option("--launch-together", options.launch_together,
+                 "under opportunistic, launch the steps of several same-GPU tenants that --launch-ahead launches, "
+                 "ready at once, as one, each call one GEMM for all (true/false; pays with many tenants of one model: "
+                 "docs/inference.md)")
+      ->capture_default_str();
+  int64_t launch_together_wait_us = options.launch_together_wait.count();
+  app.add_option("--launch-together-wait", launch_together_wait_us,
+                 "microseconds a tenant's step launched ahead waits for the other tenants decoding, to go together")
+      ->capture_default_str();
+  app.add_option("--launch-together-max", options.launch_together_max,
+                 "tenants' steps launched together in one launch at most (1 to 16)")
+      ->capture_default_str();
   app.add_option("--keys", keys_dir,
                  "keys folder (executor.key, tenants/, operators/, revoked/): encrypt, and admit only listed tenants "
                  "(docs/operating.md)");
@@ -192,6 +204,7 @@ int main(int argc, char** argv) {
     options.batching.max_wait = std::chrono::microseconds(max_wait_us);
     options.batching.companion_window = std::chrono::microseconds(companion_window_us);
     options.batching.decode_align_wait = std::chrono::microseconds(decode_align_wait_us);
+    options.launch_together_wait = std::chrono::microseconds(launch_together_wait_us);
     options.batching.judge_window = std::chrono::milliseconds(judge_window_ms);
     options.batching.lockstep_timeout = std::chrono::milliseconds(lockstep_timeout_ms);
     executor = symbiosis::Executor::start(options);

@@ -148,6 +148,9 @@ std::string prometheus_text(const MetricsSnapshot& m, const MetricsGauges& gauge
            count(m.replayed_calls));
   w.single("symbiosis_ahead_calls_total", "counter",
            "Of the replayed calls, those launched ahead of their inputs (steps launched ahead).", count(m.ahead_calls));
+  w.single("symbiosis_together_calls_total", "counter",
+           "Of the calls launched ahead, those launched with other clients' (runs launched together).",
+           count(m.together_calls));
   w.single("symbiosis_yielding_calls_total", "counter",
            "Fine-tuning calls computed on part of the GPU while tenants decoded (--finetune-sm-percent).",
            count(m.yielding_calls));

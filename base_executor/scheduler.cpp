@@ -53,6 +53,9 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       queue_shares_(options.max_queued_tokens),
       batcher_(options.batching),
       runner_(model, statistics, options.on_input, parts),
+      gathering_({.together = options.launch_together && options.batching.policy == BatchingPolicy::kOpportunistic,
+                  .wait = options.launch_together_wait,
+                  .max_members = options.launch_together_max}),
       parts_(parts),
       on_lost_(std::move(on_lost)) {}
 
@@ -244,6 +247,7 @@ void Scheduler::answer_error(const std::string& identity, uint64_t client_id, co
 
 void Scheduler::accept(const std::shared_ptr<Channel>& channel, shm::CallHeader h, const std::vector<int64_t>& shape,
                        bool admitted) {
+  if (h.latency_class != proto::INFERENCE_DECODE) gathering_.stopped_decoding(channel->client_id());
   const auto refused = refused_.find(channel->client_id());
   Status status = refused != refused_.end() ? refused->second
                   : lost_                   ? *lost_
@@ -297,14 +301,25 @@ bool Scheduler::poll_channels() {
     }
   }
   const bool ahead = launches_ahead();
+  // [Runs launched together] (under opportunistic): the ready runs launched now, alone or together,
+  // and those held for others; without it, each channel's ready run is launched where its calls are
+  // taken.
+  const bool together = ahead && gathering_.together();
+  const auto held = together ? launch_ready_runs() : std::set<uint64_t>{};
   for (auto it = channels_.begin(); it != channels_.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
     // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A ready
-    // run goes whole, never call by call.
-    if (ahead) launch_if_ready(*channel);
-    while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+    // run goes whole, never call by call: one held for others, or one that became ready since
+    // launch_ready_runs asked (its client's last results came while other runs were launched), is
+    // launched at a later look.
+    if (held.count(it->first) || (together && !refused_.count(it->first) && channel->run_ready())) {
+      holding = true;
+    } else {
+      if (ahead) launch_if_ready(*channel);
+      while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
+    }
     holding = channel->waiting() || holding;
     if (!channel->broken()) {
       ++it;
@@ -316,6 +331,7 @@ bool Scheduler::poll_channels() {
           "the client",
           channel->client_id());
     }
+    gathering_.forget(it->first);
     teardown_.hand_over(std::move(it->second));  // [Teardown off the front door] (teardown.h)
     it = channels_.erase(it);
   }
@@ -331,14 +347,42 @@ bool Scheduler::launches_ahead() const {
          !options_.on_input && !lost_;
 }
 
+std::set<uint64_t> Scheduler::launch_ready_runs() {
+  std::vector<std::pair<uint64_t, uint64_t>> ready;  // (client, its run's signature)
+  for (const auto& [id, channel] : channels_) {
+    if (refused_.count(id) != 0) continue;
+    if (const auto signature = channel->run_ready()) ready.emplace_back(id, *signature);
+  }
+  std::set<uint64_t> held;
+  if (ready.empty()) return held;
+  for (const auto& [id, signature] : ready) held.insert(id);
+  last_decode_ = Clock::now();  // runs are decode steps, whether launched now or held
+  for (const auto& group : gathering_.decide(ready, last_decode_)) {
+    std::vector<Channel*> together;
+    for (const uint64_t id : group) {
+      held.erase(id);
+      together.push_back(channels_.at(id).get());
+    }
+    launch(together);
+  }
+  return held;
+}
+
 void Scheduler::launch_if_ready(Channel& channel) {
   if (refused_.count(channel.client_id()) || !channel.run_ready()) return;
+  launch({&channel});
+}
+
+void Scheduler::launch(const std::vector<Channel*>& together) {
   last_decode_ = Clock::now();  // runs are decode steps
-  const auto launched = channel.launch_ahead(runner_);
-  if (launched.empty()) return;  // it goes call by call from now on
-  std::vector<std::pair<uint32_t, int64_t>> counted;
-  for (const auto& h : launched) counted.emplace_back(h.layer_id, h.tokens);
-  statistics_.record_ahead(channel.client_id(), wire::latency_from_proto(launched[0].latency_class), counted);
+  const auto launched = together[0]->launch_ahead(together, runner_);
+  for (size_t i = 0; i < together.size(); ++i) {
+    if (launched[i].empty()) continue;  // it goes call by call from now on
+    std::vector<std::pair<uint32_t, int64_t>> counted;
+    for (const auto& h : launched[i]) counted.emplace_back(h.layer_id, h.tokens);
+    statistics_.record_ahead(together[i]->client_id(), wire::latency_from_proto(launched[i][0].latency_class), counted,
+                             together.size() > 1);
+  }
 }
 
 void Scheduler::finish_setups() {

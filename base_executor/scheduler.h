@@ -12,6 +12,7 @@
 #include <deque>
 #include <chrono>
 #include <map>
+#include <set>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,7 @@
 
 #include "base_executor/base_model.h"
 #include "base_executor/batch_runner.h"
+#include "base_executor/run_gathering.h"
 #include "base_executor/executor.h"
 #include "base_executor/gpu_share.h"
 #include "base_executor/overload.h"
@@ -111,9 +113,13 @@ class Scheduler {
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
-  // [Steps launched ahead]: launches the channel's run if its calls begin with one (where
-  // launches_ahead()).
+  // [Runs launched together]: launches the runs of the channels whose calls begin with one, alone
+  // or together, as gathering_ decides; returns the clients whose runs wait for others.
+  std::set<uint64_t> launch_ready_runs();
+  // [Steps launched ahead]: launches the channel's run if its calls begin with one.
   void launch_if_ready(Channel& channel);
+  // Launches the ready runs of `together` (one channel: alone) and counts their calls.
+  void launch(const std::vector<Channel*>& together);
   bool launches_ahead() const;  // whether runs are launched ahead here
   void finish_setups();
   // [Wake sockets]: spins for `spin` until something was posted since `seen_posts` or a client pushed
@@ -156,6 +162,7 @@ class Scheduler {
   // Owned by the scheduler's thread.
   CallBatcher batcher_;
   BatchRunner runner_;
+  RunGathering gathering_;
   // [GPU share] (gpu_share.h): when a decode call came or a decode step was ready last.
   std::chrono::steady_clock::time_point last_decode_{};
   std::map<uint64_t, std::shared_ptr<Channel>> channels_;  // every client's, by id

@@ -123,13 +123,14 @@ void Statistics::record_batch(uint32_t layer_id, bool backward, const std::vecto
 }
 
 void Statistics::record_ahead(uint64_t client_id, LatencyClass latency,
-                              const std::vector<std::pair<uint32_t, int64_t>>& calls) {
+                              const std::vector<std::pair<uint32_t, int64_t>>& calls, bool together) {
   uint64_t total = 0;
   for (const auto& [layer_id, tokens] : calls) total += static_cast<uint64_t>(tokens);
   requests += calls.size();
   tokens += total;
   replayed_calls += calls.size();
   ahead_calls += calls.size();
+  if (together) together_calls += calls.size();
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& [layer_id, call_tokens] : calls) {
     auto& c = layers_[layer_id];
@@ -158,6 +159,7 @@ proto::Stats Statistics::snapshot() const {
   s.set_concurrent_calls(concurrent_calls);
   s.set_replayed_calls(replayed_calls);
   s.set_ahead_calls(ahead_calls);
+  s.set_together_calls(together_calls);
   s.set_yielding_calls(yielding_calls);
   s.set_policy(policy_);
   s.set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
@@ -205,6 +207,7 @@ MetricsSnapshot Statistics::metrics() const {
   m.concurrent_calls = concurrent_calls;
   m.replayed_calls = replayed_calls;
   m.ahead_calls = ahead_calls;
+  m.together_calls = together_calls;
   m.yielding_calls = yielding_calls;
   m.compute_seconds = compute_nanos * 1e-9;
   m.deliver_seconds = deliver_nanos * 1e-9;

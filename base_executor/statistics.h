@@ -58,7 +58,7 @@ struct MetricsSnapshot {
   };
   double uptime_seconds = 0;
   uint64_t requests = 0, tokens = 0, direct_calls = 0, concurrent_calls = 0, replayed_calls = 0, ahead_calls = 0,
-           yielding_calls = 0;
+           together_calls = 0, yielding_calls = 0;
   double compute_seconds = 0, deliver_seconds = 0;
   uint64_t queued_calls = 0;
   int64_t queued_tokens = 0;
@@ -85,6 +85,7 @@ class Statistics {
   std::atomic<uint64_t> replayed_calls{
       0};  // captured calls whose GEMM was launched as a graph ([Replayed calls], [Replayed batches])
   std::atomic<uint64_t> ahead_calls{0};     // of those, launched ahead of their inputs ([Steps launched ahead])
+  std::atomic<uint64_t> together_calls{0};  // of those, launched with other clients' ([Runs launched together])
   std::atomic<uint64_t> yielding_calls{0};  // fine-tuning calls computed on part of the GPU ([Fine-tuning's SMs])
   std::atomic<uint64_t> compute_nanos{0};   // running batches, delivery included
   std::atomic<uint64_t> deliver_nanos{0};   // the part of compute_nanos spent delivering results
@@ -123,7 +124,9 @@ class Statistics {
                     Clock::time_point started, Clock::time_point computed, Clock::time_point finished);
   // [Steps launched ahead]: client_id's calls that ran in no batch, each (layer, tokens), of one
   // latency class: counted as answered calls of their layers, class and tenant, with no wait.
-  void record_ahead(uint64_t client_id, LatencyClass latency, const std::vector<std::pair<uint32_t, int64_t>>& calls);
+  // `together`: launched with other clients' runs ([Runs launched together]).
+  void record_ahead(uint64_t client_id, LatencyClass latency, const std::vector<std::pair<uint32_t, int64_t>>& calls,
+                    bool together);
   proto::Stats snapshot() const;
   MetricsSnapshot metrics() const;
   void log() const;

@@ -74,6 +74,9 @@ const std::set<std::string> kExecutorKeys = {"device",
                                              "judge_window_ms",
                                              "streams",
                                              "launch_ahead",
+                                             "launch_together",
+                                             "launch_together_max",
+                                             "launch_together_wait_us",
                                              "finetune_sm_percent",
                                              "finetune_piece_rows",
                                              "concurrent_tokens"};
@@ -403,6 +406,14 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
   if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
   if (ex.contains("launch_ahead"))
     args.insert(args.end(), {"--launch-ahead", ex["launch_ahead"].get<bool>() ? "true" : "false"});
+  if (ex.contains("launch_together"))
+    args.insert(args.end(), {"--launch-together", ex["launch_together"].get<bool>() ? "true" : "false"});
+  if (ex.contains("launch_together_max")) {
+    args.insert(args.end(), {"--launch-together-max", std::to_string(ex["launch_together_max"].get<int>())});
+  }
+  if (ex.contains("launch_together_wait_us")) {
+    args.insert(args.end(), {"--launch-together-wait", std::to_string(ex["launch_together_wait_us"].get<int64_t>())});
+  }
   if (ex.contains("finetune_sm_percent")) {
     args.insert(args.end(), {"--finetune-sm-percent", std::to_string(ex["finetune_sm_percent"].get<int>())});
   }
@@ -456,6 +467,7 @@ json run_symbiosis(const json& scenario, const std::vector<json>& clients, const
     result["mean_batch_requests"] = stats.batches() ? batched / stats.batches() : 0.0;
     result["mean_call_tokens"] = stats.requests() ? double(stats.tokens()) / stats.requests() : 0.0;
     result["ahead_share"] = stats.requests() ? double(stats.ahead_calls()) / stats.requests() : 0.0;
+    result["together_share"] = stats.requests() ? double(stats.together_calls()) / stats.requests() : 0.0;
     result["yielding_calls"] = stats.yielding_calls();
   }
   result["executor_peak_rss_bytes"] = peak_rss_bytes(executor.pid);

@@ -43,10 +43,11 @@ void print_table(const symbiosis::proto::Stats& s) {
               s.compute_seconds(), s.deliver_seconds(), s.requests() ? 1e6 * s.wait_seconds() / s.requests() : 0.0);
   std::printf(
       "calls on clients' own memory %lu, run alone on their client's stream %lu, replayed as graphs %lu (launched "
-      "ahead of their inputs %lu); fine-tuning calls on part of the GPU while tenants decoded %lu\n\n",
+      "ahead of their inputs %lu, of which with other clients' %lu); fine-tuning calls on part of the GPU while "
+      "tenants decoded %lu\n\n",
       static_cast<unsigned long>(s.direct_calls()), static_cast<unsigned long>(s.concurrent_calls()),
       static_cast<unsigned long>(s.replayed_calls()), static_cast<unsigned long>(s.ahead_calls()),
-      static_cast<unsigned long>(s.yielding_calls()));
+      static_cast<unsigned long>(s.together_calls()), static_cast<unsigned long>(s.yielding_calls()));
   for (const auto& c : s.classes()) {
     std::printf("%-18s %10lu requests %12lu tokens   mean wait %10.1f us\n",
                 symbiosis::proto::LatencyClass_Name(c.latency_class()).c_str(),

@@ -42,6 +42,15 @@ class CallEnqueuer {
   // Enqueues call h's GEMM on LibTorch's current stream, from its input into its destination in
   // `channel`'s memory (h was checked when it was first taken).
   virtual void enqueue(Channel& channel, const shm::CallHeader& h) = 0;
+  // [Runs launched together] (transport/cuda_ipc/cuda_ipc_channel.cpp): calls of the same layer and
+  // op, one of each of several channels (each checked when first taken), as one GEMM on the current
+  // stream: their inputs packed into rows of `scratch`, the GEMM, the result rows back to each
+  // call's destination.
+  virtual void enqueue_packed(const std::vector<std::pair<Channel*, shm::CallHeader>>& calls,
+                              const at::Tensor& scratch) = 0;
+  // Scratch for enqueue_packed of calls of `rows` rows in all: made now (never during a capture),
+  // and used by one stream at a time.
+  virtual at::Tensor packing_scratch(int64_t rows) = 0;
   // Computes a GEMM of its own on the current stream and waits for it, so that the GEMM library's
   // handle and workspace for the stream exist before any capture on it.
   virtual void warm_up_stream() = 0;
@@ -162,13 +171,18 @@ class Channel {
   virtual void computed(const shm::CallHeader&) {}
   // [Steps launched ahead] (transport/cuda_ipc/cuda_ipc_channel.cpp): whether the client's next
   // calls repeat, whole, a run of captured calls it made before, so that launch_ahead would launch
-  // them; if not, next_request() hands the calls out one by one. May drop the client (a run it left
-  // stalled).
-  virtual bool run_ready() { return false; }
-  // Enqueues the ready run at once, each call waiting on the GPU for its input. Returns its calls,
-  // handed out (next_request() goes on after them); none where the launch failed (the channel then
-  // goes call by call).
-  virtual std::vector<shm::CallHeader> launch_ahead(CallEnqueuer&) { return {}; }
+  // them: the run's signature then (runs of one signature make the same calls of the same layers,
+  // and may be launched together), nullopt otherwise; then next_request() hands the calls out one by
+  // one. May drop the client (a run it left stalled).
+  virtual std::optional<uint64_t> run_ready() { return std::nullopt; }
+  // Enqueues the ready runs of `together` at once, each call waiting on the GPU for its input: this
+  // channel's first, every channel of this transport with run_ready() of one signature, and the
+  // calls of the same place in their runs one GEMM ([Runs launched together]). Returns each
+  // channel's calls, handed out (next_request() goes on after them); empty ones where the launch
+  // failed (the channel then goes call by call).
+  virtual std::vector<std::vector<shm::CallHeader>> launch_ahead(const std::vector<Channel*>& together, CallEnqueuer&) {
+    return std::vector<std::vector<shm::CallHeader>>(together.size());
+  }
   // Pushes an OK reply and wakes the client; a transport that lets its client see the reply only
   // once the result is computed (NCCL, [NCCL readiness]) holds it until release_replies().
   void reply(const shm::CallHeader& h) {

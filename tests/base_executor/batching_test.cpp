@@ -4,7 +4,7 @@
 // marked alone neither waits nor is packed (but under lockstep); and the [Paying waits] judge keeps
 // decode waits where they pay and drops them where they cost (simulated tenants). [CPU threads]: a
 // CPU executor's team for a batch, from its work. [GPU share]: a fine-tuning batch's share of the GPU
-// while tenants decode.
+// while tenants decode. [Runs launched together]: who goes with whom, and when.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include "base_executor/batching.h"
 #include "base_executor/cpu_threads.h"
 #include "base_executor/gpu_share.h"
+#include "base_executor/run_gathering.h"
 
 namespace symbiosis {
 namespace {
@@ -669,6 +670,79 @@ TEST(GpuShareTest, LargeCallsOnTheGpuRunByThemselvesAndHostCallsBatch) {
   for (const auto rows : {CallRows::kHost, CallRows::kInPlace, CallRows::kReceived}) {
     EXPECT_FALSE(runs_by_itself(rows, 1 << 20, /*concurrent_tokens=*/0, 8));  // --concurrent-tokens 0: all batch
   }
+}
+
+// [Runs launched together] (run_gathering.h), on a fake clock.
+using Ready = std::vector<std::pair<uint64_t, uint64_t>>;  // (client, its run's signature)
+using Launches = std::vector<std::vector<uint64_t>>;
+
+TEST(RunGathering, RunsReadyAtOnceGoTogetherAndEachSignatureApart) {
+  RunGathering gathering({});
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 9}}, t0), (Launches{{1, 2}, {3}}));
+}
+
+TEST(RunGathering, AReadyRunWaitsForTheOthersDecodingButNotLongerThanTheWait) {
+  RunGathering gathering({.wait = 1ms});
+  ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
+  // Both decoding now: 1 is ready first and waits for 2, who comes within the wait.
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 5ms).empty());
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 5ms + 900us).empty());
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0 + 5ms + 950us), (Launches{{1, 2}}));
+  // 2 is late past the wait: 1 goes alone; then 2 waits for 1 in turn, and goes alone. Each wait
+  // moves the later one's phase toward the other's: they fall into step.
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 10ms).empty());
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 11ms), (Launches{{1}}));
+  EXPECT_TRUE(gathering.decide({{2, 7}}, t0 + 11ms + 500us).empty());
+  EXPECT_EQ(gathering.decide({{2, 7}}, t0 + 12ms + 500us), (Launches{{2}}));
+}
+
+TEST(RunGathering, NobodyWaitsForAClientThatStoppedDecodingOrLeftOrRunsAnotherModel) {
+  RunGathering gathering({.wait = 1ms, .active = 50ms});
+  ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}, {4, 8}}, t0), (Launches{{1, 2, 3}, {4}}));
+  gathering.forget(3);
+  // 2 launched 60 ms ago, past `active`; 3 left; 4's runs are of another signature.
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 60ms), (Launches{{1}}));
+}
+
+TEST(RunGathering, NobodyWaitsForAClientThatTurnedToAPrefill) {
+  RunGathering gathering({.wait = 1ms});
+  ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
+  gathering.stopped_decoding(2);  // a new request's prefill
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 5ms), (Launches{{1}}));
+  // Decoding again, it waits for 1 (who is decoding), and is waited for again.
+  EXPECT_TRUE(gathering.decide({{2, 7}}, t0 + 6ms).empty());
+  ASSERT_EQ(gathering.decide({{2, 7}}, t0 + 7ms), (Launches{{2}}));
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 9ms).empty());
+}
+
+TEST(RunGathering, ARunThatStopsBeingReadyForgetsHowLongItWaited) {
+  RunGathering gathering({.wait = 1ms});
+  ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 2ms).empty());
+  EXPECT_TRUE(gathering.decide({}, t0 + 2ms + 100us).empty());        // 1 dropped its run (a new buffer, say)
+  EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 3ms + 500us).empty());  // it waits afresh
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 4ms + 500us), (Launches{{1}}));
+}
+
+TEST(RunGathering, SettingsOutOfRangeAreRefusedNamingTheFlag) {
+  const auto refusal = [](RunGathering::Options options) {
+    try {
+      RunGathering gathering(options);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(refusal({.max_members = 0}).find("--launch-together-max must be 1 to 16, got 0"), std::string::npos);
+  EXPECT_NE(refusal({.max_members = 17}).find("--launch-together-max must be 1 to 16, got 17"), std::string::npos);
+  EXPECT_NE(refusal({.wait = -5us}).find("--launch-together-wait must be >= 0, got -5 us"), std::string::npos);
+}
+
+TEST(RunGathering, LaunchesHoldAtMostMaxMembersAndAloneMeansAlone) {
+  RunGathering gathering({.max_members = 2});
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0), (Launches{{1, 2}, {3}}));
+  RunGathering alone({.together = false});
+  EXPECT_EQ(alone.decide({{1, 7}, {2, 7}}, t0), (Launches{{1}, {2}}));
 }
 
 }  // namespace

@@ -75,6 +75,24 @@ namespace {
 //    by call, packed up to seven together, for most of the run (TPOT p50 13.3 to 13.8 ms, the
 //    others 4.7 to 8.8; 63 to 64% of the calls launched ahead, against 99% in the other runs).
 //  - A new payload buffer or a change of shared segments forgets the runs (their operands moved).
+//
+// [Runs launched together]
+// Tenants decoding the same model make the same calls at every step; launched alone, each step's
+// calls read the layer's weights for its own rows, and N tenants read them N times. So the ready
+// runs of several clients with one signature (the same layers, ops and widths, call by call) may be
+// launched as one graph on the stream of the first (the leader): for each call, one kernel waiting
+// on every client's input word ([Device words]: HandOffs), one GEMM over all their rows (packed in,
+// and out again to each client's memory: CallEnqueuer::enqueue_packed), each client's result word.
+// The scheduler decides who goes together and when (base_executor/run_gathering.h); the tenants
+// then finish their steps together, and their next runs come close together.
+//  - Only clients whose words are in their GPU memory go together (the others' waits are stream
+//    memory operations, one client at a time).
+//  - Everyone else: a client that stalls holds back the clients launched with it, up to kStall. The
+//    watchdog then voids the run of each client whose GPU has announced none of the inputs the
+//    group waits for; a client with an input announced and not yet taken waits for another's, and
+//    is left alone, so that only the stalled client is dropped and the others go on.
+//  - A group's graph is kept by its leader (kGroups, the least recently used going), under the
+//    runs it was made of: a run its client forgets, or a group of other members, makes a new one.
 
 class CudaIpcChannel;
 
@@ -128,6 +146,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     std::lock_guard<std::mutex> lock(launched_mutex_);
     if (!launched_at_ || now - *launched_at_ <= kStall ||
         shm::reached(control_block()->results_ready.load(std::memory_order_acquire), launched_last_)) {
+      return;
+    }
+    // [Runs launched together]: an input announced and not yet taken waits for another client's.
+    if (launched_with_others_ && std::any_of(launched_slots_.begin(), launched_slots_.end(), [&](uint32_t slot) {
+          return control_block()->slots[slot].input_ready.load(std::memory_order_acquire) != 0;
+        })) {
       return;
     }
     stall_state_ = launched_state();
@@ -220,22 +244,22 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   }
 
   // [Steps launched ahead]
-  bool run_ready() override {
+  std::optional<uint64_t> run_ready() override {
     ready_ = nullptr;
     if (stalled_) {
       std::lock_guard<std::mutex> lock(launched_mutex_);
       drop("its GPU did not write the inputs of the calls launched ahead for it within " +
            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kStall).count()) + " s (" + stall_state_ +
            ")");
-      return false;
+      return std::nullopt;
     }
-    if (ahead_failed_ || replays_failed_) return false;
+    if (ahead_failed_ || replays_failed_) return std::nullopt;
     const uint32_t done = control_block()->results_ready.load(std::memory_order_acquire);
-    if (!shm::reached(done, last_out_)) return false;
+    if (!shm::reached(done, last_out_)) return std::nullopt;
     const auto& waiting = pending();
     if (broken() || waiting.empty() || waiting.front().slot != 1 ||
         waiting.front().latency_class != proto::INFERENCE_DECODE) {
-      return false;
+      return std::nullopt;
     }
     finish_recording();  // every call before this one has its result: the run recorded is whole
     bool partial = false;
@@ -249,12 +273,22 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         hold_sequence_ = waiting.front().sequence;
         hold_until_ = Clock::now() + kAwaitRun;
       }
-      return false;
+      return std::nullopt;
     }
-    return true;
+    return ready_->signature;
   }
 
-  std::vector<shm::CallHeader> launch_ahead(CallEnqueuer& enqueuer) override {
+  std::vector<std::vector<shm::CallHeader>> launch_ahead(const std::vector<Channel*>& together,
+                                                         CallEnqueuer& enqueuer) override {
+    std::vector<CudaIpcChannel*> members;  // this transport's, by run_ready's contract
+    for (Channel* channel : together) members.push_back(static_cast<CudaIpcChannel*>(channel));
+    std::vector<std::vector<shm::CallHeader>> launched(members.size());
+    const bool words = std::all_of(members.begin(), members.end(), [](auto* m) { return m->device_words(); });
+    if (members.size() > 1 && (!words || groups_failed_)) {  // each alone
+      for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launch_ahead({members[i]}, enqueuer)[0];
+      return launched;
+    }
+    cuda::CapturedWork* work = nullptr;
     try {
       if (!ahead_stream_.valid()) {
         // [Kept streams] (common/cuda.h), its GEMM library's handle and workspace made before any capture.
@@ -262,17 +296,31 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         cuda::CurrentStreamScope scope(ahead_stream_);
         enqueuer.warm_up_stream();
       }
-      if (!ready_->work.valid()) ready_->work = capture_run(ready_->calls, enqueuer);
+      if (members.size() == 1) {
+        if (!ready_->work.valid()) ready_->work = capture_run(ready_->calls, enqueuer);
+        work = &ready_->work;
+      } else {
+        work = &group_for(members, enqueuer).work;
+      }
     } catch (const c10::Error& e) {
-      ahead_failed_ = true;
-      runs_.clear();
-      ready_ = nullptr;
-      spdlog::warn("client {}: its decode steps are not launched ahead: {}", client_id(), e.what_without_backtrace());
-      return {};
+      if (members.size() == 1) {
+        ahead_failed_ = true;
+        runs_.clear();
+        ready_ = nullptr;
+        spdlog::warn("client {}: its decode steps are not launched ahead: {}", client_id(), e.what_without_backtrace());
+        return launched;
+      }
+      groups_failed_ = true;
+      groups_.clear();
+      spdlog::warn("client {}: decode steps are not launched together with its: {}", client_id(),
+                   e.what_without_backtrace());
+      return launch_ahead(together, enqueuer);
     }
-    use_stream(ahead_stream_);
-    ready_->work.launch(ahead_stream_);
-    return launched();
+    const cuda::Stream stream = ahead_stream_;
+    for (auto* member : members) member->use_stream(stream);
+    work->launch(stream);
+    for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launched_on(stream, members.size() > 1);
+    return launched;
   }
 
   void finish_writes(const shm::CallHeader& h) override {
@@ -365,13 +413,35 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // How long a run's first call waits for the rest of its headers (V12: without it, 80% of the
   // steps at N = 1 began before their headers were all pushed, and went call by call).
   static constexpr auto kAwaitRun = std::chrono::microseconds(200);
-  static constexpr size_t kRuns = 8;  // recorded runs kept (a decode bucket each), the least recently used going
+  static constexpr size_t kRuns = 8;    // recorded runs kept (a decode bucket each), the least recently used going
+  static constexpr size_t kGroups = 8;  // [Runs launched together]: group graphs a leader keeps
 
   struct Run {
     std::vector<shm::CallHeader> calls;  // as first handed out
-    cuda::CapturedWork work;             // captured at the run's first launch
+    uint64_t signature = 0;              // of its calls' layers, ops, dtypes and widths
+    uint64_t id = 0;                     // unique in the process: names it in a group's key
+    cuda::CapturedWork work;             // captured at the run's first launch (alone)
     uint64_t last_use = 0;
   };
+
+  // [Runs launched together]: one graph for the runs of several clients, kept by the first.
+  struct Group {
+    std::vector<uint64_t> runs;  // the members' runs' ids, in launch order
+    cuda::CapturedWork work;
+    uint64_t last_use = 0;
+  };
+
+  // A run's signature: what must agree, call by call, for runs of several clients to be one graph.
+  static uint64_t signature_of(const std::vector<shm::CallHeader>& calls) {
+    uint64_t hash = calls.size();
+    for (const auto& h : calls) {
+      for (const uint64_t part : {uint64_t{h.layer_id}, static_cast<uint64_t>(h.op), static_cast<uint64_t>(h.dtype),
+                                  static_cast<uint64_t>(h.features)}) {
+        hash = (hash ^ part) * 0x100000001b3ULL;
+      }
+    }
+    return hash;
+  }
 
   // Whether two calls are the same call of a step: all but their request ids and sequences.
   static bool same_call(const shm::CallHeader& a, const shm::CallHeader& b) {
@@ -444,7 +514,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         runs_.erase(std::min_element(runs_.begin(), runs_.end(),
                                      [](const Run& a, const Run& b) { return a.last_use < b.last_use; }));
       }
-      runs_.push_back({std::move(recording_), {}, ++uses_});
+      static std::atomic<uint64_t> runs_made{0};
+      const uint64_t signature = signature_of(recording_);
+      runs_.push_back({std::move(recording_), signature, ++runs_made, {}, ++uses_});
     }
     recording_.clear();
   }
@@ -506,16 +578,93 @@ class CudaIpcChannel : public RegisteredBufferChannel {
           stream, {{cuda::MemoryOp::kWaitReached, input_ready, 1}, {cuda::MemoryOp::kWrite, input_ready, 0}});
       return;
     }
-    cuda::HandOff wait;
-    wait.await = cuda::device_input_word(words, shm::kCallSlots, h.slot);
-    wait.release = static_cast<uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
-    wait.clear[0] = static_cast<uint32_t*>(input_ready);
-    SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(wait, static_cast<cudaStream_t>(stream.handle)));
+    SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_off(input_wait(h), static_cast<cudaStream_t>(stream.handle)));
     cuda::start_next_kernel_early(stream);  // [Early dependents]: the call's GEMM, once the input is up
   }
 
-  // After the launch of this client's ready run: hands its calls out.
-  std::vector<shm::CallHeader> launched() {
+  // [Device words]: a run's wait for call h's input on its device word, which clears the slot's host
+  // input word too; runs_voided lets it go.
+  cuda::HandOff input_wait(const shm::CallHeader& h) {
+    cuda::HandOff wait;
+    wait.await = cuda::device_input_word(device_words(), shm::kCallSlots, h.slot);
+    wait.release = static_cast<uint32_t*>(control_pin_.device_pointer(&control_block()->runs_voided));
+    wait.clear[0] = static_cast<uint32_t*>(control_pin_.device_pointer(&control_block()->slots[h.slot].input_ready));
+    return wait;
+  }
+
+  // [Runs launched together]: the graph of `members`' ready runs (this channel first), made at the
+  // group's first launch.
+  Group& group_for(const std::vector<CudaIpcChannel*>& members, CallEnqueuer& enqueuer) {
+    std::vector<uint64_t> runs;
+    for (const auto* member : members) runs.push_back(member->ready_->id);
+    auto it = std::find_if(groups_.begin(), groups_.end(), [&](const auto& g) { return g->runs == runs; });
+    if (it == groups_.end()) {
+      if (groups_.size() == kGroups) {
+        groups_.erase(std::min_element(groups_.begin(), groups_.end(),
+                                       [](const auto& a, const auto& b) { return a->last_use < b->last_use; }));
+      }
+      std::string who;
+      for (const auto* member : members) who += (who.empty() ? "" : ", ") + std::to_string(member->client_id());
+      spdlog::info("client {}: a graph of the decode steps of clients {} launched together ({} kept)", client_id(), who,
+                   groups_.size() + 1);
+      auto group = std::make_unique<Group>();
+      group->runs = std::move(runs);
+      capture_group(*group, members, enqueuer);
+      groups_.push_back(std::move(group));
+      it = std::prev(groups_.end());
+    }
+    (*it)->last_use = ++uses_;
+    return **it;
+  }
+
+  void capture_group(Group& group, const std::vector<CudaIpcChannel*>& members, CallEnqueuer& enqueuer) {
+    TORCH_CHECK(members.size() <= cuda::kMaxHandOffs, "at most ", cuda::kMaxHandOffs, " runs launched together");
+    const auto& calls = members[0]->ready_->calls;
+    int64_t rows = 0;
+    for (const auto* member : members) {
+      const auto& theirs = member->ready_->calls;
+      TORCH_CHECK(theirs.size() == calls.size(), "runs of different lengths launched together");
+      for (size_t i = 0; i < calls.size(); ++i) {
+        TORCH_CHECK(theirs[i].layer_id == calls[i].layer_id && theirs[i].op == calls[i].op &&
+                        theirs[i].dtype == calls[i].dtype && theirs[i].features == calls[i].features,
+                    "runs of different calls launched together");
+      }
+      rows += std::max_element(theirs.begin(), theirs.end(), [](const auto& a, const auto& b) {
+                return a.tokens < b.tokens;
+              })->tokens;
+    }
+    if (packing_rows_ < rows) {                 // a larger scratch: the graphs made on the smaller one go
+      cuda::synchronize_stream(ahead_stream_);  // the last group's work on it first
+      groups_.clear();
+      packing_scratch_ = enqueuer.packing_scratch(rows);
+      packing_rows_ = rows;
+    }
+    const cuda::Stream stream = ahead_stream_;
+    group.work = cuda::CapturedWork::capture(stream, [&] {
+      cuda::CurrentStreamScope scope(stream);
+      std::vector<std::pair<Channel*, shm::CallHeader>> packed;
+      std::vector<cuda::MemoryOp> results;
+      for (size_t i = 0; i < calls.size(); ++i) {
+        packed.clear();
+        results.clear();
+        cuda::HandOffs waits;
+        for (auto* member : members) {
+          const auto& h = member->ready_->calls[i];
+          waits.waits[waits.count++] = member->input_wait(h);
+          packed.emplace_back(member, h);
+          results.push_back({cuda::MemoryOp::kWrite, member->result_word(h), 1});
+        }
+        SYMBIOSIS_CUDA_CHECK(cuda::launch_hand_offs(waits, static_cast<cudaStream_t>(stream.handle)));
+        cuda::start_next_kernel_early(stream);  // [Early dependents]: the packing copy, once every input is up
+        enqueuer.enqueue_packed(packed, packing_scratch_);
+        // The last call's words are set at each launch, after results_ready.
+        if (i + 1 < calls.size()) cuda::memory_ops_on_stream(stream, results.data(), results.size());
+      }
+    });
+  }
+
+  // After the launch of this client's ready run (alone or with others) on `stream`: hands its calls out.
+  std::vector<shm::CallHeader> launched_on(cuda::Stream stream, bool with_others) {
     Run* run = ready_;
     ready_ = nullptr;
     const auto& waiting = pending();
@@ -524,8 +673,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     last_out_ = calls.back().sequence;
     // results_ready before the last call's result flag, which lets the client go on: its next
     // run then finds every call before it answered.
-    cuda::memory_ops_on_stream(ahead_stream_, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
-                                               {cuda::MemoryOp::kWrite, result_word(calls.back()), 1}});
+    cuda::memory_ops_on_stream(stream, {{cuda::MemoryOp::kWrite, results_ready_, last_out_},
+                                        {cuda::MemoryOp::kWrite, result_word(calls.back()), 1}});
     run->last_use = ++uses_;
     if (!watched_) {
       AheadWatchdog::instance().add(this);
@@ -537,6 +686,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       for (const auto& h : run->calls) launched_slots_.push_back(h.slot);
       launched_last_ = last_out_;
       launched_at_ = Clock::now();
+      launched_with_others_ = with_others;
     }
     unfinished_run_ = last_out_;
     hand_out(calls.size());
@@ -590,7 +740,12 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::vector<shm::CallHeader> recording_;  // the run being computed call by call
   Run* ready_ = nullptr;                    // the run the pending calls begin with (run_ready), until launched
   uint64_t uses_ = 0;
-  cuda::Stream ahead_stream_;   // from this client's first launch ([Kept streams])
+  cuda::Stream ahead_stream_;  // from the first launch this client leads ([Kept streams])
+  // [Runs launched together]: graphs of groups this client leads, and the packed rows they share.
+  std::vector<std::unique_ptr<Group>> groups_;
+  at::Tensor packing_scratch_;  // CallEnqueuer::packing_scratch, for packing_rows_ rows
+  int64_t packing_rows_ = 0;
+  bool groups_failed_ = false;
   bool watched_ = false;        // by AheadWatchdog
   uint32_t last_out_ = 0;       // the sequence of the last numbered call handed out
   uint32_t hold_sequence_ = 0;  // a run's first call held for its other headers, until
@@ -600,6 +755,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   std::mutex launched_mutex_;
   std::vector<uint32_t> launched_slots_;
   uint32_t launched_last_ = 0;  // its last call's sequence
+  bool launched_with_others_ = false;
   std::optional<Clock::time_point> launched_at_;
   std::atomic<bool> stalled_{false};  // released by the watchdog: the client is dropped
   std::string stall_state_;           // where the run stood then (launched_state)

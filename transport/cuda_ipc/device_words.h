@@ -64,6 +64,16 @@ struct HandOff {
 // Enqueues the kernel on `stream`; returns cudaGetLastError() after it.
 cudaError_t launch_hand_off(const HandOff& hand_off, cudaStream_t stream);
 
+// [Runs launched together] (cuda_ipc_channel.cpp): the waits of several clients' calls in one
+// kernel, a thread each, each as HandOff's (their `set` unused); its programmatic dependents start
+// once every wait has let go.
+constexpr uint32_t kMaxHandOffs = 16;
+struct HandOffs {
+  HandOff waits[kMaxHandOffs];
+  uint32_t count = 0;
+};
+cudaError_t launch_hand_offs(const HandOffs& hand_offs, cudaStream_t stream);
+
 // The client's environment variable that, set to 0, keeps its captured calls' flags in host memory.
 constexpr const char* kDeviceWordsVariable = "SYMBIOSIS_DEVICE_WORDS";
 

@@ -399,6 +399,17 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
   EXPECT_GT(stats.ahead_calls(), 0u);
 }
 
+// [Runs launched together] (off by default): the three tenants' decode steps, launched ahead, go
+// together (a wait long enough that they fall into step at once), each call one GEMM for the three
+// after one kernel waiting on their three input words; the executor outlives their leaving in any
+// order. Exact as the monolithic model, with some calls launched together.
+TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedTogetherStayExact) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto stats = three_tenants_generate_the_monolithic_tokens(
+      "gpu-generate-together", {"--launch-together", "true", "--launch-together-wait", "20000"}, /*new_tokens=*/160);
+  EXPECT_GT(stats.together_calls(), 0u) << "calls launched ahead: " << stats.ahead_calls();
+}
+
 // [Steps launched ahead]: a tenant's decode calls packed with the others' are recorded too, and its
 // later steps launched ahead. With decode waits always on (--judge-window 0) and a rendezvous at
 // each step's first call, the three tenants' decode steps are packed from the first one on; before
