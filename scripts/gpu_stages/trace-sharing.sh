@@ -2,11 +2,13 @@
 # trace-sharing  issue 45's workloads traced, the executor and every tenant on one timeline ([Traced runs] in
 #                bench/bench_main.cpp, docs/tracing.md): decode at N = 1 and 8 (or TRACE_COUNTS) with the
 #                monolithic baseline, and the mixed workload with each group alone; each run's trace_summary
-#                and the merged traces that fit go back in traces.tgz (open them in ui.perfetto.dev)
+#                and the merged traces that fit go back in traces.tgz (open them in ui.perfetto.dev);
+#                TRACE_EXECUTOR: JSON merged over the decode runs' executor settings (e.g.
+#                '{"launch_together": true}')
 make_1b
 mps_on
-python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["executor"]["policies"] = ["opportunistic"]; print(json.dumps(s))' \
-  bench/scenarios/gpu_generate_llama1b.json > /tmp/trace-decode.json
+python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["executor"]["policies"] = ["opportunistic"]; s["executor"].update(json.loads(sys.argv[2])); print(json.dumps(s))' \
+  bench/scenarios/gpu_generate_llama1b.json "${TRACE_EXECUTOR:-{\}}" > /tmp/trace-decode.json
 bench trace-decode /tmp/trace-decode.json --checkpoint $model_1b --counts "${TRACE_COUNTS:-1,8}" --trace 1
 bench trace-mixed bench/scenarios/gpu_mixed_llama1b.json --checkpoint $model_1b --trace 1
 mps_off

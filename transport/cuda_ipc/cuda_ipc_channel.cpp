@@ -275,7 +275,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
       }
       return std::nullopt;
     }
-    return ready_->signature;
+    // [Runs launched together]: a client without device words goes alone, its run's signature its own.
+    return device_words() != nullptr ? ready_->signature : ready_->id | kOwnSignature;
   }
 
   std::vector<std::vector<shm::CallHeader>> launch_ahead(const std::vector<Channel*>& together,
@@ -283,8 +284,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     std::vector<CudaIpcChannel*> members;  // this transport's, by run_ready's contract
     for (Channel* channel : together) members.push_back(static_cast<CudaIpcChannel*>(channel));
     std::vector<std::vector<shm::CallHeader>> launched(members.size());
-    const bool words = std::all_of(members.begin(), members.end(), [](auto* m) { return m->device_words(); });
-    if (members.size() > 1 && (!words || groups_failed_)) {  // each alone
+    if (members.size() > 1 && groups_failed_) {  // each alone
       for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launch_ahead({members[i]}, enqueuer)[0];
       return launched;
     }
@@ -415,6 +415,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   static constexpr auto kAwaitRun = std::chrono::microseconds(200);
   static constexpr size_t kRuns = 8;    // recorded runs kept (a decode bucket each), the least recently used going
   static constexpr size_t kGroups = 8;  // [Runs launched together]: group graphs a leader keeps
+  static constexpr uint64_t kOwnSignature = uint64_t{1} << 63;  // or'd with a run's id: a signature no other run has
 
   struct Run {
     std::vector<shm::CallHeader> calls;  // as first handed out
@@ -431,7 +432,8 @@ class CudaIpcChannel : public RegisteredBufferChannel {
     uint64_t last_use = 0;
   };
 
-  // A run's signature: what must agree, call by call, for runs of several clients to be one graph.
+  // A run's signature: what must agree, call by call, for runs of several clients to be one graph
+  // (kOwnSignature's bit clear).
   static uint64_t signature_of(const std::vector<shm::CallHeader>& calls) {
     uint64_t hash = calls.size();
     for (const auto& h : calls) {
@@ -440,7 +442,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         hash = (hash ^ part) * 0x100000001b3ULL;
       }
     }
-    return hash;
+    return hash & ~kOwnSignature;
   }
 
   // Whether two calls are the same call of a step: all but their request ids and sequences.
