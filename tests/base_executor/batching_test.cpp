@@ -738,6 +738,17 @@ TEST(RunGathering, SettingsOutOfRangeAreRefusedNamingTheFlag) {
   EXPECT_NE(refusal({.wait = -5us}).find("--launch-together-wait must be >= 0, got -5 us"), std::string::npos);
 }
 
+// Full launches go at once, the runs ready longest first; the rest waits for the others decoding,
+// and goes alone once `wait` has passed.
+TEST(RunGathering, FullLaunchesGoAtOnceAndTheRestWaits) {
+  RunGathering gathering({.wait = 1ms, .max_members = 2});
+  ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}, {4, 7}}, t0 - 5ms), (Launches{{1, 2}, {3, 4}}));  // 4 decoding
+  EXPECT_EQ(gathering.decide({{3, 7}}, t0), Launches{});  // waits for a companion
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0 + 100us), (Launches{{3, 1}}));
+  EXPECT_EQ(gathering.decide({{2, 7}}, t0 + 200us), Launches{});  // 4 may still come
+  EXPECT_EQ(gathering.decide({{2, 7}}, t0 + 1100us), (Launches{{2}}));
+}
+
 TEST(RunGathering, LaunchesHoldAtMostMaxMembersAndAloneMeansAlone) {
   RunGathering gathering({.max_members = 2});
   EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0), (Launches{{1, 2}, {3}}));
