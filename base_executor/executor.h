@@ -110,6 +110,7 @@ struct ExecutorOptions {
   bool launch_together = false;
   std::chrono::microseconds launch_together_wait{1000};
   size_t launch_together_max = kMaxRunsTogether;  // tenants' steps in one launch at most
+  size_t launch_together_from = 8;                // tenants of one model decoding, at least, to go together
   // [Admission] (base_executor/admission.h, docs/operating.md): the keys folder. With it, traffic is
   // encrypted and only the tenants listed there are served. Without it the executor listens on
   // loopback only, unless `insecure` says to listen elsewhere anyway.

@@ -135,6 +135,10 @@ int main(int argc, char** argv) {
   app.add_option("--launch-together-max", options.launch_together_max,
                  "tenants' steps launched together in one launch at most (1 to 16)")
       ->capture_default_str();
+  app.add_option("--launch-together-from", options.launch_together_from,
+                 "tenants of one model decoding, at least, for their steps to go together; with fewer, each goes "
+                 "alone (at least 2)")
+      ->capture_default_str();
   app.add_option("--keys", keys_dir,
                  "keys folder (executor.key, tenants/, operators/, revoked/): encrypt, and admit only listed tenants "
                  "(docs/operating.md)");

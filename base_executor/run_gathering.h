@@ -13,10 +13,13 @@
 // launches go at once, without waiting for the others, who make launches of their own; so with
 // fewer members than tenants the groups need not keep in step with each other, and one's GEMMs
 // may run beside another's tenants' kernels.
-// Whether it pays depends on the tenants: on an H200, 8 tenants of the 1B model decoded 1.07x as
-// fast together as alone, 4 tenants 1.00x, 2 tenants 0.93x (V69, V70 in docs/benchmarks-history.md),
-// and a WaitJudge counting the steps launched a second each way kept the slower way at 2 and at 8
-// (V71), so it is the operator's choice (--launch-together), off by default.
+// Whether it pays depends on how many tenants decode: on an H200, 8 tenants of the 1B model decoded
+// 1.07x as fast together as alone, 4 tenants 1.00x, 2 tenants 0.93x (V69, V70 in
+// docs/benchmarks-history.md). So runs go together only while at least `from` clients of their
+// signature decode (ready now, or launched within `active`), 8 by default, where it was measured to
+// pay; with fewer, each goes at once, alone. A WaitJudge counting the steps launched a second each
+// way, tried instead, kept the slower way at 2 tenants and at 8 (V71). It is the operator's choice
+// (--launch-together), off by default.
 // Decided from the clock it is given (tests: a fake one), with no state of the channels'.
 #include <c10/util/Exception.h>
 
@@ -42,6 +45,7 @@ class RunGathering {
     Clock::duration wait = std::chrono::microseconds(1000);
     Clock::duration active = std::chrono::milliseconds(50);
     size_t max_members = kMaxRunsTogether;  // runs in one launch at most
+    size_t from = 8;                        // clients of a signature decoding, at least, to go together
   };
   // Throws naming the executor's flag of a setting out of range.
   explicit RunGathering(Options options) : options_(options) {
@@ -49,6 +53,7 @@ class RunGathering {
                 "--launch-together-max must be 1 to ", kMaxRunsTogether, ", got ", options.max_members);
     TORCH_CHECK(options.wait.count() >= 0, "--launch-together-wait must be >= 0, got ",
                 std::chrono::duration_cast<std::chrono::microseconds>(options.wait).count(), " us");
+    TORCH_CHECK(options.from >= 2, "--launch-together-from must be at least 2 (tenants), got ", options.from);
   }
 
   // The clients whose runs are ready now, each with its run's signature, in the order to launch
@@ -82,11 +87,12 @@ class RunGathering {
       // partial one waits for the others while they may come.
       std::stable_sort(clients.begin(), clients.end(),
                        [&](uint64_t a, uint64_t b) { return *clients_[a].ready_since < *clients_[b].ready_since; });
-      const bool waits =
-          now - *clients_[clients[0]].ready_since < options_.wait && awaits_others(signature, clients, now);
-      const size_t going = waits ? clients.size() / options_.max_members * options_.max_members : clients.size();
-      for (size_t first = 0; first < going; first += options_.max_members) {
-        const size_t end = std::min(clients.size(), first + options_.max_members);
+      const size_t members = decoding(signature, clients, now) >= options_.from ? options_.max_members : 1;
+      const bool waits = members > 1 && now - *clients_[clients[0]].ready_since < options_.wait &&
+                         awaits_others(signature, clients, now);
+      const size_t going = waits ? clients.size() / members * members : clients.size();
+      for (size_t first = 0; first < going; first += members) {
+        const size_t end = std::min(clients.size(), first + members);
         launches.emplace_back(clients.begin() + static_cast<std::ptrdiff_t>(first),
                               clients.begin() + static_cast<std::ptrdiff_t>(end));
         for (size_t i = first; i < end; ++i) {
@@ -124,6 +130,16 @@ class RunGathering {
       if (std::find(ready.begin(), ready.end(), client) == ready.end()) return true;
     }
     return false;
+  }
+
+  // Clients of `signature` decoding: those of `ready`, and the others that launched a run within `active`.
+  size_t decoding(uint64_t signature, const std::vector<uint64_t>& ready, Clock::time_point now) const {
+    size_t count = ready.size();
+    for (const auto& [client, seen] : clients_) {
+      if (seen.signature != signature || !seen.launched || now - *seen.launched > options_.active) continue;
+      count += std::find(ready.begin(), ready.end(), client) == ready.end();
+    }
+    return count;
   }
 
   Options options_;

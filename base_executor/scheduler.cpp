@@ -55,7 +55,8 @@ Scheduler::Scheduler(const ExecutorOptions& options, const BaseModel& model, Sta
       runner_(model, statistics, options.on_input, parts),
       gathering_({.together = options.launch_together && options.batching.policy == BatchingPolicy::kOpportunistic,
                   .wait = options.launch_together_wait,
-                  .max_members = options.launch_together_max}),
+                  .max_members = options.launch_together_max,
+                  .from = options.launch_together_from}),
       parts_(parts),
       on_lost_(std::move(on_lost)) {}
 

@@ -76,6 +76,7 @@ const std::set<std::string> kExecutorKeys = {"device",
                                              "launch_ahead",
                                              "launch_together",
                                              "launch_together_max",
+                                             "launch_together_from",
                                              "launch_together_wait_us",
                                              "finetune_sm_percent",
                                              "finetune_piece_rows",
@@ -410,6 +411,9 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
     args.insert(args.end(), {"--launch-together", ex["launch_together"].get<bool>() ? "true" : "false"});
   if (ex.contains("launch_together_max")) {
     args.insert(args.end(), {"--launch-together-max", std::to_string(ex["launch_together_max"].get<int>())});
+  }
+  if (ex.contains("launch_together_from")) {
+    args.insert(args.end(), {"--launch-together-from", std::to_string(ex["launch_together_from"].get<int>())});
   }
   if (ex.contains("launch_together_wait_us")) {
     args.insert(args.end(), {"--launch-together-wait", std::to_string(ex["launch_together_wait_us"].get<int64_t>())});

@@ -677,12 +677,12 @@ using Ready = std::vector<std::pair<uint64_t, uint64_t>>;  // (client, its run's
 using Launches = std::vector<std::vector<uint64_t>>;
 
 TEST(RunGathering, RunsReadyAtOnceGoTogetherAndEachSignatureApart) {
-  RunGathering gathering({});
+  RunGathering gathering({.from = 2});
   EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 9}}, t0), (Launches{{1, 2}, {3}}));
 }
 
 TEST(RunGathering, AReadyRunWaitsForTheOthersDecodingButNotLongerThanTheWait) {
-  RunGathering gathering({.wait = 1ms});
+  RunGathering gathering({.wait = 1ms, .from = 2});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
   // Both decoding now: 1 is ready first and waits for 2, who comes within the wait.
   EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 5ms).empty());
@@ -697,7 +697,7 @@ TEST(RunGathering, AReadyRunWaitsForTheOthersDecodingButNotLongerThanTheWait) {
 }
 
 TEST(RunGathering, NobodyWaitsForAClientThatStoppedDecodingOrLeftOrRunsAnotherModel) {
-  RunGathering gathering({.wait = 1ms, .active = 50ms});
+  RunGathering gathering({.wait = 1ms, .active = 50ms, .from = 2});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}, {4, 8}}, t0), (Launches{{1, 2, 3}, {4}}));
   gathering.forget(3);
   // 2 launched 60 ms ago, past `active`; 3 left; 4's runs are of another signature.
@@ -705,7 +705,7 @@ TEST(RunGathering, NobodyWaitsForAClientThatStoppedDecodingOrLeftOrRunsAnotherMo
 }
 
 TEST(RunGathering, NobodyWaitsForAClientThatTurnedToAPrefill) {
-  RunGathering gathering({.wait = 1ms});
+  RunGathering gathering({.wait = 1ms, .from = 2});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
   gathering.stopped_decoding(2);  // a new request's prefill
   EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 5ms), (Launches{{1}}));
@@ -716,7 +716,7 @@ TEST(RunGathering, NobodyWaitsForAClientThatTurnedToAPrefill) {
 }
 
 TEST(RunGathering, ARunThatStopsBeingReadyForgetsHowLongItWaited) {
-  RunGathering gathering({.wait = 1ms});
+  RunGathering gathering({.wait = 1ms, .from = 2});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1, 2}}));
   EXPECT_TRUE(gathering.decide({{1, 7}}, t0 + 2ms).empty());
   EXPECT_TRUE(gathering.decide({}, t0 + 2ms + 100us).empty());        // 1 dropped its run (a new buffer, say)
@@ -736,12 +736,25 @@ TEST(RunGathering, SettingsOutOfRangeAreRefusedNamingTheFlag) {
   EXPECT_NE(refusal({.max_members = 0}).find("--launch-together-max must be 1 to 16, got 0"), std::string::npos);
   EXPECT_NE(refusal({.max_members = 17}).find("--launch-together-max must be 1 to 16, got 17"), std::string::npos);
   EXPECT_NE(refusal({.wait = -5us}).find("--launch-together-wait must be >= 0, got -5 us"), std::string::npos);
+  EXPECT_NE(refusal({.from = 1}).find("--launch-together-from must be at least 2 (tenants), got 1"), std::string::npos);
+}
+
+// Runs go together only while at least `from` clients of their signature decode: with fewer, each
+// goes at once, alone, and waits for nobody.
+TEST(RunGathering, RunsGoTogetherOnlyWhileEnoughTenantsDecode) {
+  RunGathering gathering({.wait = 1ms, .from = 3});
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}}, t0), (Launches{{1}, {2}}));
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 1ms), (Launches{{1}}));  // 2 decodes, but two are too few
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0 + 5ms), (Launches{{1, 2, 3}}));  // three
+  EXPECT_EQ(gathering.decide({{1, 7}}, t0 + 10ms), Launches{});                            // waits for 2 and 3
+  EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0 + 10ms + 100us), (Launches{{1, 2, 3}}));
+  EXPECT_EQ(gathering.decide({{3, 7}}, t0 + 100ms), (Launches{{3}}));  // the others stopped: alone
 }
 
 // Full launches go at once, the runs ready longest first; the rest waits for the others decoding,
 // and goes alone once `wait` has passed.
 TEST(RunGathering, FullLaunchesGoAtOnceAndTheRestWaits) {
-  RunGathering gathering({.wait = 1ms, .max_members = 2});
+  RunGathering gathering({.wait = 1ms, .max_members = 2, .from = 2});
   ASSERT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}, {4, 7}}, t0 - 5ms), (Launches{{1, 2}, {3, 4}}));  // 4 decoding
   EXPECT_EQ(gathering.decide({{3, 7}}, t0), Launches{});  // waits for a companion
   EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0 + 100us), (Launches{{3, 1}}));
@@ -750,7 +763,7 @@ TEST(RunGathering, FullLaunchesGoAtOnceAndTheRestWaits) {
 }
 
 TEST(RunGathering, LaunchesHoldAtMostMaxMembersAndAloneMeansAlone) {
-  RunGathering gathering({.max_members = 2});
+  RunGathering gathering({.max_members = 2, .from = 2});
   EXPECT_EQ(gathering.decide({{1, 7}, {2, 7}, {3, 7}}, t0), (Launches{{1, 2}, {3}}));
   RunGathering alone({.together = false});
   EXPECT_EQ(alone.decide({{1, 7}, {2, 7}}, t0), (Launches{{1}, {2}}));
