@@ -397,35 +397,25 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    std::to_string(ex.value("spin_us", -1)),
                                    "--log-level",
                                    ex.value("log_level", "warn")};
-  if (ex.contains("dtype")) args.insert(args.end(), {"--dtype", ex["dtype"].get<std::string>()});
-  if (ex.contains("decode_align_wait_us")) {
-    args.insert(args.end(), {"--decode-align-wait", std::to_string(ex["decode_align_wait_us"].get<int64_t>())});
-  }
-  if (ex.contains("judge_window_ms")) {
-    args.insert(args.end(), {"--judge-window", std::to_string(ex["judge_window_ms"].get<int64_t>())});
-  }
-  if (ex.contains("streams")) args.insert(args.end(), {"--streams", std::to_string(ex["streams"].get<int>())});
-  if (ex.contains("launch_ahead"))
-    args.insert(args.end(), {"--launch-ahead", ex["launch_ahead"].get<bool>() ? "true" : "false"});
-  if (ex.contains("launch_together"))
-    args.insert(args.end(), {"--launch-together", ex["launch_together"].get<bool>() ? "true" : "false"});
-  if (ex.contains("launch_together_max")) {
-    args.insert(args.end(), {"--launch-together-max", std::to_string(ex["launch_together_max"].get<int>())});
-  }
-  if (ex.contains("launch_together_from")) {
-    args.insert(args.end(), {"--launch-together-from", std::to_string(ex["launch_together_from"].get<int>())});
-  }
-  if (ex.contains("launch_together_wait_us")) {
-    args.insert(args.end(), {"--launch-together-wait", std::to_string(ex["launch_together_wait_us"].get<int64_t>())});
-  }
-  if (ex.contains("finetune_sm_percent")) {
-    args.insert(args.end(), {"--finetune-sm-percent", std::to_string(ex["finetune_sm_percent"].get<int>())});
-  }
-  if (ex.contains("finetune_piece_rows")) {
-    args.insert(args.end(), {"--finetune-piece-rows", std::to_string(ex["finetune_piece_rows"].get<int>())});
-  }
-  if (ex.contains("concurrent_tokens")) {
-    args.insert(args.end(), {"--concurrent-tokens", std::to_string(ex["concurrent_tokens"].get<int64_t>())});
+  // The optional settings, each passed on as set (a bool as true/false).
+  static const std::pair<const char*, const char*> kFlags[] = {{"dtype", "--dtype"},
+                                                               {"decode_align_wait_us", "--decode-align-wait"},
+                                                               {"judge_window_ms", "--judge-window"},
+                                                               {"streams", "--streams"},
+                                                               {"launch_ahead", "--launch-ahead"},
+                                                               {"launch_together", "--launch-together"},
+                                                               {"launch_together_max", "--launch-together-max"},
+                                                               {"launch_together_from", "--launch-together-from"},
+                                                               {"launch_together_wait_us", "--launch-together-wait"},
+                                                               {"finetune_sm_percent", "--finetune-sm-percent"},
+                                                               {"finetune_piece_rows", "--finetune-piece-rows"},
+                                                               {"concurrent_tokens", "--concurrent-tokens"}};
+  for (const auto& [key, flag] : kFlags) {
+    if (!ex.contains(key)) continue;
+    const json& value = ex[key];
+    args.insert(args.end(), {flag, value.is_string()    ? value.get<std::string>()
+                                   : value.is_boolean() ? std::string(value.get<bool>() ? "true" : "false")
+                                                        : std::to_string(value.get<int64_t>())});
   }
   return args;
 }
