@@ -87,9 +87,9 @@ class RunGathering {
       // partial one waits for the others while they may come.
       std::stable_sort(clients.begin(), clients.end(),
                        [&](uint64_t a, uint64_t b) { return *clients_[a].ready_since < *clients_[b].ready_since; });
-      const size_t members = decoding(signature, clients, now) >= options_.from ? options_.max_members : 1;
-      const bool waits = members > 1 && now - *clients_[clients[0]].ready_since < options_.wait &&
-                         awaits_others(signature, clients, now);
+      const size_t others = decoding_elsewhere(signature, clients, now);
+      const size_t members = clients.size() + others >= options_.from ? options_.max_members : 1;
+      const bool waits = members > 1 && others > 0 && now - *clients_[clients[0]].ready_since < options_.wait;
       const size_t going = waits ? clients.size() / members * members : clients.size();
       for (size_t first = 0; first < going; first += members) {
         const size_t end = std::min(clients.size(), first + members);
@@ -123,18 +123,9 @@ class RunGathering {
     std::optional<Clock::time_point> ready_since;  // its run waiting now, since
   };
 
-  // Whether a client of `signature` not among `ready` launched a run within `active`.
-  bool awaits_others(uint64_t signature, const std::vector<uint64_t>& ready, Clock::time_point now) const {
-    for (const auto& [client, seen] : clients_) {
-      if (seen.signature != signature || !seen.launched || now - *seen.launched > options_.active) continue;
-      if (std::find(ready.begin(), ready.end(), client) == ready.end()) return true;
-    }
-    return false;
-  }
-
-  // Clients of `signature` decoding: those of `ready`, and the others that launched a run within `active`.
-  size_t decoding(uint64_t signature, const std::vector<uint64_t>& ready, Clock::time_point now) const {
-    size_t count = ready.size();
+  // Clients of `signature` decoding but not among `ready`: those that launched a run within `active`.
+  size_t decoding_elsewhere(uint64_t signature, const std::vector<uint64_t>& ready, Clock::time_point now) const {
+    size_t count = 0;
     for (const auto& [client, seen] : clients_) {
       if (seen.signature != signature || !seen.launched || now - *seen.launched > options_.active) continue;
       count += std::find(ready.begin(), ready.end(), client) == ready.end();

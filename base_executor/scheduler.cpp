@@ -302,23 +302,23 @@ bool Scheduler::poll_channels() {
     }
   }
   const bool ahead = launches_ahead();
-  // [Runs launched together] (under opportunistic): the ready runs launched now, alone or together,
-  // and those held for others; without it, each channel's ready run is launched where its calls are
-  // taken.
+  // [Runs launched together] (under opportunistic): the channels' ready runs, launched after this
+  // look, alone or together as gathering_ decides; without it, each channel's ready run is launched
+  // where its calls are taken.
   const bool together = ahead && gathering_.together();
-  const auto held = together ? launch_ready_runs() : std::set<uint64_t>{};
+  std::vector<std::pair<uint64_t, uint64_t>> ready;  // (client, its run's signature)
   for (auto it = channels_.begin(); it != channels_.end();) {
     const auto& channel = it->second;
     holding = channel->release_replies() || holding;
     // A call is checked once its input is ready, so that a refusal, which releases the client's
     // stream ([Stream-ordered hand-off]), never overtakes the result of the call before it. A ready
-    // run goes whole, never call by call: one held for others, or one that became ready since
-    // launch_ready_runs asked (its client's last results came while other runs were launched), is
-    // launched at a later look.
-    if (held.count(it->first) || (together && !refused_.count(it->first) && channel->run_ready())) {
+    // run goes whole, never call by call: its channel's calls are taken at a later look, after it.
+    const auto signature = together && !refused_.count(it->first) ? channel->run_ready() : std::nullopt;
+    if (signature) {
+      ready.emplace_back(it->first, *signature);
       holding = true;
     } else {
-      if (ahead) launch_if_ready(*channel);
+      if (ahead && !together) launch_if_ready(*channel);
       while (auto header = channel->next_request()) accept(channel, *header, {header->tokens, header->features});
     }
     holding = channel->waiting() || holding;
@@ -336,6 +336,7 @@ bool Scheduler::poll_channels() {
     teardown_.hand_over(std::move(it->second));  // [Teardown off the front door] (teardown.h)
     it = channels_.erase(it);
   }
+  if (!ready.empty()) launch_ready_runs(ready);
   return holding;
 }
 
@@ -348,25 +349,15 @@ bool Scheduler::launches_ahead() const {
          !options_.on_input && !lost_;
 }
 
-std::set<uint64_t> Scheduler::launch_ready_runs() {
-  std::vector<std::pair<uint64_t, uint64_t>> ready;  // (client, its run's signature)
-  for (const auto& [id, channel] : channels_) {
-    if (refused_.count(id) != 0) continue;
-    if (const auto signature = channel->run_ready()) ready.emplace_back(id, *signature);
-  }
-  std::set<uint64_t> held;
-  if (ready.empty()) return held;
-  for (const auto& [id, signature] : ready) held.insert(id);
+void Scheduler::launch_ready_runs(const std::vector<std::pair<uint64_t, uint64_t>>& ready) {
   last_decode_ = Clock::now();  // runs are decode steps, whether launched now or held
   for (const auto& group : gathering_.decide(ready, last_decode_)) {
     std::vector<Channel*> together;
     for (const uint64_t id : group) {
-      held.erase(id);
-      together.push_back(channels_.at(id).get());
+      if (const auto it = channels_.find(id); it != channels_.end()) together.push_back(it->second.get());
     }
-    launch(together);
+    if (!together.empty()) launch(together);
   }
-  return held;
 }
 
 void Scheduler::launch_if_ready(Channel& channel) {

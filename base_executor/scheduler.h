@@ -12,7 +12,6 @@
 #include <deque>
 #include <chrono>
 #include <map>
-#include <set>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -113,9 +112,9 @@ class Scheduler {
   // Takes the channels' new calls and pushes the replies they held; true while a reply is still
   // held or a call waits for its client's GPU to write its input: the loop then looks again at once.
   bool poll_channels();
-  // [Runs launched together]: launches the runs of the channels whose calls begin with one, alone
-  // or together, as gathering_ decides; returns the clients whose runs wait for others.
-  std::set<uint64_t> launch_ready_runs();
+  // [Runs launched together]: launches the ready runs, each (client, its run's signature), alone or
+  // together as gathering_ decides; those it holds for others are ready again at the next look.
+  void launch_ready_runs(const std::vector<std::pair<uint64_t, uint64_t>>& ready);
   // [Steps launched ahead]: launches the channel's run if its calls begin with one.
   void launch_if_ready(Channel& channel);
   // Launches the ready runs of `together` (one channel: alone) and counts their calls.

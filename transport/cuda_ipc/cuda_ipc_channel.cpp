@@ -283,11 +283,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
                                                          CallEnqueuer& enqueuer) override {
     std::vector<CudaIpcChannel*> members;  // this transport's, by run_ready's contract
     for (Channel* channel : together) members.push_back(static_cast<CudaIpcChannel*>(channel));
-    std::vector<std::vector<shm::CallHeader>> launched(members.size());
-    if (members.size() > 1 && groups_failed_) {  // each alone
-      for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launch_ahead({members[i]}, enqueuer)[0];
-      return launched;
-    }
+    if (members.size() > 1 && groups_failed_) return each_alone(members, enqueuer);
     cuda::CapturedWork* work = nullptr;
     try {
       if (!ahead_stream_.valid()) {
@@ -308,18 +304,27 @@ class CudaIpcChannel : public RegisteredBufferChannel {
         runs_.clear();
         ready_ = nullptr;
         spdlog::warn("client {}: its decode steps are not launched ahead: {}", client_id(), e.what_without_backtrace());
-        return launched;
+        return std::vector<std::vector<shm::CallHeader>>(1);  // none launched: it goes call by call
       }
       groups_failed_ = true;
       groups_.clear();
       spdlog::warn("client {}: decode steps are not launched together with its: {}", client_id(),
                    e.what_without_backtrace());
-      return launch_ahead(together, enqueuer);
+      return each_alone(members, enqueuer);
     }
     const cuda::Stream stream = ahead_stream_;
     for (auto* member : members) member->use_stream(stream);
     work->launch(stream);
-    for (size_t i = 0; i < members.size(); ++i) launched[i] = members[i]->launched_on(stream, members.size() > 1);
+    std::vector<std::vector<shm::CallHeader>> launched;
+    for (auto* member : members) launched.push_back(member->launched_on(stream, members.size() > 1));
+    return launched;
+  }
+
+  // [Runs launched together]: each member's ready run launched alone (this leader's groups failed).
+  static std::vector<std::vector<shm::CallHeader>> each_alone(const std::vector<CudaIpcChannel*>& members,
+                                                              CallEnqueuer& enqueuer) {
+    std::vector<std::vector<shm::CallHeader>> launched;
+    for (auto* member : members) launched.push_back(member->launch_ahead({member}, enqueuer)[0]);
     return launched;
   }
 
