@@ -6,6 +6,7 @@
 // held to decodes eagerly. Skipped without a GPU; runs on the GPU machine
 // (scripts/gpu_check.sh generate).
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -400,16 +401,58 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
 }
 
 // [Runs launched together] (off by default): the three tenants' decode steps, launched ahead, go
-// together (a wait long enough that they fall into step at once), each call one GEMM for the three
-// after one kernel waiting on their three input words; the executor outlives their leaving in any
-// order. Exact as the monolithic model, with some calls launched together.
+// together from two tenants decoding (three at once need not overlap: their processes start apart,
+// with other tests beside them, and once went none together in 160 steps), with a wait long enough
+// that they fall into step at once, each call one GEMM for those after one kernel waiting on their
+// input words; the executor outlives their leaving in any order. Exact as the monolithic model, with some calls launched together.
 TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedTogetherStayExact) {
   SKIP_WITHOUT_GPUS(1);
   const auto stats = three_tenants_generate_the_monolithic_tokens(
       "gpu-generate-together",
-      {"--launch-together", "true", "--launch-together-wait", "20000", "--launch-together-from", "3"},
+      {"--launch-together", "true", "--launch-together-wait", "20000", "--launch-together-from", "2"},
       /*new_tokens=*/160);
   EXPECT_GT(stats.together_calls(), 0u) << "calls launched ahead: " << stats.ahead_calls();
+}
+
+// [Runs launched together] with a tenant killed while its steps go with the others': four tenants
+// decode together (launched together from three), and one is killed once calls went together. Its
+// run in flight never gets its inputs; the watchdog voids it alone (the others' inputs are up), so
+// the three left finish with the monolithic tokens, still launched together, and a tenant that
+// comes after generates them too.
+TEST(GpuGeneration, ATenantKilledWhileLaunchedTogetherLeavesTheOthersExact) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("llama-3.2-1b", "--layers 2");
+  const auto work = testing::temp_dir("gpu-generate-together-killed");
+  const auto executor = start_gpu_executor(
+      dir, work / "executor", "fp32",
+      {"--launch-together", "true", "--launch-together-wait", "20000", "--launch-together-from", "3"});
+  const auto requests = write_requests(work, 4);
+  std::map<std::string, pid_t> tenants;
+  for (const std::string tenant : {"a", "b", "c", "killed"}) {
+    tenants[tenant] = testing::spawn(
+        {"/bin/sh", "-c", "exec " + generate_command(dir, executor.endpoint, requests, work, tenant, 400)});
+  }
+  bool together = false;
+  for (int i = 0; i < 600 && !together; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    together = request_stats(executor.endpoint, 10000).together_calls() > 0;
+  }
+  ASSERT_TRUE(together) << "no call went together in 30 s; see " << work;
+  ::kill(tenants["killed"], SIGKILL);
+  testing::exited_ok(tenants["killed"]);
+  const uint64_t before = request_stats(executor.endpoint, 10000).together_calls();
+  for (const std::string tenant : {"a", "b", "c"}) {
+    EXPECT_TRUE(testing::exited_ok(tenants[tenant])) << tenant << "; see " << work;
+  }
+  EXPECT_GT(request_stats(executor.endpoint, 10000).together_calls(), before) << "none went together after the kill";
+  EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "after", 400)), 0)
+      << "see " << work;
+  EXPECT_EQ(testing::shell(generate_command(dir, executor.endpoint, requests, work, "monolithic", 400)), 0)
+      << "see " << work;
+  const auto monolithic = sorted_lines(work, "monolithic");
+  EXPECT_EQ(std::count(monolithic.begin(), monolithic.end(), '\n'), 4);
+  for (const std::string tenant : {"a", "b", "c", "after"}) EXPECT_EQ(sorted_lines(work, tenant), monolithic) << tenant;
+  bench::stop(executor.pid);
 }
 
 // [Steps launched ahead]: a tenant's decode calls packed with the others' are recorded too, and its
