@@ -125,8 +125,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--launch-together", options.launch_together,
                  "under opportunistic, launch the steps of several same-GPU tenants that --launch-ahead launches, "
-                 "ready at once, as one, each call one GEMM for all (true/false; pays with many tenants of one model: "
-                 "docs/inference.md)")
+                 "ready at once, as one, each call one GEMM for all, while --launch-together-from of them decode "
+                 "(true/false: docs/inference.md)")
       ->capture_default_str();
   int64_t launch_together_wait_us = options.launch_together_wait.count();
   app.add_option("--launch-together-wait", launch_together_wait_us,
