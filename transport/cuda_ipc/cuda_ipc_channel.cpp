@@ -446,8 +446,9 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   static uint64_t signature_of(const std::vector<shm::CallHeader>& calls) {
     uint64_t hash = calls.size();
     for (const auto& h : calls) {
-      for (const uint64_t part : {uint64_t{h.layer_id}, static_cast<uint64_t>(h.op), static_cast<uint64_t>(h.dtype),
-                                  static_cast<uint64_t>(h.features), uint64_t{std::bit_width(static_cast<uint64_t>(h.tokens))}}) {
+      for (const uint64_t part :
+           {uint64_t{h.layer_id}, static_cast<uint64_t>(h.op), static_cast<uint64_t>(h.dtype),
+            static_cast<uint64_t>(h.features), uint64_t{std::bit_width(static_cast<uint64_t>(h.tokens))}}) {
         hash = (hash ^ part) * 0x100000001b3ULL;
       }
     }

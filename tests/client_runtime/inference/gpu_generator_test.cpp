@@ -400,7 +400,7 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
   EXPECT_GT(stats.ahead_calls(), 0u);
 }
 
-// [Runs launched together] (off by default): the three tenants' decode steps, launched ahead, go
+// [Runs launched together] (by default from 8 tenants): the three tenants' decode steps, launched ahead, go
 // together from two tenants decoding (three at once need not overlap: their processes start apart,
 // with other tests beside them, and once went none together in 160 steps), with a wait long enough
 // that they fall into step at once, each call one GEMM for those after one kernel waiting on their
