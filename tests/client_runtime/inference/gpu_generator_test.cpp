@@ -400,11 +400,12 @@ TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedAheadStayExact) {
   EXPECT_GT(stats.ahead_calls(), 0u);
 }
 
-// [Runs launched together] (by default from 8 tenants): the three tenants' decode steps, launched ahead, go
-// together from two tenants decoding (three at once need not overlap: their processes start apart,
-// with other tests beside them, and once went none together in 160 steps), with a wait long enough
-// that they fall into step at once, each call one GEMM for those after one kernel waiting on their
-// input words; the executor outlives their leaving in any order. Exact as the monolithic model, with some calls launched together.
+// [Runs launched together] (by default from 8 tenants): the three tenants' decode steps, launched
+// ahead, go together from two tenants decoding (three at once need not overlap: their processes
+// start apart, with other tests beside them, and once went none together in 160 steps), with a
+// wait long enough that they fall into step at once, each call one GEMM for those after one kernel
+// waiting on their input words; the executor outlives their leaving in any order. Exact as the
+// monolithic model, with some calls launched together.
 TEST(GpuGeneration, DecodeStepsOfSeveralTenantsLaunchedTogetherStayExact) {
   SKIP_WITHOUT_GPUS(1);
   const auto stats = three_tenants_generate_the_monolithic_tokens(
