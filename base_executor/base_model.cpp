@@ -55,18 +55,13 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   model->device_ = device;
   model->shard_ = shard;
   model->model_hash_ = checkpoint.model_hash();
-  const std::string suffix = ".weight";
-  for (const auto& name : checkpoint.names()) {
-    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-    const std::string module = name.substr(0, name.size() - suffix.size());
-    const bool is_lm_head = module == "lm_head";
-    if (!(is_lm_head ? rule.lm_head : std::regex_match(module, pattern))) continue;
+  // One base layer, `module`, of the checkpoint's 2-D tensor `name` (its bias beside it, if any).
+  auto add_layer = [&](const std::string& module, const std::string& name, LayerKind kind) {
     const auto& rec = checkpoint.record(name);
-    if (rec.shape.size() != 2) continue;  // norms and other vectors are not linear layers
     LayerInfo info;
     info.id = static_cast<uint32_t>(model->layers_.size());
     info.name = module;
-    info.kind = conv1d && !is_lm_head ? LayerKind::kConv1D : LayerKind::kLinear;
+    info.kind = kind;
     info.in_features = info.kind == LayerKind::kLinear ? rec.shape[1] : rec.shape[0];
     info.out_features = info.kind == LayerKind::kLinear ? rec.shape[0] : rec.shape[1];
     info.dtype = dtype.value_or(rec.dtype);
@@ -89,6 +84,28 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
     w.backward_matrix = w.forward_matrix.t();
     model->layers_.push_back(info);
     model->weights_.push_back(std::move(w));
+  };
+  const std::string suffix = ".weight";
+  for (const auto& name : checkpoint.names()) {
+    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const std::string module = name.substr(0, name.size() - suffix.size());
+    const bool is_lm_head = module == "lm_head";
+    if (!(is_lm_head ? rule.lm_head : std::regex_match(module, pattern))) continue;
+    if (checkpoint.record(name).shape.size() != 2) continue;  // norms and other vectors are not linear layers
+    add_layer(module, name, conv1d && !is_lm_head ? LayerKind::kConv1D : LayerKind::kLinear);
+  }
+  // [Served tied head]: a checkpoint without lm_head.weight ties its head to its input embeddings
+  // (Llama 3.2, Qwen2, Gemma 2, GPT-2, OPT). Each tenant would read the whole vocabulary's embeddings
+  // once a decode step for its few rows; served, the head is one more base layer, "lm_head", of
+  // those same weights, and tenants decoding together read them once for all.
+  if (rule.lm_head && !checkpoint.contains("lm_head.weight")) {
+    for (const char* embeddings : {"model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight",
+                                   "wte.weight", "model.decoder.embed_tokens.weight", "decoder.embed_tokens.weight"}) {
+      if (checkpoint.contains(embeddings)) {
+        add_layer("lm_head", embeddings, LayerKind::kLinear);
+        break;
+      }
+    }
   }
   TORCH_CHECK(!model->layers_.empty(), "checkpoint ", checkpoint.dir(), " (model_type '", model_type,
               "') has no base layers matching '", rule.pattern, "'", rule.lm_head ? " or lm_head" : "",

@@ -25,7 +25,8 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
 // decoder blocks (model.layers.N.* for the Llama family, Gemma 2 included, transformer.h.N.* for
 // GPT-2 and GPTBigCode, or h.N.* where a GPT-2 checkpoint names its tensors without the prefix, as
 // the Hub's do: [Checkpoint layouts] in client_runtime/models/model_io.h), never embeddings or
-// norms; lm_head only when asked. GPT-2's layers are Conv1D, every other architecture's Linear.
+// norms; lm_head only when asked (a head tied to the embeddings then served from them: [Served
+// tied head] in base_model.cpp). GPT-2's layers are Conv1D, every other architecture's Linear.
 //
 // [Layer groups]
 // Layers that read one input (a Llama attention's q, k and v projections; its MLP's gate and up)

@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   app.add_option("--layer-pattern", options.layers.pattern,
                  "regex over module names choosing the base layers (2-D .weight tensors)")
       ->capture_default_str();
-  app.add_flag("--lm-head", options.layers.lm_head, "serve lm_head as a base layer too");
+  app.add_flag("--lm-head", options.layers.lm_head,
+               "serve lm_head as a base layer too (a head tied to the input embeddings: from them)");
   std::string layer_groups = symbiosis::BaseLayerRule::kDefaultGroups;
   app.add_option("--layer-groups", layer_groups,
                  "layers that read one input, served together as one stacked layer too (see [Layer groups] in "

@@ -80,7 +80,8 @@ const std::set<std::string> kExecutorKeys = {"device",
                                              "launch_together_wait_us",
                                              "finetune_sm_percent",
                                              "finetune_piece_rows",
-                                             "concurrent_tokens"};
+                                             "concurrent_tokens",
+                                             "lm_head"};
 
 void check_keys(const json& object, const std::string& where, const std::set<std::string>& known) {
   if (!object.is_object()) {
@@ -417,6 +418,7 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                    : value.is_boolean() ? std::string(value.get<bool>() ? "true" : "false")
                                                         : std::to_string(value.get<int64_t>())});
   }
+  if (ex.value("lm_head", false)) args.push_back("--lm-head");  // a flag: [Served tied head] too
   return args;
 }
 

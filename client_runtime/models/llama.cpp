@@ -635,6 +635,12 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materializ
   }
 }
 
+void LlamaForCausalLMImpl::untie_head() {
+  TORCH_CHECK(!lm_head, "the model's head is not tied to its embeddings");
+  lm_head = register_module("lm_head",
+                            nn::Linear(config_.hidden_size, config_.vocab_size, /*bias=*/false, /*materialize=*/false));
+}
+
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                          const at::Tensor& position_ids) {
   return logits(model->forward(input_ids, attention_mask, position_ids, adapter_.get()));

@@ -263,8 +263,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost, 
   at::Tensor logits(const at::Tensor& hidden) override;
   std::optional<int64_t> max_positions() const override { return std::nullopt; }
 
+  // [Served tied head] (base_executor/base_model.cpp): the head tied to the embeddings becomes a
+  // module of its own, lm_head, without weights, for virtualize() to bind to the executor's layer.
+  void untie_head();
+
   LlamaModel model{nullptr};
-  nn::Linear lm_head{nullptr};  // null when tie_word_embeddings: the logits use embed_tokens' weight
+  // Null when tie_word_embeddings (the logits use embed_tokens' weight) and not served.
+  nn::Linear lm_head{nullptr};
 
  private:
   LlamaConfig config_;

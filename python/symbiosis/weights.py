@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .client import Client, Error, model_hash
-from .virtual import virtualize
+from .virtual import is_virtual, virtualize
 
 
 @contextlib.contextmanager
@@ -99,8 +99,11 @@ def load_weights(model: nn.Module, checkpoint: str, *, device: Union[str, torch.
                     state[name] = f.get_tensor(key).to(like.dtype)
     if state:
         model.load_state_dict(state, strict=False, assign=True)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # assign=True replaced tied parameters on one side only
+    # assign=True replaced tied parameters on one side only: tie them again, but for a head the
+    # executor serves from the embeddings ([Served tied head] in base_executor/base_model.cpp).
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if hasattr(model, "tie_weights") and not (head is not None and is_virtual(head)):
+        model.tie_weights()
     left = _meta_tensors(model)
     if left:
         names = sorted(left)

@@ -4,6 +4,7 @@ adapters after a few steps, and generate()'s tokens, for every architecture in c
 import copy
 
 import peft
+import pytest
 import torch
 
 import symbiosis
@@ -120,15 +121,19 @@ def test_virtualize_in_place_and_under_peft():
         assert copy.deepcopy(plain) is not None  # a virtualized model can be copied (the client is shared)
 
 
-def test_lm_head_served_too():
+@pytest.mark.parametrize("architecture", ["llama", "gemma2", "gpt2", "opt"])
+def test_lm_head_served_too(architecture):
     """An executor started with --lm-head serves the output projection as well: it is virtualized
-    like the other base layers, and LoRA on the rest stays exact."""
+    like the other base layers, and LoRA on the rest stays exact. Gemma 2, GPT-2 and OPT tie their
+    head to the input embeddings (their checkpoints have no lm_head.weight): the executor serves it
+    from the embeddings ([Served tied head]), and the tenant keeps its embeddings, untied from the
+    virtual head."""
     import tempfile
 
     from conftest import Executor, make_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="symbiosis-py-lm-head-") as checkpoint:
-        make_checkpoint("llama", checkpoint)
+        make_checkpoint(architecture, checkpoint)
         executor = Executor(checkpoint, ["--lm-head"])
         try:
             model, client = virtual_model(checkpoint, executor)

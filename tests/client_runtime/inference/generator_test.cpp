@@ -361,6 +361,33 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values("none", "lockstep", "opportunistic")),
     [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
+// [Served tied head] (base_executor/base_model.cpp): with --lm-head, the executor serves a head tied
+// to the input embeddings from them, as the layer lm_head; a Llama-family tenant binds it and calls
+// it for its logits (one more virtual layer than without), and generates what the monolithic model
+// generates. Gemma 2 ties its head by default, and soft-caps the served head's logits.
+TEST(SplitGeneration, ATiedHeadServedFromTheEmbeddingsGivesTheMonolithicTokens) {
+  for (const std::string preset : {"tiny-llama-tied", "tiny-gemma2"}) {
+    const auto dir = testing::make_checkpoint(preset);
+    const auto checkpoint = Checkpoint::open(dir);
+    ASSERT_FALSE(checkpoint->contains("lm_head.weight")) << preset;
+    ExecutorOptions served;
+    served.layers.lm_head = true;
+    auto executor = testing::start_executor(dir, served);
+    auto plain = testing::start_executor(dir);
+    const auto client = testing::connect(*executor, *checkpoint);
+    const auto* head = client->find_layer("lm_head");
+    ASSERT_NE(head, nullptr) << preset;
+    EXPECT_EQ(head->in_features, checkpoint->record("model.embed_tokens.weight").shape[1]);
+    EXPECT_EQ(head->out_features, checkpoint->record("model.embed_tokens.weight").shape[0]);
+    EXPECT_EQ(open_causal_lm(*checkpoint, client).virtual_layers,
+              open_causal_lm(*checkpoint, testing::connect(*plain, *checkpoint)).virtual_layers + 1)
+        << preset;
+    const auto [split, mono] = testing::generate_split_and_monolithic(*checkpoint, client);
+    expect_same(split, mono, preset);
+    EXPECT_EQ(executor->stats().errors, 0u);
+  }
+}
+
 // The loop reinforcement-learning tenants run, in one process: sample from the adapter, score the
 // samples, train on the best one, sample again. Split and monolithic give the same second round.
 TEST(ReinforcementLoop, SampleScoreTrainSampleEqualsMonolithic) {
