@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   double alpha = 16;
   int iterations = 10, warmup = 2, threads = 1;
   uint64_t seed = 0;
-  bool monolithic = false, cuda_graph = false, mask = false, mask_effects_here = false;
+  bool monolithic = false, cuda_graph = false, mask = false, mask_effects_here = false, decode_halves = false;
   CLI::App app{"symbiosis-bench-client: one benchmark client"};
   app.add_option("--executor", executor, "executor endpoint");
   app.add_option("--model", model_dir, "checkpoint directory")->required();
@@ -130,6 +130,10 @@ int main(int argc, char** argv) {
                "on a GPU, capture the fine-tuning step in CUDA graphs after one eager "
                "step and replay it (see [Captured steps] in client_runtime/training/step_graph.h); generate: the "
                "decode steps ([Captured decode] in client_runtime/inference/generator.h)");
+  app.add_flag("--decode-halves", decode_halves,
+               "generate, split: each decode step's sequences in two halves over two connections, one "
+               "computing while the other's calls are at the executor ([Decode halves] in "
+               "client_runtime/inference/generator.h)");
   std::string trace;
   int trace_iterations = 3;
   app.add_option("--trace", trace,
@@ -195,8 +199,10 @@ int main(int argc, char** argv) {
     std::unique_ptr<Generator> generator;
     if (mode == "generate") {
       // --cuda-graph: decode steps in CUDA graphs ([Captured decode] in inference/generator.h).
-      generator = std::make_unique<Generator>(
-          lm, GeneratorOptions{.max_sequences = batch, .max_tokens = seq + new_tokens, .capture_decode = cuda_graph});
+      generator = std::make_unique<Generator>(lm, GeneratorOptions{.max_sequences = batch,
+                                                                   .max_tokens = seq + new_tokens,
+                                                                   .capture_decode = cuda_graph,
+                                                                   .decode_halves = decode_halves});
     }
     std::vector<double> first_token_s, per_token_s;  // generate: each request's, over the timed iterations
     // The measured window; generate: the tokens produced inside it, whatever iteration they are of

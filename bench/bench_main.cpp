@@ -59,8 +59,8 @@ double epoch_seconds() {
 // (a misspelt setting) is refused, naming it, where it stands and what that place takes; else the
 // run would use the default and report its figures as the setting's.
 const std::set<std::string> kClientKeys = {
-    "mode",  "batch",     "seq",     "rank",       "targets", "iterations",        "warmup",    "device",
-    "dtype", "transport", "threads", "cuda_graph", "mask",    "mask_effects_here", "new_tokens"};
+    "mode",  "batch",     "seq",     "rank",       "targets", "iterations",        "warmup",     "device",
+    "dtype", "transport", "threads", "cuda_graph", "mask",    "mask_effects_here", "new_tokens", "decode_halves"};
 
 const std::set<std::string> kExecutorKeys = {"device",
                                              "dtype",
@@ -215,6 +215,7 @@ std::vector<std::string> client_args(const std::string& system, const json& c, c
     if (get("cuda_graph").get<bool>()) args.push_back("--cuda-graph");
     if (system != "monolithic" && get("mask").get<bool>()) args.push_back("--mask");
     if (system != "monolithic" && get("mask_effects_here").get<bool>()) args.push_back("--mask-effects-here");
+    if (system != "monolithic" && get("decode_halves").get<bool>()) args.push_back("--decode-halves");
     if (c.contains("mps_thread_percentage")) {
       args.insert(args.end(), {"--mps-thread-percentage", std::to_string(c["mps_thread_percentage"].get<int>())});
     }
@@ -629,7 +630,8 @@ int main(int argc, char** argv) {
                      {"threads", 1},
                      {"cuda_graph", false},
                      {"mask", false},
-                     {"mask_effects_here", false}};
+                     {"mask_effects_here", false},
+                     {"decode_halves", false}};
     if (scenario.contains("client_defaults")) defaults.update(scenario["client_defaults"]);
     const int gpu = gpu_index(scenario.value("executor", json::object()).value("device", "cpu"));
 

@@ -509,6 +509,8 @@ at::Tensor Client::backward_input(const LayerInfo& layer, const at::Tensor& grad
   return impl_->call(layer, proto::BACKWARD_INPUT, grad_out);
 }
 
+const ClientOptions& Client::options() const { return impl_->options; }
+
 const NoiseMask* Client::noise_mask() const { return impl_->mask.get(); }
 NoiseMask* Client::noise_mask() { return impl_->mask.get(); }
 

@@ -86,6 +86,7 @@ class Client : public LayerBackend {
   Client& operator=(const Client&) = delete;
 
   uint64_t client_id() const;
+  const ClientOptions& options() const;  // as connect() was given them
   const std::string& model_hash() const;
   // [Noise masking]: the client's mask, or nullptr when it does not mask (rotate() draws new banks).
   const NoiseMask* noise_mask() const;

@@ -35,6 +35,10 @@ torch::nn::Embedding unfilled_embedding(int64_t num_embeddings, int64_t embeddin
       torch::nn::EmbeddingOptions(num_embeddings, embedding_dim)._weight(at::empty({num_embeddings, embedding_dim})));
 }
 
+Linear untied_head(const at::Tensor& table) {
+  return Linear(table.size(1), table.size(0), /*bias=*/false, /*materialize=*/false);
+}
+
 std::vector<int64_t> BaseLayerImpl::weight_shape() const {
   return kind_ == LayerKind::kLinear ? std::vector<int64_t>{out_features_, in_features_}
                                      : std::vector<int64_t>{in_features_, out_features_};

@@ -143,5 +143,10 @@ TORCH_MODULE(Conv1D);
 // (a random draw of a 128k x 2k table costs seconds, every time a client starts).
 torch::nn::Embedding unfilled_embedding(int64_t num_embeddings, int64_t embedding_dim);
 
+// [Served tied head] (base_executor/base_model.cpp): a head tied to the embedding table `table`,
+// made a Linear of its own without weights ([out, in] the table's shape, no bias), for
+// virtualize() to bind to the executor's lm_head.
+Linear untied_head(const at::Tensor& table);
+
 }  // namespace nn
 }  // namespace symbiosis

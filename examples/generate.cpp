@@ -342,6 +342,9 @@ int main(int argc, char** argv) {
   app.add_flag("--offload-cache", g.offload_cache,
                "keep the KV cache in host memory and copy each layer's to --device at each decode step "
                "(the baseline to --host-decode)");
+  app.add_flag("--decode-halves", g.decode_halves,
+               "split: each decode step's sequences in two halves over two connections to the executor, one "
+               "computing while the other's calls are at the executor");
   app.add_option("--host-cache-capacity-bytes", g.host_cache_capacity_bytes,
                  "refuse a KV cache in host memory beyond this many bytes (0: no limit)")
       ->capture_default_str();

@@ -55,7 +55,7 @@ class ServingEngine {
   // ([Multi-adapter batches]).
   ServingEngine(const std::string& checkpoint_dir, const py::object& native, const std::string& device,
                 const std::string& dtype, int64_t max_sequences, int64_t max_tokens, int64_t max_waiting,
-                int64_t max_loras, int64_t max_lora_rank, bool capture_decode) {
+                int64_t max_loras, int64_t max_lora_rank, bool capture_decode, bool decode_halves) {
     const auto client = native.is_none() ? nullptr : native.cast<std::shared_ptr<Client>>();
     py::gil_scoped_release no_gil;  // reads the weights, and with a client waits on the executor
     auto checkpoint = Checkpoint::open(checkpoint_dir);
@@ -70,6 +70,7 @@ class ServingEngine {
     options.max_loras = max_loras;
     options.max_lora_rank = max_lora_rank;
     options.capture_decode = capture_decode;
+    options.decode_halves = decode_halves;  // [Decode halves]
     generator_ = std::make_unique<Generator>(std::move(lm), options);
     stepper_ = std::thread([this] { step_loop(); });
   }
@@ -304,10 +305,10 @@ void bind_serving_engine(py::module_& m) {
   py::class_<ServingEngine>(m, "ServingEngine",
                             "The C++ runtime's Generator stepping on a thread of its own ([Serving engine])")
       .def(py::init<const std::string&, const py::object&, const std::string&, const std::string&, int64_t, int64_t,
-                    int64_t, int64_t, int64_t, bool>(),
+                    int64_t, int64_t, int64_t, bool, bool>(),
            py::arg("checkpoint"), py::arg("client"), py::arg("device"), py::arg("dtype"), py::arg("max_sequences"),
            py::arg("max_tokens"), py::arg("max_waiting"), py::arg("max_loras"), py::arg("max_lora_rank"),
-           py::arg("capture_decode"))
+           py::arg("capture_decode"), py::arg("decode_halves"))
       .def("submit", &ServingEngine::submit, py::arg("prompt_ids"), py::arg("adapter"), py::arg("max_new_tokens"),
            py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token_ids"),
            py::arg("stop"), py::arg("logprobs"), py::arg("top_logprobs"))

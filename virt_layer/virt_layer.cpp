@@ -9,6 +9,14 @@ namespace {
 
 using Binding = VirtLayerBinding;
 
+// [Decode halves]: this thread's BackendRedirect, if any.
+thread_local const LayerBackend* redirected_from = nullptr;
+thread_local LayerBackend* redirected_to = nullptr;
+
+LayerBackend& backend_of(const Binding& binding) {
+  return binding.backend.get() == redirected_from ? *redirected_to : *binding.backend;
+}
+
 at::Tensor flatten_for_wire(const at::Tensor& x, int64_t features, at::ScalarType dtype) {
   return x.reshape({-1, features}).to(dtype).contiguous();
 }
@@ -33,7 +41,7 @@ class VirtLayerFunction : public torch::autograd::Function<VirtLayerFunction> {
     auto binding = c10::static_intrusive_pointer_cast<Binding>(ctx->saved_data["binding"].toCapsule());
     const auto& info = binding->info;
     const auto& g = grads[0];
-    auto gin = binding->backend->backward_input(info, flatten_for_wire(g, info.out_features, info.dtype));
+    auto gin = backend_of(*binding).backward_input(info, flatten_for_wire(g, info.out_features, info.dtype));
     auto shape = g.sizes().vec();
     shape.back() = info.in_features;
     auto dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
@@ -47,7 +55,7 @@ at::Tensor virt_layer_forward(const at::Tensor& x, const VirtLayerBinding& bindi
   const auto& info = binding.info;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == info.in_features, "base layer ", info.name, ": input has ",
               x.dim() >= 1 ? x.size(-1) : 0, " features, expected ", info.in_features);
-  auto y = binding.backend->forward(info, flatten_for_wire(x, info.in_features, info.dtype), with_bias);
+  auto y = backend_of(binding).forward(info, flatten_for_wire(x, info.in_features, info.dtype), with_bias);
   return unflatten(y, x, info.out_features);
 }
 
@@ -76,6 +84,18 @@ c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::group_binding(const std::vec
     }
   }
   return group_binding_;
+}
+
+BackendRedirect::BackendRedirect(const LayerBackend* from, LayerBackend* to) {
+  TORCH_CHECK(redirected_from == nullptr, "BackendRedirect: this thread already redirects its base-layer calls");
+  TORCH_CHECK(from != nullptr && to != nullptr, "BackendRedirect needs both backends");
+  redirected_from = from;
+  redirected_to = to;
+}
+
+BackendRedirect::~BackendRedirect() {
+  redirected_from = nullptr;
+  redirected_to = nullptr;
 }
 
 at::Tensor VirtLayerImpl::forward_no_bias(const at::Tensor& x) { return virt_layer_apply(x, binding_, false); }

@@ -45,4 +45,15 @@ class VirtLayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(VirtLayer);
 
+// [Decode halves] (client_runtime/inference/generator.h): while a BackendRedirect lives, the base
+// layers its thread calls on `from` are called on `to` instead: another connection to the same
+// executor, which serves the same layers under the same ids. One at a time on a thread.
+class BackendRedirect {
+ public:
+  BackendRedirect(const LayerBackend* from, LayerBackend* to);
+  ~BackendRedirect();
+  BackendRedirect(const BackendRedirect&) = delete;
+  BackendRedirect& operator=(const BackendRedirect&) = delete;
+};
+
 }  // namespace symbiosis

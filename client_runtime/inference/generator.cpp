@@ -7,12 +7,15 @@
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "client_runtime/client.h"
 #include "client_runtime/peft/prompt.h"
 #include "client_runtime/training/step_graph.h"
+#include "virt_layer/virt_layer.h"
 
 namespace symbiosis {
 
@@ -194,6 +197,29 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
   cache_ = std::make_unique<KvCache>(shape, options_.max_sequences, options_.max_tokens, table.scalar_type(),
                                      cache_device, spare, pinned, decode_device);
   bank_model_ = std::make_unique<BankModel>(bank_model(*lm_.module, table.scalar_type()));
+  if (options_.decode_halves) connect_half_client();
+}
+
+void Generator::connect_half_client() {
+  TORCH_CHECK(lm_.client,
+              "decode_halves: the model is monolithic; its halves would have no calls to overlap "
+              "(decode_halves is for a split model, one opened with a client)");
+  TORCH_CHECK(!host_decode_ && !options_.offload_cache, "decode_halves and ",
+              host_decode_ ? "a host-decode model" : "offload_cache",
+              " do not go together: the halves decode where the model's layers are, from a cache there");
+  auto options = lm_.client->options();
+  options.tenant += "/half2";
+  options.latency_class = LatencyClass::kInferenceDecode;  // it only decodes
+  half_client_ = Client::connect(options);
+  // A VirtLayer redirected to it calls by the layer ids of lm_.client's table ([Decode halves]).
+  const auto same = [](const std::vector<LayerInfo>& a, const std::vector<LayerInfo>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const LayerInfo& x, const LayerInfo& y) {
+      return x.id == y.id && x.name == y.name && x.in_features == y.in_features && x.out_features == y.out_features;
+    });
+  };
+  TORCH_CHECK(same(half_client_->layers(), lm_.client->layers()) && same(half_client_->groups(), lm_.client->groups()),
+              "decode_halves: the executor at ", options.endpoint,
+              " gave the second connection another layer table than the first (did it restart with another model?)");
 }
 
 Generator::~Generator() = default;
@@ -370,8 +396,11 @@ void Generator::cancel(uint64_t request) {
 
 int64_t Generator::running() const { return static_cast<int64_t>(running_.size()); }
 int64_t Generator::captured_batch_sizes() const {
-  return std::count_if(decode_graphs_.begin(), decode_graphs_.end(),
-                       [](const auto& g) { return g.second->graph->captured(); });
+  std::set<int64_t> buckets;
+  for (const auto& [key, g] : decode_graphs_) {
+    if (g->graph->captured()) buckets.insert(key.first);
+  }
+  return static_cast<int64_t>(buckets.size());
 }
 const KvCache& Generator::cache() const { return *cache_; }
 
@@ -538,18 +567,41 @@ void Generator::decode() {
     layout.push_back({s->slot, s->cached, 1});
     tokens.push_back(s->next_token);
   }
-  set_step_slots(sequences);
   auto& model = decode_model();
   // [CPU decode threads] (models/attention.h): a split model's CPU decode step at one LibTorch thread
   // but for its attention and lm_head. (A monolithic model computes its base layers here: those need
   // every thread.)
   const bool on_cpu = model.token_embeddings().device().is_cpu() && !options_.offload_cache;
   const detail::StepThreads threads(on_cpu && decode_lm().client != nullptr);
+  // [Decode halves]: the first ceil(B / 2) sequences, and the rest.
+  std::vector<DecodePart> parts;
+  const size_t first_half = half_client_ && sequences.size() > 1 ? (sequences.size() + 1) / 2 : sequences.size();
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    if (i == 0 || i == first_half) parts.push_back({.half = i == 0 ? 0 : 1});
+    parts.back().sequences.push_back(sequences[i]);
+    parts.back().layout.push_back(layout[i]);
+    parts.back().tokens.push_back(tokens[i]);
+  }
   forward_and_choose(decode_lm(), sequences, layout, LatencyClass::kInferenceDecode, [&] {
-    if (capture_) return decode_captured(layout, tokens);
-    const auto ids = at::tensor(tokens, at::kLong).to(model.token_embeddings().device());
-    return forward_eager(decode_lm(), model, layout, model.embed(ids).unsqueeze(0));
+    if (capture_) {
+      if (auto logits = decode_captured(parts)) return *logits;
+    }
+    return decode_eager(parts);
   });
+}
+
+at::Tensor Generator::decode_eager(const std::vector<DecodePart>& parts) {
+  auto& model = decode_model();
+  std::vector<at::Tensor> logits;
+  for (const auto& part : parts) {
+    set_step_slots(part.sequences);
+    std::optional<BackendRedirect> redirect;  // [Decode halves]
+    if (part.half == 1) redirect.emplace(lm_.client.get(), half_client_.get());
+    const auto ids = at::tensor(part.tokens, at::kLong).to(model.token_embeddings().device());
+    logits.push_back(forward_eager(decode_lm(), model, part.layout, model.embed(ids).unsqueeze(0)));
+    if (part.half == 1) half_client_->settle();
+  }
+  return logits.size() == 1 ? logits[0] : at::cat(logits);
 }
 
 at::Tensor Generator::forward_eager(const CausalLM& lm, CachedModel& model, const std::vector<StepSequence>& layout,
@@ -575,55 +627,98 @@ int64_t Generator::decode_bucket(int64_t sequences) const {
   return std::min(bucket, options_.max_sequences);
 }
 
-at::Tensor Generator::decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens) {
-  const auto sequences = static_cast<int64_t>(layout.size());
-  const auto count = decode_bucket(sequences);
-  auto& slot = decode_graphs_[count];
-  if (!slot) {
-    slot = std::make_unique<DecodeGraph>();
-    auto* g = slot.get();
-    // Token ids, cache slots, starts and, with a bank, the rows' adapter slots ([Multi-adapter batches]).
-    g->inputs =
-        at::zeros({bank_ ? 4 : 3, count}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
-    g->graph = std::make_unique<StepGraph>(
-        [this, g] {
-          if (bank_) {
-            bank_->rows().slots = g->inputs[3].to(at::kInt);
-            bank_->rows().host.clear();
-          }
-          const auto step = CachedStep::fixed_decode(*cache_, g->inputs[1], g->inputs[2]);
-          const auto hidden = model_.forward_cached(model_.embed(g->inputs[0]).unsqueeze(0), step);
-          g->logits = model_.logits(hidden)[0];  // every token is its sequence's last
-        },
-        std::function<void()>(), lm_.client, g->inputs.device(), StepGraphOptions{.warmup = options_.capture_warmup});
-  }
-  auto& g = *slot;
+Generator::DecodeGraph& Generator::decode_graph(int half, int64_t bucket) {
+  auto& slot = decode_graphs_[{bucket, half}];
+  if (slot) return *slot;
+  slot = std::make_unique<DecodeGraph>();
+  auto* g = slot.get();
+  // Token ids, cache slots, starts and, with a bank, the rows' adapter slots ([Multi-adapter batches]).
+  g->inputs = at::zeros({bank_ ? 4 : 3, bucket}, at::TensorOptions().dtype(at::kLong).device(cache_->keys(0).device()));
+  const auto& client = half == 1 ? half_client_ : lm_.client;
+  g->graph = std::make_unique<StepGraph>(
+      [this, g, half] {
+        std::optional<BackendRedirect> redirect;  // [Decode halves]
+        if (half == 1) redirect.emplace(lm_.client.get(), half_client_.get());
+        if (bank_) {
+          bank_->rows().slots = g->inputs[3].to(at::kInt);
+          bank_->rows().host.clear();
+        }
+        const auto step = CachedStep::fixed_decode(*cache_, g->inputs[1], g->inputs[2]);
+        const auto hidden = model_.forward_cached(model_.embed(g->inputs[0]).unsqueeze(0), step);
+        g->logits = model_.logits(hidden)[0];  // every token is its sequence's last
+      },
+      std::function<void()>(), client, g->inputs.device(), StepGraphOptions{.warmup = options_.capture_warmup});
+  return *g;
+}
+
+void Generator::set_decode_inputs(DecodeGraph& g, const DecodePart& part) const {
   // Token ids, slots and starts; padding rows: token 0 into the spare slot at position 0.
-  const auto padding = static_cast<size_t>(count - sequences);
-  std::vector<int64_t> inputs(tokens);
+  const auto count = g.inputs.size(1);
+  const auto padding = static_cast<size_t>(count - static_cast<int64_t>(part.layout.size()));
+  std::vector<int64_t> inputs(part.tokens);
   inputs.insert(inputs.end(), padding, 0);
-  for (const auto& s : layout) inputs.push_back(s.slot);
+  for (const auto& s : part.layout) inputs.push_back(s.slot);
   if (padding > 0) inputs.insert(inputs.end(), padding, cache_->spare_slot());
-  for (const auto& s : layout) inputs.push_back(s.start);
+  for (const auto& s : part.layout) inputs.push_back(s.start);
   inputs.insert(inputs.end(), padding, 0);
   if (bank_) {
     inputs.insert(inputs.end(), step_slots_.begin(), step_slots_.end());
     inputs.insert(inputs.end(), padding, -1);
   }
   g.inputs.copy_(at::tensor(inputs, at::kLong).view({g.inputs.size(0), count}));
-  const bool capturing = g.runs++ == options_.capture_warmup;
-  try {
-    g.graph->run();
-  } catch (const c10::Error& e) {
-    if (!capturing || g.graph->captured()) throw;
-    // This model or transport cannot be captured: decode eagerly from now on.
-    TORCH_WARN("Generator: decoding without CUDA graphs: ", e.what_without_backtrace());
-    capture_ = false;
-    const auto embeddings = model_.embed(g.inputs[0].narrow(0, 0, sequences)).unsqueeze(0);
-    decode_graphs_.clear();
-    return forward_eager(lm_, model_, layout, embeddings);  // its rows' slots are step_slots_
+}
+
+std::optional<at::Tensor> Generator::decode_captured(const std::vector<DecodePart>& parts) {
+  std::vector<DecodeGraph*> graphs;
+  bool capturing = false;
+  for (const auto& part : parts) {
+    graphs.push_back(&decode_graph(part.half, decode_bucket(static_cast<int64_t>(part.layout.size()))));
+    capturing = capturing || graphs.back()->runs == options_.capture_warmup;
   }
-  return g.logits.narrow(0, 0, sequences);
+  // Both halves launched before either is waited for ([Decode halves]); a step that captures runs
+  // them one after the other, so that a failed capture leaves nothing in flight.
+  std::exception_ptr first_error;
+  const auto finish = [&](DecodeGraph& g) {
+    try {
+      g.graph->finish();
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  };
+  size_t launched = 0;  // graphs launched and not finished, from the first
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto& g = *graphs[i];
+    set_step_slots(parts[i].sequences);
+    set_decode_inputs(g, parts[i]);
+    const bool captures_now = g.runs++ == options_.capture_warmup;
+    try {
+      g.graph->launch();
+    } catch (const ResultsLost&) {
+      for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+      throw;  // [Executor restart]: the step runs again (forward_and_choose), and captures then
+    } catch (const c10::Error& e) {
+      for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+      if (!captures_now || g.graph->captured()) throw;
+      // This model or transport cannot be captured: decode eagerly from now on.
+      TORCH_WARN("Generator: decoding without CUDA graphs: ", e.what_without_backtrace());
+      capture_ = false;
+      decode_graphs_.clear();
+      return std::nullopt;
+    }
+    if (capturing) {
+      finish(g);
+      if (first_error) std::rethrow_exception(first_error);
+    } else {
+      ++launched;
+    }
+  }
+  for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+  if (first_error) std::rethrow_exception(first_error);
+  std::vector<at::Tensor> logits;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    logits.push_back(graphs[i]->logits.narrow(0, 0, static_cast<int64_t>(parts[i].layout.size())));
+  }
+  return logits.size() == 1 ? logits[0] : at::cat(logits);
 }
 
 void Generator::forward_and_choose(const CausalLM& lm, const std::vector<Sequence*>& sequences,

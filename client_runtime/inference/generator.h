@@ -29,6 +29,18 @@
 // (its shapes vary). A client whose transport cannot be captured (anything but a same-GPU client
 // over the shared-memory control channel) decodes eagerly, as on a CPU.
 //
+// [Decode halves] (GeneratorOptions::decode_halves; issue 45's item 4): a split model's decode step
+// waits for each of its base-layer calls, some 65 hand-offs a step, while the executor waits for
+// the tenant's kernels between them: they take turns. With decode_halves, a step of two sequences
+// or more runs as two halves (the first ceil(B / 2) sequences, and the rest), each its own forward
+// over the shared cache, the second's calls on a second connection to the executor (the same
+// options, tenant "NAME/half2"): a captured half is its own graph on its own stream, both launched
+// before either is waited for, so that one half's kernels run while the other's call is at the
+// executor, and the executor's runs of the two connections are independent. Each half is exact on
+// its own (a decode row depends on its sequence alone), so the step gives what it gives whole. A
+// capture (the first replay of a bucket's half) runs its halves one after the other. Not with
+// [Host decode] or offload_cache, and only for a split model.
+//
 // [Multi-adapter batches] (peft/lora_bank.h): a generator serves several LoRA adapters at once.
 // load_adapter() reads and checks an adapter's PEFT files on the calling thread and names it; from
 // the next step boundary it sits in a slot of the generator's LoraBank, and requests that name it
@@ -59,6 +71,7 @@
 #include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "client_runtime/inference/heterogeneous.h"
@@ -113,6 +126,7 @@ struct GeneratorOptions {
   int64_t max_prefill_tokens = 8192;  // prompt tokens one step prefills (a longer single prompt goes alone)
   bool capture_decode = true;         // GPU: decode steps in CUDA graphs ([Captured decode]); false: eager
   int capture_warmup = 2;             // eager decode steps of a bucket before its capture (at least 1)
+  bool decode_halves = false;         // [Decode halves]: a split model's decode steps in two halves
   // The most bytes the KV cache may take when it lives in host memory (a CPU generator, or
   // [Host decode]); 0: no limit. A generator whose cache (max_sequences x max_tokens) exceeds it,
   // or a request whose positions would, is refused naming the sizes.
@@ -181,8 +195,10 @@ class Generator {
   // request submit() refuses throws its error, and none of them runs.
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests);
 
-  int64_t running() const;               // requests holding a cache slot
-  int64_t captured_batch_sizes() const;  // decode graphs (buckets) captured so far ([Captured decode])
+  int64_t running() const;  // requests holding a cache slot
+  // Decode buckets with a graph captured so far ([Captured decode]; with [Decode halves], a bucket of
+  // one half's size).
+  int64_t captured_batch_sizes() const;
   const KvCache& cache() const;
 
  private:
@@ -207,8 +223,21 @@ class Generator {
   void decode();
   // The bucket of a decode step of `sequences` sequences ([Captured decode]).
   int64_t decode_bucket(int64_t sequences) const;
-  // Logits [sequences, vocab] of a decode step through its bucket's graph.
-  at::Tensor decode_captured(const std::vector<StepSequence>& layout, const std::vector<int64_t>& tokens);
+  // One forward of a decode step: all its sequences, or one half of them ([Decode halves]; half 1
+  // calls the executor over half_client_).
+  struct DecodePart {
+    int half = 0;
+    std::vector<Sequence*> sequences;
+    std::vector<StepSequence> layout;
+    std::vector<int64_t> tokens;
+  };
+  // Logits [sequences, vocab] of a decode step's parts, in their order, each through its bucket's
+  // graph; nullopt when a capture failed (the step is then to run eagerly: capture_ is off).
+  std::optional<at::Tensor> decode_captured(const std::vector<DecodePart>& parts);
+  at::Tensor decode_eager(const std::vector<DecodePart>& parts);
+  DecodeGraph& decode_graph(int half, int64_t bucket);
+  // Fills `graph`'s inputs from `part` (and step_slots_, set for it).
+  void set_decode_inputs(DecodeGraph& graph, const DecodePart& part) const;
   // Runs `forward` (a step's logits, one row per sequence) with `lm`'s client under the latency
   // class and hands each sequence its next token; a failed step ends its sequences with the error.
   void forward_and_choose(const CausalLM& lm, const std::vector<Sequence*>& sequences,
@@ -218,6 +247,7 @@ class Generator {
   at::Tensor forward_eager(const CausalLM& lm, CachedModel& model, const std::vector<StepSequence>& layout,
                            const at::Tensor& embeddings);
   Generator(CausalLM lm, std::optional<CausalLM> host_decode, GeneratorOptions options);
+  void connect_half_client();  // [Decode halves]: half_client_, checked against lm_.client
   const CausalLM& decode_lm() const { return host_decode_ ? *host_decode_ : lm_; }
   CachedModel& decode_model() const { return host_decode_ ? *host_decode_model_ : model_; }
   void finish(Sequence& sequence, FinishReason reason, const std::string& error = {});
@@ -232,7 +262,8 @@ class Generator {
   int64_t vocab_size_ = 0;
   std::unique_ptr<KvCache> cache_;
   bool capture_ = false;  // decode in CUDA graphs ([Captured decode]); off after a capture fails
-  std::map<int64_t, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket
+  std::map<std::pair<int64_t, int>, std::unique_ptr<DecodeGraph>> decode_graphs_;  // by bucket and half
+  std::shared_ptr<Client> half_client_;  // [Decode halves]: the second half's connection
 
   // Guards next_id_, queued_, incoming_ and cancelled_: what other threads hand to the stepping thread.
   mutable std::mutex mutex_;

@@ -10,15 +10,6 @@
 namespace symbiosis {
 namespace {
 
-// [Served tied head] (base_executor/base_model.cpp): a Llama-family model whose head is tied to
-// its embeddings calls the executor's lm_head where it serves one. The other families keep a tied
-// head local (the executor's layer then goes unused by them).
-void untie_served_head(LlamaForCausalLM& model, const Client& client, const CheckpointNames& names) {
-  if (!model->lm_head && client.find_layer(names.of("lm_head")) != nullptr) model->untie_head();
-}
-template <typename Model>
-void untie_served_head(Model&, const Client&, const CheckpointNames&) {}
-
 template <typename Model>
 CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr<Client>& client,
                 const CausalLMOptions& options) {
@@ -27,7 +18,9 @@ CausalLM finish(Model model, const Checkpoint& checkpoint, const std::shared_ptr
   if (client) {
     // The executor serves the base layers by the checkpoint's names ([Checkpoint layouts]).
     const auto names = checkpoint_names(*model, checkpoint);
-    untie_served_head(model, *client, names);
+    // [Served tied head] (base_executor/base_model.cpp): a head tied to the embeddings calls the
+    // executor's lm_head where it serves one.
+    if (client->find_layer(names.of("lm_head")) != nullptr) model->untie_head();
     lm.virtual_layers =
         virtualize(*model, client, {.layer_name = [names](const std::string& path) { return names.of(path); }});
   }

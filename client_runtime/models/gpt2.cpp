@@ -163,6 +163,10 @@ at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& input_ids, const at::T
   return logits(transformer->forward(input_ids, attention_mask, position_ids, adapter_.get()));
 }
 
+void GPT2LMHeadModelImpl::untie_head() {
+  if (!lm_head) lm_head = register_module("lm_head", nn::untied_head(transformer->wte->weight));
+}
+
 void GPT2LMHeadModelImpl::set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) {
   TORCH_CHECK(!adapter_, "the model already has a model-level adapter");
   adapter_ = register_module("adapter", std::move(adapter));

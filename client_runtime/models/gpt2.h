@@ -127,10 +127,16 @@ class GPT2LMHeadModelImpl : public torch::nn::Module, public ModelAdapterHost, p
   at::Tensor forward_cached(const at::Tensor& embeddings, const CachedStep& step) override {
     return transformer->forward_cached(embeddings, step);
   }
-  at::Tensor logits(const at::Tensor& hidden) override { return at::linear(hidden, transformer->wte->weight); }
+  at::Tensor logits(const at::Tensor& hidden) override {
+    return lm_head ? lm_head->forward(hidden) : at::linear(hidden, transformer->wte->weight);
+  }
   std::optional<int64_t> max_positions() const override { return config_.n_positions; }
 
+  // [Served tied head]: as LlamaForCausalLM's.
+  void untie_head();
+
   GPT2Model transformer{nullptr};
+  nn::Linear lm_head{nullptr};  // only where the executor serves the head tied to wte
 
  private:
   GPT2Config config_;

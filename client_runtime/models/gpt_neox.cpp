@@ -331,6 +331,10 @@ at::Tensor GPTNeoXForCausalLMImpl::logits(const at::Tensor& hidden) {
   return head ? head->forward(hidden) : nn::detail::linear_no_bias(hidden, model->embed_tokens->weight);
 }
 
+void GPTNeoXForCausalLMImpl::untie_head() {
+  if (!head) head = register_module("lm_head", nn::untied_head(model->embed_tokens->weight));
+}
+
 std::optional<int64_t> GPTNeoXForCausalLMImpl::max_positions() const {
   if (config_.learned_positions()) return config_.max_position_embeddings;
   return std::nullopt;

@@ -176,6 +176,8 @@ class GPTNeoXForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost
 
   // ModelAdapterHost: prompt tuning, P-tuning, prefix tuning (peft/model_adapter.h).
   void set_model_adapter(std::shared_ptr<ModelAdapterImpl> adapter) override;
+  // [Served tied head]: as LlamaForCausalLM's (OPT's head, tied, becomes lm_head).
+  void untie_head();
   std::shared_ptr<ModelAdapterImpl> model_adapter() const override { return adapter_; }
   ModelShape model_shape() const override;
 
@@ -190,7 +192,8 @@ class GPTNeoXForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost
   std::optional<int64_t> max_positions() const override;
 
   GPTNeoXModel model{nullptr};
-  nn::Linear head{nullptr};  // embed_out or lm_head; null when tied to the token embeddings (OPT)
+  // embed_out or lm_head; null when tied to the token embeddings (OPT) and not served
+  nn::Linear head{nullptr};
 
  private:
   GPTNeoXConfig config_;

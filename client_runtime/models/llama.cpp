@@ -636,9 +636,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, bool materializ
 }
 
 void LlamaForCausalLMImpl::untie_head() {
-  TORCH_CHECK(!lm_head, "the model's head is not tied to its embeddings");
-  lm_head = register_module("lm_head",
-                            nn::Linear(config_.hidden_size, config_.vocab_size, /*bias=*/false, /*materialize=*/false));
+  if (!lm_head) lm_head = register_module("lm_head", nn::untied_head(model->embed_tokens->weight));
 }
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const at::Tensor& attention_mask,

@@ -263,8 +263,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public ModelAdapterHost, 
   at::Tensor logits(const at::Tensor& hidden) override;
   std::optional<int64_t> max_positions() const override { return std::nullopt; }
 
-  // [Served tied head] (base_executor/base_model.cpp): the head tied to the embeddings becomes a
-  // module of its own, lm_head, without weights, for virtualize() to bind to the executor's layer.
+  // [Served tied head] (base_executor/base_model.cpp): a head tied to the embeddings becomes a
+  // module of its own, lm_head, without weights, for virtualize() to bind to the executor's layer
+  // of that name; an untied head stays as it is.
   void untie_head();
 
   LlamaModel model{nullptr};

@@ -69,9 +69,15 @@ struct StepGraph::Impl {
   StepGraphOptions options;
   int runs = 0;
 
-  void eager() const {
-    compute();
+  bool launched = false;  // launch() ran, finish() not yet
+
+  // What finish() does after a launch: settle (an executor error throws here), then apply, eagerly
+  // before the capture and from the apply graph after it.
+  void apply_settled() const {
     if (client) client->settle();
+#ifdef SYMBIOSIS_WITH_CUDA
+    if (apply_graph) return apply_graph->replay();
+#endif
     if (apply) apply();
   }
 
@@ -87,6 +93,8 @@ struct StepGraph::Impl {
   std::shared_ptr<const CapturedCalls> calls;                       // what compute_graph's replays send
   // Order each run after the caller's stream and the caller's later work after it; made once.
   c10::cuda::CUDAEvent caller_ready, step_done;
+  std::optional<c10::cuda::CUDAStream> caller;  // the launch's current stream, which finish() orders
+  std::optional<RunningSteps> running;          // from launch to finish
 
   ~Impl() {
     // The graphs' memory goes back to the allocator with them: the GPU must be done with it. Then
@@ -181,14 +189,6 @@ struct StepGraph::Impl {
     calls.reset();
   }
 
-  void replay() const {
-    compute_graph->replay();
-    if (client) {
-      client->replay(*calls);
-      client->settle();
-    }
-    if (apply_graph) apply_graph->replay();
-  }
 #endif
 };
 
@@ -235,31 +235,68 @@ bool StepGraph::captured() const {
 }
 
 void StepGraph::run() {
+  launch();
+  finish();
+}
+
+void StepGraph::launch() {
   auto& s = *impl_;
+  TORCH_CHECK(!s.launched, "StepGraph::launch: the last launch was not finished");
 #ifdef SYMBIOSIS_WITH_CUDA
   if (s.stream) {
-    const RunningSteps running;  // [Hardware queues]
-    c10::cuda::CUDAGuard device_guard(s.stream->device_index());
-    const auto caller = c10::cuda::getCurrentCUDAStream(s.stream->device_index());
-    s.caller_ready.record(caller);
-    s.caller_ready.block(*s.stream);
-    {
+    s.running.emplace();  // [Hardware queues]
+    try {
+      c10::cuda::CUDAGuard device_guard(s.stream->device_index());
+      s.caller = c10::cuda::getCurrentCUDAStream(s.stream->device_index());
+      s.caller_ready.record(*s.caller);
+      s.caller_ready.block(*s.stream);
       c10::cuda::CUDAStreamGuard on_side_stream(*s.stream);
       if (s.runs < s.options.warmup) {
         s.runs++;
-        s.eager();
+        s.compute();
       } else {
         if (s.compute_graph && s.client && s.calls && !s.client->replayable(*s.calls)) s.forget_capture();
         if (!s.compute_graph) s.capture_step();
-        s.replay();
+        s.compute_graph->replay();
+        if (s.client) s.client->replay(*s.calls);
       }
+    } catch (...) {
+      s.running.reset();
+      throw;
     }
-    s.step_done.record(*s.stream);
-    s.step_done.block(caller);
+    s.launched = true;
     return;
   }
 #endif
-  s.eager();
+  s.compute();
+  s.launched = true;
+}
+
+void StepGraph::finish() {
+  auto& s = *impl_;
+  TORCH_CHECK(s.launched, "StepGraph::finish: nothing was launched");
+  s.launched = false;
+#ifdef SYMBIOSIS_WITH_CUDA
+  if (s.stream) {
+    c10::cuda::CUDAGuard device_guard(s.stream->device_index());
+    const auto caller = *s.caller;
+    const auto done = [&] {
+      s.step_done.record(*s.stream);
+      s.step_done.block(caller);
+      s.running.reset();
+    };
+    try {
+      c10::cuda::CUDAStreamGuard on_side_stream(*s.stream);
+      s.apply_settled();
+    } catch (...) {
+      done();
+      throw;
+    }
+    done();
+    return;
+  }
+#endif
+  s.apply_settled();
 }
 
 }  // namespace symbiosis

@@ -51,6 +51,12 @@ class StepGraph {
   // One step: compute, settle, apply. Ordered after the caller's work on its current stream, and
   // the caller's later work after it. Throws an executor error before apply.
   void run();
+  // run() in two parts, so that the host may launch another step between them ([Decode halves] in
+  // inference/generator.h): launch() starts the compute (replayed: the graph and its calls'
+  // headers) without waiting for it; finish() settles, applies and orders the caller's current
+  // stream (as at the launch) after the step. Each launch() is followed by one finish().
+  void launch();
+  void finish();
   bool captured() const;
   // Whether run() captures the step after its warm-up: a CUDA device, capture on and a client (if
   // any) that can be captured.

@@ -87,6 +87,7 @@ def serving(tmp_path_factory):
                          "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
                         work / "serve.log")
         server.executor = executor.endpoint
+        server.adapters = adapters
         try:
             references = {BASE: reference_model(checkpoint)}
             for name, path in adapters.items():
@@ -106,8 +107,7 @@ def test_models_lists_the_base_and_the_adapters_a_key_may_use(serving):
     assert [m.id for m in server.client(ALICE_KEY).models.list()] == [BASE, "alice"]
 
 
-def test_concurrent_greedy_completions_of_the_base_and_two_adapters_equal_peft_generate(serving):
-    server, checkpoint, references = serving
+def expect_concurrent_greedy_completions_equal_peft_generate(server, checkpoint, references):
     client = server.client(asynchronous=True)
 
     async def complete_all():
@@ -128,6 +128,24 @@ def test_concurrent_greedy_completions_of_the_base_and_two_adapters_equal_peft_g
         assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4), f"{model}, prompt {prompt}"
         texts.add(choice.text)
     assert len(texts) > 2, "the adapters should change what is generated"
+
+
+def test_concurrent_greedy_completions_of_the_base_and_two_adapters_equal_peft_generate(serving):
+    expect_concurrent_greedy_completions_equal_peft_generate(*serving)
+
+
+def test_decode_halves_give_the_same_completions(serving, tmp_path):
+    """--decode-halves ([Decode halves], docs/inference.md): each decode step's sequences in two halves,
+    the second's calls over a connection of its own to the executor; the completions are as exact."""
+    server, checkpoint, references = serving
+    halves = Server(["--model", checkpoint, "--served-model-name", BASE, "--executor", server.executor,
+                     "--max-num-seqs", "8", "--api-key", ADMIN, "--decode-halves",
+                     "--lora-modules", *(f"{name}={path}" for name, path in server.adapters.items())],
+                    tmp_path / "serve-halves.log")
+    try:
+        expect_concurrent_greedy_completions_equal_peft_generate(halves, checkpoint, references)
+    finally:
+        halves.stop()
 
 
 def test_chat_prompt_is_apply_chat_template_and_streaming_equals_not_streaming(serving):

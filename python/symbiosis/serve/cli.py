@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=8, help="adapters held at once")
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank an adapter may have")
     p.add_argument("--no-capture-decode", action="store_true", help="GPU: decode eagerly, not from CUDA graphs")
+    p.add_argument("--decode-halves", action="store_true",
+                   help="each decode step's sequences in two halves over two connections to the executor, one "
+                        "computing while the other's calls are at the executor (docs/inference.md)")
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="the one key every request must send (Authorization: Bearer KEY)")
     keys.add_argument("--api-keys", metavar="FILE",
@@ -153,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         engine = Engine(args.model, client, device=args.device, dtype=_DTYPES[args.dtype],
                         max_sequences=args.max_num_seqs, max_tokens=max_model_len, max_waiting=args.max_waiting,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        capture_decode=not args.no_capture_decode)
+                        capture_decode=not args.no_capture_decode, decode_halves=args.decode_halves)
         server = Server(engine, tokenizer, base_name=args.served_model_name or args.model, checkpoint=args.model,
                         max_model_len=max_model_len, eos_token_ids=_eos_token_ids(args.model, tokenizer),
                         keys=Keys(keys))

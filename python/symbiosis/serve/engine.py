@@ -65,10 +65,10 @@ class Engine:
 
     def __init__(self, checkpoint: str, client: Optional[Client], *, device: str = "cpu", dtype: str = "fp32",
                  max_sequences: int = 16, max_tokens: int = 2048, max_waiting: int = 4096, max_loras: int = 8,
-                 max_lora_rank: int = 64, capture_decode: bool = True):
+                 max_lora_rank: int = 64, capture_decode: bool = True, decode_halves: bool = False):
         self._native = _C.ServingEngine(str(checkpoint), client._native if client is not None else None, device,
                                         dtype, max_sequences, max_tokens, max_waiting, max_loras, max_lora_rank,
-                                        capture_decode)
+                                        capture_decode, decode_halves)
         self._streams = _Streams(self._native)
         # The stepping thread stops when this Engine goes, or at the interpreter's exit at the latest.
         self._shutdown = weakref.finalize(self, self._streams.close)

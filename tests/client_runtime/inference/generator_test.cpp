@@ -361,12 +361,41 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values("none", "lockstep", "opportunistic")),
     [](const auto& info) { return model_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param); });
 
+// [Decode halves]: a split generator whose decode steps run in two halves, the second over a second
+// connection to the executor (tenant "NAME/half2"), gives the monolithic tokens and logits while
+// requests join and leave (halves of 3 and 2 sequences, then fewer; one sequence runs whole). A
+// monolithic model, or a host-decode one, is refused naming why.
+TEST(SplitGeneration, DecodeHalvesOverTwoConnectionsGiveTheMonolithicTokens) {
+  for (const std::string preset : {"tiny-llama", "tiny-gpt2"}) {
+    const auto dir = testing::make_checkpoint(preset);
+    const auto checkpoint = Checkpoint::open(dir);
+    auto executor = testing::start_executor(dir);
+    auto split_lm = open_causal_lm(*checkpoint, testing::connect(*executor, *checkpoint));
+    auto mono_lm = open_causal_lm(*checkpoint);
+    testing::add_test_lora(split_lm);
+    testing::add_test_lora(mono_lm);
+    GeneratorOptions options{.max_sequences = 5, .max_tokens = 24};
+    const auto mono = generate(mono_lm, mixed_requests(), options);
+    options.decode_halves = true;
+    {
+      const Generator halves(split_lm, options);
+      EXPECT_EQ(executor->stats().clients, 2u) << preset;  // the model's connection and the second half's
+    }
+    expect_same(generate(split_lm, mixed_requests(), options), mono, preset + " in decode halves");
+    EXPECT_EQ(executor->stats().errors, 0u);
+    EXPECT_NE(
+        testing::error_of([&] { Generator refused(mono_lm, options); }).find("decode_halves: the model is monolithic"),
+        std::string::npos);
+  }
+}
+
 // [Served tied head] (base_executor/base_model.cpp): with --lm-head, the executor serves a head tied
-// to the input embeddings from them, as the layer lm_head; a Llama-family tenant binds it and calls
-// it for its logits (one more virtual layer than without), and generates what the monolithic model
-// generates. Gemma 2 ties its head by default, and soft-caps the served head's logits.
+// to the input embeddings from them, as the layer lm_head; a tenant of each family binds it and
+// calls it for its logits (one more virtual layer than without), and generates what the monolithic
+// model generates. Gemma 2 ties its head by default, and soft-caps the served head's logits; GPT-2
+// ties it to wte, OPT to its decoder's embeddings.
 TEST(SplitGeneration, ATiedHeadServedFromTheEmbeddingsGivesTheMonolithicTokens) {
-  for (const std::string preset : {"tiny-llama-tied", "tiny-gemma2"}) {
+  for (const std::string preset : {"tiny-llama-tied", "tiny-gemma2", "tiny-gpt2", "tiny-opt"}) {
     const auto dir = testing::make_checkpoint(preset);
     const auto checkpoint = Checkpoint::open(dir);
     ASSERT_FALSE(checkpoint->contains("lm_head.weight")) << preset;
@@ -377,8 +406,7 @@ TEST(SplitGeneration, ATiedHeadServedFromTheEmbeddingsGivesTheMonolithicTokens) 
     const auto client = testing::connect(*executor, *checkpoint);
     const auto* head = client->find_layer("lm_head");
     ASSERT_NE(head, nullptr) << preset;
-    EXPECT_EQ(head->in_features, checkpoint->record("model.embed_tokens.weight").shape[1]);
-    EXPECT_EQ(head->out_features, checkpoint->record("model.embed_tokens.weight").shape[0]);
+    EXPECT_EQ(head->out_features, static_cast<int64_t>(checkpoint->config_number("vocab_size").value_or(0))) << preset;
     EXPECT_EQ(open_causal_lm(*checkpoint, client).virtual_layers,
               open_causal_lm(*checkpoint, testing::connect(*plain, *checkpoint)).virtual_layers + 1)
         << preset;
@@ -569,6 +597,8 @@ TEST_P(MultiAdapterTest, EachRequestEqualsItsAdapterAloneInPeftAndInOurGenerator
     auto lm = open_causal_lm(*served.checkpoint, client);
     auto log = std::make_shared<testing::LogitsLog>();
     auto logged = options;
+    // [Decode halves] for one of the models: each half's rows take their own adapters.
+    logged.decode_halves = client && preset == "tiny-gpt2";
     logged.logits_observer = [log](uint64_t id, const at::Tensor& row) { (*log)[id].push_back(row.to(at::kFloat)); };
     Generator generator(lm, logged);
     generator.load_adapter("x", work / "x");

@@ -110,6 +110,34 @@ TEST(GpuGeneration, SplitOverCudaIpcGivesTheMonolithicTokensInBf16) {
   expect_split_equals_monolithic(at::kBFloat16, 2e-2);
 }
 
+// [Decode halves]: decode steps in two halves over two cuda-ipc connections, each half captured on
+// its own stream and launched ahead, both launched before either is waited for, give the
+// monolithic model's tokens and logits in fp32, while requests join and leave (halves of 3 and 2).
+TEST(GpuGeneration, DecodeHalvesCapturedOverTwoConnectionsEqualMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-halves"));
+  auto client = Client::connect(
+      {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
+  auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, at::kFloat);
+  auto halves = captured_options();
+  halves.max_sequences = 5;
+  halves.decode_halves = true;
+  auto eager = halves;
+  eager.capture_decode = false;
+  eager.decode_halves = false;
+  const auto split = testing::generate(split_lm, testing::mixed_requests(), halves);
+  EXPECT_GE(split.captured, 2);  // halves of several sizes
+  testing::expect_same(split, testing::generate(mono_lm, testing::mixed_requests(), eager), "cuda decode halves", 1e-5);
+  const auto stats = request_stats(executor.endpoint, 10000);
+  EXPECT_EQ(stats.errors(), 0u);
+  EXPECT_GT(stats.ahead_calls(), 0u);
+  split_lm = {};
+  client.reset();
+  bench::stop(executor.pid);
+}
+
 // [Capture's stream] (transport/cuda_ipc/cuda_ipc_client.cpp): a request that joins between a
 // bucket's eager warm-up step and its capture is prefilled on the caller's stream; the capture that
 // follows must still succeed (it once failed, "dependency created on uncaptured work in another
