@@ -121,6 +121,7 @@ void FrontDoor::admit(const std::string& key, const proto::Hello& hello, Transpo
   context.client_id = registry_.next_id();
   context.device = model_.device();
   context.mps = placement_.mps();
+  context.lane = hello.lane();
   auto& gpu_count = gpu_clients_[hello.placement().gpu_uuid()];
   if (!gpu_count) gpu_count = std::make_shared<std::atomic<int>>(0);
   context.gpu_clients = gpu_count;

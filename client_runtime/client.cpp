@@ -391,6 +391,7 @@ std::shared_ptr<Client> Client::connect(const ClientOptions& options) {
   hello.set_expected_model_hash(options.expected_model_hash);
   hello.set_transport(options.transport);
   hello.set_control(options.control);
+  hello.set_lane(options.lane);
   *hello.mutable_placement() = local_placement(options.device);
   impl->adopt(impl->handshake(options.connect_timeout_ms));
   impl->latency = wire::to_proto(options.latency_class);

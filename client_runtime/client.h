@@ -36,6 +36,9 @@ struct ClientOptions {
   // tries to connect again, with back-off, before its call fails saying so; 0: it does not try.
   int reconnect_ms = 60000;
   LatencyClass latency_class = LatencyClass::kFineTuning;
+  // [Decode halves] (inference/generator.h): which of the tenant's decode lanes this connection
+  // carries (the Generator's second half's: 1); runs of different lanes never launch together.
+  uint32_t lane = 0;
   // Where this client's tensors live: "cpu" or "cuda:N". Decides the transport with "auto".
   std::string device = "cpu";
   // "auto" (the executor picks by placement), "tcp", "shm", "cuda-ipc" or "nccl".

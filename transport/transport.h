@@ -62,7 +62,8 @@ struct ChannelContext {
   // nccl: how many nccl channels serve the client's GPU (the executor keeps one count per GPU);
   // a channel counts itself while it lives ([NCCL readiness] in transport/nccl/nccl_channel.cpp).
   std::shared_ptr<std::atomic<int>> gpu_clients;
-  bool mps = false;  // whether NVIDIA MPS serves the executor (its placement, asked once at its start)
+  bool mps = false;   // whether NVIDIA MPS serves the executor (its placement, asked once at its start)
+  uint32_t lane = 0;  // the client's Hello.lane ([Decode halves])
 };
 
 // What a client's end needs of the Client's options.

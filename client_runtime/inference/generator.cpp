@@ -210,6 +210,7 @@ void Generator::connect_half_client() {
   auto options = lm_.client->options();
   options.tenant += "/half2";
   options.latency_class = LatencyClass::kInferenceDecode;  // it only decodes
+  options.lane = 1;  // its runs never launch together with the first half's ([Runs launched together])
   half_client_ = Client::connect(options);
   // A VirtLayer redirected to it calls by the layer ids of lm_.client's table ([Decode halves]).
   const auto same = [](const std::vector<LayerInfo>& a, const std::vector<LayerInfo>& b) {

@@ -34,7 +34,8 @@
 // the tenant's kernels between them: they take turns. With decode_halves, a step of two sequences
 // or more runs as two halves (the first ceil(B / 2) sequences, and the rest), each its own forward
 // over the shared cache, the second's calls on a second connection to the executor (the same
-// options, tenant "NAME/half2"): a captured half is its own graph on its own stream, both launched
+// options, tenant "NAME/half2", lane 1: [Runs launched together] never puts a tenant's two halves in
+// one launch): a captured half is its own graph on its own stream, both launched
 // before either is waited for, so that one half's kernels run while the other's call is at the
 // executor, and the executor's runs of the two connections are independent. Each half is exact on
 // its own (a decode row depends on its sequence alone), so the step gives what it gives whole. A

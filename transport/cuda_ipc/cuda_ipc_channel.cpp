@@ -122,10 +122,11 @@ class AheadWatchdog {
 
 class CudaIpcChannel : public RegisteredBufferChannel {
  public:
-  CudaIpcChannel(uint64_t client_id, at::Device device, bool mps)
+  CudaIpcChannel(uint64_t client_id, at::Device device, bool mps, uint32_t lane)
       : RegisteredBufferChannel(TransportKind::kCudaIpc, client_id),
         device_(device.has_index() ? device.index() : 0),
         mps_(mps),
+        lane_(lane),
         executor_event_(cuda::InterprocessEvent::create(device_)),
         control_pin_(control_memory().data(), control_memory().size(), /*mapped=*/true),
         results_ready_(control_pin_.device_pointer(&control_block()->results_ready)) {}
@@ -442,9 +443,10 @@ class CudaIpcChannel : public RegisteredBufferChannel {
   // A run's signature: what must agree, call by call, for runs of several clients to be one graph
   // (kOwnSignature's bit clear), and the power of two of its rows: runs of other sizes could be one
   // graph too, but the small one would wait for the large one's longer steps (Table 5's tenants of 2
-  // to 256 sequences, launched together, took 1.24x the time a token: V69).
-  static uint64_t signature_of(const std::vector<shm::CallHeader>& calls) {
-    uint64_t hash = calls.size();
+  // to 256 sequences, launched together, took 1.24x the time a token: V69), and the client's lane
+  // ([Decode halves]: a tenant's two halves never wait for each other in one launch).
+  static uint64_t signature_of(const std::vector<shm::CallHeader>& calls, uint32_t lane) {
+    uint64_t hash = (calls.size() ^ (uint64_t{lane} << 48)) * 0x100000001b3ULL;
     for (const auto& h : calls) {
       for (const uint64_t part :
            {uint64_t{h.layer_id}, static_cast<uint64_t>(h.op), static_cast<uint64_t>(h.dtype),
@@ -527,7 +529,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
                                      [](const Run& a, const Run& b) { return a.last_use < b.last_use; }));
       }
       static std::atomic<uint64_t> runs_made{0};
-      const uint64_t signature = signature_of(recording_);
+      const uint64_t signature = signature_of(recording_, lane_);
       runs_.push_back({std::move(recording_), signature, ++runs_made, {}, ++uses_});
     }
     recording_.clear();
@@ -737,6 +739,7 @@ class CudaIpcChannel : public RegisteredBufferChannel {
 
   int device_;
   bool mps_;                           // NVIDIA MPS serves the executor: [Device words] only then
+  uint32_t lane_;                      // its Hello's ([Decode halves]), in its runs' signatures
   cuda::Stream stream_;                // this client's last call's
   std::vector<cuda::Stream> streams_;  // every compute stream this client's calls went on (a few at most)
   // [Replayed calls]: each captured call's GEMM, by slot, with what it was captured for.
@@ -813,7 +816,7 @@ void AheadWatchdog::run() {
 }  // namespace
 
 std::shared_ptr<Channel> make_channel(const ChannelContext& context) {
-  return std::make_shared<CudaIpcChannel>(context.client_id, context.device, context.mps);
+  return std::make_shared<CudaIpcChannel>(context.client_id, context.device, context.mps, context.lane);
 }
 #else
 std::shared_ptr<Channel> make_channel(const ChannelContext&) {

@@ -112,17 +112,21 @@ TEST(GpuGeneration, SplitOverCudaIpcGivesTheMonolithicTokensInBf16) {
 
 // [Decode halves]: decode steps in two halves over two cuda-ipc connections, each half captured on
 // its own stream and launched ahead, both launched before either is waited for, give the
-// monolithic model's tokens and logits in fp32, while requests join and leave (halves of 3 and 2).
+// monolithic model's tokens and logits in fp32, while requests join and leave (halves of 2 and 2,
+// then fewer). The executor launches runs together from two clients, after a wait long enough to
+// fall into step; the two halves, of one size and one tenant but of two lanes, never go together.
 TEST(GpuGeneration, DecodeHalvesCapturedOverTwoConnectionsEqualMonolithicInFp32) {
   SKIP_WITHOUT_GPUS(1);
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
-  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-halves"));
+  const auto executor = start_gpu_executor(
+      dir, testing::temp_dir("gpu-generator-halves"), "fp32",
+      {"--launch-together", "true", "--launch-together-from", "2", "--launch-together-wait", "20000"});
   auto client = Client::connect(
       {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
   auto [split_lm, mono_lm] = split_and_monolithic(*checkpoint, client, at::kFloat);
   auto halves = captured_options();
-  halves.max_sequences = 5;
+  halves.max_sequences = 4;
   halves.decode_halves = true;
   auto eager = halves;
   eager.capture_decode = false;
@@ -133,6 +137,7 @@ TEST(GpuGeneration, DecodeHalvesCapturedOverTwoConnectionsEqualMonolithicInFp32)
   const auto stats = request_stats(executor.endpoint, 10000);
   EXPECT_EQ(stats.errors(), 0u);
   EXPECT_GT(stats.ahead_calls(), 0u);
+  EXPECT_EQ(stats.together_calls(), 0u);  // the two lanes' runs apart
   split_lm = {};
   client.reset();
   bench::stop(executor.pid);
