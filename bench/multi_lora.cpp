@@ -65,6 +65,7 @@ struct Settings {
   std::string python, hf_peft_script = "bench/hf_peft_client.py";  // the transformers + PEFT baseline
   int64_t finetune_tenants = 0, beside_adapters = 8;
   int64_t mixed_lengths = -1;  // the seed of the lengths' mix; -1: every request --prompt + --new-tokens
+  bool decode_halves = false;  // the split generators' ([Decode halves])
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -278,6 +279,9 @@ int main(int argc, char** argv) {
                  "a seed: each request's prompt and new tokens drawn from 1/8 of --prompt and --new-tokens to all of "
                  "them (without it, every request is that long); transformers + PEFT is left out")
       ->capture_default_str();
+  app.add_flag("--decode-halves", s.decode_halves,
+               "the split generators' decode steps in two halves over two connections ([Decode halves] in "
+               "client_runtime/inference/generator.h)");
   app.add_option("--out", s.out, "where the checkpoint, adapters, logs and results go")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (s.executor_device.empty()) s.executor_device = s.device;
@@ -340,6 +344,8 @@ int main(int argc, char** argv) {
     options.max_tokens = s.prompt + s.new_tokens;
     options.max_loras = most;
     options.max_lora_rank = s.rank;
+    auto split = options;  // the split generators'
+    split.decode_halves = s.decode_halves;
     std::ofstream csv(fs::path(s.out) / "multi_lora.csv");
     csv << "mode,adapters,requests,prompt,new_tokens,output_tokens_per_s,tpot_p50_ms,tpot_p99_ms,of_base,of_bound\n";
     double base = 0, bound = 0;
@@ -371,7 +377,7 @@ int main(int argc, char** argv) {
       report("bound", 1, f);
     }
     {
-      Generator generator(lm, options);
+      Generator generator(lm, split);
       const auto f = measure(s, through(generator, {}));
       base = f.tokens_per_s;
       report("base", 0, f);
@@ -380,7 +386,7 @@ int main(int argc, char** argv) {
       std::vector<std::string> names;
       for (int64_t i = 0; i < n; ++i) names.push_back("adapter-" + std::to_string(i));
       {
-        Generator generator(lm, options);
+        Generator generator(lm, split);
         for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
         report("one", n, measure(s, through(generator, names)));
       }
@@ -393,7 +399,7 @@ int main(int argc, char** argv) {
       // N tenants of one adapter each, their share of the requests and of the sequences.
       std::vector<CausalLM> lms;
       std::vector<std::unique_ptr<Generator>> generators;
-      auto own = options;
+      auto own = split;
       own.max_sequences = (s.max_sequences + n - 1) / n;
       own.max_loras = 0;
       for (int64_t i = 0; i < n; ++i) {
@@ -431,7 +437,7 @@ int main(int argc, char** argv) {
       const int64_t n = std::min(s.beside_adapters, most);
       std::vector<std::string> names;
       for (int64_t i = 0; i < n; ++i) names.push_back("adapter-" + std::to_string(i));
-      Generator generator(lm, options);
+      Generator generator(lm, split);
       for (int64_t i = 0; i < n; ++i) generator.load_adapter(names[i], dirs[i]);
       const auto alone = measure(s, through(generator, names));
       report("one alone", n, alone);

@@ -73,7 +73,8 @@ INSTANTIATE_TEST_SUITE_P(TransportsAndEndings, RestartTest,
                          });
 
 // A generation under way when the executor is killed goes on where it was (its cache is the
-// client's) and produces what monolithic generation produces.
+// client's) and produces what monolithic generation produces; in [Decode halves] too, whose two
+// connections both connect again.
 TEST(RestartGenerationTest, GenerationResumesWhereItWas) {
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
@@ -84,20 +85,25 @@ TEST(RestartGenerationTest, GenerationResumesWhereItWas) {
   testing::add_test_lora(mono_lm);
   const auto requests = std::vector<GenerationRequest>{testing::request({5, 9, 33, 2, 7}, 12),
                                                        testing::request({100, 4, 18}, 10, 0.8, 20, 1.0, 1)};
-  Generator generator(split_lm);
-  std::vector<std::vector<int64_t>> split(requests.size());
-  int tokens = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    generator.submit(requests[i], [&, i](const TokenEvent& event) {
-      ASSERT_TRUE(event.error.empty()) << event.error;
-      if (event.token >= 0) split[i].push_back(event.token);
-      if (++tokens == 6) executor.restart(SIGKILL, dir);  // mid-generation
-    });
-  }
-  generator.run();
   const auto mono = Generator(mono_lm).generate(requests);
-  for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(split[i], mono[i].output_ids) << "request " << i;
-  EXPECT_GE(tokens, 6);
+  for (const bool halves : {false, true}) {
+    Generator generator(split_lm, {.decode_halves = halves});
+    std::vector<std::vector<int64_t>> split(requests.size());
+    int tokens = 0;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      generator.submit(requests[i], [&, i](const TokenEvent& event) {
+        ASSERT_TRUE(event.error.empty()) << event.error;
+        if (event.token >= 0) split[i].push_back(event.token);
+        if (++tokens == 6) executor.restart(SIGKILL, dir);  // mid-generation
+      });
+    }
+    generator.run();
+    for (size_t i = 0; i < requests.size(); ++i) {
+      EXPECT_EQ(split[i], mono[i].output_ids) << "request " << i << (halves ? ", in decode halves" : "");
+    }
+    EXPECT_GE(tokens, 6);
+    executor.wait_started();
+  }
 }
 
 // After a restart with another checkpoint behind the endpoint (another model hash), the client is
