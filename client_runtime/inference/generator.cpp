@@ -686,7 +686,10 @@ std::optional<at::Tensor> Generator::decode_captured(const std::vector<DecodePar
       if (!first_error) first_error = std::current_exception();
     }
   };
-  size_t launched = 0;  // graphs launched and not finished, from the first
+  size_t launched = 0;  // graphs launched and not finished, from the first (none while capturing)
+  const auto finish_launched = [&] {
+    for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+  };
   for (size_t i = 0; i < parts.size(); ++i) {
     auto& g = *graphs[i];
     set_step_slots(parts[i].sequences);
@@ -695,10 +698,10 @@ std::optional<at::Tensor> Generator::decode_captured(const std::vector<DecodePar
     try {
       g.graph->launch();
     } catch (const ResultsLost&) {
-      for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+      finish_launched();
       throw;  // [Executor restart]: the step runs again (forward_and_choose), and captures then
     } catch (const c10::Error& e) {
-      for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+      finish_launched();
       if (!captures_now || g.graph->captured()) throw;
       // This model or transport cannot be captured: decode eagerly from now on.
       TORCH_WARN("Generator: decoding without CUDA graphs: ", e.what_without_backtrace());
@@ -713,7 +716,7 @@ std::optional<at::Tensor> Generator::decode_captured(const std::vector<DecodePar
       ++launched;
     }
   }
-  for (size_t j = 0; j < launched; ++j) finish(*graphs[j]);
+  finish_launched();
   if (first_error) std::rethrow_exception(first_error);
   std::vector<at::Tensor> logits;
   for (size_t i = 0; i < parts.size(); ++i) {
