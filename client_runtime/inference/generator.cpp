@@ -176,6 +176,7 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
     adapter_mirror_ = std::make_unique<AdapterMirror>(*lm_.module, *host_decode_->module);
     warn_of_spinning_threads();
   }
+  if (options_.decode_halves) connect_half_client();
   capture_ = options_.capture_decode && !host_decode_ && !options_.offload_cache && table.device().is_cuda();
   // [Host decode] and [Offloaded decode]: the cache in host memory, page-locked for a GPU to write to
   // (and, offloaded, to read from).
@@ -197,7 +198,6 @@ Generator::Generator(CausalLM lm, std::optional<CausalLM> host_decode, Generator
   cache_ = std::make_unique<KvCache>(shape, options_.max_sequences, options_.max_tokens, table.scalar_type(),
                                      cache_device, spare, pinned, decode_device);
   bank_model_ = std::make_unique<BankModel>(bank_model(*lm_.module, table.scalar_type()));
-  if (options_.decode_halves) connect_half_client();
 }
 
 void Generator::connect_half_client() {

@@ -363,8 +363,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // [Decode halves]: a split generator whose decode steps run in two halves, the second over a second
 // connection to the executor (tenant "NAME/half2"), gives the monolithic tokens and logits while
-// requests join and leave (halves of 3 and 2 sequences, then fewer; one sequence runs whole). A
-// monolithic model, or a host-decode one, is refused naming why.
+// requests join and leave (halves of 3 and 2 sequences, then fewer; one sequence runs whole). With
+// the cache offloaded, or a monolithic model, it is refused naming why.
 TEST(SplitGeneration, DecodeHalvesOverTwoConnectionsGiveTheMonolithicTokens) {
   for (const std::string preset : {"tiny-llama", "tiny-gpt2"}) {
     const auto dir = testing::make_checkpoint(preset);
@@ -383,6 +383,12 @@ TEST(SplitGeneration, DecodeHalvesOverTwoConnectionsGiveTheMonolithicTokens) {
     }
     expect_same(generate(split_lm, mixed_requests(), options), mono, preset + " in decode halves");
     EXPECT_EQ(executor->stats().errors, 0u);
+    auto offloaded = options;
+    offloaded.offload_cache = true;
+    EXPECT_NE(testing::error_of([&] {
+                Generator refused(split_lm, offloaded);
+              }).find("decode_halves and offload_cache do not go together"),
+              std::string::npos);
     EXPECT_NE(
         testing::error_of([&] { Generator refused(mono_lm, options); }).find("decode_halves: the model is monolithic"),
         std::string::npos);
