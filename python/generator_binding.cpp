@@ -32,7 +32,7 @@ struct BoundGenerator {
 std::unique_ptr<BoundGenerator> make_generator(const std::string& checkpoint_dir, const py::object& native,
                                                const std::string& adapter, const std::string& device,
                                                const std::string& dtype, int64_t max_sequences, int64_t max_tokens,
-                                               bool capture_decode) {
+                                               bool capture_decode, bool decode_halves) {
   const auto client = native.is_none() ? nullptr : native.cast<std::shared_ptr<Client>>();
   py::gil_scoped_release no_gil;  // reads the weights, and with a client waits on the executor
   auto checkpoint = Checkpoint::open(checkpoint_dir);
@@ -44,6 +44,7 @@ std::unique_ptr<BoundGenerator> make_generator(const std::string& checkpoint_dir
   options.max_sequences = max_sequences;
   options.max_tokens = max_tokens;
   options.capture_decode = capture_decode;
+  options.decode_halves = decode_halves;                      // [Decode halves]
   options.max_waiting = std::numeric_limits<int64_t>::max();  // generate() queues all its prompts at once
   bound->generator = std::make_unique<Generator>(bound->lm, options);
   return bound;
@@ -89,7 +90,8 @@ py::list generate(BoundGenerator& bound, const std::vector<std::vector<int64_t>>
 void bind_generator(py::module_& m) {
   py::class_<BoundGenerator>(m, "Generator", "The C++ runtime's generation engine for a Python tenant")
       .def(py::init(&make_generator), py::arg("checkpoint"), py::arg("client"), py::arg("adapter"), py::arg("device"),
-           py::arg("dtype"), py::arg("max_sequences"), py::arg("max_tokens"), py::arg("capture_decode"))
+           py::arg("dtype"), py::arg("max_sequences"), py::arg("max_tokens"), py::arg("capture_decode"),
+           py::arg("decode_halves"))
       .def("generate", &generate, py::arg("prompts"), py::arg("max_new_tokens"), py::arg("temperature"),
            py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token_ids"), py::arg("logprobs"))
       .def_property_readonly("captured_batch_sizes",

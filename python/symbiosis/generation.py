@@ -45,12 +45,15 @@ class Generator:
     symbiosis-finetune run or checkpoint folder), or None for the base model. device and dtype:
     where the client layers live and in which dtype (default: the client's device, fp32).
     max_sequences: requests decoded at once; max_tokens: positions per request (prompt + new
-    tokens); capture_decode: on a GPU, decode steps in CUDA graphs. Raises symbiosis.Error naming
+    tokens); capture_decode: on a GPU, decode steps in CUDA graphs; decode_halves: split, each
+    decode step's sequences in two halves over two connections to the executor, one computing while
+    the other's calls are at the executor (docs/inference.md). Raises symbiosis.Error naming
     what is wrong (a model the executor does not serve, an adapter of another model, a bad size)."""
 
     def __init__(self, checkpoint: str, client: Optional[Client] = None, *, adapter: Optional[str] = None,
                  device: Union[str, torch.device, None] = None, dtype: Union[str, torch.dtype] = torch.float32,
-                 max_sequences: int = 8, max_tokens: int = 1024, capture_decode: bool = True):
+                 max_sequences: int = 8, max_tokens: int = 1024, capture_decode: bool = True,
+                 decode_halves: bool = False):
         if device is None:
             device = client.device if client is not None else "cpu"
         if isinstance(dtype, torch.dtype):
@@ -59,7 +62,7 @@ class Generator:
             dtype = _DTYPE_NAMES[dtype]
         self._native = _C.Generator(str(checkpoint), client._native if client is not None else None,
                                     str(adapter or ""), str(torch.device(device)), dtype, max_sequences, max_tokens,
-                                    capture_decode)
+                                    capture_decode, decode_halves)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (),

@@ -1,6 +1,7 @@
 """symbiosis.Generator ([Python generation], python/symbiosis/generation.py): a Python tenant's greedy
 generation through the C++ engine, split over the executor or monolithic, with a PEFT LoRA adapter
-saved by PEFT, equals transformers + PEFT greedy `generate` on the local model, prompt by prompt,
+saved by PEFT (split also in [Decode halves]), equals transformers + PEFT greedy `generate` on the
+local model, prompt by prompt,
 while the engine batches prompts of different lengths together; a refused request refuses its batch
 with an error naming the field, and the generator goes on serving."""
 import peft
@@ -30,11 +31,13 @@ def adapted(request, tmp_path_factory):
         yield architecture, checkpoint, executor, str(adapter), model
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "monolithic"])
-def test_greedy_generation_equals_peft_generate(adapted, split):
+@pytest.mark.parametrize("split,halves", [(True, False), (True, True), (False, False)],
+                         ids=["split", "split-decode-halves", "monolithic"])
+def test_greedy_generation_equals_peft_generate(adapted, split, halves):
     architecture, checkpoint, executor, adapter, model = adapted
     client = symbiosis.Client.connect(executor.endpoint, tenant="generate") if split else None
-    generator = symbiosis.Generator(checkpoint, client, adapter=adapter, max_sequences=4, max_tokens=48)
+    generator = symbiosis.Generator(checkpoint, client, adapter=adapter, max_sequences=4, max_tokens=48,
+                                    decode_halves=halves)
     results = generator.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[EOS], logprobs=True)
     assert [r.prompt_ids for r in results] == PROMPTS
     for prompt, result in zip(PROMPTS, results):
