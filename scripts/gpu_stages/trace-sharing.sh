@@ -4,12 +4,13 @@
 #                monolithic baseline, and the mixed workload with each group alone; each run's trace_summary
 #                and the merged traces that fit go back in traces.tgz (open them in ui.perfetto.dev);
 #                TRACE_EXECUTOR: JSON merged over the decode runs' executor settings (e.g.
-#                '{"launch_together": true}'); TRACE_MIXED=0: the decode runs only. trace-kernels.txt:
+#                '{"launch_together": true}'); TRACE_CLIENT: JSON merged over their clients' settings (e.g.
+#                '{"decode_halves": true}'); TRACE_MIXED=0: the decode runs only. trace-kernels.txt:
 #                the kernels of each run's executor and first tenant (bench/trace_summary.py)
 make_1b
 mps_on
-python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["executor"]["policies"] = ["opportunistic"]; s["executor"].update(json.loads(sys.argv[2])); print(json.dumps(s))' \
-  bench/scenarios/gpu_generate_llama1b.json "${TRACE_EXECUTOR:-{\}}" > /tmp/trace-decode.json
+python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); s["executor"]["policies"] = ["opportunistic"]; s["executor"].update(json.loads(sys.argv[2])); s["client_defaults"].update(json.loads(sys.argv[3])); print(json.dumps(s))' \
+  bench/scenarios/gpu_generate_llama1b.json "${TRACE_EXECUTOR:-{\}}" "${TRACE_CLIENT:-{\}}" > /tmp/trace-decode.json
 bench trace-decode /tmp/trace-decode.json --checkpoint $model_1b --counts "${TRACE_COUNTS:-1,8}" --trace 1
 [ "${TRACE_MIXED:-1}" = 0 ] || bench trace-mixed bench/scenarios/gpu_mixed_llama1b.json --checkpoint $model_1b --trace 1
 mps_off
