@@ -511,6 +511,7 @@ at::Tensor Client::backward_input(const LayerInfo& layer, const at::Tensor& grad
 }
 
 const ClientOptions& Client::options() const { return impl_->options; }
+bool Client::same_layer_table(const Client& other) const { return impl_->layer_table == other.impl_->layer_table; }
 
 const NoiseMask* Client::noise_mask() const { return impl_->mask.get(); }
 NoiseMask* Client::noise_mask() { return impl_->mask.get(); }

@@ -90,6 +90,9 @@ class Client : public LayerBackend {
 
   uint64_t client_id() const;
   const ClientOptions& options() const;  // as connect() was given them
+  // Whether `other` was given the same layer table (layers, groups, their ids) as this client, as
+  // a reconnection is checked to be.
+  bool same_layer_table(const Client& other) const;
   const std::string& model_hash() const;
   // [Noise masking]: the client's mask, or nullptr when it does not mask (rotate() draws new banks).
   const NoiseMask* noise_mask() const;

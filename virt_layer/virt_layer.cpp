@@ -87,13 +87,15 @@ c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::group_binding(const std::vec
 }
 
 BackendRedirect::BackendRedirect(const LayerBackend* from, LayerBackend* to) {
-  TORCH_CHECK(redirected_from == nullptr, "BackendRedirect: this thread already redirects its base-layer calls");
-  TORCH_CHECK(from != nullptr && to != nullptr, "BackendRedirect needs both backends");
+  if (to == nullptr) return;
+  TORCH_CHECK(redirected_to == nullptr, "BackendRedirect: this thread already redirects its base-layer calls");
+  TORCH_CHECK(from != nullptr, "BackendRedirect: no backend to redirect from");
   redirected_from = from;
-  redirected_to = to;
+  redirected_to = to_ = to;
 }
 
 BackendRedirect::~BackendRedirect() {
+  if (to_ == nullptr) return;
   redirected_from = nullptr;
   redirected_to = nullptr;
 }

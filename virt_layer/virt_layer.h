@@ -47,13 +47,17 @@ TORCH_MODULE(VirtLayer);
 
 // [Decode halves] (client_runtime/inference/generator.h): while a BackendRedirect lives, the base
 // layers its thread calls on `from` are called on `to` instead: another connection to the same
-// executor, which serves the same layers under the same ids. One at a time on a thread.
+// executor, which serves the same layers under the same ids. One at a time on a thread; with `to`
+// null it redirects nothing.
 class BackendRedirect {
  public:
   BackendRedirect(const LayerBackend* from, LayerBackend* to);
   ~BackendRedirect();
   BackendRedirect(const BackendRedirect&) = delete;
   BackendRedirect& operator=(const BackendRedirect&) = delete;
+
+ private:
+  LayerBackend* to_ = nullptr;  // null: this one redirects nothing
 };
 
 }  // namespace symbiosis

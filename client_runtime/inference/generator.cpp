@@ -213,13 +213,7 @@ void Generator::connect_half_client() {
   options.lane = 1;  // its runs never launch together with the first half's ([Runs launched together])
   half_client_ = Client::connect(options);
   // A VirtLayer redirected to it calls by the layer ids of lm_.client's table ([Decode halves]).
-  const auto same = [](const std::vector<LayerInfo>& a, const std::vector<LayerInfo>& b) {
-    return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const LayerInfo& x, const LayerInfo& y) {
-      return x.id == y.id && x.name == y.name && x.in_features == y.in_features && x.out_features == y.out_features;
-    });
-  };
-  TORCH_CHECK(same(half_client_->layers(), lm_.client->layers()) && same(half_client_->groups(), lm_.client->groups()),
-              "decode_halves: the executor at ", options.endpoint,
+  TORCH_CHECK(half_client_->same_layer_table(*lm_.client), "decode_halves: the executor at ", options.endpoint,
               " gave the second connection another layer table than the first (did it restart with another model?)");
 }
 
@@ -596,8 +590,7 @@ at::Tensor Generator::decode_eager(const std::vector<DecodePart>& parts) {
   std::vector<at::Tensor> logits;
   for (const auto& part : parts) {
     set_step_slots(part.sequences);
-    std::optional<BackendRedirect> redirect;  // [Decode halves]
-    if (part.half == 1) redirect.emplace(lm_.client.get(), half_client_.get());
+    const BackendRedirect redirect(lm_.client.get(), part.half == 1 ? half_client_.get() : nullptr);
     const auto ids = at::tensor(part.tokens, at::kLong).to(model.token_embeddings().device());
     logits.push_back(forward_eager(decode_lm(), model, part.layout, model.embed(ids).unsqueeze(0)));
     if (part.half == 1) half_client_->settle();
@@ -638,8 +631,7 @@ Generator::DecodeGraph& Generator::decode_graph(int half, int64_t bucket) {
   const auto& client = half == 1 ? half_client_ : lm_.client;
   g->graph = std::make_unique<StepGraph>(
       [this, g, half] {
-        std::optional<BackendRedirect> redirect;  // [Decode halves]
-        if (half == 1) redirect.emplace(lm_.client.get(), half_client_.get());
+        const BackendRedirect redirect(lm_.client.get(), half == 1 ? half_client_.get() : nullptr);
         if (bank_) {
           bank_->rows().slots = g->inputs[3].to(at::kInt);
           bank_->rows().host.clear();
