@@ -7,6 +7,8 @@
 #include <set>
 #include <sstream>
 
+#include "common/gated_activation.h"
+
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 
@@ -111,6 +113,12 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
               "') has no base layers matching '", rule.pattern, "'", rule.lm_head ? " or lm_head" : "",
               ": name its base layers with --layer-pattern");
   model->add_groups(rule.groups);
+  // [MLP blocks]: not on a part of a sharded executor, which holds a share of each MLP's
+  // intermediate features where a block's down projection needs them all.
+  if (rule.mlp_blocks && shard.count == 1) {
+    model->add_blocks(
+        checkpoint.config_string("hidden_activation").value_or(checkpoint.config_string("hidden_act").value_or("silu")));
+  }
   model->place_columns();
 #ifdef SYMBIOSIS_WITH_CUDA
   // The members' weights, copied into their groups', are cached by the allocator: give them back.
@@ -180,6 +188,33 @@ void BaseModel::add_groups(const std::vector<std::vector<std::string>>& names) {
   }
 }
 
+void BaseModel::add_blocks(const std::string& activation) {
+  if (!is_gated_activation(activation)) return;  // one a block does not compute: the layers serve
+  std::map<std::string, uint32_t> by_name;
+  for (uint32_t id = 0; id < layer_count(); ++id) by_name[layer(id).name] = id;
+  for (const auto& down : std::vector<LayerInfo>(layers_)) {  // a copy: groups_ grows below
+    const auto dot = down.name.rfind('.');
+    if (dot == std::string::npos || down.name.substr(dot + 1) != "down_proj") continue;
+    const auto parent = down.name.substr(0, dot);
+    auto gate_up = by_name.find(parent + ".{gate_proj,up_proj}");
+    if (gate_up == by_name.end()) gate_up = by_name.find(parent + ".gate_up_proj");  // [Phi-3]
+    if (gate_up == by_name.end()) continue;
+    const LayerInfo first = layer(gate_up->second);
+    if (first.bias || down.bias || first.kind != LayerKind::kLinear || down.kind != LayerKind::kLinear ||
+        first.dtype != down.dtype || first.out_features != 2 * down.in_features) {
+      continue;
+    }
+    LayerInfo block = first;
+    block.id = static_cast<uint32_t>(layer_count());
+    block.name = parent;
+    block.out_features = down.out_features;
+    block.members = {first.id, down.id};
+    block.activation = activation;
+    groups_.push_back(std::move(block));
+    weights_.emplace_back();  // its members' weights are what it computes with
+  }
+}
+
 size_t BaseModel::weight_bytes() const {
   // A group's weights are its members': counted once, as the members'.
   size_t total = 0;
@@ -198,8 +233,10 @@ void BaseModel::place_columns() {
     for (int part = 0; part < shard_.count; ++part) {
       std::vector<ColumnBlock> blocks;
       int64_t local = 0, global = 0;
-      for (const uint32_t member : info.members.empty() ? std::vector<uint32_t>{id} : info.members) {
-        const int64_t out = layers_[member].out_features;
+      // A layer's or a block's columns are its own; a group's, its members' side by side.
+      const bool whole = info.members.empty() || !info.activation.empty();
+      for (const uint32_t member : whole ? std::vector<uint32_t>{id} : info.members) {
+        const int64_t out = layer(member).out_features;
         const auto [first, rows] = shard_.rows(out, part);
         blocks.push_back({local, global + first, rows});
         local += rows;
@@ -224,6 +261,11 @@ std::pair<const at::Tensor&, const at::Tensor&> BaseModel::operands(uint32_t lay
 }
 
 at::Tensor BaseModel::compute(uint32_t layer_id, LayerOp op, const at::Tensor& x) const {
+  if (is_block(layer_id)) {
+    auto out = at::empty({x.size(0), layer(layer_id).out_features}, x.options());
+    compute_into(layer_id, op, x, out);
+    return out;
+  }
   const auto [matrix, bias] = operands(layer_id, op);
   if (bias.defined()) return at::addmm(bias, x, matrix);
   auto out = at::empty({x.size(0), matrix.size(1)}, x.options());
@@ -232,6 +274,18 @@ at::Tensor BaseModel::compute(uint32_t layer_id, LayerOp op, const at::Tensor& x
 }
 
 void BaseModel::compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x, at::Tensor& out) const {
+  if (is_block(layer_id)) {
+    const auto& block = layer(layer_id);
+    TORCH_CHECK(op == LayerOp::kForward, "layer ", layer_id, " (", block.name,
+                ") is an MLP block, which computes forward only ([MLP blocks] in base_executor/base_model.h)");
+    // The tenant's own MLP, in its order: the gate-and-up product, the activation of its halves, the
+    // down projection (common/gated_activation.h).
+    const auto gate_up = compute(block.members[0], LayerOp::kForward, x);
+    const int64_t n = gate_up.size(1) / 2;
+    compute_into(block.members[1], LayerOp::kForward,
+                 gated_activation(block.activation, gate_up.narrow(1, 0, n), gate_up.narrow(1, n, n)), out);
+    return;
+  }
   const auto [matrix, bias] = operands(layer_id, op);
   if (bias.defined()) {
     at::addmm_out(out, bias, x, matrix);

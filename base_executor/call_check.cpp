@@ -32,6 +32,10 @@ Status check_layer_call(const BaseModel& model, uint64_t max_request_bytes, shm:
   if (h.op != proto::FORWARD && h.op != proto::BACKWARD_INPUT && h.op != proto::FORWARD_NO_BIAS) {
     return invalid(where() + ": op " + std::to_string(h.op) + " is not FORWARD, BACKWARD_INPUT or FORWARD_NO_BIAS");
   }
+  if (!layer.activation.empty() && h.op != proto::FORWARD) {
+    return invalid(where() + ": op " + wire::op_name(static_cast<proto::Op>(h.op)) +
+                   " on an MLP block, which computes FORWARD only ([MLP blocks] in base_executor/base_model.h)");
+  }
   const auto expected_dtype = wire::to_proto(layer.dtype);
   if (h.dtype != expected_dtype) {
     const std::string got =

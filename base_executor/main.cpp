@@ -35,6 +35,10 @@ int main(int argc, char** argv) {
   app.add_option("--layer-pattern", options.layers.pattern,
                  "regex over module names choosing the base layers (2-D .weight tensors)")
       ->capture_default_str();
+  app.add_option("--mlp-blocks", options.layers.mlp_blocks,
+                 "serve each gated MLP whole too, one call for a decoding tenant whose MLP has no adapter "
+                 "([MLP blocks] in base_executor/base_model.h; true/false)")
+      ->capture_default_str();
   app.add_flag("--lm-head", options.layers.lm_head,
                "serve lm_head as a base layer too (a head tied to the input embeddings: from them)");
   std::string layer_groups = symbiosis::BaseLayerRule::kDefaultGroups;

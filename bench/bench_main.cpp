@@ -81,6 +81,7 @@ const std::set<std::string> kExecutorKeys = {"device",
                                              "finetune_sm_percent",
                                              "finetune_piece_rows",
                                              "concurrent_tokens",
+                                             "mlp_blocks",
                                              "lm_head"};
 
 void check_keys(const json& object, const std::string& where, const std::set<std::string>& known) {
@@ -411,7 +412,8 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                                                {"launch_together_wait_us", "--launch-together-wait"},
                                                                {"finetune_sm_percent", "--finetune-sm-percent"},
                                                                {"finetune_piece_rows", "--finetune-piece-rows"},
-                                                               {"concurrent_tokens", "--concurrent-tokens"}};
+                                                               {"concurrent_tokens", "--concurrent-tokens"},
+                                                               {"mlp_blocks", "--mlp-blocks"}};
   for (const auto& [key, flag] : kFlags) {
     if (!ex.contains(key)) continue;
     const json& value = ex[key];

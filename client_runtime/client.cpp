@@ -419,9 +419,11 @@ const std::string& Client::transport() const { return impl_->transport_name; }
 
 const std::vector<LayerInfo>& Client::groups() const { return impl_->groups; }
 
-const LayerInfo* Client::group(const std::vector<uint32_t>& members) const {
+const LayerInfo* Client::group(const std::vector<uint32_t>& members, const std::string& activation) const {
+  // [MLP blocks]: a masked input cannot pass a block's activation (the noise would not come off).
+  if (!activation.empty() && impl_->mask) return nullptr;
   for (const auto& group : impl_->groups) {
-    if (group.members == members) return &group;
+    if (group.members == members && group.activation == activation) return &group;
   }
   return nullptr;
 }

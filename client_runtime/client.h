@@ -100,9 +100,10 @@ class Client : public LayerBackend {
   const std::vector<LayerInfo>& layers() const;
   // The layer named so (checkpoint name without ".weight"), or nullptr.
   const LayerInfo* find_layer(const std::string& name) const;
-  // [Layer groups] (base_executor/base_model.h): the groups the executor serves beside its layers.
+  // [Layer groups] (base_executor/base_model.h): the groups the executor serves beside its layers,
+  // and its [MLP blocks] after them.
   const std::vector<LayerInfo>& groups() const;
-  const LayerInfo* group(const std::vector<uint32_t>& members) const override;
+  const LayerInfo* group(const std::vector<uint32_t>& members, const std::string& activation) const override;
 
   at::Tensor forward(const LayerInfo& layer, const at::Tensor& x, bool with_bias) override;
   at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) override;

@@ -190,6 +190,25 @@ at::Tensor BaseLayerImpl::stacked_base(const std::vector<BaseLayerImpl*>& siblin
   return at::linear(x, stacked_weight_, stacked_bias_);
 }
 
+at::Tensor forward_mlp_block(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
+                             const std::string& activation, const at::Tensor& x) {
+  if (!down->is_virtual() || down->adapter() || (at::GradMode::is_enabled() && x.requires_grad())) return {};
+  const auto& backend = down->virt()->backend();
+  std::vector<uint32_t> members;
+  for (const auto* layer : gate_up) {
+    if (!layer->is_virtual() || layer->adapter() || layer->virt()->backend() != backend) return {};
+    members.push_back(layer->virt()->info().id);
+  }
+  uint32_t first = members.at(0);  // Phi-3's gate_up_proj, or the group of gate_proj and up_proj
+  if (members.size() > 1) {
+    const auto group = gate_up[0]->virt().ptr()->group_binding(members);
+    if (!group) return {};
+    first = group->info.id;
+  }
+  const auto block = down->virt().ptr()->block_binding({first, down->virt()->info().id}, activation);
+  return block ? virt_layer_apply(x, block, /*with_bias=*/true) : at::Tensor();
+}
+
 std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
                                          at::Tensor* stacked) {
   TORCH_CHECK(!layers.empty(), "forward_siblings needs layers");

@@ -14,6 +14,8 @@
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "common/layer_info.h"
 #include "virt_layer/virt_layer.h"
@@ -120,6 +122,15 @@ class BaseLayerImpl : public torch::nn::Module {
 // them or their adapters went together; undefined otherwise.
 std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
                                          at::Tensor* stacked = nullptr);
+
+// [MLP blocks] (base_executor/base_model.h): down(act(gate(x)) · up(x)) in one executor call, for a
+// gated MLP whose gate and up are `gate_up` (gate_proj and up_proj, or Phi-3's gate_up_proj) and
+// whose down projection is `down`, `activation` as common/gated_activation.h names it. Undefined
+// where the MLP cannot go so, and the caller then computes it layer by layer: a layer monolithic or
+// with an adapter, x needing a gradient (a block has no backward), no such block served, or a
+// backend that masks its calls.
+at::Tensor forward_mlp_block(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
+                             const std::string& activation, const at::Tensor& x);
 
 // A base layer of either kind, chosen when the model is built (GPT-2's Conv1D, GPTBigCode's Linear:
 // [GPT-2 family] in models/gpt2.h).

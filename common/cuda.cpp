@@ -13,6 +13,8 @@
 #include <vector>
 
 #ifdef SYMBIOSIS_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
@@ -255,8 +257,18 @@ CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& w
   DeviceScope scope(stream.device);
   auto s = cuda_stream(stream);
   std::lock_guard<std::recursive_mutex> lock(capturing);
+  // [Captured allocations]: what the capturing stream allocates meanwhile goes to a pool of its own.
+  const auto device = static_cast<c10::DeviceIndex>(stream.device);
+  UniqueHandle<PoolId, ReleasePool> pool(at::cuda::graph_pool_handle(), ReleasePool{stream.device});
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, pool.get(),
+                                                       [s](cudaStream_t allocating) { return allocating == s; });
   SYMBIOSIS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   cudaGraph_t graph = nullptr;
+  struct EndAllocating {
+    c10::DeviceIndex device;
+    PoolId pool;
+    ~EndAllocating() { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool); }
+  } end_allocating{device, pool.get()};
   try {
     work();
   } catch (...) {
@@ -273,8 +285,13 @@ CapturedWork CapturedWork::capture(Stream stream, const std::function<void()>& w
   SYMBIOSIS_CUDA_WARN(cudaGraphDestroy(graph));
   SYMBIOSIS_CUDA_CHECK(instantiated);
   CapturedWork captured;
+  captured.pool_ = std::move(pool);
   captured.exec_ = UniqueHandle<void*, Destroy>(exec);
   return captured;
+}
+
+void CapturedWork::ReleasePool::operator()(PoolId pool) const {
+  c10::cuda::CUDACachingAllocator::releasePool(static_cast<c10::DeviceIndex>(device), pool);
 }
 
 void CapturedWork::launch(Stream stream) const {

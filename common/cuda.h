@@ -201,6 +201,12 @@ class CurrentStreamScope {
 // (~2.5 µs of host time) in place of what the work enqueues (a cuBLAS GEMM: 8–11 µs). The
 // executor captures the GEMM of each captured call of a client's step ([Captured calls] in
 // transport/call_ring.h), whose operands lie at the same addresses at every replay.
+//
+// [Captured allocations]
+// What the work allocates from LibTorch's caching allocator while it is captured (an MLP block's
+// intermediate rows: [MLP blocks] in base_executor/base_model.h) comes from a memory pool of the
+// captured work's own, as at::cuda::CUDAGraph's does: every replay writes it, so nothing else may be
+// given it until the work is destroyed, and then the pool goes back.
 class CapturedWork {
  public:
   CapturedWork() = default;
@@ -213,6 +219,14 @@ class CapturedWork {
   struct Destroy {
     void operator()(void* exec) const;
   };
+  // [Captured allocations]: the pool (c10's MempoolId_t), given back on its device after the graph
+  // (members go in reverse order).
+  using PoolId = std::pair<unsigned long long, unsigned long long>;
+  struct ReleasePool {
+    int device = 0;
+    void operator()(PoolId pool) const;
+  };
+  UniqueHandle<PoolId, ReleasePool> pool_;
   UniqueHandle<void*, Destroy> exec_;  // cudaGraphExec_t; [Owned handles]
 };
 

@@ -29,6 +29,10 @@ struct LayerInfo {
   // [Layer groups] (base_executor/base_model.h): for a group, the ids of the layers it stacks, in
   // order (its out_features is theirs summed); empty for a layer.
   std::vector<uint32_t> members;
+  // [MLP blocks] (base_executor/base_model.h): for a block, members are its gate-and-up entry (a
+  // group, or Phi-3's gate_up_proj) and its down projection, and this the activation between them,
+  // as common/gated_activation.h names it; empty for a layer or a group.
+  std::string activation;
 };
 
 // "Linear" or "Conv1D", as messages name a layer's kind.

@@ -253,7 +253,9 @@ proto::Envelope setup_exchange(zmq::socket_t& socket, int link, const proto::Env
 
 size_t forward_calls(const Client& client) {
   size_t calls = client.layers().size();
-  for (const auto& group : client.groups()) calls -= group.members.size() - 1;
+  for (const auto& group : client.groups()) {
+    if (group.activation.empty()) calls -= group.members.size() - 1;  // [MLP blocks] need no gradient
+  }
   return calls;
 }
 

@@ -106,7 +106,7 @@ ProvenPeer hello_and_prove(zmq::socket_t& socket, const proto::Envelope& hello);
 // Sends a set-up message on the link (with `descriptor` when >= 0); returns the answer over ZeroMQ.
 proto::Envelope setup_exchange(zmq::socket_t& socket, int link, const proto::Envelope& envelope, int descriptor = -1);
 // The calls one forward of the client's whole model makes: one per layer, one per [Layer groups]
-// group instead of its members.
+// group instead of its members (a pass with gradients: no [MLP blocks]).
 size_t forward_calls(const Client& client);
 std::string binary(const std::string& relative);  // a path under the build directory
 // Runs a shell command line; returns its exit status (-1 when it did not exit).

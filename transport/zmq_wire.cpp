@@ -37,6 +37,7 @@ proto::LayerInfo to_proto(const LayerInfo& info) {
   p.set_bias(info.bias);
   p.set_dtype(to_proto(info.dtype));
   for (const uint32_t member : info.members) p.add_members(member);
+  p.set_activation(info.activation);
   return p;
 }
 
@@ -50,6 +51,7 @@ LayerInfo from_proto(const proto::LayerInfo& p) {
   info.bias = p.bias();
   info.dtype = from_proto(p.dtype());
   info.members.assign(p.members().begin(), p.members().end());
+  info.activation = p.activation();
   return info;
 }
 

@@ -3,6 +3,7 @@
 // Implementations are thread-safe: autograd may call backward from another thread.
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 #include "common/layer_info.h"
@@ -18,7 +19,11 @@ class LayerBackend {
   virtual at::Tensor backward_input(const LayerInfo& layer, const at::Tensor& grad_out) = 0;
   // [Layer groups] (base_executor/base_model.h): the group that stacks exactly these layers, in
   // this order, called like a layer by forward and backward_input; nullptr when none is served.
-  virtual const LayerInfo* group(const std::vector<uint32_t>& /*members*/) const { return nullptr; }
+  // With an activation, [MLP blocks]: the block of these two entries applying it, called like a
+  // layer by forward alone; nullptr also where this backend cannot send it whole (noise masking).
+  virtual const LayerInfo* group(const std::vector<uint32_t>& /*members*/, const std::string& /*activation*/) const {
+    return nullptr;
+  }
 };
 
 }  // namespace symbiosis

@@ -73,17 +73,26 @@ VirtLayerImpl::VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backe
 
 at::Tensor VirtLayerImpl::forward(const at::Tensor& x) { return virt_layer_apply(x, binding_, true); }
 
-c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::group_binding(const std::vector<uint32_t>& members) {
-  if (members != group_members_) {
-    group_members_ = members;
-    group_binding_.reset();
-    if (const auto* group = backend_->group(members)) {
-      group_binding_ = c10::make_intrusive<VirtLayerBinding>();
-      group_binding_->info = *group;
-      group_binding_->backend = backend_;
+c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::find(Lookup& lookup, const std::vector<uint32_t>& members,
+                                                           const std::string& activation) {
+  if (members != lookup.members || activation != lookup.activation || members.empty()) {
+    lookup = {members, activation, {}};
+    if (const auto* entry = backend_->group(members, activation)) {
+      lookup.binding = c10::make_intrusive<VirtLayerBinding>();
+      lookup.binding->info = *entry;
+      lookup.binding->backend = backend_;
     }
   }
-  return group_binding_;
+  return lookup.binding;
+}
+
+c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::group_binding(const std::vector<uint32_t>& members) {
+  return find(group_, members, "");
+}
+
+c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::block_binding(const std::vector<uint32_t>& members,
+                                                                  const std::string& activation) {
+  return find(block_, members, activation);
 }
 
 BackendRedirect::BackendRedirect(const LayerBackend* from, LayerBackend* to) {

@@ -35,13 +35,24 @@ class VirtLayerImpl : public torch::nn::Module {
   // (this layer's id first) on this layer's backend, found once; null when the backend serves none.
   // A group is called like a layer (virt_layer_apply).
   c10::intrusive_ptr<VirtLayerBinding> group_binding(const std::vector<uint32_t>& members);
+  // [MLP blocks] (base_executor/base_model.h): the binding of the block of `members` (a gate-and-up
+  // entry, then this layer's id) applying `activation`, found once; null when none is served.
+  c10::intrusive_ptr<VirtLayerBinding> block_binding(const std::vector<uint32_t>& members,
+                                                     const std::string& activation);
 
  private:
   LayerInfo info_;
   std::shared_ptr<LayerBackend> backend_;
   c10::intrusive_ptr<VirtLayerBinding> binding_;  // made once, shared by every call's autograd node
-  std::vector<uint32_t> group_members_;           // what group_binding_ was looked up for
-  c10::intrusive_ptr<VirtLayerBinding> group_binding_;
+  // What group_binding_ and block_binding_ were looked up for, and what they found.
+  struct Lookup {
+    std::vector<uint32_t> members;
+    std::string activation;
+    c10::intrusive_ptr<VirtLayerBinding> binding;
+  };
+  Lookup group_, block_;
+  c10::intrusive_ptr<VirtLayerBinding> find(Lookup& lookup, const std::vector<uint32_t>& members,
+                                            const std::string& activation);
 };
 TORCH_MODULE(VirtLayer);
 

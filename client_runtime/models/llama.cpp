@@ -14,6 +14,7 @@
 #include "client_runtime/models/attention.h"
 #include "client_runtime/models/config_fields.h"
 #include "common/checkpoint.h"
+#include "common/gated_activation.h"
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 
@@ -26,12 +27,7 @@ namespace symbiosis {
 namespace {
 
 // silu(gate) · up: one kernel on a GPU ([Fused SwiGLU] in kernels/swiglu.h), ATen's elsewhere.
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-#ifdef SYMBIOSIS_WITH_CUDA
-  if (gate.is_cuda()) return kernels::swiglu_forward(gate, up);
-#endif
-  return at::silu(gate) * up;
-}
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return gated_activation("silu", gate, up); }
 
 // Its gradients for an upstream gradient `grad`, written into grad_gate and grad_up.
 void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, at::Tensor grad_gate,
@@ -420,7 +416,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& co
   return o_proj->forward(out);
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : gelu_(c.hidden_act == "gelu_pytorch_tanh") {
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : activation_(c.hidden_act) {
   if (c.fused_projections) {  // [Phi-3]
     gate_up_proj = register_module("gate_up_proj",
                                    nn::Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, materialize_base));
@@ -434,6 +430,11 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : gelu_(
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  const auto gate_up_layers = gate_up_proj ? std::vector<nn::BaseLayerImpl*>{gate_up_proj.get()}
+                                           : std::vector<nn::BaseLayerImpl*>{gate_proj.get(), up_proj.get()};
+  if (auto whole = nn::forward_mlp_block(gate_up_layers, down_proj.get(), activation_, x); whole.defined()) {
+    return whole;  // [MLP blocks]: one call
+  }
   at::Tensor stacked;  // [Layer groups]: gate and up side by side, when nothing changed them apart
   std::vector<at::Tensor> gate_up;
   if (gate_up_proj) {  // [Phi-3]: one layer gives them side by side
@@ -444,7 +445,7 @@ at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
     gate_up = nn::forward_siblings({gate_proj.get(), up_proj.get()}, x, &stacked);
   }
   const auto &gate = gate_up[0], &up = gate_up[1];
-  if (gelu_) return down_proj->forward(at::gelu(gate, "tanh") * up);  // GeGLU ([Gemma 2]), left to autograd
+  if (activation_ != "silu") return down_proj->forward(gated_activation(activation_, gate, up));  // GeGLU ([Gemma 2])
   const bool differentiable = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
   if (!differentiable) return down_proj->forward(swiglu(gate, up));
   return down_proj->forward(stacked.defined() ? StackedSwiGLU::apply(stacked) : SwiGLU::apply(gate, up));

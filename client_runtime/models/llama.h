@@ -185,7 +185,7 @@ class LlamaMLPImpl : public torch::nn::Module {
   nn::Linear gate_proj{nullptr}, up_proj{nullptr}, gate_up_proj{nullptr}, down_proj{nullptr};
 
  private:
-  bool gelu_;  // GeGLU ([Gemma 2]) rather than SwiGLU
+  std::string activation_;  // LlamaConfig::hidden_act: SwiGLU, or GeGLU ([Gemma 2])
 };
 TORCH_MODULE(LlamaMLP);
 

@@ -397,7 +397,7 @@ TEST(LayerGroupsTest, SiblingsAreServedStackedAsOneLayerWithoutMoreMemory) {
   for (const auto& [name, members] : expected) {
     std::vector<uint32_t> ids;
     for (const auto* member : members) ids.push_back(member->id);
-    const auto* group = client->group(ids);
+    const auto* group = client->group(ids, "");
     ASSERT_NE(group, nullptr) << name;
     EXPECT_EQ(group->name, name);
     EXPECT_GE(group->id, client->layers().size());

@@ -88,6 +88,14 @@ inline LoraConfig test_lora() {
   return lora;
 }
 
+// test_lora() on each architecture's attention alone: its MLP keeps no adapter ([MLP blocks] in
+// base_executor/base_model.h).
+inline LoraConfig attention_lora() {
+  auto lora = test_lora();
+  lora.target_modules = {"q_proj", "v_proj", "c_attn", "qkv_proj", "query_key_value"};
+  return lora;
+}
+
 inline void add_test_lora(CausalLM& lm) {
   at::manual_seed(7);
   add_lora(*lm.module, test_lora());

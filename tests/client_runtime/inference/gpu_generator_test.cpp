@@ -143,6 +143,51 @@ TEST(GpuGeneration, DecodeHalvesCapturedOverTwoConnectionsEqualMonolithicInFp32)
   bench::stop(executor.pid);
 }
 
+// [MLP blocks] (base_executor/base_model.h) on a GPU: two tenants whose MLPs have no adapter, their
+// decode steps captured, launched ahead and launched together, each MLP one call whose intermediate
+// rows the executor's captured runs allocate ([Captured allocations] in common/cuda.h), give the
+// monolithic model's tokens and logits in fp32.
+TEST(GpuGeneration, MlpBlocksCapturedAndLaunchedTogetherEqualMonolithicInFp32) {
+  SKIP_WITHOUT_GPUS(1);
+  const auto dir = testing::make_checkpoint("tiny-llama");
+  const auto checkpoint = Checkpoint::open(dir);
+  const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-blocks"), "fp32",
+                                           {"--mlp-blocks", "true", "--launch-together", "true",
+                                            "--launch-together-from", "2", "--launch-together-wait", "20000"});
+  const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
+  auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
+  at::manual_seed(7);
+  add_lora(*mono_lm.module, testing::attention_lora());
+  auto eager = captured_options();
+  eager.capture_decode = false;
+  const auto mono = testing::generate(mono_lm, testing::mixed_requests(), eager);
+  std::vector<std::thread> tenants;
+  for (int tenant = 0; tenant < 2; ++tenant) {
+    tenants.emplace_back([&, tenant] {
+      auto client = Client::connect(
+          {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
+      auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
+      at::manual_seed(7);
+      add_lora(*split_lm.module, testing::attention_lora());
+      const auto split = testing::generate(split_lm, testing::mixed_requests(), captured_options());
+      EXPECT_GE(split.captured, 2);
+      testing::expect_same(split, mono, "cuda MLP blocks, tenant " + std::to_string(tenant), 1e-5);
+    });
+  }
+  for (auto& t : tenants) t.join();
+  const auto stats = request_stats(executor.endpoint, 10000);
+  EXPECT_EQ(stats.errors(), 0u);
+  EXPECT_GT(stats.ahead_calls(), 0u);
+  uint64_t block_calls = 0, down_calls = 0;  // the blocks were called, never their down projections
+  for (const auto& layer : stats.layers()) {
+    if (layer.name() == "model.layers.0.mlp") block_calls = layer.requests();
+    if (layer.name() == "model.layers.0.mlp.down_proj") down_calls = layer.requests();
+  }
+  EXPECT_GT(block_calls, 0u);
+  EXPECT_EQ(down_calls, 0u);
+  bench::stop(executor.pid);
+}
+
 // [Capture's stream] (transport/cuda_ipc/cuda_ipc_client.cpp): a request that joins between a
 // bucket's eager warm-up step and its capture is prefilled on the caller's stream; the capture that
 // follows must still succeed (it once failed, "dependency created on uncaptured work in another
