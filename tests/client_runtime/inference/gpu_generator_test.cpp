@@ -161,20 +161,27 @@ TEST(GpuGeneration, MlpBlocksCapturedAndLaunchedTogetherEqualMonolithicInFp32) {
   auto eager = captured_options();
   eager.capture_decode = false;
   const auto mono = testing::generate(mono_lm, testing::mixed_requests(), eager);
+  // Both tenants' adapters drawn here, one after the other (the generator's seed is the process's).
+  std::vector<CausalLM> split_lms;
+  for (int tenant = 0; tenant < 2; ++tenant) {
+    split_lms.push_back(open_causal_lm(
+        *checkpoint,
+        Client::connect(
+            {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"}),
+        on_gpu));
+    at::manual_seed(7);
+    add_lora(*split_lms.back().module, testing::attention_lora());
+  }
   std::vector<std::thread> tenants;
   for (int tenant = 0; tenant < 2; ++tenant) {
     tenants.emplace_back([&, tenant] {
-      auto client = Client::connect(
-          {.endpoint = executor.endpoint, .expected_model_hash = checkpoint->model_hash(), .device = "cuda:0"});
-      auto split_lm = open_causal_lm(*checkpoint, client, on_gpu);
-      at::manual_seed(7);
-      add_lora(*split_lm.module, testing::attention_lora());
-      const auto split = testing::generate(split_lm, testing::mixed_requests(), captured_options());
+      const auto split = testing::generate(split_lms[tenant], testing::mixed_requests(), captured_options());
       EXPECT_GE(split.captured, 2);
       testing::expect_same(split, mono, "cuda MLP blocks, tenant " + std::to_string(tenant), 1e-5);
     });
   }
   for (auto& t : tenants) t.join();
+  split_lms.clear();
   const auto stats = request_stats(executor.endpoint, 10000);
   EXPECT_EQ(stats.errors(), 0u);
   EXPECT_GT(stats.ahead_calls(), 0u);
