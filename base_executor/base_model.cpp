@@ -116,8 +116,8 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   // [MLP blocks]: not on a part of a sharded executor, which holds a share of each MLP's
   // intermediate features where a block's down projection needs them all.
   if (rule.mlp_blocks && shard.count == 1) {
-    model->add_blocks(
-        checkpoint.config_string("hidden_activation").value_or(checkpoint.config_string("hidden_act").value_or("silu")));
+    model->add_blocks(checkpoint.config_string("hidden_activation")
+                          .value_or(checkpoint.config_string("hidden_act").value_or("silu")));
   }
   model->place_columns();
 #ifdef SYMBIOSIS_WITH_CUDA

@@ -74,8 +74,8 @@ VirtLayerImpl::VirtLayerImpl(LayerInfo info, std::shared_ptr<LayerBackend> backe
 at::Tensor VirtLayerImpl::forward(const at::Tensor& x) { return virt_layer_apply(x, binding_, true); }
 
 c10::intrusive_ptr<VirtLayerBinding> VirtLayerImpl::find(Lookup& lookup, const std::vector<uint32_t>& members,
-                                                           const std::string& activation) {
-  if (members != lookup.members || activation != lookup.activation || members.empty()) {
+                                                         const std::string& activation) {
+  if (members != lookup.members || activation != lookup.activation) {
     lookup = {members, activation, {}};
     if (const auto* entry = backend_->group(members, activation)) {
       lookup.binding = c10::make_intrusive<VirtLayerBinding>();

@@ -453,8 +453,8 @@ TEST(SplitGeneration, MlpBlocksGiveTheMonolithicTokensInFewerCalls) {
       auto generated = generate(lm, mixed_requests(), options);
       return std::make_pair(std::move(generated), client ? client->calls() : 0);
     };
-    for (const auto& [lora, mlp_adapted] : {std::make_pair(testing::attention_lora(), false),
-                                            std::make_pair(test_lora(), true)}) {
+    for (const auto& [lora, mlp_adapted] :
+         {std::make_pair(testing::attention_lora(), false), std::make_pair(test_lora(), true)}) {
       const auto where = preset + (mlp_adapted ? ", adapter on the MLP" : ", adapter on the attention");
       const auto [blocks, block_calls] = run(testing::connect(*executor, *checkpoint), lora);
       const auto [layers, layer_calls] = run(testing::connect(*plain, *checkpoint), lora);
