@@ -35,6 +35,9 @@ std::string name_of(const std::string& preset) {
 }
 
 TEST(ShardedExecutorTest, EachPartHoldsItsShareOfEveryLayerAndClientsSeeTheWholeModel) {
+  EXPECT_FALSE(
+      testing::start_executor(testing::make_checkpoint("tiny-llama"))->model().groups().back().activation.empty())
+      << "a whole executor of Llama serves MLP blocks";
   for (const char* preset : {"tiny-llama", "tiny-gpt2"}) {
     const auto dir = testing::make_checkpoint(preset);
     const auto whole = testing::start_executor(dir);
@@ -56,6 +59,8 @@ TEST(ShardedExecutorTest, EachPartHoldsItsShareOfEveryLayerAndClientsSeeTheWhole
           EXPECT_EQ(layer.in_features, served.in_features);
           EXPECT_EQ(layer.out_features, served.out_features);
         }
+        // [MLP blocks]: none on a part, which holds a share of each MLP's intermediate features.
+        for (const auto& group : client->groups()) EXPECT_TRUE(group.activation.empty()) << group.name;
       }
       EXPECT_EQ(sum, total) << preset << ", " << count << " parts";
     }
