@@ -18,12 +18,15 @@ inline bool is_gated_activation(const std::string& name) { return name == "silu"
 
 // gate, up: the same shape (the halves of one [..., 2n] tensor will do).
 inline at::Tensor gated_activation(const std::string& name, const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(is_gated_activation(name), "unknown gated activation '", name, "' (expected silu or gelu_pytorch_tanh)");
-  if (name == "gelu_pytorch_tanh") return at::gelu(gate, "tanh") * up;
+  if (name == "silu") {
 #ifdef SYMBIOSIS_WITH_CUDA
-  if (gate.is_cuda()) return kernels::swiglu_forward(gate, up);
+    if (gate.is_cuda()) return kernels::swiglu_forward(gate, up);
 #endif
-  return at::silu(gate) * up;
+    return at::silu(gate) * up;
+  }
+  TORCH_CHECK(name == "gelu_pytorch_tanh", "unknown gated activation '", name,
+              "' (expected silu or gelu_pytorch_tanh)");
+  return at::gelu(gate, "tanh") * up;
 }
 
 }  // namespace symbiosis

@@ -44,7 +44,7 @@ class VirtLayerImpl : public torch::nn::Module {
   LayerInfo info_;
   std::shared_ptr<LayerBackend> backend_;
   c10::intrusive_ptr<VirtLayerBinding> binding_;  // made once, shared by every call's autograd node
-  // What group_binding_ and block_binding_ were looked up for, and what they found.
+  // What group_binding() and block_binding() last looked up, and what they found.
   struct Lookup {
     std::vector<uint32_t> members;
     std::string activation;
