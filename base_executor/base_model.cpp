@@ -118,6 +118,7 @@ std::unique_ptr<BaseModel> BaseModel::load(const Checkpoint& checkpoint, const B
   if (rule.mlp_blocks && shard.count == 1) {
     model->add_blocks(checkpoint.config_string("hidden_activation")
                           .value_or(checkpoint.config_string("hidden_act").value_or("silu")));
+    if (rule.mlp_bridges) model->add_bridges(checkpoint);
   }
   model->place_columns();
 #ifdef SYMBIOSIS_WITH_CUDA
@@ -215,6 +216,48 @@ void BaseModel::add_blocks(const std::string& activation) {
   }
 }
 
+void BaseModel::add_bridges(const Checkpoint& checkpoint) {
+  // Pre-norm decoders: a layer's output is its MLP's residual, the next layer's input its input_layernorm's.
+  static const std::set<std::string> pre_norm = {"llama", "mistral", "qwen2", "qwen3", "phi3"};
+  const auto eps = checkpoint.config_number("rms_norm_eps");
+  if (!pre_norm.count(checkpoint.config_string("model_type").value_or("")) || !eps) return;
+  rms_norm_eps_ = *eps;
+  std::map<std::string, uint32_t> by_name;
+  for (uint32_t id = 0; id < layer_count(); ++id) by_name[layer(id).name] = id;
+  for (const auto& block : std::vector<LayerInfo>(groups_)) {  // a copy: groups_ grows below
+    if (block.activation.empty()) continue;
+    // "model.layers.3.mlp": the layer "model.layers.3", the next "model.layers.4".
+    const auto mlp = block.name.rfind('.');
+    const auto layer_name = block.name.substr(0, mlp);
+    const auto index = layer_name.rfind('.');
+    if (mlp == std::string::npos || index == std::string::npos) continue;
+    const auto digits = layer_name.substr(index + 1);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const auto next = layer_name.substr(0, index + 1) + std::to_string(std::stoll(digits) + 1);
+    auto qkv = by_name.find(next + ".self_attn.{q_proj,k_proj,v_proj}");
+    if (qkv == by_name.end()) qkv = by_name.find(next + ".self_attn.qkv_proj");  // [Phi-3]
+    const auto post_attention = layer_name + ".post_attention_layernorm.weight";
+    const auto next_input = next + ".input_layernorm.weight";
+    if (qkv == by_name.end() || !checkpoint.contains(post_attention) || !checkpoint.contains(next_input)) continue;
+    const LayerInfo attention = layer(qkv->second);
+    if (attention.kind != LayerKind::kLinear || attention.in_features != block.out_features ||
+        attention.dtype != block.dtype) {
+      continue;
+    }
+    LayerInfo bridge = block;
+    bridge.id = static_cast<uint32_t>(layer_count());
+    bridge.name = block.name + ">" + next + ".self_attn";
+    bridge.out_features = 2 * block.out_features + attention.out_features;
+    bridge.members = {block.id, attention.id};
+    const auto norm = [&](const std::string& name) {
+      return checkpoint.tensor(name, {block.out_features}).to(device_, block.dtype);
+    };
+    bridge_norms_[bridge.id] = {norm(post_attention), norm(next_input)};
+    groups_.push_back(std::move(bridge));
+    weights_.emplace_back();  // its members' weights and its norms are what it computes with
+  }
+}
+
 size_t BaseModel::weight_bytes() const {
   // A group's weights are its members': counted once, as the members'.
   size_t total = 0;
@@ -278,6 +321,7 @@ void BaseModel::compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x,
     const auto& block = layer(layer_id);
     TORCH_CHECK(op == LayerOp::kForward, "layer ", layer_id, " (", block.name,
                 ") is an MLP block, which computes forward only ([MLP blocks] in base_executor/base_model.h)");
+    if (is_bridge(layer_id)) return bridge_into(layer_id, x, out);
     // The tenant's own MLP, in its order: the gate-and-up product, the activation of its halves, the
     // down projection (common/gated_activation.h).
     const auto gate_up = compute(block.members[0], LayerOp::kForward, x);
@@ -292,6 +336,18 @@ void BaseModel::compute_into(uint32_t layer_id, LayerOp op, const at::Tensor& x,
   } else {
     product_into(x, matrix, out);
   }
+}
+
+void BaseModel::bridge_into(uint32_t bridge_id, const at::Tensor& h, at::Tensor& out) const {
+  // The tenant's decoder layer from its attention's residual on, then the next layer's first call,
+  // each part computed as the tenant computes it, on rows of their own (contiguous, as the tenant's).
+  const auto& bridge = layer(bridge_id);
+  const auto& norms = bridge_norms_.at(bridge_id);
+  const int64_t hidden = h.size(1);
+  const auto h2 = at::add(
+      h, compute(bridge.members[0], LayerOp::kForward, at::rms_norm(h, {hidden}, norms.post_attention, rms_norm_eps_)));
+  const auto n2 = at::rms_norm(h2, {hidden}, norms.next_input, rms_norm_eps_);
+  at::cat_out(out, {h2, n2, compute(bridge.members[1], LayerOp::kForward, n2)}, 1);
 }
 
 void BaseModel::product_into(const at::Tensor& x, const at::Tensor& matrix, at::Tensor& out) {

@@ -4,6 +4,7 @@
 // Thread safety: immutable after load(); compute() may run from any thread.
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,23 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
 // down projection needs them all). On an H200, eight decoding tenants of Llama-3.2-1B's shape
 // launched together decode 1.07× as fast with blocks as without, one 1.04× (docs/benchmarks.md). Its intermediate rows are scratch, taken from the compute's
 // stream (in a capture, the captured work's own pool: [Captured allocations] in common/cuda.h).
+//
+// [MLP bridges]
+// With `mlp_bridges` too (the default), for a pre-norm decoder of the Llama family (config.json's
+// model_type llama, mistral, qwen2, qwen3 or phi3: not Gemma 2, whose norms sit around its MLP),
+// each block but the last layer's is also served as a bridge into the next layer: one more entry
+// after the blocks, whose members are the block and the next layer's q, k and v entry (their
+// group, or Phi-3's qkv_proj), named "model.layers.3.mlp>model.layers.4.self_attn", and whose
+// forward takes a layer's hidden state after its attention's residual, h ([rows, hidden]), and
+// gives [h2 | n2 | qkv]: h2 = h + mlp(post_attention_layernorm(h)), the layer's output;
+// n2 = the next layer's input_layernorm(h2); qkv, the next layer's q, k and v base outputs of n2
+// side by side ([rows, 2 hidden + their widths]). The norms are at::rms_norm with the
+// checkpoint's weights and rms_norm_eps, as the tenant's LlamaRMSNorm; the residual the tenant's
+// add. A decoding tenant whose MLP has no adapter and needs no gradient calls it in place of the
+// block and the next layer's q, k and v call, and applies the next layer's q, k and v adapters to
+// what it gives (LlamaDecoderLayer in client_runtime/models/llama.cpp): a step of a 16-layer model
+// makes 33 hand-offs in place of 49. The executor holds the two norms' weights of each bridge
+// (2 hidden values a layer); forward only, as a block. Its activation field is the block's.
 struct BaseLayerRule {
   static constexpr const char* kDefaultPattern =
       R"(^(model\.layers|transformer\.h|h|model\.decoder\.layers|gpt_neox\.layers)\.[0-9]+\..+$)";
@@ -63,7 +81,8 @@ struct BaseLayerRule {
   bool lm_head = false;
   static constexpr const char* kDefaultGroups = "q_proj,k_proj,v_proj;gate_proj,up_proj";
   std::vector<std::vector<std::string>> groups = parse_layer_groups(kDefaultGroups);
-  bool mlp_blocks = true;  // [MLP blocks]
+  bool mlp_blocks = true;   // [MLP blocks]
+  bool mlp_bridges = true;  // [MLP bridges]: with mlp_blocks only
 };
 
 // [Parts] (parts.h): the share of every base layer one part of a sharded executor holds, part
@@ -98,8 +117,10 @@ class BaseModel {
     return id < layers_.size() ? layers_[id] : groups_.at(id - layers_.size());
   }
   size_t layer_count() const { return layers_.size() + groups_.size(); }
-  // [MLP blocks]: whether `id` is a block's.
+  // [MLP blocks]: whether `id` is a block's or a bridge's (entries that compute forward only).
   bool is_block(uint32_t id) const { return id < layer_count() && !layer(id).activation.empty(); }
+  // [MLP bridges]: whether `id` is a bridge's.
+  bool is_bridge(uint32_t id) const { return is_block(id) && is_block(layer(id).members[0]); }
   const std::string& model_hash() const { return model_hash_; }
   at::Device device() const { return device_; }
   size_t weight_bytes() const;  // held here: the shard's share
@@ -122,6 +143,10 @@ class BaseModel {
   void add_groups(const std::vector<std::vector<std::string>>& names);
   // [MLP blocks] applying `activation` for every gated MLP served.
   void add_blocks(const std::string& activation);
+  // [MLP bridges] for every block whose next layer's q, k and v entry is served.
+  void add_bridges(const Checkpoint& checkpoint);
+  // A bridge's forward ([MLP bridges]).
+  void bridge_into(uint32_t bridge_id, const at::Tensor& h, at::Tensor& out) const;
 
   // Fills columns_ and widths_ for every id and part.
   void place_columns();
@@ -138,6 +163,12 @@ class BaseModel {
   at::Tensor no_bias_;  // undefined
   std::vector<LayerInfo> layers_, groups_;
   std::vector<Weights> weights_;  // by id: the layers first, then the groups
+  // [MLP bridges]: by id, a bridge's post-attention norm's weight and the next layer's input norm's.
+  struct BridgeNorms {
+    at::Tensor post_attention, next_input;
+  };
+  std::map<uint32_t, BridgeNorms> bridge_norms_;
+  double rms_norm_eps_ = 0;
   std::string model_hash_;
   at::Device device_{at::kCPU};
   Shard shard_;

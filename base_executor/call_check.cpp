@@ -34,7 +34,8 @@ Status check_layer_call(const BaseModel& model, uint64_t max_request_bytes, shm:
   }
   if (!layer.activation.empty() && h.op != proto::FORWARD) {
     return invalid(where() + ": op " + wire::op_name(static_cast<proto::Op>(h.op)) +
-                   " on an MLP block, which computes FORWARD only ([MLP blocks] in base_executor/base_model.h)");
+                   (model.is_bridge(layer.id) ? " on an MLP bridge" : " on an MLP block") +
+                   ", which computes FORWARD only ([MLP blocks] in base_executor/base_model.h)");
   }
   const auto expected_dtype = wire::to_proto(layer.dtype);
   if (h.dtype != expected_dtype) {

@@ -39,6 +39,11 @@ int main(int argc, char** argv) {
                  "serve each gated MLP whole too, one call for a decoding tenant whose MLP has no adapter "
                  "([MLP blocks] in base_executor/base_model.h; true/false)")
       ->capture_default_str();
+  app.add_option("--mlp-bridges", options.layers.mlp_bridges,
+                 "with --mlp-blocks, serve each block but the last also as a bridge into the next layer: its norms, "
+                 "residual and q, k, v too, one call where a decoding tenant made two ([MLP bridges] in "
+                 "base_executor/base_model.h; true/false)")
+      ->capture_default_str();
   app.add_flag("--lm-head", options.layers.lm_head,
                "serve lm_head as a base layer too (a head tied to the input embeddings: from them)");
   std::string layer_groups = symbiosis::BaseLayerRule::kDefaultGroups;

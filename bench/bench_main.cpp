@@ -82,6 +82,7 @@ const std::set<std::string> kExecutorKeys = {"device",
                                              "finetune_piece_rows",
                                              "concurrent_tokens",
                                              "mlp_blocks",
+                                             "mlp_bridges",
                                              "lm_head"};
 
 void check_keys(const json& object, const std::string& where, const std::set<std::string>& known) {
@@ -413,7 +414,8 @@ std::vector<std::string> executor_args(const json& scenario, const fs::path& mod
                                                                {"finetune_sm_percent", "--finetune-sm-percent"},
                                                                {"finetune_piece_rows", "--finetune-piece-rows"},
                                                                {"concurrent_tokens", "--concurrent-tokens"},
-                                                               {"mlp_blocks", "--mlp-blocks"}};
+                                                               {"mlp_blocks", "--mlp-blocks"},
+                                                               {"mlp_bridges", "--mlp-bridges"}};
   for (const auto& [key, flag] : kFlags) {
     if (!ex.contains(key)) continue;
     const json& value = ex[key];

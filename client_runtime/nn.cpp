@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #ifdef SYMBIOSIS_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -190,30 +191,59 @@ at::Tensor BaseLayerImpl::stacked_base(const std::vector<BaseLayerImpl*>& siblin
   return at::linear(x, stacked_weight_, stacked_bias_);
 }
 
-at::Tensor forward_mlp_block(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
-                             const std::string& activation, const at::Tensor& x) {
-  if (!down->is_virtual() || down->adapter() || (at::GradMode::is_enabled() && x.requires_grad())) return {};
-  const auto& backend = down->virt()->backend();
+namespace {
+
+// The id of the entry that gives `layers`' base outputs of one input side by side, all of them
+// virtual on `backend`: the layer's own when one, else their group's; none when none is served.
+std::optional<uint32_t> entry_id(const std::vector<BaseLayerImpl*>& layers,
+                                 const std::shared_ptr<LayerBackend>& backend) {
   std::vector<uint32_t> members;
-  for (const auto* layer : gate_up) {
-    if (!layer->is_virtual() || layer->adapter() || layer->virt()->backend() != backend) return {};
+  for (const auto* layer : layers) {
+    if (!layer->is_virtual() || layer->virt()->backend() != backend) return std::nullopt;
     members.push_back(layer->virt()->info().id);
   }
-  uint32_t first = members.at(0);  // Phi-3's gate_up_proj, or the group of gate_proj and up_proj
-  if (members.size() > 1) {
-    const auto group = gate_up[0]->virt().ptr()->group_binding(members);
-    if (!group) return {};
-    first = group->info.id;
+  if (members.size() == 1) return members[0];  // Phi-3's gate_up_proj or qkv_proj
+  const auto group = layers[0]->virt().ptr()->group_binding(members);
+  return group ? std::optional<uint32_t>(group->info.id) : std::nullopt;
+}
+
+// [MLP blocks]: the block's binding, null where the MLP cannot go as one.
+c10::intrusive_ptr<VirtLayerBinding> mlp_block(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
+                                               const std::string& activation, const at::Tensor& x) {
+  if (!down->is_virtual() || down->adapter() || (at::GradMode::is_enabled() && x.requires_grad())) return {};
+  for (const auto* layer : gate_up) {
+    if (layer->adapter()) return {};
   }
-  const auto block = down->virt().ptr()->block_binding({first, down->virt()->info().id}, activation);
+  const auto first = entry_id(gate_up, down->virt()->backend());
+  if (!first) return {};
+  return down->virt().ptr()->block_binding({*first, down->virt()->info().id}, activation);
+}
+
+}  // namespace
+
+at::Tensor forward_mlp_block(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
+                             const std::string& activation, const at::Tensor& x) {
+  const auto block = mlp_block(gate_up, down, activation, x);
   return block ? virt_layer_apply(x, block, /*with_bias=*/true) : at::Tensor();
 }
 
+at::Tensor forward_mlp_bridge(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
+                              const std::string& activation, const std::vector<BaseLayerImpl*>& next_qkv,
+                              const at::Tensor& h) {
+  const auto block = mlp_block(gate_up, down, activation, h);
+  if (!block || next_qkv.empty()) return {};
+  const auto attention = entry_id(next_qkv, down->virt()->backend());
+  if (!attention) return {};
+  const auto bridge = next_qkv[0]->virt().ptr()->block_binding({block->info.id, *attention}, activation);
+  if (!bridge || h.scalar_type() != bridge->info.dtype) return {};
+  return virt_layer_apply(h, bridge, /*with_bias=*/true);
+}
+
 std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
-                                         at::Tensor* stacked) {
+                                         at::Tensor* stacked, const at::Tensor& given) {
   TORCH_CHECK(!layers.empty(), "forward_siblings needs layers");
   std::vector<at::Tensor> out;
-  const auto base = layers.size() > 1 ? layers[0]->stacked_base(layers, x) : at::Tensor();
+  const auto base = given.defined() ? given : layers.size() > 1 ? layers[0]->stacked_base(layers, x) : at::Tensor();
   if (stacked != nullptr) *stacked = at::Tensor();
   if (!base.defined()) {
     for (auto* layer : layers) out.push_back(layer->forward(x));

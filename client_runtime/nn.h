@@ -90,7 +90,7 @@ class BaseLayerImpl : public torch::nn::Module {
 
  private:
   friend std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
-                                                  at::Tensor* stacked);
+                                                  at::Tensor* stacked, const at::Tensor& base);
   // forward_siblings' product of x and the siblings' weights stacked (this layer first), biases
   // added; undefined when they cannot be computed so.
   at::Tensor stacked_base(const std::vector<BaseLayerImpl*>& siblings, const at::Tensor& x);
@@ -119,9 +119,10 @@ class BaseLayerImpl : public torch::nn::Module {
 // that cannot be stacked (not all Linear of one input width, dtype and bias, not all on one
 // backend, or no such group on the executor) compute one by one. `stacked`, when given, is set to
 // the outputs side by side ([..., sum of out]), of which they are views, when no adapter changed
-// them or their adapters went together; undefined otherwise.
+// them or their adapters went together; undefined otherwise. `base`, when defined, is their base
+// outputs of x side by side, computed already ([MLP bridges]): only their adapters are applied.
 std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& layers, const at::Tensor& x,
-                                         at::Tensor* stacked = nullptr);
+                                         at::Tensor* stacked = nullptr, const at::Tensor& base = {});
 
 // [MLP blocks] (base_executor/base_model.h): down(act(gate(x)) · up(x)) in one executor call, for a
 // gated MLP whose gate and up are `gate_up` (gate_proj and up_proj, or Phi-3's gate_up_proj) and
@@ -131,6 +132,17 @@ std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& laye
 // backend that masks its calls.
 at::Tensor forward_mlp_block(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
                              const std::string& activation, const at::Tensor& x);
+
+// [MLP bridges] (base_executor/base_model.h): for h, a layer's hidden state after its attention's
+// residual, [h2 | n2 | qkv] in one executor call: h2 = h + the MLP of its post-attention norm (the
+// layer's output), n2 = the next layer's input norm of h2, qkv = the base outputs of n2 of that
+// layer's q, k and v (`next_qkv`: q_proj, k_proj and v_proj, or Phi-3's qkv_proj) side by side,
+// their adapters not applied. Undefined where forward_mlp_block is, or where no such bridge is served
+// or h is not in its dtype; the caller then computes the layer's MLP as before. The norms are the
+// checkpoint's: the caller asks only when its own are (frozen, without a unit offset).
+at::Tensor forward_mlp_bridge(const std::vector<BaseLayerImpl*>& gate_up, BaseLayerImpl* down,
+                              const std::string& activation, const std::vector<BaseLayerImpl*>& next_qkv,
+                              const at::Tensor& h);
 
 // A base layer of either kind, chosen when the model is built (GPT-2's Conv1D, GPTBigCode's Linear:
 // [GPT-2 family] in models/gpt2.h).

@@ -36,7 +36,9 @@ class VirtLayerImpl : public torch::nn::Module {
   // A group is called like a layer (virt_layer_apply).
   c10::intrusive_ptr<VirtLayerBinding> group_binding(const std::vector<uint32_t>& members);
   // [MLP blocks] (base_executor/base_model.h): the binding of the block of `members` (a gate-and-up
-  // entry, then this layer's id) applying `activation`, found once; null when none is served.
+  // entry, then this layer's id) applying `activation`, found once; null when none is served. Also
+  // [MLP bridges], looked up on the next layer's q_proj (or qkv_proj): `members` a block, then that
+  // layer's q, k and v entry.
   c10::intrusive_ptr<VirtLayerBinding> block_binding(const std::vector<uint32_t>& members,
                                                      const std::string& activation);
 

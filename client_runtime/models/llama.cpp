@@ -381,14 +381,19 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, bool materialize_ba
   }
 }
 
+std::vector<nn::BaseLayerImpl*> LlamaAttentionImpl::qkv_layers() {
+  if (qkv_proj) return {qkv_proj.get()};
+  return {q_proj.get(), k_proj.get(), v_proj.get()};
+}
+
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                        const at::Tensor& additive_mask, const PastKeyValue* past,
-                                       const CachedLayer* cache) {
+                                       const CachedLayer* cache, const at::Tensor& qkv_base) {
   const int64_t batch = x.size(0), length = x.size(1);
   // [Layer groups]: q, k and v read x, and are one product where they can be; [Phi-3]: one layer.
   const int64_t q_out = num_heads_ * head_dim_, kv_out = num_kv_heads_ * head_dim_;
-  const auto qkv = qkv_proj ? qkv_proj->forward(x).split({q_out, kv_out, kv_out}, -1)
-                            : nn::forward_siblings({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  auto qkv = nn::forward_siblings(qkv_layers(), x, nullptr, qkv_base);
+  if (qkv_proj) qkv = qkv[0].split({q_out, kv_out, kv_out}, -1);
   auto q = qkv[0].view({batch, length, num_heads_, head_dim_});
   auto k = qkv[1].view({batch, length, num_kv_heads_, head_dim_});
   if (q_norm) {  // [Qwen3]: over each head's features, before the rotary embedding (and the cache)
@@ -429,10 +434,17 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool materialize_base) : activa
       register_module("down_proj", nn::Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, materialize_base));
 }
 
+std::vector<nn::BaseLayerImpl*> LlamaMLPImpl::gate_up_layers() {
+  if (gate_up_proj) return {gate_up_proj.get()};
+  return {gate_proj.get(), up_proj.get()};
+}
+
+at::Tensor LlamaMLPImpl::forward_bridge(const at::Tensor& h, LlamaAttentionImpl& next) {
+  return nn::forward_mlp_bridge(gate_up_layers(), down_proj.get(), activation_, next.qkv_layers(), h);
+}
+
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
-  const auto gate_up_layers = gate_up_proj ? std::vector<nn::BaseLayerImpl*>{gate_up_proj.get()}
-                                           : std::vector<nn::BaseLayerImpl*>{gate_proj.get(), up_proj.get()};
-  if (auto whole = nn::forward_mlp_block(gate_up_layers, down_proj.get(), activation_, x); whole.defined()) {
+  if (auto whole = nn::forward_mlp_block(gate_up_layers(), down_proj.get(), activation_, x); whole.defined()) {
     return whole;  // [MLP blocks]: one call
   }
   at::Tensor stacked;  // [Layer groups]: gate and up side by side, when nothing changed them apart
@@ -465,13 +477,25 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, bool material
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                           const at::Tensor& additive_mask, const PastKeyValue* past,
-                                          const CachedLayer* cache) {
-  auto attended = self_attn->forward(input_layernorm->forward(x), cos, sin, additive_mask, past, cache);
+                                          const CachedLayer* cache, Bridged* bridged, LlamaDecoderLayerImpl* next) {
+  Bridged in;
+  if (bridged != nullptr) std::swap(in, *bridged);
+  auto attended = self_attn->forward(in.normed.defined() ? in.normed : input_layernorm->forward(x), cos, sin,
+                                     additive_mask, past, cache, in.qkv);
   if (pre_feedforward_layernorm) {  // [Gemma 2]
     auto h = x + post_attention_layernorm->forward(attended);
     return h + post_feedforward_layernorm->forward(mlp->forward(pre_feedforward_layernorm->forward(h)));
   }
   auto h = x + attended;
+  // [MLP bridges]: the executor's norms are the checkpoint's, so only while both of these are.
+  if (bridged != nullptr && next != nullptr && !post_attention_layernorm->weight.requires_grad() &&
+      !next->input_layernorm->weight.requires_grad()) {
+    if (auto out = mlp->forward_bridge(h, *next->self_attn); out.defined()) {
+      const int64_t hidden = h.size(-1);
+      *bridged = {out.narrow(-1, hidden, hidden), out.narrow(-1, 2 * hidden, out.size(-1) - 2 * hidden)};
+      return out.narrow(-1, 0, hidden);
+    }
+  }
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 
@@ -504,10 +528,11 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const at::Tensor
   if (long_inv_freq_.defined())
     long_factors = in.position_ids.max() + 1 > config_.rope_original_max_position_embeddings;
   const auto [cos, sin] = rotary_angles(in.position_ids, h.scalar_type(), long_factors);
+  Bridged bridged;
   for (size_t i = 0; i < layers->size(); ++i) {
     const PastKeyValue* past = in.past.empty() ? nullptr : &in.past[i];
     const auto& mask = config_.window_of(static_cast<int64_t>(i)) > 0 ? in.sliding_mask : in.additive_mask;
-    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, mask, past);
+    h = layer(i)->forward(h, cos, sin, mask, past, nullptr, &bridged, layer(i + 1));
   }
   h = norm->forward(h);
   return in.prompt_length > 0 ? h.narrow(1, in.prompt_length, length) : h;
@@ -520,9 +545,10 @@ at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& embeddings, const Ca
   const auto long_factors = long_inv_freq_.defined() ? long_factors_of(step).unsqueeze(0) : at::Tensor();
   const auto [cos, sin] = rotary_angles(step.positions().unsqueeze(0), embeddings.scalar_type(), long_factors);
   auto h = embeddings;
+  Bridged bridged;
   for (size_t i = 0; i < layers->size(); ++i) {
     const CachedLayer cache{&step, static_cast<int64_t>(i), config_.window_of(static_cast<int64_t>(i))};
-    h = layers[i]->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, {}, nullptr, &cache);
+    h = layer(i)->forward(h, cos, sin, {}, nullptr, &cache, &bridged, layer(i + 1));
   }
   return norm->forward(h);
 }

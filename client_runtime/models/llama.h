@@ -165,8 +165,12 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // past: keys and values [B,kv_heads,P,head_dim] prepended to this layer's (prefix tuning), or null.
   // cache: a [Cached step]'s packed tokens (B = 1) attend through the cache instead; mask and past
   // are then unused.
+  // qkv_base: q, k and v's base outputs of x side by side, computed already ([MLP bridges]), or
+  // undefined.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& additive_mask,
-                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr);
+                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr,
+                     const at::Tensor& qkv_base = {});
+  std::vector<nn::BaseLayerImpl*> qkv_layers();
   // q_proj, k_proj and v_proj, or, with fused_projections ([Phi-3]), qkv_proj alone.
   nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, qkv_proj{nullptr}, o_proj{nullptr};
   LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // [Qwen3] only: over head_dim, the tenant's weights
@@ -181,6 +185,9 @@ class LlamaMLPImpl : public torch::nn::Module {
  public:
   LlamaMLPImpl(const LlamaConfig& config, bool materialize_base);
   at::Tensor forward(const at::Tensor& x);  // down(silu(gate(x)) * up(x)), or gelu_tanh for GeGLU
+  // [MLP bridges]: nn::forward_mlp_bridge of this MLP into `next`, the next layer's attention.
+  at::Tensor forward_bridge(const at::Tensor& h, LlamaAttentionImpl& next);
+  std::vector<nn::BaseLayerImpl*> gate_up_layers();
   // gate_proj and up_proj, or, with fused_projections ([Phi-3]), gate_up_proj alone.
   nn::Linear gate_proj{nullptr}, up_proj{nullptr}, gate_up_proj{nullptr}, down_proj{nullptr};
 
@@ -189,11 +196,20 @@ class LlamaMLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaMLP);
 
+// [MLP bridges] (base_executor/base_model.h): what the layer before gave this one through a bridge,
+// its input norm's output and its q, k and v base outputs side by side; undefined when none.
+struct Bridged {
+  at::Tensor normed, qkv;
+};
+
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, bool materialize_base);
+  // bridged, when given: what the layer before gave this one (read), then what this one gives
+  // `next`, the layer after it (written) ([MLP bridges]).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& additive_mask,
-                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr);
+                     const PastKeyValue* past = nullptr, const CachedLayer* cache = nullptr, Bridged* bridged = nullptr,
+                     LlamaDecoderLayerImpl* next = nullptr);
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -229,6 +245,10 @@ class LlamaModelImpl : public torch::nn::Module {
   // original in this step, the step's hidden states computed anew with that sequence's whole input
   // (none where no sequence crosses).
   std::optional<at::Tensor> recompute_crossing(const at::Tensor& embeddings, const CachedStep& step);
+  // Decoder layer i; null past the last.
+  LlamaDecoderLayerImpl* layer(size_t i) {
+    return i < layers->size() ? layers[i]->as<LlamaDecoderLayerImpl>() : nullptr;
+  }
 
   LlamaConfig config_;
   at::Tensor inv_freq_;       // [rotary_dim/2] fp32, not a parameter and not in checkpoints; [LongRoPE]: short
