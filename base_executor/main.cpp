@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
                  "([MLP blocks] in base_executor/base_model.h; true/false)")
       ->capture_default_str();
   app.add_option("--mlp-bridges", options.layers.mlp_bridges,
-                 "with --mlp-blocks, serve each block but the last also as a bridge into the next layer: its norms, "
+                 "with --mlp-blocks, also serve each block but the last as a bridge into the next layer: its norms, "
                  "residual and q, k, v too, one call where a decoding tenant made two ([MLP bridges] in "
                  "base_executor/base_model.h; true/false)")
       ->capture_default_str();

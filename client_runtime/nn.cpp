@@ -266,6 +266,9 @@ std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& laye
     }
   }
   const auto parts = at::split_with_sizes(base, widths, -1);
+  // [MLP bridges]: x may be columns of a bridge's result; each adapter below would copy it to rows of
+  // their own ([Multi-adapter batches]' kernel, LoRA on the CPU), so it is copied once, here.
+  const auto rows = given.defined() && adapted ? x.contiguous() : x;
   for (size_t i = 0; i < layers.size(); ++i) {
     auto* layer = layers[i];
     const auto& part = parts[i];
@@ -275,7 +278,7 @@ std::vector<at::Tensor> forward_siblings(const std::vector<BaseLayerImpl*>& laye
     }
     // The adapter asks for the base of x (its part), or of something else (computed alone).
     out.push_back(layer->adapter()->forward(
-        x, [&](const at::Tensor& in) { return in.is_same(x) ? part : layer->base_forward(in); }));
+        rows, [&](const at::Tensor& in) { return in.is_same(rows) ? part : layer->base_forward(in); }));
   }
   return out;
 }

@@ -153,8 +153,8 @@ TEST(GpuGeneration, MlpBlocksAndBridgesCapturedAndLaunchedTogetherEqualMonolithi
   const auto dir = testing::make_checkpoint("tiny-llama");
   const auto checkpoint = Checkpoint::open(dir);
   const auto executor = start_gpu_executor(dir, testing::temp_dir("gpu-generator-blocks"), "fp32",
-                                           {"--mlp-blocks", "true", "--launch-together", "true",
-                                            "--launch-together-from", "2", "--launch-together-wait", "20000"});
+                                           {"--mlp-blocks", "true", "--mlp-bridges", "true", "--launch-together",
+                                            "true", "--launch-together-from", "2", "--launch-together-wait", "20000"});
   const CausalLMOptions on_gpu{at::kFloat, at::Device("cuda:0")};
   auto mono_lm = open_causal_lm(*checkpoint, nullptr, on_gpu);
   at::manual_seed(7);
