@@ -59,7 +59,7 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
 // stream (in a capture, the captured work's own pool: [Captured allocations] in common/cuda.h).
 //
 // [MLP bridges]
-// With `mlp_bridges` too (off by default: measured level, below), for a pre-norm decoder of the Llama family (config.json's
+// With `mlp_bridges` too (the default), for a pre-norm decoder of the Llama family (config.json's
 // model_type llama, mistral, qwen2, qwen3 or phi3: not Gemma 2, whose norms sit around its MLP),
 // each block but the last layer's is also served as a bridge into the next layer: one more entry
 // after the blocks, whose members are the block and the next layer's q, k and v entry (their
@@ -74,10 +74,12 @@ std::vector<std::vector<std::string>> parse_layer_groups(const std::string& text
 // what it gives (LlamaDecoderLayer in client_runtime/models/llama.cpp): a step of a 16-layer model
 // makes 33 hand-offs in place of 49. The executor holds the two norms' weights of each bridge
 // (2 hidden values a layer); forward only, as a block. Its activation field is the block's. On an
-// H200 (Llama-3.2-1B's shape, bf16) the calls it saves bought nothing measurable: eight tenants
-// launched together 1.019x and 0.976x blocks alone in two runs, one 2.34 against 2.36 ms a token,
-// one generator of 8 adapters 1.003x (docs/benchmarks.md, V84-V88); so it is an option, for
-// placements whose hand-offs cost more (NCCL, TCP: not measured).
+// H200 (Llama-3.2-1B's shape, bf16), over CUDA IPC, the calls it saves bought nothing measurable
+// (eight tenants launched together 1.019x and 0.976x blocks alone, one 2.34 against 2.36 ms a
+// token, one generator of 8 adapters 1.003x; docs/benchmarks.md, V84-V89), with 1.1 GB more GPU
+// memory for their captured runs; over ZeroMQ TCP, where a hand-off costs most, a 16-layer tiny
+// Llama's tenants on the CPU decoded 1.28-1.45x (one) and 1.01-1.27x (two) as fast. So the executor serves
+// them, and a client calls them over TCP alone (Client::group in client_runtime/client.cpp).
 struct BaseLayerRule {
   static constexpr const char* kDefaultPattern =
       R"(^(model\.layers|transformer\.h|h|model\.decoder\.layers|gpt_neox\.layers)\.[0-9]+\..+$)";
@@ -85,8 +87,8 @@ struct BaseLayerRule {
   bool lm_head = false;
   static constexpr const char* kDefaultGroups = "q_proj,k_proj,v_proj;gate_proj,up_proj";
   std::vector<std::vector<std::string>> groups = parse_layer_groups(kDefaultGroups);
-  bool mlp_blocks = true;    // [MLP blocks]
-  bool mlp_bridges = false;  // [MLP bridges]: with mlp_blocks only
+  bool mlp_blocks = true;   // [MLP blocks]
+  bool mlp_bridges = true;  // [MLP bridges]: with mlp_blocks only
 };
 
 // [Parts] (parts.h): the share of every base layer one part of a sharded executor holds, part

@@ -422,8 +422,15 @@ const std::vector<LayerInfo>& Client::groups() const { return impl_->groups; }
 const LayerInfo* Client::group(const std::vector<uint32_t>& members, const std::string& activation) const {
   // [MLP blocks]: a masked input cannot pass a block's activation (the noise would not come off).
   if (!activation.empty() && impl_->mask) return nullptr;
-  for (const auto& group : impl_->groups) {
-    if (group.members == members && group.activation == activation) return &group;
+  const auto& groups = impl_->groups;
+  for (const auto& group : groups) {
+    if (group.members != members || group.activation != activation) continue;
+    // [MLP bridges] (a block's entry first) go over TCP alone: there a hand-off costs more than
+    // the work a bridge adds; over shared memory and CUDA IPC they measured level (docs/inference.md).
+    const bool bridge = std::any_of(groups.begin(), groups.end(), [&](const LayerInfo& entry) {
+      return entry.id == members.at(0) && !entry.activation.empty();
+    });
+    return bridge && impl_->transport_name != "tcp" ? nullptr : &group;
   }
   return nullptr;
 }
